@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine: both create .venv on
+# first use and install the package (with its test extra) into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pdserve sim --config deploy/sim-demo.yaml --trace deploy/demo-trace.jsonl --out out/demo.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m 'not device'
+
+bench: $(STAMP)
+	$(VENV)/bin/pdserve bench planner
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

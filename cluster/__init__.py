@@ -1,0 +1,2 @@
+"""Putting engines together: config files, the CLI, the router, and the
+simulated cluster behind `pdserve sim`."""

@@ -1,0 +1,82 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_sim(args) -> int:
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.sim import Simulation, format_summary
+    from pdserve.cluster.trace import read_trace
+
+    cfg = load_config(args.config)
+    trace = read_trace(args.trace, limit=args.limit)
+    plan_log = None
+    if args.plans:
+        Path(args.plans).parent.mkdir(parents=True, exist_ok=True)
+        plan_log = open(args.plans, "w")
+    started = time.perf_counter()
+    try:
+        sim = Simulation(cfg, trace, plan_log=plan_log, progress=not args.no_progress)
+        result = sim.run()
+    finally:
+        if plan_log is not None:
+            plan_log.close()
+    wall = time.perf_counter() - started
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"pdserve sim: {len(trace)} requests on {len(sim.engines)} engine(s), "
+          f"{sim.rounds} rounds, {wall:.1f} s wall; results in {out}")
+    print(format_summary(result["summary"]))
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.what == "planner":
+        from pdserve.benchmarks.planner import main as bench_main
+
+        return bench_main(sizes=args.sizes, rounds=args.rounds)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    sim = sub.add_parser("sim", help="simulate a cluster on a request trace (virtual time)")
+    sim.add_argument("--config", required=True, help="config YAML")
+    sim.add_argument("--trace", required=True, help="trace JSONL (ours or Mooncake) or Azure CSV")
+    sim.add_argument("--out", required=True, help="where to write the result JSON")
+    sim.add_argument("--plans", help="also write one JSON line per engine round here")
+    sim.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.set_defaults(func=_cmd_sim)
+
+    bench = sub.add_parser("bench", help="benchmarks that print a table")
+    bench.add_argument("what", choices=["planner"], help="planner: plan-build cost per round")
+    bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    bench.add_argument("--rounds", type=int, default=200)
+    bench.set_defaults(func=_cmd_bench)
+    return ap
+
+
+def main(argv=None) -> int:
+    from pdserve.cluster.trace import TraceError
+    from pdserve.scheduler.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, TraceError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The config YAML: one schema for serving and simulation.
+
+    model: {path: DIR | preset: tiny}
+    engine: {...}                 # scheduler.EngineConfig fields
+    cluster: {prefill: 1, decode: 1, fused: 0}
+    simulate: {gpu: h100, model: llama-3-8b}
+
+Unknown keys are an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from pdserve.scheduler.config import ConfigError, EngineConfig
+
+
+def _check_keys(data, where: str, known) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown key {where}.{key}; known keys are: {', '.join(sorted(known))}")
+    return data
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    preset: str | None = "tiny"
+
+    @classmethod
+    def from_dict(cls, data) -> "ModelConfig":
+        data = _check_keys(data, "model", {"path", "preset"})
+        if "path" in data and "preset" in data:
+            raise ConfigError("model takes either path or preset, not both; remove one")
+        if "path" in data:
+            return cls(path=str(data["path"]), preset=None)
+        return cls(path=None, preset=str(data.get("preset", "tiny")))
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    prefill: int = 1
+    decode: int = 1
+    fused: int = 0
+
+    @classmethod
+    def from_dict(cls, data) -> "ClusterShape":
+        data = _check_keys(data, "cluster", {"prefill", "decode", "fused"})
+        shape = cls(**data)
+        for name in ("prefill", "decode", "fused"):
+            v = getattr(shape, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"cluster.{name} must be an integer >= 0, got {v!r}")
+        if shape.fused == 0 and (shape.prefill == 0 or shape.decode == 0):
+            raise ConfigError(
+                f"cluster has prefill={shape.prefill}, decode={shape.decode}, fused=0: "
+                "nothing could serve a request end to end; give at least one fused "
+                "engine, or at least one prefill and one decode engine")
+        return shape
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    gpu: str = "h100"
+    model: str = "llama-3-8b"
+
+    @classmethod
+    def from_dict(cls, data) -> "SimulateConfig":
+        data = _check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterShape = field(default_factory=ClusterShape)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
+
+    @classmethod
+    def from_dict(cls, data) -> "ServeConfig":
+        data = _check_keys(data, "config", {"model", "engine", "cluster", "simulate"})
+        engine = data.get("engine") or {}
+        return cls(
+            model=ModelConfig.from_dict(data.get("model")),
+            engine=EngineConfig.from_dict(engine),
+            cluster=ClusterShape.from_dict(data.get("cluster")),
+            simulate=SimulateConfig.from_dict(data.get("simulate")),
+            engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
+        )
+
+
+def load_config(path) -> ServeConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a YAML file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    try:
+        return ServeConfig.from_dict(data)
+    except TypeError as e:       # a field of the wrong shape
+        raise ConfigError(f"{p}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None

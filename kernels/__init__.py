@@ -1,0 +1,1 @@
+"""Model forward and attention backends. Empty until the engine issue lands."""

@@ -1,0 +1,27 @@
+"""The planner every engine runs: pure, deterministic, stdlib only.
+
+Data flows one way through a round. `Planner.build()` walks the role's
+grammar (a sequence of phases over one FIFO candidate order), asks the
+`Coordinator` to admit each chunk or decode page against the `PagePool` and
+its `PrefixIndex`, moves requests through the FSM in `fsm.py`, and returns a
+`Plan`. The engine carries the plan out and hands the `StepResult` back to
+`Planner.apply()`, which lands tokens, finishes requests and releases pages.
+Nothing here reads a clock, does I/O or draws a random number.
+"""
+
+from pdserve.scheduler.config import ConfigError, EngineConfig
+from pdserve.scheduler.plan import Plan, PrefillOp, StepResult
+from pdserve.scheduler.planner import Planner, RejectedRequest
+from pdserve.scheduler.request import Request, SamplingLimits
+
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "Plan",
+    "Planner",
+    "PrefillOp",
+    "RejectedRequest",
+    "Request",
+    "SamplingLimits",
+    "StepResult",
+]

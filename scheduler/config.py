@@ -1,0 +1,83 @@
+"""Engine configuration: one frozen, validated object.
+
+Every field a user can set is checked here, with an error that names the
+field, says what was wrong and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value a user supplied is invalid."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16                 # tokens per KV page
+    total_pages: int = 4096             # device pool per engine
+    host_pages: int = 0                 # L2 host cache (0 = none)
+    max_scheduled_tokens: int = 2048    # chunked-prefill token budget a round
+    max_batch_size: int = 256           # requests in one forward
+    enable_mixed_prefill_decode: bool = True
+    safe_steps: int = 4096              # admission headroom window (spec §4)
+    max_context_tokens: int = 131072    # the model's context limit
+    decode_input_tokens: int = 1        # decode slot reserved on completion
+
+    def __post_init__(self) -> None:
+        positive = (
+            "page_size", "total_pages", "max_scheduled_tokens",
+            "max_batch_size", "safe_steps", "max_context_tokens",
+            "decode_input_tokens",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"engine.{name} must be a positive integer, got {value!r}"
+                )
+        if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) \
+                or self.host_pages < 0:
+            raise ConfigError(
+                f"engine.host_pages must be an integer >= 0 (0 disables the host "
+                f"cache), got {self.host_pages!r}"
+            )
+        if not isinstance(self.enable_mixed_prefill_decode, bool):
+            raise ConfigError(
+                "engine.enable_mixed_prefill_decode must be true or false, got "
+                f"{self.enable_mixed_prefill_decode!r}"
+            )
+        if self.max_scheduled_tokens < self.page_size:
+            raise ConfigError(
+                f"engine.max_scheduled_tokens={self.max_scheduled_tokens} is below "
+                f"engine.page_size={self.page_size}: a chunk that does not finish "
+                "its prompt must end on a page boundary, so no long prompt could "
+                "ever advance; raise max_scheduled_tokens to at least page_size"
+            )
+        if self.total_pages * self.page_size <= self.decode_input_tokens:
+            raise ConfigError(
+                f"engine.total_pages={self.total_pages} x page_size={self.page_size} "
+                "cannot hold even a one-token prompt and its decode slot; raise "
+                "total_pages"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(
+                    f"unknown key {where}.{key}; known keys are: "
+                    + ", ".join(sorted(known))
+                )
+        return cls(**data)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.total_pages * self.page_size

@@ -1,0 +1,193 @@
+"""The planner: the state one engine schedules over, and its round.
+
+    plan = planner.build()           # pure function of the state below
+    planner.apply(plan, result)      # land tokens, finish, release
+
+State: `waiting` (FIFO of requests not yet admitted), `prefilling` (admitted,
+prompt incomplete), `running` (prompt done: PrefillDone or Decoding), each in
+the order requests entered it, plus the coordinator's pages. The planner
+never reads a clock and never draws a random number, so the same
+submissions produce the same plans on every machine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.scheduler import fsm
+from pdserve.scheduler.capacity import context_bound, ingest_error
+from pdserve.scheduler.config import EngineConfig
+from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup
+from pdserve.scheduler.fsm import Decoding, PrefillDone, Prefilling
+from pdserve.scheduler.grammar import Role, grammar_for
+from pdserve.scheduler.phases import PlanBuild
+from pdserve.scheduler.plan import Plan, StepResult
+from pdserve.scheduler.request import Request
+
+
+class RejectedRequest(ValueError):
+    """A request this deployment can never serve; the message says why and
+    what to change."""
+
+
+class Planner:
+    def __init__(self, cfg: EngineConfig, role: Role = Role.FUSED):
+        self.cfg = cfg
+        self.role = role
+        self.page_size = cfg.page_size
+        self.decodes_locally = role is Role.FUSED
+        self.coord = Coordinator([FullHistoryGroup(cfg.total_pages, cfg.page_size)])
+        self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}     # every live request, by id
+        self.round = 0
+        self._seq = 0
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    # ---- ingest ----------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request, or raise RejectedRequest if no state of this
+        engine could ever serve it (§1.4)."""
+        if req.id in self.requests:
+            raise RejectedRequest(f"request id {req.id!r} is already live; use a fresh id")
+        if not isinstance(req.state, fsm.Waiting) or req.output:
+            raise RejectedRequest(f"request {req.id!r} was already scheduled elsewhere")
+        err = ingest_error(self.cfg, req.prompt_len, req.limits.max_new_tokens)
+        if err:
+            raise RejectedRequest(err)
+        mnt = req.limits.max_new_tokens
+        req.max_new_tokens = mnt if mnt is not None else context_bound(self.cfg) - req.prompt_len
+        req.seq = self._seq
+        self._seq += 1
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str, reason: str = "aborted by client") -> Request:
+        req = self.requests.get(req_id)
+        if req is None:
+            raise KeyError(f"no live request {req_id!r}")
+        if isinstance(req.state, fsm.Waiting):
+            self.waiting.remove(req)
+        res = fsm.abort(req, reason)
+        self._drop(req, res)
+        return req
+
+    # ---- one round -------------------------------------------------------
+    def build(self) -> Plan:
+        self.round += 1
+        cfg = self.cfg
+        b = PlanBuild(Plan(self.round), cfg.max_scheduled_tokens, cfg.max_batch_size,
+                      decodes_use_budget=True)
+        self._grammar(self, b)
+        return b.plan
+
+    def apply(self, plan: Plan, result: StepResult) -> list[Request]:
+        """Land a round's results; returns the requests that finished."""
+        done = []
+        stopped = result.stopped
+        if len(result.decode_tokens) != len(plan.decodes) or \
+                len(result.prefill_tokens) != len(plan.prefills):
+            raise ValueError("step result does not match its plan")
+        for op, tok in zip(plan.prefills, result.prefill_tokens):
+            req = op.req
+            req.state.res.forwards_out -= 1
+            if op.completes:
+                req.output.append(tok)
+                req.num_tokens += 1
+                if len(req.output) >= req.max_new_tokens or req in stopped:
+                    done.append(req)
+        for req in plan.decodes:
+            req.state.res.forwards_out -= 1
+        for req, tok in zip(plan.decodes, result.decode_tokens):
+            out = req.output
+            out.append(tok)
+            req.num_tokens += 1
+            if len(out) >= req.max_new_tokens:
+                done.append(req)
+        if stopped:
+            done.extend(r for r in plan.decodes if r in stopped and r not in done)
+        for req in done:
+            reason = "length" if len(req.output) >= req.max_new_tokens else "stop"
+            self._finish(req, reason)
+        return done
+
+    # ---- transitions the phases ask for ----------------------------------
+    def prefill_completed(self, req: Request) -> None:
+        self.prefilling.pop(req.id, None)
+        self.running[req.id] = req
+
+    def take_slot(self, req: Request) -> None:
+        if self._free_slots:
+            req.slot = self._free_slots.pop()
+        else:
+            req.slot = self._next_slot
+            self._next_slot += 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        st = req.state
+        # publish every computed full page before letting go (finish-time flush)
+        self.coord.publish(req, st.res, (req.num_tokens - 1) // self.page_size)
+        res = fsm.finish(req, reason)
+        self._drop(req, res)
+
+    def _drop(self, req: Request, res) -> None:
+        if res is not None:
+            if res.forwards_out:
+                raise fsm.FsmError(f"{req.id} released with a forward in flight")
+            self.coord.release(res)
+        self.prefilling.pop(req.id, None)
+        self.running.pop(req.id, None)
+        self.requests.pop(req.id, None)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
+    # ---- queries ---------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def free_pages(self) -> int:
+        return self.coord.free_pages()
+
+    @property
+    def total_pages(self) -> int:
+        return self.cfg.total_pages
+
+    def check_invariants(self) -> None:
+        """Pool and index consistency, and that every live request is in
+        exactly the collection its state says."""
+        live = []
+        for req in self.requests.values():
+            st = req.state
+            where = (req in self.waiting, req.id in self.prefilling, req.id in self.running)
+            if isinstance(st, fsm.Waiting):
+                want = (True, False, False)
+            elif isinstance(st, Prefilling):
+                want = (False, True, False)
+            elif isinstance(st, (PrefillDone, Decoding)):
+                want = (False, False, True)
+            else:
+                raise AssertionError(f"{req.id}: terminal state {st} still live")
+            if where != want:
+                raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
+            if st.holds_pages:
+                live.append(st.res.tables)
+                if req.capacity != len(st.res.tables[0]) * self.page_size:
+                    raise AssertionError(f"{req.id}: capacity out of step with its table")
+                if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
+                    raise AssertionError(f"{req.id}: more than one token beyond capacity")
+        if len(self.waiting) + len(self.prefilling) + len(self.running) != len(self.requests):
+            raise AssertionError("a request sits in no queue or in two")
+        self.coord.check_invariants(live)
+
+    def assert_idle(self) -> None:
+        """Nothing live and no page held: what every lifecycle ends with."""
+        self.check_invariants()
+        if self.requests:
+            raise AssertionError(f"{len(self.requests)} requests still live")
+        if self.coord.free_pages() != self.cfg.total_pages:
+            raise AssertionError(
+                f"{self.cfg.total_pages - self.coord.free_pages()} pages still held")

@@ -1,0 +1,45 @@
+"""Factories and a driver loop shared by the scheduler tests."""
+
+from __future__ import annotations
+
+from pdserve.scheduler import EngineConfig, Planner, Request, SamplingLimits, StepResult
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(page_size=4, total_pages=256, max_scheduled_tokens=64, max_batch_size=64,
+                safe_steps=4096)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def req(rid: str, prompt, max_new: int | None = 4, strict: bool = False) -> Request:
+    if isinstance(prompt, int):
+        prompt = [hash((rid, i)) % 1000 + 1 for i in range(prompt)]
+    return Request(rid, prompt, SamplingLimits(max_new_tokens=max_new, strict=strict))
+
+
+def result_for(plan, token: int = 1, stopped=()) -> StepResult:
+    return StepResult([token] * len(plan.decodes),
+                      [token if op.completes else None for op in plan.prefills],
+                      set(stopped))
+
+
+def step(p: Planner, token: int = 1):
+    """One round: build, feed one token per decode and completing prefill,
+    check the invariants. Returns (plan, finished)."""
+    plan = p.build()
+    done = p.apply(plan, result_for(plan, token))
+    p.check_invariants()
+    return plan, done
+
+
+def run_to_completion(p: Planner, max_rounds: int = 100_000) -> list:
+    """Drive until nothing is live; fails on an empty round with work left."""
+    finished = []
+    for _ in range(max_rounds):
+        if not p.has_work():
+            return finished
+        plan, done = step(p)
+        assert not plan.is_empty(), f"stalled with {len(p.requests)} live requests"
+        finished.extend(done)
+    raise AssertionError("did not finish")

@@ -1,0 +1,1 @@
+"""KV movement between engines (P -> D). Empty until the transfer issue lands."""
