@@ -1,0 +1,89 @@
+"""Spec §1.4 (the single-request bound, refusal at ingest), config
+validation, and the FSM refusing transitions it does not draw."""
+
+import pytest
+
+from pdserve.scheduler import ConfigError, EngineConfig, Planner, RejectedRequest
+from pdserve.scheduler import fsm
+from pdserve.scheduler.capacity import max_single_request_tokens, single_request_pages
+
+from support import config, req, run_to_completion
+
+
+def test_bound_is_the_largest_prompt_whose_working_set_fits():
+    cfg = config(page_size=16, total_pages=4096)
+    bound = max_single_request_tokens(cfg)
+    assert bound == 4096 * 16 - 1          # minus the decode slot
+    assert single_request_pages(cfg, bound) <= 4096 < single_request_pages(cfg, bound + 1)
+
+
+def test_bound_respects_the_model_context():
+    assert max_single_request_tokens(config(max_context_tokens=1000)) == 1000
+
+
+def test_a_request_at_the_bound_is_served():
+    p = Planner(config(page_size=4, total_pages=8))
+    r = req("edge", max_single_request_tokens(p.cfg), max_new=1)
+    p.submit(r)
+    run_to_completion(p)
+    assert len(r.output) == 1
+    p.assert_idle()
+
+
+def test_a_prompt_beyond_the_bound_is_rejected_with_the_bound_and_the_fix():
+    p = Planner(config(page_size=16, total_pages=4096))
+    with pytest.raises(RejectedRequest) as e:
+        p.submit(req("big", 70_000))
+    msg = str(e.value)
+    assert "70,000" in msg and "65,535" in msg and "total_pages" in msg and "shorten" in msg
+    assert not p.requests
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_pool_is_rejected():
+    p = Planner(config(page_size=4, total_pages=8))
+    with pytest.raises(RejectedRequest, match="lower max_new_tokens to at most 12"):
+        p.submit(req("a", 20, max_new=13))
+
+
+def test_an_empty_prompt_and_a_zero_budget_are_rejected():
+    p = Planner(config())
+    with pytest.raises(RejectedRequest, match="empty"):
+        p.submit(req("a", []))
+    with pytest.raises(RejectedRequest, match="max_new_tokens"):
+        p.submit(req("b", 3, max_new=0))
+
+
+def test_a_duplicate_live_id_is_rejected():
+    p = Planner(config())
+    p.submit(req("a", 3))
+    with pytest.raises(RejectedRequest, match="already live"):
+        p.submit(req("a", 3))
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("page_size", 0, "positive integer"),
+    ("total_pages", -5, "positive integer"),
+    ("host_pages", -1, ">= 0"),
+    ("max_scheduled_tokens", 8, "at least page_size"),
+    ("enable_mixed_prefill_decode", "yes", "true or false"),
+    ("max_batch_size", 1.5, "positive integer"),
+])
+def test_invalid_config_values_are_named(field, value, words):
+    kw = {"page_size": 16, field: value}
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kw)
+    assert f"engine.{field}" in str(e.value) and words in str(e.value)
+
+
+def test_unknown_engine_keys_are_named():
+    with pytest.raises(ConfigError, match="unknown key engine.pages_total"):
+        EngineConfig.from_dict({"pages_total": 3})
+
+
+def test_illegal_transitions_raise():
+    r = req("a", 4)
+    with pytest.raises(fsm.FsmError):
+        fsm.begin_decoding(r)                 # Waiting cannot decode
+    fsm.finish(r, "length")
+    with pytest.raises(fsm.FsmError):
+        fsm.finish(r, "length")               # terminal states stay terminal

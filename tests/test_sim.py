@@ -1,0 +1,181 @@
+"""`pdserve sim`: the DESIGN.md contract (config, trace, result JSON, plan
+log), determinism, and clear errors for bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.cli import main
+from pdserve.cluster.config import ServeConfig, load_config
+from pdserve.cluster.sim import Simulation
+from pdserve.cluster.trace import TraceError, read_trace
+from pdserve.roles.cost_model import GPUS, MODELS, CostModel
+from pdserve.scheduler import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CFG = ROOT / "deploy" / "sim-demo.yaml"
+DEMO_TRACE = ROOT / "deploy" / "demo-trace.jsonl"
+
+REQUEST_KEYS = {"id", "status", "error", "ttft_s", "tpot_s", "e2e_s", "output_tokens",
+                "retractions"}
+SUMMARY_KEYS = {"finished", "rejected", "failed", "unfinished", "virtual_seconds",
+                "output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"}
+OP_KEYS = {"req", "op", "begin", "tokens", "replay"}
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def run_cli(tmp_path, cfg, trace, plans=True):
+    out = tmp_path / "out.json"
+    args = ["sim", "--config", str(cfg), "--trace", str(trace), "--out", str(out),
+            "--no-progress"]
+    if plans:
+        args += ["--plans", str(tmp_path / "plans.jsonl")]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_demo_trace_finishes_every_request_and_follows_the_result_contract(tmp_path, capsys):
+    res = run_cli(tmp_path, DEMO_CFG, DEMO_TRACE)
+    assert set(res["summary"]) == SUMMARY_KEYS
+    assert res["summary"]["finished"] == 48 and res["summary"]["unfinished"] == 0
+    for r in res["requests"]:
+        assert set(r) == REQUEST_KEYS
+        assert r["status"] == "finished" and 0 < r["ttft_s"] <= r["e2e_s"]
+    assert "output_tok_per_s" in capsys.readouterr().out
+
+
+def test_output_tokens_in_the_trace_end_each_request(tmp_path):
+    res = run_cli(tmp_path, DEMO_CFG, DEMO_TRACE, plans=False)
+    want = {json.loads(line)["id"]: json.loads(line)["output_tokens"]
+            for line in DEMO_TRACE.read_text().splitlines()}
+    assert {r["id"]: r["output_tokens"] for r in res["requests"]} == want
+
+
+def test_plan_log_has_one_line_per_nonempty_round_in_the_documented_shape(tmp_path):
+    run_cli(tmp_path, DEMO_CFG, DEMO_TRACE)
+    lines = [json.loads(x) for x in (tmp_path / "plans.jsonl").read_text().splitlines()]
+    assert lines
+    engines = set()
+    for ln in lines:
+        assert set(ln) == {"t", "engine", "role", "round", "ops", "free_pages", "total_pages"}
+        assert ln["ops"] and 0 <= ln["free_pages"] <= ln["total_pages"]
+        engines.add(ln["engine"])
+        for op in ln["ops"]:
+            assert set(op) == OP_KEYS and op["op"] in ("prefill", "decode")
+    assert engines == {"fused-0", "fused-1"}          # the router used both
+
+
+def test_same_trace_and_config_give_identical_results_and_plans(tmp_path):
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ra, rb = run_cli(a, DEMO_CFG, DEMO_TRACE), run_cli(b, DEMO_CFG, DEMO_TRACE)
+    assert ra == rb
+    assert (a / "plans.jsonl").read_text() == (b / "plans.jsonl").read_text()
+
+
+def test_mooncake_lines_share_prefixes_through_their_hash_ids(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 2]},
+            {"timestamp": 500, "input_length": 1200, "output_length": 4, "hash_ids": [0, 1, 3]}]
+    trace = write(tmp_path, "mc.jsonl", "\n".join(json.dumps(r) for r in rows))
+    cfg = write(tmp_path, "c.yaml", "cluster: {fused: 1, prefill: 0, decode: 0}\n"
+                                     "engine: {page_size: 16, total_pages: 512}\n")
+    run_cli(tmp_path, cfg, trace)
+    plans = [json.loads(x) for x in (tmp_path / "plans.jsonl").read_text().splitlines()]
+    second = [op for ln in plans for op in ln["ops"] if op["req"] == "mc1" and op["op"] == "prefill"]
+    assert second[0]["begin"] == 1024                 # two shared 512-token blocks hit
+
+
+def test_a_request_the_pool_cannot_hold_is_rejected_with_the_reason(tmp_path):
+    trace = write(tmp_path, "t.jsonl",
+                  '{"id": "big", "arrival_s": 0, "prompt_tokens": 5000, "max_new_tokens": 4}\n'
+                  '{"id": "ok", "arrival_s": 0, "prompt_tokens": 50, "max_new_tokens": 4}\n')
+    cfg = write(tmp_path, "c.yaml", "cluster: {fused: 1, prefill: 0, decode: 0}\n"
+                                     "engine: {page_size: 16, total_pages: 64}\n")
+    res = run_cli(tmp_path, cfg, trace)
+    big, ok = res["requests"]
+    assert big["status"] == "rejected" and "total_pages" in big["error"]
+    assert ok["status"] == "finished"
+    assert res["summary"]["rejected"] == 1
+
+
+def test_azure_csv_traces_are_read_with_arrivals_relative_to_the_first_row(tmp_path):
+    p = write(tmp_path, "az.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                  "2023-11-16 18:15:46.6805900,374,44\n"
+                                  "2023-11-16 18:15:50.9951690,396,109\n")
+    reqs = read_trace(p)
+    assert [len(r.prompt) for r in reqs] == [374, 396]
+    assert reqs[0].arrival_s == 0 and abs(reqs[1].arrival_s - 4.3145789) < 1e-6
+
+
+@pytest.mark.parametrize("line,words", [
+    ('{"id": "a", "arrival_s": -1, "prompt_tokens": 3}', "arrival_s"),
+    ('{"id": "a", "arrival_s": 0}', "give one of"),
+    ('{"id": "a", "prompt_tokens": 0}', "prompt_tokens"),
+    ('{"id": "a", "prompt_tokens": 3, "max_new_tokens": "lots"}', "max_new_tokens"),
+    ('{"id": "a", "hash_ids": [1], "prompt_tokens": 900}', "block_tokens"),
+    ('not json', "not valid JSON"),
+])
+def test_bad_trace_lines_name_the_line_and_the_field(tmp_path, line, words):
+    p = write(tmp_path, "t.jsonl", '{"id": "ok", "prompt_tokens": 3}\n' + line + "\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert "t.jsonl:2" in str(e.value) and words in str(e.value)
+
+
+def test_unknown_config_keys_are_named(tmp_path):
+    p = write(tmp_path, "c.yaml", "engine: {page_size: 16}\nrouter: {}\n")
+    with pytest.raises(ConfigError, match="unknown key config.router"):
+        load_config(p)
+    p = write(tmp_path, "c.yaml", "simulate: {gpu: h100, card: x}\n")
+    with pytest.raises(ConfigError, match="unknown key simulate.card"):
+        load_config(p)
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
+    cfg = write(tmp_path, "c.yaml", "cluster: {fused: 1, prefill: 0, decode: 0}\n"
+                                     "simulate: {gpu: tpu9}\n")
+    code = main(["sim", "--config", str(cfg), "--trace", str(DEMO_TRACE),
+                 "--out", str(tmp_path / "o.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown simulate.gpu 'tpu9'" in err and "h100" in err
+
+
+def test_a_cluster_that_cannot_serve_is_refused():
+    with pytest.raises(ConfigError, match="nothing could serve"):
+        ServeConfig.from_dict({"cluster": {"prefill": 0, "decode": 2, "fused": 0}})
+
+
+def test_sim_runs_the_simulator_on_parsed_traces_directly():
+    cfg = load_config(DEMO_CFG)
+    sim = Simulation(cfg, read_trace(DEMO_TRACE, limit=5), progress=False)
+    res = sim.run()
+    assert res["summary"]["finished"] == 5
+    for se in sim.engines:
+        se.engine.planner.assert_idle()
+
+
+@pytest.mark.parametrize("tokens", [512, 1024, 2048])
+def test_cost_model_prefill_tracks_distserve_a100_profile(tokens):
+    # DistServe's fitted OPT-13B prefill time on one A100 (shared/data/perf):
+    # ms = a + b * tokens + c * tokens^2
+    a, b, c = 18.10254647486372, 0.1019122572698738, 7.122264314252114e-06
+    want = (a + b * tokens + c * tokens ** 2) / 1000
+    got = CostModel(MODELS["opt-13b"], GPUS["a100"]).round_seconds([(0, tokens)], 0, 0)
+    assert abs(got - want) / want < 0.3
+
+
+@pytest.mark.parametrize("batch,ctx", [(1, 512), (16, 1024), (64, 512)])
+def test_cost_model_decode_tracks_distserve_a100_profile(batch, ctx):
+    # small-batch decode: ms = a + b * total context tokens + c * batch
+    a, b, c = 19.934702624895458, 0.0006269356524350583, 0.03850697740828398
+    want = (a + b * batch * ctx + c * batch) / 1000
+    got = CostModel(MODELS["opt-13b"], GPUS["a100"]).round_seconds([], batch * ctx, batch)
+    assert abs(got - want) / want < 0.3
