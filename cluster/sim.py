@@ -81,7 +81,8 @@ def build_engines(cfg: ServeConfig) -> list[SimEngine]:
             "pdserve sim runs fused engines for now (cluster.fused >= 1); the "
             "prefill/decode split arrives with the P/D roles")
     cost = CostModel(model, gpu)
-    return [SimEngine(Engine(f"fused-{i}", Planner(engine_cfg), SimExecutor(cost)), i)
+    return [SimEngine(Engine(f"fused-{i}", Planner(engine_cfg),
+                             SimExecutor(cost, engine_cfg.page_size)), i)
             for i in range(cfg.cluster.fused)]
 
 
@@ -96,6 +97,7 @@ class Simulation:
         self.plan_log = plan_log
         self.progress = progress
         self.rounds = 0
+        self._stalls_seen: dict[int, int] = {}
 
     # ---- routing ---------------------------------------------------------
     def _route(self, t: TraceRequest) -> None:
@@ -129,6 +131,10 @@ class Simulation:
                 self.records[rid].error = "engine stalled: no admissible work"
             return
         self.rounds += 1
+        pl = se.engine.planner
+        for msg in pl.stalls[self._stalls_seen.get(se.index, 0):]:
+            print(f"pdserve sim: {se.engine.name}: liveness last resort: {msg}", file=sys.stderr)
+        self._stalls_seen[se.index] = len(pl.stalls)
         now = se.clock
         plan = out.plan
         for op in plan.prefills:
@@ -148,8 +154,16 @@ class Simulation:
             self._log_plan(se, t0, plan)
 
     def _log_plan(self, se: SimEngine, t0: float, plan) -> None:
-        ops = [{"req": op.req.id, "op": "prefill", "begin": op.begin, "tokens": op.tokens,
-                "replay": op.replay} for op in plan.prefills]
+        ops = [{"req": r.req.id, "op": "retract", "begin": 0, "tokens": 0, "replay": 0}
+               for r in plan.retracts]
+        ops += [{"req": s.req_id, "op": "store", "begin": 0, "tokens": len(s.device_pages),
+                 "replay": 0} for s in plan.stores]
+        ops += [{"req": r.id, "op": "readmit", "begin": 0, "tokens": 0, "replay": 0}
+                for r in plan.readmits]
+        ops += [{"req": ld.req_id, "op": "load", "begin": 0, "tokens": len(ld.device_pages),
+                 "replay": 0} for ld in plan.loads]
+        ops += [{"req": op.req.id, "op": "prefill", "begin": op.begin, "tokens": op.tokens,
+                 "replay": op.replay} for op in plan.prefills]
         ops += [{"req": r.id, "op": "decode", "begin": r.num_tokens - 2, "tokens": 1,
                  "replay": 0} for r in plan.decodes]
         pl = se.engine.planner

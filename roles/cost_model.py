@@ -25,6 +25,7 @@ class GpuPreset:
     mfu: float = 0.75       # achieved fraction of flops in large GEMMs
     mbu: float = 0.65       # achieved fraction of bandwidth in decode
     overhead_s: float = 0.003  # per-round launch and scheduling cost
+    pcie_bw: float = 25e9      # host <-> device copy bytes/s (L2 stores and loads)
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,7 @@ class CostModel:
         compute = (2 * self.model.params * tokens + self._attn * pairs) / self._flops
         memory = (self._weight_bytes + self._kvb * kv) / self._bw
         return max(compute, memory) + self.gpu.overhead_s
+
+    def copy_seconds(self, tokens: int) -> float:
+        """Host <-> device time for `tokens` tokens of KV."""
+        return tokens * self._kvb / self.gpu.pcie_bw if tokens else 0.0

@@ -2,7 +2,10 @@
 
 It produces deterministic token ids and stops each request after the number
 of tokens its trace says the model generates, so the planner sees exactly
-what a real executor would report, at simulated speed.
+what a real executor would report, at simulated speed. Host copies finish
+within the round: stream-ordered snapshot stores and loads sit on the
+forward's critical path and cost PCIe time; pinned publication stores run
+on their own stream and cost the forward nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from pdserve.scheduler.plan import Plan, StepResult
 
 
 class SimExecutor:
-    def __init__(self, cost: CostModel, vocab_size: int = 32000):
+    def __init__(self, cost: CostModel, page_size: int, vocab_size: int = 32000):
         self.cost = cost
+        self.page_size = page_size
         self.vocab_size = vocab_size
         self.now = 0.0
         self._stop_after: dict[str, int] = {}
@@ -27,28 +31,29 @@ class SimExecutor:
     def forget(self, req_id: str) -> None:
         self._stop_after.pop(req_id, None)
 
-    def _token(self, req) -> int:
-        return (req.seq * 7919 + len(req.output) * 104729) % self.vocab_size
-
     def run(self, plan: Plan) -> StepResult:
         ctx = 0
         for req in plan.decodes:
             ctx += req.num_tokens
+        copied = sum(len(s.device_pages) for s in plan.stores if not s.pinned)
+        copied += sum(len(ld.device_pages) for ld in plan.loads)
         self.now += self.cost.round_seconds(
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
-            ctx, len(plan.decodes))
+            ctx, len(plan.decodes)) + self.cost.copy_seconds(copied * self.page_size)
         stop_after = self._stop_after
-        result = StepResult()
+        vocab = self.vocab_size
+        result = StepResult(stores_done=[s.id for s in plan.stores],
+                            loads_done=[ld.id for ld in plan.loads])
         stopped = result.stopped
         for op in plan.prefills:
             if op.completes:
                 req = op.req
-                result.prefill_tokens.append(self._token(req))
-                if stop_after.get(req.id, -1) == len(req.output) + 1:
+                n = len(req.output)
+                result.prefill_tokens.append((req.seq * 7919 + n * 104729) % vocab)
+                if stop_after.get(req.id, -1) == n + 1:
                     stopped.add(req)
             else:
                 result.prefill_tokens.append(None)
-        vocab = self.vocab_size
         toks = result.decode_tokens
         for req in plan.decodes:
             n = len(req.output)

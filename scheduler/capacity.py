@@ -41,11 +41,11 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
         return "the prompt is empty; send at least one token"
     bound = max_single_request_tokens(cfg)
     pool = (f"engine.total_pages={cfg.total_pages} x page_size={cfg.page_size}, "
-            f"model context {cfg.max_context_tokens}, minus a decode slot of "
-            f"{cfg.decode_input_tokens}")
+            f"model context {cfg.max_context_tokens}")
     if prompt_tokens > bound:
         return (f"prompt of {prompt_tokens:,} tokens exceeds this deployment's bound of "
-                f"{bound:,} ({pool}); raise engine.total_pages or shorten the prompt")
+                f"{bound:,} ({pool}, minus a decode slot of {cfg.decode_input_tokens}); "
+                "raise engine.total_pages or shorten the prompt")
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             return f"max_new_tokens must be at least 1, got {max_new_tokens}"

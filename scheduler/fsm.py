@@ -2,7 +2,10 @@
 
     Waiting --admit--> Prefilling --last chunk--> PrefillDone --> Decoding
        ^                   |                          |              |
-       +---- retract ------+--------------------------+--------------+
+       +-- retract, no host snapshot (re-prefill) ----+--------------+
+                           |                          |              |
+                           +-- retract with a host snapshot ---> Retracted
+    Retracted --readmit (load the snapshot)--> Prefilling | PrefillDone
     any live state --finish--> Finished      any live state --abort--> Aborted
 
 States are small objects; only the functions in this module assign
@@ -15,6 +18,8 @@ none of them can be dropped on the way from one state to the next.
 
 from __future__ import annotations
 
+from pdserve.scheduler.prefix import ROOT_HASH
+
 
 class FsmError(RuntimeError):
     """A transition the lifecycle does not allow (a planner bug)."""
@@ -22,16 +27,17 @@ class FsmError(RuntimeError):
 
 class Resources:
     __slots__ = ("tables", "forwards_out", "published", "chain_tail", "publishing",
-                 "secured_tokens", "budget_at_admission")
+                 "covers_generation")
 
     def __init__(self, num_groups: int):
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.forwards_out = 0      # forwards scheduled against these pages, not yet landed
         self.published = 0         # leading pages of group 0 already in the prefix index
-        self.chain_tail = -1       # page of the last published chain node (-1: root)
+        self.chain_tail = ROOT_HASH  # chain hash of the last published page
         self.publishing = True     # False once another request's page owns our next key
-        self.secured_tokens = 0    # prompt + headroom the first admission reserved (§4)
-        self.budget_at_admission = 0  # remaining new tokens when that admission ran
+        # The admission that made this bundle secured decode room for the whole
+        # generation budget open at that admission (§4): never a victim.
+        self.covers_generation = False
 
 
 class State:
@@ -70,6 +76,22 @@ class Decoding(State):
         self.res = res
 
 
+class Retracted(State):
+    """Off the device, its computed KV in a host snapshot: `snapshot` holds
+    host pages covering the first `computed` tokens. `target` is where its
+    prefill ends (its token count when it was decoding)."""
+
+    __slots__ = ("epoch", "resumes_generation", "snapshot", "computed", "target")
+
+    def __init__(self, epoch: int, resumes_generation: bool, snapshot: list,
+                 computed: int, target: int):
+        self.epoch = epoch
+        self.resumes_generation = resumes_generation
+        self.snapshot = snapshot
+        self.computed = computed
+        self.target = target
+
+
 class Finished(State):
     __slots__ = ("reason",)
 
@@ -84,7 +106,8 @@ class Aborted(State):
         self.reason = reason
 
 
-LIVE = (Waiting, Prefilling, PrefillDone, Decoding)
+LIVE = (Waiting, Prefilling, PrefillDone, Decoding, Retracted)
+RESIDENT = (Prefilling, PrefillDone, Decoding)
 
 
 def _expect(req, *kinds) -> None:
@@ -120,16 +143,38 @@ def begin_decoding(req) -> None:
 
 
 def requeue(req) -> Resources:
-    """A live page-holding request gives up its pages and waits again (a
-    retraction without a host snapshot re-prefills through admission)."""
-    _expect(req, Prefilling, PrefillDone, Decoding)
+    """A resident request gives up its pages and waits again (a retraction
+    without a host snapshot re-prefills through ordinary admission)."""
+    _expect(req, *RESIDENT)
     res = req.state.res
     req.state = Waiting()
+    req.retractions += 1
     return res
 
 
+def retract_to_host(req, epoch: int, snapshot: list, computed: int) -> Resources:
+    """A resident request leaves the device with its KV in a host snapshot."""
+    _expect(req, *RESIDENT)
+    st = req.state
+    target = st.target if isinstance(st, Prefilling) else req.num_tokens - 1
+    req.state = Retracted(epoch, bool(req.output), snapshot, computed, target)
+    req.retractions += 1
+    return st.res
+
+
+def readmit(req, res: Resources) -> None:
+    """Retracted -> back on the device, resuming where it stood: mid-prompt
+    (Prefilling) or with its prompt done and a sampled token to feed."""
+    _expect(req, Retracted)
+    st = req.state
+    if st.computed < st.target:
+        req.state = Prefilling(res, st.computed, st.target)
+    else:
+        req.state = PrefillDone(res)
+
+
 def finish(req, reason: str) -> Resources | None:
-    _expect(req, *LIVE)
+    _expect(req, *RESIDENT)
     res = getattr(req.state, "res", None)
     req.state = Finished(reason)
     req.finish_reason = reason

@@ -2,10 +2,11 @@
 
 Fused, mixed (§3.3): decodes first (a client is streaming them, and a long
 prefill chunk must not starve them), then the local-prefill phases spend
-what budget remains: resident chunks, then new prompts.
+what budget remains: the readmission first (it holds a host snapshot other
+admissions could evict), resident chunks, new prompts; then retraction.
 
 Fused, non-mixed: the prefill phases run first and alone; decodes get the
-round only when no prefill was scheduled.
+round only when no prefill was scheduled; then retraction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import enum
 
 from pdserve.scheduler.phases import (
-    PlanBuild, decode_phase, new_prompt_phase, resident_prefill_phase)
+    PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase)
+from pdserve.scheduler.retraction import maybe_retract_for_capacity
 
 
 class Role(enum.Enum):
@@ -22,15 +24,19 @@ class Role(enum.Enum):
 
 def fused_mixed(p, b: PlanBuild) -> None:
     decode_phase(p, b)
+    readmission_phase(p, b)
     resident_prefill_phase(p, b)
     new_prompt_phase(p, b)
+    maybe_retract_for_capacity(p, b)
 
 
 def fused_non_mixed(p, b: PlanBuild) -> None:
+    readmission_phase(p, b)
     resident_prefill_phase(p, b)
     new_prompt_phase(p, b)
     if not b.plan.prefills:
         decode_phase(p, b)
+    maybe_retract_for_capacity(p, b)
 
 
 def grammar_for(role: Role, mixed: bool):

@@ -1,11 +1,15 @@
 """The phases a role grammar strings together, and the round they build.
 
 `PlanBuild` is the round under construction: the output plan, the token
-budget and batch slots left, whether the prefill line is sealed, and the
-admission feedback (did anything fail for capacity, and who first). Every
-operation enters the batch through `push_decode` / `push_prefill`, where the
+budget and batch slots left, which lines are sealed, and the admission
+feedback (did anything fail for capacity, and who first). Every operation
+enters the batch through `push_decode` / `push_prefill`, where the
 accounting lives. Phases read candidates in FIFO order and schedule each
 request at most once a round.
+
+Each `try_*` helper admits one request or changes nothing; the phases call
+them in order, and retraction (retraction.py) calls them again to retry the
+request it freed room for.
 """
 
 from __future__ import annotations
@@ -13,28 +17,49 @@ from __future__ import annotations
 from pdserve.scheduler import fsm
 from pdserve.scheduler.chunking import admission_headroom, prefill_chunk_tokens, prefill_reserve
 from pdserve.scheduler.coordinator import GroupDemand
-from pdserve.scheduler.fsm import Decoding, PrefillDone, Resources
+from pdserve.scheduler.fsm import PrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp
 
 
 class PlanBuild:
-    __slots__ = ("plan", "budget", "batch_left", "sealed", "capacity_blocker",
-                 "admission_failed", "prefill_progressed", "decodes_use_budget")
+    __slots__ = ("plan", "budget", "batch_left", "sealed", "new_prompts_sealed",
+                 "capacity_blocker", "admission_failed", "prefill_progressed",
+                 "decodes_use_budget", "prefill_may_join")
 
-    def __init__(self, plan: Plan, budget: int, batch: int, decodes_use_budget: bool):
+    def __init__(self, plan: Plan, budget: int, batch: int, decodes_use_budget: bool,
+                 mixed: bool):
         self.plan = plan
         self.budget = budget
         self.batch_left = batch
         self.sealed = False              # an incomplete prefill holds the line (§1.1)
+        self.new_prompts_sealed = False  # a waiting readmission holds new prompts (§4)
         self.capacity_blocker = None     # first request whose admission failed
         self.admission_failed = False
         self.prefill_progressed = False
         self.decodes_use_budget = decodes_use_budget
+        self.prefill_may_join = mixed    # non-mixed: no prefill beside decodes
 
     def fail(self, req) -> None:
         self.admission_failed = True
         if self.capacity_blocker is None:
             self.capacity_blocker = req
+
+    def can_prefill(self) -> bool:
+        if self.budget <= 0 or self.batch_left <= 0:
+            return False
+        return self.prefill_may_join or not self.plan.decodes
+
+    def can_decode(self) -> bool:
+        if self.batch_left <= 0 or (self.decodes_use_budget and self.budget <= 0):
+            return False
+        return self.prefill_may_join or not self.plan.prefills
+
+    def push_decode(self, req, res: Resources) -> None:
+        self.plan.decodes.append(req)
+        self.batch_left -= 1
+        if self.decodes_use_budget:
+            self.budget -= 1
+        res.forwards_out += 1
 
     def push_prefill(self, op: PrefillOp, res: Resources) -> None:
         self.plan.prefills.append(op)
@@ -44,32 +69,39 @@ class PlanBuild:
         res.forwards_out += 1
 
 
+# ---- decode -----------------------------------------------------------------
+
+def try_decode(p, b: PlanBuild, req) -> bool:
+    """Admit the page a decode crosses into (and, on the first decode,
+    publish the prompt's pages); False if the pool cannot supply it."""
+    st = req.state
+    ps = p.page_size
+    if not p.coord.admit(req, st.res, [GroupDemand(req.num_tokens, 0)],
+                         (req.num_tokens - 1) // ps, b.plan):
+        return False
+    if st.__class__ is PrefillDone:
+        fsm.begin_decoding(req)
+    return True
+
+
 def decode_phase(p, b: PlanBuild) -> None:
     """Every PrefillDone first decode and Decoding step, FIFO, while batch
     slots (and, where decodes spend it, token budget) last. A decode that
     stays inside its held pages does no allocator work."""
-    decodes = b.plan.decodes
+    if not b.can_decode():
+        return
     limit = b.batch_left
     if b.decodes_use_budget:
         limit = min(limit, b.budget)
-    if limit <= 0:
-        return
-    coord = p.coord
-    ps = p.page_size
+    decodes = b.plan.decodes
     n = 0
     for req in p.running.values():
         st = req.state
         if req.num_tokens > req.capacity or st.__class__ is PrefillDone:
-            # crossing into a page not yet held, or the first decode (which
-            # publishes the prompt's completed pages): an admission
-            res = st.res
-            if not coord.admit(req, res, [GroupDemand(req.num_tokens, 0)],
-                               (req.num_tokens - 1) // ps, fresh=b.plan.fresh_pages):
+            if not try_decode(p, b, req):
                 b.fail(req)
                 continue
-            if st.__class__ is PrefillDone:
-                fsm.begin_decoding(req)
-                st = req.state
+            st = req.state
         st.res.forwards_out += 1
         decodes.append(req)
         n += 1
@@ -80,81 +112,123 @@ def decode_phase(p, b: PlanBuild) -> None:
         b.budget -= n
 
 
+# ---- local prefill ----------------------------------------------------------
+
+def readmission_phase(p, b: PlanBuild) -> None:
+    """At most one readmission a round: the retracted request that resumes a
+    generation a client is reading first, then the oldest retraction. One
+    that does not fit waits, is never a capacity blocker, and holds back
+    new prompts (a newcomer taking its pages would starve it)."""
+    req = p.next_readmission()
+    if req is None:
+        return
+    st = req.state
+    cfg = p.cfg
+    remaining = req.remaining_new_tokens
+    headroom = remaining if req.limits.strict else \
+        admission_headroom(remaining, cfg.safe_steps, req.retractions)
+    tokens = st.computed + 1 if st.computed == st.target else st.computed
+    reserve = (st.target - st.computed) + headroom
+    # re-probe: what the device cache still holds of it need not be loaded
+    hit, _ = p.coord.match(req, st.computed // p.page_size)
+    res = Resources(len(p.coord.groups))
+    if not p.coord.admit(req, res, [GroupDemand(tokens, reserve)], len(hit), b.plan, hit=hit):
+        b.new_prompts_sealed = True
+        return
+    res.covers_generation = headroom >= remaining
+    p.coord.load_snapshot(req.id, res, st.snapshot, len(hit), b.plan)
+    fsm.readmit(req, res)
+    p.readmitted(req)
+    b.plan.readmits.append(req)
+    b.prefill_progressed = True
+
+
+def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
+    """Schedule the next chunk of an admitted prefill. None: the budget
+    cannot reach a boundary; False: admission failed."""
+    st = req.state
+    begin, target = st.window_end, st.target
+    chunk = prefill_chunk_tokens(begin, target, b.budget, p.page_size)
+    if chunk == 0:
+        return None
+    end = begin + chunk
+    completes = end == target
+    reserve = prefill_reserve(
+        decodes_locally=p.decodes_locally, first_chunk=False, completes=completes,
+        rest_of_prompt=target - end, headroom=0, decode_width=p.cfg.decode_input_tokens)
+    res = st.res
+    if not p.coord.admit(req, res, [GroupDemand(end, reserve)], begin // p.page_size, b.plan):
+        return False
+    fsm.advance_prefill(req, end)
+    b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
+    if completes:
+        p.prefill_completed(req)
+    else:
+        b.sealed = True
+    return True
+
+
 def resident_prefill_phase(p, b: PlanBuild) -> None:
     """Next chunks of prefills already admitted, FIFO. An incomplete chunk,
     or a resident that cannot advance, seals the line behind it."""
     for req in list(p.prefilling.values()):
-        if b.sealed or b.batch_left <= 0:
+        if b.sealed or not b.can_prefill():
             return
-        st = req.state
-        begin, target = st.window_end, st.target
-        chunk = prefill_chunk_tokens(begin, target, b.budget, p.page_size)
-        if chunk == 0:
+        ok = try_resident_chunk(p, b, req)
+        if ok is None:
             b.sealed = True
-            return
-        end = begin + chunk
-        completes = end == target
-        reserve = prefill_reserve(
-            decodes_locally=p.decodes_locally, first_chunk=False, completes=completes,
-            rest_of_prompt=target - end, headroom=0, decode_width=p.cfg.decode_input_tokens)
-        if not p.coord.admit(req, st.res, [GroupDemand(end, reserve)], begin // p.page_size,
-                             fresh=b.plan.fresh_pages):
+        elif ok is False:
             b.fail(req)
             b.sealed = True
-            return
-        res = st.res
-        fsm.advance_prefill(req, end)
-        b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
-        if completes:
-            p.prefill_completed(req)
-        else:
-            b.sealed = True
+
+
+def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
+    """Admit a waiting request with its first chunk. None: the budget cannot
+    reach a boundary; False: admission failed."""
+    cfg = p.cfg
+    ps = p.page_size
+    target = req.num_tokens
+    hit, host_hit = p.coord.match(req, (target - 1) // ps)
+    begin = (len(hit) + len(host_hit)) * ps
+    chunk = prefill_chunk_tokens(begin, target, b.budget, ps)
+    if chunk == 0:
+        return None
+    end = begin + chunk
+    completes = end == target
+    remaining = req.remaining_new_tokens
+    headroom = remaining if req.limits.strict else \
+        admission_headroom(remaining, cfg.safe_steps, req.retractions)
+    reserve = prefill_reserve(
+        decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
+        rest_of_prompt=target - end, headroom=headroom, decode_width=cfg.decode_input_tokens)
+    res = Resources(len(p.coord.groups))
+    if not p.coord.admit(req, res, [GroupDemand(end, reserve)], len(hit) + len(host_hit),
+                         b.plan, hit=hit, host_hit=host_hit):
+        return False
+    res.covers_generation = p.decodes_locally and headroom >= remaining
+    if p.waiting[0] is req:
+        p.waiting.popleft()
+    else:
+        p.waiting.remove(req)             # a grant redirected past a retracted victim
+    p.take_slot(req)
+    fsm.start_prefill(req, res, end, target)
+    b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
+    if completes:
+        p.prefill_completed(req)
+    else:
+        p.prefilling[req.id] = req
+        b.sealed = True
+    return True
 
 
 def new_prompt_phase(p, b: PlanBuild) -> None:
     """Admit waiting requests in FIFO order, each with its first chunk. The
     first one that does not fit stops the phase: nobody overtakes it."""
     waiting = p.waiting
-    ps = p.page_size
-    cfg = p.cfg
-    while waiting and not b.sealed and b.budget > 0 and b.batch_left > 0:
-        req = waiting[0]
-        target = req.num_tokens
-        hit = p.coord.match(req, (target - 1) // ps)
-        begin = len(hit) * ps
-        chunk = prefill_chunk_tokens(begin, target, b.budget, ps)
-        if chunk == 0:
+    while waiting and not b.sealed and not b.new_prompts_sealed and b.can_prefill():
+        ok = try_new_prompt(p, b, waiting[0])
+        if ok is None:
             b.sealed = True
-            return
-        end = begin + chunk
-        completes = end == target
-        remaining = req.remaining_new_tokens
-        if req.limits.strict:
-            headroom = remaining
-        else:
-            headroom = admission_headroom(remaining, cfg.safe_steps, req.retractions)
-        reserve = prefill_reserve(
-            decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
-            rest_of_prompt=target - end, headroom=headroom,
-            decode_width=cfg.decode_input_tokens)
-        res = Resources(len(p.coord.groups))
-        if not p.coord.admit(req, res, [GroupDemand(end, reserve)], len(hit), hit=hit,
-                             fresh=b.plan.fresh_pages):
-            b.fail(req)
+        elif ok is False:
+            b.fail(waiting[0])
             b.sealed = True
-            return
-        res.secured_tokens = end + reserve
-        res.budget_at_admission = remaining
-        waiting.popleft()
-        p.take_slot(req)
-        fsm.start_prefill(req, res, end, target)
-        b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
-        if completes:
-            p.prefill_completed(req)
-        else:
-            p.prefilling[req.id] = req
-            b.sealed = True
-
-
-__all__ = ["PlanBuild", "decode_phase", "resident_prefill_phase", "new_prompt_phase",
-           "Decoding"]

@@ -24,9 +24,20 @@ class Plan:
     prefills: list = field(default_factory=list)
     # Pages granted this round; an executor that needs clean pages zeroes them.
     fresh_pages: list = field(default_factory=list)
+    # Requests retracted this round (their pages are already granted away).
+    retracts: list = field(default_factory=list)
+    # Requests readmitted this round from a host snapshot (their loads ride in `loads`).
+    readmits: list = field(default_factory=list)
+    stores: list = field(default_factory=list)     # StoreOp, stream-ordered ones first
+    loads: list = field(default_factory=list)      # LoadOp
 
     def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills)
+        return not (self.decodes or self.prefills or self.retracts or self.readmits
+                    or self.stores or self.loads)
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.decodes or self.prefills)
 
     @property
     def prefill_tokens(self) -> int:
@@ -42,3 +53,46 @@ class StepResult:
     prefill_tokens: list = field(default_factory=list)
     # Requests whose sampled token met a stop condition (EOS, stop string).
     stopped: set = field(default_factory=set)
+    # Ids of the plan's StoreOps and LoadOps that completed. An executor that
+    # finishes every copy within the round acks them all here.
+    stores_done: list = field(default_factory=list)
+    loads_done: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StoreOp:
+    """Copy device pages to host pages.
+
+    pinned=True: a publication store (a page entering the prefix index, or
+    the finish-time flush). Its device sources stay pinned, so nothing can
+    evict or reuse them, until the executor acks; the host copies enter the
+    host index at the ack. No forward waits for it.
+    pinned=False: a retraction's stream-ordered snapshot. Its sources are
+    granted away in the same round, so the executor runs it before anything
+    else the plan does to those pages (store -> zero -> load -> forward)."""
+    id: int
+    req_id: str
+    device_pages: list
+    host_pages: list
+    pinned: bool
+    entries: list | None = None   # (parent hash, key) per page, for the host index
+    # Device pages the ticket holds until the ack: the whole chain from the
+    # root to the last source, so a pinned page never sits under an idle
+    # parent that eviction could not reach.
+    pins: list | None = None
+
+
+@dataclass(slots=True)
+class LoadOp:
+    """Copy host pages into a request's device pages before this round's
+    forward (a readmission's snapshot, or a host prefix hit)."""
+    id: int
+    req_id: str
+    host_pages: list
+    device_pages: list
+
+
+@dataclass(slots=True)
+class RetractOp:
+    req: object
+    stored: bool          # True: a host snapshot was taken; False: re-prefill from scratch

@@ -3,24 +3,28 @@
     plan = planner.build()           # pure function of the state below
     planner.apply(plan, result)      # land tokens, finish, release
 
-State: `waiting` (FIFO of requests not yet admitted), `prefilling` (admitted,
-prompt incomplete), `running` (prompt done: PrefillDone or Decoding), each in
-the order requests entered it, plus the coordinator's pages. The planner
+State: `waiting` (requests not yet admitted, in submission order),
+`prefilling` (admitted, prompt incomplete), `running` (prompt done:
+PrefillDone or Decoding), `retracted` (off the device with a host snapshot),
+plus the coordinator's pages and copy tickets. Resident collections keep
+submission order, so FIFO is the fairness policy in every phase. The planner
 never reads a clock and never draws a random number, so the same
 submissions produce the same plans on every machine.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from pdserve.scheduler import fsm
 from pdserve.scheduler.capacity import context_bound, ingest_error
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup
-from pdserve.scheduler.fsm import Decoding, PrefillDone, Prefilling
+from pdserve.scheduler.fsm import Decoding, PrefillDone, Prefilling, Retracted
 from pdserve.scheduler.grammar import Role, grammar_for
 from pdserve.scheduler.phases import PlanBuild
+from pdserve.scheduler.retraction import ensure_progress
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.request import Request
 
@@ -36,14 +40,18 @@ class Planner:
         self.role = role
         self.page_size = cfg.page_size
         self.decodes_locally = role is Role.FUSED
-        self.coord = Coordinator([FullHistoryGroup(cfg.total_pages, cfg.page_size)])
+        self.coord = Coordinator([FullHistoryGroup(cfg.total_pages, cfg.page_size)],
+                                 host_pages=cfg.host_pages)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
+        self.retracted: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}     # every live request, by id
         self.round = 0
+        self.stalls: list[str] = []                # rounds the liveness last resort ran
         self._seq = 0
+        self._epoch = 0
         self._free_slots: list[int] = []
         self._next_slot = 0
 
@@ -69,8 +77,12 @@ class Planner:
         req = self.requests.get(req_id)
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
-        if isinstance(req.state, fsm.Waiting):
+        st = req.state
+        if isinstance(st, fsm.Waiting):
             self.waiting.remove(req)
+        elif isinstance(st, Retracted):
+            del self.retracted[req.id]
+            self.coord.release_snapshot(st.snapshot)
         res = fsm.abort(req, reason)
         self._drop(req, res)
         return req
@@ -80,8 +92,10 @@ class Planner:
         self.round += 1
         cfg = self.cfg
         b = PlanBuild(Plan(self.round), cfg.max_scheduled_tokens, cfg.max_batch_size,
-                      decodes_use_budget=True)
+                      decodes_use_budget=True, mixed=cfg.enable_mixed_prefill_decode)
         self._grammar(self, b)
+        ensure_progress(self, b)
+        b.plan.stores.extend(self.coord.take_pending_stores())
         return b.plan
 
     def apply(self, plan: Plan, result: StepResult) -> list[Request]:
@@ -91,6 +105,10 @@ class Planner:
         if len(result.decode_tokens) != len(plan.decodes) or \
                 len(result.prefill_tokens) != len(plan.prefills):
             raise ValueError("step result does not match its plan")
+        for op_id in result.stores_done:
+            self.coord.store_done(op_id)
+        for op_id in result.loads_done:
+            self.coord.load_done(op_id)
         for op, tok in zip(plan.prefills, result.prefill_tokens):
             req = op.req
             req.state.res.forwards_out -= 1
@@ -117,7 +135,60 @@ class Planner:
     # ---- transitions the phases ask for ----------------------------------
     def prefill_completed(self, req: Request) -> None:
         self.prefilling.pop(req.id, None)
-        self.running[req.id] = req
+        self._enter(self.running, req)
+
+    def readmitted(self, req: Request) -> None:
+        del self.retracted[req.id]
+        self.take_slot(req)
+        if isinstance(req.state, Prefilling):
+            self._enter(self.prefilling, req)
+        else:
+            self._enter(self.running, req)
+
+    def retracted_from_device(self, req: Request) -> None:
+        self.prefilling.pop(req.id, None)
+        self.running.pop(req.id, None)
+        self._free_slot(req)
+        if isinstance(req.state, Retracted):
+            self.retracted[req.id] = req
+        else:
+            # back in line at its submission position: it competes like a newcomer
+            keys = [r.seq for r in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, req.seq), req)
+
+    def next_readmission(self) -> Request | None:
+        """Derived, not stored (§4): generations a client is reading first,
+        then the oldest retraction."""
+        best, best_key = None, None
+        for req in self.retracted.values():
+            st = req.state
+            key = (not st.resumes_generation, st.epoch)
+            if best_key is None or key < best_key:
+                best, best_key = req, key
+        return best
+
+    def next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def record_stall(self, victim) -> None:
+        self.stalls.append(
+            f"round {self.round}: built nothing with {len(self.requests)} live requests "
+            f"(waiting {len(self.waiting)}, prefilling {len(self.prefilling)}, running "
+            f"{len(self.running)}, retracted {len(self.retracted)}), {self.free_pages()} of "
+            f"{self.cfg.total_pages} pages free; last-resort victim: "
+            f"{victim.id if victim is not None else 'none'}")
+
+    @staticmethod
+    def _enter(coll: dict, req: Request) -> None:
+        """Insert keeping submission order (a readmitted request is older
+        than most residents; this is rare, so a rebuild is fine)."""
+        if coll and next(reversed(coll.values())).seq > req.seq:
+            items = sorted([*coll.values(), req], key=lambda r: r.seq)
+            coll.clear()
+            coll.update((r.id, r) for r in items)
+        else:
+            coll[req.id] = req
 
     def take_slot(self, req: Request) -> None:
         if self._free_slots:
@@ -141,13 +212,18 @@ class Planner:
         self.prefilling.pop(req.id, None)
         self.running.pop(req.id, None)
         self.requests.pop(req.id, None)
+        self._free_slot(req)
+
+    def _free_slot(self, req: Request) -> None:
         if req.slot >= 0:
             self._free_slots.append(req.slot)
             req.slot = -1
 
     # ---- queries ---------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.requests)
+        """Live requests, or copies whose tickets still hold pages."""
+        c = self.coord
+        return bool(self.requests or c.stores or c.loads or c.pending_stores)
 
     def free_pages(self) -> int:
         return self.coord.free_pages()
@@ -159,16 +235,20 @@ class Planner:
     def check_invariants(self) -> None:
         """Pool and index consistency, and that every live request is in
         exactly the collection its state says."""
-        live = []
+        live, snapshots = [], []
         for req in self.requests.values():
             st = req.state
-            where = (req in self.waiting, req.id in self.prefilling, req.id in self.running)
+            where = (req in self.waiting, req.id in self.prefilling, req.id in self.running,
+                     req.id in self.retracted)
             if isinstance(st, fsm.Waiting):
-                want = (True, False, False)
+                want = (True, False, False, False)
             elif isinstance(st, Prefilling):
-                want = (False, True, False)
+                want = (False, True, False, False)
             elif isinstance(st, (PrefillDone, Decoding)):
-                want = (False, False, True)
+                want = (False, False, True, False)
+            elif isinstance(st, Retracted):
+                want = (False, False, False, True)
+                snapshots.append(st.snapshot)
             else:
                 raise AssertionError(f"{req.id}: terminal state {st} still live")
             if where != want:
@@ -179,9 +259,14 @@ class Planner:
                     raise AssertionError(f"{req.id}: capacity out of step with its table")
                 if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
                     raise AssertionError(f"{req.id}: more than one token beyond capacity")
-        if len(self.waiting) + len(self.prefilling) + len(self.running) != len(self.requests):
+        counted = len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.retracted)
+        if counted != len(self.requests):
             raise AssertionError("a request sits in no queue or in two")
-        self.coord.check_invariants(live)
+        for coll in (self.prefilling, self.running):
+            seqs = [r.seq for r in coll.values()]
+            if seqs != sorted(seqs):
+                raise AssertionError("a resident collection is out of submission order")
+        self.coord.check_invariants(live, snapshots)
 
     def assert_idle(self) -> None:
         """Nothing live and no page held: what every lifecycle ends with."""
@@ -191,3 +276,8 @@ class Planner:
         if self.coord.free_pages() != self.cfg.total_pages:
             raise AssertionError(
                 f"{self.cfg.total_pages - self.coord.free_pages()} pages still held")
+        c = self.coord
+        if c.stores or c.loads or c.pending_stores:
+            raise AssertionError("copies still in flight")
+        if c.host is not None and c.host.pool.num_free + c.host.index.num_idle != c.host.pool.total:
+            raise AssertionError("host pages still held")

@@ -18,10 +18,13 @@ def req(rid: str, prompt, max_new: int | None = 4, strict: bool = False) -> Requ
     return Request(rid, prompt, SamplingLimits(max_new_tokens=max_new, strict=strict))
 
 
-def result_for(plan, token: int = 1, stopped=()) -> StepResult:
+def result_for(plan, token: int = 1, stopped=(), ack: bool = True) -> StepResult:
+    """What an executor that finishes everything within the round reports."""
     return StepResult([token] * len(plan.decodes),
                       [token if op.completes else None for op in plan.prefills],
-                      set(stopped))
+                      set(stopped),
+                      [s.id for s in plan.stores] if ack else [],
+                      [ld.id for ld in plan.loads] if ack else [])
 
 
 def step(p: Planner, token: int = 1):

@@ -84,6 +84,8 @@ def test_illegal_transitions_raise():
     r = req("a", 4)
     with pytest.raises(fsm.FsmError):
         fsm.begin_decoding(r)                 # Waiting cannot decode
-    fsm.finish(r, "length")
     with pytest.raises(fsm.FsmError):
-        fsm.finish(r, "length")               # terminal states stay terminal
+        fsm.finish(r, "length")               # nor finish before it ran
+    fsm.abort(r, "client went away")
+    with pytest.raises(fsm.FsmError):
+        fsm.abort(r, "again")                 # terminal states stay terminal

@@ -6,7 +6,8 @@ import pytest
 from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup, GroupDemand
 from pdserve.scheduler.fsm import Resources
 from pdserve.scheduler.pool import PagePool, PoolError
-from pdserve.scheduler.prefix import ROOT, PrefixIndex
+from pdserve.scheduler.plan import Plan
+from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex
 
 from support import req
 
@@ -18,7 +19,7 @@ def coord(total=16, page=4):
 def admit_whole(c, r, publish=True):
     res = Resources(1)
     assert c.admit(r, res, [GroupDemand(r.prompt_len, 0)],
-                   r.prompt_len // 4 if publish else 0)
+                   r.prompt_len // 4 if publish else 0, Plan(0))
     return res
 
 
@@ -54,7 +55,7 @@ def test_published_pages_stay_cached_after_release_and_count_as_free():
     g = c.groups[0]
     assert g.index.num_cached == 2 and g.pool.num_free == 14
     assert c.free_pages() == 16
-    assert len(c.match(r, 2)) == 2
+    assert len(c.match(r, 2)[0]) == 2
     c.check_invariants([])
 
 
@@ -63,11 +64,11 @@ def test_match_does_not_restamp_lru():
     a, b = req("a", 4), req("b", 4)
     c.release(admit_whole(c, a))     # a's page idles first: older
     c.release(admit_whole(c, b))
-    assert c.match(a, 1)             # probing a must not make it younger
+    assert c.match(a, 1)[0]          # probing a must not make it younger
     res = Resources(1)
     # 3 pages: the 2 free ones, then one eviction, which must take a's page
-    assert c.admit(req("x", 12), res, [GroupDemand(12, 0)], 0)
-    assert c.match(a, 1) == [] and len(c.match(b, 1)) == 1
+    assert c.admit(req("x", 12), res, [GroupDemand(12, 0)], 0, Plan(0))
+    assert c.match(a, 1)[0] == [] and len(c.match(b, 1)[0]) == 1
     c.check_invariants([res.tables])
 
 
@@ -77,16 +78,17 @@ def test_eviction_takes_the_least_recently_released_leaf_first():
     c.release(admit_whole(c, a))
     c.release(admit_whole(c, b))
     res = Resources(1)
-    assert c.admit(req("x", 8), res, [GroupDemand(8, 0)], 0)  # 1 free + evict 1
-    assert c.match(a, 1) == []          # a idled first: evicted
-    assert len(c.match(b, 1)) == 1
+    assert c.admit(req("x", 8), res, [GroupDemand(8, 0)], 0, Plan(0))  # 1 free + evict 1
+    assert c.match(a, 1)[0] == []          # a idled first: evicted
+    assert len(c.match(b, 1)[0]) == 1
 
 
 def test_a_parent_is_never_evicted_before_its_children():
     pool = PagePool(4)
     idx = PrefixIndex(pool)
     p0, p1 = pool.take(2)
-    assert idx.insert(ROOT, "k0", p0) and idx.insert(p0, "k1", p1)
+    h0 = idx.insert(ROOT_HASH, "k0", p0)
+    assert h0 is not None and idx.insert(h0, "k1", p1) is not None
     # release the parent first so it carries the older stamp
     for p in (p0, p1):
         pool.refcount[p] = 0
@@ -101,8 +103,8 @@ def test_a_page_held_by_a_live_request_is_never_evicted():
     r = req("a", 8)
     res = admit_whole(c, r)             # 2 pages held and published
     other = Resources(1)
-    assert not c.admit(req("x", 12), other, [GroupDemand(12, 0)], 0)   # needs 3, 2 free
-    assert c.match(r, 2) == res.tables[0]
+    assert not c.admit(req("x", 12), other, [GroupDemand(12, 0)], 0, Plan(0))  # needs 3, 2 free
+    assert c.match(r, 2)[0] == res.tables[0]
     assert other.tables == [[]]
 
 
@@ -111,7 +113,7 @@ def test_a_failed_admission_changes_nothing():
     r = req("a", 16)
     res = Resources(1)
     before = (list(c.groups[0].pool.refcount), c.groups[0].pool.num_free)
-    assert not c.admit(r, res, [GroupDemand(16, 4)], 0)
+    assert not c.admit(r, res, [GroupDemand(16, 4)], 0, Plan(0))
     assert res.tables == [[]] and res.published == 0
     assert (list(c.groups[0].pool.refcount), c.groups[0].pool.num_free) == before
 
@@ -120,9 +122,9 @@ def test_admission_publishes_the_pages_completed_since_the_last_one():
     c = coord()
     r = req("a", 16)
     res = Resources(1)
-    assert c.admit(r, res, [GroupDemand(8, 0)], 0)       # chunk [0, 8)
+    assert c.admit(r, res, [GroupDemand(8, 0)], 0, Plan(0))     # chunk [0, 8)
     assert c.groups[0].index.num_cached == 0
-    assert c.admit(r, res, [GroupDemand(16, 0)], 2)      # next chunk publishes [0, 8)
+    assert c.admit(r, res, [GroupDemand(16, 0)], 2, Plan(0))    # next chunk publishes [0, 8)
     assert c.groups[0].index.num_cached == 2 and res.published == 2
     c.check_invariants([res.tables])
 
@@ -132,11 +134,11 @@ def test_a_prefix_hit_claims_cached_pages_and_counts_them_against_room():
     a = req("a", [1, 2, 3, 4, 5, 6, 7, 8])
     c.release(admit_whole(c, a))
     b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
-    hit = c.match(b, 3)
+    hit, _ = c.match(b, 3)
     assert len(hit) == 2
     res = Resources(1)
     # 4 pages needed, 2 of them the hit; the other 2 come from the free list
-    assert c.admit(b, res, [GroupDemand(16, 0)], 2, hit=hit)
+    assert c.admit(b, res, [GroupDemand(16, 0)], 2, Plan(0), hit=hit)
     assert res.tables[0][:2] == hit and c.free_pages() == 0
     c.check_invariants([res.tables])
 

@@ -1,7 +1,7 @@
 """Property test (spec §5): random workloads through the fused planner,
 invariants checked after every round, every request ends, nothing leaks."""
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.scheduler import Planner
@@ -34,7 +34,7 @@ def workloads(draw):
     return cfg, reqs, abort
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings()
 @given(workloads())
 def test_random_fused_workloads_end_with_every_request_done_and_nothing_held(w):
     cfg, reqs, abort = w
@@ -70,4 +70,57 @@ def test_random_fused_workloads_end_with_every_request_done_and_nothing_held(w):
             assert len(r.output) <= r.max_new_tokens
         p.check_invariants()
     assert ended == set(live), "some request never ended"
+    p.assert_idle()
+
+
+@st.composite
+def tight_workloads(draw):
+    page = draw(st.sampled_from([2, 4]))
+    safe = draw(st.sampled_from([2, 4, 8, 16]))
+    n = draw(st.integers(1, 10))
+    reqs = []
+    for i in range(n):
+        prefix = draw(st.sampled_from([[]] + PREFIXES))
+        tail = draw(st.lists(st.integers(1, 50), min_size=0 if prefix else 1, max_size=16))
+        max_new = draw(st.integers(1, 40))
+        arrive = draw(st.integers(0, 20))
+        strict = draw(st.booleans()) and draw(st.booleans())
+        reqs.append((f"r{i}", prefix + tail, max_new, arrive, strict))
+    biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
+    pages = biggest + draw(st.integers(0, biggest))
+    host = draw(st.sampled_from([0, 0, 4 * biggest, biggest // 2 + 1]))
+    cfg = config(page_size=page, total_pages=pages, safe_steps=safe, host_pages=host,
+                 max_scheduled_tokens=max(page, draw(st.integers(1, 48))),
+                 max_batch_size=draw(st.integers(1, 8)),
+                 enable_mixed_prefill_decode=draw(st.booleans()))
+    return cfg, reqs
+
+
+@settings()
+@given(tight_workloads())
+def test_tight_pools_with_retraction_finish_everything_within_the_retraction_bound(w):
+    cfg, reqs = w
+    p = Planner(cfg)
+    pending = sorted(reqs, key=lambda r: r[3])
+    live = {}
+    for rnd in range(20000):
+        while pending and pending[0][3] <= rnd:
+            rid, prompt, max_new, _, strict = pending.pop(0)
+            live[rid] = req(rid, prompt, max_new=max_new, strict=strict)
+            p.submit(live[rid])
+        if not p.has_work() and not pending:
+            break
+        plan = p.build()
+        if p.has_work():
+            assert not plan.is_empty(), "a round built nothing while requests wait"
+        p.apply(plan, result_for(plan))
+        p.check_invariants()
+    else:
+        raise AssertionError("did not finish")
+    assert p.stalls == []
+    for r in live.values():
+        assert len(r.output) == r.max_new_tokens, r
+        if r.max_new_tokens <= cfg.safe_steps or r.limits.strict:
+            assert r.retractions == 0, r
+        assert r.retractions <= -(-r.max_new_tokens // cfg.safe_steps), r
     p.assert_idle()

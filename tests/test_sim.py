@@ -67,7 +67,9 @@ def test_plan_log_has_one_line_per_nonempty_round_in_the_documented_shape(tmp_pa
         assert ln["ops"] and 0 <= ln["free_pages"] <= ln["total_pages"]
         engines.add(ln["engine"])
         for op in ln["ops"]:
-            assert set(op) == OP_KEYS and op["op"] in ("prefill", "decode")
+            assert set(op) == OP_KEYS and op["op"] in (
+                "prefill", "decode", "remote_prefill", "remote_decode", "retract", "readmit",
+                "store", "load")
     assert engines == {"fused-0", "fused-1"}          # the router used both
 
 

@@ -1,0 +1,141 @@
+"""Retraction (spec §2): freeing room when admission fails, without thrash.
+
+`maybe_retract_for_capacity` runs last in the D and fused grammars. It fires
+only when no prefill progressed this round and an admission failed for
+capacity, and it serves one request: the first whose admission failed (the
+capacity blocker). It retracts a victim, retries the blocker, and loops
+until the blocker fits or no victim is left, so the freed pages reach the
+request they were freed for in the same round.
+
+Victims (`choose_victim`): incomplete prefills first, largest first; then
+decode work by most newly releasable pages, then fewest tokens. Exempt: a
+request whose admission secured decode room for its whole generation
+(retracting it frees exactly what its readmission must take back). The
+chosen victim must be quiescent (no forward of its own in flight); if it is
+not, retraction waits rather than sacrificing a worse-ranked request.
+
+`ensure_progress` is the liveness last resort: a round that built nothing,
+with nothing in flight, while requests wait.
+"""
+
+from __future__ import annotations
+
+from pdserve.scheduler import fsm
+from pdserve.scheduler.fsm import Prefilling
+from pdserve.scheduler.phases import (
+    PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase,
+    try_decode, try_new_prompt, try_resident_chunk)
+from pdserve.scheduler.plan import RetractOp
+
+
+def _releasable(p, req) -> int:
+    """Pages the victim alone holds: what retracting it returns to the pool."""
+    rc = p.coord.groups[0].pool.refcount
+    return sum(1 for pg in req.state.res.tables[0] if rc[pg] == 1)
+
+
+def choose_victim(p, ignore_exemption: bool = False):
+    """The best-ranked retractable resident, or None."""
+    best, best_key = None, None
+    for req in p.prefilling.values():
+        res = req.state.res
+        if res.covers_generation and not ignore_exemption:
+            continue
+        key = (len(res.tables[0]), req.seq)            # largest first, then youngest
+        if best_key is None or key > best_key:
+            best, best_key = req, key
+    if best is not None:
+        return best
+    for req in p.running.values():
+        res = req.state.res
+        if res.covers_generation and not ignore_exemption:
+            continue
+        key = (_releasable(p, req), -req.num_tokens, req.seq)
+        if best_key is None or key > best_key:
+            best, best_key = req, key
+    return best
+
+
+def retract(p, b: PlanBuild, victim) -> None:
+    """Take the victim off the device. Its computed full pages are
+    published; with a host tier its KV is snapshotted by a stream-ordered
+    store and it waits as Retracted, otherwise it waits to re-prefill.
+    Either way its pages are free for the rest of this plan build."""
+    coord = p.coord
+    st = victim.state
+    computed = fsm.computed_tokens(victim)
+    coord.publish(victim, st.res, computed // p.page_size, store=False)
+    snapshot = coord.snapshot(victim.id, st.res, -(-computed // p.page_size), b.plan)
+    if snapshot is not None:
+        res = fsm.retract_to_host(victim, p.next_epoch(), snapshot, computed)
+    else:
+        res = fsm.requeue(victim)
+    coord.release(res)
+    p.retracted_from_device(victim)
+    b.plan.retracts.append(RetractOp(victim, snapshot is not None))
+
+
+def _retry(p, b: PlanBuild, req) -> bool:
+    """Give the blocker its admission again; True if it was granted."""
+    st = req.state
+    if isinstance(st, (fsm.PrefillDone, fsm.Decoding)):
+        if not try_decode(p, b, req):
+            return False
+        if b.can_decode():
+            b.push_decode(req, req.state.res)
+        return True                          # granted; decodes next round if it cannot join
+    if not b.can_prefill():
+        return True                          # cannot join this round: tried first next round
+    if isinstance(st, Prefilling):
+        return try_resident_chunk(p, b, req) is not False
+    if isinstance(st, fsm.Waiting):
+        return try_new_prompt(p, b, req) is not False
+    return True
+
+
+def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
+    if b.prefill_progressed or not b.admission_failed:
+        return
+    coord = p.coord
+    if coord.loads or coord.pinned_stores_outstanding():
+        return       # the acks return capacity by themselves (§2's global gates)
+    blocker = b.capacity_blocker
+    while True:
+        victim = choose_victim(p)
+        if victim is None or victim.state.res.forwards_out:
+            return
+        retract(p, b, victim)
+        if victim is blocker:
+            # granting its own pages straight back is the loop to break: the
+            # first waiting prompt gets the room instead
+            for req in p.waiting:
+                if req is not victim:
+                    if b.can_prefill():
+                        try_new_prompt(p, b, req)
+                    break
+            return
+        if _retry(p, b, blocker):
+            return
+
+
+def ensure_progress(p, b: PlanBuild) -> None:
+    """A round that built nothing while requests wait, with no copy in
+    flight, would repeat forever. Record the stall, retract one victim
+    judging the exemption away, and run the phases again: decodes first,
+    so the freed pages reach running generations before anything else."""
+    plan = b.plan
+    if not plan.is_empty() or not p.requests or p.coord.loads or p.coord.stores:
+        return
+    for coll in (p.prefilling, p.running):
+        if any(r.state.res.forwards_out for r in coll.values()):
+            return                      # a landing result will change the state
+    victim = choose_victim(p, ignore_exemption=True)
+    p.record_stall(victim)
+    if victim is None:
+        return
+    retract(p, b, victim)
+    again = PlanBuild(plan, b.budget, b.batch_left, b.decodes_use_budget, b.prefill_may_join)
+    decode_phase(p, again)
+    readmission_phase(p, again)
+    resident_prefill_phase(p, again)
+    new_prompt_phase(p, again)
