@@ -22,7 +22,8 @@ def _cmd_sim(args) -> int:
         plan_log = open(args.plans, "w")
     started = time.perf_counter()
     try:
-        sim = Simulation(cfg, trace, plan_log=plan_log, progress=not args.no_progress)
+        sim = Simulation(cfg, trace, plan_log=plan_log, progress=not args.no_progress,
+                         all_strict=args.strict)
         result = sim.run()
     finally:
         if plan_log is not None:
@@ -42,7 +43,12 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.planner import main as bench_main
 
         return bench_main(sizes=args.sizes, rounds=args.rounds)
-    return 2
+    from pdserve.benchmarks.retraction import main as bench_main
+
+    if not args.config or not args.trace:
+        print("pdserve: error: bench retraction needs --config and --trace", file=sys.stderr)
+        return 2
+    return bench_main(args.config, args.trace, limit=args.limit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,12 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plans", help="also write one JSON line per engine round here")
     sim.add_argument("--limit", type=int, help="only the first N requests of the trace")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--strict", action="store_true",
+                     help="admit every request strictly (its whole generation reserved)")
     sim.set_defaults(func=_cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner"], help="planner: plan-build cost per round")
+    bench.add_argument("what", choices=["planner", "retraction"],
+                       help="planner: plan-build cost per round; retraction: a tight pool "
+                            "with the host cache off and on, and every request strict")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
+    bench.add_argument("--config", help="retraction: the config YAML")
+    bench.add_argument("--trace", help="retraction: the trace")
+    bench.add_argument("--limit", type=int, help="retraction: only the first N requests")
     bench.set_defaults(func=_cmd_bench)
     return ap
 

@@ -88,8 +88,9 @@ def build_engines(cfg: ServeConfig) -> list[SimEngine]:
 
 class Simulation:
     def __init__(self, cfg: ServeConfig, trace: list[TraceRequest], plan_log=None,
-                 progress: bool = True):
+                 progress: bool = True, all_strict: bool = False):
         self.cfg = cfg
+        self.all_strict = all_strict
         self.engines = build_engines(cfg)
         self.trace = sorted(enumerate(trace), key=lambda it: (it[1].arrival_s, it[0]))
         self.records = {t.id: Record(t.id, t.arrival_s) for t in trace}
@@ -105,7 +106,8 @@ class Simulation:
         target = min(self.engines, key=lambda e: (e.load, e.index))
         if not target.engine.has_work():
             target.engine.executor.now = max(target.clock, t.arrival_s)
-        req = Request(t.id, t.prompt, SamplingLimits(max_new_tokens=t.max_new_tokens))
+        req = Request(t.id, t.prompt, SamplingLimits(max_new_tokens=t.max_new_tokens,
+                                                     strict=t.strict or self.all_strict))
         try:
             target.engine.submit(req, t.output_tokens)
         except RejectedRequest as e:
@@ -218,6 +220,14 @@ class Simulation:
             "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         })
         return {"requests": rows, "summary": summary}
+
+
+def goodput(result: dict, ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """Finished requests a second that met both SLOs (DistServe's goodput)."""
+    ok = sum(1 for r in result["requests"] if r["status"] == "finished"
+             and r["ttft_s"] <= ttft_slo_s and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo_s))
+    secs = result["summary"]["virtual_seconds"]
+    return ok / secs if secs > 0 else 0.0
 
 
 def format_summary(summary: dict) -> str:

@@ -31,6 +31,7 @@ class TraceRequest:
     prompt: object             # TokenPrompt | BlockPrompt
     max_new_tokens: int | None
     output_tokens: int | None  # what the simulated model generates before it stops
+    strict: bool = False       # reserve the whole generation at admission
 
 
 def _unique_prompt(index: int, length: int, block_tokens: int = 512) -> BlockPrompt:
@@ -78,7 +79,10 @@ def _parse_ours(row: dict, index: int, where: str) -> TraceRequest:
         raise TraceError(f"{where}: give one of 'prompt', 'hash_ids' or 'prompt_tokens'")
     mnt = _int(row, "max_new_tokens", where, allow_none=True, minimum=1)
     out = _int(row, "output_tokens", where, minimum=1) if row.get("output_tokens") is not None else mnt
-    return TraceRequest(rid, float(arrival), prompt, mnt, out)
+    strict = row.get("strict", False)
+    if not isinstance(strict, bool):
+        raise TraceError(f"{where}: field 'strict' must be true or false, got {strict!r}")
+    return TraceRequest(rid, float(arrival), prompt, mnt, out, strict)
 
 
 def _parse_mooncake(row: dict, index: int, where: str) -> TraceRequest:

@@ -181,3 +181,41 @@ def test_cost_model_decode_tracks_distserve_a100_profile(batch, ctx):
     want = (a + b * batch * ctx + c * batch) / 1000
     got = CostModel(MODELS["opt-13b"], GPUS["a100"]).round_seconds([], batch * ctx, batch)
     assert abs(got - want) / want < 0.3
+
+
+def _tight_run(tmp_path, host_pages, extra=()):
+    rows = [{"id": f"t{i}", "arrival_s": i * 0.01, "hash_ids": [0, 1 + i % 3],
+             "prompt_tokens": 700, "max_new_tokens": 400} for i in range(12)]
+    trace = write(tmp_path, "t.jsonl", "\n".join(json.dumps(r) for r in rows))
+    cfg = write(tmp_path, "c.yaml", "cluster: {fused: 1, prefill: 0, decode: 0}\n"
+                                     "engine: {page_size: 16, total_pages: 160, safe_steps: 32, "
+                                     f"host_pages: {host_pages}}}\n")
+    out = tmp_path / "o.json"
+    assert main(["sim", "--config", str(cfg), "--trace", str(trace), "--out", str(out),
+                 "--plans", str(tmp_path / "p.jsonl"), "--no-progress", *extra]) == 0
+    ops = [op["op"] for ln in (tmp_path / "p.jsonl").read_text().splitlines()
+           for op in json.loads(ln)["ops"]]
+    return json.loads(out.read_text()), ops
+
+
+@pytest.mark.parametrize("host_pages", [0, 400])
+def test_a_tight_pool_retracts_and_still_finishes_every_request(tmp_path, host_pages):
+    res, ops = _tight_run(tmp_path, host_pages)
+    assert res["summary"]["finished"] == 12
+    assert sum(r["retractions"] for r in res["requests"]) == ops.count("retract") > 0
+    if host_pages:
+        assert "store" in ops and "load" in ops and "readmit" in ops
+
+
+def test_strict_admission_never_retracts(tmp_path):
+    res, ops = _tight_run(tmp_path, 0, extra=["--strict"])
+    assert res["summary"]["finished"] == 12 and "retract" not in ops
+
+
+def test_a_trace_line_can_ask_for_strict_admission(tmp_path):
+    p = write(tmp_path, "t.jsonl", '{"id": "a", "prompt_tokens": 3, "strict": true}\n'
+                                   '{"id": "b", "prompt_tokens": 3}\n')
+    assert [r.strict for r in read_trace(p)] == [True, False]
+    p = write(tmp_path, "t.jsonl", '{"id": "a", "prompt_tokens": 3, "strict": "yes"}\n')
+    with pytest.raises(TraceError, match="'strict' must be true or false"):
+        read_trace(p)
