@@ -251,9 +251,11 @@ class Coordinator:
         of the (just admitted) table; the first `start` came back as a
         device prefix hit, so their host copies are let go. The snapshot's
         hold on the rest passes to the load ticket."""
-        self.host.release(host_pages[:start])
-        if start == len(host_pages):
+        if start >= len(host_pages):
+            if host_pages:
+                self.host.release(host_pages)
             return
+        self.host.release(host_pages[:start])
         op = LoadOp(self._op_id(), req_id, host_pages[start:],
                     res.tables[0][start:len(host_pages)])
         self.loads[op.id] = op

@@ -6,7 +6,17 @@
                            |                          |              |
                            +-- retract with a host snapshot ---> Retracted
     Retracted --readmit (load the snapshot)--> Prefilling | PrefillDone
+
+  Disaggregated. On D, the peer computes the prompt:
+    Waiting --remote admission--> RemotePrefilling --landed--> RemotePrefillDone --> Decoding
+    RemotePrefilling --transfer failed--> Retracted (empty snapshot: re-prefill locally)
+  On P, every page-holding state is pinned until the peer's ack:
+    Waiting --> Prefilling --> PrefillDone --remote_decode--> Transferring --ack--> Finished
+
     any live state --finish--> Finished      any live state --abort--> Aborted
+
+The PD pin is not a flag: on P it is "holds pages", on D it is
+`RemotePrefilling` (`pd_pinned`), so no handler can forget to clear it.
 
 States are small objects; only the functions in this module assign
 `request.state`, and a transition that the diagram does not draw raises
@@ -76,10 +86,42 @@ class Decoding(State):
         self.res = res
 
 
+class RemotePrefilling(State):
+    """D: landing pages reserved; the peer is prefilling and will write
+    pages [first_page, ...) of the table."""
+
+    __slots__ = ("res", "first_page")
+    holds_pages = True
+
+    def __init__(self, res: Resources, first_page: int):
+        self.res, self.first_page = res, first_page
+
+
+class RemotePrefillDone(State):
+    """D: the peer's KV and first token landed; the first decode is next."""
+
+    __slots__ = ("res",)
+    holds_pages = True
+
+    def __init__(self, res: Resources):
+        self.res = res
+
+
+class Transferring(State):
+    """P: the prompt's KV is on its way to the peer; pinned until the ack."""
+
+    __slots__ = ("res",)
+    holds_pages = True
+
+    def __init__(self, res: Resources):
+        self.res = res
+
+
 class Retracted(State):
     """Off the device, its computed KV in a host snapshot: `snapshot` holds
-    host pages covering the first `computed` tokens. `target` is where its
-    prefill ends (its token count when it was decoding)."""
+    host pages covering the first `computed` tokens (none: re-prefill from
+    scratch). `target` is where its re-prefill ends: the prompt, or for a
+    victim past its prompt the whole history."""
 
     __slots__ = ("epoch", "resumes_generation", "snapshot", "computed", "target")
 
@@ -106,8 +148,17 @@ class Aborted(State):
         self.reason = reason
 
 
-LIVE = (Waiting, Prefilling, PrefillDone, Decoding, Retracted)
-RESIDENT = (Prefilling, PrefillDone, Decoding)
+LIVE = (Waiting, Prefilling, PrefillDone, Decoding, Retracted, RemotePrefilling,
+        RemotePrefillDone, Transferring)
+RESIDENT = (Prefilling, PrefillDone, Decoding, RemotePrefillDone)
+HOLDING = (Prefilling, PrefillDone, Decoding, RemotePrefilling, RemotePrefillDone, Transferring)
+
+
+def pd_pinned(req, role_is_prefill: bool) -> bool:
+    """Is a PD transfer pinning this request's pages (spec §3.1)?"""
+    if role_is_prefill:
+        return req.state.holds_pages
+    return isinstance(req.state, RemotePrefilling)
 
 
 def _expect(req, *kinds) -> None:
@@ -138,8 +189,32 @@ def advance_prefill(req, window_end: int) -> None:
 
 
 def begin_decoding(req) -> None:
-    _expect(req, PrefillDone)
+    _expect(req, PrefillDone, RemotePrefillDone)
     req.state = Decoding(req.state.res)
+
+
+def start_remote_prefill(req, res: Resources, first_page: int) -> None:
+    _expect(req, Waiting)
+    req.state = RemotePrefilling(res, first_page)
+
+
+def remote_landed(req) -> None:
+    _expect(req, RemotePrefilling)
+    req.state = RemotePrefillDone(req.state.res)
+
+
+def remote_failed(req, epoch: int) -> Resources:
+    """D: the peer's prefill will not arrive. The landing pages go back and
+    the request recovers by prefilling locally (an empty snapshot)."""
+    _expect(req, RemotePrefilling)
+    res = req.state.res
+    req.state = Retracted(epoch, False, [], 0, req.num_tokens)
+    return res
+
+
+def start_transfer(req) -> None:
+    _expect(req, PrefillDone)
+    req.state = Transferring(req.state.res)
 
 
 def requeue(req) -> Resources:
@@ -154,27 +229,30 @@ def requeue(req) -> Resources:
 
 def retract_to_host(req, epoch: int, snapshot: list, computed: int) -> Resources:
     """A resident request leaves the device with its KV in a host snapshot."""
-    _expect(req, *RESIDENT)
+    _expect(req, Prefilling, PrefillDone, Decoding, RemotePrefillDone)
     st = req.state
-    target = st.target if isinstance(st, Prefilling) else req.num_tokens - 1
+    # a prompt-done victim re-prefills its whole history, the sampled token
+    # it had not fed yet included, so the completing chunk samples the next
+    target = st.target if isinstance(st, Prefilling) else req.num_tokens
     req.state = Retracted(epoch, bool(req.output), snapshot, computed, target)
     req.retractions += 1
     return st.res
 
 
-def readmit(req, res: Resources) -> None:
-    """Retracted -> back on the device, resuming where it stood: mid-prompt
-    (Prefilling) or with its prompt done and a sampled token to feed."""
+def readmit(req, res: Resources, window_end: int) -> None:
+    """Retracted -> back on the device with `window_end` tokens of KV:
+    mid-prompt (Prefilling), or with its prompt done and a sampled token to
+    feed (PrefillDone)."""
     _expect(req, Retracted)
     st = req.state
-    if st.computed < st.target:
-        req.state = Prefilling(res, st.computed, st.target)
+    if window_end < st.target:
+        req.state = Prefilling(res, window_end, st.target)
     else:
         req.state = PrefillDone(res)
 
 
 def finish(req, reason: str) -> Resources | None:
-    _expect(req, *RESIDENT)
+    _expect(req, *RESIDENT, Transferring)
     res = getattr(req.state, "res", None)
     req.state = Finished(reason)
     req.finish_reason = reason
@@ -196,6 +274,6 @@ def computed_tokens(req) -> int:
     st = req.state
     if isinstance(st, Prefilling):
         return st.window_end
-    if isinstance(st, (PrefillDone, Decoding)):
+    if isinstance(st, (PrefillDone, Decoding, RemotePrefillDone, Transferring)):
         return req.num_tokens - 1
     return 0

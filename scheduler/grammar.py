@@ -7,6 +7,13 @@ admissions could evict), resident chunks, new prompts; then retraction.
 
 Fused, non-mixed: the prefill phases run first and alone; decodes get the
 round only when no prefill was scheduled; then retraction.
+
+P (§3.1): completed prompts out on remote_decode, then resident chunks, then
+new prompts. No retraction: P's pressure valve is the transfer itself.
+
+D (§3.2): local recovery alone in its batch (a resident recovery chunk, else
+the one readmission); otherwise the decode batch (no token budget), at most
+one remote admission beside it, then retraction.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ from __future__ import annotations
 import enum
 
 from pdserve.scheduler.phases import (
-    PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase)
+    PlanBuild, decode_phase, local_recovery_phase, new_prompt_phase, readmission_phase,
+    remote_admission_phase, resident_prefill_phase, ship_phase)
 from pdserve.scheduler.retraction import maybe_retract_for_capacity
 
 
 class Role(enum.Enum):
     FUSED = "fused"
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 def fused_mixed(p, b: PlanBuild) -> None:
@@ -39,7 +49,23 @@ def fused_non_mixed(p, b: PlanBuild) -> None:
     maybe_retract_for_capacity(p, b)
 
 
+def prefill_worker(p, b: PlanBuild) -> None:
+    ship_phase(p, b)
+    resident_prefill_phase(p, b)
+    new_prompt_phase(p, b)
+
+
+def decode_worker(p, b: PlanBuild) -> None:
+    if local_recovery_phase(p, b):
+        return
+    decode_phase(p, b)
+    remote_admission_phase(p, b)
+    maybe_retract_for_capacity(p, b)
+
+
 def grammar_for(role: Role, mixed: bool):
     if role is Role.FUSED:
         return fused_mixed if mixed else fused_non_mixed
-    raise ValueError(f"no grammar for role {role}")
+    if role is Role.PREFILL:
+        return prefill_worker
+    return decode_worker

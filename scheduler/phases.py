@@ -17,8 +17,10 @@ from __future__ import annotations
 from pdserve.scheduler import fsm
 from pdserve.scheduler.chunking import admission_headroom, prefill_chunk_tokens, prefill_reserve
 from pdserve.scheduler.coordinator import GroupDemand
-from pdserve.scheduler.fsm import PrefillDone, Resources
-from pdserve.scheduler.plan import Plan, PrefillOp
+from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
+from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
+
+_FIRST_DECODE = (PrefillDone, RemotePrefillDone)
 
 
 class PlanBuild:
@@ -79,7 +81,7 @@ def try_decode(p, b: PlanBuild, req) -> bool:
     if not p.coord.admit(req, st.res, [GroupDemand(req.num_tokens, 0)],
                          (req.num_tokens - 1) // ps, b.plan):
         return False
-    if st.__class__ is PrefillDone:
+    if st.__class__ in _FIRST_DECODE:
         fsm.begin_decoding(req)
     return True
 
@@ -97,7 +99,7 @@ def decode_phase(p, b: PlanBuild) -> None:
     n = 0
     for req in p.running.values():
         st = req.state
-        if req.num_tokens > req.capacity or st.__class__ is PrefillDone:
+        if req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
             if not try_decode(p, b, req):
                 b.fail(req)
                 continue
@@ -114,33 +116,44 @@ def decode_phase(p, b: PlanBuild) -> None:
 
 # ---- local prefill ----------------------------------------------------------
 
-def readmission_phase(p, b: PlanBuild) -> None:
+def _headroom(p, req) -> tuple[int, int]:
+    """(headroom, remaining): the decode room an admission must secure (§4)."""
+    remaining = req.remaining_new_tokens
+    if not p.decodes_locally:
+        return 0, remaining
+    if req.limits.strict:
+        return remaining, remaining
+    return admission_headroom(remaining, p.cfg.safe_steps, req.retractions), remaining
+
+
+def readmission_phase(p, b: PlanBuild) -> bool:
     """At most one readmission a round: the retracted request that resumes a
-    generation a client is reading first, then the oldest retraction. One
-    that does not fit waits, is never a capacity blocker, and holds back
-    new prompts (a newcomer taking its pages would starve it)."""
+    generation a client is reading first, then the oldest retraction. It
+    re-probes the device cache, loads the rest of its snapshot, and resumes
+    where that leaves it. One that does not fit waits, is never a capacity
+    blocker, and holds back new prompts (a newcomer taking its pages would
+    starve it). Returns whether it readmitted."""
     req = p.next_readmission()
     if req is None:
-        return
+        return False
     st = req.state
-    cfg = p.cfg
-    remaining = req.remaining_new_tokens
-    headroom = remaining if req.limits.strict else \
-        admission_headroom(remaining, cfg.safe_steps, req.retractions)
-    tokens = st.computed + 1 if st.computed == st.target else st.computed
-    reserve = (st.target - st.computed) + headroom
-    # re-probe: what the device cache still holds of it need not be loaded
-    hit, _ = p.coord.match(req, st.computed // p.page_size)
+    ps = p.page_size
+    hit, _ = p.coord.match(req, (st.target - 1) // ps)
+    start = max(st.computed, len(hit) * ps)
+    headroom, remaining = _headroom(p, req)
+    tokens = start + 1 if start == st.target else start
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, [GroupDemand(tokens, reserve)], len(hit), b.plan, hit=hit):
+    if not p.coord.admit(req, res, [GroupDemand(tokens, st.target - start + headroom)],
+                         len(hit), b.plan, hit=hit):
         b.new_prompts_sealed = True
-        return
+        return False
     res.covers_generation = headroom >= remaining
     p.coord.load_snapshot(req.id, res, st.snapshot, len(hit), b.plan)
-    fsm.readmit(req, res)
+    fsm.readmit(req, res, start)
     p.readmitted(req)
     b.plan.readmits.append(req)
     b.prefill_progressed = True
+    return True
 
 
 def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
@@ -195,9 +208,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         return None
     end = begin + chunk
     completes = end == target
-    remaining = req.remaining_new_tokens
-    headroom = remaining if req.limits.strict else \
-        admission_headroom(remaining, cfg.safe_steps, req.retractions)
+    headroom, remaining = _headroom(p, req)
     reserve = prefill_reserve(
         decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
         rest_of_prompt=target - end, headroom=headroom, decode_width=cfg.decode_input_tokens)
@@ -205,7 +216,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     if not p.coord.admit(req, res, [GroupDemand(end, reserve)], len(hit) + len(host_hit),
                          b.plan, hit=hit, host_hit=host_hit):
         return False
-    res.covers_generation = p.decodes_locally and headroom >= remaining
+    res.covers_generation = headroom >= remaining
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:
@@ -232,3 +243,74 @@ def new_prompt_phase(p, b: PlanBuild) -> None:
         elif ok is False:
             b.fail(waiting[0])
             b.sealed = True
+
+
+# ---- disaggregation ---------------------------------------------------------
+
+def try_remote_admission(p, b: PlanBuild, req) -> bool:
+    """D: reserve the whole prompt's landing pages plus the admission
+    headroom (the peer prefills it: there is no mid-way), reuse what the
+    local prefix cache holds, and ask a peer for the rest."""
+    ps = p.page_size
+    hit, _ = p.coord.match(req, (req.num_tokens - 1) // ps)
+    headroom, remaining = _headroom(p, req)
+    res = Resources(len(p.coord.groups))
+    if not p.coord.admit(req, res, [GroupDemand(req.num_tokens, headroom)], len(hit),
+                         b.plan, hit=hit):
+        return False
+    res.covers_generation = headroom >= remaining
+    if p.waiting[0] is req:
+        p.waiting.popleft()
+    else:
+        p.waiting.remove(req)
+    p.take_slot(req)
+    fsm.start_remote_prefill(req, res, len(hit))
+    p.landing[req.id] = req
+    landing = res.tables[0][len(hit):-(-req.num_tokens // ps)]
+    b.plan.remote_prefills.append(RemotePrefillOp(req, len(hit), landing))
+    b.prefill_progressed = True
+    return True
+
+
+def remote_admission_phase(p, b: PlanBuild) -> None:
+    """D: at most one remote admission a round (each reserves a whole
+    prompt; a queue's worth at once would drain the pool before any KV
+    arrives). It rides beside the batch: no token budget, no batch slot."""
+    if not p.waiting or b.new_prompts_sealed or b.plan.remote_prefills:
+        return
+    req = p.waiting[0]
+    if not try_remote_admission(p, b, req):
+        b.fail(req)
+
+
+def local_recovery_phase(p, b: PlanBuild) -> bool:
+    """D: a resident recovery chunk if one is mid-prompt, else the one
+    readmission this round may start; either claims the round to itself.
+    Returns whether it did."""
+    for req in p.prefilling.values():
+        ok = try_resident_chunk(p, b, req)
+        if ok:
+            return True
+        if ok is False:
+            b.fail(req)
+        return False
+    if readmission_phase(p, b):
+        req = b.plan.readmits[-1]
+        if req.id in p.prefilling:
+            try_resident_chunk(p, b, req)
+        return True
+    return False
+
+
+def ship_phase(p, b: PlanBuild) -> None:
+    """P: completed prompts out first. Their pages stay pinned until the
+    peer acks, so releasing them outranks feeding more prompt work."""
+    ps = p.page_size
+    for req in list(p.running.values()):
+        res = req.state.res
+        p.coord.publish(req, res, (req.num_tokens - 1) // ps)
+        fsm.start_transfer(req)
+        del p.running[req.id]
+        p.transferring[req.id] = req
+        src = res.tables[0][req.first_page:-(-(req.num_tokens - 1) // ps)]
+        b.plan.remote_decodes.append(RemoteDecodeOp(req, src, req.output[0]))

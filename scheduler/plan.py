@@ -30,10 +30,15 @@ class Plan:
     readmits: list = field(default_factory=list)
     stores: list = field(default_factory=list)     # StoreOp, stream-ordered ones first
     loads: list = field(default_factory=list)      # LoadOp
+    # D: a remote admission asking a peer to prefill into reserved pages (at most one).
+    remote_prefills: list = field(default_factory=list)
+    # P: completed prompts whose KV and first token ship to the peer.
+    remote_decodes: list = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills or self.retracts or self.readmits
-                    or self.stores or self.loads)
+                    or self.stores or self.loads or self.remote_prefills
+                    or self.remote_decodes)
 
     @property
     def has_forward(self) -> bool:
@@ -96,3 +101,22 @@ class LoadOp:
 class RetractOp:
     req: object
     stored: bool          # True: a host snapshot was taken; False: re-prefill from scratch
+
+
+@dataclass(slots=True)
+class RemotePrefillOp:
+    """D asks a peer to prefill `req` and write pages [first_page, ...) of
+    its prompt into `landing_pages` (D's page ids)."""
+    req: object
+    first_page: int
+    landing_pages: list
+
+
+@dataclass(slots=True)
+class RemoteDecodeOp:
+    """P ships a completed prompt: its pages `src_pages` (from the peer's
+    first_page on) and the first sampled token. The pages stay pinned on P
+    until the peer acks."""
+    req: object
+    src_pages: list
+    first_token: int

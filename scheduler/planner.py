@@ -21,7 +21,9 @@ from pdserve.scheduler import fsm
 from pdserve.scheduler.capacity import context_bound, ingest_error
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup
-from pdserve.scheduler.fsm import Decoding, PrefillDone, Prefilling, Retracted
+from pdserve.scheduler.fsm import (
+    Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
+    Transferring)
 from pdserve.scheduler.grammar import Role, grammar_for
 from pdserve.scheduler.phases import PlanBuild
 from pdserve.scheduler.retraction import ensure_progress
@@ -39,7 +41,9 @@ class Planner:
         self.cfg = cfg
         self.role = role
         self.page_size = cfg.page_size
-        self.decodes_locally = role is Role.FUSED
+        self.decodes_locally = role is not Role.PREFILL
+        self.decodes_use_budget = role is Role.FUSED   # D decodes spend no token budget
+        self.requeues_victims = role is Role.FUSED     # D recovers through readmission only
         self.coord = Coordinator([FullHistoryGroup(cfg.total_pages, cfg.page_size)],
                                  host_pages=cfg.host_pages)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
@@ -47,6 +51,8 @@ class Planner:
         self.prefilling: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
         self.retracted: dict[str, Request] = {}
+        self.landing: dict[str, Request] = {}       # D: RemotePrefilling
+        self.transferring: dict[str, Request] = {}  # P: Transferring, awaiting the ack
         self.requests: dict[str, Request] = {}     # every live request, by id
         self.round = 0
         self.stalls: list[str] = []                # rounds the liveness last resort ran
@@ -63,7 +69,8 @@ class Planner:
             raise RejectedRequest(f"request id {req.id!r} is already live; use a fresh id")
         if not isinstance(req.state, fsm.Waiting) or req.output:
             raise RejectedRequest(f"request {req.id!r} was already scheduled elsewhere")
-        err = ingest_error(self.cfg, req.prompt_len, req.limits.max_new_tokens)
+        max_new = req.limits.max_new_tokens if self.decodes_locally else None
+        err = ingest_error(self.cfg, req.prompt_len, max_new)
         if err:
             raise RejectedRequest(err)
         mnt = req.limits.max_new_tokens
@@ -82,7 +89,8 @@ class Planner:
             self.waiting.remove(req)
         elif isinstance(st, Retracted):
             del self.retracted[req.id]
-            self.coord.release_snapshot(st.snapshot)
+            if st.snapshot:
+                self.coord.release_snapshot(st.snapshot)
         res = fsm.abort(req, reason)
         self._drop(req, res)
         return req
@@ -92,7 +100,8 @@ class Planner:
         self.round += 1
         cfg = self.cfg
         b = PlanBuild(Plan(self.round), cfg.max_scheduled_tokens, cfg.max_batch_size,
-                      decodes_use_budget=True, mixed=cfg.enable_mixed_prefill_decode)
+                      decodes_use_budget=self.decodes_use_budget,
+                      mixed=cfg.enable_mixed_prefill_decode or self.role is not Role.FUSED)
         self._grammar(self, b)
         ensure_progress(self, b)
         b.plan.stores.extend(self.coord.take_pending_stores())
@@ -109,13 +118,15 @@ class Planner:
             self.coord.store_done(op_id)
         for op_id in result.loads_done:
             self.coord.load_done(op_id)
+        local = self.decodes_locally
         for op, tok in zip(plan.prefills, result.prefill_tokens):
             req = op.req
             req.state.res.forwards_out -= 1
             if op.completes:
                 req.output.append(tok)
                 req.num_tokens += 1
-                if len(req.output) >= req.max_new_tokens or req in stopped:
+                # P ships every completed prompt; the peer decides when it ends
+                if local and (len(req.output) >= req.max_new_tokens or req in stopped):
                     done.append(req)
         for req in plan.decodes:
             req.state.res.forwards_out -= 1
@@ -131,6 +142,44 @@ class Planner:
             reason = "length" if len(req.output) >= req.max_new_tokens else "stop"
             self._finish(req, reason)
         return done
+
+    # ---- events from the peer (disaggregation) ----------------------------
+    def transfer_landed(self, req_id: str, first_token: int, stopped: bool = False) -> list:
+        """D: the peer's KV and first token arrived. Returns the requests
+        that finished (a one-token generation ends here)."""
+        req = self.requests[req_id]
+        fsm.remote_landed(req)
+        del self.landing[req_id]
+        req.output.append(first_token)
+        req.num_tokens += 1
+        self._enter(self.running, req)
+        if len(req.output) >= req.max_new_tokens or stopped:
+            self._finish(req, "length" if len(req.output) >= req.max_new_tokens else "stop")
+            return [req]
+        return []
+
+    def transfer_failed(self, req_id: str, reason: str) -> None:
+        """D: the peer's prefill will not arrive (transfer error, timeout,
+        peer lost). The landing pages go back; the request recovers by
+        prefilling locally through the readmission path."""
+        req = self.requests[req_id]
+        res = fsm.remote_failed(req, self.next_epoch())
+        del self.landing[req_id]
+        self.coord.release(res)
+        self._free_slot(req)
+        self.retracted[req_id] = req
+        req.error = reason
+
+    def peer_ack(self, req_id: str) -> None:
+        """P: the peer has the KV (Transferring -> Finished) or no longer
+        wants it (any earlier state -> Aborted). Either way the pages go."""
+        req = self.requests[req_id]
+        if isinstance(req.state, Transferring):
+            self.transferring.pop(req_id)
+            res = fsm.finish(req, "transferred")
+            self._drop(req, res)
+        else:
+            self.abort(req_id, "the peer released the request")
 
     # ---- transitions the phases ask for ----------------------------------
     def prefill_completed(self, req: Request) -> None:
@@ -211,6 +260,8 @@ class Planner:
             self.coord.release(res)
         self.prefilling.pop(req.id, None)
         self.running.pop(req.id, None)
+        self.landing.pop(req.id, None)
+        self.transferring.pop(req.id, None)
         self.requests.pop(req.id, None)
         self._free_slot(req)
 
@@ -220,6 +271,10 @@ class Planner:
             req.slot = -1
 
     # ---- queries ---------------------------------------------------------
+    def waiting_on_peer(self) -> bool:
+        """Requests whose next step is the peer's (a landing, an ack)."""
+        return bool(self.landing or self.transferring)
+
     def has_work(self) -> bool:
         """Live requests, or copies whose tickets still hold pages."""
         c = self.coord
@@ -239,17 +294,14 @@ class Planner:
         for req in self.requests.values():
             st = req.state
             where = (req in self.waiting, req.id in self.prefilling, req.id in self.running,
-                     req.id in self.retracted)
-            if isinstance(st, fsm.Waiting):
-                want = (True, False, False, False)
-            elif isinstance(st, Prefilling):
-                want = (False, True, False, False)
-            elif isinstance(st, (PrefillDone, Decoding)):
-                want = (False, False, True, False)
-            elif isinstance(st, Retracted):
-                want = (False, False, False, True)
+                     req.id in self.retracted, req.id in self.landing,
+                     req.id in self.transferring)
+            kinds = (fsm.Waiting, Prefilling, (PrefillDone, Decoding, RemotePrefillDone),
+                     Retracted, RemotePrefilling, Transferring)
+            want = tuple(isinstance(st, k) for k in kinds)
+            if isinstance(st, Retracted):
                 snapshots.append(st.snapshot)
-            else:
+            if not any(want):
                 raise AssertionError(f"{req.id}: terminal state {st} still live")
             if where != want:
                 raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
@@ -259,7 +311,8 @@ class Planner:
                     raise AssertionError(f"{req.id}: capacity out of step with its table")
                 if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
                     raise AssertionError(f"{req.id}: more than one token beyond capacity")
-        counted = len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.retracted)
+        counted = (len(self.waiting) + len(self.prefilling) + len(self.running)
+                   + len(self.retracted) + len(self.landing) + len(self.transferring))
         if counted != len(self.requests):
             raise AssertionError("a request sits in no queue or in two")
         for coll in (self.prefilling, self.running):

@@ -68,7 +68,7 @@ class Request:
     __slots__ = (
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
-        "finish_reason", "error",
+        "finish_reason", "error", "peer", "first_page",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits()):
@@ -90,6 +90,8 @@ class Request:
         self.capacity = 0              # tokens the held pages of group 0 can hold
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.peer = None               # the other side of a P/D handoff (cluster's to set)
+        self.first_page = 0            # P: the first page the peer does not hold already
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only)."""

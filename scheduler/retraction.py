@@ -24,7 +24,7 @@ from pdserve.scheduler import fsm
 from pdserve.scheduler.fsm import Prefilling
 from pdserve.scheduler.phases import (
     PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase,
-    try_decode, try_new_prompt, try_resident_chunk)
+    try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
 from pdserve.scheduler.plan import RetractOp
 
 
@@ -66,24 +66,31 @@ def retract(p, b: PlanBuild, victim) -> None:
     computed = fsm.computed_tokens(victim)
     coord.publish(victim, st.res, computed // p.page_size, store=False)
     snapshot = coord.snapshot(victim.id, st.res, -(-computed // p.page_size), b.plan)
-    if snapshot is not None:
-        res = fsm.retract_to_host(victim, p.next_epoch(), snapshot, computed)
+    stored = snapshot is not None
+    if stored or not p.requeues_victims:
+        # D has no ordinary prefill path back: it always recovers through
+        # the ordered readmission, from an empty snapshot if need be
+        res = fsm.retract_to_host(victim, p.next_epoch(), snapshot or [],
+                                  computed if stored else 0)
     else:
         res = fsm.requeue(victim)
     coord.release(res)
     p.retracted_from_device(victim)
-    b.plan.retracts.append(RetractOp(victim, snapshot is not None))
+    b.plan.retracts.append(RetractOp(victim, stored))
 
 
 def _retry(p, b: PlanBuild, req) -> bool:
     """Give the blocker its admission again; True if it was granted."""
     st = req.state
-    if isinstance(st, (fsm.PrefillDone, fsm.Decoding)):
+    if isinstance(st, (fsm.PrefillDone, fsm.Decoding, fsm.RemotePrefillDone)):
         if not try_decode(p, b, req):
             return False
         if b.can_decode():
             b.push_decode(req, req.state.res)
         return True                          # granted; decodes next round if it cannot join
+    if isinstance(st, fsm.Waiting) and not p.decodes_use_budget:
+        # D: a remote admission rides beside the batch, one a round
+        return bool(b.plan.remote_prefills) or try_remote_admission(p, b, req)
     if not b.can_prefill():
         return True                          # cannot join this round: tried first next round
     if isinstance(st, Prefilling):
@@ -124,7 +131,8 @@ def ensure_progress(p, b: PlanBuild) -> None:
     judging the exemption away, and run the phases again: decodes first,
     so the freed pages reach running generations before anything else."""
     plan = b.plan
-    if not plan.is_empty() or not p.requests or p.coord.loads or p.coord.stores:
+    if not plan.is_empty() or not p.requests or p.coord.loads or p.coord.stores \
+            or p.waiting_on_peer():
         return
     for coll in (p.prefilling, p.running):
         if any(r.state.res.forwards_out for r in coll.values()):

@@ -124,3 +124,64 @@ def test_tight_pools_with_retraction_finish_everything_within_the_retraction_bou
             assert r.retractions == 0, r
         assert r.retractions <= -(-r.max_new_tokens // cfg.safe_steps), r
     p.assert_idle()
+
+
+@st.composite
+def pd_workloads(draw):
+    page = draw(st.sampled_from([2, 4]))
+    n = draw(st.integers(1, 10))
+    reqs = []
+    for i in range(n):
+        prefix = draw(st.sampled_from([[]] + PREFIXES))
+        tail = draw(st.lists(st.integers(1, 50), min_size=0 if prefix else 1, max_size=20))
+        reqs.append((f"r{i}", prefix + tail, draw(st.integers(1, 30)), draw(st.integers(0, 15)),
+                     draw(st.sampled_from(["ok", "ok", "ok", "fail", "lose_ack", "abort"]))))
+    biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
+    d_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
+                   safe_steps=draw(st.sampled_from([2, 8, 4096])),
+                   host_pages=draw(st.sampled_from([0, 2 * biggest])),
+                   max_batch_size=draw(st.integers(1, 8)))
+    p_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
+                   max_scheduled_tokens=max(page, draw(st.integers(1, 48))))
+    return p_cfg, d_cfg, reqs
+
+
+@settings()
+@given(pd_workloads())
+def test_random_pd_workloads_with_failures_end_every_request_and_leak_nothing(w):
+    from pd_support import PDPair
+
+    p_cfg, d_cfg, reqs = w
+    pair = PDPair(p_cfg, d_cfg)
+    pending = sorted(reqs, key=lambda r: r[3])
+    live, aborted = {}, set()
+    for rnd in range(20000):
+        while pending and pending[0][3] <= rnd:
+            rid, prompt, max_new, _, fate = pending.pop(0)
+            live[rid] = req(rid, prompt, max_new=max_new)
+            pair.submit(live[rid])
+            if fate == "fail":
+                pair.fail_next.add(rid)
+            elif fate == "lose_ack":
+                pair.lose_ack.add(rid)
+            elif fate == "abort":
+                aborted.add(rid)
+        for rid in list(aborted):
+            if rid in pair.D.requests and rnd % 3 == 0:
+                pair.D.abort(rid)
+                if rid in pair.P.requests:
+                    pair.P.peer_ack(rid)           # the abort reaches P
+                aborted.discard(rid)
+        if not (pending or pair.D.has_work() or pair.P.has_work() or pair.in_flight):
+            break
+        dplan, pplan = pair.tick()
+        if not pending:
+            assert not (dplan.is_empty() and pplan.is_empty()), "both sides stalled"
+    else:
+        raise AssertionError("did not finish")
+    for r in live.values():
+        assert r.finish_reason in ("length", "abort"), r
+        if r.finish_reason == "length":
+            assert len(r.output) == r.max_new_tokens
+    pair.D.assert_idle()
+    pair.P.assert_idle()
