@@ -7,7 +7,8 @@ import dataclasses
 import time
 
 from pdserve.cluster.config import load_config
-from pdserve.cluster.sim import Simulation, goodput
+from pdserve.cluster.sim import Simulation
+from pdserve.cluster.sim_report import goodput
 from pdserve.cluster.trace import read_trace
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1

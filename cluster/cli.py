@@ -11,11 +11,15 @@ from pathlib import Path
 
 def _cmd_sim(args) -> int:
     from pdserve.cluster.config import load_config
-    from pdserve.cluster.sim import Simulation, format_summary
+    from pdserve.cluster.faults import load_faults
+    from pdserve.cluster.sim import Simulation, build_engines, format_summary
     from pdserve.cluster.trace import read_trace
 
     cfg = load_config(args.config)
     trace = read_trace(args.trace, limit=args.limit)
+    faults = []
+    if args.faults:
+        faults = load_faults(args.faults, [e.name for e in build_engines(cfg)])
     plan_log = None
     if args.plans:
         Path(args.plans).parent.mkdir(parents=True, exist_ok=True)
@@ -23,7 +27,7 @@ def _cmd_sim(args) -> int:
     started = time.perf_counter()
     try:
         sim = Simulation(cfg, trace, plan_log=plan_log, progress=not args.no_progress,
-                         all_strict=args.strict)
+                         all_strict=args.strict, faults=faults)
         result = sim.run()
     finally:
         if plan_log is not None:
@@ -35,6 +39,8 @@ def _cmd_sim(args) -> int:
     print(f"pdserve sim: {len(trace)} requests on {len(sim.engines)} engine(s), "
           f"{sim.rounds} rounds, {wall:.1f} s wall; results in {out}")
     print(format_summary(result["summary"]))
+    if any(result["counters"].values()):
+        print(" ".join(f"{k}={v}" for k, v in result["counters"].items() if v))
     return 0
 
 
@@ -62,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plans", help="also write one JSON line per engine round here")
     sim.add_argument("--limit", type=int, help="only the first N requests of the trace")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--faults", help="YAML list of faults to inject (see docs/configuration.md)")
     sim.add_argument("--strict", action="store_true",
                      help="admit every request strictly (its whole generation reserved)")
     sim.set_defaults(func=_cmd_sim)

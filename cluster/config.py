@@ -71,11 +71,21 @@ class ClusterShape:
 class SimulateConfig:
     gpu: str = "h100"
     model: str = "llama-3-8b"
+    link_gbps: float = 400.0         # P -> D KV link, per prefill engine
+    link_latency_s: float = 0.0002   # one control message or RDMA completion
+    lease_s: float = 10.0            # how long a silent peer can keep P's pages pinned
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
         data = _check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
-        return cls(**data)
+        cfg = cls(**data)
+        for name in ("link_gbps", "link_latency_s", "lease_s"):
+            v = getattr(cfg, name)
+            low = 0 < v if name == "link_gbps" else 0 <= v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low:
+                bound = "> 0" if name == "link_gbps" else ">= 0"
+                raise ConfigError(f"simulate.{name} must be a number {bound}, got {v!r}")
+        return cfg
 
 
 @dataclass(frozen=True)

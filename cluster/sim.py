@@ -1,73 +1,67 @@
 """`pdserve sim`: a cluster of engines on virtual time, driven by a trace.
 
 Each engine is the real planner behind a `SimExecutor`. A discrete-event
-loop always advances whichever comes first, the next arrival or the busy
-engine with the earliest clock; ties go to the lower engine index, so a run
-is a pure function of trace and config.
+loop always advances whichever comes first: the next event (an arrival, a
+message between engines, a transfer landing, a fault) or the runnable
+engine with the earliest clock. Ties go to the earlier-made event and the
+lower engine index, so a run is a pure function of trace, config and faults.
+
+Disaggregated flow (DESIGN.md): the router pairs a request with a D and a P
+(least outstanding tokens); D's remote admission sends the prompt to P; P
+prefills and ships KV over a modelled link (bytes per page from the model
+preset, the link's bandwidth and latency, one transfer at a time per P); D
+sees it land, acks P, and decodes. A failed transfer, a lost ack (P's lease
+expires) and a dead engine each take their path through the planners.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.faults import Fault
+from pdserve.cluster.sim_report import Record, format_summary, goodput, summarize
 from pdserve.cluster.trace import TraceRequest
 from pdserve.roles.cost_model import GPUS, MODELS, CostModel, preset
 from pdserve.roles.engine import Engine
 from pdserve.roles.sim_executor import SimExecutor
-from pdserve.scheduler.config import ConfigError
+from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 
-
-@dataclass
-class Record:
-    id: str
-    arrival_s: float
-    status: str = "unfinished"
-    error: str | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    output_tokens: int = 0
-    retractions: int = 0
-
-    def to_json(self) -> dict:
-        ttft = e2e = tpot = None
-        if self.first_token_s is not None:
-            ttft = self.first_token_s - self.arrival_s
-        if self.finish_s is not None and self.status == "finished":
-            e2e = self.finish_s - self.arrival_s
-            if self.output_tokens > 1:
-                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
-        return {"id": self.id, "status": self.status, "error": self.error,
-                "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
-                "output_tokens": self.output_tokens, "retractions": self.retractions}
+__all__ = ["Simulation", "format_summary", "goodput"]
 
 
 @dataclass
 class SimEngine:
     engine: Engine
     index: int
+    role: Role
     load: int = 0                 # outstanding tokens routed here and not finished
-    stalled: bool = False
     live: dict = field(default_factory=dict)   # req id -> routed load
+    stalled: bool = False         # built nothing with nothing to wait for: a bug
+    parked: bool = False          # built nothing while waiting on a peer
+    alive: bool = True
+    link_free_at: float = 0.0     # P: when its KV link is next free
 
     @property
     def clock(self) -> float:
         return self.engine.executor.now
 
+    @property
+    def planner(self) -> Planner:
+        return self.engine.planner
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def runnable(self) -> bool:
+        return self.alive and not self.stalled and not self.parked and self.engine.has_work()
 
 
 def build_engines(cfg: ServeConfig) -> list[SimEngine]:
@@ -76,101 +70,267 @@ def build_engines(cfg: ServeConfig) -> list[SimEngine]:
     engine_cfg = cfg.engine
     if "max_context_tokens" not in cfg.engine_overrides:
         engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.context)
-    if cfg.cluster.fused == 0:
-        raise ConfigError(
-            "pdserve sim runs fused engines for now (cluster.fused >= 1); the "
-            "prefill/decode split arrives with the P/D roles")
     cost = CostModel(model, gpu)
-    return [SimEngine(Engine(f"fused-{i}", Planner(engine_cfg),
-                             SimExecutor(cost, engine_cfg.page_size)), i)
-            for i in range(cfg.cluster.fused)]
+    out = []
+    for role, count in ((Role.FUSED, cfg.cluster.fused), (Role.PREFILL, cfg.cluster.prefill),
+                        (Role.DECODE, cfg.cluster.decode)):
+        if role is not Role.FUSED and cfg.cluster.decode == 0:
+            continue                  # prefill engines with no decode peer would idle
+        for i in range(count):
+            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role),
+                         SimExecutor(cost, engine_cfg.page_size))
+            out.append(SimEngine(eng, len(out), role))
+    return out
 
 
 class Simulation:
     def __init__(self, cfg: ServeConfig, trace: list[TraceRequest], plan_log=None,
-                 progress: bool = True, all_strict: bool = False):
+                 progress: bool = True, all_strict: bool = False, faults: list[Fault] = ()):
         self.cfg = cfg
         self.all_strict = all_strict
         self.engines = build_engines(cfg)
-        self.trace = sorted(enumerate(trace), key=lambda it: (it[1].arrival_s, it[0]))
+        self.faults = list(faults)
         self.records = {t.id: Record(t.id, t.arrival_s) for t in trace}
         self.order = [t.id for t in trace]
+        self.n = len(trace)
         self.plan_log = plan_log
         self.progress = progress
         self.rounds = 0
+        self.counters = {"remote_prefills": 0, "transfers": 0, "transfer_failures": 0,
+                         "local_recoveries": 0, "lost_acks": 0, "lease_expiries": 0,
+                         "engine_deaths": 0, "failed_by_death": 0}
+        model = preset(MODELS, "model", cfg.simulate.model)
+        self._page_bytes = model.kv_bytes_per_token * cfg.engine.page_size
+        self._link_bps = cfg.simulate.link_gbps * 1e9 / 8
+        self._events: list = []
+        self._seq = 0
+        self._done = 0
         self._stalls_seen: dict[int, int] = {}
+        for t in sorted(trace, key=lambda t: t.arrival_s):
+            self._push(t.arrival_s, "arrive", t)
+        for f in self.faults:
+            if f.kind == "engine_death":
+                self._push(f.at_s, "death", f)
 
-    # ---- routing ---------------------------------------------------------
-    def _route(self, t: TraceRequest) -> None:
-        rec = self.records[t.id]
-        target = min(self.engines, key=lambda e: (e.load, e.index))
-        if not target.engine.has_work():
-            target.engine.executor.now = max(target.clock, t.arrival_s)
-        req = Request(t.id, t.prompt, SamplingLimits(max_new_tokens=t.max_new_tokens,
-                                                     strict=t.strict or self.all_strict))
+    # ---- events ----------------------------------------------------------
+    def _push(self, t: float, kind: str, *args) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, args))
+
+    def _wake(self, se: SimEngine, t: float) -> None:
+        """An event reached `se` at time t: an idle or parked engine's clock
+        jumps to it; a running one is already past it."""
+        if se.parked or not se.engine.has_work():
+            se.engine.executor.now = max(se.clock, t)
+        se.parked = False
+
+    def _fault(self, kind: str, now: float, engine: str) -> bool:
+        for f in self.faults:
+            if f.kind == kind and f.matches(now, engine):
+                f.fired = True
+                return True
+        return False
+
+    def _deliver(self, t: float, kind: str, args) -> None:
+        getattr(self, "_on_" + kind)(t, *args)
+
+    def _on_arrive(self, t: float, tr: TraceRequest) -> None:
+        rec = self.records[tr.id]
+        front = [e for e in self.engines if e.alive and e.role is not Role.PREFILL]
+        if not front:
+            rec.status, rec.error = "failed", "no live engine can serve a request"
+            self._done += 1
+            return
+        target = min(front, key=lambda e: (e.load, e.index))
+        req = Request(tr.id, tr.prompt, SamplingLimits(max_new_tokens=tr.max_new_tokens,
+                                                       strict=tr.strict or self.all_strict))
+        if target.role is Role.DECODE:
+            peers = [e for e in self.engines if e.alive and e.role is Role.PREFILL]
+            req.peer = min(peers, key=lambda e: (e.load, e.index)).index if peers else None
+        self._wake(target, t)
         try:
-            target.engine.submit(req, t.output_tokens)
+            target.engine.submit(req, tr.output_tokens)
         except RejectedRequest as e:
             rec.status, rec.error = "rejected", str(e)
+            self._done += 1
             return
         load = req.prompt_len + req.max_new_tokens
-        target.live[t.id] = load
+        target.live[tr.id] = load
         target.load += load
 
-    # ---- one engine round ------------------------------------------------
-    def _step(self, se: SimEngine) -> None:
-        t0 = se.clock
-        out = se.engine.step()
-        if out is None:
-            # Nothing could be built while requests wait: without retraction a
-            # pool held by requests that outgrew their reserve cannot move.
-            se.stalled = True
-            pl = se.engine.planner
-            print(f"pdserve sim: {se.engine.name} stalled at t={t0:.3f}s with "
-                  f"{len(pl.requests)} live requests, {pl.free_pages()} free pages; "
-                  "marking them unfinished", file=sys.stderr)
-            for rid in list(pl.requests):
-                self.records[rid].error = "engine stalled: no admissible work"
+    def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
+        p = self.engines[p_idx] if p_idx is not None else None
+        if p is None or not p.alive:
+            self._push(t + self.cfg.simulate.lease_s, "failed", d_idx, rid, p_idx,
+                       "no live prefill engine answered")
             return
-        self.rounds += 1
-        pl = se.engine.planner
-        for msg in pl.stalls[self._stalls_seen.get(se.index, 0):]:
-            print(f"pdserve sim: {se.engine.name}: liveness last resort: {msg}", file=sys.stderr)
-        self._stalls_seen[se.index] = len(pl.stalls)
-        now = se.clock
-        plan = out.plan
-        for op in plan.prefills:
-            if op.completes:
-                rec = self.records[op.req.id]
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
-        for req in out.finished:
+        twin = Request(rid, prompt, SamplingLimits(max_new_tokens=1))
+        twin.first_page, twin.peer = first_page, d_idx
+        self._wake(p, t)
+        try:
+            p.engine.submit(twin)
+        except RejectedRequest as e:
+            self._push(t + self.cfg.simulate.link_latency_s, "failed", d_idx, rid, p_idx,
+                       f"{p.name} refused the prompt: {e}")
+            return
+        p.live[rid] = twin.prompt_len
+        p.load += twin.prompt_len
+
+    def _on_landed(self, t: float, d_idx: int, rid: str, token: int, p_idx: int) -> None:
+        d = self.engines[d_idx]
+        if not d.alive:
+            return                                   # P's lease releases its side
+        if rid not in d.planner.landing:
+            self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
+            return
+        self._wake(d, t)
+        finished = d.planner.transfer_landed(rid, token, stopped=d.engine.executor.stops_at(rid, 1))
+        rec = self.records[rid]
+        if rec.first_token_s is None:
+            rec.first_token_s = t
+        self._finished(d, finished, t)
+        if self._fault("ack_lost", t, self.engines[p_idx].name):
+            self.counters["lost_acks"] += 1
+            self._push(t + self.cfg.simulate.lease_s, "lease_expired", p_idx, rid)
+        else:
+            self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
+
+    def _on_failed(self, t: float, d_idx: int, rid: str, p_idx, reason: str) -> None:
+        d = self.engines[d_idx]
+        if d.alive and rid in d.planner.landing:
+            self._wake(d, t)
+            d.planner.transfer_failed(rid, reason)
+            self.counters["local_recoveries"] += 1
+        if p_idx is not None:
+            self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
+
+    def _release_on_p(self, p: SimEngine, rid: str, how) -> bool:
+        if not p.alive or rid not in p.planner.requests:
+            return False
+        how(rid)
+        p.load -= p.live.pop(rid)
+        return True
+
+    def _on_ack(self, t: float, p_idx: int, rid: str) -> None:
+        p = self.engines[p_idx]
+        self._wake(p, t)
+        self._release_on_p(p, rid, p.planner.peer_ack)
+
+    def _on_lease_expired(self, t: float, p_idx: int, rid: str) -> None:
+        p = self.engines[p_idx]
+        self._wake(p, t)
+        if self._release_on_p(p, rid, lambda r: p.planner.abort(r, "lease expired")):
+            self.counters["lease_expiries"] += 1
+
+    def _on_death(self, t: float, fault: Fault) -> None:
+        se = next(e for e in self.engines if e.name == fault.engine)
+        if not se.alive:
+            return
+        fault.fired = True
+        se.alive = False
+        self.counters["engine_deaths"] += 1
+        lease = self.cfg.simulate.lease_s
+        if se.role is Role.PREFILL:
+            for d in self.engines:
+                if d.alive and d.role is Role.DECODE:
+                    for req in list(d.planner.landing.values()):
+                        if req.peer == se.index:
+                            self._push(t + lease, "failed", d.index, req.id, None,
+                                       f"prefill engine {se.name} died")
+            return
+        for rid in list(se.live):
+            rec = self.records[rid]
+            rec.status, rec.error = "failed", f"{se.name} died at {t:.3f}s"
+            self._done += 1
+            self.counters["failed_by_death"] += 1
+        for p in self.engines:
+            if p.alive and p.role is Role.PREFILL:
+                for req in list(p.planner.requests.values()):
+                    if req.peer == se.index:
+                        self._push(t + lease, "lease_expired", p.index, req.id)
+
+    # ---- one engine round ------------------------------------------------
+    def _finished(self, se: SimEngine, reqs, now: float) -> None:
+        for req in reqs:
             rec = self.records[req.id]
             rec.status = "finished"
             rec.finish_s = now
             rec.output_tokens = len(req.output)
             rec.retractions = req.retractions
             se.load -= se.live.pop(req.id)
+            se.engine.executor.forget(req.id)
             self._done += 1
+
+    def _step(self, se: SimEngine) -> None:
+        t0 = se.clock
+        out = se.engine.step()
+        pl = se.planner
+        for msg in pl.stalls[self._stalls_seen.get(se.index, 0):]:
+            print(f"pdserve sim: {se.name}: liveness last resort: {msg}", file=sys.stderr)
+        self._stalls_seen[se.index] = len(pl.stalls)
+        if out is None:
+            if pl.waiting_on_peer():
+                se.parked = True
+                return
+            se.stalled = True
+            print(f"pdserve sim: {se.name} stalled at t={t0:.3f}s with {len(pl.requests)} "
+                  f"live requests, {pl.free_pages()} free pages; marking them unfinished",
+                  file=sys.stderr)
+            for rid in list(pl.requests):
+                if rid in self.records:
+                    self.records[rid].error = "engine stalled: no admissible work"
+            return
+        self.rounds += 1
+        now = se.clock
+        plan = out.plan
+        if se.role is not Role.PREFILL:
+            for op in plan.prefills:
+                if op.completes:
+                    rec = self.records[op.req.id]
+                    if rec.first_token_s is None:
+                        rec.first_token_s = now
+            self._finished(se, out.finished, now)
+        lat = self.cfg.simulate.link_latency_s
+        for op in plan.remote_prefills:
+            self.counters["remote_prefills"] += 1
+            r = op.req
+            self._push(now + lat, "p_submit", se.index, r.peer, r.id, r.prompt, op.first_page)
+        for op in plan.remote_decodes:
+            self._ship(se, op, now)
         if self.plan_log is not None:
             self._log_plan(se, t0, plan)
 
+    def _ship(self, p: SimEngine, op, now: float) -> None:
+        """Model P's KV write to D: one transfer at a time on P's link."""
+        self.counters["transfers"] += 1
+        start = max(now, p.link_free_at)
+        busy = len(op.src_pages) * self._page_bytes / self._link_bps
+        p.link_free_at = start + busy
+        end = start + busy + self.cfg.simulate.link_latency_s
+        d_idx = op.req.peer
+        if self._fault("transfer_fail", now, p.name):
+            self.counters["transfer_failures"] += 1
+            self._push(end, "failed", d_idx, op.req.id, p.index, f"transfer from {p.name} failed")
+        else:
+            self._push(end, "landed", d_idx, op.req.id, op.first_token, p.index)
+
     def _log_plan(self, se: SimEngine, t0: float, plan) -> None:
-        ops = [{"req": r.req.id, "op": "retract", "begin": 0, "tokens": 0, "replay": 0}
-               for r in plan.retracts]
-        ops += [{"req": s.req_id, "op": "store", "begin": 0, "tokens": len(s.device_pages),
-                 "replay": 0} for s in plan.stores]
-        ops += [{"req": r.id, "op": "readmit", "begin": 0, "tokens": 0, "replay": 0}
-                for r in plan.readmits]
-        ops += [{"req": ld.req_id, "op": "load", "begin": 0, "tokens": len(ld.device_pages),
-                 "replay": 0} for ld in plan.loads]
-        ops += [{"req": op.req.id, "op": "prefill", "begin": op.begin, "tokens": op.tokens,
-                 "replay": op.replay} for op in plan.prefills]
-        ops += [{"req": r.id, "op": "decode", "begin": r.num_tokens - 2, "tokens": 1,
-                 "replay": 0} for r in plan.decodes]
-        pl = se.engine.planner
+        def op(req_id, name, begin=0, tokens=0, replay=0):
+            return {"req": req_id, "op": name, "begin": begin, "tokens": tokens,
+                    "replay": replay}
+        ops = [op(r.req.id, "retract") for r in plan.retracts]
+        ops += [op(s.req_id, "store", tokens=len(s.device_pages)) for s in plan.stores]
+        ops += [op(r.id, "readmit") for r in plan.readmits]
+        ops += [op(ld.req_id, "load", tokens=len(ld.device_pages)) for ld in plan.loads]
+        ops += [op(o.req.id, "prefill", o.begin, o.tokens, o.replay) for o in plan.prefills]
+        ops += [op(r.id, "decode", r.num_tokens - 2, 1) for r in plan.decodes]
+        ops += [op(o.req.id, "remote_prefill", o.first_page * se.planner.page_size,
+                   o.req.prompt_len - o.first_page * se.planner.page_size)
+                for o in plan.remote_prefills]
+        ops += [op(o.req.id, "remote_decode", tokens=len(o.src_pages)) for o in plan.remote_decodes]
+        pl = se.planner
         self.plan_log.write(json.dumps({
-            "t": round(t0, 9), "engine": se.engine.name, "role": se.engine.role,
+            "t": round(t0, 9), "engine": se.name, "role": se.role.value,
             "round": plan.round, "ops": ops, "free_pages": pl.free_pages(),
             "total_pages": pl.total_pages}) + "\n")
 
@@ -178,64 +338,28 @@ class Simulation:
     def run(self) -> dict:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(self.trace), disable=not self.progress, unit="req",
+        bar = tqdm(total=self.n, disable=not self.progress, unit="req",
                    desc="pdserve sim", file=sys.stderr)
-        self._done = 0
-        i, n = 0, len(self.trace)
-        engines = self.engines
+        engines, events = self.engines, self._events
         while True:
             busy = None
             for se in engines:
-                if not se.stalled and se.engine.has_work() and \
-                        (busy is None or se.clock < busy.clock):
+                if se.runnable() and (busy is None or se.clock < busy.clock):
                     busy = se
-            if i < n and (busy is None or self.trace[i][1].arrival_s <= busy.clock):
-                self._route(self.trace[i][1])
-                i += 1
-                continue
-            if busy is None:
+            if events and (busy is None or events[0][0] <= busy.clock):
+                t, _, kind, args = heapq.heappop(events)
+                self._deliver(t, kind, args)
+            elif busy is not None:
+                self._step(busy)
+            else:
                 break
-            before = self._done
-            self._step(busy)
-            if self._done != before:
-                bar.update(self._done - before)
+            if self._done != bar.n:
+                bar.update(self._done - bar.n)
         bar.close()
         return self.result()
 
     def result(self) -> dict:
-        recs = [self.records[i] for i in self.order]
-        rows = [r.to_json() for r in recs]
-        fin = [r for r in rows if r["status"] == "finished"]
+        rows = [self.records[i].to_json() for i in self.order]
         end = max([e.clock for e in self.engines] + [0.0])
-        out_tokens = sum(r["output_tokens"] for r in fin)
-        ttft = [r["ttft_s"] for r in fin]
-        tpot = [r["tpot_s"] for r in fin if r["tpot_s"] is not None]
-        count = {s: sum(1 for r in rows if r["status"] == s)
-                 for s in ("finished", "rejected", "failed", "unfinished")}
-        summary = dict(count)
-        summary.update({
-            "virtual_seconds": end,
-            "output_tok_per_s": out_tokens / end if end > 0 else 0.0,
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
-        })
-        return {"requests": rows, "summary": summary}
-
-
-def goodput(result: dict, ttft_slo_s: float, tpot_slo_s: float) -> float:
-    """Finished requests a second that met both SLOs (DistServe's goodput)."""
-    ok = sum(1 for r in result["requests"] if r["status"] == "finished"
-             and r["ttft_s"] <= ttft_slo_s and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo_s))
-    secs = result["summary"]["virtual_seconds"]
-    return ok / secs if secs > 0 else 0.0
-
-
-def format_summary(summary: dict) -> str:
-    def fmt(v):
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.4f}"
-        return str(v)
-    width = max(len(k) for k in summary)
-    return "\n".join(f"{k:<{width}}  {fmt(v)}" for k, v in summary.items())
+        return {"requests": rows, "summary": summarize(rows, end),
+                "counters": dict(self.counters)}

@@ -28,6 +28,10 @@ class SimExecutor:
         if output_tokens is not None:
             self._stop_after[req_id] = output_tokens
 
+    def stops_at(self, req_id: str, n: int) -> bool:
+        """Does the simulated model stop at its n-th generated token?"""
+        return self._stop_after.get(req_id, -1) == n
+
     def forget(self, req_id: str) -> None:
         self._stop_after.pop(req_id, None)
 

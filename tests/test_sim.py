@@ -219,3 +219,87 @@ def test_a_trace_line_can_ask_for_strict_admission(tmp_path):
     p = write(tmp_path, "t.jsonl", '{"id": "a", "prompt_tokens": 3, "strict": "yes"}\n')
     with pytest.raises(TraceError, match="'strict' must be true or false"):
         read_trace(p)
+
+
+# ---- disaggregation --------------------------------------------------------
+
+PD_CFG = ("engine: {page_size: 16, total_pages: 2048, max_scheduled_tokens: 2048}\n"
+          "cluster: {prefill: 2, decode: 2, fused: 0}\n"
+          "simulate: {gpu: h100, model: llama-3-8b, lease_s: 2.0}\n")
+
+
+def run_pd(tmp_path, faults=None, cfg_text=PD_CFG):
+    cfg = load_config(write(tmp_path, "pd.yaml", cfg_text))
+    from pdserve.cluster.faults import load_faults
+    from pdserve.cluster.sim import build_engines
+
+    fl = []
+    if faults is not None:
+        names = [e.name for e in build_engines(cfg)]
+        fl = load_faults(write(tmp_path, "faults.yaml", faults), names)
+    sim = Simulation(cfg, read_trace(DEMO_TRACE), progress=False, faults=fl)
+    res = sim.run()
+    for se in sim.engines:
+        if se.alive:
+            se.planner.assert_idle()
+    return sim, res
+
+
+def test_disaggregated_run_hands_every_request_from_p_to_d(tmp_path):
+    sim, res = run_pd(tmp_path)
+    assert res["summary"]["finished"] == 48
+    assert res["counters"]["remote_prefills"] == res["counters"]["transfers"] == 48
+    roles = {se.name: se.role.value for se in sim.engines}
+    assert roles == {"prefill-0": "prefill", "prefill-1": "prefill",
+                     "decode-0": "decode", "decode-1": "decode"}
+
+
+def test_disaggregated_output_lengths_match_fused(tmp_path):
+    _, pd = run_pd(tmp_path)
+    fused = Simulation(load_config(DEMO_CFG), read_trace(DEMO_TRACE), progress=False).run()
+    assert [r["output_tokens"] for r in pd["requests"]] == \
+        [r["output_tokens"] for r in fused["requests"]]
+
+
+def test_disaggregated_runs_are_deterministic(tmp_path):
+    faults = "- {at_s: 1.0, kind: transfer_fail}\n- {at_s: 2.0, kind: ack_lost}\n"
+    assert run_pd(tmp_path, faults)[1] == run_pd(tmp_path, faults)[1]
+
+
+def test_a_failed_transfer_recovers_locally_on_d(tmp_path):
+    _, res = run_pd(tmp_path, "- {at_s: 0.5, kind: transfer_fail, engine: prefill-0}\n"
+                              "- {at_s: 2.0, kind: transfer_fail}\n")
+    c = res["counters"]
+    assert c["transfer_failures"] == 2 and c["local_recoveries"] == 2
+    assert res["summary"]["finished"] == 48
+
+
+def test_a_lost_ack_is_released_by_the_lease(tmp_path):
+    _, res = run_pd(tmp_path, "- {at_s: 1.0, kind: ack_lost}\n")
+    assert res["counters"]["lost_acks"] == 1 == res["counters"]["lease_expiries"]
+    assert res["summary"]["finished"] == 48
+
+
+def test_a_dead_prefill_engine_hands_its_prompts_to_local_recovery(tmp_path):
+    _, res = run_pd(tmp_path, "- {at_s: 1.0, kind: engine_death, engine: prefill-1}\n")
+    assert res["counters"]["engine_deaths"] == 1
+    assert res["summary"]["finished"] == 48
+
+
+def test_a_dead_decode_engine_fails_its_requests_with_a_reason(tmp_path):
+    _, res = run_pd(tmp_path, "- {at_s: 2.0, kind: engine_death, engine: decode-0}\n")
+    failed = [r for r in res["requests"] if r["status"] == "failed"]
+    assert failed and all("decode-0 died" in r["error"] for r in failed)
+    assert res["summary"]["finished"] + len(failed) == 48
+
+
+@pytest.mark.parametrize("text,words", [
+    ("- {at_s: 1, kind: meteor}\n", "kind must be one of"),
+    ("- {at_s: -1, kind: ack_lost}\n", "at_s must be"),
+    ("- {at_s: 1, kind: engine_death}\n", "needs an engine"),
+    ("- {at_s: 1, kind: transfer_fail, engine: prefill-9}\n", "no engine named 'prefill-9'"),
+    ("- {at_s: 1, kind: ack_lost, when: now}\n", "unknown key when"),
+])
+def test_bad_fault_files_say_what_is_wrong(tmp_path, text, words):
+    with pytest.raises(ConfigError, match=words):
+        run_pd(tmp_path, text)
