@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	@echo "== two fused engines =="
 	$(VENV)/bin/pdserve sim --config deploy/sim-demo.yaml --trace deploy/demo-trace.jsonl --out out/demo.json
+	@echo "== one prefill + one decode engine =="
+	$(VENV)/bin/pdserve sim --config deploy/sim-demo-pd.yaml --trace deploy/demo-trace.jsonl --out out/demo-pd.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

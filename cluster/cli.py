@@ -49,11 +49,16 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.planner import main as bench_main
 
         return bench_main(sizes=args.sizes, rounds=args.rounds)
+    if not args.config or not args.trace:
+        print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
+        return 2
+    if args.what == "disagg":
+        from pdserve.benchmarks.disagg import main as disagg_main
+
+        return disagg_main(args.config, args.trace, args.limit, args.rates, args.ttft_slo,
+                           args.tpot_slo, args.out, args.plot)
     from pdserve.benchmarks.retraction import main as bench_main
 
-    if not args.config or not args.trace:
-        print("pdserve: error: bench retraction needs --config and --trace", file=sys.stderr)
-        return 2
     return bench_main(args.config, args.trace, limit=args.limit)
 
 
@@ -74,14 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=_cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner", "retraction"],
+    bench.add_argument("what", choices=["planner", "retraction", "disagg"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
-                            "with the host cache off and on, and every request strict")
+                            "with the host cache off and on, and every request strict; "
+                            "disagg: fused against P/D splits across request rates")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
     bench.add_argument("--config", help="retraction: the config YAML")
     bench.add_argument("--trace", help="retraction: the trace")
-    bench.add_argument("--limit", type=int, help="retraction: only the first N requests")
+    bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
+                       help="disagg: arrival-rate multipliers of the trace's own rate")
+    bench.add_argument("--ttft-slo", type=float, default=2.0, help="disagg: seconds")
+    bench.add_argument("--tpot-slo", type=float, default=0.1, help="disagg: seconds")
+    bench.add_argument("--out", help="disagg: save the rows as JSON here")
+    bench.add_argument("--plot", help="disagg: draw goodput against rate into this PNG")
     bench.set_defaults(func=_cmd_bench)
     return ap
 
