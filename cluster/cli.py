@@ -44,11 +44,31 @@ def _cmd_sim(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
+    if args.config is None:
+        print("pdserve: error: generate needs --config FILE (offline, in-process)",
+              file=sys.stderr)
+        return 2
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = LLM(args.config, device=args.device)
+    for out in llm.generate(args.text, sp, use_tqdm=False):
+        print(out.text)
+    return 0
+
+
 def _cmd_bench(args) -> int:
     if args.what == "planner":
         from pdserve.benchmarks.planner import main as bench_main
 
         return bench_main(sizes=args.sizes, rounds=args.rounds)
+    if args.what == "llm":
+        from pdserve.benchmarks.llm import main as llm_main
+
+        return llm_main()
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
@@ -78,11 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="admit every request strictly (its whole generation reserved)")
     sim.set_defaults(func=_cmd_sim)
 
+    gen = sub.add_parser("generate", help="generate text offline with one in-process engine")
+    gen.add_argument("--config", help="config YAML (model and engine)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("text", nargs="+", help="one or more prompts")
+    gen.set_defaults(func=_cmd_generate)
+
     bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner", "retraction", "disagg"],
+    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
-                            "disagg: fused against P/D splits across request rates")
+                            "disagg: fused against P/D splits across request rates; "
+                            "llm: pdserve.LLM against Hugging Face generate")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
     bench.add_argument("--config", help="retraction: the config YAML")
@@ -105,7 +137,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, TraceError) as e:
+    except (ConfigError, TraceError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,59 @@
+"""Load a model: a Hugging Face checkpoint directory or the tiny preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.attention import make_backend
+from pdserve.kernels.model import DecoderModel, random_weights, weight_names
+from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
+from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
+
+TINY_SEED = 20261129
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{d} has no *.safetensors weights; pdserve reads safetensors "
+                         "checkpoints (save with save_pretrained(safe_serialization=True))")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    need = weight_names(cfg)
+    missing = [n for n in need if n not in weights]
+    if cfg.tie_word_embeddings is False and "lm_head.weight" in missing \
+            and "model.embed_tokens.weight" in weights:
+        missing.remove("lm_head.weight")
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    if missing:
+        raise ModelError(f"{d}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+    return weights
+
+
+def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="float32",
+               device="cpu", attention="auto"):
+    """(model, tokenizer) for a checkpoint directory or a preset."""
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if path is not None:
+        d = Path(path)
+        cfg = read_config(d)
+        weights = _read_safetensors(d, cfg)
+        tok = HFTokenizer(d)
+    elif preset == "tiny":
+        cfg = tiny_config()
+        weights = random_weights(cfg, TINY_SEED)
+        tok = PrintableTokenizer()
+    else:
+        raise ModelError(f"unknown model preset {preset!r}; use preset: tiny or path: DIR")
+    backend = make_backend(attention, device, num_heads=cfg.num_heads,
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           sliding_window=cfg.sliding_window)
+    return DecoderModel(cfg, weights, DTYPES[dtype], device, backend), tok

@@ -1,0 +1,120 @@
+"""The torch executor: carries a plan out on a real model.
+
+Order within a round is the spec's stream order: host stores first (the
+retraction snapshots among them read pages the plan has already granted to
+someone else), then loads back from host, then the forward. Fresh pages are
+not zeroed: attention reads only positions a request has written. Every copy
+finishes within the round, so every store and load is acked in the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
+from pdserve.kernels.sampling import SamplingParams, sample
+from pdserve.scheduler.config import EngineConfig
+from pdserve.scheduler.plan import Plan, StepResult
+
+
+class TorchExecutor:
+    def __init__(self, model, tokenizer, cfg: EngineConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.page_size = cfg.page_size
+        self.cache = model.new_cache(cfg.total_pages, cfg.page_size)
+        self.host = None
+        if cfg.host_pages:
+            c = model.cfg
+            self.host = KVCache(c.num_layers, cfg.host_pages, cfg.page_size, c.num_kv_heads,
+                                c.head_dim, model.dtype, "cpu")
+        self.eos = set(model.cfg.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            self.eos.add(tok_eos)
+        self._params: dict[str, SamplingParams] = {}
+        self._seeds: dict[str, int] = {}
+        self.forward_tokens = 0
+
+    # ---- per-request sampling state ---------------------------------------
+    def register(self, req_id: str, params: SamplingParams, fallback_seed: int) -> None:
+        self._params[req_id] = params
+        self._seeds[req_id] = fallback_seed
+
+    def forget(self, req_id: str) -> None:
+        self._params.pop(req_id, None)
+        self._seeds.pop(req_id, None)
+
+    def _stops(self, req, token: int) -> bool:
+        sp = self._params[req.id]
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
+            return True
+        if sp.stop:
+            text = self.tokenizer.decode(req.output + [token])
+            return any(s in text for s in sp.stop)
+        return False
+
+    # ---- one round ----------------------------------------------------------
+    def run(self, plan: Plan) -> StepResult:
+        result = StepResult()
+        for s in plan.stores:
+            self.host.data[:, :, s.host_pages] = self.cache.data[:, :, s.device_pages].to(
+                self.host.data.device)
+            result.stores_done.append(s.id)
+        for ld in plan.loads:
+            self.cache.data[:, :, ld.device_pages] = self.host.data[:, :, ld.host_pages].to(
+                self.cache.data.device)
+            result.loads_done.append(ld.id)
+        if not (plan.prefills or plan.decodes):
+            return result
+        logits, rows = self._forward(plan)
+        tokens = []
+        if rows:
+            tokens = sample(logits, [self._params[r.id] for r in rows],
+                            [len(r.output) for r in rows], [self._seeds[r.id] for r in rows])
+        it = iter(zip(rows, tokens))
+        for op in plan.prefills:
+            if op.completes:
+                req, tok = next(it)
+                result.prefill_tokens.append(tok)
+                if self._stops(req, tok):
+                    result.stopped.add(req)
+            else:
+                result.prefill_tokens.append(None)
+        for req, tok in it:
+            result.decode_tokens.append(tok)
+            if self._stops(req, tok):
+                result.stopped.add(req)
+        return result
+
+    def _forward(self, plan: Plan):
+        ps = self.page_size
+        ids, pos, slots, seqs, sample_rows, rows = [], [], [], [], [], []
+        for op in plan.prefills:
+            req = op.req
+            table = req.state.res.tables[0]
+            toks = req.prompt.tokens + req.output
+            begin, end = op.begin - op.replay, op.begin + op.tokens
+            seqs.append(SeqMeta(len(ids), end - begin, end, table))
+            ids.extend(toks[begin:end])
+            pos.extend(range(begin, end))
+            slots.extend(table[p // ps] * ps + p % ps for p in range(begin, end))
+            if op.completes:
+                sample_rows.append(len(ids) - 1)
+                rows.append(req)
+        for req in plan.decodes:
+            table = req.state.res.tables[0]
+            p = req.num_tokens - 1
+            seqs.append(SeqMeta(len(ids), 1, p + 1, table))
+            ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
+            pos.append(p)
+            slots.append(table[p // ps] * ps + p % ps)
+            sample_rows.append(len(ids) - 1)
+            rows.append(req)
+        dev = self.model.device
+        meta = BatchMeta(seqs, torch.tensor(slots, device=dev), torch.tensor(pos, device=dev),
+                         num_decodes=len(plan.decodes))
+        self.forward_tokens += len(ids)
+        logits = self.model.forward(torch.tensor(ids, device=dev), meta, self.cache,
+                                    torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        return logits, rows

@@ -1,0 +1,199 @@
+"""The paged model against Hugging Face transformers on the same weights,
+and the offline API's output invariant under every scheduling choice."""
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.model_config import ModelError
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 42, 9, 3, 77, 12, 8, 30, 2, 61, 40, 7],
+           [5, 17, 42, 9, 3, 77, 12, 8, 90, 91, 4],
+           list(range(1, 40)),
+           [94, 3]]
+
+
+def hf_model(tmp_path, arch: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=16))
+    model = model.float().eval()
+    with torch.no_grad():               # non-trivial norms, so a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    d = tmp_path / arch
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d
+
+
+def greedy(n=12):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_paged_model_matches_transformers(tmp_path, arch):
+    model, d = hf_model(tmp_path, arch)
+    llm = LLM({"model": {"path": str(d)}, "engine": {"page_size": 4, "total_pages": 128,
+                                                      "max_scheduled_tokens": 16}})
+    # logits of the last prompt token, through chunked paged prefill
+    for prompt in PROMPTS[:3]:
+        want = model(torch.tensor([prompt])).logits[0, -1]
+        from pdserve.kernels.attention import BatchMeta, SeqMeta
+        ex = llm.executor
+        table = list(range(-(-len(prompt) // 4)))
+        meta = BatchMeta([SeqMeta(0, len(prompt), len(prompt), table)],
+                         torch.tensor([table[p // 4] * 4 + p % 4 for p in range(len(prompt))]),
+                         torch.arange(len(prompt)))
+        got = llm.model.forward(torch.tensor(prompt), meta, ex.cache,
+                                torch.tensor([len(prompt) - 1]))[0]
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    # greedy generation, batched with chunking and paging, token for token
+    outs = llm.generate(PROMPTS, greedy(12), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in LLM().generate(PROMPTS, greedy(20), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("engine", [
+    {"max_scheduled_tokens": 16},                                        # chunk size
+    {"max_scheduled_tokens": 4096},
+    {"enable_mixed_prefill_decode": False},                              # non-mixed
+    {"page_size": 1, "total_pages": 4096},
+    {"page_size": 4, "total_pages": 24, "safe_steps": 4},                # retraction
+    {"page_size": 4, "total_pages": 24, "safe_steps": 4, "host_pages": 64},
+])
+def test_greedy_output_is_unchanged_by_scheduling(reference, engine):
+    llm = LLM(**engine)
+    outs = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    llm.engine.planner.assert_idle()
+
+
+def test_retraction_really_happens_in_the_tight_pool_above(reference):
+    llm = LLM(page_size=4, total_pages=24, safe_steps=4)
+    reqs = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert [o.token_ids for o in reqs] == reference
+    # count how often the engine retracted while generating
+    llm2 = LLM(page_size=4, total_pages=24, safe_steps=4)
+    seen = 0
+    orig = llm2.engine.step
+
+    def counting():
+        nonlocal seen
+        out = orig()
+        seen += len(out.plan.retracts) if out else 0
+        return out
+    llm2.engine.step = counting
+    llm2.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert seen > 0
+
+
+def test_prefix_cache_hits_do_not_change_output(reference):
+    llm = LLM(page_size=4)
+    first = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    second = llm.generate(PROMPTS, greedy(20), use_tqdm=False)   # now cached
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == reference
+
+
+def test_batch_composition_does_not_change_output(reference):
+    llm = LLM()
+    alone = [llm.generate([p], greedy(20), use_tqdm=False)[0].token_ids for p in PROMPTS]
+    assert alone == reference
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=20, seed=7)
+    llm = LLM()
+    a = llm.generate(PROMPTS, sp, use_tqdm=False)[1].token_ids
+    b = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].token_ids
+    assert a == b
+
+
+def test_top_k_of_one_is_greedy(reference):
+    outs = LLM().generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, top_k=1,
+                                                  ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_stop_token_ids_and_stop_strings_end_generation(reference):
+    llm = LLM()
+    stop_tok = reference[0][5]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0,
+                                                    stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok
+    assert len(out.token_ids) == reference[0].index(stop_tok) + 1
+    text = llm.tokenizer.decode(reference[0])
+    stop = text[6:8]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, stop=stop),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert text.startswith(out.text)
+
+
+def test_text_prompts_round_trip_through_the_tokenizer():
+    llm = LLM()
+    out = llm.generate("Hello, world", greedy(5), use_tqdm=False)[0]
+    assert out.prompt == "Hello, world"
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "Hello, world"
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_unknown_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelError, match="does not exist"):
+        LLM({"model": {"path": str(tmp_path / "nope")}})
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelError, match="not supported; pdserve runs"):
+        LLM({"model": {"path": str(tmp_path)}})
+
+
+def test_a_prompt_past_the_context_limit_refuses_the_whole_batch():
+    llm = LLM(max_context_tokens=64)
+    with pytest.raises(ValueError, match="prompt 1: prompt of 100 tokens exceeds"):
+        llm.generate([[1, 2, 3], [4] * 100], greedy(4), use_tqdm=False)
+    assert not llm.engine.planner.requests          # nothing was half submitted
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_parameters_are_refused(kw, words):
+    with pytest.raises(ValueError, match=f"SamplingParams.{words}"):
+        SamplingParams(**kw)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        LLM().generate([[1, 2, 100000]], greedy(2), use_tqdm=False)
+
+
+@pytest.mark.device
+def test_flashinfer_backend_matches_the_torch_reference_on_cuda():
+    ref = LLM(device="cuda", attention="torch").generate(PROMPTS, greedy(20), use_tqdm=False)
+    fi = LLM(device="cuda", attention="flashinfer").generate(PROMPTS, greedy(20),
+                                                              use_tqdm=False)
+    assert [o.token_ids for o in fi] == [o.token_ids for o in ref]
