@@ -144,9 +144,6 @@ class Simulation:
         target = min(front, key=lambda e: (e.load, e.index))
         req = Request(tr.id, tr.prompt, SamplingLimits(max_new_tokens=tr.max_new_tokens,
                                                        strict=tr.strict or self.all_strict))
-        if target.role is Role.DECODE:
-            peers = [e for e in self.engines if e.alive and e.role is Role.PREFILL]
-            req.peer = min(peers, key=lambda e: (e.load, e.index)).index if peers else None
         self._wake(target, t)
         try:
             target.engine.submit(req, tr.output_tokens)
@@ -157,11 +154,20 @@ class Simulation:
         load = req.prompt_len + req.max_new_tokens
         target.live[tr.id] = load
         target.load += load
+        if target.role is Role.DECODE:
+            # the prefill peer is charged now, not when the prompt reaches it,
+            # so a burst of arrivals spreads over the P engines
+            peers = [e for e in self.engines if e.alive and e.role is Role.PREFILL]
+            if peers:
+                p = min(peers, key=lambda e: (e.load, e.index))
+                req.peer = p.index
+                p.live[tr.id] = req.prompt_len
+                p.load += req.prompt_len
 
     def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
         p = self.engines[p_idx] if p_idx is not None else None
         if p is None or not p.alive:
-            self._push(t + self.cfg.simulate.lease_s, "failed", d_idx, rid, p_idx,
+            self._push(t + self.cfg.simulate.lease_s, "failed", d_idx, rid, None,
                        "no live prefill engine answered")
             return
         twin = Request(rid, prompt, SamplingLimits(max_new_tokens=1))
@@ -170,11 +176,9 @@ class Simulation:
         try:
             p.engine.submit(twin)
         except RejectedRequest as e:
-            self._push(t + self.cfg.simulate.link_latency_s, "failed", d_idx, rid, p_idx,
+            p.load -= p.live.pop(rid, 0)
+            self._push(t + self.cfg.simulate.link_latency_s, "failed", d_idx, rid, None,
                        f"{p.name} refused the prompt: {e}")
-            return
-        p.live[rid] = twin.prompt_len
-        p.load += twin.prompt_len
 
     def _on_landed(self, t: float, d_idx: int, rid: str, token: int, p_idx: int) -> None:
         d = self.engines[d_idx]
@@ -206,9 +210,10 @@ class Simulation:
 
     def _release_on_p(self, p: SimEngine, rid: str, how) -> bool:
         if not p.alive or rid not in p.planner.requests:
+            p.load -= p.live.pop(rid, 0)
             return False
         how(rid)
-        p.load -= p.live.pop(rid)
+        p.load -= p.live.pop(rid, 0)
         return True
 
     def _on_ack(self, t: float, p_idx: int, rid: str) -> None:
@@ -248,6 +253,8 @@ class Simulation:
                 for req in list(p.planner.requests.values()):
                     if req.peer == se.index:
                         self._push(t + lease, "lease_expired", p.index, req.id)
+                for rid in [r for r in p.live if r in se.live and r not in p.planner.requests]:
+                    p.load -= p.live.pop(rid)       # charged, never sent: nothing to release
 
     # ---- one engine round ------------------------------------------------
     def _finished(self, se: SimEngine, reqs, now: float) -> None:

@@ -27,16 +27,19 @@ class BatchMeta:
 
 
 class KVCache:
-    """One tensor for every layer's K and V pages:
-    [layers, 2, pages, page_size, kv_heads, head_dim]."""
+    """One page-major tensor for every layer's K and V:
+    [pages, layers, 2, page_size, kv_heads, head_dim]. A page is one
+    contiguous region, so moving a run of pages (to host, or to a peer over
+    NIXL) is one copy or one descriptor; a layer's K (or V) is a strided view
+    [pages, page_size, kv_heads, head_dim]."""
 
     def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device):
         self.page_size = page_size
-        self.data = torch.zeros(layers, 2, pages, page_size, kv_heads, head_dim,
+        self.data = torch.zeros(pages, layers, 2, page_size, kv_heads, head_dim,
                                 dtype=dtype, device=device)
 
     def layer(self, i):
-        return self.data[i, 0], self.data[i, 1]
+        return self.data[:, i, 0], self.data[:, i, 1]
 
 
 class TorchAttention:
@@ -55,10 +58,9 @@ class TorchAttention:
         """q: [T, H, d]; k, v: [T, KVH, d]. Writes k, v into the pages, then
         attends. Returns [T, H, d]."""
         ps = k_pages.shape[1]
-        flat_k = k_pages.view(-1, self.kvh, self.d)
-        flat_v = v_pages.view(-1, self.kvh, self.d)
-        flat_k[meta.slot_mapping] = k
-        flat_v[meta.slot_mapping] = v
+        page, off = meta.slot_mapping // ps, meta.slot_mapping % ps
+        k_pages[page, off] = k
+        v_pages[page, off] = v
         out = torch.empty_like(q)
         n_pre = len(meta.seqs) - meta.num_decodes
         for s in meta.seqs[:n_pre]:

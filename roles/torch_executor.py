@@ -58,11 +58,11 @@ class TorchExecutor:
     def run(self, plan: Plan) -> StepResult:
         result = StepResult()
         for s in plan.stores:
-            self.host.data[:, :, s.host_pages] = self.cache.data[:, :, s.device_pages].to(
+            self.host.data[s.host_pages] = self.cache.data[s.device_pages].to(
                 self.host.data.device)
             result.stores_done.append(s.id)
         for ld in plan.loads:
-            self.cache.data[:, :, ld.device_pages] = self.host.data[:, :, ld.host_pages].to(
+            self.cache.data[ld.device_pages] = self.host.data[ld.host_pages].to(
                 self.cache.data.device)
             result.loads_done.append(ld.id)
         if not (plan.prefills or plan.decodes):

@@ -1,1 +1,21 @@
-"""KV movement between engines (P -> D). Empty until the transfer issue lands."""
+"""KV movement between engines (P -> D), and the rules that make it safe.
+
+    P: write(KvWrite)  --NIXL WRITE + notification-->  D: poll() -> landed
+    P: poll() -> done | failed                         D: ack over the control plane
+
+`KvTransport` is the contract; `NixlTransport` (one NIXL agent per engine
+incarnation, UCX, the KV pool registered once, descriptors prepared once)
+and `LoopbackTransport` (in-process, for unit tests) implement it.
+`LandingTable` (D) fences landing pages a write may still reach;
+`LeaseTable` (P) bounds how long a silent peer can keep pages pinned;
+`FaultInjector` fails, delays or drops a transfer at a chosen stage.
+"""
+
+from pdserve.transfer.faults import FaultInjector, FaultRule
+from pdserve.transfer.landing import LandingTable
+from pdserve.transfer.lease import LeaseTable
+from pdserve.transfer.transport import (
+    Incarnation, KvTransport, KvWrite, TransferEvent, TransferMetrics, page_runs)
+
+__all__ = ["FaultInjector", "FaultRule", "Incarnation", "KvTransport", "KvWrite",
+           "LandingTable", "LeaseTable", "TransferEvent", "TransferMetrics", "page_runs"]

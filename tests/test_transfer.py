@@ -1,0 +1,204 @@
+"""The transport contract, run against both backends (in-process NIXL over
+UCX, and the loopback fake), plus fault injection, fences and leases."""
+
+import time
+
+import pytest
+import torch
+
+from pdserve.transfer import (
+    FaultInjector, FaultRule, Incarnation, KvWrite, LandingTable, LeaseTable, page_runs)
+from pdserve.transfer.loopback import LoopbackFabric, LoopbackTransport
+
+PAGES, PAGE_SHAPE = 32, (2, 2, 4, 2, 8)      # [layers, k/v, page_size, kv_heads, head_dim]
+
+
+def pool(fill: float | None = None):
+    if fill is None:
+        return torch.arange(PAGES * 2 * 2 * 4 * 2 * 8, dtype=torch.float32).view(PAGES, *PAGE_SHAPE)
+    return torch.full((PAGES, *PAGE_SHAPE), fill)
+
+
+class Pair:
+    """P and D transports with their pools, peers added both ways."""
+
+    def __init__(self, backend, p_faults=None, d_faults=None):
+        self.backend = backend
+        self.fabric = LoopbackFabric()
+        self.P = self.make(Incarnation("prefill-0", 1), p_faults)
+        self.D = self.make(Incarnation("decode-0", 1), d_faults)
+        self.P.register_pool(pool())
+        self.D.register_pool(pool(-1.0))
+        self.P.add_peer(self.D.incarnation, self.D.metadata())
+        self.D.add_peer(self.P.incarnation, self.P.metadata())
+
+    def make(self, inc, faults=None):
+        if self.backend == "nixl":
+            from pdserve.transfer.nixl_transport import NixlTransport
+
+            return NixlTransport(inc, faults)
+        return LoopbackTransport(inc, self.fabric, faults)
+
+    def write(self, src, dst, req="r1", epoch=1, target=None):
+        self.P.write(KvWrite(req, epoch, target or self.D.incarnation, tuple(src), tuple(dst)))
+
+    def settle(self, want_p=1, want_d=1, seconds=5.0):
+        """Poll both sides until the expected events arrived, or `seconds`
+        passed (a test expecting silence waits the whole bound)."""
+        p_ev, d_ev = [], []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            p_ev += self.P.poll()
+            d_ev += self.D.poll()
+            if len(p_ev) >= want_p and len(d_ev) >= want_d:
+                break
+        return p_ev, d_ev
+
+    def close(self):
+        self.P.close()
+        self.D.close()
+
+
+@pytest.fixture(params=["loopback", "nixl"])
+def backend(request):
+    return request.param
+
+
+def test_page_runs_coalesce_only_where_both_sides_are_consecutive():
+    assert page_runs([1, 2, 3, 7], [10, 11, 12, 13]) == [(1, 10, 3), (7, 13, 1)]
+    assert page_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
+
+
+def test_a_multi_page_write_lands_bit_exact(backend):
+    pair = Pair(backend)
+    src, dst = [0, 1, 2, 9, 4, 30], [5, 6, 7, 1, 20, 31]     # runs, scatter, reversal
+    pair.write(src, dst)
+    p_ev, d_ev = pair.settle()
+    assert [e.kind for e in p_ev] == ["done"] and [e.kind for e in d_ev] == ["landed"]
+    assert (d_ev[0].req_id, d_ev[0].epoch, d_ev[0].peer) == ("r1", 1, pair.P.incarnation)
+    want = pool()
+    for s, d in zip(src, dst):
+        assert torch.equal(pair.D.pool[d], want[s])
+    untouched = [i for i in range(PAGES) if i not in dst]
+    assert torch.all(pair.D.pool[untouched] == -1)
+    m = pair.P.metrics
+    assert m.writes == 1 and m.bytes == 6 * pair.P.page_bytes and m.descriptors == 4
+    pair.close()
+
+
+def test_a_single_page_and_a_partial_run(backend):
+    pair = Pair(backend)
+    pair.write([3], [3], req="a")
+    pair.write([10, 11], [0, 1], req="b")
+    p_ev, d_ev = pair.settle(2, 2)
+    assert sorted(e.req_id for e in d_ev) == ["a", "b"]
+    assert torch.equal(pair.D.pool[3], pool()[3]) and torch.equal(pair.D.pool[0:2], pool()[10:12])
+    pair.close()
+
+
+def test_an_injected_post_failure_reports_why_and_writes_nothing(backend):
+    pair = Pair(backend, p_faults=FaultInjector([FaultRule("post", "fail", req_id="r1")]))
+    pair.write([0, 1], [0, 1])
+    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
+    assert [(e.kind, e.reason) for e in p_ev] == [("failed", "injected failure at post")]
+    assert d_ev == [] and torch.all(pair.D.pool == -1)
+    assert pair.P.metrics.failures == 1
+    pair.close()
+
+
+def test_a_completion_failure_is_reported_even_though_the_data_moved(backend):
+    pair = Pair(backend, p_faults=FaultInjector([FaultRule("completion", "fail")]))
+    pair.write([0], [0])
+    p_ev, d_ev = pair.settle()
+    assert p_ev[0].kind == "failed" and "completion" in p_ev[0].reason
+    assert [e.kind for e in d_ev] == ["landed"]      # D decides what a late landing means
+    pair.close()
+
+
+def test_a_dropped_notification_never_reaches_d(backend):
+    pair = Pair(backend, d_faults=FaultInjector([FaultRule("notification", "drop")]))
+    pair.write([0], [0])
+    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
+    assert [e.kind for e in p_ev] == ["done"] and d_ev == []
+    pair.close()
+
+
+def test_a_delayed_notification_arrives_later(backend):
+    pair = Pair(backend, d_faults=FaultInjector([FaultRule("notification", "delay",
+                                                           delay_s=0.05)]))
+    pair.write([0], [0])
+    p_ev, d_ev = pair.settle(1, 1)
+    assert [e.kind for e in d_ev] == ["landed"]
+    pair.close()
+
+
+def test_a_probability_rule_is_seeded_and_reproducible():
+    def fired(seed):
+        inj = FaultInjector([FaultRule("post", "fail", probability=0.5, times=0)], seed=seed)
+        return [inj.match("post", f"r{i}") is not None for i in range(40)]
+    assert fired(3) == fired(3) and 5 < sum(fired(3)) < 35
+
+
+def test_a_restarted_peer_receives_nothing_meant_for_its_previous_incarnation(backend):
+    pair = Pair(backend)
+    old = pair.D.incarnation
+    pair.D.close()
+    pair.D = pair.make(Incarnation("decode-0", 2))          # same engine, new start
+    pair.D.register_pool(pool(-1.0))
+    pair.write([0, 1], [0, 1], target=old)                   # P still thinks of decode-0@1
+    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
+    assert [e.kind for e in p_ev] == ["failed"]
+    assert d_ev == [] and torch.all(pair.D.pool == -1)
+    # once P learns the new incarnation, writes reach it
+    pair.P.add_peer(pair.D.incarnation, pair.D.metadata())
+    assert pair.P.peers() == [Incarnation("decode-0", 2)]
+    pair.write([4], [4], target=pair.D.incarnation)
+    p_ev, d_ev = pair.settle()
+    assert [e.kind for e in d_ev] == ["landed"] and torch.equal(pair.D.pool[4], pool()[4])
+    pair.close()
+
+
+def test_mismatched_page_sizes_are_refused_with_the_fix():
+    from pdserve.transfer.nixl_transport import NixlTransport
+
+    a, b = NixlTransport(Incarnation("a", 1)), NixlTransport(Incarnation("b", 1))
+    a.register_pool(pool())
+    b.register_pool(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="same model and page_size"):
+        a.add_peer(b.incarnation, b.metadata())
+    a.close()
+    b.close()
+
+
+# ---- D's fences, P's leases -------------------------------------------------
+
+def test_a_fenced_landing_keeps_its_pages_until_the_write_drains():
+    t = LandingTable(timeout_s=1.0, lease_s=5.0)
+    e1 = t.expect("r", [3, 4], now=0.0)
+    assert [ld.req_id for ld in t.timed_out(1.5)] == ["r"]
+    assert t.fence("r", e1, now=1.5) is not None
+    e2 = t.expect("r", [7, 8], now=1.5)                 # the retry is a new epoch
+    assert e2 != e1
+    assert t.on_notification("r", e1) == "drained"      # late write: its pages may go now
+    assert t.on_notification("r", e1) == "stale"        # and it is never read as data
+    assert t.on_notification("r", e2) == "landed"
+
+
+def test_a_fence_whose_write_never_drains_is_released_by_the_lease():
+    t = LandingTable(timeout_s=1.0, lease_s=5.0)
+    e = t.expect("r", [3], now=0.0)
+    t.fence("r", e, now=2.0)
+    assert t.expired_fences(6.9) == []
+    assert [ld.pages for ld in t.expired_fences(7.0)] == [(3,)]
+    assert len(t) == 0
+
+
+def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
+    leases = LeaseTable(lease_s=10.0)
+    d0, d1 = Incarnation("decode-0", 1), Incarnation("decode-1", 1)
+    leases.grant("a", d0, now=0.0)
+    leases.grant("b", d1, now=0.0)
+    assert leases.renew(d0, ["a", "b"], now=8.0) == 1   # b is not d0's to renew
+    assert leases.expired(10.0) == ["b"]
+    assert leases.expired(17.9) == [] and leases.expired(18.0) == ["a"]
+    assert leases.expiries == 2

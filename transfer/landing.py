@@ -1,0 +1,79 @@
+"""D's landing table: which write may reach which landing pages, and the
+fence that keeps pages out of reuse while a write might still arrive.
+
+A posted RDMA write cannot be recalled. So when D gives up on a landing (a
+timeout, a reported failure, an abort) while P may still be writing, the
+pages are fenced, not freed: they stay held until the write's notification
+drains them, or the lease that bounds P's pin expires (after which P has
+released its side and nothing more can be posted). A notification for a
+fenced epoch is late: it is dropped, never read as another request's KV.
+A new attempt for the same request is a new epoch, so it can never be
+mistaken for the old one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Landing:
+    req_id: str
+    epoch: int
+    pages: tuple
+    deadline: float             # give up waiting for the write at this time
+    fenced: bool = False
+    release_at: float = 0.0     # fenced: free the pages at this time at the latest
+
+
+class LandingTable:
+    def __init__(self, timeout_s: float, lease_s: float):
+        self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        self._by_key: dict[tuple[str, int], Landing] = {}
+        self._epoch = 0
+
+    def expect(self, req_id: str, pages, now: float) -> int:
+        """A new landing for `req_id`; returns its epoch."""
+        self._epoch += 1
+        self._by_key[(req_id, self._epoch)] = Landing(req_id, self._epoch, tuple(pages),
+                                                      now + self.timeout_s)
+        return self._epoch
+
+    def on_notification(self, req_id: str, epoch: int) -> str:
+        """'landed': deliver it; 'drained': a fenced write finished, its
+        pages may go; 'stale': nothing expects it (drop)."""
+        ld = self._by_key.get((req_id, epoch))
+        if ld is None:
+            return "stale"
+        del self._by_key[(req_id, epoch)]
+        return "drained" if ld.fenced else "landed"
+
+    def fence(self, req_id: str, epoch: int, now: float) -> Landing | None:
+        """Stop expecting this landing; keep its pages until the write
+        drains or the lease runs out."""
+        ld = self._by_key.get((req_id, epoch))
+        if ld is None or ld.fenced:
+            return None
+        ld.fenced = True
+        ld.release_at = now + self.lease_s
+        return ld
+
+    def timed_out(self, now: float) -> list[Landing]:
+        return [ld for ld in self._by_key.values() if not ld.fenced and ld.deadline <= now]
+
+    def expired_fences(self, now: float) -> list[Landing]:
+        """Fenced landings whose lease ran out: the pages may go now."""
+        out = [ld for ld in self._by_key.values() if ld.fenced and ld.release_at <= now]
+        for ld in out:
+            del self._by_key[(ld.req_id, ld.epoch)]
+        return out
+
+    def epoch_of(self, req_id: str) -> int | None:
+        for (rid, epoch), ld in self._by_key.items():
+            if rid == req_id and not ld.fenced:
+                return epoch
+        return None
+
+    def __len__(self) -> int:
+        return len(self._by_key)

@@ -1,0 +1,52 @@
+"""P's leases: a silent peer cannot keep P's pages pinned forever.
+
+Every request P holds for a peer carries a deadline. The peer's heartbeat
+(one message per peer, naming every request it still waits on) renews
+them; a request whose deadline passes is released as if aborted. Time is
+passed in, so the table is deterministic under test.
+"""
+
+from __future__ import annotations
+
+DEFAULT_LEASE_S = 10.0
+
+
+class LeaseTable:
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S):
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.lease_s = lease_s
+        self._deadline: dict[str, float] = {}
+        self._peer: dict[str, object] = {}
+        self.expiries = 0
+
+    def grant(self, req_id: str, peer, now: float) -> None:
+        self._deadline[req_id] = now + self.lease_s
+        self._peer[req_id] = peer
+
+    def renew(self, peer, req_ids, now: float) -> int:
+        """A heartbeat from `peer`; returns how many leases it renewed. Ids
+        held for another peer are not touched."""
+        n = 0
+        for rid in req_ids:
+            if self._peer.get(rid) == peer:
+                self._deadline[rid] = now + self.lease_s
+                n += 1
+        return n
+
+    def release(self, req_id: str) -> None:
+        self._deadline.pop(req_id, None)
+        self._peer.pop(req_id, None)
+
+    def expired(self, now: float) -> list[str]:
+        out = [rid for rid, t in self._deadline.items() if t <= now]
+        for rid in out:
+            self.release(rid)
+        self.expiries += len(out)
+        return out
+
+    def held_for(self, peer) -> list[str]:
+        return [rid for rid, p in self._peer.items() if p == peer]
+
+    def __len__(self) -> int:
+        return len(self._deadline)

@@ -1,0 +1,66 @@
+"""An in-process transport with the NIXL transport's contract, for tests:
+a write copies the pages at once and reports completion and notification
+at the next poll of each side."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.transfer.transport import Incarnation, KvTransport, KvWrite, TransferEvent
+
+
+class LoopbackFabric:
+    """Where in-process transports find each other (an address space)."""
+
+    def __init__(self):
+        self.endpoints: dict[str, "LoopbackTransport"] = {}   # engine id -> live transport
+
+
+class LoopbackTransport(KvTransport):
+    def __init__(self, incarnation: Incarnation, fabric: LoopbackFabric, faults=None):
+        super().__init__(incarnation, faults)
+        self.fabric = fabric
+        self.pool = None
+        self._peers: dict[str, Incarnation] = {}
+        self._events: list[TransferEvent] = []
+        fabric.endpoints[incarnation.engine_id] = self
+
+    def register_pool(self, pool) -> None:
+        self.pool = pool
+        self.num_pages = pool.shape[0]
+        self.page_bytes = pool[0].numel() * pool.element_size()
+
+    def metadata(self) -> bytes:
+        return self.incarnation.agent_name.encode()
+
+    def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
+        if metadata.decode() != incarnation.agent_name:
+            raise ValueError(f"metadata names {metadata.decode()}, not {incarnation.agent_name}")
+        self._peers[incarnation.engine_id] = incarnation
+
+    def remove_peer(self, engine_id: str) -> None:
+        self._peers.pop(engine_id, None)
+
+    def peers(self) -> list[Incarnation]:
+        return sorted(self._peers.values())
+
+    def _post(self, w: KvWrite) -> None:
+        known = self._peers.get(w.target.engine_id)
+        live = self.fabric.endpoints.get(w.target.engine_id)
+        if known != w.target or live is None or live.incarnation != w.target:
+            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target,
+                                     f"{w.target.agent_name} is not a live peer"))
+            return
+        t0 = time.perf_counter()
+        live.pool[list(w.dst_pages)] = self.pool[list(w.src_pages)]
+        self.metrics.seconds += time.perf_counter() - t0
+        self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target))
+        live._events.append(TransferEvent("landed", w.req_id, w.epoch, self.incarnation))
+
+    def _poll_backend(self) -> list[TransferEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def close(self) -> None:
+        if self.fabric.endpoints.get(self.incarnation.engine_id) is self:
+            del self.fabric.endpoints[self.incarnation.engine_id]

@@ -1,0 +1,183 @@
+"""The transport contract every backend implements.
+
+A transport belongs to one engine incarnation. It registers the engine's KV
+pool once (page-major: page i is one contiguous region), publishes metadata
+that peers add by incarnation, and moves pages with `write`: P posts a write
+of its pages into D's pages, with a notification naming request, epoch and
+target incarnation. `poll` reports, on P, each posted write's completion or
+failure, and on D, each notification that arrived (a write that landed).
+Posted writes cannot be aborted; see landing.py for what D does instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class Incarnation:
+    """An engine at one start: a restart is a new epoch, never the same peer."""
+    engine_id: str
+    epoch: int
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.engine_id}@{self.epoch}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Incarnation":
+        engine, _, epoch = name.rpartition("@")
+        return cls(engine, int(epoch))
+
+
+@dataclass(frozen=True)
+class KvWrite:
+    req_id: str
+    epoch: int                 # the landing's epoch on D (a retry is a new epoch)
+    target: Incarnation        # the D incarnation the pages belong to
+    src_pages: tuple           # P's pages, in prompt order
+    dst_pages: tuple           # D's landing pages, same length
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    kind: str                  # "done" | "failed" (on P), "landed" (on D)
+    req_id: str
+    epoch: int
+    peer: Incarnation          # the other side
+    reason: str = ""
+
+
+@dataclass
+class TransferMetrics:
+    writes: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    failures: int = 0
+    landed: int = 0
+    dropped_notifications: int = 0   # late or stale: fenced epoch, old incarnation
+    lease_expiries: int = 0
+    seconds: float = 0.0             # summed post -> completion time on P
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def page_runs(src, dst) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both sides are consecutive:
+    each is one descriptor on the wire."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            s0, d0, n = runs[-1]
+            runs[-1] = (s0, d0, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def encode_notif(w: KvWrite) -> bytes:
+    return f"pdkv|{w.req_id}|{w.epoch}|{w.target.agent_name}".encode()
+
+
+def decode_notif(msg: bytes):
+    """(req_id, epoch, target incarnation), or None for a foreign message."""
+    try:
+        tag, req_id, epoch, target = msg.decode().split("|", 3)
+        if tag != "pdkv":
+            return None
+        return req_id, int(epoch), Incarnation.parse(target)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+class KvTransport(abc.ABC):
+    def __init__(self, incarnation: Incarnation, faults=None):
+        from pdserve.transfer.faults import FaultInjector
+
+        self.incarnation = incarnation
+        self.faults = faults if faults is not None else FaultInjector()
+        self.metrics = TransferMetrics()
+        self.page_bytes = 0
+        self.num_pages = 0
+        self._delayed: list = []      # (due, TransferEvent) held back by a delay fault
+
+    @abc.abstractmethod
+    def register_pool(self, pool) -> None:
+        """Register the page-major KV pool tensor (pages first) once."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to write into this pool."""
+
+    @abc.abstractmethod
+    def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
+        """Know a peer at this incarnation; forgets any older incarnation of
+        the same engine, so nothing meant for it can reach the new one."""
+
+    @abc.abstractmethod
+    def remove_peer(self, engine_id: str) -> None:
+        ...
+
+    @abc.abstractmethod
+    def peers(self) -> list[Incarnation]:
+        ...
+
+    @abc.abstractmethod
+    def _post(self, w: KvWrite) -> None:
+        """Start the write; failures surface through _poll_backend."""
+
+    @abc.abstractmethod
+    def _poll_backend(self) -> list[TransferEvent]:
+        ...
+
+    def write(self, w: KvWrite) -> None:
+        if len(w.src_pages) != len(w.dst_pages):
+            raise ValueError(f"{w.req_id}: {len(w.src_pages)} source pages for "
+                             f"{len(w.dst_pages)} destination pages")
+        self.metrics.writes += 1
+        self.metrics.bytes += len(w.src_pages) * self.page_bytes
+        self.metrics.descriptors += len(page_runs(w.src_pages, w.dst_pages))
+        rule = self.faults.match("post", w.req_id)
+        if rule is not None and rule.action == "fail":
+            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target,
+                                     "injected failure at post"), rule)
+            return
+        if rule is not None and rule.action == "drop":
+            return                    # never posted, never completes: the lease ends it
+        self._post(w)
+
+    def poll(self) -> list[TransferEvent]:
+        out = []
+        for ev in self._poll_backend():
+            stage = "completion" if ev.kind in ("done", "failed") else "notification"
+            rule = self.faults.match(stage, ev.req_id)
+            if rule is None:
+                out.append(ev)
+            elif rule.action == "fail" and ev.kind == "done":
+                out.append(TransferEvent("failed", ev.req_id, ev.epoch, ev.peer,
+                                         "injected failure at completion"))
+            elif rule.action == "delay":
+                self._delayed.append((time.monotonic() + rule.delay_s, ev))
+            elif rule.action == "fail":
+                out.append(ev)        # a notification cannot fail; it arrives
+            # "drop": swallowed, as if it never came
+        now = time.monotonic()
+        due = [ev for t, ev in self._delayed if t <= now]
+        self._delayed = [(t, ev) for t, ev in self._delayed if t > now]
+        out += due
+        for ev in out:
+            if ev.kind == "failed":
+                self.metrics.failures += 1
+            elif ev.kind == "landed":
+                self.metrics.landed += 1
+        return out
+
+    def _emit(self, ev: TransferEvent, rule=None) -> None:
+        """Report an event at the next poll."""
+        self._delayed.append((0.0, ev))
+
+    def close(self) -> None:
+        """Release what the backend holds."""
