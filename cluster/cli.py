@@ -69,6 +69,10 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.llm import main as llm_main
 
         return llm_main()
+    if args.what == "transfer":
+        from pdserve.benchmarks.transfer import main as transfer_main
+
+        return transfer_main()
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
@@ -110,11 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm"],
+    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
-                            "llm: pdserve.LLM against Hugging Face generate")
+                            "llm: pdserve.LLM against Hugging Face generate; "
+                            "transfer: KV handoff over NIXL against raw NIXL and memcpy")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
     bench.add_argument("--config", help="retraction: the config YAML")

@@ -95,6 +95,7 @@ class Coordinator:
         self.pending_stores: list[StoreOp] = []     # made, not yet handed to a plan
         self.stores: dict[int, StoreOp] = {}        # handed out, not yet acked (and pending)
         self.loads: dict[int, LoadOp] = {}
+        self.fences: dict = {}                      # key -> device pages a late write may reach
         self._next_op = 0
 
     # ---- queries (pure) --------------------------------------------------
@@ -279,6 +280,18 @@ class Coordinator:
         op = self.loads.pop(op_id)
         self.host.release(op.host_pages)
 
+    # ---- fences ------------------------------------------------------------
+    def fence(self, key, res) -> None:
+        """Keep a bundle's pages held under `key` instead of releasing them:
+        a posted write may still land in them (transfer/landing.py)."""
+        if key in self.fences:
+            raise PoolError(f"fence {key!r} exists")
+        self.fences[key] = list(res.tables[0])
+        res.tables[0].clear()
+
+    def release_fence(self, key) -> None:
+        self._unref(reversed(self.fences.pop(key)))
+
     # ---- release ---------------------------------------------------------
     def _unref(self, pages) -> None:
         grp = self.groups[0]
@@ -323,6 +336,9 @@ class Coordinator:
                     if op.pinned:
                         for p in op.pins:
                             expected[p] += 1
+                for pages in self.fences.values():
+                    for p in pages:
+                        expected[p] += 1
             _check_pool(f"group {g}", grp.pool, grp.index, expected)
         if self.host is not None:
             expected = [0] * self.host.pool.total

@@ -158,17 +158,25 @@ class Planner:
             return [req]
         return []
 
-    def transfer_failed(self, req_id: str, reason: str) -> None:
+    def transfer_failed(self, req_id: str, reason: str, fence_key=None) -> None:
         """D: the peer's prefill will not arrive (transfer error, timeout,
-        peer lost). The landing pages go back; the request recovers by
-        prefilling locally through the readmission path."""
+        peer lost). The request recovers by prefilling locally through the
+        readmission path. Its landing pages go back, unless a posted write
+        may still reach them: then `fence_key` holds them until
+        `release_fence(fence_key)` (the write drained, or P's lease ran out)."""
         req = self.requests[req_id]
         res = fsm.remote_failed(req, self.next_epoch())
         del self.landing[req_id]
-        self.coord.release(res)
+        if fence_key is not None:
+            self.coord.fence(fence_key, res)
+        else:
+            self.coord.release(res)
         self._free_slot(req)
         self.retracted[req_id] = req
         req.error = reason
+
+    def release_fence(self, fence_key) -> None:
+        self.coord.release_fence(fence_key)
 
     def peer_ack(self, req_id: str) -> None:
         """P: the peer has the KV (Transferring -> Finished) or no longer
@@ -280,6 +288,9 @@ class Planner:
         c = self.coord
         return bool(self.requests or c.stores or c.loads or c.pending_stores)
 
+    def held_by_fences(self) -> int:
+        return sum(len(p) for p in self.coord.fences.values())
+
     def free_pages(self) -> int:
         return self.coord.free_pages()
 
@@ -326,11 +337,12 @@ class Planner:
         self.check_invariants()
         if self.requests:
             raise AssertionError(f"{len(self.requests)} requests still live")
-        if self.coord.free_pages() != self.cfg.total_pages:
-            raise AssertionError(
-                f"{self.cfg.total_pages - self.coord.free_pages()} pages still held")
         c = self.coord
+        if c.fences:
+            raise AssertionError(f"{len(c.fences)} fences still hold pages")
         if c.stores or c.loads or c.pending_stores:
             raise AssertionError("copies still in flight")
+        if c.free_pages() != self.cfg.total_pages:
+            raise AssertionError(f"{self.cfg.total_pages - c.free_pages()} pages still held")
         if c.host is not None and c.host.pool.num_free + c.host.index.num_idle != c.host.pool.total:
             raise AssertionError("host pages still held")

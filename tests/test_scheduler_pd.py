@@ -254,3 +254,20 @@ def test_every_event_from_every_state_leaves_nothing_unowned():
         step(p)
     p.abort("b", "peer lost")                      # Transferring -> Aborted (lease)
     p.assert_idle()
+
+
+def test_a_fenced_landing_is_not_reused_until_the_fence_is_released():
+    d = d_planner(page_size=4, total_pages=6, safe_steps=4)
+    d.submit(req("a", 12, max_new=4))             # 12 + 4 headroom: 4 pages
+    step(d)
+    d.transfer_failed("a", "timeout", fence_key=("a", 1))
+    assert d.held_by_fences() == 4 and d.free_pages() == 2
+    d.abort("a")                                  # the request goes; the fence stays
+    d.submit(req("b", 12, max_new=4))
+    plan, _ = step(d)
+    assert plan.remote_prefills == []             # only 2 pages: b must wait
+    d.release_fence(("a", 1))                     # the late write drained
+    plan, _ = step(d)
+    assert [op.req.id for op in plan.remote_prefills] == ["b"]
+    d.abort("b")
+    d.assert_idle()

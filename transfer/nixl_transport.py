@@ -93,9 +93,11 @@ class NixlTransport(KvTransport):
                                      f"{w.target.agent_name} is not a known peer incarnation"))
             return
         try:
+            t0 = time.perf_counter()
             handle = self.agent.make_prepped_xfer(
                 "WRITE", self._local, np.asarray(w.src_pages, dtype=np.int64), entry[2],
                 np.asarray(w.dst_pages, dtype=np.int64), encode_notif(w))
+            self.metrics.setup_seconds += time.perf_counter() - t0
             state = self.agent.transfer(handle)
         except Exception as e:            # the binding raises on a dead peer
             self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, f"post: {e}"))

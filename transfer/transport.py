@@ -60,6 +60,7 @@ class TransferMetrics:
     dropped_notifications: int = 0   # late or stale: fenced epoch, old incarnation
     lease_expiries: int = 0
     seconds: float = 0.0             # summed post -> completion time on P
+    setup_seconds: float = 0.0       # summed per-transfer setup (no registration, no descs)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
