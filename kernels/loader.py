@@ -57,3 +57,13 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="f
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            sliding_window=cfg.sliding_window)
     return DecoderModel(cfg, weights, DTYPES[dtype], device, backend), tok
+
+
+def load_tokenizer(path: str | None = None, preset: str | None = "tiny"):
+    """The tokenizer alone (the router's): no weights are read."""
+    if path is not None:
+        read_config(path)          # the same errors as load_model for a bad directory
+        return HFTokenizer(path)
+    if preset == "tiny":
+        return PrintableTokenizer()
+    raise ModelError(f"unknown model preset {preset!r}; use preset: tiny or path: DIR")

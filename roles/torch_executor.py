@@ -45,7 +45,8 @@ class TorchExecutor:
         self._params.pop(req_id, None)
         self._seeds.pop(req_id, None)
 
-    def _stops(self, req, token: int) -> bool:
+    def stops(self, req, token: int) -> bool:
+        """Does `token`, sampled next for `req`, end it (EOS, stop id or string)?"""
         sp = self._params[req.id]
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
             return True
@@ -77,13 +78,13 @@ class TorchExecutor:
             if op.completes:
                 req, tok = next(it)
                 result.prefill_tokens.append(tok)
-                if self._stops(req, tok):
+                if self.stops(req, tok):
                     result.stopped.add(req)
             else:
                 result.prefill_tokens.append(None)
         for req, tok in it:
             result.decode_tokens.append(tok)
-            if self._stops(req, tok):
+            if self.stops(req, tok):
                 result.stopped.add(req)
         return result
 

@@ -1,5 +1,8 @@
 import os
 
+# Everything a test moves stays on the loopback interface (UCX included).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 from hypothesis import HealthCheck, settings
 
 # `make test` runs the default profile; HYPOTHESIS_PROFILE=deep digs further.

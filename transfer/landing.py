@@ -59,6 +59,10 @@ class LandingTable:
         ld.release_at = now + self.lease_s
         return ld
 
+    def forget(self, req_id: str, epoch: int) -> bool:
+        """The write is known never to land (P reported it failed): no fence."""
+        return self._by_key.pop((req_id, epoch), None) is not None
+
     def timed_out(self, now: float) -> list[Landing]:
         return [ld for ld in self._by_key.values() if not ld.fenced and ld.deadline <= now]
 

@@ -55,7 +55,8 @@ class LoopbackTransport(KvTransport):
         live.pool[list(w.dst_pages)] = self.pool[list(w.src_pages)]
         self.metrics.seconds += time.perf_counter() - t0
         self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target))
-        live._events.append(TransferEvent("landed", w.req_id, w.epoch, self.incarnation))
+        live._events.append(TransferEvent("landed", w.req_id, w.epoch, self.incarnation,
+                                          first_token=w.first_token))
 
     def _poll_backend(self) -> list[TransferEvent]:
         out, self._events = self._events, []

@@ -132,8 +132,9 @@ class NixlTransport(KvTransport):
                 if parsed is None or parsed[2] != self.incarnation:
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
-                req_id, epoch, _ = parsed
-                out.append(TransferEvent("landed", req_id, epoch, Incarnation.parse(agent_name)))
+                req_id, epoch, _, token = parsed
+                out.append(TransferEvent("landed", req_id, epoch, Incarnation.parse(agent_name),
+                                         first_token=token))
         return out
 
     def in_flight(self) -> int:

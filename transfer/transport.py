@@ -39,6 +39,7 @@ class KvWrite:
     target: Incarnation        # the D incarnation the pages belong to
     src_pages: tuple           # P's pages, in prompt order
     dst_pages: tuple           # D's landing pages, same length
+    first_token: int = -1      # rides on the notification: D needs it with the KV
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class TransferEvent:
     epoch: int
     peer: Incarnation          # the other side
     reason: str = ""
+    first_token: int = -1      # landed: the token the write carried
 
 
 @dataclass
@@ -80,16 +82,17 @@ def page_runs(src, dst) -> list[tuple[int, int, int]]:
 
 
 def encode_notif(w: KvWrite) -> bytes:
-    return f"pdkv|{w.req_id}|{w.epoch}|{w.target.agent_name}".encode()
+    return f"pdkv|{w.epoch}|{w.first_token}|{w.target.agent_name}|{w.req_id}".encode()
 
 
 def decode_notif(msg: bytes):
-    """(req_id, epoch, target incarnation), or None for a foreign message."""
+    """(req_id, epoch, target incarnation, first token), or None for a
+    foreign message. The request id goes last: it may contain '|'."""
     try:
-        tag, req_id, epoch, target = msg.decode().split("|", 3)
+        tag, epoch, token, target, req_id = msg.decode().split("|", 4)
         if tag != "pdkv":
             return None
-        return req_id, int(epoch), Incarnation.parse(target)
+        return req_id, int(epoch), Incarnation.parse(target), int(token)
     except (ValueError, UnicodeDecodeError):
         return None
 

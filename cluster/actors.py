@@ -1,0 +1,59 @@
+"""Engines as Ray actors: `ray.remote` is applied here and nowhere else.
+
+Each engine is named `pdserve:<role>-<index>` in namespace `pdserve` and is
+restarted by Ray when its process dies (a restart is a new incarnation; the
+router notices and introduces it to its peers again).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.roles.engine_server import EngineServer
+
+NAMESPACE = "pdserve"
+
+
+class EngineHost:
+    """The actor body: an EngineServer bound to this node's address."""
+
+    def __init__(self, cfg: ServeConfig, role: str, index: int, device: str, options: dict,
+                 host: str | None):
+        host = host or ray.util.get_node_ip_address()
+        self.server = EngineServer(cfg, role, index, host=host, device=device, **options)
+
+    def info(self) -> dict:
+        return self.server.info()
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+EngineActor = ray.remote(EngineHost)
+
+
+def actor_name(role: str, index: int) -> str:
+    return f"pdserve:{role}-{index}"
+
+
+def start_engines(cfg: ServeConfig, device: str = "cpu", gpus_per_engine: float = 0,
+                  options: dict | None = None, placement: dict | None = None,
+                  host: str | None = None, env: dict | None = None) -> list:
+    """Create every engine the config's cluster shape names; returns
+    [(name, role, actor)]. `placement` maps a role to a Ray custom resource
+    its engines need (to pin roles to nodes); `host` is the address engines
+    bind (None: their node's); `env` goes into their processes."""
+    out = []
+    for role, count in (("fused", cfg.cluster.fused), ("prefill", cfg.cluster.prefill),
+                        ("decode", cfg.cluster.decode)):
+        for i in range(count):
+            opts = dict(name=actor_name(role, i), namespace=NAMESPACE, max_restarts=-1,
+                        num_cpus=0, num_gpus=gpus_per_engine, lifetime=None)
+            if placement and role in placement:
+                opts["resources"] = {placement[role]: 0.001}
+            if env:
+                opts["runtime_env"] = {"env_vars": dict(env)}
+            actor = EngineActor.options(**opts).remote(cfg, role, i, device, options or {}, host)
+            out.append((f"{role}-{i}", role, actor))
+    return out

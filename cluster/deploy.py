@@ -1,0 +1,75 @@
+"""Start and stop a deployment: a Ray cluster (local, or joined), the engine
+actors, and the router.
+
+A local deployment keeps every byte on the loopback interface: Ray, the
+engines' gRPC servers and UCX (UCX_NET_DEVICES=lo) all use 127.0.0.1. A
+joined cluster binds engines to their node's address and lets UCX choose
+its devices (RDMA where there is some).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from pdserve.cluster.actors import NAMESPACE, start_engines
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.router import Router
+from pdserve.kernels.loader import load_tokenizer
+from pdserve.kernels.model_config import read_config, tiny_config
+
+
+LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
+
+
+class Deployment:
+    def __init__(self, cfg: ServeConfig, address: str | None = None, device: str = "cpu",
+                 num_cpus: int | None = None, gpus_per_engine: float = 0,
+                 engine_options: dict | None = None, placement: dict | None = None):
+        self.cfg = cfg
+        self.ray_address = address
+        self.device = device
+        self.num_cpus = num_cpus
+        self.gpus_per_engine = gpus_per_engine
+        self.engine_options = engine_options or {}
+        self.placement = placement
+        self.engines: list = []
+        self.router: Router | None = None
+        self._started_ray = False
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        if not ray.is_initialized():
+            if self.ray_address:
+                ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self.num_cpus, namespace=NAMESPACE, include_dashboard=False,
+                         log_to_driver=False, _node_ip_address="127.0.0.1")
+            self._started_ray = True
+        local = not self.ray_address
+        self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,
+                                     self.engine_options, self.placement,
+                                     host="127.0.0.1" if local else None,
+                                     env=LOCAL_ENV if local else None)
+        infos = ray.get([a.info.remote() for _, _, a in self.engines])
+        m = self.cfg.model
+        tok = load_tokenizer(m.path, m.preset)
+        vocab = (read_config(m.path) if m.path else tiny_config()).vocab_size
+        self.router = Router(self.cfg, tok, vocab,
+                             [(i["engine"], i["role"], i["address"]) for i in infos])
+        return self.router.start(host, port)
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for _, _, actor in self.engines:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=20)
+            except Exception:                   # already gone: nothing to stop
+                pass
+            ray.kill(actor, no_restart=True)
+        self.engines = []
+        if self._started_ray:
+            ray.shutdown()

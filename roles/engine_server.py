@@ -1,0 +1,454 @@
+"""An engine as a service: the planner loop on its own thread, a gRPC
+control server, and (for P and D) the NIXL transport with its fences and
+leases. A plain class; cluster/actors.py makes it a Ray actor.
+
+Threads: gRPC handlers never touch the planner. They put a closure on the
+inbox; the loop thread runs it between rounds, so the planner, executor and
+transport are only ever used from one thread. Results flow back through
+per-request queues that the Submit stream drains.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+import time
+
+import grpc
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.kernels.loader import load_model
+from pdserve.kernels.sampling import SamplingParams
+from pdserve.proto import control_pb2 as pb
+from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.roles.engine import Engine
+from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.planner import Planner, RejectedRequest
+from pdserve.scheduler.request import Request, SamplingLimits
+from pdserve.transfer import Incarnation, KvWrite, LandingTable, LeaseTable
+
+log = logging.getLogger("pdserve.engine")
+
+TRANSFER_TIMEOUT_S = 30.0
+LEASE_S = 10.0
+HEARTBEAT_S = 2.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Peer:
+    name: str
+    incarnation: int
+    address: str
+    stub: object
+
+
+class EngineServer:
+    def __init__(self, cfg: ServeConfig, role: str, index: int, host: str = "127.0.0.1",
+                 device: str = "cpu", transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+                 lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S):
+        self.role = Role(role)
+        self.name = f"{role}-{index}"
+        self.incarnation = time.time_ns()
+        model, tok = load_model(cfg.model.path, cfg.model.preset, device=device)
+        engine_cfg = cfg.engine
+        if "max_context_tokens" not in cfg.engine_overrides:
+            engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.cfg.max_position)
+        self.tokenizer = tok
+        self.executor = TorchExecutor(model, tok, engine_cfg)
+        self.planner = Planner(engine_cfg, self.role)
+        self.engine = Engine(self.name, self.planner, self.executor)
+        self.transport = None
+        if self.role is not Role.FUSED:
+            from pdserve.transfer.nixl_transport import NixlTransport
+
+            self.transport = NixlTransport(Incarnation(self.name, self.incarnation))
+            self.transport.register_pool(self.executor.cache.data)
+        self.landing = LandingTable(transfer_timeout_s, lease_s)     # D
+        self.leases = LeaseTable(lease_s)                             # P
+        self.heartbeat_s = heartbeat_s
+        self.peers: dict[str, Peer] = {}
+        self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
+        self.epochs: dict[str, int] = {}        # D: req -> landing epoch
+        self.streams: dict[str, queue.Queue] = {}
+        self.emitted: dict[str, tuple[int, str]] = {}   # req -> (tokens sent, text sent)
+        self.counters = {"finished": 0, "retractions": 0, "transfers": 0,
+                         "transfer_failures": 0, "lease_expiries": 0}
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._rpc_pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-rpc")
+        self._last_heartbeat = 0.0
+        self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
+        pbg.add_EngineControlServicer_to_server(_Servicer(self), self.server)
+        port = self.server.add_insecure_port(f"{host}:0")
+        self.address = f"{host}:{port}"
+        self.server.start()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-loop", daemon=True)
+        self._thread.start()
+
+    # ---- plumbing ------------------------------------------------------------
+    def info(self) -> dict:
+        return {"engine": self.name, "role": self.role.value, "incarnation": self.incarnation,
+                "address": self.address}
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run fn() on the loop thread and return its result."""
+        fut: cf.Future = cf.Future()
+
+        def job():
+            try:
+                fut.set_result(fn())
+            except Exception as e:           # handed back to the caller
+                fut.set_exception(e)
+        self._inbox.put(job)
+        return fut.result(timeout)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.server.stop(grace=0.5)
+        self._rpc_pool.shutdown(wait=False, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _send(self, peer_name: str, method: str, request) -> None:
+        """Fire a control message to a peer off the loop thread."""
+        peer = self.peers.get(peer_name)
+        if peer is None:
+            log.warning("%s: no peer %s for %s", self.name, peer_name, method)
+            return
+
+        def go():
+            try:
+                getattr(peer.stub, method)(request, timeout=10)
+            except grpc.RpcError as e:
+                log.warning("%s -> %s %s failed: %s", self.name, peer_name, method, e.code())
+        self._rpc_pool.submit(go)
+
+    # ---- the loop --------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:                        # keep serving; the log says what broke
+                log.exception("%s: round failed", self.name)
+                time.sleep(0.05)
+
+    def _tick(self) -> None:
+        busy = self.engine.has_work() and not self._only_waiting_on_peer()
+        try:
+            job = self._inbox.get(timeout=0 if busy else 0.002)
+            job()
+            while True:
+                self._inbox.get_nowait()()
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if self.transport is not None:
+            for ev in self.transport.poll():
+                self._on_transfer_event(ev)
+            self._timers(now)
+        if self.engine.has_work():
+            out = self.engine.step()
+            if out is not None:
+                self._after_round(out)
+
+    def _only_waiting_on_peer(self) -> bool:
+        p = self.planner
+        return p.waiting_on_peer() and not (p.waiting or p.prefilling or p.running or p.retracted)
+
+    def _after_round(self, out) -> None:
+        plan = out.plan
+        self.counters["retractions"] += len(plan.retracts)
+        touched = [op.req for op in plan.prefills if op.completes] + list(plan.decodes)
+        if self.role is not Role.PREFILL:
+            for req in touched:
+                self._emit(req)
+        for req in out.finished:
+            self._finish_stream(req)
+        for op in plan.remote_prefills:
+            self._ask_prefill(op)
+        for op in plan.remote_decodes:
+            self._ship(op)
+
+    # ---- streams ---------------------------------------------------------------
+    def _emit(self, req, final: str | None = None, error: str | None = None) -> None:
+        q = self.streams.get(req.id)
+        if q is None:
+            return
+        sent, text_sent = self.emitted.get(req.id, (0, ""))
+        new = req.output[sent:]
+        text = self.tokenizer.decode(req.output) if new or final else text_sent
+        delta = text[len(text_sent):] if text.startswith(text_sent) else text
+        if new or final or error:
+            q.put(pb.TokenEvent(token_ids=new, text=delta, finish_reason=final or "",
+                                error=error or ""))
+        self.emitted[req.id] = (len(req.output), text)
+
+    def _finish_stream(self, req) -> None:
+        self.counters["finished"] += 1
+        self._emit(req, final=req.finish_reason or "length")
+        self._close(req.id)
+        self.executor.forget(req.id)
+
+    def _close(self, req_id: str) -> None:
+        q = self.streams.pop(req_id, None)
+        if q is not None:
+            q.put(None)
+        self.emitted.pop(req_id, None)
+
+    def _fail(self, req_id: str, error: str) -> None:
+        q = self.streams.get(req_id)
+        if q is not None:
+            q.put(pb.TokenEvent(error=error))
+        self._close(req_id)
+        self.executor.forget(req_id)
+
+    # ---- submit and abort (router) ---------------------------------------------
+    def submit(self, r: pb.SubmitRequest) -> queue.Queue:
+        """Loop thread: admit a request; returns its event queue."""
+        sp = SamplingParams(max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
+                            temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
+                            seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
+                            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+        req = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=sp.max_tokens))
+        if r.prefill_peer and self.role is Role.DECODE:
+            if r.prefill_peer not in self.peers:
+                raise RejectedRequest(f"{self.name} does not know prefill engine "
+                                      f"{r.prefill_peer!r}")
+            req.peer = r.prefill_peer
+        self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF)
+        q: queue.Queue = queue.Queue()
+        self.streams[req.id] = q
+        try:
+            self.planner.submit(req)
+        except RejectedRequest:
+            self.streams.pop(req.id, None)
+            self.executor.forget(req.id)
+            raise
+        return q
+
+    def abort(self, req_id: str, reason: str) -> bool:
+        p = self.planner
+        req = p.requests.get(req_id)
+        if req is None:
+            return False
+        if req_id in p.landing:
+            # a posted write may still land: fence the pages, then let go
+            epoch = self.epochs.pop(req_id, 0)
+            self.landing.fence(req_id, epoch, time.monotonic())
+            p.transfer_failed(req_id, reason, fence_key=(req_id, epoch))
+            self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=req_id,
+                                                                      release_only=True))
+        p.abort(req_id, reason)
+        if self.role is Role.PREFILL:
+            self.leases.release(req_id)
+            self.remote.pop(req_id, None)
+        self._fail(req_id, f"aborted: {reason}")
+        return True
+
+    # ---- D: asking P, and what comes back --------------------------------------
+    def _ask_prefill(self, op) -> None:
+        req = op.req
+        if req.peer is None or req.peer not in self.peers:
+            self._recover_locally(req.id, 0, "no prefill peer", fence=False)
+            return
+        epoch = self.landing.expect(req.id, op.landing_pages, time.monotonic())
+        self.epochs[req.id] = epoch
+        sp = self.executor._params[req.id]
+        self._send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
+            request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
+            landing_pages=op.landing_pages, epoch=epoch, target_engine=self.name,
+            target_incarnation=self.incarnation, temperature=sp.temperature,
+            top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {})))
+
+    def _recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool) -> None:
+        if req_id not in self.planner.landing:
+            return
+        key = None
+        if fence:
+            self.landing.fence(req_id, epoch, time.monotonic())
+            key = (req_id, epoch)
+        self.epochs.pop(req_id, None)
+        self.counters["transfer_failures"] += 1
+        self.planner.transfer_failed(req_id, reason, fence_key=key)
+
+    def _on_transfer_event(self, ev) -> None:
+        if ev.kind == "landed":
+            verdict = self.landing.on_notification(ev.req_id, ev.epoch)
+            if verdict == "drained":
+                self.planner.release_fence((ev.req_id, ev.epoch))
+            elif verdict == "landed" and ev.req_id in self.planner.landing:
+                self.epochs.pop(ev.req_id, None)
+                self.counters["transfers"] += 1
+                req = self.planner.requests[ev.req_id]
+                stopped = self.executor.stops(req, ev.first_token)
+                finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
+                self._emit(req)
+                for r in finished:
+                    self._finish_stream(r)
+                self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=ev.req_id))
+        elif ev.kind == "failed":                  # P: our write will not land
+            info = self.remote.get(ev.req_id)
+            self.counters["transfer_failures"] += 1
+            if info is not None:
+                self._send(info[0], "TransferFailed", pb.TransferFailedRequest(
+                    request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
+
+    def _timers(self, now: float) -> None:
+        if self.role is Role.DECODE:
+            for ld in self.landing.timed_out(now):
+                req = self.planner.requests.get(ld.req_id)
+                self._recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True)
+                if req is not None and req.peer:
+                    self._send(req.peer, "TransferAck", pb.TransferAckRequest(
+                        request_id=ld.req_id, release_only=True))
+            for ld in self.landing.expired_fences(now):
+                self.planner.release_fence((ld.req_id, ld.epoch))
+            if now - self._last_heartbeat >= self.heartbeat_s:
+                self._last_heartbeat = now
+                by_peer: dict[str, list] = {}
+                for req in self.planner.landing.values():
+                    by_peer.setdefault(req.peer, []).append(req.id)
+                for peer, ids in by_peer.items():
+                    self._send(peer, "LeaseHeartbeat", pb.HeartbeatRequest(
+                        engine=self.name, incarnation=self.incarnation, request_ids=ids))
+        elif self.role is Role.PREFILL:
+            for rid in self.leases.expired(now):
+                if rid in self.planner.requests:
+                    self.counters["lease_expiries"] += 1
+                    self.planner.abort(rid, "lease expired")
+                    self.remote.pop(rid, None)
+                    self.executor.forget(rid)
+
+    def transfer_failed_from_peer(self, r: pb.TransferFailedRequest) -> None:
+        # the write failed on P's side and will not land: no fence needed
+        if self.epochs.get(r.request_id) == r.epoch and self.landing.forget(r.request_id, r.epoch):
+            req = self.planner.requests.get(r.request_id)
+            self._recover_locally(r.request_id, r.epoch, r.reason, fence=False)
+            if req is not None:
+                self._send(req.peer, "TransferAck", pb.TransferAckRequest(
+                    request_id=r.request_id, release_only=True))
+
+    # ---- P: prefilling for D, shipping, acks ------------------------------------
+    def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
+        if r.target_engine not in self.peers:
+            raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
+        twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
+        twin.first_page = r.first_page
+        sp = SamplingParams(max_tokens=1, temperature=r.temperature, top_p=r.top_p or 1.0,
+                            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None)
+        self.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF)
+        self.planner.submit(twin)
+        self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
+                                r.epoch)
+        self.leases.grant(twin.id, r.target_engine, time.monotonic())
+
+    def _ship(self, op) -> None:
+        info = self.remote.get(op.req.id)
+        if info is None:
+            return
+        d_name, d_inc, pages, epoch = info
+        self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
+                                     tuple(op.src_pages), pages, op.first_token))
+        self.counters["transfers"] += 1
+
+    def transfer_ack(self, r: pb.TransferAckRequest) -> None:
+        if r.request_id in self.planner.requests:
+            self.planner.peer_ack(r.request_id)
+        self.leases.release(r.request_id)
+        self.remote.pop(r.request_id, None)
+        self.executor.forget(r.request_id)
+
+    # ---- membership and stats -----------------------------------------------
+    def add_peer(self, r: pb.AddPeerRequest) -> None:
+        old = self.peers.get(r.engine)
+        if old is not None and old.incarnation == r.incarnation:
+            return
+        channel = grpc.insecure_channel(r.address)
+        self.peers[r.engine] = Peer(r.engine, r.incarnation, r.address,
+                                    pbg.EngineControlStub(channel))
+        if self.transport is not None and r.nixl_metadata:
+            self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
+
+    def stats(self) -> pb.EngineStatsResponse:
+        p = self.planner
+        total = p.total_pages
+        used = total - p.free_pages()
+        if self.role is Role.PREFILL:
+            pinned = used
+        else:
+            pinned = sum(len(r.state.res.tables[0]) for r in p.landing.values()) + \
+                p.held_by_fences()
+        return pb.EngineStatsResponse(
+            total_pages=total, used_pages=used, pinned_pages=pinned,
+            running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
+            waiting=len(p.waiting) + len(p.retracted), role=self.role.value, **self.counters)
+
+
+class _Servicer(pbg.EngineControlServicer):
+    def __init__(self, server: EngineServer):
+        self.s = server
+
+    def _ack(self, fn, context):
+        try:
+            self.s.call(fn)
+            return pb.Ack(ok=True)
+        except RejectedRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def Submit(self, request, context):
+        try:
+            q = self.s.call(lambda: self.s.submit(request))
+        except (RejectedRequest, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        context.add_callback(lambda: self.s._inbox.put(
+            lambda: self.s.abort(rid, "client went away")))
+        while True:
+            ev = q.get()
+            if ev is None:
+                return
+            yield ev
+
+    def Abort(self, request, context):
+        found = self.s.call(lambda: self.s.abort(request.request_id,
+                                                 request.reason or "aborted by client"))
+        return pb.Ack(ok=found, error="" if found else "unknown request")
+
+    def RemotePrefill(self, request, context):
+        return self._ack(lambda: self.s.remote_prefill(request), context)
+
+    def TransferAck(self, request, context):
+        return self._ack(lambda: self.s.transfer_ack(request), context)
+
+    def TransferFailed(self, request, context):
+        return self._ack(lambda: self.s.transfer_failed_from_peer(request), context)
+
+    def LeaseHeartbeat(self, request, context):
+        self.s.call(lambda: self.s.leases.renew(request.engine, request.request_ids,
+                                                time.monotonic()))
+        return pb.Ack(ok=True)
+
+    def GetInfo(self, request, context):
+        md = self.s.call(lambda: self.s.transport.metadata() if self.s.transport else b"")
+        i = self.s.info()
+        return pb.InfoResponse(engine=i["engine"], role=i["role"],
+                               incarnation=i["incarnation"], nixl_metadata=md,
+                               address=i["address"])
+
+    def AddPeer(self, request, context):
+        return self._ack(lambda: self.s.add_peer(request), context)
+
+    def Stats(self, request, context):
+        return self.s.call(self.s.stats)
