@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench proto clean
+.PHONY: demo sim-demo test test-all bench proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/pdserve demo --config deploy/local-pd.yaml
+
+sim-demo: $(STAMP)
 	@echo "== two fused engines =="
 	$(VENV)/bin/pdserve sim --config deploy/sim-demo.yaml --trace deploy/demo-trace.jsonl --out out/demo.json
 	@echo "== one prefill + one decode engine =="

@@ -24,7 +24,7 @@ class EngineHost:
         self.server = EngineServer(cfg, role, index, host=host, device=device, **options)
 
     def info(self) -> dict:
-        return self.server.info()
+        return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def shutdown(self) -> None:
         self.server.shutdown()

@@ -44,13 +44,80 @@ def _cmd_sim(args) -> int:
     return 0
 
 
+def _cmd_up(args) -> int:
+    import signal
+    import threading
+
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.deploy import Deployment
+
+    cfg = load_config(args.config)
+    dep = Deployment(cfg, address=args.address, device=args.device,
+                     gpus_per_engine=args.gpus_per_engine)
+    addr = dep.start(host=args.host, port=args.port)
+    print(f"pdserve: serving on {addr} ({cfg.cluster.prefill} prefill, {cfg.cluster.decode} "
+          f"decode, {cfg.cluster.fused} fused); Ctrl-C stops", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
+    dep.stop()
+    return 0
+
+
+def _client_errors(fn):
+    import grpc
+
+    try:
+        return fn()
+    except grpc.RpcError as e:
+        print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _cmd_stats(args) -> int:
+    from pdserve.client import Client
+
+    def go():
+        rows = Client(args.address).stats()
+        print(f"{'engine':<20} {'role':<8} {'used':>6} {'pinned':>6} {'total':>6} "
+              f"{'running':>7} {'waiting':>7} {'finished':>8}")
+        for r in rows:
+            print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
+                  f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} {r['finished']:>8}")
+        return 0
+    return _client_errors(go)
+
+
+def _cmd_demo(args) -> int:
+    from pdserve.cluster.demo import main as demo_main
+
+    return demo_main(args.config)
+
+
 def _cmd_generate(args) -> int:
     from pdserve.kernels.sampling import SamplingParams
+
+    if args.address:
+        from pdserve.client import Client
+
+        def go():
+            c = Client(args.address)
+            for text in args.text:
+                for chunk in c.generate_stream(text, max_tokens=args.max_tokens,
+                                               temperature=args.temperature, top_p=args.top_p,
+                                               top_k=args.top_k, seed=args.seed):
+                    print(chunk.text, end="", flush=True)
+                print()
+            return 0
+        return _client_errors(go)
     from pdserve.llm import LLM
 
     if args.config is None:
-        print("pdserve: error: generate needs --config FILE (offline, in-process)",
-              file=sys.stderr)
+        print("pdserve: error: generate needs --address HOST:PORT (a running deployment) "
+              "or --config FILE (offline, in-process)", file=sys.stderr)
         return 2
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -102,8 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="admit every request strictly (its whole generation reserved)")
     sim.set_defaults(func=_cmd_sim)
 
-    gen = sub.add_parser("generate", help="generate text offline with one in-process engine")
-    gen.add_argument("--config", help="config YAML (model and engine)")
+    up = sub.add_parser("up", help="start a deployment (local Ray cluster, or join one) and serve")
+    up.add_argument("--config", required=True, help="config YAML")
+    up.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    up.add_argument("--host", default="127.0.0.1", help="the router's bind address")
+    up.add_argument("--port", type=int, default=50051, help="the router's port")
+    up.add_argument("--device", default="cpu", help="cpu or cuda")
+    up.add_argument("--gpus-per-engine", type=float, default=0)
+    up.set_defaults(func=_cmd_up)
+
+    stats = sub.add_parser("stats", help="per-engine pages and requests of a deployment")
+    stats.add_argument("--address", required=True, help="the router, HOST:PORT")
+    stats.set_defaults(func=_cmd_stats)
+
+    demo = sub.add_parser("demo", help="a local 1P+1D cluster on the tiny model, a few "
+                                       "concurrent prompts, streamed answers, stats")
+    demo.add_argument("--config", default=None, help="config YAML (default: deploy/local-pd.yaml)")
+    demo.set_defaults(func=_cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate text: from a running deployment "
+                                          "(--address) or offline in-process (--config)")
+    gen.add_argument("--address", help="the router of a running deployment, HOST:PORT")
+    gen.add_argument("--config", help="config YAML (model and engine), offline")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

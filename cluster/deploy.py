@@ -9,6 +9,8 @@ its devices (RDMA where there is some).
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from pdserve.cluster.actors import NAMESPACE, start_engines
@@ -24,7 +26,8 @@ LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
 class Deployment:
     def __init__(self, cfg: ServeConfig, address: str | None = None, device: str = "cpu",
                  num_cpus: int | None = None, gpus_per_engine: float = 0,
-                 engine_options: dict | None = None, placement: dict | None = None):
+                 engine_options: dict | None = None, placement: dict | None = None,
+                 loopback: bool | None = None):
         self.cfg = cfg
         self.ray_address = address
         self.device = device
@@ -32,6 +35,8 @@ class Deployment:
         self.gpus_per_engine = gpus_per_engine
         self.engine_options = engine_options or {}
         self.placement = placement
+        # keep engine traffic on 127.0.0.1: by default only when Ray is local
+        self.loopback = (address is None) if loopback is None else loopback
         self.engines: list = []
         self.router: Router | None = None
         self._started_ray = False
@@ -44,7 +49,7 @@ class Deployment:
                 ray.init(num_cpus=self.num_cpus, namespace=NAMESPACE, include_dashboard=False,
                          log_to_driver=False, _node_ip_address="127.0.0.1")
             self._started_ray = True
-        local = not self.ray_address
+        local = self.loopback
         self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,
                                      self.engine_options, self.placement,
                                      host="127.0.0.1" if local else None,
@@ -52,8 +57,12 @@ class Deployment:
         infos = ray.get([a.info.remote() for _, _, a in self.engines])
         m = self.cfg.model
         tok = load_tokenizer(m.path, m.preset)
-        vocab = (read_config(m.path) if m.path else tiny_config()).vocab_size
-        self.router = Router(self.cfg, tok, vocab,
+        model_cfg = read_config(m.path) if m.path else tiny_config()
+        cfg = self.cfg
+        if "max_context_tokens" not in cfg.engine_overrides:     # as the engines resolve it
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+                cfg.engine, max_context_tokens=model_cfg.max_position))
+        self.router = Router(cfg, tok, model_cfg.vocab_size,
                              [(i["engine"], i["role"], i["address"]) for i in infos])
         return self.router.start(host, port)
 

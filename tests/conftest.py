@@ -1,7 +1,10 @@
 import os
 
-# Everything a test moves stays on the loopback interface (UCX included).
+# Everything a test moves stays on the loopback interface: UCX, and Ray's
+# own addresses (this switch makes Ray take 127.0.0.1 as every node's IP,
+# which multi-node clusters on one machine need; ray reads it at import).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from hypothesis import HealthCheck, settings
 

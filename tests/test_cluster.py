@@ -1,0 +1,189 @@
+"""End to end on one local Ray cluster (shared by the module): a fused
+engine, a prefill engine and a decode engine behind the router."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.client import AsyncClient, Client
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.deploy import Deployment
+
+ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
+          "max_batch_size": 64}
+PROMPTS = ["The quick brown fox", "The quick brown fox jumps over the lazy dog",
+           "Disaggregated prefill", "The quick brown cat" * 8, "x"]
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    cfg = ServeConfig.from_dict({"engine": ENGINE,
+                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
+    dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 20.0})
+    dep.start()
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture
+def client(deployment):
+    c = Client(deployment.address, timeout=120)
+    yield c
+    wait_idle(c)
+    c.close()
+
+
+def wait_idle(c: Client, seconds: float = 30.0) -> None:
+    """Every engine back to no page held or pinned and nothing running (the
+    P side lets go when D's ack arrives, which may trail the stream)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = c.stats()
+        busy = [s for s in stats if s["used_pages"] or s["pinned_pages"] or s["running"]
+                or s["waiting"]]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines not idle: {busy}")
+
+
+def concurrently(fn, items):
+    out = [None] * len(items)
+    errs = []
+
+    def run(i, x):
+        try:
+            out[i] = fn(x)
+        except Exception as e:            # surfaced below
+            errs.append(e)
+    ts = [threading.Thread(target=run, args=(i, x)) for i, x in enumerate(items)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+def test_disaggregated_equals_fused_equals_offline(client):
+    want = [o.token_ids for o in LLM(**ENGINE).generate(
+        PROMPTS, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)]
+    for route, engine in (("fused", "fused-0"), ("disaggregated", "decode-0")):
+        got = concurrently(lambda p: client.generate(p, max_tokens=20, route=route,
+                                                     ignore_eos=True), PROMPTS)
+        assert [g.token_ids for g in got] == want, route
+        assert {g.engine for g in got} == {engine}
+
+
+def test_tokens_stream_in_order_and_only_the_last_chunk_finishes(client):
+    chunks = list(client.generate_stream(PROMPTS[1], max_tokens=12, ignore_eos=True,
+                                         route="disaggregated"))
+    assert [c.finish_reason for c in chunks[:-1]] == [""] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == "length"
+    whole = client.generate(PROMPTS[1], max_tokens=12, ignore_eos=True, route="fused")
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    assert len(chunks) >= 2                      # it streamed, it did not arrive at once
+
+
+@pytest.mark.parametrize("route", ["fused", "disaggregated"])
+def test_abort_mid_stream_ends_the_stream_and_frees_everything(client, route):
+    stream = client.generate_stream(PROMPTS[0], request_id=f"long-{route}", max_tokens=3000,
+                                    ignore_eos=True, route=route)
+    got, aborted = 0, False
+    with pytest.raises(grpc.RpcError) as e:
+        for chunk in stream:
+            got += len(chunk.token_ids)
+            if got >= 3 and not aborted:
+                aborted = client.abort(f"long-{route}")
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    assert 3 <= got < 3000
+
+
+def test_a_client_that_disconnects_is_aborted_on_the_engine(client, deployment):
+    ch = grpc.insecure_channel(deployment.address)
+    from pdserve.proto import router_pb2 as pb
+    from pdserve.proto import router_pb2_grpc as pbg
+
+    call = pbg.RouterStub(ch).Generate(pb.GenerateRequest(
+        text="bye", sampling=pb.SamplingOptions(max_tokens=3000, ignore_eos=True),
+        route="disaggregated"))
+    next(call)
+    call.cancel()
+    ch.close()
+    wait_idle(client)
+
+
+def test_stats_and_server_info_describe_every_engine(client):
+    info = client.server_info()
+    assert {e["name"] for e in info["engines"]} == {"pdserve:fused-0", "pdserve:prefill-0",
+                                                   "pdserve:decode-0"}
+    assert all(e["alive"] and e["address"].startswith("127.0.0.1:") for e in info["engines"])
+    assert info["max_prompt_tokens"] == 4096           # the tiny model's context
+    stats = {s["name"]: s for s in client.stats()}
+    assert stats["pdserve:prefill-0"]["total_pages"] == 512
+    assert stats["pdserve:decode-0"]["transfers"] >= 1
+
+
+def test_health_checking_and_reflection_are_served(deployment):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    ch = grpc.insecure_channel(deployment.address)
+    resp = health_pb2_grpc.HealthStub(ch).Check(
+        health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    out = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")])))
+    assert "pdserve.v1.Router" in [s.name for s in out.list_services_response.service]
+    ch.close()
+
+
+def test_the_async_client_generates_and_reads_stats(deployment):
+    async def go():
+        c = AsyncClient(deployment.address, timeout=60)
+        r = await c.generate("async", max_tokens=5, ignore_eos=True)
+        s = await c.stats()
+        await c.close()
+        return r, s
+    r, s = asyncio.run(go())
+    assert len(r.token_ids) == 5 and r.finish_reason == "length" and len(s) == 3
+
+
+@pytest.mark.parametrize("kw,code,words", [
+    ({"prompt": ""}, "INVALID_ARGUMENT", "prompt is empty"),
+    ({"prompt": "a" * 9000}, "INVALID_ARGUMENT", "exceeds this deployment's bound"),
+    ({"max_tokens": 0}, "INVALID_ARGUMENT", "max_tokens must be at least 1"),
+    ({"max_tokens": 10_000_000}, "INVALID_ARGUMENT", "lower max_new_tokens to at most"),
+    ({"temperature": -0.5}, "INVALID_ARGUMENT", "temperature"),
+    ({"top_p": 1.5}, "INVALID_ARGUMENT", "top_p"),
+    ({"prompt": [1, 2, 99999]}, "INVALID_ARGUMENT", "outside the vocabulary"),
+    ({"route": "sideways"}, "INVALID_ARGUMENT", "route 'sideways' is unknown"),
+])
+def test_bad_client_input_is_refused_with_what_to_change(client, kw, code, words):
+    prompt = kw.pop("prompt", "hello")
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, **kw)
+    assert e.value.code().name == code and words in e.value.details()
+
+
+def test_abort_of_an_unknown_request_is_not_found(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("never-sent")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "never-sent" in e.value.details()
+
+
+def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys):
+    from pdserve.cluster.cli import main
+
+    assert main(["generate", "--address", deployment.address, "--max-tokens", "4",
+                 "hello"]) == 0
+    assert main(["stats", "--address", deployment.address]) == 0
+    out = capsys.readouterr().out
+    assert "pdserve:decode-0" in out and "pdserve:prefill-0" in out
