@@ -140,17 +140,27 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.transfer import main as transfer_main
 
         return transfer_main()
+    if args.what == "serve":
+        from pdserve.benchmarks.serve import main as serve_main
+
+        if not args.address and not args.config:
+            print("pdserve: error: bench serve needs --address HOST:PORT or --config FILE "
+                  "(repeat --config to compare deployments)", file=sys.stderr)
+            return 2
+        return serve_main(args.address, args.config or [], args.requests, args.prompt_len,
+                          args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
+                          args.max_prompt, args.out)
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
     if args.what == "disagg":
         from pdserve.benchmarks.disagg import main as disagg_main
 
-        return disagg_main(args.config, args.trace, args.limit, args.rates, args.ttft_slo,
+        return disagg_main(args.config[0], args.trace, args.limit, args.rates, args.ttft_slo,
                            args.tpot_slo, args.out, args.plot)
     from pdserve.benchmarks.retraction import main as bench_main
 
-    return bench_main(args.config, args.trace, limit=args.limit)
+    return bench_main(args.config[0], args.trace, limit=args.limit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,22 +211,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer"],
+    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
+                                        "serve"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
                             "llm: pdserve.LLM against Hugging Face generate; "
-                            "transfer: KV handoff over NIXL against raw NIXL and memcpy")
+                            "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
+                            "serve: load a deployment through the client")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
-    bench.add_argument("--config", help="retraction: the config YAML")
-    bench.add_argument("--trace", help="retraction: the trace")
+    bench.add_argument("--config", action="append",
+                       help="config YAML (serve: start this deployment; repeat to compare)")
+    bench.add_argument("--trace", help="the trace (serve: replayed with lengths capped)")
+    bench.add_argument("--address", help="serve: a running deployment's router")
+    bench.add_argument("--requests", type=int, default=64, help="serve: how many")
+    bench.add_argument("--prompt-len", type=int, default=128, help="serve: synthetic prompts")
+    bench.add_argument("--max-tokens", type=int, default=64, help="serve: per request")
+    bench.add_argument("--max-prompt", type=int, default=1024, help="serve: cap replayed prompts")
+    bench.add_argument("--concurrency", type=int, default=16, help="serve: requests in flight")
+    bench.add_argument("--rate", type=float, help="serve: Poisson arrivals a second")
     bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
     bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                        help="disagg: arrival-rate multipliers of the trace's own rate")
     bench.add_argument("--ttft-slo", type=float, default=2.0, help="disagg: seconds")
     bench.add_argument("--tpot-slo", type=float, default=0.1, help="disagg: seconds")
-    bench.add_argument("--out", help="disagg: save the rows as JSON here")
+    bench.add_argument("--out", help="disagg, serve: save the results as JSON here")
     bench.add_argument("--plot", help="disagg: draw goodput against rate into this PNG")
     bench.set_defaults(func=_cmd_bench)
     return ap
