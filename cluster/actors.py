@@ -29,6 +29,15 @@ class EngineHost:
     def shutdown(self) -> None:
         self.server.shutdown()
 
+    def set_faults(self, rules: list[dict], seed: int = 0) -> None:
+        self.server.set_faults(rules, seed)
+
+    def check(self) -> dict:
+        return self.server.check()
+
+    def request_state(self, req_id: str) -> str | None:
+        return self.server.request_state(req_id)
+
 
 EngineActor = ray.remote(EngineHost)
 

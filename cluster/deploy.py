@@ -62,13 +62,29 @@ class Deployment:
         if "max_context_tokens" not in cfg.engine_overrides:     # as the engines resolve it
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
                 cfg.engine, max_context_tokens=model_cfg.max_position))
+        actors = {name: actor for name, _, actor in self.engines}
+
+        def resolve(name: str) -> str:
+            return ray.get(actors[name].info.remote(), timeout=5)["address"]
         self.router = Router(cfg, tok, model_cfg.vocab_size,
-                             [(i["engine"], i["role"], i["address"]) for i in infos])
+                             [(i["engine"], i["role"], i["address"]) for i in infos], resolve)
         return self.router.start(host, port)
 
     @property
     def address(self) -> str:
         return self.router.address
+
+    def actor(self, name: str):
+        return next(a for n, _, a in self.engines if n == name)
+
+    def restart_router(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Stop the router and start a fresh one over the same engines."""
+        old = self.router
+        old.stop()
+        self.router = Router(old.cfg, old.tokenizer, old.vocab_size,
+                             [(e.name, e.role, e.address) for e in old.engines.values()],
+                             old.resolver)
+        return self.router.start(host, port)
 
     def stop(self) -> None:
         if self.router is not None:

@@ -48,9 +48,19 @@ class BadRequest(ValueError):
     pass
 
 
+class _EngineLost(RuntimeError):
+    pass
+
+
+MAX_RESUBMITS = 3
+
+
 class Router:
-    def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple]):
-        """`engines`: (name, role, address) of every engine."""
+    def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
+                 resolver=None):
+        """`engines`: (name, role, address) of every engine. `resolver(name)`
+        returns an engine's current address (it changes when Ray restarts it)."""
+        self.resolver = resolver
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -58,7 +68,8 @@ class Router:
         for name, role, address in engines:
             stub = cpbg.EngineControlStub(grpc.insecure_channel(address))
             self.engines[name] = EngineRef(name, role, address, stub)
-        self.active: dict[str, tuple] = {}      # request id -> (engine, P or "", load)
+        self.active: dict[str, tuple] = {}      # request id -> (engine, P, load)
+        self.counters = {"resubmitted": 0}
         self._lock = threading.Lock()
         self.server = None
         self.address = None
@@ -71,12 +82,22 @@ class Router:
         infos, changed = {}, False
         for ref in self.engines.values():
             try:
-                infos[ref.name] = ref.stub.GetInfo(cpb.InfoRequest(), timeout=10)
+                infos[ref.name] = ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
                 ref.alive = True
             except grpc.RpcError:
-                changed |= ref.alive
-                ref.alive = False
-                continue
+                address = self._resolve(ref.name)
+                if address is None or address == ref.address:
+                    changed |= ref.alive
+                    ref.alive = False
+                    continue
+                ref.address = address               # restarted elsewhere: follow it
+                ref.stub = cpbg.EngineControlStub(grpc.insecure_channel(address))
+                try:
+                    infos[ref.name] = ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
+                    ref.alive = True
+                except grpc.RpcError:
+                    ref.alive = False
+                    continue
             if infos[ref.name].incarnation != ref.incarnation:
                 ref.incarnation = infos[ref.name].incarnation
                 changed = True
@@ -90,6 +111,14 @@ class Router:
                                                       nixl_metadata=i.nixl_metadata,
                                                       address=i.address), timeout=30)
         return changed
+
+    def _resolve(self, name: str) -> str | None:
+        if self.resolver is None:
+            return None
+        try:
+            return self.resolver(name)
+        except Exception:                     # not back yet: try again next round
+            return None
 
     def _watch(self, period: float) -> None:
         while not self._stop.wait(period):
@@ -138,20 +167,45 @@ class Router:
         return target, peer
 
     def generate(self, r: pb.GenerateRequest, context):
+        """Stream a request from its engine. If the engine dies mid-stream,
+        the request is resubmitted (at most MAX_RESUBMITS times) to a live
+        engine with the prompt plus the tokens already streamed, and the
+        stream continues where it stopped: under greedy decoding the client
+        sees exactly the tokens an undisturbed run produces."""
         try:
             ids, sp = self.validate(r)
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = r.request_id or uuid.uuid4().hex
-        load = len(ids) + (sp.max_tokens or 256)
         with self._lock:
             if rid in self.active:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"request id {rid!r} is running; use a fresh id")
+            self.active[rid] = None
+        streamed: list[int] = []
+        try:
+            for attempt in range(MAX_RESUBMITS + 1):
+                try:
+                    yield from self._attempt(rid, ids + streamed, sp, len(streamed), r.route,
+                                             context, streamed)
+                    return
+                except _EngineLost as lost:
+                    if attempt == MAX_RESUBMITS:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
+                    self.counters["resubmitted"] += 1
+                    log.warning("%s: %s; resubmitting with %d streamed tokens", rid, lost,
+                                len(streamed))
+        finally:
+            with self._lock:
+                self.active.pop(rid, None)
+
+    def _attempt(self, rid, ids, sp: SamplingParams, done: int, route, context, streamed):
+        with self._lock:
             try:
-                target, peer = self.pick(r.route)
+                target, peer = self.pick(route)
             except LookupError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            load = len(ids) + (sp.max_tokens or 256)
             target.load += load
             if peer is not None:
                 peer.load += len(ids)
@@ -161,7 +215,7 @@ class Router:
             top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "")
         if sp.max_tokens is not None:
-            sub.max_tokens = sp.max_tokens
+            sub.max_tokens = sp.max_tokens - done
         if sp.seed is not None:
             sub.seed = sp.seed
         stream = target.stub.Submit(sub)
@@ -172,24 +226,25 @@ class Router:
                     code = grpc.StatusCode.ABORTED if ev.error.startswith("aborted") \
                         else grpc.StatusCode.INTERNAL
                     context.abort(code, ev.error)
+                streamed.extend(ev.token_ids)
                 yield pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text,
                                           finish_reason=ev.finish_reason, engine=target.name)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                return
-            code = e.code() if e.code() == grpc.StatusCode.INVALID_ARGUMENT \
-                else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, e.details() or f"{target.name} failed: {e.code().name}")
+            if not context.is_active():
+                return                            # the client went away
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                context.abort(e.code(), e.details())
+            target.alive = False                  # until membership sees it again
+            raise _EngineLost(f"{target.name} failed mid-stream: {e.code().name}") from None
         finally:
             with self._lock:
-                self.active.pop(rid, None)
                 target.load -= load
                 if peer is not None:
                     peer.load -= len(ids)
 
     def abort(self, rid: str) -> bool:
         entry = self.active.get(rid)
-        if entry is None:
+        if entry is None or not entry[0].alive:
             return False
         entry[0].stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason="aborted by client"),
                             timeout=10)

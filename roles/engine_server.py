@@ -122,18 +122,60 @@ class EngineServer:
             self.transport.close()
 
     def _send(self, peer_name: str, method: str, request) -> None:
-        """Fire a control message to a peer off the loop thread."""
+        """Fire a control message to a peer off the loop thread. An "ack"
+        fault rule can drop or delay a TransferAck (chaos tests)."""
         peer = self.peers.get(peer_name)
         if peer is None:
             log.warning("%s: no peer %s for %s", self.name, peer_name, method)
             return
+        delay = 0.0
+        if method == "TransferAck" and self.transport is not None:
+            rule = self.transport.faults.match("ack", request.request_id)
+            if rule is not None and rule.action in ("drop", "fail"):
+                return
+            if rule is not None and rule.action == "delay":
+                delay = rule.delay_s
 
         def go():
             try:
                 getattr(peer.stub, method)(request, timeout=10)
             except grpc.RpcError as e:
                 log.warning("%s -> %s %s failed: %s", self.name, peer_name, method, e.code())
-        self._rpc_pool.submit(go)
+        if delay:
+            threading.Timer(delay, lambda: self._rpc_pool.submit(go)).start()
+        else:
+            self._rpc_pool.submit(go)
+
+    # ---- test and operator hooks ------------------------------------------------
+    def set_faults(self, rules: list[dict], seed: int = 0) -> None:
+        """Replace this engine's transfer fault rules (see transfer/faults.py)."""
+        from pdserve.transfer.faults import FaultInjector
+
+        def apply():
+            if self.transport is not None:
+                self.transport.faults = FaultInjector.from_config(rules, seed)
+        self.call(apply)
+
+    def check(self) -> dict:
+        """Invariants, and whether the engine is idle (nothing live, no page
+        held, pinned or fenced, no lease or landing outstanding)."""
+        def run():
+            p = self.planner
+            p.check_invariants()
+            stats = self.stats()
+            idle = (not p.requests and stats.used_pages == 0 and not p.coord.fences
+                    and len(self.leases) == 0 and len(self.landing) == 0 and not self.remote)
+            return {"idle": idle, "requests": sorted(p.requests), "used_pages": stats.used_pages,
+                    "fences": len(p.coord.fences), "leases": len(self.leases),
+                    "landings": len(self.landing), "counters": dict(self.counters),
+                    "incarnation": self.incarnation}
+        return self.call(run)
+
+    def request_state(self, req_id: str) -> str | None:
+        def run():
+            r = self.planner.requests.get(req_id)
+            return type(r.state).__name__ if r is not None else None
+        return self.call(run)
 
     # ---- the loop --------------------------------------------------------------
     def _loop(self) -> None:

@@ -107,6 +107,7 @@ class KvTransport(abc.ABC):
         self.page_bytes = 0
         self.num_pages = 0
         self._delayed: list = []      # (due, TransferEvent) held back by a delay fault
+        self._held: list = []         # (due, KvWrite) whose post a delay fault holds back
 
     @abc.abstractmethod
     def register_pool(self, pool) -> None:
@@ -151,9 +152,17 @@ class KvTransport(abc.ABC):
             return
         if rule is not None and rule.action == "drop":
             return                    # never posted, never completes: the lease ends it
+        if rule is not None and rule.action == "delay":
+            self._held.append((time.monotonic() + rule.delay_s, w))
+            return
         self._post(w)
 
     def poll(self) -> list[TransferEvent]:
+        if self._held:
+            now = time.monotonic()
+            for _, w in [h for h in self._held if h[0] <= now]:
+                self._post(w)
+            self._held = [h for h in self._held if h[0] > now]
         out = []
         for ev in self._poll_backend():
             stage = "completion" if ev.kind in ("done", "failed") else "notification"
