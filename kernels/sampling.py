@@ -7,6 +7,7 @@ the schedule, retractions included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,11 +32,13 @@ class SamplingParams:
                                             not isinstance(self.max_tokens, int) or
                                             self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "give an integer >= 1, or None")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", self.temperature, "give a number >= 0 (0 is greedy)")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            bad("temperature", self.temperature, "give a finite number >= 0 (0 is greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", self.top_k, "give an integer >= 0 (0 turns it off)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) \
+                or not 0 < self.top_p <= 1:
             bad("top_p", self.top_p, "give a number in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", self.seed, "give an integer >= 0, or None")

@@ -275,3 +275,57 @@ def test_router_restart_while_requests_run(dep, reference):
     assert c2.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True).token_ids == \
         reference[PROMPTS[0]]
     assert_all_idle(dep)
+
+
+# ---- a fuzz of the client API ------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pdserve.proto import router_pb2 as pb  # noqa: E402
+from pdserve.proto import router_pb2_grpc as pbg  # noqa: E402
+
+U32 = st.integers(0, 2 ** 32 - 1)
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
+                   st.sampled_from([0.0, 0.5, 1.0, -1.0]))
+
+
+@st.composite
+def generate_requests(draw):
+    req = pb.GenerateRequest(
+        request_id=draw(st.one_of(st.just(""), st.text(max_size=12))),
+        text=draw(st.one_of(st.just(""), st.text(max_size=40))),
+        route=draw(st.one_of(st.sampled_from(["", "fused", "disaggregated"]),
+                             st.text(max_size=8))))
+    req.token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 94), U32), max_size=12)))
+    s = req.sampling
+    if draw(st.booleans()):
+        s.max_tokens = draw(st.one_of(st.integers(0, 8), U32))
+    else:
+        s.max_tokens = draw(st.integers(1, 8))       # keep the valid ones short
+    s.temperature = draw(FLOATS)
+    s.top_p = draw(FLOATS)
+    s.top_k = draw(st.one_of(st.integers(0, 50), U32))
+    if draw(st.booleans()):
+        s.seed = draw(st.integers(0, 2 ** 63))
+    s.stop.extend(draw(st.lists(st.text(max_size=4), max_size=2)))
+    s.stop_token_ids.extend(draw(st.lists(U32, max_size=3)))
+    s.ignore_eos = draw(st.booleans())
+    return req
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(req=generate_requests())
+def test_fuzzed_requests_are_served_or_refused_with_a_message(dep, req):
+    stub = pbg.RouterStub(grpc.insecure_channel(dep.address))
+    try:
+        msgs = list(stub.Generate(req, timeout=120))
+        assert msgs and msgs[-1].finish_reason in ("length", "stop")
+    except grpc.RpcError as e:
+        assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS), \
+            (e.code(), e.details())
+        assert e.details(), "a refusal without a message"
+
+
+def test_after_the_fuzz_nothing_is_left_behind(dep):
+    assert_all_idle(dep)
