@@ -140,6 +140,10 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.transfer import main as transfer_main
 
         return transfer_main()
+    if args.what == "soak":
+        from pdserve.benchmarks.soak import main as soak_main
+
+        return soak_main(args.seconds, args.concurrency, args.seed)
     if args.what == "serve":
         from pdserve.benchmarks.serve import main as serve_main
 
@@ -212,13 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
-                                        "serve"],
+                                        "serve", "soak"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
                             "llm: pdserve.LLM against Hugging Face generate; "
                             "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
-                            "serve: load a deployment through the client")
+                            "serve: load a deployment through the client; "
+                            "soak: faults, aborts and a killed engine under load")
     bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     bench.add_argument("--rounds", type=int, default=200)
     bench.add_argument("--config", action="append",
@@ -231,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-prompt", type=int, default=1024, help="serve: cap replayed prompts")
     bench.add_argument("--concurrency", type=int, default=16, help="serve: requests in flight")
     bench.add_argument("--rate", type=float, help="serve: Poisson arrivals a second")
+    bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long")
+    bench.add_argument("--seed", type=int, default=0, help="soak: reproduces a run")
     bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
     bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                        help="disagg: arrival-rate multipliers of the trace's own rate")

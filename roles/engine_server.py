@@ -165,7 +165,12 @@ class EngineServer:
             stats = self.stats()
             idle = (not p.requests and stats.used_pages == 0 and not p.coord.fences
                     and len(self.leases) == 0 and len(self.landing) == 0 and not self.remote)
+            fired: dict[str, int] = {}
+            if self.transport is not None:
+                for stage, action, _ in self.transport.faults.fired:
+                    fired[f"{stage}:{action}"] = fired.get(f"{stage}:{action}", 0) + 1
             return {"idle": idle, "requests": sorted(p.requests), "used_pages": stats.used_pages,
+                    "faults_fired": fired,
                     "fences": len(p.coord.fences), "leases": len(self.leases),
                     "landings": len(self.landing), "counters": dict(self.counters),
                     "incarnation": self.incarnation}
