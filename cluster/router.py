@@ -1,8 +1,9 @@
 """The router: the client-facing gRPC server (pdserve.v1.Router).
 
 It pairs each request with an engine: a fused engine, or a D engine and a P
-engine (least outstanding tokens on each side; "route" in the request is a
-hint), streams the engine's tokens back to the client, and carries aborts
+engine (least outstanding tokens on each side, but the engine that last
+served the same first page wins if it is not much busier, so its prefix
+cache is reused; "route" in the request is a hint), streams the engine's tokens back to the client, and carries aborts
 and client disconnects to the engine holding the request, which tells its
 peer. It also keeps membership: every engine's incarnation, and each P and D
 told about the others (addresses and NIXL metadata), again after a restart.
@@ -10,6 +11,7 @@ told about the others (addresses and NIXL metadata), again after a restart.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import logging
@@ -53,6 +55,8 @@ class _EngineLost(RuntimeError):
 
 
 MAX_RESUBMITS = 3
+AFFINITY_SLACK_TOKENS = 4096   # how much more load a warm prefix cache is worth
+AFFINITY_ENTRIES = 65536       # first pages remembered (LRU)
 
 
 class Router:
@@ -70,6 +74,7 @@ class Router:
             self.engines[name] = EngineRef(name, role, address, stub)
         self.active: dict[str, tuple] = {}      # request id -> (engine, P, load)
         self.counters = {"resubmitted": 0}
+        self._affinity: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.server = None
         self.address = None
@@ -152,7 +157,22 @@ class Router:
             raise BadRequest(str(e)) from None
         return ids, sp
 
-    def pick(self, route: str) -> tuple[EngineRef, EngineRef | None]:
+    def _choose(self, cands: list, prefix) -> EngineRef:
+        """Least outstanding tokens, unless the engine that last served this
+        prompt's first page (its prefix cache is warm) is within
+        AFFINITY_SLACK_TOKENS of the least loaded."""
+        best = min(cands, key=lambda e: (e.load, e.name))
+        warm = self._affinity.get((prefix, best.role))
+        for e in cands:
+            if e.name == warm and e.load <= best.load + AFFINITY_SLACK_TOKENS:
+                best = e
+        self._affinity[(prefix, best.role)] = best.name
+        self._affinity.move_to_end((prefix, best.role))
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return best
+
+    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
         live = [e for e in self.engines.values() if e.alive]
         fused = [e for e in live if e.role == "fused"]
         dec = [e for e in live if e.role == "decode"]
@@ -162,8 +182,9 @@ class Router:
             cands = []
         if not cands:
             raise LookupError(f"no live engine can serve route {route or 'any'!r}")
-        target = min(cands, key=lambda e: (e.load, e.name))
-        peer = min(pre, key=lambda e: (e.load, e.name)) if target.role == "decode" and pre else None
+        prefix = tuple(ids[:self.cfg.engine.page_size])
+        target = self._choose(cands, prefix)
+        peer = self._choose(pre, prefix) if target.role == "decode" and pre else None
         return target, peer
 
     def generate(self, r: pb.GenerateRequest, context):
@@ -202,7 +223,7 @@ class Router:
     def _attempt(self, rid, ids, sp: SamplingParams, done: int, route, context, streamed):
         with self._lock:
             try:
-                target, peer = self.pick(route)
+                target, peer = self.pick(route, ids)
             except LookupError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             load = len(ids) + (sp.max_tokens or 256)

@@ -88,6 +88,7 @@ class EngineServer:
         self._stop = threading.Event()
         self._rpc_pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-rpc")
         self._last_heartbeat = 0.0
+        self._stalls_logged = 0
         self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
         pbg.add_EngineControlServicer_to_server(_Servicer(self), self.server)
         port = self.server.add_insecure_port(f"{host}:0")
@@ -207,6 +208,9 @@ class EngineServer:
             self._timers(now)
         if self.engine.has_work():
             out = self.engine.step()
+            for msg in self.planner.stalls[self._stalls_logged:]:
+                log.warning("%s: liveness last resort: %s", self.name, msg)
+            self._stalls_logged = len(self.planner.stalls)
             if out is not None:
                 self._after_round(out)
 
