@@ -74,16 +74,7 @@ class HostTier:
             rc[p] += 1
 
     def release(self, pages) -> None:
-        rc = self.pool.refcount
-        for p in pages:
-            rc[p] -= 1
-            if rc[p] == 0:
-                if self.index.contains(p):
-                    self.index.idle(p)
-                else:
-                    self.pool.put_free(p)
-            elif rc[p] < 0:
-                raise PoolError(f"host page {p} released more often than held")
+        _drop_refs(self.pool, self.index, pages)
 
 
 class Coordinator:
@@ -294,32 +285,13 @@ class Coordinator:
 
     # ---- release ---------------------------------------------------------
     def _unref(self, pages) -> None:
-        grp = self.groups[0]
-        rc, index, pool = grp.pool.refcount, grp.index, grp.pool
-        for p in pages:
-            rc[p] -= 1
-            if rc[p] == 0:
-                if index.contains(p):
-                    index.idle(p)
-                else:
-                    pool.put_free(p)
-            elif rc[p] < 0:
-                raise PoolError(f"page {p} released more often than held")
+        _drop_refs(self.groups[0].pool, self.groups[0].index, pages)
 
     def release(self, res) -> None:
         """Drop the request's hold on every page, deepest first, so that the
         deepest pages carry the oldest LRU stamps."""
         for grp, table in zip(self.groups, res.tables):
-            rc, index, pool = grp.pool.refcount, grp.index, grp.pool
-            for p in reversed(table):
-                rc[p] -= 1
-                if rc[p] == 0:
-                    if index.contains(p):
-                        index.idle(p)
-                    else:
-                        pool.put_free(p)
-                elif rc[p] < 0:
-                    raise PoolError(f"page {p} released more often than held")
+            _drop_refs(grp.pool, grp.index, reversed(table))
             table.clear()
 
     # ---- invariants ------------------------------------------------------
@@ -353,6 +325,21 @@ class Coordinator:
                 for p in op.host_pages:
                     expected[p] += 1
             _check_pool("host", self.host.pool, self.host.index, expected)
+
+
+def _drop_refs(pool: PagePool, index: PrefixIndex, pages) -> None:
+    """One reference fewer on each page: a page nobody holds any more
+    becomes idle in the index if it is cached, else free."""
+    rc = pool.refcount
+    for p in pages:
+        rc[p] -= 1
+        if rc[p] == 0:
+            if index.contains(p):
+                index.idle(p)
+            else:
+                pool.put_free(p)
+        elif rc[p] < 0:
+            raise PoolError(f"page {p} released more often than held")
 
 
 def _check_pool(name: str, pool: PagePool, index: PrefixIndex, expected: list[int]) -> None:

@@ -206,8 +206,9 @@ def _kill(dep, name):
 def test_p_killed_while_writing_recovers_on_d(dep, client, reference):
     set_faults(dep, "prefill", [{"stage": "post", "action": "delay", "delay_s": 3.0,
                                  "times": 0}])
-    out, errs = {}, []
-    t = threading.Thread(target=lambda: out.update(run_all(client, PROMPTS[:2])[0]))
+    res = {}
+    t = threading.Thread(target=lambda: res.update(zip(("out", "errs"),
+                                                       run_all(client, PROMPTS[:2]))))
     t.start()
     victim = None
     deadline = time.monotonic() + 10
@@ -219,7 +220,8 @@ def test_p_killed_while_writing_recovers_on_d(dep, client, reference):
     assert victim, "no prefill engine ever held the requests"
     _kill(dep, victim)
     t.join(120)
-    assert out == {p: reference[p] for p in PROMPTS[:2]}
+    assert not res["errs"], res["errs"]
+    assert res["out"] == {p: reference[p] for p in PROMPTS[:2]}
     set_faults_after_restart(dep)
     assert client.generate(PROMPTS[2], max_tokens=N_TOKENS, ignore_eos=True).token_ids == \
         reference[PROMPTS[2]]

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from pdserve.scheduler import Planner
-from pdserve.scheduler.fsm import Decoding, PrefillDone, Prefilling, Retracted, Waiting
+from pdserve.scheduler.fsm import Prefilling, Retracted, Waiting
 from pdserve.scheduler.retraction import choose_victim
 
 from support import config, req, result_for, run_to_completion, step
