@@ -25,6 +25,7 @@ from pdserve.kernels.loader import load_model
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.engine import Engine
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.grammar import Role
@@ -90,7 +91,7 @@ class EngineServer:
         self._last_heartbeat = 0.0
         self._stalls_logged = 0
         self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
-        pbg.add_EngineControlServicer_to_server(_Servicer(self), self.server)
+        pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self.server)
         port = self.server.add_insecure_port(f"{host}:0")
         self.address = f"{host}:{port}"
         self.server.start()
@@ -445,61 +446,3 @@ class EngineServer:
             total_pages=total, used_pages=used, pinned_pages=pinned,
             running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
             waiting=len(p.waiting) + len(p.retracted), role=self.role.value, **self.counters)
-
-
-class _Servicer(pbg.EngineControlServicer):
-    def __init__(self, server: EngineServer):
-        self.s = server
-
-    def _ack(self, fn, context):
-        try:
-            self.s.call(fn)
-            return pb.Ack(ok=True)
-        except RejectedRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-    def Submit(self, request, context):
-        try:
-            q = self.s.call(lambda: self.s.submit(request))
-        except (RejectedRequest, ValueError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id
-        context.add_callback(lambda: self.s._inbox.put(
-            lambda: self.s.abort(rid, "client went away")))
-        while True:
-            ev = q.get()
-            if ev is None:
-                return
-            yield ev
-
-    def Abort(self, request, context):
-        found = self.s.call(lambda: self.s.abort(request.request_id,
-                                                 request.reason or "aborted by client"))
-        return pb.Ack(ok=found, error="" if found else "unknown request")
-
-    def RemotePrefill(self, request, context):
-        return self._ack(lambda: self.s.remote_prefill(request), context)
-
-    def TransferAck(self, request, context):
-        return self._ack(lambda: self.s.transfer_ack(request), context)
-
-    def TransferFailed(self, request, context):
-        return self._ack(lambda: self.s.transfer_failed_from_peer(request), context)
-
-    def LeaseHeartbeat(self, request, context):
-        self.s.call(lambda: self.s.leases.renew(request.engine, request.request_ids,
-                                                time.monotonic()))
-        return pb.Ack(ok=True)
-
-    def GetInfo(self, request, context):
-        md = self.s.call(lambda: self.s.transport.metadata() if self.s.transport else b"")
-        i = self.s.info()
-        return pb.InfoResponse(engine=i["engine"], role=i["role"],
-                               incarnation=i["incarnation"], nixl_metadata=md,
-                               address=i["address"])
-
-    def AddPeer(self, request, context):
-        return self._ack(lambda: self.s.add_peer(request), context)
-
-    def Stats(self, request, context):
-        return self.s.call(self.s.stats)
