@@ -57,7 +57,8 @@ class Peer:
 class EngineServer:
     def __init__(self, cfg: ServeConfig, role: str, index: int, host: str = "127.0.0.1",
                  device: str = "cpu", transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
-                 lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S):
+                 lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S,
+                 faults: list[dict] | None = None, fault_seed: int = 0):
         self.role = Role(role)
         self.name = f"{role}-{index}"
         self.incarnation = time.time_ns()
@@ -73,7 +74,10 @@ class EngineServer:
         if self.role is not Role.FUSED:
             from pdserve.transfer.nixl_transport import NixlTransport
 
-            self.transport = NixlTransport(Incarnation(self.name, self.incarnation))
+            from pdserve.transfer.faults import FaultInjector
+
+            self.transport = NixlTransport(Incarnation(self.name, self.incarnation),
+                                           FaultInjector.from_config(faults or [], fault_seed))
             self.transport.register_pool(self.executor.cache.data)
         self.landing = LandingTable(transfer_timeout_s, lease_s)     # D
         self.leases = LeaseTable(lease_s)                             # P
