@@ -321,7 +321,7 @@ class EngineServer:
             return
         epoch = self.landing.expect(req.id, op.landing_pages, time.monotonic())
         self.epochs[req.id] = epoch
-        sp = self.executor._params[req.id]
+        sp = self.executor.params(req.id)
         self._send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
             landing_pages=op.landing_pages, epoch=epoch, target_engine=self.name,

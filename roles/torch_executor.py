@@ -41,6 +41,9 @@ class TorchExecutor:
         self._params[req_id] = params
         self._seeds[req_id] = fallback_seed
 
+    def params(self, req_id: str) -> SamplingParams:
+        return self._params[req_id]
+
     def forget(self, req_id: str) -> None:
         self._params.pop(req_id, None)
         self._seeds.pop(req_id, None)
