@@ -177,9 +177,9 @@ class Router:
         fused = [e for e in live if e.role == "fused"]
         dec = [e for e in live if e.role == "decode"]
         pre = [e for e in live if e.role == "prefill"]
+        if not pre:
+            dec = []                      # a D engine with no P would prefill everything itself
         cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
-        if route == "disaggregated" and not pre:
-            cands = []
         if not cands:
             raise LookupError(f"no live engine can serve route {route or 'any'!r}")
         prefix = tuple(ids[:self.cfg.engine.page_size])
@@ -231,17 +231,17 @@ class Router:
             if peer is not None:
                 peer.load += len(ids)
             self.active[rid] = (target, peer, load)
-        sub = cpb.SubmitRequest(
-            request_id=rid, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "")
-        if sp.max_tokens is not None:
-            sub.max_tokens = sp.max_tokens - done
-        if sp.seed is not None:
-            sub.seed = sp.seed
-        stream = target.stub.Submit(sub)
-        context.add_callback(stream.cancel)     # the client left: the engine aborts it
         try:
+            sub = cpb.SubmitRequest(
+                request_id=rid, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
+                top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+                ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "")
+            if sp.max_tokens is not None:
+                sub.max_tokens = sp.max_tokens - done
+            if sp.seed is not None:
+                sub.seed = sp.seed
+            stream = target.stub.Submit(sub)
+            context.add_callback(stream.cancel)     # the client left: the engine aborts it
             for ev in stream:
                 if ev.error:
                     code = grpc.StatusCode.ABORTED if ev.error.startswith("aborted") \

@@ -20,6 +20,8 @@ from pdserve.scheduler.request import Request
 class StepOutcome:
     plan: Plan
     finished: list = field(default_factory=list)
+    failed: list = field(default_factory=list)   # aborted because the round failed
+    error: str = ""
 
 
 class Engine:
@@ -46,7 +48,11 @@ class Engine:
         plan = self.planner.build()
         if plan.is_empty():
             return None
-        result = self.executor.run(plan)
+        try:
+            result = self.executor.run(plan)
+        except Exception as e:               # the round is lost; its requests fail cleanly
+            reason = f"engine error: {type(e).__name__}: {e}"
+            return StepOutcome(plan, failed=self.planner.fail_plan(plan, reason), error=reason)
         finished = self.planner.apply(plan, result)
         forget = getattr(self.executor, "forget", None)
         if forget is not None:

@@ -25,13 +25,18 @@ class EngineControlServicer(pbg.EngineControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def Submit(self, request, context):
+        rid = request.request_id
+        # registered first: however the stream ends, the engine lets the request go
+        # (after a normal finish the abort finds nothing and does nothing)
+        context.add_callback(lambda: self.s._inbox.put(
+            lambda: self.s.abort(rid, "client went away")))
         try:
             q = self.s.call(lambda: self.s.submit(request))
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id
-        context.add_callback(lambda: self.s._inbox.put(
-            lambda: self.s.abort(rid, "client went away")))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.s.name} did not take the "
+                          "request in time")
         while True:
             ev = q.get()
             if ev is None:

@@ -225,6 +225,11 @@ class EngineServer:
 
     def _after_round(self, out) -> None:
         plan = out.plan
+        if out.error:
+            log.error("%s: round %d failed: %s", self.name, plan.round, out.error)
+            for req in out.failed:
+                self._fail(req.id, out.error)
+            return
         self.counters["retractions"] += len(plan.retracts)
         touched = [op.req for op in plan.prefills if op.completes] + list(plan.decodes)
         if self.role is not Role.PREFILL:
@@ -277,6 +282,9 @@ class EngineServer:
                             temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
                             seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
                             stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+        if r.request_id in self.planner.requests or r.request_id in self.streams:
+            raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
+                                  "use a fresh id")
         req = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=sp.max_tokens))
         if r.prefill_peer and self.role is Role.DECODE:
             if r.prefill_peer not in self.peers:
@@ -301,9 +309,9 @@ class EngineServer:
             return False
         if req_id in p.landing:
             # a posted write may still land: fence the pages, then let go
-            epoch = self.epochs.pop(req_id, 0)
-            self.landing.fence(req_id, epoch, time.monotonic())
-            p.transfer_failed(req_id, reason, fence_key=(req_id, epoch))
+            epoch = self.epochs.pop(req_id, None)
+            fenced = epoch is not None and self.landing.fence(req_id, epoch, time.monotonic())
+            p.transfer_failed(req_id, reason, fence_key=(req_id, epoch) if fenced else None)
             self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=req_id,
                                                                       release_only=True))
         p.abort(req_id, reason)
@@ -398,6 +406,8 @@ class EngineServer:
 
     # ---- P: prefilling for D, shipping, acks ------------------------------------
     def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
+        if r.request_id in self.planner.requests:
+            raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}")
         if r.target_engine not in self.peers:
             raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))

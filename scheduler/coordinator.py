@@ -267,6 +267,14 @@ class Coordinator:
         host.release(op.host_pages)
         self._unref(reversed(op.pins))
 
+    def store_failed(self, op_id: int) -> None:
+        """A store that did not happen: its host pages hold nothing, so they
+        go back unpublished; a pinned store's sources are unpinned."""
+        op = self.stores.pop(op_id)
+        if op.pinned:
+            self.host.release(op.host_pages)
+            self._unref(reversed(op.pins))
+
     def load_done(self, op_id: int) -> None:
         op = self.loads.pop(op_id)
         self.host.release(op.host_pages)

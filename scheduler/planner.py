@@ -85,6 +85,9 @@ class Planner:
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
         st = req.state
+        if st.holds_pages and st.res.forwards_out:
+            raise fsm.FsmError(f"{req_id}: abort with a forward in flight; abort after it "
+                               "lands (or fail its round with fail_plan)")
         if isinstance(st, fsm.Waiting):
             self.waiting.remove(req)
         elif isinstance(st, Retracted):
@@ -99,9 +102,11 @@ class Planner:
     def build(self) -> Plan:
         self.round += 1
         cfg = self.cfg
+        # D never runs a prefill chunk beside its decodes (§3.2); P has no decodes
+        mixed = cfg.enable_mixed_prefill_decode if self.role is Role.FUSED \
+            else self.role is Role.PREFILL
         b = PlanBuild(Plan(self.round), cfg.max_scheduled_tokens, cfg.max_batch_size,
-                      decodes_use_budget=self.decodes_use_budget,
-                      mixed=cfg.enable_mixed_prefill_decode or self.role is not Role.FUSED)
+                      decodes_use_budget=self.decodes_use_budget, mixed=mixed)
         self._grammar(self, b)
         ensure_progress(self, b)
         b.plan.stores.extend(self.coord.take_pending_stores())
@@ -142,6 +147,27 @@ class Planner:
             reason = "length" if len(req.output) >= req.max_new_tokens else "stop"
             self._finish(req, reason)
         return done
+
+    def fail_plan(self, plan: Plan, reason: str) -> list[Request]:
+        """The executor could not carry `plan` out. Its forwards will never
+        land and its copies hold nothing trustworthy: give the tickets back
+        without publishing, and abort every request whose pages or KV the
+        plan touched. Returns those requests; the rest carry on."""
+        touched = [op.req for op in plan.prefills] + list(plan.decodes)
+        for req in touched:
+            if req.state.holds_pages:
+                req.state.res.forwards_out -= 1
+        for s in plan.stores:
+            self.coord.store_failed(s.id)
+        for ld in plan.loads:
+            self.coord.load_done(ld.id)
+        touched += list(plan.readmits) + [r.req for r in plan.retracts if r.stored]
+        failed = []
+        for req in touched:
+            if req.id in self.requests and req not in failed:
+                self.abort(req.id, reason)
+                failed.append(req)
+        return failed
 
     # ---- events from the peer (disaggregation) ----------------------------
     def transfer_landed(self, req_id: str, first_token: int, stopped: bool = False) -> list:
@@ -256,6 +282,8 @@ class Planner:
 
     def _finish(self, req: Request, reason: str) -> None:
         st = req.state
+        if st.res.forwards_out:
+            raise fsm.FsmError(f"{req.id}: finished with a forward in flight")
         # publish every computed full page before letting go (finish-time flush)
         self.coord.publish(req, st.res, (req.num_tokens - 1) // self.page_size)
         res = fsm.finish(req, reason)

@@ -100,6 +100,19 @@ def _retry(p, b: PlanBuild, req) -> bool:
     return True
 
 
+def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
+    if b.new_prompts_sealed:
+        return
+    req = next((r for r in p.waiting if r is not victim), None)
+    if req is None:
+        return
+    if not p.decodes_use_budget:              # D: the grant is a remote admission
+        if not b.plan.remote_prefills:
+            try_remote_admission(p, b, req)
+    elif b.can_prefill():
+        try_new_prompt(p, b, req)
+
+
 def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
     if b.prefill_progressed or not b.admission_failed:
         return
@@ -114,12 +127,9 @@ def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
         retract(p, b, victim)
         if victim is blocker:
             # granting its own pages straight back is the loop to break: the
-            # first waiting prompt gets the room instead
-            for req in p.waiting:
-                if req is not victim:
-                    if b.can_prefill():
-                        try_new_prompt(p, b, req)
-                    break
+            # first waiting prompt gets the room instead, unless a waiting
+            # readmission holds new prompts back (§4)
+            _grant_first_waiting(p, b, victim)
             return
         if _retry(p, b, blocker):
             return

@@ -271,3 +271,26 @@ def test_a_fenced_landing_is_not_reused_until_the_fence_is_released():
     assert [op.req.id for op in plan.remote_prefills] == ["b"]
     d.abort("b")
     d.assert_idle()
+
+
+def test_d_never_prefills_a_new_prompt_itself_even_when_retraction_grants_it_room():
+    # a tight D pool retracts decodes; the room a victim frees goes to the next
+    # prompt as a remote admission (P prefills it), never as a local chunk
+    pair = PDPair(d_cfg=config(page_size=4, total_pages=16, safe_steps=4))
+    for i in range(6):
+        pair.submit(req(f"r{i}", 8, max_new=30))
+    asked_p = set()
+    for _ in range(5000):
+        if not (pair.D.has_work() or pair.P.has_work() or pair.in_flight):
+            break
+        recovering = {r.id for r in pair.D.requests.values()
+                      if isinstance(r.state, (Retracted, Prefilling))}
+        dplan, pplan = pair.tick()
+        asked_p |= {op.req.id for op in dplan.remote_prefills}
+        for op in dplan.prefills:
+            assert op.req.id in recovering or op.req in dplan.readmits, \
+                f"D prefilled new prompt {op.req.id} locally"
+            assert not dplan.decodes, "a D prefill chunk beside its decode batch"
+    assert asked_p == {f"r{i}" for i in range(6)}
+    pair.D.assert_idle()
+    pair.P.assert_idle()

@@ -375,3 +375,44 @@ def test_two_requests_that_cannot_fit_together_never_evict_each_other_in_a_cycle
         for rid in "xy":
             assert victims.count(rid) <= math.ceil(32 / 4)
         p.assert_idle()
+
+
+def test_a_redirected_grant_respects_a_waiting_readmission():
+    from pdserve.scheduler.phases import PlanBuild
+    from pdserve.scheduler.plan import Plan
+    from pdserve.scheduler.retraction import _grant_first_waiting
+
+    p = tight()
+    p.submit(req("w", 4, max_new=2))
+    b = PlanBuild(Plan(1), 64, 8, decodes_use_budget=True, mixed=True)
+    b.new_prompts_sealed = True                   # a readmission is waiting for room
+    _grant_first_waiting(p, b, victim=None)
+    assert b.plan.prefills == [] and isinstance(p.requests["w"].state, Waiting)
+
+
+def test_a_failed_round_aborts_what_it_touched_and_leaves_the_rest_running():
+    p = tight(host=64, total_pages=40)
+    p.submit(req("a", 6, max_new=30))
+    step(p)
+    p.submit(req("b", 6, max_new=30))
+    plan = p.build()                              # a decodes, b prefills
+    with pytest.raises(Exception, match="forward in flight"):
+        p.abort("a")                              # refused, and nothing changed
+    assert "a" in p.running
+    failed = p.fail_plan(plan, "engine error: boom")
+    assert {r.id for r in failed} == {"a", "b"}
+    assert all(r.error == "engine error: boom" for r in failed)
+    p.assert_idle()
+
+
+def test_an_executor_that_raises_fails_its_round_cleanly():
+    from pdserve.roles.engine import Engine
+
+    class Broken:
+        def run(self, plan):
+            raise RuntimeError("device lost")
+    p = tight()
+    p.submit(req("a", 6, max_new=3))
+    out = Engine("e", p, Broken()).step()
+    assert [r.id for r in out.failed] == ["a"] and "device lost" in out.error
+    p.assert_idle()
