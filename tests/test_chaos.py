@@ -249,10 +249,16 @@ def test_d_killed_while_p_writes_is_resubmitted_by_the_router(dep, client, refer
                             ignore_eos=True)))
     t.start()
     victim = _wait_state(dep, "decode", "d-dies", {"RemotePrefilling"})
+    _wait_state(dep, "prefill", "d-dies", {"Transferring"})   # P holds the write back
+    before = counters(dep, "prefill", "transfer_failures")
     _kill(dep, victim)
     set_faults_after_restart(dep)
     t.join(120)
     assert result["out"].token_ids == reference[PROMPTS[1]]
+    # P's held-back write was aimed at the dead incarnation: it failed at P and
+    # reached nothing of the restarted engine (which is idle, see the fixture)
+    assert_all_idle(dep)
+    assert counters(dep, "prefill", "transfer_failures") > before
 
 
 def test_router_restart_while_requests_run(dep, reference):
