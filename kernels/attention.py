@@ -113,36 +113,72 @@ class TorchAttention:
 
 
 class FlashInferAttention(TorchAttention):
-    """flashinfer's paged prefill/decode kernels (CUDA). The K/V writes and
-    the metadata are the reference backend's; the attention is flashinfer's."""
+    """flashinfer's paged prefill and decode wrappers (CUDA). K/V writes are
+    the reference backend's; attention reads the pages in place through
+    CSR page tables, planned once a round and reused by every layer."""
 
     name = "flashinfer"
+    WORKSPACE_BYTES = 128 * 1024 * 1024
 
     def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None):
-        import flashinfer  # noqa: F401  (raises ImportError where it is absent)
+        import flashinfer  # raises ImportError where it is absent
 
         super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
         self._fi = flashinfer
+        self._ws = None
+        self._planned = None            # the BatchMeta the wrappers are planned for
 
-    def _prefill(self, q, k_pages, v_pages, s: SeqMeta, ps: int):
-        table = torch.as_tensor(s.block_table[: -(-s.ctx_len // ps)], device=q.device)
-        keys = self._gather(k_pages, table, s.ctx_len)
-        vals = self._gather(v_pages, table, s.ctx_len)
-        qs = q[s.q_start:s.q_start + s.q_len]
-        return self._fi.single_prefill_with_kv_cache(
-            qs, keys, vals, causal=True, sm_scale=self.scale,
-            window_left=(self.window - 1) if self.window else -1)
+    def _wrappers(self, device):
+        if self._ws is None:
+            self._ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._prefill_w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD")
+            self._decode_w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD")
 
-    def _decode(self, q, k_pages, v_pages, seqs, ps: int):
-        out = []
-        for i, s in enumerate(seqs):
-            table = torch.as_tensor(s.block_table[: -(-s.ctx_len // ps)], device=q.device)
-            keys = self._gather(k_pages, table, s.ctx_len)
-            vals = self._gather(v_pages, table, s.ctx_len)
-            out.append(self._fi.single_decode_with_kv_cache(
-                q[i], keys, vals, sm_scale=self.scale,
-                window_left=(self.window - 1) if self.window else -1))
-        return torch.stack(out)
+    @staticmethod
+    def _csr(seqs, ps: int, device):
+        indptr, indices, last = [0], [], []
+        for s in seqs:
+            n = -(-s.ctx_len // ps)
+            indices.extend(s.block_table[:n])
+            indptr.append(len(indices))
+            last.append(s.ctx_len - (n - 1) * ps)
+        i32 = dict(dtype=torch.int32, device=device)
+        return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)
+
+    def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> None:
+        self._wrappers(device)
+        n_pre = len(meta.seqs) - meta.num_decodes
+        window = (self.window - 1) if self.window else -1
+        if n_pre:
+            pre = meta.seqs[:n_pre]
+            qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32,
+                              device=device)
+            indptr, indices, last = self._csr(pre, ps, device)
+            self._prefill_w.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
+                                 causal=True, window_left=window, sm_scale=self.scale,
+                                 q_data_type=dtype, kv_data_type=dtype)
+        if meta.num_decodes:
+            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps, device)
+            self._decode_w.plan(indptr, indices, last, self.h, self.kvh, self.d, ps,
+                                window_left=window, sm_scale=self.scale, q_data_type=dtype,
+                                kv_data_type=dtype)
+        self._planned = meta
+
+    def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
+        ps = k_pages.shape[1]
+        page, off = meta.slot_mapping // ps, meta.slot_mapping % ps
+        k_pages[page, off] = k
+        v_pages[page, off] = v
+        if self._planned is not meta:
+            self._plan(meta, ps, q.dtype, q.device)
+        out = torch.empty_like(q)
+        n_pre = len(meta.seqs) - meta.num_decodes
+        split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]
+        if n_pre:
+            out[:split] = self._prefill_w.run(q[:split], (k_pages, v_pages))
+        if meta.num_decodes:
+            out[split:] = self._decode_w.run(q[split:], (k_pages, v_pages))
+        return out
 
 
 def make_backend(name: str, device, **kw):
