@@ -24,6 +24,7 @@ class BatchMeta:
     slot_mapping: torch.Tensor   # [T] page * page_size + offset for each row's K/V
     positions: torch.Tensor      # [T]
     num_decodes: int = 0  # the trailing q_len == 1 sequences, batched together
+    _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
 
 
 class KVCache:
@@ -54,62 +55,64 @@ class TorchAttention:
         self.window = sliding_window
         self.scale = head_dim ** -0.5
 
+    def _prepare(self, meta: BatchMeta, ps: int, device) -> dict:
+        """What every layer of the round shares: where each row's K/V goes,
+        each prefill's page table and causal mask, the decode batch's padded
+        tables and mask. Built once a round (the first layer), not per layer."""
+        if getattr(meta, "_prep", None) is not None:
+            return meta._prep
+        prep = {"page": meta.slot_mapping // ps, "off": meta.slot_mapping % ps, "pre": []}
+        n_pre = len(meta.seqs) - meta.num_decodes
+        for s in meta.seqs[:n_pre]:
+            table = torch.as_tensor(s.block_table[: -(-s.ctx_len // ps)], device=device)
+            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)
+            kpos = torch.arange(s.ctx_len, device=device)
+            mask = kpos[None, :] <= qpos[:, None]
+            if self.window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - self.window
+            prep["pre"].append((s, table, mask))
+        if meta.num_decodes:
+            seqs = meta.seqs[n_pre:]
+            n = [-(-s.ctx_len // ps) for s in seqs]
+            tables = torch.zeros(len(seqs), max(n), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                tables[i, :n[i]] = torch.as_tensor(s.block_table[:n[i]])
+            ctx = torch.tensor([s.ctx_len for s in seqs], device=device)
+            kpos = torch.arange(max(n) * ps, device=device)
+            mask = kpos[None, :] < ctx[:, None]
+            if self.window is not None:
+                mask &= kpos[None, :] > (ctx[:, None] - 1 - self.window)
+            prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), mask[:, None, None, :])
+        meta._prep = prep
+        return prep
+
     def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d]. Writes k, v into the pages, then
         attends. Returns [T, H, d]."""
         ps = k_pages.shape[1]
-        page, off = meta.slot_mapping // ps, meta.slot_mapping % ps
-        k_pages[page, off] = k
-        v_pages[page, off] = v
+        prep = self._prepare(meta, ps, q.device)
+        k_pages[prep["page"], prep["off"]] = k
+        v_pages[prep["page"], prep["off"]] = v
         out = torch.empty_like(q)
-        n_pre = len(meta.seqs) - meta.num_decodes
-        for s in meta.seqs[:n_pre]:
-            out[s.q_start:s.q_start + s.q_len] = self._prefill(q, k_pages, v_pages, s, ps)
-        if meta.num_decodes:
-            dec = meta.seqs[n_pre:]
-            first = dec[0].q_start
-            out[first:first + len(dec)] = self._decode(q[first:first + len(dec)], k_pages,
-                                                       v_pages, dec, ps)
+        gqa = self.group > 1
+        for s, table, mask in prep["pre"]:
+            keys = k_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
+            vals = v_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
+            qs = q[s.q_start:s.q_start + s.q_len]
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+        if "dec" in prep:
+            first, B, tables, mask = prep["dec"]
+            L = tables.shape[1] * ps
+            keys = k_pages[tables].reshape(B, L, self.kvh, self.d)
+            vals = v_pages[tables].reshape(B, L, self.kvh, self.d)
+            o = F.scaled_dot_product_attention(
+                q[first:first + B].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[first:first + B] = o.squeeze(2)
         return out
-
-    def _gather(self, pages, table, ctx):
-        return pages[table].reshape(-1, self.kvh, self.d)[:ctx]
-
-    def _prefill(self, q, k_pages, v_pages, s: SeqMeta, ps: int):
-        table = torch.as_tensor(s.block_table[: -(-s.ctx_len // ps)], device=q.device)
-        keys = self._gather(k_pages, table, s.ctx_len)
-        vals = self._gather(v_pages, table, s.ctx_len)
-        qs = q[s.q_start:s.q_start + s.q_len]
-        qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)
-        kpos = torch.arange(s.ctx_len, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]
-        if self.window is not None:
-            mask &= kpos[None, :] > qpos[:, None] - self.window
-        o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
-        return o.transpose(0, 1)
-
-    def _decode(self, q, k_pages, v_pages, seqs, ps: int):
-        B = len(seqs)
-        max_pages = max(-(-s.ctx_len // ps) for s in seqs)
-        tables = torch.zeros(B, max_pages, dtype=torch.long)
-        ctx = torch.empty(B, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            n = -(-s.ctx_len // ps)
-            tables[i, :n] = torch.as_tensor(s.block_table[:n])
-            ctx[i] = s.ctx_len
-        tables, ctx = tables.to(q.device), ctx.to(q.device)
-        keys = k_pages[tables].reshape(B, max_pages * ps, self.kvh, self.d)
-        vals = v_pages[tables].reshape(B, max_pages * ps, self.kvh, self.d)
-        kpos = torch.arange(max_pages * ps, device=q.device)
-        mask = kpos[None, :] < ctx[:, None]
-        if self.window is not None:
-            mask &= kpos[None, :] > (ctx[:, None] - 1 - self.window)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=self.group > 1)
-        return o.squeeze(2)
 
 
 class FlashInferAttention(TorchAttention):
