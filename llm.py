@@ -107,14 +107,17 @@ class LLM:
                 raise RuntimeError("the engine built an empty round with work left; "
                                    f"stalls: {self.engine.planner.stalls}")
             bar.update(len(out.finished))
+            for req in out.failed:
+                self.executor.forget(req.id)
+            if out.failed:
+                raise RuntimeError(f"{out.error}; {len(out.failed)} requests failed")
         bar.close()
 
     def _output(self, req, prompt_text, sp: SamplingParams) -> RequestOutput:
         ids = list(req.output)
         text = self.tokenizer.decode(ids)
-        if req.finish_reason == "stop" and sp.stop:
-            cut = min((text.find(s) for s in sp.stop if s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), text, ids,
-                             req.finish_reason)
+        reason = req.finish_reason
+        cut = min((text.find(s) for s in sp.stop if s in text), default=-1)
+        if cut >= 0:                       # a stop string, even on the last allowed token
+            text, reason = text[:cut], "stop"
+        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), text, ids, reason)

@@ -66,5 +66,9 @@ def load_faults(path, engine_names: list[str]) -> list[Fault]:
                               + ", ".join(engine_names))
         if kind == "engine_death" and engine is None:
             raise ConfigError(f"{where}: engine_death needs an engine")
+        if kind in ("transfer_fail", "ack_lost") and engine is not None and \
+                not engine.startswith("prefill-"):
+            raise ConfigError(f"{where}: {kind} names the prefill engine whose transfer or "
+                              f"ack it hits; {engine!r} is not one")
         out.append(Fault(float(at), kind, engine))
     return sorted(out, key=lambda f: f.at_s)

@@ -136,7 +136,8 @@ class Simulation:
 
     def _on_arrive(self, t: float, tr: TraceRequest) -> None:
         rec = self.records[tr.id]
-        front = [e for e in self.engines if e.alive and e.role is not Role.PREFILL]
+        front = [e for e in self.engines
+                 if e.alive and not e.stalled and e.role is not Role.PREFILL]
         if not front:
             rec.status, rec.error = "failed", "no live engine can serve a request"
             self._done += 1
@@ -166,6 +167,10 @@ class Simulation:
 
     def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
         p = self.engines[p_idx] if p_idx is not None else None
+        if not self.engines[d_idx].alive:
+            if p is not None:
+                p.load -= p.live.pop(rid, 0)     # the asker died: nothing to prefill
+            return
         if p is None or not p.alive:
             self._push(t + self.cfg.simulate.lease_s, "failed", d_idx, rid, None,
                        "no live prefill engine answered")
@@ -182,8 +187,9 @@ class Simulation:
 
     def _on_landed(self, t: float, d_idx: int, rid: str, token: int, p_idx: int) -> None:
         d = self.engines[d_idx]
-        if not d.alive:
-            return                                   # P's lease releases its side
+        if not d.alive:                              # nobody will ack: P's lease lets go
+            self._push(t + self.cfg.simulate.lease_s, "lease_expired", p_idx, rid)
+            return
         if rid not in d.planner.landing:
             self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
             return

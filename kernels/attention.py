@@ -135,7 +135,9 @@ class FlashInferAttention(TorchAttention):
         if self._ws is None:
             self._ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._prefill_w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD")
-            self._decode_w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD")
+            # CUDA-core decode kernels ship for group sizes 1, 2, 4, 8 only
+            self._decode_w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._ws, "NHD", use_tensor_cores=self.group not in (1, 2, 4, 8))
 
     @staticmethod
     def _csr(seqs, ps: int, device):

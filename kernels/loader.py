@@ -19,7 +19,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
     from safetensors.torch import load_file
 
-    files = sorted(d.glob("*.safetensors"))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():                # sharded: read the shards the index names, only
+        import json
+
+        files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{d} has no *.safetensors weights; pdserve reads safetensors "
                          "checkpoints (save with save_pretrained(safe_serialization=True))")

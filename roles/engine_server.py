@@ -318,6 +318,7 @@ class EngineServer:
         if self.role is Role.PREFILL:
             self.leases.release(req_id)
             self.remote.pop(req_id, None)
+            self.transport.cancel(req_id)
         self._fail(req_id, f"aborted: {reason}")
         return True
 
@@ -389,6 +390,7 @@ class EngineServer:
                         engine=self.name, incarnation=self.incarnation, request_ids=ids))
         elif self.role is Role.PREFILL:
             for rid in self.leases.expired(now):
+                self.transport.cancel(rid)
                 if rid in self.planner.requests:
                     self.counters["lease_expiries"] += 1
                     self.planner.abort(rid, "lease expired")
@@ -425,11 +427,14 @@ class EngineServer:
         if info is None:
             return
         d_name, d_inc, pages, epoch = info
+        if not self.leases.holds(op.req.id, time.monotonic()):
+            return                  # the lease ran out: the timers release it, nothing is posted
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
                                      tuple(op.src_pages), pages, op.first_token))
         self.counters["transfers"] += 1
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
+        self.transport.cancel(r.request_id)
         if r.request_id in self.planner.requests:
             self.planner.peer_ack(r.request_id)
         self.leases.release(r.request_id)

@@ -212,3 +212,11 @@ def test_flashinfer_backend_matches_the_torch_reference_on_cuda(tmp_path):
     # chunked prefill over cached pages, then batched decode, both paged in place
     same = sum(a == b for o, r in zip(fi, ref) for a, b in zip(o.token_ids, r.token_ids))
     assert same >= 0.9 * sum(len(r.token_ids) for r in ref)
+
+
+def test_a_stop_string_on_the_last_allowed_token_is_still_cut():
+    llm = LLM()
+    full = llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)[0].text
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0,
+                                                    stop=full[-1]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and full[-1] not in out.text

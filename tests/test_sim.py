@@ -303,3 +303,19 @@ def test_a_dead_decode_engine_fails_its_requests_with_a_reason(tmp_path):
 def test_bad_fault_files_say_what_is_wrong(tmp_path, text, words):
     with pytest.raises(ConfigError, match=words):
         run_pd(tmp_path, text)
+
+
+def test_a_decode_engine_that_dies_before_its_prompt_reaches_p_leaks_nothing_on_p(tmp_path):
+    cfg = load_config(write(tmp_path, "c.yaml", PD_CFG.replace(
+        "cluster: {prefill: 2, decode: 2, fused: 0}", "cluster: {prefill: 1, decode: 1, fused: 0}")
+        .replace("lease_s: 2.0", "lease_s: 2.0, link_latency_s: 0.5")))
+    from pdserve.cluster.faults import Fault
+
+    trace = write(tmp_path, "t.jsonl", '{"id": "a", "arrival_s": 1.0, "prompt_tokens": 100, '
+                                       '"max_new_tokens": 4}\n')
+    sim = Simulation(cfg, read_trace(trace), progress=False,
+                     faults=[Fault(1.2, "engine_death", "decode-0")])
+    res = sim.run()
+    assert res["requests"][0]["status"] == "failed"
+    sim.engines[0].planner.assert_idle()              # prefill-0 holds nothing
+    assert sim.engines[0].load == 0

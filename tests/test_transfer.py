@@ -187,9 +187,9 @@ def test_a_fenced_landing_keeps_its_pages_until_the_write_drains():
 def test_a_fence_whose_write_never_drains_is_released_by_the_lease():
     t = LandingTable(timeout_s=1.0, lease_s=5.0)
     e = t.expect("r", [3], now=0.0)
-    t.fence("r", e, now=2.0)
-    assert t.expired_fences(6.9) == []
-    assert [ld.pages for ld in t.expired_fences(7.0)] == [(3,)]
+    t.fence("r", e, now=2.0)                            # lease 5 s + a margin of 5 s
+    assert t.expired_fences(11.9) == []
+    assert [ld.pages for ld in t.expired_fences(12.0)] == [(3,)]
     assert len(t) == 0
 
 
@@ -202,3 +202,27 @@ def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
     assert leases.expired(10.0) == ["b"]
     assert leases.expired(17.9) == [] and leases.expired(18.0) == ["a"]
     assert leases.expiries == 2
+
+
+def test_fault_rules_only_spend_their_count_where_their_action_applies():
+    inj = FaultInjector([FaultRule("notification", "fail")])
+    assert inj.match("notification", "r", ("delay", "drop")) is None    # fail cannot apply
+    assert inj.fired == []
+    with pytest.raises(ValueError, match="times"):
+        FaultRule("post", "fail", times=-2)
+
+
+def test_a_late_message_about_an_older_incarnation_does_not_replace_the_live_one():
+    fabric = LoopbackFabric()
+    p = LoopbackTransport(Incarnation("p", 1), fabric)
+    p.add_peer(Incarnation("d", 2), b"d@2")
+    p.add_peer(Incarnation("d", 1), b"d@1")
+    assert p.peers() == [Incarnation("d", 2)]
+
+
+def test_a_write_held_back_by_a_delay_is_never_posted_once_cancelled():
+    pair = Pair("loopback", p_faults=FaultInjector([FaultRule("post", "delay", delay_s=0.05)]))
+    pair.write([0], [0])
+    pair.P.cancel("r1")
+    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
+    assert p_ev == [] and d_ev == [] and torch.all(pair.D.pool == -1)

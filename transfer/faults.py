@@ -36,6 +36,9 @@ class FaultRule:
             raise ValueError(f"fault probability {self.probability} must be in [0, 1]")
         if self.action == "delay" and self.delay_s <= 0:
             raise ValueError("a delay fault needs delay_s > 0")
+        if not isinstance(self.times, int) or self.times < 0:
+            raise ValueError(f"fault times={self.times!r}: give a count >= 1, or 0 for "
+                             "without end")
 
 
 class FaultInjector:
@@ -51,9 +54,13 @@ class FaultInjector:
     def from_config(cls, entries: list[dict], seed: int = 0) -> "FaultInjector":
         return cls([FaultRule(**e) for e in entries], seed)
 
-    def match(self, stage: str, req_id: str) -> FaultRule | None:
+    def match(self, stage: str, req_id: str, actions=ACTIONS) -> FaultRule | None:
+        """The first live rule for this stage and request whose action can
+        apply here (`actions`); firing it uses up one of its `times`."""
         for rule in self.rules:
             if rule.stage != stage or (rule.req_id is not None and rule.req_id != req_id):
+                continue
+            if rule.action not in actions:
                 continue
             if rule.times == -1:
                 continue                       # spent

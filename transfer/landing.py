@@ -27,9 +27,12 @@ class Landing:
 
 
 class LandingTable:
-    def __init__(self, timeout_s: float, lease_s: float):
+    def __init__(self, timeout_s: float, lease_s: float, margin_s: float | None = None):
         self.timeout_s = timeout_s
         self.lease_s = lease_s
+        # past P's lease, a heartbeat sent just before the fence may still renew
+        # it, and a write posted just before expiry may still be in flight
+        self.margin_s = lease_s if margin_s is None else margin_s
         self._by_key: dict[tuple[str, int], Landing] = {}
         self._epoch = 0
 
@@ -56,7 +59,7 @@ class LandingTable:
         if ld is None or ld.fenced:
             return None
         ld.fenced = True
-        ld.release_at = now + self.lease_s
+        ld.release_at = now + self.lease_s + self.margin_s
         return ld
 
     def forget(self, req_id: str, epoch: int) -> bool:

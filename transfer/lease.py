@@ -34,6 +34,10 @@ class LeaseTable:
                 n += 1
         return n
 
+    def holds(self, req_id: str, now: float) -> bool:
+        """Is the lease still good (a write may be posted under it)?"""
+        return self._deadline.get(req_id, -1.0) > now
+
     def release(self, req_id: str) -> None:
         self._deadline.pop(req_id, None)
         self._peer.pop(req_id, None)

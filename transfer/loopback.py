@@ -36,7 +36,9 @@ class LoopbackTransport(KvTransport):
     def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
         if metadata.decode() != incarnation.agent_name:
             raise ValueError(f"metadata names {metadata.decode()}, not {incarnation.agent_name}")
-        self._peers[incarnation.engine_id] = incarnation
+        old = self._peers.get(incarnation.engine_id)
+        if old is None or old.epoch < incarnation.epoch:     # never go back to a stale one
+            self._peers[incarnation.engine_id] = incarnation
 
     def remove_peer(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)

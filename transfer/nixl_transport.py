@@ -66,8 +66,8 @@ class NixlTransport(KvTransport):
                              f"engine {self.page_bytes}: give both the same model and page_size")
         old = self._peers.get(incarnation.engine_id)
         if old is not None:
-            if old[0] == incarnation:
-                return
+            if old[0].epoch >= incarnation.epoch:
+                return                                 # the same, or a stale late message
             self.remove_peer(incarnation.engine_id)    # a restart: drop what we knew
         name = self.agent.add_remote_agent(base64.b64decode(md["agent"]))
         name = name.decode() if isinstance(name, bytes) else name
@@ -98,12 +98,17 @@ class NixlTransport(KvTransport):
                 "WRITE", self._local, np.asarray(w.src_pages, dtype=np.int64), entry[2],
                 np.asarray(w.dst_pages, dtype=np.int64), encode_notif(w))
             self.metrics.setup_seconds += time.perf_counter() - t0
-            state = self.agent.transfer(handle)
         except Exception as e:            # the binding raises on a dead peer
             self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, f"post: {e}"))
             return
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as e:
+            self._release(handle)
+            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, f"post: {e}"))
+            return
         if state == "ERR":
-            self.agent.release_xfer_handle(handle)
+            self._release(handle)
             self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, "post: ERR"))
             return
         self._inflight[handle] = (w, time.perf_counter())
@@ -121,7 +126,7 @@ class NixlTransport(KvTransport):
                 continue
             del self._inflight[handle]
             self.metrics.seconds += time.perf_counter() - t0
-            self.agent.release_xfer_handle(handle)
+            self._release(handle)
             if state == "DONE":
                 out.append(TransferEvent("done", w.req_id, w.epoch, w.target))
             else:
@@ -140,7 +145,18 @@ class NixlTransport(KvTransport):
     def in_flight(self) -> int:
         return len(self._inflight)
 
+    def _release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:            # nixl keeps what it cannot cancel; say so
+            import logging
+
+            logging.getLogger("pdserve.transfer").warning("release_xfer_handle: %s", e)
+
     def close(self) -> None:
+        for handle in list(self._inflight):
+            self._release(handle)
+        self._inflight.clear()
         for engine_id in list(self._peers):
             self.remove_peer(engine_id)
         if self._local is not None:

@@ -157,6 +157,12 @@ class KvTransport(abc.ABC):
             return
         self._post(w)
 
+    def cancel(self, req_id: str) -> None:
+        """The sender let the request go: a write a delay fault still holds
+        back must never be posted (a real post is synchronous; this keeps
+        the fault honest)."""
+        self._held = [h for h in self._held if h[1].req_id != req_id]
+
     def poll(self) -> list[TransferEvent]:
         if self._held:
             now = time.monotonic()
@@ -166,7 +172,8 @@ class KvTransport(abc.ABC):
         out = []
         for ev in self._poll_backend():
             stage = "completion" if ev.kind in ("done", "failed") else "notification"
-            rule = self.faults.match(stage, ev.req_id)
+            actions = ("fail", "delay", "drop") if ev.kind == "done" else ("delay", "drop")
+            rule = self.faults.match(stage, ev.req_id, actions)
             if rule is None:
                 out.append(ev)
             elif rule.action == "fail" and ev.kind == "done":
@@ -174,8 +181,6 @@ class KvTransport(abc.ABC):
                                          "injected failure at completion"))
             elif rule.action == "delay":
                 self._delayed.append((time.monotonic() + rule.delay_s, ev))
-            elif rule.action == "fail":
-                out.append(ev)        # a notification cannot fail; it arrives
             # "drop": swallowed, as if it never came
         now = time.monotonic()
         due = [ev for t, ev in self._delayed if t <= now]
