@@ -151,7 +151,6 @@ class Aborted(State):
 LIVE = (Waiting, Prefilling, PrefillDone, Decoding, Retracted, RemotePrefilling,
         RemotePrefillDone, Transferring)
 RESIDENT = (Prefilling, PrefillDone, Decoding, RemotePrefillDone)
-HOLDING = (Prefilling, PrefillDone, Decoding, RemotePrefilling, RemotePrefillDone, Transferring)
 
 
 def pd_pinned(req, role_is_prefill: bool) -> bool:

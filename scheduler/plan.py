@@ -40,14 +40,6 @@ class Plan:
                     or self.stores or self.loads or self.remote_prefills
                     or self.remote_decodes)
 
-    @property
-    def has_forward(self) -> bool:
-        return bool(self.decodes or self.prefills)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(op.tokens + op.replay for op in self.prefills)
-
 
 @dataclass(slots=True)
 class StepResult:

@@ -76,11 +76,5 @@ class LandingTable:
             del self._by_key[(ld.req_id, ld.epoch)]
         return out
 
-    def epoch_of(self, req_id: str) -> int | None:
-        for (rid, epoch), ld in self._by_key.items():
-            if rid == req_id and not ld.fenced:
-                return epoch
-        return None
-
     def __len__(self) -> int:
         return len(self._by_key)

@@ -49,8 +49,5 @@ class LeaseTable:
         self.expiries += len(out)
         return out
 
-    def held_for(self, peer) -> list[str]:
-        return [rid for rid, p in self._peer.items() if p == peer]
-
     def __len__(self) -> int:
         return len(self._deadline)

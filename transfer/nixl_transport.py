@@ -142,9 +142,6 @@ class NixlTransport(KvTransport):
                                          first_token=token))
         return out
 
-    def in_flight(self) -> int:
-        return len(self._inflight)
-
     def _release(self, handle) -> None:
         try:
             self.agent.release_xfer_handle(handle)
