@@ -82,7 +82,9 @@ class TorchAttention:
             mask = kpos[None, :] < ctx[:, None]
             if self.window is not None:
                 mask &= kpos[None, :] > (ctx[:, None] - 1 - self.window)
-            prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), mask[:, None, None, :])
+            # an additive float32 mask: 0 where a key counts, -inf past the end
+            bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])
         meta._prep = prep
         return prep
 
@@ -104,15 +106,24 @@ class TorchAttention:
                 attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
         if "dec" in prep:
-            first, B, tables, mask = prep["dec"]
-            L = tables.shape[1] * ps
-            keys = k_pages[tables].reshape(B, L, self.kvh, self.d)
-            vals = v_pages[tables].reshape(B, L, self.kvh, self.d)
-            o = F.scaled_dot_product_attention(
-                q[first:first + B].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            out[first:first + B] = o.squeeze(2)
+            first, B, tables, bias = prep["dec"]
+            out[first:first + B] = self._decode(q[first:first + B], k_pages, v_pages, tables,
+                                                bias)
         return out
+
+    def _decode(self, q, k_pages, v_pages, tables, bias):
+        """One query row per sequence, as two batched matmuls with the softmax
+        in float32 between them. The query heads sharing a KV head go in one
+        matmul. On CPU this is faster than SDPA's masked path in float32 and
+        ~10x faster in bfloat16, whose SDPA has no fast masked kernel there."""
+        B, ps = tables.shape[0], k_pages.shape[1]
+        L = tables.shape[1] * ps
+        keys = k_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2)
+        vals = v_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2)
+        qg = (q * self.scale).view(B, self.kvh, self.group, self.d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() + bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vals).reshape(B, self.h, self.d)
 
 
 class FlashInferAttention(TorchAttention):
