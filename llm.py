@@ -34,8 +34,10 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, config=None, *, dtype: str = "float32", device: str = "cpu",
-                 attention: str = "auto", **engine_overrides):
+    def __init__(self, config=None, *, dtype: str | None = None, device: str = "cpu",
+                 attention: str | None = None, **engine_overrides):
+        """`dtype` and `attention` override the config's model.dtype and
+        model.attention (both 'auto' by default)."""
         if config is None:
             cfg = ServeConfig()
         elif isinstance(config, ServeConfig):
@@ -44,8 +46,9 @@ class LLM:
             cfg = ServeConfig.from_dict(config)
         else:
             cfg = load_config(config)
-        self.model, self.tokenizer = load_model(cfg.model.path, cfg.model.preset, dtype=dtype,
-                                                device=device, attention=attention)
+        self.model, self.tokenizer = load_model(
+            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype, device=device,
+            attention=attention or cfg.model.attention)
         engine = cfg.engine
         if engine_overrides:
             engine = dataclasses.replace(engine, **engine_overrides)

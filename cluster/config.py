@@ -1,6 +1,6 @@
 """The config YAML: one schema for serving and simulation.
 
-    model: {path: DIR | preset: tiny}
+    model: {path: DIR | preset: tiny, dtype: auto, attention: auto}
     engine: {...}                 # scheduler.EngineConfig fields
     cluster: {prefill: 1, decode: 1, fused: 0}
     simulate: {gpu: h100, model: llama-3-8b}
@@ -30,19 +30,30 @@ def _check_keys(data, where: str, known) -> dict:
     return data
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("auto", "torch", "flashinfer")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None
     preset: str | None = "tiny"
+    dtype: str = "auto"          # auto: the checkpoint's (float16 runs as bfloat16 on CPU)
+    attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
-        data = _check_keys(data, "model", {"path", "preset"})
+        data = _check_keys(data, "model", {"path", "preset", "dtype", "attention"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
+        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION)):
+            if key in data and data[key] not in allowed:
+                raise ConfigError(f"model.{key} is {data[key]!r}; use one of "
+                                  f"{', '.join(allowed)}")
+        extra = {k: data[k] for k in ("dtype", "attention") if k in data}
         if "path" in data:
-            return cls(path=str(data["path"]), preset=None)
-        return cls(path=None, preset=str(data.get("preset", "tiny")))
+            return cls(path=str(data["path"]), preset=None, **extra)
+        return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)
 
 
 @dataclass(frozen=True)

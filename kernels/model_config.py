@@ -37,6 +37,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple = field(default_factory=tuple)
+    torch_dtype: str | None = None     # the checkpoint's own dtype, for dtype: auto
 
 
 def tiny_config() -> ModelConfig:
@@ -90,4 +91,6 @@ def read_config(model_dir) -> ModelConfig:
         sliding_window=window,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        # transformers 5 writes dtype; earlier versions torch_dtype
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )

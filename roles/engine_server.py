@@ -62,7 +62,8 @@ class EngineServer:
         self.role = Role(role)
         self.name = f"{role}-{index}"
         self.incarnation = time.time_ns()
-        model, tok = load_model(cfg.model.path, cfg.model.preset, device=device)
+        model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
+                                device=device, attention=cfg.model.attention)
         engine_cfg = cfg.engine
         if "max_context_tokens" not in cfg.engine_overrides:
             engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.cfg.max_position)

@@ -220,3 +220,52 @@ def test_a_stop_string_on_the_last_allowed_token_is_still_cut():
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0,
                                                     stop=full[-1]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and full[-1] not in out.text
+
+
+def _with_dtype(d, dtype: str):
+    import json
+
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("torch_dtype", None)
+    raw["dtype"] = dtype
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("own,want", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                      ("float16", torch.bfloat16)])      # fp16 is slow on CPU
+def test_dtype_auto_follows_the_checkpoint(tmp_path, own, want):
+    _, d = hf_model(tmp_path, "llama")
+    _with_dtype(d, own)
+    assert LLM({"model": {"path": str(d)}}).model.dtype == want
+    assert LLM({"model": {"path": str(d), "dtype": "float32"}}).model.dtype == torch.float32
+    assert LLM().model.dtype == torch.float32                   # the tiny preset
+
+
+def test_bfloat16_logits_track_float32(tmp_path):
+    model, d = hf_model(tmp_path, "llama")
+    prompt = PROMPTS[2]
+    want = model(torch.tensor([prompt])).logits[0]
+    llm = LLM({"model": {"path": str(d), "dtype": "bfloat16"},
+               "engine": {"page_size": 4, "total_pages": 128, "max_scheduled_tokens": 16}})
+    assert llm.model.dtype == torch.bfloat16
+    outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    # the prompt's logits through the bfloat16 paged path: close to float32's
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+    table = list(range(-(-len(prompt) // 4)))
+    meta = BatchMeta([SeqMeta(0, len(prompt), len(prompt), table)],
+                     torch.tensor([table[p // 4] * 4 + p % 4 for p in range(len(prompt))]),
+                     torch.arange(len(prompt)))
+    got = llm.model.forward(torch.tensor(prompt), meta, llm.executor.cache,
+                            torch.arange(len(prompt)))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("model,words", [
+    ({"dtype": "fp8"}, "model.dtype is 'fp8'; use one of auto"),
+    ({"attention": "xformers"}, "model.attention is 'xformers'; use one of auto"),
+])
+def test_bad_model_dtype_or_attention_is_a_clear_error(model, words):
+    from pdserve.scheduler.config import ConfigError
+    with pytest.raises(ConfigError, match=words):
+        LLM({"model": model})
