@@ -1,15 +1,27 @@
-"""`pdserve.LLM` against Hugging Face `generate`, same weights, same prompts.
+"""`pdserve.LLM` against Hugging Face `generate`, same weights, same prompts,
+side by side in one process on the same torch threads, greedy.
 
-Greedy, every prompt the same length, every request generating the same
-number of tokens (EOS ignored), side by side in one process on the same
-torch threads. Tokens/s counts generated tokens over wall time, prefill
+Two workloads at each batch size B:
+- uniform: B prompts of 64 tokens, 64 new tokens each (EOS ignored). Every
+  row is busy to the end, HF's best case.
+- trace: the first max(2B, 16) requests of the Azure LLM conversation trace,
+  prompt and output lengths divided by `scale` (8: CPU-sized, the shape of
+  the distribution kept). pdserve runs them all with max_batch_size B
+  (continuous batching: a finished request's slot is refilled next round);
+  HF runs them B at a time in trace order, as `generate` does, each batch
+  left-padded to its longest prompt and generating until its longest output.
+
+Tokens/s counts the tokens each request asked for (HF's tokens past a
+request's own length are waste, not output) over wall time, prefill
 included. Needs transformers (the test extra).
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,55 +33,96 @@ SIZES = {
     "llama-110m": dict(vocab_size=16000, hidden_size=768, intermediate_size=2048,
                        num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
 }
+AZURE_CONV = Path(__file__).resolve().parents[2] / "shared/data/traces/azure2023/" \
+    "AzureLLMInferenceTrace_conv.csv"
 
 
 def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def main(batches=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 64,
-         sizes=tuple(SIZES)) -> int:
+def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int):
+    """[(prompt ids, new tokens)] for one row of the table."""
+    g = torch.Generator().manual_seed(batch)
+    if kind == "uniform":
+        lens = [(64, 64)] * batch
+    else:
+        from pdserve.cluster.trace import read_trace
+
+        reqs = read_trace(trace, limit=max(2 * batch, 16))
+        lens = [(max(1, r.prompt.length // scale), max(1, r.max_new_tokens // scale))
+                for r in reqs]
+    return [(torch.randint(3, vocab, (p,), generator=g).tolist(), n) for p, n in lens]
+
+
+def run_ours(llm, reqs) -> tuple[float, list]:
+    from pdserve.kernels.sampling import SamplingParams
+
+    sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], sps, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    assert all(len(o.token_ids) == n for o, (_, n) in zip(outs, reqs))
+    return wall, [o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def run_hf(hf, reqs, batch: int) -> tuple[float, list]:
+    """Static batches of `batch` in order, left-padded, each run to its
+    longest output; every row then cut to its own length."""
+    got = []
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        new = max(n for _, n in chunk)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        got += [out[row, width:width + n].tolist() for row, (_, n) in enumerate(chunk)]
+    return time.perf_counter() - t0, got
+
+
+def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
+         workloads=("uniform", "trace"), trace: Path = AZURE_CONV, scale: int = 8) -> int:
     import transformers
 
-    from pdserve.kernels.sampling import SamplingParams
     from pdserve.llm import LLM
 
     rows = []
     for name in sizes:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(**SIZES[name], max_position_embeddings=2048,
+        cfg = transformers.LlamaConfig(**SIZES[name], max_position_embeddings=4096,
                                        tie_word_embeddings=False)
-        hf = transformers.LlamaForCausalLM(cfg).float().eval()
+        base = transformers.LlamaForCausalLM(cfg).float().eval()
         with tempfile.TemporaryDirectory() as d:
-            hf.save_pretrained(d, safe_serialization=True)
-            llm = LLM({"model": {"path": d},
-                       "engine": {"page_size": 16, "total_pages": 4096,
-                                  "max_scheduled_tokens": 4096, "max_batch_size": 256}})
-        vocab = SIZES[name]["vocab_size"]
-        for b in batches:
-            g = torch.Generator().manual_seed(b)
-            prompts = torch.randint(3, vocab, (b, prompt_len), generator=g)
-            sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-            llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=2, temperature=0),
-                         use_tqdm=False)                       # warm up
-            t0 = time.perf_counter()
-            outs = llm.generate([p.tolist() for p in prompts], sp, use_tqdm=False)
-            ours = time.perf_counter() - t0
-            assert all(len(o.token_ids) == new_tokens for o in outs)
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                ref = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
-                theirs = time.perf_counter() - t0
-            same = sum(o.token_ids == ref[i, prompt_len:].tolist() for i, o in enumerate(outs))
-            rows.append((name, _params(hf), b, b * new_tokens / ours,
-                         b * new_tokens / theirs, same))
-    print(f"greedy, prompt {prompt_len} tokens, {new_tokens} new tokens each, "
-          f"{torch.get_num_threads()} torch threads, float32, CPU")
-    print(f"{'model':<11} {'params':>7} {'batch':>5} {'pdserve tok/s':>14} {'HF tok/s':>9} "
-          f"{'speedup':>8} {'same tokens':>12}")
-    for name, n, b, a, h, same in rows:
-        print(f"{name:<11} {n / 1e6:>6.1f}M {b:>5} {a:>14.1f} {h:>9.1f} {a / h:>7.2f}x "
-              f"{same:>6}/{b}")
+            base.save_pretrained(d, safe_serialization=True)
+            for dtype in dtypes:
+                hf = copy.deepcopy(base).to(getattr(torch, dtype))
+                for b in batches:
+                    llm = LLM({"model": {"path": d, "dtype": dtype},
+                               "engine": {"page_size": 16, "total_pages": 8192,
+                                          "max_scheduled_tokens": 4096, "max_batch_size": b}})
+                    warm = [([5, 6, 7], 2)]
+                    run_ours(llm, warm)
+                    run_hf(hf, warm, 1)
+                    for kind in workloads:
+                        reqs = workload(kind, b, SIZES[name]["vocab_size"], trace, scale)
+                        ours, a = run_ours(llm, reqs)
+                        theirs, h = run_hf(hf, reqs, b)
+                        tokens = sum(n for _, n in reqs)
+                        same = sum(x == y for x, y in zip(a, h))
+                        rows.append((name, _params(base), dtype, kind, b, len(reqs),
+                                     tokens / ours, tokens / theirs, same))
+    print(f"greedy; uniform: 64-token prompts, 64 new tokens; trace: Azure conversation "
+          f"lengths / {scale}; {torch.get_num_threads()} torch threads, CPU")
+    print(f"{'model':<11} {'params':>7} {'dtype':>8} {'workload':>8} {'batch':>5} {'reqs':>4} "
+          f"{'pdserve tok/s':>14} {'HF tok/s':>9} {'speedup':>8} {'same':>7}")
+    for name, n, dtype, kind, b, nreq, a, h, same in rows:
+        print(f"{name:<11} {n / 1e6:>6.1f}M {dtype:>8} {kind:>8} {b:>5} {nreq:>4} {a:>14.1f} "
+              f"{h:>9.1f} {a / h:>7.2f}x {same:>3}/{nreq:<3}")
     return 0

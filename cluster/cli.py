@@ -135,7 +135,10 @@ def _cmd_bench(args) -> int:
     if args.what == "llm":
         from pdserve.benchmarks.llm import main as llm_main
 
-        return llm_main()
+        kw = {k: v for k, v in (("sizes", args.models), ("dtypes", args.dtype),
+                                ("workloads", args.workload), ("batches", args.batches),
+                                ("trace", args.trace), ("scale", args.scale)) if v}
+        return llm_main(**kw)
     if args.what == "transfer":
         from pdserve.benchmarks.transfer import main as transfer_main
 
@@ -238,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rate", type=float, help="serve: Poisson arrivals a second")
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long")
     bench.add_argument("--seed", type=int, default=0, help="soak: reproduces a run")
+    bench.add_argument("--models", nargs="+", choices=["tiny", "llama-110m"],
+                       help="llm: model shapes (default both)")
+    bench.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"],
+                       help="llm: dtypes, each run by both sides (default both)")
+    bench.add_argument("--workload", nargs="+", choices=["uniform", "trace"],
+                       help="llm: uniform lengths and/or the trace's (default both)")
+    bench.add_argument("--batches", type=int, nargs="+", help="llm: batch sizes (1 8 32)")
+    bench.add_argument("--scale", type=int, help="llm: divide the trace's lengths by this (8)")
     bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
     bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                        help="disagg: arrival-rate multipliers of the trace's own rate")

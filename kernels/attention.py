@@ -74,11 +74,11 @@ class TorchAttention:
         if meta.num_decodes:
             seqs = meta.seqs[n_pre:]
             n = [-(-s.ctx_len // ps) for s in seqs]
-            tables = torch.zeros(len(seqs), max(n), dtype=torch.long)
-            for i, s in enumerate(seqs):
-                tables[i, :n[i]] = torch.as_tensor(s.block_table[:n[i]])
+            width = max(n)
+            tables = torch.tensor([s.block_table[:k] + [0] * (width - k)
+                                   for s, k in zip(seqs, n)], dtype=torch.long)
             ctx = torch.tensor([s.ctx_len for s in seqs], device=device)
-            kpos = torch.arange(max(n) * ps, device=device)
+            kpos = torch.arange(width * ps, device=device)
             mask = kpos[None, :] < ctx[:, None]
             if self.window is not None:
                 mask &= kpos[None, :] > (ctx[:, None] - 1 - self.window)
