@@ -118,8 +118,9 @@ class TorchAttention:
         ~10x faster in bfloat16, whose SDPA has no fast masked kernel there."""
         B, ps = tables.shape[0], k_pages.shape[1]
         L = tables.shape[1] * ps
-        keys = k_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2)
-        vals = v_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2)
+        # head-major and contiguous: matmul on the transposed gather is ~3x slower
+        keys = k_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2).contiguous()
+        vals = v_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2).contiguous()
         qg = (q * self.scale).view(B, self.kvh, self.group, self.d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() + bias
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
