@@ -47,6 +47,7 @@ class TorchAttention:
     """Reference backend: exact, plain torch, any device."""
 
     name = "torch"
+    MATMUL_SCORES = 1 << 22   # a chunk with more scores than this goes to SDPA
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None):
@@ -98,18 +99,38 @@ class TorchAttention:
         out = torch.empty_like(q)
         gqa = self.group > 1
         for s, table, mask in prep["pre"]:
-            keys = k_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
-            vals = v_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
-            qs = q[s.q_start:s.q_start + s.q_len]
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if s.ctx_len == s.q_len:       # a first chunk: its keys are its own rows
+                keys, vals = k[rows], v[rows]
+            else:
+                keys = k_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
+                vals = v_pages[table].reshape(-1, self.kvh, self.d)[:s.ctx_len]
+            if self.h * s.q_len * s.ctx_len <= self.MATMUL_SCORES:
+                out[rows] = self._prefill(q[rows], keys, vals, mask)
+            else:                          # SDPA tiles the scores: bounded memory
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                    attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                out[rows] = o.transpose(0, 1)
         if "dec" in prep:
             first, B, tables, bias = prep["dec"]
             out[first:first + B] = self._decode(q[first:first + B], k_pages, v_pages, tables,
                                                 bias)
         return out
+
+    def _prefill(self, q, keys, vals, mask):
+        """One chunk's attention as two matmuls, the scores ([H, T, L]) held
+        whole: on CPU faster than SDPA's masked path, most in bfloat16."""
+        T, L = q.shape[0], keys.shape[0]
+        g = self.group
+        qg = (q * self.scale).view(T, self.kvh, g, self.d).permute(1, 2, 0, 3)
+        keys = keys.transpose(0, 1).contiguous()               # [kvh, L, d]
+        vals = vals.transpose(0, 1).contiguous()
+        scores = torch.matmul(qg.reshape(self.kvh, g * T, self.d), keys.transpose(1, 2))
+        scores = scores.float().view(self.kvh, g, T, L).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(self.kvh, g * T, L)
+        o = torch.matmul(probs, vals).view(self.kvh, g, T, self.d)
+        return o.permute(2, 0, 1, 3).reshape(T, self.h, self.d)
 
     def _decode(self, q, k_pages, v_pages, tables, bias):
         """One query row per sequence, as two batched matmuls with the softmax

@@ -45,11 +45,14 @@ def greedy(n=12):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("sdpa", [False, True], ids=["matmul-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_paged_model_matches_transformers(tmp_path, arch):
+def test_paged_model_matches_transformers(tmp_path, arch, sdpa):
     model, d = hf_model(tmp_path, arch)
     llm = LLM({"model": {"path": str(d)}, "engine": {"page_size": 4, "total_pages": 128,
                                                       "max_scheduled_tokens": 16}})
+    if sdpa:                            # every prefill chunk past the whole-scores budget
+        llm.model.attention.MATMUL_SCORES = 0
     # logits of the last prompt token, through chunked paged prefill
     for prompt in PROMPTS[:3]:
         want = model(torch.tensor([prompt])).logits[0, -1]
