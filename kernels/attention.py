@@ -151,7 +151,10 @@ class TorchAttention:
 class FlashInferAttention(TorchAttention):
     """flashinfer's paged prefill and decode wrappers (CUDA). K/V writes are
     the reference backend's; attention reads the pages in place through
-    CSR page tables, planned once a round and reused by every layer."""
+    CSR page tables, planned once a round and reused by every layer. A
+    layer's K and V are strided views of the page-major pool (the page
+    stride spans every layer); flashinfer reads caches by their strides
+    since its non-contiguous KV cache support (flashinfer PR #513, 0.2)."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 * 1024 * 1024
