@@ -212,6 +212,7 @@ class FlashInferAttention(TorchAttention):
         v_pages[page, off] = v
         if self._planned is not meta:
             self._plan(meta, ps, q.dtype, q.device)
+        q = q.contiguous()                 # a slice of the fused q/k rotation
         out = torch.empty_like(q)
         n_pre = len(meta.seqs) - meta.num_decodes
         split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]

@@ -101,15 +101,15 @@ class DecoderModel:
         c = self.cfg
         h = self.embed[input_ids]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        pos = meta.positions
+        cos, sin = self.rotary.at(meta.positions)
+        heads = c.num_heads + c.num_kv_heads
         for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = rms_norm(h, ln1, c.rms_norm_eps)
             qkv = F.linear(x, qkv_w, qkv_b)
-            q = qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_dim:q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
+            # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
+            qk = self.rotary.apply(qkv[:, :q_dim + kv_dim].view(-1, heads, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim)
-            q = self.rotary.apply(q, pos)
-            k = self.rotary.apply(k, pos)
             k_pages, v_pages = cache.layer(i)
             o = self.attention.forward(q, k, v, k_pages, v_pages, meta)
             h = h + F.linear(o.reshape(-1, q_dim), o_w)
