@@ -272,3 +272,38 @@ def test_bad_model_dtype_or_attention_is_a_clear_error(model, words):
     from pdserve.scheduler.config import ConfigError
     with pytest.raises(ConfigError, match=words):
         LLM({"model": model})
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, monkeypatch):
+    """On CPU, against a stand-in written from flashinfer's documented
+    contract (tests/flashinfer_fake.py): the CSR page tables, the prefill and
+    decode row split, the strided per-layer caches and the sliding window
+    pdserve passes must give the torch reference's tokens. The real kernels
+    are the device test's."""
+    import sys
+
+    from tests import flashinfer_fake
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_fake)
+    _, d = hf_model(tmp_path, arch)
+    conf = {"model": {"path": str(d)},
+            "engine": {"page_size": 4, "total_pages": 128, "max_scheduled_tokens": 16}}
+    want = [o.token_ids for o in LLM(conf, attention="torch").generate(PROMPTS, greedy(10),
+                                                                        use_tqdm=False)]
+    llm = LLM(conf, attention="flashinfer")
+    assert llm.model.attention.name == "flashinfer"
+    rounds = 0
+    step = llm.engine.step
+
+    def counted():
+        nonlocal rounds
+        rounds += 1
+        return step()
+
+    llm.engine.step = counted
+    for _ in range(2):                  # the second pass reads cached prefix pages
+        got = [o.token_ids for o in llm.generate(PROMPTS, greedy(10), use_tqdm=False)]
+        assert got == want
+    att = llm.model.attention
+    assert 0 < att._prefill_w.plans <= rounds and 0 < att._decode_w.plans <= rounds
