@@ -106,7 +106,8 @@ class EngineServer:
     # ---- plumbing ------------------------------------------------------------
     def info(self) -> dict:
         return {"engine": self.name, "role": self.role.value, "incarnation": self.incarnation,
-                "address": self.address}
+                "address": self.address,
+                "dtype": str(self.executor.model.dtype).removeprefix("torch.")}
 
     def call(self, fn, timeout: float = 30.0):
         """Run fn() on the loop thread and return its result."""

@@ -1,4 +1,5 @@
-"""Two Ray nodes on one machine: P on one, D on the other, KV over NIXL."""
+"""Two Ray nodes on one machine: P on one, D on the other, KV over NIXL,
+in bfloat16 (model.dtype reaches every engine; pages move in that dtype)."""
 
 import pytest
 
@@ -8,6 +9,7 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.deploy import Deployment
 
 ENGINE = {"page_size": 16, "total_pages": 256, "max_scheduled_tokens": 64}
+MODEL = {"preset": "tiny", "dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +28,17 @@ def two_nodes():
 def test_prefill_and_decode_on_different_nodes(two_nodes):
     import ray
 
-    cfg = ServeConfig.from_dict({"engine": ENGINE,
+    cfg = ServeConfig.from_dict({"model": MODEL, "engine": ENGINE,
                                  "cluster": {"prefill": 1, "decode": 1, "fused": 0}})
     dep = Deployment(cfg, address=two_nodes.address, loopback=True,
                      placement={"prefill": "p_node", "decode": "d_node"})
     try:
         dep.start()
-        nodes = {name: ray.get(actor.info.remote())["node_id"] for name, _, actor in dep.engines}
-        assert nodes["prefill-0"] != nodes["decode-0"]
+        info = {name: ray.get(actor.info.remote()) for name, _, actor in dep.engines}
+        assert info["prefill-0"]["node_id"] != info["decode-0"]["node_id"]
+        assert {i["dtype"] for i in info.values()} == {"bfloat16"}
         prompts = ["two nodes", "two nodes, one prompt each" * 3]
-        want = [o.token_ids for o in LLM(**ENGINE).generate(
+        want = [o.token_ids for o in LLM({"model": MODEL, "engine": ENGINE}).generate(
             prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
             use_tqdm=False)]
         c = Client(dep.address, timeout=120)
