@@ -121,7 +121,7 @@ def _cmd_generate(args) -> int:
         return 2
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    llm = LLM(args.config, device=args.device)
+    llm = LLM(args.config, device=args.device, dtype=args.dtype)
     for out in llm.generate(args.text, sp, use_tqdm=False):
         print(out.text)
     return 0
@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="offline: overrides the config's model.dtype")
     gen.add_argument("text", nargs="+", help="one or more prompts")
     gen.set_defaults(func=_cmd_generate)
 

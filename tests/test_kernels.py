@@ -307,3 +307,15 @@ def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, mon
         assert got == want
     att = llm.model.attention
     assert 0 < att._prefill_w.plans <= rounds and 0 < att._decode_w.plans <= rounds
+
+
+def test_offline_generate_cli_takes_a_dtype(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model: {preset: tiny}\n")
+    assert main(["generate", "--config", str(cfg), "--dtype", "bfloat16", "--max-tokens", "6",
+                 "Hello"]) == 0
+    want = LLM(dtype="bfloat16").generate("Hello", SamplingParams(max_tokens=6, temperature=0),
+                                          use_tqdm=False)[0].text
+    assert capsys.readouterr().out == want + "\n"
