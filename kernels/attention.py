@@ -123,11 +123,12 @@ class TorchAttention:
         whole: on CPU faster than SDPA's masked path, most in bfloat16."""
         T, L = q.shape[0], keys.shape[0]
         g = self.group
-        qg = (q * self.scale).view(T, self.kvh, g, self.d).permute(1, 2, 0, 3)
+        qg = q.view(T, self.kvh, g, self.d).permute(1, 2, 0, 3)
         keys = keys.transpose(0, 1).contiguous()               # [kvh, L, d]
         vals = vals.transpose(0, 1).contiguous()
         scores = torch.matmul(qg.reshape(self.kvh, g * T, self.d), keys.transpose(1, 2))
-        scores = scores.float().view(self.kvh, g, T, L).masked_fill_(~mask, float("-inf"))
+        scores = (scores.float() * self.scale).view(self.kvh, g, T, L)
+        scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(self.kvh, g * T, L)
         o = torch.matmul(probs, vals).view(self.kvh, g, T, self.d)
         return o.permute(2, 0, 1, 3).reshape(T, self.h, self.d)
@@ -142,8 +143,8 @@ class TorchAttention:
         # head-major and contiguous: matmul on the transposed gather is ~3x slower
         keys = k_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2).contiguous()
         vals = v_pages[tables].reshape(B, L, self.kvh, self.d).transpose(1, 2).contiguous()
-        qg = (q * self.scale).view(B, self.kvh, self.group, self.d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() + bias
+        qg = q.reshape(B, self.kvh, self.group, self.d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale + bias
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, vals).reshape(B, self.h, self.d)
 
@@ -223,15 +224,31 @@ class FlashInferAttention(TorchAttention):
         return out
 
 
-def make_backend(name: str, device, **kw):
-    """'auto' picks flashinfer on CUDA when it is installed, else torch."""
-    if name == "flashinfer" or (name == "auto" and torch.device(device).type == "cuda"):
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def make_backend(name: str, device, dtype: torch.dtype, **kw):
+    """'auto' picks flashinfer on CUDA when it is installed and has kernels
+    for the model (float16 or bfloat16, head_dim 64, 128 or 256), else torch.
+    Asking for flashinfer where it cannot run is an error that says why."""
+    if name not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")
+    if name == "torch" or torch.device(device).type != "cuda" and name == "auto":
+        return TorchAttention(**kw)
+    unfit = None
+    if dtype not in FLASHINFER_DTYPES:
+        unfit = f"flashinfer has no {str(dtype).removeprefix('torch.')} kernels; " \
+                "set model.dtype to bfloat16 or float16"
+    elif kw["head_dim"] not in FLASHINFER_HEAD_DIMS:
+        unfit = f"flashinfer has no kernels for head_dim {kw['head_dim']} " \
+                f"(it has {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
+    if unfit is None:
         try:
             return FlashInferAttention(**kw)
         except ImportError:
-            if name == "flashinfer":
-                raise ValueError("attention backend 'flashinfer' needs the gpu extra: "
-                                 "pip install 'pdserve[gpu]' on a CUDA machine") from None
-    if name not in ("auto", "torch", "flashinfer"):
-        raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")
+            unfit = "attention backend 'flashinfer' needs the gpu extra: " \
+                    "pip install 'pdserve[gpu]' on a CUDA machine"
+    if name == "flashinfer":
+        raise ValueError(f"{unfit}; or use attention: torch")
     return TorchAttention(**kw)

@@ -12,8 +12,7 @@ from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, t
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
 
 TINY_SEED = 20261129
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
@@ -71,10 +70,11 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         tok = PrintableTokenizer()
     else:
         raise ModelError(f"unknown model preset {preset!r}; use preset: tiny or path: DIR")
-    backend = make_backend(attention, device, num_heads=cfg.num_heads,
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    backend = make_backend(attention, device, torch_dtype, num_heads=cfg.num_heads,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            sliding_window=cfg.sliding_window)
-    return DecoderModel(cfg, weights, resolve_dtype(dtype, cfg, device), device, backend), tok
+    return DecoderModel(cfg, weights, torch_dtype, device, backend), tok
 
 
 def load_tokenizer(path: str | None = None, preset: str | None = "tiny"):

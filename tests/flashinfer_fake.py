@@ -23,10 +23,22 @@ def _check_csr(indptr, indices, last, page_size):
     assert bool(((last >= 1) & (last <= page_size)).all()), "1 <= last_page_len <= page_size"
 
 
+# flashinfer ships half-precision (and fp8) kernels, none for float32; a test
+# that wants exact float32 comparisons opens this, knowing the real one won't
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _check_dtypes(q_data_type, kv_data_type):
+    assert q_data_type in DTYPES, q_data_type
+    assert kv_data_type is None or kv_data_type in DTYPES, kv_data_type
+
+
 def _kv(cache, indices, page_size, last, i, indptr):
     pages = indices[int(indptr[i]):int(indptr[i + 1])].long()
     k_cache, v_cache = cache
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    # read by strides, but a row of head_dim must be dense and K, V alike
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[1] == page_size
     n = (pages.numel() - 1) * page_size + int(last[i])
     k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
     v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
@@ -59,6 +71,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
              kv_data_type=None):
         _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         assert qo_indptr.dtype == torch.int32 and causal
+        _check_dtypes(q_data_type, kv_data_type)
         self.args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.shape = (num_qo_heads, num_kv_heads, head_dim_qk, page_size)
         self.window_left, self.q_dtype = window_left, q_data_type
@@ -90,6 +103,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              page_size, *, window_left=-1, sm_scale=None, q_data_type=torch.float16,
              kv_data_type=None, **_):
         _check_csr(indptr, indices, last_page_len, page_size)
+        _check_dtypes(q_data_type, kv_data_type)
         self.args = (indptr, indices, last_page_len)
         self.shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
         self.window_left, self.q_dtype = window_left, q_data_type

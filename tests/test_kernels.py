@@ -15,11 +15,11 @@ PROMPTS = [[5, 17, 42, 9, 3, 77, 12, 8, 30, 2, 61, 40, 7],
            [94, 3]]
 
 
-def hf_model(tmp_path, arch: str):
+def hf_model(tmp_path, arch: str, **overrides):
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, **overrides)
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -274,25 +274,37 @@ def test_bad_model_dtype_or_attention_is_a_clear_error(model, words):
         LLM({"model": model})
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, monkeypatch):
-    """On CPU, against a stand-in written from flashinfer's documented
-    contract (tests/flashinfer_fake.py): the CSR page tables, the prefill and
-    decode row split, the strided per-layer caches and the sliding window
-    pdserve passes must give the torch reference's tokens. The real kernels
-    are the device test's."""
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
     import sys
 
     from tests import flashinfer_fake
 
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_fake)
+    return flashinfer_fake
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, fake_flashinfer,
+                                                             monkeypatch):
+    """On CPU, against a stand-in written from flashinfer's documented
+    contract (tests/flashinfer_fake.py): the CSR page tables, the prefill and
+    decode row split, the strided per-layer caches and the sliding window
+    pdserve passes must give the torch reference's tokens exactly. float32
+    for exactness (the stand-in is told to allow it; real flashinfer has no
+    float32 kernels, which the test below checks pdserve knows). The real
+    kernels are the device test's."""
+    from pdserve.kernels.attention import FlashInferAttention
+
+    monkeypatch.setattr(fake_flashinfer, "DTYPES", [torch.float32])
     _, d = hf_model(tmp_path, arch)
     conf = {"model": {"path": str(d)},
             "engine": {"page_size": 4, "total_pages": 128, "max_scheduled_tokens": 16}}
-    want = [o.token_ids for o in LLM(conf, attention="torch").generate(PROMPTS, greedy(10),
-                                                                        use_tqdm=False)]
-    llm = LLM(conf, attention="flashinfer")
-    assert llm.model.attention.name == "flashinfer"
+    want = [o.token_ids for o in LLM(conf).generate(PROMPTS, greedy(10), use_tqdm=False)]
+    llm = LLM(conf)
+    c = llm.model.cfg
+    att = llm.model.attention = FlashInferAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                                    c.sliding_window)
     rounds = 0
     step = llm.engine.step
 
@@ -305,8 +317,33 @@ def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, mon
     for _ in range(2):                  # the second pass reads cached prefix pages
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy(10), use_tqdm=False)]
         assert got == want
-    att = llm.model.attention
     assert 0 < att._prefill_w.plans <= rounds and 0 < att._decode_w.plans <= rounds
+
+
+def test_attention_auto_and_flashinfer_respect_what_flashinfer_has(fake_flashinfer):
+    from pdserve.kernels.attention import make_backend
+
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64)
+    assert make_backend("auto", "cuda", torch.bfloat16, **kw).name == "flashinfer"
+    assert make_backend("auto", "cpu", torch.bfloat16, **kw).name == "torch"
+    assert make_backend("auto", "cuda", torch.float32, **kw).name == "torch"
+    assert make_backend("auto", "cuda", torch.bfloat16, **{**kw, "head_dim": 16}).name == "torch"
+    with pytest.raises(ValueError, match="no float32 kernels; set model.dtype to bfloat16"):
+        make_backend("flashinfer", "cuda", torch.float32, **kw)
+    with pytest.raises(ValueError, match="no kernels for head_dim 16"):
+        make_backend("flashinfer", "cuda", torch.float16, **{**kw, "head_dim": 16})
+
+
+def test_flashinfer_without_the_gpu_extra_is_a_clear_error(monkeypatch):
+    import sys
+
+    from pdserve.kernels.attention import make_backend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)       # import fails
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64)
+    assert make_backend("auto", "cuda", torch.bfloat16, **kw).name == "torch"
+    with pytest.raises(ValueError, match=r"needs the gpu extra: pip install 'pdserve\[gpu\]'"):
+        make_backend("flashinfer", "cuda", torch.bfloat16, **kw)
 
 
 def test_offline_generate_cli_takes_a_dtype(tmp_path, capsys):
