@@ -103,6 +103,11 @@ def _cmd_generate(args) -> int:
     if args.address:
         from pdserve.client import Client
 
+        if args.dtype or args.device != "cpu":
+            print("pdserve: error: --dtype and --device apply offline (--config); a running "
+                  "deployment uses its own config's model.dtype and devices", file=sys.stderr)
+            return 2
+
         def go():
             c = Client(args.address)
             for text in args.text:
@@ -229,11 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
                             "serve: load a deployment through the client; "
                             "soak: faults, aborts and a killed engine under load")
-    bench.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    bench.add_argument("--rounds", type=int, default=200)
+    bench.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256, 1024, 4096],
+                       help="planner: decoding requests per round (64 256 1024 4096)")
+    bench.add_argument("--rounds", type=_positive, default=200,
+                       help="planner: rounds timed per size (200)")
     bench.add_argument("--config", action="append",
                        help="config YAML (serve: start this deployment; repeat to compare)")
-    bench.add_argument("--trace", help="the trace (serve: replayed with lengths capped)")
+    bench.add_argument("--trace", help="the trace (serve: replayed with lengths capped; llm: "
+                                       "the lengths of its trace workload, default the Azure "
+                                       "conversation trace in ../shared/data/traces)")
     bench.add_argument("--address", help="serve: a running deployment's router")
     bench.add_argument("--requests", type=int, default=64, help="serve: how many")
     bench.add_argument("--prompt-len", type=int, default=128, help="serve: synthetic prompts")
@@ -244,13 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long")
     bench.add_argument("--seed", type=int, default=0, help="soak: reproduces a run")
     bench.add_argument("--models", nargs="+", choices=["tiny", "llama-110m"],
-                       help="llm: model shapes (default both)")
+                       help="llm: model shapes, random weights built on the spot, nothing "
+                            "downloaded (default both)")
     bench.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"],
                        help="llm: dtypes, each run by both sides (default both)")
     bench.add_argument("--workload", nargs="+", choices=["uniform", "trace"],
                        help="llm: uniform lengths and/or the trace's (default both)")
-    bench.add_argument("--batches", type=int, nargs="+", help="llm: batch sizes (1 8 32)")
-    bench.add_argument("--scale", type=int, help="llm: divide the trace's lengths by this (8)")
+    bench.add_argument("--batches", type=_positive, nargs="+",
+                       help="llm: batch sizes (default 1 8 32)")
+    bench.add_argument("--scale", type=_positive,
+                       help="llm: divide the trace's lengths by this (default 8)")
     bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
     bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                        help="disagg: arrival-rate multipliers of the trace's own rate")
@@ -260,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="disagg: draw goodput against rate into this PNG")
     bench.set_defaults(func=_cmd_bench)
     return ap
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
 
 
 def main(argv=None) -> int:

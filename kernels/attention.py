@@ -234,10 +234,13 @@ def make_backend(name: str, device, dtype: torch.dtype, **kw):
     Asking for flashinfer where it cannot run is an error that says why."""
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")
-    if name == "torch" or torch.device(device).type != "cuda" and name == "auto":
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "torch" or not on_cuda and name == "auto":
         return TorchAttention(**kw)
     unfit = None
-    if dtype not in FLASHINFER_DTYPES:
+    if not on_cuda:
+        unfit = f"flashinfer runs on CUDA only, and this model is on {device}"
+    elif dtype not in FLASHINFER_DTYPES:
         unfit = f"flashinfer has no {str(dtype).removeprefix('torch.')} kernels; " \
                 "set model.dtype to bfloat16 or float16"
     elif kw["head_dim"] not in FLASHINFER_HEAD_DIMS:
@@ -250,5 +253,6 @@ def make_backend(name: str, device, dtype: torch.dtype, **kw):
             unfit = "attention backend 'flashinfer' needs the gpu extra: " \
                     "pip install 'pdserve[gpu]' on a CUDA machine"
     if name == "flashinfer":
-        raise ValueError(f"{unfit}; or use attention: torch")
+        raise ValueError(f"attention: flashinfer cannot serve this model: {unfit} "
+                         "(or use attention: auto or torch)")
     return TorchAttention(**kw)

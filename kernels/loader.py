@@ -54,9 +54,28 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device) -> torch.dtype:
     return DTYPES[own]
 
 
+def check_device(device) -> torch.device:
+    """The torch device, or a ModelError saying why it cannot be used."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "has no CUDA support" if torch.version.cuda is None else "sees no GPU"
+            raise ModelError(f"device {device!r}: no CUDA GPU is usable here (this torch "
+                             f"{why}); use device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) here")
+    elif dev.type != "cpu":
+        raise ModelError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return dev
+
+
 def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="auto",
                device="cpu", attention="auto"):
     """(model, tokenizer) for a checkpoint directory or a preset."""
+    check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
     if path is not None:

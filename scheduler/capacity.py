@@ -42,17 +42,21 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
     bound = max_single_request_tokens(cfg)
     pool = (f"engine.total_pages={cfg.total_pages} x page_size={cfg.page_size}, "
             f"model context {cfg.max_context_tokens}")
+    # advise raising the pool only where the pool, not the model, is the limit
+    pool_bound = cfg.total_pages * cfg.page_size < cfg.max_context_tokens
     if prompt_tokens > bound:
+        fix = "raise engine.total_pages or shorten the prompt" if pool_bound else \
+            "shorten the prompt (the model's context is the limit)"
         return (f"prompt of {prompt_tokens:,} tokens exceeds this deployment's bound of "
-                f"{bound:,} ({pool}, minus a decode slot of {cfg.decode_input_tokens}); "
-                "raise engine.total_pages or shorten the prompt")
+                f"{bound:,} ({pool}, minus a decode slot of {cfg.decode_input_tokens}); {fix}")
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             return f"max_new_tokens must be at least 1, got {max_new_tokens}"
         limit = context_bound(cfg)
         if prompt_tokens + max_new_tokens > limit:
+            fix = f"lower max_new_tokens to at most {max(limit - prompt_tokens, 0):,}"
+            fix += " or raise engine.total_pages" if pool_bound else \
+                " (the model's context is the limit)"
             return (f"prompt of {prompt_tokens:,} tokens plus max_new_tokens={max_new_tokens:,} "
-                    f"exceeds the {limit:,} tokens one sequence can occupy ({pool}); lower "
-                    f"max_new_tokens to at most {max(limit - prompt_tokens, 0):,} or raise "
-                    "engine.total_pages")
+                    f"exceeds the {limit:,} tokens one sequence can occupy ({pool}); {fix}")
     return None

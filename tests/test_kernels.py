@@ -334,6 +334,32 @@ def test_attention_auto_and_flashinfer_respect_what_flashinfer_has(fake_flashinf
         make_backend("flashinfer", "cuda", torch.float16, **{**kw, "head_dim": 16})
 
 
+def test_flashinfer_off_cuda_says_so(fake_flashinfer):
+    with pytest.raises(ValueError, match="flashinfer runs on CUDA only, and this model is on cpu"):
+        LLM({"model": {"preset": "tiny", "dtype": "bfloat16", "attention": "flashinfer"}})
+
+
+@pytest.mark.parametrize("device,words", [
+    ("gpu", "unknown device 'gpu'; use cpu, cuda or cuda:N"),
+    ("mps", "device 'mps' is not supported"),
+    pytest.param("cuda", "no CUDA GPU is usable here", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has a GPU: the device is fine")),
+])
+def test_a_device_that_cannot_be_used_is_a_clear_error(device, words):
+    with pytest.raises(ModelError, match=words):
+        LLM(device=device)
+
+
+def test_bench_and_generate_flags_are_checked(capsys):
+    from pdserve.cluster.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "llm", "--scale", "0"])
+    assert "'0' is not a positive integer" in capsys.readouterr().err
+    assert main(["generate", "--address", "127.0.0.1:1", "--dtype", "bfloat16", "hi"]) == 2
+    assert "--dtype and --device apply offline" in capsys.readouterr().err
+
+
 def test_flashinfer_without_the_gpu_extra_is_a_clear_error(monkeypatch):
     import sys
 

@@ -39,6 +39,19 @@ def test_a_prompt_beyond_the_bound_is_rejected_with_the_bound_and_the_fix():
     assert not p.requests
 
 
+def test_where_the_model_context_binds_the_fix_does_not_say_raise_the_pool():
+    p = Planner(config(page_size=16, total_pages=1024, max_context_tokens=4096))
+    with pytest.raises(RejectedRequest) as e:
+        p.submit(req("long", 10, max_new=5000))
+    msg = str(e.value)
+    assert "at most 4,086" in msg and "model's context is the limit" in msg
+    assert "raise engine.total_pages" not in msg
+    with pytest.raises(RejectedRequest) as e:
+        p.submit(req("huge", 5000))
+    assert "shorten the prompt (the model's context is the limit)" in str(e.value)
+    assert "raise engine.total_pages" not in str(e.value)
+
+
 def test_prompt_plus_max_new_tokens_beyond_the_pool_is_rejected():
     p = Planner(config(page_size=4, total_pages=8))
     with pytest.raises(RejectedRequest, match="lower max_new_tokens to at most 12"):
