@@ -16,19 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.scheduler.config import ConfigError, EngineConfig
-
-
-def _check_keys(data, where: str, known) -> dict:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    for key in data:
-        if key not in known:
-            raise ConfigError(f"unknown key {where}.{key}; known keys are: {', '.join(sorted(known))}")
-    return data
-
+from pdserve.scheduler.config import ConfigError, EngineConfig, check_keys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "torch", "flashinfer")
@@ -43,7 +31,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
-        data = _check_keys(data, "model", {"path", "preset", "dtype", "attention"})
+        data = check_keys(data, "model", {"path", "preset", "dtype", "attention"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
         for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION)):
@@ -64,7 +52,7 @@ class ClusterShape:
 
     @classmethod
     def from_dict(cls, data) -> "ClusterShape":
-        data = _check_keys(data, "cluster", {"prefill", "decode", "fused"})
+        data = check_keys(data, "cluster", {"prefill", "decode", "fused"})
         shape = cls(**data)
         for name in ("prefill", "decode", "fused"):
             v = getattr(shape, name)
@@ -88,7 +76,7 @@ class SimulateConfig:
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
-        data = _check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
+        data = check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
         cfg = cls(**data)
         for name in ("link_gbps", "link_latency_s", "lease_s"):
             v = getattr(cfg, name)
@@ -109,7 +97,7 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, data) -> "ServeConfig":
-        data = _check_keys(data, "config", {"model", "engine", "cluster", "simulate"})
+        data = check_keys(data, "config", {"model", "engine", "cluster", "simulate"})
         engine = data.get("engine") or {}
         return cls(
             model=ModelConfig.from_dict(data.get("model")),

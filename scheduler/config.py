@@ -14,6 +14,24 @@ class ConfigError(ValueError):
     """A configuration value a user supplied is invalid."""
 
 
+def check_keys(data, where: str, known) -> dict:
+    """`data` as a mapping whose keys are all in `known`, or a ConfigError
+    that names the stray key (and the likely one meant)."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in known:
+            import difflib
+
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {where}.{near[0]}? " if near else ""
+            raise ConfigError(f"unknown key {where}.{key}; {hint}known keys are: "
+                              f"{', '.join(sorted(known))}")
+    return data
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16                 # tokens per KV page
@@ -65,18 +83,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(
-                    f"unknown key {where}.{key}; known keys are: "
-                    + ", ".join(sorted(known))
-                )
-        return cls(**data)
+        return cls(**check_keys(data, where, {f.name for f in dataclasses.fields(cls)}))
 
     @property
     def pool_tokens(self) -> int:

@@ -91,6 +91,12 @@ def test_invalid_config_values_are_named(field, value, words):
 def test_unknown_engine_keys_are_named():
     with pytest.raises(ConfigError, match="unknown key engine.pages_total"):
         EngineConfig.from_dict({"pages_total": 3})
+    with pytest.raises(ConfigError, match="unknown key engine.page_sise; did you mean "
+                                          "engine.page_size?"):
+        EngineConfig.from_dict({"page_sise": 3})
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_dict({"zzz": 3})
+    assert "did you mean" not in str(e.value)
 
 
 def test_illegal_transitions_raise():

@@ -139,6 +139,9 @@ def test_unknown_config_keys_are_named(tmp_path):
     p = write(tmp_path, "c.yaml", "simulate: {gpu: h100, card: x}\n")
     with pytest.raises(ConfigError, match="unknown key simulate.card"):
         load_config(p)
+    p = write(tmp_path, "c.yaml", "engnie: {page_size: 16}\n")
+    with pytest.raises(ConfigError, match="unknown key config.engnie; did you mean config.engine"):
+        load_config(p)
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
