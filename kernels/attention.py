@@ -177,14 +177,17 @@ class FlashInferAttention(TorchAttention):
                 self._ws, "NHD", use_tensor_cores=self.group not in (1, 2, 4, 8))
 
     @staticmethod
-    def _csr(seqs, ps: int, device):
+    def _csr(seqs, ps: int):
+        """Host tensors: plan() reads indptr and last_page_len on the host and
+        copies what the kernels need to the device itself, so tables built on
+        the GPU would cost a device-to-host sync every round."""
         indptr, indices, last = [0], [], []
         for s in seqs:
             n = -(-s.ctx_len // ps)
             indices.extend(s.block_table[:n])
             indptr.append(len(indices))
             last.append(s.ctx_len - (n - 1) * ps)
-        i32 = dict(dtype=torch.int32, device=device)
+        i32 = dict(dtype=torch.int32)
         return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)
 
     def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> None:
@@ -193,14 +196,13 @@ class FlashInferAttention(TorchAttention):
         window = (self.window - 1) if self.window else -1
         if n_pre:
             pre = meta.seqs[:n_pre]
-            qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32,
-                              device=device)
-            indptr, indices, last = self._csr(pre, ps, device)
+            qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32)
+            indptr, indices, last = self._csr(pre, ps)
             self._prefill_w.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
                                  causal=True, window_left=window, sm_scale=self.scale,
                                  q_data_type=dtype, kv_data_type=dtype)
         if meta.num_decodes:
-            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps, device)
+            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps)
             self._decode_w.plan(indptr, indices, last, self.h, self.kvh, self.d, ps,
                                 window_left=window, sm_scale=self.scale, q_data_type=dtype,
                                 kv_data_type=dtype)
