@@ -34,10 +34,11 @@ class KVCache:
     NIXL) is one copy or one descriptor; a layer's K (or V) is a strided view
     [pages, page_size, kv_heads, head_dim]."""
 
-    def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device):
+    def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device,
+                 pin_memory: bool = False):
         self.page_size = page_size
         self.data = torch.zeros(pages, layers, 2, page_size, kv_heads, head_dim,
-                                dtype=dtype, device=device)
+                                dtype=dtype, device=device, pin_memory=pin_memory)
 
     def layer(self, i):
         return self.data[:, i, 0], self.data[:, i, 1]

@@ -26,8 +26,10 @@ class TorchExecutor:
         self.host = None
         if cfg.host_pages:
             c = model.cfg
+            # pinned beside a GPU: stores and loads then copy by DMA
             self.host = KVCache(c.num_layers, cfg.host_pages, cfg.page_size, c.num_kv_heads,
-                                c.head_dim, model.dtype, "cpu")
+                                c.head_dim, model.dtype, "cpu",
+                                pin_memory=model.device.type == "cuda")
         self.eos = set(model.cfg.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
