@@ -217,6 +217,19 @@ def test_flashinfer_backend_matches_the_torch_reference_on_cuda(tmp_path):
     assert same >= 0.9 * sum(len(r.token_ids) for r in ref)
 
 
+@pytest.mark.device
+def test_retraction_through_a_pinned_host_cache_on_cuda():
+    # the tiny model on the GPU (float32, torch backend): a tight pool that
+    # retracts and recovers from pinned host pages gives a roomy pool's tokens
+    want = [o.token_ids for o in LLM(device="cuda").generate(PROMPTS, greedy(20),
+                                                              use_tqdm=False)]
+    llm = LLM(device="cuda", page_size=4, total_pages=24, safe_steps=4, host_pages=64)
+    assert llm.executor.host.data.is_pinned()
+    outs = llm.generate(PROMPTS, greedy(20), use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    llm.engine.planner.assert_idle()
+
+
 def test_a_stop_string_on_the_last_allowed_token_is_still_cut():
     llm = LLM()
     full = llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)[0].text
