@@ -13,7 +13,9 @@ Two workloads at each batch size B:
 
 Tokens/s counts the tokens each request asked for (HF's tokens past a
 request's own length are waste, not output) over wall time, prefill
-included. Needs transformers (the test extra).
+included. Before each batch size both sides run one warm-up batch of the
+uniform shape (other prompts, 2 new tokens). Needs transformers (the test
+extra).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def _params(model) -> int:
 
 
 def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int):
-    """[(prompt ids, new tokens)] for one row of the table."""
+    """[(prompt ids, new tokens)] for one row of the table (warm: a batch of
+    uniform prompts, 2 new tokens, that warms both sides up)."""
     # seeded by workload too: no prompt shares a prefix with another row's
-    g = torch.Generator().manual_seed(2 * batch + (kind == "trace"))
-    if kind == "uniform":
-        lens = [(64, 64)] * batch
+    g = torch.Generator().manual_seed(3 * batch + ("uniform", "trace", "warm").index(kind))
+    if kind in ("uniform", "warm"):
+        lens = [(64, 64 if kind == "uniform" else 2)] * batch
     else:
         from pdserve.cluster.trace import read_trace
 
@@ -110,9 +113,9 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
                     llm = LLM({"model": {"path": d, "dtype": dtype},
                                "engine": {"page_size": 16, "total_pages": 8192,
                                           "max_scheduled_tokens": 4096, "max_batch_size": b}})
-                    warm = [([5, 6, 7], 2)]
-                    run_ours(llm, warm)
-                    run_hf(hf, warm, 1)
+                    warm = workload("warm", b, SIZES[name]["vocab_size"], trace, scale)
+                    run_ours(llm, warm)             # first-run costs out of the timing
+                    run_hf(hf, warm, b)
                     for kind in workloads:
                         reqs = workload(kind, b, SIZES[name]["vocab_size"], trace, scale)
                         ours, a = run_ours(llm, reqs)
