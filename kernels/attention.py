@@ -4,6 +4,7 @@ CUDA) and flashinfer's paged wrappers (CUDA only)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +64,7 @@ class TorchAttention:
         gathers are megabytes a layer; freshly allocated, each one faults its
         pages in from the OS, which on CPU cost more than the copy itself
         (index_select of 32 x 8 pages: 568 µs fresh, 79 µs into a reused buffer)."""
-        n = 1
-        for x in shape:
-            n *= x
+        n = math.prod(shape)
         buf = self._scratch_bufs.get(name)
         if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
             grown = n if buf is None else max(n, buf.numel() * 5 // 4)
