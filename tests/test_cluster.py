@@ -187,3 +187,17 @@ def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys)
     assert main(["stats", "--address", deployment.address]) == 0
     out = capsys.readouterr().out
     assert "pdserve:decode-0" in out and "pdserve:prefill-0" in out
+
+
+def test_cpu_engines_keep_freed_memory_in_the_heap(deployment):
+    import os
+
+    import ray
+
+    from pdserve.cluster.actors import CPU_MALLOC_ENV
+
+    want = {k: os.environ.get(k, v) for k, v in CPU_MALLOC_ENV.items()}
+    for _, _, actor in deployment.engines:
+        got = ray.get(actor.__ray_call__.remote(
+            lambda self: {k: os.environ.get(k) for k in CPU_MALLOC_ENV}))
+        assert got == want
