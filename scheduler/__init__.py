@@ -13,10 +13,12 @@ from pdserve.scheduler.config import ConfigError, EngineConfig
 from pdserve.scheduler.plan import Plan, PrefillOp, StepResult
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
+from pdserve.scheduler.waiting import Hold, WaitReason
 
 __all__ = [
     "ConfigError",
     "EngineConfig",
+    "Hold",
     "Plan",
     "Planner",
     "PrefillOp",
@@ -24,4 +26,5 @@ __all__ = [
     "Request",
     "SamplingLimits",
     "StepResult",
+    "WaitReason",
 ]

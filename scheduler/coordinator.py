@@ -87,6 +87,9 @@ class Coordinator:
         self.stores: dict[int, StoreOp] = {}        # handed out, not yet acked (and pending)
         self.loads: dict[int, LoadOp] = {}
         self.fences: dict = {}                      # key -> device pages a late write may reach
+        # The last refused admission: (pages it needed from the pool, pages
+        # free then, evictable cached ones included). Read by waiting.py only.
+        self.refused: tuple[int, int] = (0, 0)
         self._next_op = 0
 
     # ---- queries (pure) --------------------------------------------------
@@ -135,6 +138,9 @@ class Coordinator:
             need = max(grp.pages_for(demand.tokens + demand.reserve_tokens) - held, 0)
             avail = grp.pool.num_free + grp.index.num_idle - (claimed_idle if g == 0 else 0)
             if need > avail:
+                # its own idle hit pages count once on each side, as free_pages() shows them
+                own = claimed_idle if g == 0 else 0
+                self.refused = (need + own, avail + own)
                 return False
             needs.append(need)
         if host_hit and len(host_hit) > needs[0]:

@@ -9,7 +9,9 @@ request at most once a round.
 
 Each `try_*` helper admits one request or changes nothing; the phases call
 them in order, and retraction (retraction.py) calls them again to retry the
-request it freed room for.
+request it freed room for. Where a phase stops the waiting line or tries a
+readmission, it notes the rule in `PlanBuild.waits` (waiting.py) for the
+operator's `Planner.waiting_reasons()`; the plan never reads it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pdserve.scheduler.chunking import admission_headroom, prefill_chunk_tokens,
 from pdserve.scheduler.coordinator import GroupDemand
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
+from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
 
 _FIRST_DECODE = (PrefillDone, RemotePrefillDone)
 
@@ -26,10 +29,10 @@ _FIRST_DECODE = (PrefillDone, RemotePrefillDone)
 class PlanBuild:
     __slots__ = ("plan", "budget", "batch_left", "sealed", "new_prompts_sealed",
                  "capacity_blocker", "admission_failed", "prefill_progressed",
-                 "decodes_use_budget", "prefill_may_join")
+                 "decodes_use_budget", "prefill_may_join", "waits")
 
     def __init__(self, plan: Plan, budget: int, batch: int, decodes_use_budget: bool,
-                 mixed: bool):
+                 mixed: bool, waits: WaitFacts | None = None):
         self.plan = plan
         self.budget = budget
         self.batch_left = batch
@@ -40,6 +43,7 @@ class PlanBuild:
         self.prefill_progressed = False
         self.decodes_use_budget = decodes_use_budget
         self.prefill_may_join = mixed    # non-mixed: no prefill beside decodes
+        self.waits = waits if waits is not None else WaitFacts()   # why the rest wait
 
     def fail(self, req) -> None:
         self.admission_failed = True
@@ -146,7 +150,10 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     if not p.coord.admit(req, res, [GroupDemand(tokens, st.target - start + headroom)],
                          len(hit), b.plan, hit=hit):
         b.new_prompts_sealed = True
+        needed, free = p.coord.refused
+        b.waits.readmission = Stop(Hold.CAPACITY, req.id, needed, free)
         return False
+    b.waits.readmission = Stop(Hold.READMISSION_LIMIT, req.id)
     res.covers_generation = headroom >= remaining
     p.coord.load_snapshot(req.id, res, st.snapshot, len(hit), b.plan)
     fsm.readmit(req, res, start)
@@ -178,6 +185,7 @@ def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
         p.prefill_completed(req)
     else:
         b.sealed = True
+        b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req)
     return True
 
 
@@ -190,9 +198,13 @@ def resident_prefill_phase(p, b: PlanBuild) -> None:
         ok = try_resident_chunk(p, b, req)
         if ok is None:
             b.sealed = True
+            b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req,
+                              "could not advance: the budget left cannot reach a page boundary")
         elif ok is False:
             b.fail(req)
             b.sealed = True
+            b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req,
+                              "could not advance: its next chunk failed admission for pages")
 
 
 def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
@@ -205,6 +217,8 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     begin = (len(hit) + len(host_hit)) * ps
     chunk = prefill_chunk_tokens(begin, target, b.budget, ps)
     if chunk == 0:
+        b.waits.stop_line(Hold.BUDGET, req, f"the budget left ({b.budget} tokens) cannot "
+                          "reach a page boundary of its prompt")
         return None
     end = begin + chunk
     completes = end == target
@@ -215,6 +229,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, [GroupDemand(end, reserve)], len(hit) + len(host_hit),
                          b.plan, hit=hit, host_hit=host_hit):
+        b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
     if p.waiting[0] is req:
@@ -229,6 +244,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     else:
         p.prefilling[req.id] = req
         b.sealed = True
+        b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req)
     return True
 
 
@@ -243,6 +259,8 @@ def new_prompt_phase(p, b: PlanBuild) -> None:
         elif ok is False:
             b.fail(waiting[0])
             b.sealed = True
+    if waiting and not b.sealed:          # a sealed line already noted who sealed it
+        b.waits.line_closed(b, waiting[0])
 
 
 # ---- disaggregation ---------------------------------------------------------
@@ -257,6 +275,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, [GroupDemand(req.num_tokens, headroom)], len(hit),
                          b.plan, hit=hit):
+        b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
     if p.waiting[0] is req:
@@ -269,6 +288,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     landing = res.tables[0][len(hit):-(-req.num_tokens // ps)]
     b.plan.remote_prefills.append(RemotePrefillOp(req, len(hit), landing))
     b.prefill_progressed = True
+    b.waits.stop_line(Hold.REMOTE_ADMISSION_LIMIT, req)
     return True
 
 
@@ -276,8 +296,13 @@ def remote_admission_phase(p, b: PlanBuild) -> None:
     """D: at most one remote admission a round (each reserves a whole
     prompt; a queue's worth at once would drain the pool before any KV
     arrives). It rides beside the batch: no token budget, no batch slot."""
-    if not p.waiting or b.new_prompts_sealed or b.plan.remote_prefills:
+    if not p.waiting:
         return
+    if b.new_prompts_sealed:
+        b.waits.line_closed(b, p.waiting[0])
+        return
+    if b.plan.remote_prefills:
+        return                            # its admission noted the limit
     req = p.waiting[0]
     if not try_remote_admission(p, b, req):
         b.fail(req)
@@ -288,8 +313,10 @@ def local_recovery_phase(p, b: PlanBuild) -> bool:
     readmission this round may start; either claims the round to itself.
     Returns whether it did."""
     for req in p.prefilling.values():
+        b.waits.readmission = Stop(Hold.LOCAL_RECOVERY, req.id)
         ok = try_resident_chunk(p, b, req)
         if ok:
+            b.waits.stop_line(Hold.LOCAL_RECOVERY, req)
             return True
         if ok is False:
             b.fail(req)
@@ -298,6 +325,7 @@ def local_recovery_phase(p, b: PlanBuild) -> bool:
         req = b.plan.readmits[-1]
         if req.id in p.prefilling:
             try_resident_chunk(p, b, req)
+        b.waits.stop_line(Hold.LOCAL_RECOVERY, req)
         return True
     return False
 

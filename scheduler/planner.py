@@ -29,6 +29,7 @@ from pdserve.scheduler.phases import PlanBuild
 from pdserve.scheduler.retraction import ensure_progress
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.request import Request
+from pdserve.scheduler.waiting import WaitReason, wait_reasons
 
 
 class RejectedRequest(ValueError):
@@ -60,6 +61,7 @@ class Planner:
         self._epoch = 0
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._last_waits = None    # what the last build noted about who waits, and why
 
     # ---- ingest ----------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -110,6 +112,7 @@ class Planner:
         self._grammar(self, b)
         ensure_progress(self, b)
         b.plan.stores.extend(self.coord.take_pending_stores())
+        self._last_waits = (b.waits, b.plan, self._seq, self._epoch)
         return b.plan
 
     def apply(self, plan: Plan, result: StepResult) -> list[Request]:
@@ -144,7 +147,8 @@ class Planner:
         if stopped:
             done.extend(r for r in plan.decodes if r in stopped and r not in done)
         for req in done:
-            reason = "length" if len(req.output) >= req.max_new_tokens else "stop"
+            # a stop on the last allowed token is still a stop (OpenAI's finish_reason)
+            reason = "stop" if req in stopped else "length"
             self._finish(req, reason)
         return done
 
@@ -180,7 +184,7 @@ class Planner:
         req.num_tokens += 1
         self._enter(self.running, req)
         if len(req.output) >= req.max_new_tokens or stopped:
-            self._finish(req, "length" if len(req.output) >= req.max_new_tokens else "stop")
+            self._finish(req, "stop" if stopped else "length")
             return [req]
         return []
 
@@ -307,6 +311,14 @@ class Planner:
             req.slot = -1
 
     # ---- queries ---------------------------------------------------------
+    def waiting_reasons(self) -> list[WaitReason]:
+        """Why each request that is not running waits, by the rule that held
+        it in the last build(): one entry per request in `waiting` (FIFO),
+        `retracted` (readmission order) and, on D, `landing`. Computed on
+        demand from a few facts the build noted (waiting.py); cheap to
+        leave uncalled."""
+        return wait_reasons(self, self._last_waits)
+
     def waiting_on_peer(self) -> bool:
         """Requests whose next step is the peer's (a landing, an ack)."""
         return bool(self.landing or self.transferring)

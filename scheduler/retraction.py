@@ -16,6 +16,9 @@ not, retraction waits rather than sacrificing a worse-ranked request.
 
 `ensure_progress` is the liveness last resort: a round that built nothing,
 with nothing in flight, while requests wait.
+
+Where retraction cannot help, or grants a waiting request, it notes why in
+`PlanBuild.waits` for `Planner.waiting_reasons()` (waiting.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pdserve.scheduler.phases import (
     PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase,
     try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
 from pdserve.scheduler.plan import RetractOp
+from pdserve.scheduler.waiting import Hold
 
 
 def _releasable(p, req) -> int:
@@ -92,12 +96,23 @@ def _retry(p, b: PlanBuild, req) -> bool:
         # D: a remote admission rides beside the batch, one a round
         return bool(b.plan.remote_prefills) or try_remote_admission(p, b, req)
     if not b.can_prefill():
+        if isinstance(st, fsm.Waiting):
+            b.waits.line_closed(b, req)
         return True                          # cannot join this round: tried first next round
     if isinstance(st, Prefilling):
         return try_resident_chunk(p, b, req) is not False
     if isinstance(st, fsm.Waiting):
-        return try_new_prompt(p, b, req) is not False
+        return _grant_new_prompt(p, b, req) is not False
     return True
+
+
+def _grant_new_prompt(p, b: PlanBuild, req) -> bool | None:
+    """try_new_prompt for the request retraction freed room for. Whoever
+    waits behind a grant that completes its prompt waits for the next round."""
+    ok = try_new_prompt(p, b, req)
+    if ok and not isinstance(req.state, Prefilling):
+        b.waits.stop_line(Hold.RETRACTION_GRANT, req)
+    return ok
 
 
 def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
@@ -106,25 +121,41 @@ def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
     req = next((r for r in p.waiting if r is not victim), None)
     if req is None:
         return
+    b.waits.served = req.id                   # the room is redirected to it
     if not p.decodes_use_budget:              # D: the grant is a remote admission
         if not b.plan.remote_prefills:
             try_remote_admission(p, b, req)
     elif b.can_prefill():
-        try_new_prompt(p, b, req)
+        _grant_new_prompt(p, b, req)
+    else:
+        b.waits.line_closed(b, req)
 
 
 def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
     if b.prefill_progressed or not b.admission_failed:
+        if b.admission_failed:
+            b.waits.retraction = "no retraction: a prefill progressed this round (§2)"
         return
     coord = p.coord
     if coord.loads or coord.pinned_stores_outstanding():
-        return       # the acks return capacity by themselves (§2's global gates)
+        # the acks return capacity by themselves (§2's global gates)
+        b.waits.retraction = ("retraction deferred: a load-back is in flight" if coord.loads
+                              else "retraction deferred: pinned stores hold pages until "
+                              "their acks return them")
+        return
     blocker = b.capacity_blocker
     while True:
         victim = choose_victim(p)
-        if victim is None or victim.state.res.forwards_out:
+        if victim is None:
+            b.waits.retraction = ("no retraction victim: every resident's reserve covers "
+                                  "its generation, or none is left")
+            return
+        if victim.state.res.forwards_out:
+            b.waits.retraction = (f"retraction waits for its victim {victim.id}, whose "
+                                  "forward is still in flight")
             return
         retract(p, b, victim)
+        b.waits.served = blocker.id
         if victim is blocker:
             # granting its own pages straight back is the loop to break: the
             # first waiting prompt gets the room instead, unless a waiting
@@ -151,8 +182,10 @@ def ensure_progress(p, b: PlanBuild) -> None:
     p.record_stall(victim)
     if victim is None:
         return
+    b.waits.last_resort = victim.id
     retract(p, b, victim)
-    again = PlanBuild(plan, b.budget, b.batch_left, b.decodes_use_budget, b.prefill_may_join)
+    again = PlanBuild(plan, b.budget, b.batch_left, b.decodes_use_budget, b.prefill_may_join,
+                      b.waits)
     decode_phase(p, again)
     readmission_phase(p, again)
     resident_prefill_phase(p, again)

@@ -217,3 +217,19 @@ def test_state_collections_follow_the_fsm():
     while not isinstance(p.requests["a"].state, Decoding):
         step(p)
     assert "a" in p.running
+
+
+def test_a_stop_on_the_last_allowed_token_finishes_as_stop_not_length():
+    """finish_reason is "stop" when the executor reports the token stopped
+    the request, even when it was also the last one max_new allowed."""
+    from support import result_for
+
+    p = Planner(config())
+    a, b = req("a", 4, max_new=2), req("b", 4, max_new=2)
+    p.submit(a)
+    p.submit(b)
+    plan = p.build()
+    p.apply(plan, result_for(plan))
+    plan = p.build()
+    done = p.apply(plan, result_for(plan, stopped={a}))
+    assert {r.id: r.finish_reason for r in done} == {"a": "stop", "b": "length"}
