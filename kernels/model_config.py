@@ -1,5 +1,5 @@
 """The architecture facts a decoder needs, read from a Hugging Face
-config.json, or the embedded tiny preset."""
+config.json or a GGUF file's metadata, or the embedded tiny preset."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+# config.json's model_type, for checkpoints that do not list architectures
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 
 class ModelError(ValueError):
@@ -48,18 +50,26 @@ def tiny_config() -> ModelConfig:
                        tie_word_embeddings=False, bos_token_id=96, eos_token_ids=(97,))
 
 
-def read_config(model_dir) -> ModelConfig:
-    d = Path(model_dir)
+def read_config(path) -> ModelConfig:
+    """The config of a checkpoint directory, or of a .gguf file (its metadata
+    only: no tensor is read)."""
+    d = Path(path)
+    if str(d).lower().endswith(".gguf"):
+        from pdserve.kernels.gguf import open_gguf
+
+        return open_gguf(d).config
     if not d.is_dir():
-        raise ModelError(f"model directory {str(d)!r} does not exist; set model.path to a "
-                         "Hugging Face checkpoint directory, or use model: {preset: tiny}")
-    path = d / "config.json"
-    if not path.is_file():
+        what = "is a file, not a directory" if d.exists() else "does not exist"
+        raise ModelError(f"model directory {str(d)!r} {what}; set model.path to a Hugging "
+                         "Face checkpoint directory or a .gguf file, or use model: {preset: tiny}")
+    config_file = d / "config.json"
+    if not config_file.is_file():
         raise ModelError(f"{d} has no config.json; point model.path at a Hugging Face "
                          "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    raw = json.loads(path.read_text())
+    raw = json.loads(config_file.read_text())
     archs = raw.get("architectures") or []
-    arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+    arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None) if archs \
+        else MODEL_TYPES.get(raw.get("model_type"))
     if arch is None:
         raise ModelError(f"{d}: architecture {archs or raw.get('model_type')!r} is not "
                          f"supported; pdserve runs {', '.join(sorted(SUPPORTED))}")
