@@ -24,6 +24,7 @@ class Chunk:
     text: str
     finish_reason: str
     engine: str
+    logprobs: list = field(default_factory=list)   # (token, logprob, [(token, logprob)])
 
 
 @dataclass
@@ -33,6 +34,7 @@ class GenerateResult:
     token_ids: list = field(default_factory=list)
     finish_reason: str = ""
     engine: str = ""
+    logprobs: list = field(default_factory=list)
 
 
 def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
@@ -53,7 +55,9 @@ def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
 
 
 def _chunk(m) -> Chunk:
-    return Chunk(m.request_id, list(m.token_ids), m.text, m.finish_reason, m.engine)
+    return Chunk(m.request_id, list(m.token_ids), m.text, m.finish_reason, m.engine,
+                 [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top])
+                  for e in m.logprobs])
 
 
 def _collect(chunks) -> GenerateResult:
@@ -65,32 +69,66 @@ def _collect(chunks) -> GenerateResult:
         res.token_ids += c.token_ids
         res.finish_reason = c.finish_reason or res.finish_reason
         res.engine = c.engine
+        res.logprobs += c.logprobs
     return res
 
 
 def _stats(resp) -> list[dict]:
     keys = ("name", "role", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
-            "finished", "retractions", "transfers", "transfer_failures", "lease_expiries")
-    return [{k: getattr(e, k) for k in keys} for e in resp.engines]
+            "finished", "aborted", "retractions", "readmissions", "transfers",
+            "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
+            "prefix_queries", "prefix_hits", "dtype", "attention")
+    out = []
+    for e in resp.engines:
+        row = {k: getattr(e, k) for k in keys}
+        row["waiting_requests"] = [
+            {"request_id": w.request_id, "reason": w.reason, "detail": w.detail,
+             "pages_needed": w.pages_needed, "pages_free": w.pages_free}
+            for w in e.waiting_requests]
+        out.append(row)
+    return out
+
+
+def _channel(address: str, tls_ca: str | None, aio: bool):
+    """A channel to the router; with `tls_ca` (a PEM file, or "" for the
+    system's roots) a TLS one."""
+    mod = grpc.aio if aio else grpc
+    if tls_ca is None:
+        return mod.insecure_channel(address)
+    from pathlib import Path
+
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None)
+    return mod.secure_channel(address, creds)
+
+
+def _metadata(api_key: str | None):
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = None):
+    def __init__(self, address: str, timeout: float | None = None, *,
+                 api_key: str | None = None, tls_ca: str | None = None):
+        """`api_key`: the deployment's key (--api-key). `tls_ca`: the PEM file
+        that signed the router's certificate (--tls-cert), for TLS."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = _channel(address, tls_ca, aio=False)
+        self._md = _metadata(api_key)
         self._stub = pbg.RouterStub(self._channel)
 
     def generate_stream(self, prompt, *, request_id: str | None = None, route: str = "",
                         max_tokens: int | None = 16, temperature: float = 0.0,
                         top_p: float | None = None, top_k: int | None = None,
                         seed: int | None = None, stop=None, stop_token_ids=None,
-                        ignore_eos: bool | None = None):
-        """Yield Chunks (new token ids and their text) as they are produced."""
+                        ignore_eos: bool | None = None, min_tokens: int | None = None,
+                        logprobs: int | None = None):
+        """Yield Chunks (new token ids and their text) as they are produced.
+        `logprobs=k`: each token's logprob and the k most likely."""
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        for m in self._stub.Generate(req, timeout=self.timeout):
+                       stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                       min_tokens=min_tokens, logprobs=logprobs)
+        for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 
     def generate(self, prompt, **kw) -> GenerateResult:
@@ -98,14 +136,15 @@ class Client:
         return _collect(self.generate_stream(prompt, **kw))
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10).aborted
+        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10,
+                                 metadata=self._md).aborted
 
     def stats(self) -> list[dict]:
         """Per engine: used, pinned and total pages, running and waiting requests."""
-        return _stats(self._stub.Stats(pb.StatsRequest(), timeout=30))
+        return _stats(self._stub.Stats(pb.StatsRequest(), timeout=30, metadata=self._md))
 
     def server_info(self) -> dict:
-        i = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=30)
+        i = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=30, metadata=self._md)
         return {"version": i.version, "model": i.model, "page_size": i.page_size,
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
@@ -118,29 +157,34 @@ class Client:
 class AsyncClient:
     """The same calls on grpc.aio."""
 
-    def __init__(self, address: str, timeout: float | None = None):
+    def __init__(self, address: str, timeout: float | None = None, *,
+                 api_key: str | None = None, tls_ca: str | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = _channel(address, tls_ca, aio=True)
+        self._md = _metadata(api_key)
         self._stub = pbg.RouterStub(self._channel)
 
     async def generate_stream(self, prompt, *, request_id=None, route="", max_tokens=16,
                               temperature=0.0, top_p=None, top_k=None, seed=None, stop=None,
-                              stop_token_ids=None, ignore_eos=None):
+                              stop_token_ids=None, ignore_eos=None, min_tokens=None,
+                              logprobs=None):
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        async for m in self._stub.Generate(req, timeout=self.timeout):
+                       stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                       min_tokens=min_tokens, logprobs=logprobs)
+        async for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 
     async def generate(self, prompt, **kw) -> GenerateResult:
         return _collect([c async for c in self.generate_stream(prompt, **kw)])
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)).aborted
+        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10,
+                                 metadata=self._md)).aborted
 
     async def stats(self) -> list[dict]:
-        return _stats(await self._stub.Stats(pb.StatsRequest(), timeout=30))
+        return _stats(await self._stub.Stats(pb.StatsRequest(), timeout=30, metadata=self._md))
 
     async def close(self) -> None:
         await self._channel.close()

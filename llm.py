@@ -31,6 +31,7 @@ class RequestOutput:
     text: str
     token_ids: list
     finish_reason: str
+    logprobs: list | None = None       # a sampling.Logprob per token, if asked for
 
 
 class LLM:
@@ -57,7 +58,7 @@ class LLM:
             engine = dataclasses.replace(engine, max_context_tokens=self.model.cfg.max_position)
         self.engine_config = engine
         self.executor = TorchExecutor(self.model, self.tokenizer, engine)
-        self.engine = Engine("fused-0", Planner(engine), self.executor)
+        self.engine = Engine("fused-0", Planner(engine), self.executor, forget_finished=False)
         self._next = 0
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -93,7 +94,7 @@ class LLM:
             rid = f"llm-{self._next}"
             self._next += 1
             req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict))
-            self.executor.register(rid, sp, fallback_seed=self._next)
+            self.executor.register(rid, sp, fallback_seed=self._next, prompt=ids)
             self.engine.submit(req)
             reqs.append(req)
         self._run(len(reqs), use_tqdm)
@@ -117,10 +118,9 @@ class LLM:
         bar.close()
 
     def _output(self, req, prompt_text, sp: SamplingParams) -> RequestOutput:
-        ids = list(req.output)
-        text = self.tokenizer.decode(ids)
-        reason = req.finish_reason
-        cut = min((text.find(s) for s in sp.stop if s in text), default=-1)
-        if cut >= 0:                       # a stop string, even on the last allowed token
-            text, reason = text[:cut], "stop"
-        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), text, ids, reason)
+        t = self.executor.tracked.pop(req.id)
+        # a stop string, even on the last allowed token, ends with "stop"
+        reason = "stop" if t.detok.stopped else req.finish_reason
+        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,
+                             list(req.output), reason,
+                             t.logprobs if sp.logprobs is not None else None)

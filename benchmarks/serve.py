@@ -1,5 +1,7 @@
 """`pdserve bench serve`: load a running deployment (or start one per
---config, side by side in one run) through the client library.
+--config, side by side in one run) through the gRPC client library and/or
+the OpenAI HTTP API (`--api grpc http`: both on the same deployment, the
+two interleaved `--repeats` times, so a drift of the machine hits both).
 
 Workload: N synthetic prompts, or a replayed trace (Mooncake JSONL or Azure
 CSV from shared/data/traces, lengths capped to what the model can take).
@@ -53,31 +55,75 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
     return out
 
 
-def run(address: str, samples: list[Sample], concurrency: int, rate: float | None,
-        seed: int, progress: bool = True) -> dict:
-    from tqdm import tqdm
-
+def _grpc_stream(address: str):
     from pdserve.client import Client
 
     client = Client(address, timeout=600)
+
+    def stream(s: Sample):
+        for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens, ignore_eos=True):
+            yield len(chunk.token_ids)
+    return stream, client.close
+
+
+def _http_stream(base_url: str):
+    """Streamed /v1/completions over one keep-alive connection per worker
+    thread (the standard library's client: no dependency of our own); yields
+    the tokens each event carries, the last count from `usage`."""
+    import http.client
+    import urllib.parse
+
+    url = urllib.parse.urlparse(base_url)
+    local = threading.local()
+
+    def stream(s: Sample):
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        body = json.dumps({"prompt": s.prompt, "max_tokens": s.max_tokens, "ignore_eos": True,
+                           "temperature": 1.0, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        seen = 0
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                yield event["usage"]["completion_tokens"] - seen    # what held-back text hid
+            elif event["choices"] and (event["choices"][0]["text"] or
+                                       event["choices"][0]["finish_reason"] is None):
+                seen += 1
+                yield 1
+    return stream, lambda: None
+
+
+def run(address: str, samples: list[Sample], concurrency: int, rate: float | None,
+        seed: int, progress: bool = True, api: str = "grpc") -> dict:
+    """`address`: the gRPC HOST:PORT, or with api="http" the HTTP base URL."""
+    from tqdm import tqdm
+
+    stream, close = _http_stream(address) if api == "http" else _grpc_stream(address)
     timings = [Timing() for _ in samples]
-    bar = tqdm(total=len(samples), disable=not progress, unit="req", desc="bench serve")
+    bar = tqdm(total=len(samples), disable=not progress, unit="req", desc=f"bench serve {api}")
     lock = threading.Lock()
 
     def one(i: int) -> None:
         s, t = samples[i], timings[i]
         t0 = last = time.perf_counter()
         try:
-            for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens,
-                                                ignore_eos=True):
+            for n in stream(s):
                 now = time.perf_counter()
-                if chunk.token_ids:
+                if n:
                     if t.ttft is None:
                         t.ttft = now - t0
                     else:
                         t.gaps.append(now - last)
                     last = now
-                    t.tokens += len(chunk.token_ids)
+                    t.tokens += n
             t.e2e = time.perf_counter() - t0
             t.ok = True
         except Exception as e:            # counted, reported
@@ -98,7 +144,7 @@ def run(address: str, samples: list[Sample], concurrency: int, rate: float | Non
             pool.submit(one, i)
     wall = time.perf_counter() - start
     bar.close()
-    client.close()
+    close()
     ok = [t for t in timings if t.ok]
     tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]
     gaps = [g for t in ok for g in t.gaps]
@@ -114,22 +160,49 @@ def run(address: str, samples: list[Sample], concurrency: int, rate: float | Non
             "errors": sorted({t.error for t in timings if t.error})[:5]}
 
 
+def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repeats: int):
+    """Each API on the same deployment, interleaved `repeats` times; the
+    run with the median throughput of each stands for it."""
+    runs: dict[str, list] = {api: [] for api in addresses}
+    for _ in range(repeats):
+        for api, addr in addresses.items():
+            runs[api].append(run(addr, samples, concurrency, rate, seed, api=api))
+    out = []
+    for api, rs in runs.items():
+        rs = sorted(rs, key=lambda r: r["output_tok_per_s"])
+        best = dict(rs[len(rs) // 2])
+        best["tok_per_s_runs"] = [r["output_tok_per_s"] for r in rs]
+        best["ttft_p50_runs"] = sorted(r["ttft_s"]["p50"] or 0 for r in rs)
+        out.append((f"{name} [{api}]", best))
+    return out
+
+
 def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_tokens: int,
          concurrency: int, rate: float | None, trace: str | None, limit: int | None,
-         max_prompt: int, out: str | None, seed: int = 0) -> int:
+         max_prompt: int, out: str | None, seed: int = 0, apis=("grpc",),
+         http_address: str | None = None, repeats: int = 1) -> int:
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
     results = []
-    if address:
-        results.append((address, run(address, samples, concurrency, rate, seed)))
+    if address or http_address:
+        addrs = {a: (http_address if a == "http" else address) for a in apis}
+        missing = [a for a, v in addrs.items() if not v]
+        if missing:
+            raise ValueError(f"bench serve --api {' '.join(apis)} against a running deployment "
+                             "needs --address (gRPC) and --http-address (HTTP)")
+        results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,
+                            repeats)
     for path in configs:
         from pdserve.cluster.config import load_config
         from pdserve.cluster.deploy import Deployment
 
         dep = Deployment(load_config(path))
         try:
-            addr = dep.start()
-            run(addr, samples[: min(4, len(samples))], concurrency, None, seed, progress=False)
-            results.append((path, run(addr, samples, concurrency, rate, seed)))
+            addr = dep.start(http_port=0 if "http" in apis else None)
+            addrs = {a: (dep.http_address if a == "http" else addr) for a in apis}
+            for api, a in addrs.items():          # warm both paths on prompts not measured
+                run(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
+                                seed + 1), concurrency, None, seed, progress=False, api=api)
+            results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
         finally:
             dep.stop()
     print(f"{len(samples)} requests, concurrency {concurrency}, "
@@ -145,6 +218,16 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
               f"{ms(r['tpot_s']['p50']):>9} {ms(r['itl_s']['p99']):>8} {ms(r['e2e_s']['p50']):>8}")
         for err in r["errors"]:
             print(f"  error: {err}")
+        if len(r.get("tok_per_s_runs", ())) > 1:
+            print(f"  {len(r['tok_per_s_runs'])} runs: tok/s " +
+                  " ".join(f"{v:.1f}" for v in r["tok_per_s_runs"]) + "; TTFT p50 " +
+                  " ".join(ms(v) for v in r["ttft_p50_runs"]))
+    by_name = dict(results)
+    for name, r in results:
+        if name.endswith("[http]") and name[:-6] + "[grpc]" in by_name:
+            g = by_name[name[:-6] + "[grpc]"]
+            print(f"{name[:-7]}: HTTP/gRPC throughput {r['output_tok_per_s'] / g['output_tok_per_s']:.3f}, "
+                  f"TTFT p50 {(r['ttft_s']['p50'] - g['ttft_s']['p50']) * 1000:+.2f} ms")
     if out:
         with open(out, "w") as f:
             json.dump({name: r for name, r in results}, f, indent=1)

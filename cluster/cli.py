@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "local-pd.yaml"
+
 
 def _cmd_sim(args) -> int:
     from pdserve.cluster.config import load_config
@@ -48,15 +50,30 @@ def _cmd_up(args) -> int:
     import signal
     import threading
 
+    import os
+
     from pdserve.cluster.config import load_config
     from pdserve.cluster.deploy import Deployment
+    from pdserve.cluster.router import Security
 
     cfg = load_config(args.config)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("pdserve: error: --tls-cert and --tls-key go together; give both or neither",
+              file=sys.stderr)
+        return 2
+    for path in (args.tls_cert, args.tls_key):
+        if path and not Path(path).is_file():
+            print(f"pdserve: error: TLS file {path!r} does not exist", file=sys.stderr)
+            return 2
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
     dep = Deployment(cfg, address=args.address, device=args.device,
-                     gpus_per_engine=args.gpus_per_engine)
-    addr = dep.start(host=args.host, port=args.port)
-    print(f"pdserve: serving on {addr} ({cfg.cluster.prefill} prefill, {cfg.cluster.decode} "
-          f"decode, {cfg.cluster.fused} fused); Ctrl-C stops", flush=True)
+                     gpus_per_engine=args.gpus_per_engine,
+                     security=Security(key, args.tls_cert, args.tls_key))
+    addr = dep.start(host=args.host, port=args.port, http_port=args.http_port)
+    http = f", OpenAI HTTP on {dep.http_address}" if dep.http_address else ""
+    print(f"pdserve: serving gRPC on {addr}{http} ({cfg.cluster.prefill} prefill, "
+          f"{cfg.cluster.decode} decode, {cfg.cluster.fused} fused; model "
+          f"{cfg.model.served_name}); Ctrl-C stops", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
@@ -87,6 +104,9 @@ def _cmd_stats(args) -> int:
         for r in rows:
             print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
                   f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} {r['finished']:>8}")
+        for r in rows:
+            for w in r["waiting_requests"]:
+                print(f"  {r['name']} waits {w['request_id']}: {w['reason']} ({w['detail']})")
         return 0
     return _client_errors(go)
 
@@ -155,13 +175,14 @@ def _cmd_bench(args) -> int:
     if args.what == "serve":
         from pdserve.benchmarks.serve import main as serve_main
 
-        if not args.address and not args.config:
+        if not args.address and not args.config and not args.http_address:
             print("pdserve: error: bench serve needs --address HOST:PORT or --config FILE "
                   "(repeat --config to compare deployments)", file=sys.stderr)
             return 2
         return serve_main(args.address, args.config or [], args.requests, args.prompt_len,
                           args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
-                          args.max_prompt, args.out)
+                          args.max_prompt, args.out, apis=args.api,
+                          http_address=args.http_address, repeats=args.repeats)
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
@@ -192,10 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=_cmd_sim)
 
     up = sub.add_parser("up", help="start a deployment (local Ray cluster, or join one) and serve")
-    up.add_argument("--config", required=True, help="config YAML")
+    up.add_argument("--config", default=str(DEFAULT_CONFIG),
+                    help="config YAML (default: deploy/local-pd.yaml, SmolLM2 on 1P+1D)")
     up.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     up.add_argument("--host", default="127.0.0.1", help="the router's bind address")
-    up.add_argument("--port", type=int, default=50051, help="the router's port")
+    up.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    up.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API here "
+                                                   "too (e.g. 8000)")
+    up.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (HTTP) or that "
+                                      "metadata (gRPC); default $PDSERVE_API_KEY")
+    up.add_argument("--tls-cert", help="serve TLS on both ports with this PEM certificate")
+    up.add_argument("--tls-key", help="... and this PEM private key")
     up.add_argument("--device", default="cpu", help="cpu or cuda")
     up.add_argument("--gpus-per-engine", type=float, default=0)
     up.set_defaults(func=_cmd_up)
@@ -204,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--address", required=True, help="the router, HOST:PORT")
     stats.set_defaults(func=_cmd_stats)
 
-    demo = sub.add_parser("demo", help="a local 1P+1D cluster on the tiny model, a few "
-                                       "concurrent prompts, streamed answers, stats")
+    demo = sub.add_parser("demo", help="a local 1P+1D cluster on SmolLM2-135M-Instruct, a "
+                                       "few concurrent questions, streamed answers, stats")
     demo.add_argument("--config", default=None, help="config YAML (default: deploy/local-pd.yaml)")
     demo.set_defaults(func=_cmd_demo)
 
@@ -244,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the lengths of its trace workload, default the Azure "
                                        "conversation trace in ../shared/data/traces)")
     bench.add_argument("--address", help="serve: a running deployment's router")
+    bench.add_argument("--http-address", help="serve: a running deployment's HTTP API, "
+                                              "e.g. http://127.0.0.1:8000")
+    bench.add_argument("--api", nargs="+", choices=["grpc", "http"], default=["grpc"],
+                       help="serve: the client APIs to load (both: side by side, interleaved)")
+    bench.add_argument("--repeats", type=_positive, default=1,
+                       help="serve: runs of each API; the median is reported with the spread")
     bench.add_argument("--requests", type=int, default=64, help="serve: how many")
     bench.add_argument("--prompt-len", type=int, default=128, help="serve: synthetic prompts")
     bench.add_argument("--max-tokens", type=int, default=64, help="serve: per request")

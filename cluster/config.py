@@ -1,8 +1,9 @@
 """The config YAML: one schema for serving and simulation.
 
-    model: {path: DIR | preset: tiny, dtype: auto, attention: auto}
+    model: {path: DIR | FILE.gguf | preset: NAME, name: ..., dtype: auto, attention: auto}
     engine: {...}                 # scheduler.EngineConfig fields
-    cluster: {prefill: 1, decode: 1, fused: 0}
+    cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0
+    router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false}
     simulate: {gpu: h100, model: llama-3-8b}
 
 Unknown keys are an error that names the key.
@@ -28,20 +29,33 @@ class ModelConfig:
     preset: str | None = "tiny"
     dtype: str = "auto"          # auto: the checkpoint's (float16 runs as bfloat16 on CPU)
     attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
+    name: str | None = None      # the served model name (the API's "model"); see served_name
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
-        data = check_keys(data, "model", {"path", "preset", "dtype", "attention"})
+        data = check_keys(data, "model", {"path", "preset", "dtype", "attention", "name"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
         for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION)):
             if key in data and data[key] not in allowed:
                 raise ConfigError(f"model.{key} is {data[key]!r}; use one of "
                                   f"{', '.join(allowed)}")
-        extra = {k: data[k] for k in ("dtype", "attention") if k in data}
+        if "name" in data and (not isinstance(data["name"], str) or not data["name"].strip()):
+            raise ConfigError(f"model.name is {data['name']!r}; give a non-empty string")
+        extra = {k: data[k] for k in ("dtype", "attention", "name") if k in data}
         if "path" in data:
             return cls(path=str(data["path"]), preset=None, **extra)
         return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)
+
+    @property
+    def served_name(self) -> str:
+        """What clients call the model: model.name, else the preset, else the
+        checkpoint's file or folder name without .gguf."""
+        if self.name:
+            return self.name
+        if self.path is None:
+            return self.preset
+        return Path(self.path.rstrip("/")).name.removesuffix(".gguf")
 
 
 @dataclass(frozen=True)
@@ -52,8 +66,12 @@ class ClusterShape:
 
     @classmethod
     def from_dict(cls, data) -> "ClusterShape":
+        """No `cluster:` section: 1P+1D. A given mapping names every engine
+        there is: `{fused: 2}` is two fused engines and nothing else."""
+        if data is None:
+            return cls()
         data = check_keys(data, "cluster", {"prefill", "decode", "fused"})
-        shape = cls(**data)
+        shape = cls(**{"prefill": 0, "decode": 0, "fused": 0, **data})
         for name in ("prefill", "decode", "fused"):
             v = getattr(shape, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -64,6 +82,26 @@ class ClusterShape:
                 "nothing could serve a request end to end; give at least one fused "
                 "engine, or at least one prefill and one decode engine")
         return shape
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_requests: int = 4096         # in flight at once; past it: HTTP 429 / RESOURCE_EXHAUSTED
+    max_body_bytes: int = 8 << 20    # an HTTP body or gRPC message; past it: 413
+    protect_metrics: bool = False    # with an API key, /health and /metrics need it too
+
+    @classmethod
+    def from_dict(cls, data) -> "RouterConfig":
+        data = check_keys(data, "router", {f.name for f in dataclasses.fields(cls)})
+        cfg = cls(**data)
+        for name in ("max_requests", "max_body_bytes"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"router.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(cfg.protect_metrics, bool):
+            raise ConfigError(f"router.protect_metrics must be true or false, "
+                              f"got {cfg.protect_metrics!r}")
+        return cfg
 
 
 @dataclass(frozen=True)
@@ -92,17 +130,19 @@ class ServeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterShape = field(default_factory=ClusterShape)
+    router: RouterConfig = field(default_factory=RouterConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
 
     @classmethod
     def from_dict(cls, data) -> "ServeConfig":
-        data = check_keys(data, "config", {"model", "engine", "cluster", "simulate"})
+        data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate"})
         engine = data.get("engine") or {}
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
             engine=EngineConfig.from_dict(engine),
             cluster=ClusterShape.from_dict(data.get("cluster")),
+            router=RouterConfig.from_dict(data.get("router")),
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
         )

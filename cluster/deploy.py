@@ -15,9 +15,8 @@ import ray
 
 from pdserve.cluster.actors import NAMESPACE, start_engines
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.router import Router
-from pdserve.kernels.loader import load_tokenizer
-from pdserve.kernels.model_config import read_config, tiny_config
+from pdserve.cluster.router import Router, Security
+from pdserve.kernels.loader import load_tokenizer, model_config_for
 
 
 LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
@@ -27,7 +26,7 @@ class Deployment:
     def __init__(self, cfg: ServeConfig, address: str | None = None, device: str = "cpu",
                  num_cpus: int | None = None, gpus_per_engine: float = 0,
                  engine_options: dict | None = None, placement: dict | None = None,
-                 loopback: bool | None = None):
+                 loopback: bool | None = None, security: Security = Security()):
         self.cfg = cfg
         self.ray_address = address
         self.device = device
@@ -35,13 +34,16 @@ class Deployment:
         self.gpus_per_engine = gpus_per_engine
         self.engine_options = engine_options or {}
         self.placement = placement
+        self.security = security
         # keep engine traffic on 127.0.0.1: by default only when Ray is local
         self.loopback = (address is None) if loopback is None else loopback
         self.engines: list = []
         self.router: Router | None = None
         self._started_ray = False
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None) -> str:
+        """Start Ray (unless joined), the engines and the router; returns the
+        router's gRPC address (`http_address` too with `http_port`)."""
         if not ray.is_initialized():
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
@@ -57,7 +59,7 @@ class Deployment:
         infos = ray.get([a.info.remote() for _, _, a in self.engines])
         m = self.cfg.model
         tok = load_tokenizer(m.path, m.preset)
-        model_cfg = read_config(m.path) if m.path else tiny_config()
+        model_cfg = model_config_for(m.path, m.preset)
         cfg = self.cfg
         if "max_context_tokens" not in cfg.engine_overrides:     # as the engines resolve it
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
@@ -67,24 +69,46 @@ class Deployment:
         def resolve(name: str) -> str:
             return ray.get(actors[name].info.remote(), timeout=5)["address"]
         self.router = Router(cfg, tok, model_cfg.vocab_size,
-                             [(i["engine"], i["role"], i["address"]) for i in infos], resolve)
-        return self.router.start(host, port)
+                             [(i["engine"], i["role"], i["address"]) for i in infos], resolve,
+                             self.security)
+        return self.router.start(host, port, http_port)
 
     @property
     def address(self) -> str:
         return self.router.address
 
+    @property
+    def http_address(self) -> str | None:
+        return self.router.http_address
+
     def actor(self, name: str):
         return next(a for n, _, a in self.engines if n == name)
 
-    def restart_router(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def restart_router(self, host: str = "127.0.0.1", port: int = 0,
+                       http_port: int | None = None) -> str:
         """Stop the router and start a fresh one over the same engines."""
         old = self.router
         old.stop()
         self.router = Router(old.cfg, old.tokenizer, old.vocab_size,
                              [(e.name, e.role, e.address) for e in old.engines.values()],
-                             old.resolver)
-        return self.router.start(host, port)
+                             old.resolver, old.security)
+        return self.router.start(host, port, http_port)
+
+    def errors(self) -> dict[str, list[str]]:
+        """Failures the engines' loops and the router's watcher logged and
+        served on after ('round failed'): a healthy run has none. An engine
+        that cannot answer (killed on purpose) is left out."""
+        out = {}
+        if self.router is not None and self.router.errors:
+            out["router"] = list(self.router.errors)
+        for name, _, actor in self.engines:
+            try:
+                errs = ray.get(actor.check.remote(), timeout=10)["loop_errors"]
+            except Exception:                   # gone or restarting: nothing to read
+                continue
+            if errs:
+                out[name] = errs
+        return out
 
     def stop(self) -> None:
         if self.router is not None:

@@ -1,343 +1,366 @@
-"""The router: the client-facing gRPC server (pdserve.v1.Router).
+"""The router: one process in front of every engine, serving the gRPC client
+API (router_grpc.py) and the OpenAI-compatible HTTP API (http_api.py) on one
+asyncio event loop, so neither front pays a network hop or a thread per
+stream to reach the other's logic.
 
-It pairs each request with an engine: a fused engine, or a D engine and a P
-engine (least outstanding tokens on each side, but the engine that last
-served the same first page wins if it is not much busier, so its prefix
-cache is reused; "route" in the request is a hint), streams the engine's tokens back to the client, and carries aborts
-and client disconnects to the engine holding the request, which tells its
-peer. It also keeps membership: every engine's incarnation, and each P and D
-told about the others (addresses and NIXL metadata), again after a restart.
+A request goes: a front validates it (`validate`, `check_prompt`), opens a
+`Stream` (admission: the in-flight limit, a live route), and iterates its
+`events()`: the stream pairs the request (pairing.py), submits it to the
+engine that decodes it, and yields its tokens as `Delta`s. If that engine
+dies mid-stream, the request is resubmitted to a live one with the tokens
+already streamed. Closing a stream early (the client left) cancels the
+engine's stream, and the engine aborts the request and tells its peer.
+Membership (membership.py) is refreshed on the same loop.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 import pdserve
+from pdserve.cluster import membership
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.metrics import RouterMetrics
+from pdserve.cluster.pairing import ROUTES, EngineRef, Pairing
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
-from pdserve.proto import control_pb2_grpc as cpbg
 from pdserve.proto import router_pb2 as pb
-from pdserve.proto import router_pb2_grpc as pbg
-from pdserve.scheduler.capacity import max_single_request_tokens
+from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 
 log = logging.getLogger("pdserve.router")
-ROUTES = ("", "fused", "disaggregated")
+
+MAX_RESUBMITS = 3
 
 
-@dataclasses.dataclass
-class EngineRef:
-    name: str
-    role: str
-    address: str
-    stub: object
-    incarnation: int = 0
-    alive: bool = True
-    load: int = 0
+class RequestError(Exception):
+    """A request the router will not or cannot carry out. `kind` maps to a
+    status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
+    ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
+    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL).
+    `param` names the request field at fault, where there is one."""
 
-
-class BadRequest(ValueError):
-    pass
+    def __init__(self, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
 
 
 class _EngineLost(RuntimeError):
     pass
 
 
-MAX_RESUBMITS = 3
-AFFINITY_SLACK_TOKENS = 4096   # how much more load a warm prefix cache is worth
-AFFINITY_ENTRIES = 65536       # first pages remembered (LRU)
+@dataclasses.dataclass
+class Delta:
+    token_ids: list
+    text: str
+    logprobs: list               # router_pb2.TokenLogprob, one per token if asked for
+    finish_reason: str           # set on the last delta: length | stop
+    engine: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    api_key: str | None = None
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
 
 
 class Router:
     def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
-                 resolver=None):
+                 resolver=None, security: Security = Security()):
         """`engines`: (name, role, address) of every engine. `resolver(name)`
         returns an engine's current address (it changes when Ray restarts it)."""
-        self.resolver = resolver
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.engines: dict[str, EngineRef] = {}
-        for name, role, address in engines:
-            stub = cpbg.EngineControlStub(grpc.insecure_channel(address))
-            self.engines[name] = EngineRef(name, role, address, stub)
-        self.active: dict[str, tuple] = {}      # request id -> (engine, P, load)
+        self.resolver = resolver
+        self.security = security
+        self.engines = {name: EngineRef(name, role, address) for name, role, address in engines}
+        self.pairing = Pairing(self.engines, cfg.engine.page_size)
+        self.max_prompt_tokens = max_single_request_tokens(cfg.engine)
+        self.model_name = cfg.model.served_name
+        self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
         self.counters = {"resubmitted": 0}
-        self._affinity: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.server = None
-        self.address = None
-        self._stop = threading.Event()
+        self.errors: list[str] = []             # membership rounds that failed (tests assert none)
+        self.metrics = RouterMetrics()
+        self.address: str | None = None
+        self.http_address: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
 
-    # ---- membership ------------------------------------------------------------
-    def refresh_membership(self) -> bool:
-        """Ask every engine who it is; introduce P and D peers to each other
-        whenever an incarnation is new. Returns whether anything changed."""
-        infos, changed = {}, False
-        for ref in self.engines.values():
-            try:
-                infos[ref.name] = ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
-                ref.alive = True
-            except grpc.RpcError:
-                address = self._resolve(ref.name)
-                if address is None or address == ref.address:
-                    changed |= ref.alive
-                    ref.alive = False
-                    continue
-                ref.address = address               # restarted elsewhere: follow it
-                ref.stub = cpbg.EngineControlStub(grpc.insecure_channel(address))
-                try:
-                    infos[ref.name] = ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
-                    ref.alive = True
-                except grpc.RpcError:
-                    ref.alive = False
-                    continue
-            if infos[ref.name].incarnation != ref.incarnation:
-                ref.incarnation = infos[ref.name].incarnation
-                changed = True
-        if changed:
-            for a in self.engines.values():
-                for b in self.engines.values():
-                    if a is b or not (a.alive and b.alive) or {a.role, b.role} != {"prefill", "decode"}:
-                        continue
-                    i = infos[b.name]
-                    a.stub.AddPeer(cpb.AddPeerRequest(engine=b.name, incarnation=i.incarnation,
-                                                      nixl_metadata=i.nixl_metadata,
-                                                      address=i.address), timeout=30)
-        return changed
+    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
+        return self.pairing.pick(route, ids)
 
-    def _resolve(self, name: str) -> str | None:
-        if self.resolver is None:
-            return None
+    # ---- validation (both fronts) ------------------------------------------------
+    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids; a chat template's text is encoded without the BOS the
+        tokenizer would add (the template wrote its own), as transformers does."""
         try:
-            return self.resolver(name)
-        except Exception:                     # not back yet: try again next round
-            return None
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except ValueError as e:
+            raise RequestError("invalid", str(e), param) from None
 
-    def _watch(self, period: float) -> None:
-        while not self._stop.wait(period):
-            try:
-                self.refresh_membership()
-            except Exception:                 # keep watching; a bad round is logged
-                log.exception("membership refresh failed")
-
-    # ---- requests --------------------------------------------------------------
-    def validate(self, r: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        if r.text and r.token_ids:
-            raise BadRequest("send either text or token_ids, not both")
-        ids = list(r.token_ids) if r.token_ids else (self.tokenizer.encode(r.text) if r.text else [])
+    def check_prompt(self, ids: list[int], sp: SamplingParams, param: str = "prompt") -> None:
+        """The prompt is servable by this deployment, or a RequestError that
+        says what to change (§1.4's bound included)."""
         if not ids:
-            raise BadRequest("the prompt is empty: send text or token_ids")
-        bad = next((t for t in ids if t >= self.vocab_size), None)
+            raise RequestError("invalid", "the prompt is empty: send text or token ids", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError("invalid", f"token id {bad} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", param)
+        err = ingest_error(self.cfg.engine, len(ids), sp.max_tokens)
+        if err:
+            param = "max_tokens" if "max_new_tokens" in err and len(ids) <= \
+                self.max_prompt_tokens else param
+            raise RequestError("invalid", err.replace("max_new_tokens", "max_tokens"), param)
+
+    def validate(self, r: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """A gRPC GenerateRequest as (prompt ids, sampling)."""
+        if r.text and r.token_ids:
+            raise RequestError("invalid", "send either text or token_ids, not both")
         if r.route not in ROUTES:
-            raise BadRequest(f"route {r.route!r} is unknown: use '', 'fused' or 'disaggregated'")
+            raise RequestError("invalid", f"route {r.route!r} is unknown: use '', 'fused' or "
+                               "'disaggregated'", "route")
         s = r.sampling
         if s.HasField("max_tokens") and s.max_tokens == 0:
-            raise BadRequest("sampling.max_tokens must be at least 1 (or unset: until the "
-                             "context limit)")
+            raise RequestError("invalid", "sampling.max_tokens must be at least 1 (or unset: "
+                               "until the context limit)", "max_tokens")
         try:
             sp = SamplingParams(max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
                                 temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                                 seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
-                                stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                                stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                                min_tokens=s.min_tokens,
+                                logprobs=s.logprobs if s.HasField("logprobs") else None)
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise RequestError("invalid", str(e)) from None
+        ids = list(r.token_ids) if r.token_ids else (self.encode(r.text) if r.text else [])
+        self.check_prompt(ids, sp)
         return ids, sp
 
-    def _choose(self, cands: list, prefix) -> EngineRef:
-        """Least outstanding tokens, unless the engine that last served this
-        prompt's first page (its prefix cache is warm) is within
-        AFFINITY_SLACK_TOKENS of the least loaded."""
-        best = min(cands, key=lambda e: (e.load, e.name))
-        warm = self._affinity.get((prefix, best.role))
-        for e in cands:
-            if e.name == warm and e.load <= best.load + AFFINITY_SLACK_TOKENS:
-                best = e
-        self._affinity[(prefix, best.role)] = best.name
-        self._affinity.move_to_end((prefix, best.role))
-        if len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.popitem(last=False)
-        return best
-
-    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
-        live = [e for e in self.engines.values() if e.alive]
-        fused = [e for e in live if e.role == "fused"]
-        dec = [e for e in live if e.role == "decode"]
-        pre = [e for e in live if e.role == "prefill"]
-        if not pre:
-            dec = []                      # a D engine with no P would prefill everything itself
-        cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
-        if not cands:
-            raise LookupError(f"no live engine can serve route {route or 'any'!r}")
-        prefix = tuple(ids[:self.cfg.engine.page_size])
-        target = self._choose(cands, prefix)
-        peer = self._choose(pre, prefix) if target.role == "decode" and pre else None
-        return target, peer
-
-    def generate(self, r: pb.GenerateRequest, context):
-        """Stream a request from its engine. If the engine dies mid-stream,
-        the request is resubmitted (at most MAX_RESUBMITS times) to a live
-        engine with the prompt plus the tokens already streamed, and the
-        stream continues where it stopped: under greedy decoding the client
-        sees exactly the tokens an undisturbed run produces."""
+    # ---- requests -------------------------------------------------------------------
+    def open(self, ids: list[int], sp: SamplingParams, route: str = "",
+             request_id: str | None = None) -> "Stream":
+        """Admit a validated request (the in-flight limit, a live route, a
+        fresh id); its tokens come from `Stream.events()`."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
+                               "request_id")
+        limit = self.cfg.router.max_requests
+        if len(self.active) >= limit:
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise RequestError("overloaded", f"{limit} requests are in flight, this "
+                               "deployment's router.max_requests; retry later or raise it")
         try:
-            ids, sp = self.validate(r)
-        except BadRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = r.request_id or uuid.uuid4().hex
-        with self._lock:
-            if rid in self.active:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request id {rid!r} is running; use a fresh id")
-            self.active[rid] = None
-        streamed: list[int] = []
-        try:
-            for attempt in range(MAX_RESUBMITS + 1):
-                try:
-                    yield from self._attempt(rid, ids + streamed, sp, len(streamed), r.route,
-                                             context, streamed)
-                    return
-                except _EngineLost as lost:
-                    if attempt == MAX_RESUBMITS:
-                        context.abort(grpc.StatusCode.UNAVAILABLE, str(lost))
-                    self.counters["resubmitted"] += 1
-                    log.warning("%s: %s; resubmitting with %d streamed tokens", rid, lost,
-                                len(streamed))
-        finally:
-            with self._lock:
-                self.active.pop(rid, None)
+            self.pairing.candidates(route)
+        except LookupError as e:
+            raise RequestError("unavailable", str(e)) from None
+        self.active[rid] = None
+        return Stream(self, rid, ids, sp, route)
 
-    def _attempt(self, rid, ids, sp: SamplingParams, done: int, route, context, streamed):
-        with self._lock:
-            try:
-                target, peer = self.pick(route, ids)
-            except LookupError as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            load = len(ids) + (sp.max_tokens or 256)
-            target.load += load
-            if peer is not None:
-                peer.load += len(ids)
-            self.active[rid] = (target, peer, load)
-        try:
-            sub = cpb.SubmitRequest(
-                request_id=rid, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
-                top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-                ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "")
-            if sp.max_tokens is not None:
-                sub.max_tokens = sp.max_tokens - done
-            if sp.seed is not None:
-                sub.seed = sp.seed
-            stream = target.stub.Submit(sub)
-            context.add_callback(stream.cancel)     # the client left: the engine aborts it
-            for ev in stream:
-                if ev.error:
-                    code = grpc.StatusCode.ABORTED if ev.error.startswith("aborted") \
-                        else grpc.StatusCode.INTERNAL
-                    context.abort(code, ev.error)
-                streamed.extend(ev.token_ids)
-                yield pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text,
-                                          finish_reason=ev.finish_reason, engine=target.name)
-        except grpc.RpcError as e:
-            if not context.is_active():
-                return                            # the client went away
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                context.abort(e.code(), e.details())
-            target.alive = False                  # until membership sees it again
-            raise _EngineLost(f"{target.name} failed mid-stream: {e.code().name}") from None
-        finally:
-            with self._lock:
-                target.load -= load
-                if peer is not None:
-                    peer.load -= len(ids)
-
-    def abort(self, rid: str) -> bool:
+    async def abort(self, rid: str) -> bool:
         entry = self.active.get(rid)
         if entry is None or not entry[0].alive:
             return False
-        entry[0].stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason="aborted by client"),
-                            timeout=10)
+        await entry[0].stub.Abort(cpb.AbortEngineRequest(request_id=rid,
+                                                         reason="aborted by client"), timeout=10)
         return True
 
-    def stats(self) -> pb.StatsResponse:
+    async def engine_stats(self) -> list[tuple[EngineRef, cpb.EngineStatsResponse]]:
+        refs = [r for r in self.engines.values() if r.stub is not None]
+        got = await asyncio.gather(*(r.stub.Stats(cpb.InfoRequest(), timeout=5) for r in refs),
+                                   return_exceptions=True)
+        return [(r, s) for r, s in zip(refs, got) if not isinstance(s, Exception)]
+
+    async def stats(self) -> pb.StatsResponse:
         out = []
-        for ref in self.engines.values():
-            try:
-                s = ref.stub.Stats(cpb.InfoRequest(), timeout=10)
-            except grpc.RpcError:
-                continue
-            out.append(pb.EngineStats(
-                name=f"pdserve:{ref.name}", role=s.role, total_pages=s.total_pages,
-                used_pages=s.used_pages, pinned_pages=s.pinned_pages, running=s.running,
-                waiting=s.waiting, finished=s.finished, retractions=s.retractions,
-                transfers=s.transfers, transfer_failures=s.transfer_failures,
-                lease_expiries=s.lease_expiries))
+        for ref, s in await self.engine_stats():
+            fields = {f.name for f in pb.EngineStats.DESCRIPTOR.fields} - {"name"}
+            e = pb.EngineStats(name=f"pdserve:{ref.name}")
+            for f in fields & {f.name for f in cpb.EngineStatsResponse.DESCRIPTOR.fields}:
+                value = getattr(s, f)
+                if f == "transfer_failures_by_stage":
+                    e.transfer_failures_by_stage.update(value)
+                elif isinstance(value, (int, float, str)):
+                    setattr(e, f, value)
+                else:
+                    getattr(e, f).extend(value)
+            out.append(e)
         return pb.StatsResponse(engines=out)
 
     def server_info(self) -> pb.ServerInfoResponse:
         m = self.cfg.model
         return pb.ServerInfoResponse(
             version=pdserve.__version__, model=m.path or f"preset:{m.preset}",
-            page_size=self.cfg.engine.page_size,
-            max_prompt_tokens=max_single_request_tokens(self.cfg.engine),
+            page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role, address=e.address,
                                    incarnation=e.incarnation, alive=e.alive)
                      for e in self.engines.values()])
 
-    # ---- serving ---------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0, watch_s: float = 1.0) -> str:
-        self.refresh_membership()
-        self.server = grpc.server(cf.ThreadPoolExecutor(64, thread_name_prefix="router"))
-        pbg.add_RouterServicer_to_server(_Servicer(self), self.server)
-        hs = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
-        for svc in ("", "pdserve.v1.Router"):
-            hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        names = (pb.DESCRIPTOR.services_by_name["Router"].full_name,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        self.server.start()
-        self.address = f"{host}:{bound}"
-        threading.Thread(target=self._watch, args=(watch_s,), daemon=True,
-                         name="router-membership").start()
+    # ---- serving ---------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
+              watch_s: float = 1.0) -> str:
+        """Serve gRPC on `port` (and HTTP on `http_port`) from a thread of
+        its own; returns the gRPC address once both are bound."""
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self.loop = loop
+            try:
+                loop.run_until_complete(self._serve(host, port, http_port, watch_s, started))
+            except BaseException as e:       # handed to start()'s caller
+                failure.append(e)
+                started.set()
+            finally:
+                loop.close()
+        self._thread = threading.Thread(target=run, name="router", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
         return self.address
 
+    async def _serve(self, host, port, http_port, watch_s, started) -> None:
+        from pdserve.cluster.router_grpc import grpc_server
+
+        self._stopping = asyncio.Event()
+        options = [("grpc.max_receive_message_length", self.cfg.router.max_body_bytes)]
+        for ref in self.engines.values():
+            membership.connect(ref, ref.address, options)
+        await membership.refresh(self.engines, self.resolver, options)
+        server, bound = await grpc_server(self, host, port)
+        self.address = f"{host}:{bound}"
+        http = None
+        if http_port is not None:
+            from pdserve.cluster.http_api import http_server
+
+            http, self.http_address = await http_server(self, host, http_port)
+        watcher = asyncio.ensure_future(self._watch(watch_s, options))
+        started.set()
+        await self._stopping.wait()
+        watcher.cancel()
+        if http is not None:
+            await http.close()
+        await server.stop(grace=1.0)
+
+    async def _watch(self, period: float, options) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await membership.refresh(self.engines, self.resolver, options)
+            except Exception as e:            # keep watching; a bad round is logged
+                log.exception("membership refresh failed")
+                if len(self.errors) < 20:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+
+    def run_sync(self, coro, timeout: float = 30.0):
+        """Run a coroutine on the router's loop from another thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
     def stop(self) -> None:
-        self._stop.set()
-        if self.server is not None:
-            self.server.stop(grace=1.0).wait(5)
+        if self.loop is not None and self._stopping is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(15)
 
 
-class _Servicer(pbg.RouterServicer):
-    def __init__(self, router: Router):
-        self.r = router
+class Stream:
+    """One admitted request: `events()` yields its Deltas; the router forgets
+    it when the generator ends, however it ends."""
 
-    def Generate(self, request, context):
-        yield from self.r.generate(request, context)
+    def __init__(self, router: Router, rid: str, ids: list[int], sp: SamplingParams,
+                 route: str):
+        self.router = router
+        self.id = rid
+        self.ids = ids
+        self.sp = sp
+        self.route = route
+        self.arrived = time.perf_counter()
 
-    def Abort(self, request, context):
-        if not self.r.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no running request {request.request_id!r}: it finished, was "
-                          "never sent, or the id is mistyped")
-        return pb.AbortResponse(aborted=True)
+    async def events(self):
+        """Stream the request from its engine. If the engine dies mid-stream,
+        resubmit (at most MAX_RESUBMITS times) to a live engine with the
+        prompt plus the tokens already streamed, and continue where it
+        stopped: under greedy decoding the client sees exactly the tokens an
+        undisturbed run produces."""
+        r = self.router
+        streamed: list[int] = []
+        timing = r.metrics.request(len(self.ids), self.arrived)
+        try:
+            for attempt in range(MAX_RESUBMITS + 1):
+                try:
+                    async with contextlib.aclosing(self._attempt(streamed)) as deltas:
+                        async for d in deltas:
+                            timing.tokens(d.engine, len(d.token_ids))
+                            if d.finish_reason:
+                                timing.finished(d.engine, d.finish_reason)
+                            yield d
+                    return
+                except _EngineLost as lost:
+                    if attempt == MAX_RESUBMITS:
+                        raise RequestError("unavailable", str(lost)) from None
+                    r.counters["resubmitted"] += 1
+                    r.metrics.resubmitted.inc()
+                    log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
+                                len(streamed))
+        except RequestError as e:
+            r.metrics.rejected.labels(reason=e.kind).inc()
+            raise
+        finally:
+            r.active.pop(self.id, None)
 
-    def ServerInfo(self, request, context):
-        return self.r.server_info()
-
-    def Stats(self, request, context):
-        return self.r.stats()
+    async def _attempt(self, streamed: list[int]):
+        r, sp, done = self.router, self.sp, len(streamed)
+        ids = self.ids + streamed
+        try:
+            target, peer = r.pairing.pick(self.route, ids)
+        except LookupError as e:
+            raise RequestError("unavailable", str(e)) from None
+        load = len(ids) + (sp.max_tokens or 256)
+        target.load += load
+        if peer is not None:
+            peer.load += len(ids)
+        r.active[self.id] = (target, peer)
+        sub = cpb.SubmitRequest(
+            request_id=self.id, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "",
+            min_tokens=max(sp.min_tokens - done, 0))
+        if sp.max_tokens is not None:
+            sub.max_tokens = sp.max_tokens - done
+        if sp.seed is not None:
+            sub.seed = sp.seed
+        if sp.logprobs is not None:
+            sub.logprobs = sp.logprobs
+        call = target.stub.Submit(sub)
+        try:
+            async for ev in call:
+                if ev.error:
+                    kind = "aborted" if ev.error.startswith("aborted") else "internal"
+                    raise RequestError(kind, ev.error)
+                streamed.extend(ev.token_ids)
+                yield Delta(list(ev.token_ids), ev.text, list(ev.logprobs), ev.finish_reason,
+                            target.name)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RequestError("invalid", e.details()) from None
+            target.alive = False                  # until membership sees it again
+            raise _EngineLost(f"{target.name} failed mid-stream: {e.code().name}") from None
+        finally:
+            call.cancel()                         # the client left: the engine aborts it
+            target.load -= load
+            if peer is not None:
+                peer.load -= len(ids)

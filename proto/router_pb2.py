@@ -24,35 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\"\xc2\x01\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\r\n\x05route\x18\x05 \x01(\t\"n\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"\x8b\x01\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\x04\x12\'\n\x07\x65ngines\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.EngineInfo\"]\n\nEngineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\r\n\x05\x61live\x18\x05 \x01(\x08\"\x0e\n\x0cStatsRequest\"9\n\rStatsResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.EngineStats\"\xf7\x01\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0btotal_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12\x13\n\x0bretractions\x18\t \x01(\x04\x12\x11\n\ttransfers\x18\n \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x32\x9a\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nServerInfo\x12\x1d.pdserve.v1.ServerInfoRequest\x1a\x1e.pdserve.v1.ServerInfoResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\"\xfa\x01\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\r\n\x05route\x18\x05 \x01(\t\"\xb1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"\x8b\x01\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\x04\x12\'\n\x07\x65ngines\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.EngineInfo\"]\n\nEngineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\r\n\x05\x61live\x18\x05 \x01(\x08\"\x0e\n\x0cStatsRequest\"9\n\rStatsResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.EngineStats\"\xd6\x05\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0btotal_pages\x18\x03 \x01(\r\x12\x12\n\nused_pages\x18\x04 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x10\n\x08\x66inished\x18\x08 \x01(\x04\x12\x13\n\x0bretractions\x18\t \x01(\x04\x12\x11\n\ttransfers\x18\n \x01(\x04\x12\x19\n\x11transfer_failures\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x16\n\x0eprefix_queries\x18\r \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x0e \x01(\x04\x12\x0e\n\x06\x66\x65nces\x18\x0f \x01(\x04\x12\x14\n\x0creadmissions\x18\x10 \x01(\x04\x12\x0e\n\x06stalls\x18\x11 \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x12 \x01(\x04\x12X\n\x1atransfer_failures_by_stage\x18\x13 \x03(\x0b\x32\x34.pdserve.v1.EngineStats.TransferFailuresByStageEntry\x12 \n\x18transfer_seconds_buckets\x18\x14 \x03(\x01\x12\x1f\n\x17transfer_seconds_counts\x18\x15 \x03(\x04\x12\x1c\n\x14transfer_seconds_sum\x18\x16 \x01(\x01\x12\x34\n\x10waiting_requests\x18\x17 \x03(\x0b\x32\x1a.pdserve.v1.WaitingRequest\x12\x0f\n\x07\x61\x62orted\x18\x18 \x01(\x04\x12\r\n\x05\x64type\x18\x19 \x01(\t\x12\x11\n\tattention\x18\x1a \x01(\t\x1a>\n\x1cTransferFailuresByStageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"n\n\x0eWaitingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x14\n\x0cpages_needed\x18\x04 \x01(\r\x12\x12\n\npages_free\x18\x05 \x01(\r2\x9a\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nServerInfo\x12\x1d.pdserve.v1.ServerInfoRequest\x1a\x1e.pdserve.v1.ServerInfoResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ENGINESTATS_TRANSFERFAILURESBYSTAGEENTRY']._loaded_options = None
+  _globals['_ENGINESTATS_TRANSFERFAILURESBYSTAGEENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=43
-  _globals['_SAMPLINGOPTIONS']._serialized_end=237
-  _globals['_GENERATEREQUEST']._serialized_start=240
-  _globals['_GENERATEREQUEST']._serialized_end=372
-  _globals['_GENERATERESPONSE']._serialized_start=374
-  _globals['_GENERATERESPONSE']._serialized_end=484
-  _globals['_ABORTREQUEST']._serialized_start=486
-  _globals['_ABORTREQUEST']._serialized_end=520
-  _globals['_ABORTRESPONSE']._serialized_start=522
-  _globals['_ABORTRESPONSE']._serialized_end=554
-  _globals['_SERVERINFOREQUEST']._serialized_start=556
-  _globals['_SERVERINFOREQUEST']._serialized_end=575
-  _globals['_SERVERINFORESPONSE']._serialized_start=578
-  _globals['_SERVERINFORESPONSE']._serialized_end=717
-  _globals['_ENGINEINFO']._serialized_start=719
-  _globals['_ENGINEINFO']._serialized_end=812
-  _globals['_STATSREQUEST']._serialized_start=814
-  _globals['_STATSREQUEST']._serialized_end=828
-  _globals['_STATSRESPONSE']._serialized_start=830
-  _globals['_STATSRESPONSE']._serialized_end=887
-  _globals['_ENGINESTATS']._serialized_start=890
-  _globals['_ENGINESTATS']._serialized_end=1137
-  _globals['_ROUTER']._serialized_start=1140
-  _globals['_ROUTER']._serialized_end=1422
+  _globals['_SAMPLINGOPTIONS']._serialized_end=293
+  _globals['_GENERATEREQUEST']._serialized_start=296
+  _globals['_GENERATEREQUEST']._serialized_end=428
+  _globals['_GENERATERESPONSE']._serialized_start=431
+  _globals['_GENERATERESPONSE']._serialized_end=608
+  _globals['_TOPLOGPROB']._serialized_start=610
+  _globals['_TOPLOGPROB']._serialized_end=657
+  _globals['_TOKENLOGPROB']._serialized_start=659
+  _globals['_TOKENLOGPROB']._serialized_end=745
+  _globals['_ABORTREQUEST']._serialized_start=747
+  _globals['_ABORTREQUEST']._serialized_end=781
+  _globals['_ABORTRESPONSE']._serialized_start=783
+  _globals['_ABORTRESPONSE']._serialized_end=815
+  _globals['_SERVERINFOREQUEST']._serialized_start=817
+  _globals['_SERVERINFOREQUEST']._serialized_end=836
+  _globals['_SERVERINFORESPONSE']._serialized_start=839
+  _globals['_SERVERINFORESPONSE']._serialized_end=978
+  _globals['_ENGINEINFO']._serialized_start=980
+  _globals['_ENGINEINFO']._serialized_end=1073
+  _globals['_STATSREQUEST']._serialized_start=1075
+  _globals['_STATSREQUEST']._serialized_end=1089
+  _globals['_STATSRESPONSE']._serialized_start=1091
+  _globals['_STATSRESPONSE']._serialized_end=1148
+  _globals['_ENGINESTATS']._serialized_start=1151
+  _globals['_ENGINESTATS']._serialized_end=1877
+  _globals['_ENGINESTATS_TRANSFERFAILURESBYSTAGEENTRY']._serialized_start=1815
+  _globals['_ENGINESTATS_TRANSFERFAILURESBYSTAGEENTRY']._serialized_end=1877
+  _globals['_WAITINGREQUEST']._serialized_start=1879
+  _globals['_WAITINGREQUEST']._serialized_end=1989
+  _globals['_ROUTER']._serialized_start=1992
+  _globals['_ROUTER']._serialized_end=2274
 # @@protoc_insertion_point(module_scope)

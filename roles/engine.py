@@ -25,10 +25,13 @@ class StepOutcome:
 
 
 class Engine:
-    def __init__(self, name: str, planner: Planner, executor):
+    def __init__(self, name: str, planner: Planner, executor, forget_finished: bool = True):
+        """`forget_finished=False`: the owner reads a finished request's
+        executor state (its text) after the round, then forgets it itself."""
         self.name = name
         self.planner = planner
         self.executor = executor
+        self.forget_finished = forget_finished
 
     @property
     def role(self) -> str:
@@ -55,7 +58,7 @@ class Engine:
             return StepOutcome(plan, failed=self.planner.fail_plan(plan, reason), error=reason)
         finished = self.planner.apply(plan, result)
         forget = getattr(self.executor, "forget", None)
-        if forget is not None:
+        if forget is not None and self.forget_finished:
             for req in finished:
                 forget(req.id)
         return StepOutcome(plan, finished)

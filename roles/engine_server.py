@@ -22,9 +22,11 @@ import grpc
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.kernels.loader import load_model
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.kernels.sampling import Logprob, SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.proto import router_pb2 as rpb
+from pdserve.roles.engine_stats import EngineCounters, waiting_requests_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.engine import Engine
 from pdserve.roles.torch_executor import TorchExecutor
@@ -70,7 +72,7 @@ class EngineServer:
         self.tokenizer = tok
         self.executor = TorchExecutor(model, tok, engine_cfg)
         self.planner = Planner(engine_cfg, self.role)
-        self.engine = Engine(self.name, self.planner, self.executor)
+        self.engine = Engine(self.name, self.planner, self.executor, forget_finished=False)
         self.transport = None
         if self.role is not Role.FUSED:
             from pdserve.transfer.nixl_transport import NixlTransport
@@ -87,12 +89,13 @@ class EngineServer:
         self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
         self.epochs: dict[str, int] = {}        # D: req -> landing epoch
         self.streams: dict[str, queue.Queue] = {}
-        self.emitted: dict[str, tuple[int, str]] = {}   # req -> (tokens sent, text sent)
-        self.counters = {"finished": 0, "retractions": 0, "transfers": 0,
-                         "transfer_failures": 0, "lease_expiries": 0}
+        self.emitted: dict[str, int] = {}       # req -> tokens sent
+        self.counts = EngineCounters()
+        self._page_bytes = self.executor.cache.data[0].nbytes
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._rpc_pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-rpc")
+        self.loop_errors: list[str] = []        # what `round failed` logged (tests assert none)
         self._last_heartbeat = 0.0
         self._stalls_logged = 0
         self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
@@ -107,7 +110,12 @@ class EngineServer:
     def info(self) -> dict:
         return {"engine": self.name, "role": self.role.value, "incarnation": self.incarnation,
                 "address": self.address,
-                "dtype": str(self.executor.model.dtype).removeprefix("torch.")}
+                "dtype": str(self.executor.model.dtype).removeprefix("torch."),
+                "attention": self.executor.model.attention.name}
+
+    @property
+    def counters(self) -> dict:
+        return self.counts.as_dict()
 
     def call(self, fn, timeout: float = 30.0):
         """Run fn() on the loop thread and return its result."""
@@ -181,6 +189,7 @@ class EngineServer:
                     "faults_fired": fired,
                     "fences": len(p.coord.fences), "leases": len(self.leases),
                     "landings": len(self.landing), "counters": dict(self.counters),
+                    "loop_errors": list(self.loop_errors),
                     "incarnation": self.incarnation}
         return self.call(run)
 
@@ -195,8 +204,10 @@ class EngineServer:
         while not self._stop.is_set():
             try:
                 self._tick()
-            except Exception:                        # keep serving; the log says what broke
+            except Exception as e:                   # keep serving; the log says what broke
                 log.exception("%s: round failed", self.name)
+                if len(self.loop_errors) < 20:
+                    self.loop_errors.append(f"{type(e).__name__}: {e}")
                 time.sleep(0.05)
 
     def _tick(self) -> None:
@@ -232,7 +243,13 @@ class EngineServer:
             for req in out.failed:
                 self._fail(req.id, out.error)
             return
-        self.counters["retractions"] += len(plan.retracts)
+        c = self.counts
+        c.retractions += len(plan.retracts)
+        c.readmissions += len(plan.readmits)
+        for op in plan.prefills:
+            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.begin)
+        for op in plan.remote_prefills:
+            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.first_page * self.planner.page_size)
         touched = [op.req for op in plan.prefills if op.completes] + list(plan.decodes)
         if self.role is not Role.PREFILL:
             for req in touched:
@@ -249,17 +266,21 @@ class EngineServer:
         q = self.streams.get(req.id)
         if q is None:
             return
-        sent, text_sent = self.emitted.get(req.id, (0, ""))
+        sent = self.emitted.get(req.id, 0)
         new = req.output[sent:]
-        text = self.tokenizer.decode(req.output) if new or final else text_sent
-        delta = text[len(text_sent):] if text.startswith(text_sent) else text
+        t = self.executor.tracked.get(req.id)
+        text, lps = "", ()
+        if t is not None:
+            text = t.detok.ready(final=final is not None)
+            if t.logprobs:
+                lps, t.logprobs = [_logprob_pb(lp) for lp in t.logprobs], []
         if new or final or error:
-            q.put(pb.TokenEvent(token_ids=new, text=delta, finish_reason=final or "",
-                                error=error or ""))
-        self.emitted[req.id] = (len(req.output), text)
+            q.put(pb.TokenEvent(token_ids=new, text=text, finish_reason=final or "",
+                                error=error or "", logprobs=lps))
+        self.emitted[req.id] = len(req.output)
 
     def _finish_stream(self, req) -> None:
-        self.counters["finished"] += 1
+        self.counts.finished += 1
         self._emit(req, final=req.finish_reason or "length")
         self._close(req.id)
         self.executor.forget(req.id)
@@ -269,6 +290,7 @@ class EngineServer:
         if q is not None:
             q.put(None)
         self.emitted.pop(req_id, None)
+        self.counts.forget(req_id)
 
     def _fail(self, req_id: str, error: str) -> None:
         q = self.streams.get(req_id)
@@ -283,7 +305,9 @@ class EngineServer:
         sp = SamplingParams(max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
                             temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
                             seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
-                            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+                            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos,
+                            min_tokens=r.min_tokens,
+                            logprobs=r.logprobs if r.HasField("logprobs") else None)
         if r.request_id in self.planner.requests or r.request_id in self.streams:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
                                   "use a fresh id")
@@ -293,7 +317,8 @@ class EngineServer:
                 raise RejectedRequest(f"{self.name} does not know prefill engine "
                                       f"{r.prefill_peer!r}")
             req.peer = r.prefill_peer
-        self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF)
+        self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF,
+                               prompt=req.prompt.tokens)
         q: queue.Queue = queue.Queue()
         self.streams[req.id] = q
         try:
@@ -312,11 +337,14 @@ class EngineServer:
         if req_id in p.landing:
             # a posted write may still land: fence the pages, then let go
             epoch = self.epochs.pop(req_id, None)
-            fenced = epoch is not None and self.landing.fence(req_id, epoch, time.monotonic())
+            fenced = epoch is not None and \
+                self.landing.fence(req_id, epoch, time.monotonic()) is not None
+            self.counts.fences += fenced
             p.transfer_failed(req_id, reason, fence_key=(req_id, epoch) if fenced else None)
             self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=req_id,
                                                                       release_only=True))
         p.abort(req_id, reason)
+        self.counts.aborted += 1
         if self.role is Role.PREFILL:
             self.leases.release(req_id)
             self.remote.pop(req_id, None)
@@ -328,7 +356,7 @@ class EngineServer:
     def _ask_prefill(self, op) -> None:
         req = op.req
         if req.peer is None or req.peer not in self.peers:
-            self._recover_locally(req.id, 0, "no prefill peer", fence=False)
+            self._recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
             return
         epoch = self.landing.expect(req.id, op.landing_pages, time.monotonic())
         self.epochs[req.id] = epoch
@@ -337,17 +365,19 @@ class EngineServer:
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
             landing_pages=op.landing_pages, epoch=epoch, target_engine=self.name,
             target_incarnation=self.incarnation, temperature=sp.temperature,
-            top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {})))
+            top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {}),
+            **({"logprobs": sp.logprobs} if sp.logprobs is not None else {})))
 
-    def _recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool) -> None:
+    def _recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool,
+                         stage: str) -> None:
         if req_id not in self.planner.landing:
             return
         key = None
         if fence:
-            self.landing.fence(req_id, epoch, time.monotonic())
+            self.counts.fences += self.landing.fence(req_id, epoch, time.monotonic()) is not None
             key = (req_id, epoch)
         self.epochs.pop(req_id, None)
-        self.counters["transfer_failures"] += 1
+        self.counts.transfer_failed(stage)
         self.planner.transfer_failed(req_id, reason, fence_key=key)
 
     def _on_transfer_event(self, ev) -> None:
@@ -357,17 +387,24 @@ class EngineServer:
                 self.planner.release_fence((ev.req_id, ev.epoch))
             elif verdict == "landed" and ev.req_id in self.planner.landing:
                 self.epochs.pop(ev.req_id, None)
-                self.counters["transfers"] += 1
+                self.counts.transfers += 1
                 req = self.planner.requests[ev.req_id]
-                stopped = self.executor.stops(req, ev.first_token)
+                lp = None
+                if ev.payload:
+                    m = rpb.TokenLogprob.FromString(ev.payload)
+                    lp = Logprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob)
+                                                              for t in m.top))
+                stopped = self.executor.on_token(req, ev.first_token, lp)
                 finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
                 self._emit(req)
                 for r in finished:
                     self._finish_stream(r)
                 self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=ev.req_id))
+        elif ev.kind == "done":                    # P: our write completed
+            self.counts.transfer_seconds.observe(ev.seconds)
         elif ev.kind == "failed":                  # P: our write will not land
             info = self.remote.get(ev.req_id)
-            self.counters["transfer_failures"] += 1
+            self.counts.transfer_failed("write")
             if info is not None:
                 self._send(info[0], "TransferFailed", pb.TransferFailedRequest(
                     request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
@@ -376,7 +413,8 @@ class EngineServer:
         if self.role is Role.DECODE:
             for ld in self.landing.timed_out(now):
                 req = self.planner.requests.get(ld.req_id)
-                self._recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True)
+                self._recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True,
+                                      stage="timeout")
                 if req is not None and req.peer:
                     self._send(req.peer, "TransferAck", pb.TransferAckRequest(
                         request_id=ld.req_id, release_only=True))
@@ -394,7 +432,7 @@ class EngineServer:
             for rid in self.leases.expired(now):
                 self.transport.cancel(rid)
                 if rid in self.planner.requests:
-                    self.counters["lease_expiries"] += 1
+                    self.counts.lease_expiries += 1
                     self.planner.abort(rid, "lease expired")
                     self.remote.pop(rid, None)
                     self.executor.forget(rid)
@@ -403,7 +441,8 @@ class EngineServer:
         # the write failed on P's side and will not land: no fence needed
         if self.epochs.get(r.request_id) == r.epoch and self.landing.forget(r.request_id, r.epoch):
             req = self.planner.requests.get(r.request_id)
-            self._recover_locally(r.request_id, r.epoch, r.reason, fence=False)
+            self._recover_locally(r.request_id, r.epoch, r.reason, fence=False,
+                                  stage="reported_by_prefill")
             if req is not None:
                 self._send(req.peer, "TransferAck", pb.TransferAckRequest(
                     request_id=r.request_id, release_only=True))
@@ -417,7 +456,8 @@ class EngineServer:
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
         twin.first_page = r.first_page
         sp = SamplingParams(max_tokens=1, temperature=r.temperature, top_p=r.top_p or 1.0,
-                            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None)
+                            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
+                            logprobs=r.logprobs if r.HasField("logprobs") else None)
         self.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF)
         self.planner.submit(twin)
         self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
@@ -431,9 +471,12 @@ class EngineServer:
         d_name, d_inc, pages, epoch = info
         if not self.leases.holds(op.req.id, time.monotonic()):
             return                  # the lease ran out: the timers release it, nothing is posted
+        t = self.executor.tracked.get(op.req.id)
+        payload = _logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
-                                     tuple(op.src_pages), pages, op.first_token))
-        self.counters["transfers"] += 1
+                                     tuple(op.src_pages), pages, op.first_token, payload))
+        self.counts.transfers += 1
+        self.counts.transfer_bytes += len(op.src_pages) * self._page_bytes
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
         self.transport.cancel(r.request_id)
@@ -463,7 +506,17 @@ class EngineServer:
         else:
             pinned = sum(len(r.state.res.tables[0]) for r in p.landing.values()) + \
                 p.held_by_fences()
+        c = self.counts
+        hist = c.transfer_seconds
         return pb.EngineStatsResponse(
             total_pages=total, used_pages=used, pinned_pages=pinned,
             running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
-            waiting=len(p.waiting) + len(p.retracted), role=self.role.value, **self.counters)
+            waiting=len(p.waiting) + len(p.retracted), role=self.role.value,
+            stalls=len(p.stalls), transfer_failures_by_stage=c.failures_by_stage,
+            transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
+            transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
+            dtype=self.info()["dtype"], attention=self.info()["attention"], **c.as_dict())
+
+def _logprob_pb(lp: Logprob) -> rpb.TokenLogprob:
+    return rpb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                            top=[rpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

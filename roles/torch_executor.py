@@ -9,12 +9,26 @@ finishes within the round, so every store and load is acked in the result.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
-from pdserve.kernels.sampling import SamplingParams, sample
+from pdserve.kernels.detokenize import Detokenizer
+from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
+
+
+@dataclass
+class Tracked:
+    """What the executor keeps for a live request: how it samples, its text
+    so far, and the logprobs of its tokens not yet handed out."""
+    params: SamplingParams
+    seed: int
+    detok: Detokenizer
+    logprobs: list = field(default_factory=list)
+    tokens: int = 0                 # tokens taken (on_token calls)
 
 
 class TorchExecutor:
@@ -34,31 +48,36 @@ class TorchExecutor:
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
             self.eos.add(tok_eos)
-        self._params: dict[str, SamplingParams] = {}
-        self._seeds: dict[str, int] = {}
+        self._eos_ids = frozenset(self.eos)
+        self.tracked: dict[str, Tracked] = {}
         self.forward_tokens = 0
 
     # ---- per-request sampling state ---------------------------------------
-    def register(self, req_id: str, params: SamplingParams, fallback_seed: int) -> None:
-        self._params[req_id] = params
-        self._seeds[req_id] = fallback_seed
+    def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
+                 prompt=()) -> None:
+        self.tracked[req_id] = Tracked(params, fallback_seed,
+                                       Detokenizer(self.tokenizer, prompt, params.stop))
 
     def params(self, req_id: str) -> SamplingParams:
-        return self._params[req_id]
+        return self.tracked[req_id].params
 
     def forget(self, req_id: str) -> None:
-        self._params.pop(req_id, None)
-        self._seeds.pop(req_id, None)
+        self.tracked.pop(req_id, None)
 
-    def stops(self, req, token: int) -> bool:
-        """Does `token`, sampled next for `req`, end it (EOS, stop id or string)?"""
-        sp = self._params[req.id]
+    def on_token(self, req, token: int, logprob: Logprob | None = None) -> bool:
+        """Take `token`, sampled next for `req`: extend its text and logprobs;
+        True if it ends the request (EOS, a stop id, or a stop string). Every
+        token of a request passes here once, in order."""
+        t = self.tracked[req.id]
+        sp = t.params
+        t.tokens += 1
+        if logprob is not None:
+            t.logprobs.append(logprob)
+        early = t.tokens < sp.min_tokens
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
-            return True
-        if sp.stop:
-            text = self.tokenizer.decode(req.output + [token])
-            return any(s in text for s in sp.stop)
-        return False
+            if not early:
+                return True         # a stop token's text is not part of the answer
+        return t.detok.push(token, check_stop=not early)
 
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
@@ -76,20 +95,24 @@ class TorchExecutor:
         logits, rows = self._forward(plan)
         tokens = []
         if rows:
-            tokens = sample(logits, [self._params[r.id] for r in rows],
-                            [len(r.output) for r in rows], [self._seeds[r.id] for r in rows])
-        it = iter(zip(rows, tokens))
+            tracked = [self.tracked[r.id] for r in rows]
+            tokens, logprobs = sample(logits, [t.params for t in tracked],
+                                      [len(r.output) for r in rows], [t.seed for t in tracked],
+                                      self._eos_ids)
+        else:
+            logprobs = []
+        it = iter(zip(rows, tokens, logprobs))
         for op in plan.prefills:
             if op.completes:
-                req, tok = next(it)
+                req, tok, lp = next(it)
                 result.prefill_tokens.append(tok)
-                if self.stops(req, tok):
+                if self.on_token(req, tok, lp):
                     result.stopped.add(req)
             else:
                 result.prefill_tokens.append(None)
-        for req, tok in it:
+        for req, tok, lp in it:
             result.decode_tokens.append(tok)
-            if self.stops(req, tok):
+            if self.on_token(req, tok, lp):
                 result.stopped.add(req)
         return result
 

@@ -38,7 +38,9 @@ def dep():
     d = Deployment(cfg, num_cpus=2, engine_options=OPTIONS)
     d.start()
     yield d
+    errors = d.errors()
     d.stop()
+    assert not errors, f"engines served on after failing rounds: {errors}"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,9 @@ def deployment():
     dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 20.0})
     dep.start()
     yield dep
+    errors = dep.errors()
     dep.stop()
+    assert not errors, f"engines served on after failing rounds: {errors}"
 
 
 @pytest.fixture
@@ -160,7 +162,7 @@ def test_the_async_client_generates_and_reads_stats(deployment):
     ({"prompt": ""}, "INVALID_ARGUMENT", "prompt is empty"),
     ({"prompt": "a" * 9000}, "INVALID_ARGUMENT", "exceeds this deployment's bound"),
     ({"max_tokens": 0}, "INVALID_ARGUMENT", "max_tokens must be at least 1"),
-    ({"max_tokens": 10_000_000}, "INVALID_ARGUMENT", "lower max_new_tokens to at most"),
+    ({"max_tokens": 10_000_000}, "INVALID_ARGUMENT", "lower max_tokens to at most"),
     ({"temperature": -0.5}, "INVALID_ARGUMENT", "temperature"),
     ({"top_p": 1.5}, "INVALID_ARGUMENT", "top_p"),
     ({"prompt": [1, 2, 99999]}, "INVALID_ARGUMENT", "outside the vocabulary"),

@@ -46,5 +46,6 @@ def test_prefill_and_decode_on_different_nodes(two_nodes):
         assert got == want
         stats = {s["name"]: s for s in c.stats()}
         assert stats["pdserve:decode-0"]["transfers"] == 2
+        assert not dep.errors()
     finally:
         dep.stop()

@@ -46,3 +46,38 @@ def test_generated_grpc_code_is_reproducible(tmp_path):
     for path in map(Path, out):
         assert path.read_text() == (root / path.name).read_text(), \
             f"{path.name} differs from a fresh `make proto`"
+
+
+def test_a_given_cluster_mapping_names_every_engine_and_no_section_means_1p1d():
+    from pdserve.cluster.config import ServeConfig
+
+    assert ServeConfig.from_dict({"cluster": {"fused": 2}}).cluster.__dict__ == \
+        {"prefill": 0, "decode": 0, "fused": 2}
+    assert ServeConfig.from_dict({}).cluster.__dict__ == {"prefill": 1, "decode": 1, "fused": 0}
+    with pytest.raises(Exception, match="nothing could serve"):
+        ServeConfig.from_dict({"cluster": {"prefill": 1}})
+
+
+def test_local_configs_serve_the_real_default_model():
+    for name in ("local-pd.yaml", "local-fused.yaml", "local-cpu-fused.yaml"):
+        cfg = load_config(DEPLOY / name)
+        assert cfg.model.preset == "smollm2-135m" and cfg.model.served_name == "smollm2-135m"
+
+
+def test_the_grafana_dashboard_plots_only_series_the_router_exports():
+    import json
+    import re
+
+    from pdserve.cluster.metrics import _COUNTERS, _GAUGES, RouterMetrics
+
+    dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    used = {m for p in dash["panels"] for t in p["targets"]
+            for m in re.findall(r"pdserve:[a-z_]+", t["expr"])}
+    names = {f"pdserve:{n}" for n, _, _ in _GAUGES} | {"pdserve:kv_cache_usage_perc"}
+    names |= {f"pdserve:{n}_total" for n, _, _ in _COUNTERS}
+    names |= {"pdserve:kv_transfer_failures_total", "pdserve:kv_transfer_seconds_bucket"}
+    for metric in RouterMetrics().registry.collect():
+        names.add(metric.name + {"counter": "_total", "histogram": "_bucket"}.get(metric.type, ""))
+    assert used and used <= names, used - names
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["metrics_path"] == "/metrics"

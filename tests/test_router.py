@@ -2,7 +2,8 @@
 affinity within a slack, and no engine that is down."""
 
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.router import AFFINITY_SLACK_TOKENS, Router
+from pdserve.cluster.pairing import AFFINITY_SLACK_TOKENS
+from pdserve.cluster.router import RequestError, Router
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
 
@@ -43,3 +44,39 @@ def test_a_dead_engine_is_never_picked_and_no_engine_is_a_clear_error():
 
     with pytest.raises(LookupError, match="no live engine can serve route 'disaggregated'"):
         r.pick("disaggregated")
+
+
+def test_past_the_in_flight_limit_a_request_is_refused_not_queued_without_bound():
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 2}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    sp = __import__("pdserve").SamplingParams(max_tokens=4)
+    r.open([1, 2], sp)
+    r.open([1, 2], sp)
+    import pytest
+
+    with pytest.raises(RequestError, match="2 requests are in flight") as e:
+        r.open([1, 2], sp)
+    assert e.value.kind == "overloaded"
+
+
+def test_the_http_front_maps_router_refusals_to_openai_errors():
+    from starlette.testclient import TestClient
+
+    from pdserve.cluster.http_api import build_app
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 1},
+                                 "engine": {"total_pages": 8, "page_size": 4}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    r.open([1], __import__("pdserve").SamplingParams())          # the one slot is taken
+    http = TestClient(build_app(r))
+    resp = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert resp.status_code == 429 and resp.json()["error"]["type"] == "rate_limit_error"
+    resp = http.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert "exceeds this deployment's bound" in resp.json()["error"]["message"]
+    resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                  "content": "hi"}]})
+    assert resp.status_code == 400 and "no chat template" in resp.json()["error"]["message"]
+    assert http.get("/v1/nothing").status_code == 404
+    r.engines["fused-0"].alive = False
+    assert http.get("/health").status_code == 503

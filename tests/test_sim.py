@@ -133,8 +133,8 @@ def test_bad_trace_lines_name_the_line_and_the_field(tmp_path, line, words):
 
 
 def test_unknown_config_keys_are_named(tmp_path):
-    p = write(tmp_path, "c.yaml", "engine: {page_size: 16}\nrouter: {}\n")
-    with pytest.raises(ConfigError, match="unknown key config.router"):
+    p = write(tmp_path, "c.yaml", "engine: {page_size: 16}\nrouting: {}\n")
+    with pytest.raises(ConfigError, match="unknown key config.routing; did you mean config.router"):
         load_config(p)
     p = write(tmp_path, "c.yaml", "simulate: {gpu: h100, card: x}\n")
     with pytest.raises(ConfigError, match="unknown key simulate.card"):

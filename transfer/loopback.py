@@ -55,10 +55,11 @@ class LoopbackTransport(KvTransport):
             return
         t0 = time.perf_counter()
         live.pool[list(w.dst_pages)] = self.pool[list(w.src_pages)]
-        self.metrics.seconds += time.perf_counter() - t0
-        self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target))
+        took = time.perf_counter() - t0
+        self.metrics.seconds += took
+        self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))
         live._events.append(TransferEvent("landed", w.req_id, w.epoch, self.incarnation,
-                                          first_token=w.first_token))
+                                          first_token=w.first_token, payload=w.payload))
 
     def _poll_backend(self) -> list[TransferEvent]:
         out, self._events = self._events, []

@@ -125,10 +125,11 @@ class NixlTransport(KvTransport):
             if state == "PROC":
                 continue
             del self._inflight[handle]
-            self.metrics.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.metrics.seconds += took
             self._release(handle)
             if state == "DONE":
-                out.append(TransferEvent("done", w.req_id, w.epoch, w.target))
+                out.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))
             else:
                 out.append(TransferEvent("failed", w.req_id, w.epoch, w.target, err))
         for agent_name, msgs in self.agent.get_new_notifs().items():
@@ -137,9 +138,9 @@ class NixlTransport(KvTransport):
                 if parsed is None or parsed[2] != self.incarnation:
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
-                req_id, epoch, _, token = parsed
+                req_id, epoch, _, token, payload = parsed
                 out.append(TransferEvent("landed", req_id, epoch, Incarnation.parse(agent_name),
-                                         first_token=token))
+                                         first_token=token, payload=payload))
         return out
 
     def _release(self, handle) -> None:

@@ -40,6 +40,7 @@ class KvWrite:
     src_pages: tuple           # P's pages, in prompt order
     dst_pages: tuple           # D's landing pages, same length
     first_token: int = -1      # rides on the notification: D needs it with the KV
+    payload: bytes = b""       # rides along too (the first token's logprobs), opaque here
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class TransferEvent:
     peer: Incarnation          # the other side
     reason: str = ""
     first_token: int = -1      # landed: the token the write carried
+    payload: bytes = b""       # landed: what the write carried beside it
+    seconds: float = 0.0       # done: post -> completion
 
 
 @dataclass
@@ -82,17 +85,18 @@ def page_runs(src, dst) -> list[tuple[int, int, int]]:
 
 
 def encode_notif(w: KvWrite) -> bytes:
-    return f"pdkv|{w.epoch}|{w.first_token}|{w.target.agent_name}|{w.req_id}".encode()
+    return (f"pdkv|{w.epoch}|{w.first_token}|{w.target.agent_name}|{w.payload.hex()}|"
+            f"{w.req_id}").encode()
 
 
 def decode_notif(msg: bytes):
-    """(req_id, epoch, target incarnation, first token), or None for a
-    foreign message. The request id goes last: it may contain '|'."""
+    """(req_id, epoch, target incarnation, first token, payload), or None
+    for a foreign message. The request id goes last: it may contain '|'."""
     try:
-        tag, epoch, token, target, req_id = msg.decode().split("|", 4)
+        tag, epoch, token, target, payload, req_id = msg.decode().split("|", 5)
         if tag != "pdkv":
             return None
-        return req_id, int(epoch), Incarnation.parse(target), int(token)
+        return req_id, int(epoch), Incarnation.parse(target), int(token), bytes.fromhex(payload)
     except (ValueError, UnicodeDecodeError):
         return None
 

@@ -1,0 +1,144 @@
+"""Prometheus metrics at the router's /metrics, named like vLLM's where the
+meaning is the same, with the prefix `pdserve:` and an `engine` label.
+
+Two sources: what the router sees of each request (latencies, token counts,
+finish reasons), observed as streams run; and what each engine counts
+(requests, pages, prefix cache, transfers, leases, fences, retractions),
+read from the engines' Stats at scrape time. Each router has a registry of
+its own, so two routers in one process never share a series.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+P = "pdserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0)
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
+                              ["engine"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds",
+                             "Time between successive streamed tokens", ["engine"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
+                             ["engine"], buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
+                                     ["engine"], registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated",
+                                         ["engine"], registry=r)
+        self.success = Counter(P + "request_success", "Finished requests by reason",
+                               ["engine", "finished_reason"], registry=r)
+        self.rejected = Counter(P + "request_errors", "Requests refused or failed, by kind",
+                                ["reason"], registry=r)
+        self.resubmitted = Counter(P + "requests_resubmitted",
+                                   "Requests moved to another engine after theirs died",
+                                   registry=r)
+        self._engines = _EngineCollector()
+        r.register(self._engines)
+
+    def request(self, prompt_tokens: int, arrived: float) -> "RequestTiming":
+        return RequestTiming(self, prompt_tokens, arrived)
+
+    def render(self, engine_stats) -> bytes:
+        """The exposition text, engines' series from `engine_stats`:
+        [(EngineRef, EngineStatsResponse)] fetched just now."""
+        self._engines.snapshot = engine_stats
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engines.snapshot = []
+
+
+class RequestTiming:
+    __slots__ = ("m", "prompt_tokens", "arrived", "last")
+
+    def __init__(self, m: RouterMetrics, prompt_tokens: int, arrived: float):
+        self.m, self.prompt_tokens, self.arrived, self.last = m, prompt_tokens, arrived, None
+
+    def tokens(self, engine: str, n: int) -> None:
+        if not n:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.labels(engine).observe(now - self.arrived)
+        else:
+            self.m.itl.labels(engine).observe((now - self.last) / n)
+        self.last = now
+        self.m.generation_tokens.labels(engine).inc(n)
+
+    def finished(self, engine: str, reason: str) -> None:
+        self.m.e2e.labels(engine).observe(time.perf_counter() - self.arrived)
+        self.m.prompt_tokens.labels(engine).inc(self.prompt_tokens)
+        self.m.success.labels(engine, reason).inc()
+
+
+_GAUGES = (
+    ("num_requests_running", "Requests admitted on the engine (P: until D's ack)", "running"),
+    ("num_requests_waiting", "Requests waiting for admission or readmission", "waiting"),
+    ("kv_pages_used", "KV pages held by requests, pins or fences", "used_pages"),
+    ("kv_pages_pinned", "KV pages held for a peer (P until the ack, D landing)",
+     "pinned_pages"),
+    ("kv_pages_total", "KV pages in the engine's device pool", "total_pages"),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hits"),
+    ("kv_transfers", "KV transfers (P: posted, D: landed)", "transfers"),
+    ("kv_transfer_bytes", "KV bytes written to decode engines", "transfer_bytes"),
+    ("lease_expiries", "P pins released because D's lease ran out", "lease_expiries"),
+    ("fences", "Landing pages fenced against a late write", "fences"),
+    ("retractions", "Requests retracted for capacity", "retractions"),
+    ("readmissions", "Retracted requests readmitted", "readmissions"),
+    ("liveness_stalls", "Rounds the liveness last resort ran", "stalls"),
+    ("requests_aborted", "Requests aborted on the engine (client or peer)", "aborted"),
+    ("requests_finished", "Requests finished on the engine", "finished"),
+)
+
+
+class _EngineCollector:
+    def __init__(self):
+        self.snapshot = []
+
+    def describe(self):
+        return []                          # scraped on demand: nothing to check at register
+
+    def collect(self):
+        fams = {}
+        for name, doc, _ in _GAUGES:
+            fams[name] = GaugeMetricFamily(P + name, doc, labels=["engine", "role"])
+        usage = GaugeMetricFamily(P + "kv_cache_usage_perc", "Share of KV pages in use (0-1)",
+                                  labels=["engine", "role"])
+        for name, doc, _ in _COUNTERS:
+            fams[name] = CounterMetricFamily(P + name, doc, labels=["engine", "role"])
+        failures = CounterMetricFamily(P + "kv_transfer_failures", "KV transfers that failed, "
+                                       "by stage", labels=["engine", "role", "stage"])
+        seconds = HistogramMetricFamily(P + "kv_transfer_seconds", "KV write post to "
+                                        "completion, on P", labels=["engine", "role"])
+        for ref, s in self.snapshot:
+            labels = [ref.name, s.role]
+            for name, _, field in _GAUGES + _COUNTERS:
+                fams[name].add_metric(labels, getattr(s, field))
+            usage.add_metric(labels, s.used_pages / s.total_pages if s.total_pages else 0.0)
+            for stage, n in sorted(s.transfer_failures_by_stage.items()):
+                failures.add_metric(labels + [stage], n)
+            if s.role == "prefill" and s.transfer_seconds_buckets:
+                bounds = [str(b) for b in s.transfer_seconds_buckets] + ["+Inf"]
+                seconds.add_metric(labels, list(zip(bounds, s.transfer_seconds_counts)),
+                                   s.transfer_seconds_sum)
+        yield from fams.values()
+        yield usage
+        yield failures
+        yield seconds

@@ -1,0 +1,66 @@
+"""Which engines serve a request: a fused engine, or a D engine and a P
+engine. Least outstanding tokens on each side, except that the engine that
+last served the same first page wins while it is not much busier, so its
+prefix cache is reused. Pure bookkeeping: no RPC, no clock."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+ROUTES = ("", "fused", "disaggregated")
+AFFINITY_SLACK_TOKENS = 4096   # how much more load a warm prefix cache is worth
+AFFINITY_ENTRIES = 65536       # first pages remembered (LRU)
+
+
+@dataclasses.dataclass
+class EngineRef:
+    name: str
+    role: str
+    address: str
+    stub: object = None           # the EngineControl stub, made on the router's loop
+    incarnation: int = 0
+    alive: bool = True
+    load: int = 0                 # outstanding tokens the router sent it
+
+
+class Pairing:
+    def __init__(self, engines: dict[str, EngineRef], page_size: int):
+        self.engines = engines
+        self.page_size = page_size
+        self._affinity: collections.OrderedDict = collections.OrderedDict()
+
+    def _choose(self, cands: list, prefix) -> EngineRef:
+        """Least outstanding tokens, unless the engine that last served this
+        prompt's first page (its prefix cache is warm) is within
+        AFFINITY_SLACK_TOKENS of the least loaded."""
+        best = min(cands, key=lambda e: (e.load, e.name))
+        warm = self._affinity.get((prefix, best.role))
+        for e in cands:
+            if e.name == warm and e.load <= best.load + AFFINITY_SLACK_TOKENS:
+                best = e
+        self._affinity[(prefix, best.role)] = best.name
+        self._affinity.move_to_end((prefix, best.role))
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return best
+
+    def candidates(self, route: str) -> tuple[list, list]:
+        """(engines that could decode the request, prefill engines for a D)."""
+        live = [e for e in self.engines.values() if e.alive]
+        fused = [e for e in live if e.role == "fused"]
+        dec = [e for e in live if e.role == "decode"]
+        pre = [e for e in live if e.role == "prefill"]
+        if not pre:
+            dec = []                      # a D engine with no P would prefill everything itself
+        cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
+        if not cands:
+            raise LookupError(f"no live engine can serve route {route or 'any'!r}")
+        return cands, pre
+
+    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
+        cands, pre = self.candidates(route)
+        prefix = tuple(ids[:self.page_size])
+        target = self._choose(cands, prefix)
+        peer = self._choose(pre, prefix) if target.role == "decode" and pre else None
+        return target, peer

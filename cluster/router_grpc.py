@@ -1,0 +1,126 @@
+"""The gRPC front of the router (pdserve.v1.Router) on grpc.aio: the same
+event loop as the HTTP front, no thread per stream. With an API key every
+call but the health check needs `authorization: Bearer KEY` in its metadata
+(the health check too with router.protect_metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.cluster.router import RequestError, Router
+from pdserve.proto import router_pb2 as pb
+from pdserve.proto import router_pb2_grpc as pbg
+
+CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "aborted": grpc.StatusCode.ABORTED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+HEALTH_METHOD = "/grpc.health.v1.Health/"
+
+
+def key_matches(header: str | None, key: str) -> bool:
+    """`header` is 'Bearer KEY' for this key (compared in constant time)."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].encode(), key.encode())
+
+
+class _ApiKey(grpc.aio.ServerInterceptor):
+    def __init__(self, key: str, protect_health: bool):
+        self.key = key
+        self.protect_health = protect_health
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(HEALTH_METHOD) and not self.protect_health:
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if key_matches(header, self.key):
+            return await continuation(details)
+        why = "no API key given" if not header else "the API key is wrong"
+        message = (f"{why}: send metadata 'authorization: Bearer <key>' with the key the "
+                   "deployment was started with (--api-key or PDSERVE_API_KEY)")
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.response_streaming:
+            async def refuse_stream(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                yield  # pragma: no cover - abort raises
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+class RouterServicer(pbg.RouterServicer):
+    def __init__(self, router: Router):
+        self.r = router
+
+    async def Generate(self, request, context):
+        try:
+            ids, sp = self.r.validate(request)
+            stream = self.r.open(ids, sp, request.route, request.request_id or None)
+        except RequestError as e:
+            await context.abort(CODES[e.kind], e.message)
+        try:
+            async with contextlib.aclosing(stream.events()) as deltas:
+                async for d in deltas:
+                    yield pb.GenerateResponse(
+                        request_id=stream.id, token_ids=d.token_ids, text=d.text,
+                        finish_reason=d.finish_reason, engine=d.engine, logprobs=d.logprobs,
+                        prompt_tokens=len(ids) if d.finish_reason else 0)
+        except RequestError as e:
+            await context.abort(CODES[e.kind], e.message)
+
+    async def Abort(self, request, context):
+        if not await self.r.abort(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no running request {request.request_id!r}: it finished, "
+                                "was never sent, or the id is mistyped")
+        return pb.AbortResponse(aborted=True)
+
+    async def ServerInfo(self, request, context):
+        return self.r.server_info()
+
+    async def Stats(self, request, context):
+        return await self.r.stats()
+
+
+async def grpc_server(router: Router, host: str, port: int):
+    """A started grpc.aio server for `router`; returns (server, bound port)."""
+    sec, rc = router.security, router.cfg.router
+    interceptors = [_ApiKey(sec.api_key, rc.protect_metrics)] if sec.api_key else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", rc.max_body_bytes)])
+    pbg.add_RouterServicer_to_server(RouterServicer(router), server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    for svc in ("", "pdserve.v1.Router"):
+        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    names = (pb.DESCRIPTOR.services_by_name["Router"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    if sec.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(Path(sec.tls_key).read_bytes(), Path(sec.tls_cert).read_bytes())])
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP API, through the official `openai` client,
+against one live local deployment (shared by the module) of the real
+SmolLM2-135M-Instruct: a fused engine and a P+D pair behind one router,
+reached by the `route` extension, with an API key."""
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.client import Client
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.deploy import Deployment
+from pdserve.cluster.router import Security
+
+KEY = "sk-test-key"
+ENGINE = {"page_size": 16, "total_pages": 256, "max_scheduled_tokens": 256,
+          "max_batch_size": 32}
+ROUTES = ("fused", "disaggregated")
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def dep():
+    cfg = ServeConfig.from_dict({"model": {"preset": "smollm2-135m"}, "engine": ENGINE,
+                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
+    d = Deployment(cfg, num_cpus=2, security=Security(api_key=KEY),
+                   engine_options={"transfer_timeout_s": 30.0})
+    d.start(http_port=0)
+    yield d
+    errors = d.errors()
+    d.stop()
+    assert not errors, f"engines served on after failing rounds: {errors}"
+
+
+@pytest.fixture(scope="module")
+def oai(dep):
+    return openai.OpenAI(base_url=dep.http_address + "/v1", api_key=KEY, timeout=120,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(dep):
+    c = Client(dep.address, timeout=120, api_key=KEY)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+def wait_idle(c: Client, seconds: float = 15.0) -> list[dict]:
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = c.stats()
+        if not any(s["used_pages"] or s["running"] or s["waiting"] for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines not idle after {seconds} s: {stats}")
+        time.sleep(0.05)
+
+
+def test_models_lists_the_served_model(oai):
+    assert [m.id for m in oai.models.list().data] == ["smollm2-135m"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_chat_answers_a_real_question_with_usage(oai, model, route, grpc_client):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=24,
+                                    temperature=0, extra_body={"route": route})
+    text = r.choices[0].message.content
+    assert "Paris" in text, text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_both_routes_give_the_same_greedy_answer_streamed_or_not(oai, model):
+    answers = []
+    for route in ROUTES:
+        whole = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=16,
+                                            temperature=0, extra_body={"route": route})
+        chunks = list(oai.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"route": route}))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+            whole.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+            whole.choices[0].finish_reason
+        answers.append(whole.choices[0].message.content)
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_completions_take_a_string_a_list_and_token_ids(oai, model, route):
+    one = oai.completions.create(model=model, prompt="The capital of France is",
+                                 max_tokens=8, temperature=0, extra_body={"route": route})
+    assert one.object == "text_completion" and one.choices[0].text
+    many = oai.completions.create(model=model, prompt=["The capital of France is", "1, 2, 3,"],
+                                  max_tokens=8, temperature=0, extra_body={"route": route})
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == one.choices[0].text
+    ids = oai.completions.create(model=model, prompt=[504, 3575, 282, 4649, 314], max_tokens=4,
+                                 temperature=0, extra_body={"route": route})
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_and_not(oai, model):
+    free = oai.completions.create(model=model, prompt="Count: 1, 2, 3, 4,", max_tokens=16,
+                                  temperature=0).choices[0].text
+    stop = free.strip().split()[2]              # a word a few tokens in
+    want = free[:free.index(stop)]
+    r = oai.completions.create(model=model, prompt="Count: 1, 2, 3, 4,", max_tokens=16,
+                               temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(oai.completions.create(model=model, prompt="Count: 1, 2, 3, 4,",
+                                         max_tokens=16, temperature=0, stop=stop, stream=True,
+                                         extra_body={"route": "disaggregated"}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_seed_reproduces_a_sampled_answer_and_n_gives_distinct_choices(oai, model):
+    def ask(seed, n=1):
+        return oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+                                           temperature=1.0, seed=seed, n=n)
+    a, b, c = ask(7), ask(7), ask(8)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content != c.choices[0].message.content
+    two = ask(7, n=2)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert two.choices[0].message.content == a.choices[0].message.content   # choice i: seed+i
+    assert two.choices[1].message.content == c.choices[0].message.content
+    assert two.usage.completion_tokens == a.usage.completion_tokens + c.usage.completion_tokens
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_logprobs_give_the_chosen_token_and_the_top_ones(oai, model, route):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0,
+                                    logprobs=True, top_logprobs=3, extra_body={"route": route})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= \
+            e.top_logprobs[2].logprob
+        assert e.logprob <= 0
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    c = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                               temperature=0, logprobs=2, extra_body={"route": route})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.choices[0].text
+
+
+def test_ignore_eos_and_min_tokens_hold_the_answer_open(oai, model):
+    short = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=64,
+                                        temperature=0)
+    assert short.choices[0].finish_reason == "stop"
+    n = short.usage.completion_tokens
+    longer = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=n + 6,
+                                         temperature=0, extra_body={"min_tokens": n + 3})
+    assert longer.usage.completion_tokens >= n + 3
+    full = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=n + 4,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == n + 4 and full.choices[0].finish_reason == "length"
+
+
+def test_bad_input_is_a_400_naming_the_field(oai, model, dep):
+    cases = [({"model": "gpt-9"}, "model"), ({"temperature": -1}, "temperature"),
+             ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"top_p": 1.5}, "top_p"),
+             ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"max_tokens": 10 ** 6}, "max_tokens")]
+    for extra, param in cases:
+        body = {"model": model, "messages": QUESTION, "max_tokens": 4, **extra}
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(**body)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="x " * 9000, max_tokens=4)
+    assert "exceeds this deployment's bound" in e.value.message and \
+        e.value.body["param"] == "prompt"
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(dep.http_address + "/v1/chat/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(dep.http_address + "/v1/completions", headers=h,
+                   content=b"[" + b"1," * (5 << 20) + b"1]")
+    assert r.status_code == 413
+
+
+def test_the_api_key_is_required_on_both_fronts_but_not_for_health(dep, model):
+    wrong = openai.OpenAI(base_url=dep.http_address + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.post(dep.http_address + "/v1/completions",
+                      json={"prompt": "x"}).status_code == 401
+    assert httpx.get(dep.http_address + "/health").status_code == 200
+    assert httpx.get(dep.http_address + "/metrics").status_code == 200
+    with pytest.raises(grpc.RpcError) as e:
+        Client(dep.address, timeout=30).generate("Hello", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_the_request(dep, model, grpc_client):
+    before = {s["name"]: s["aborted"] for s in grpc_client.stats()}
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": model, "messages": QUESTION, "max_tokens": 4000, "stream": True,
+            "route": "disaggregated", "ignore_eos": True}
+    with httpx.stream("POST", dep.http_address + "/v1/chat/completions", json=body, headers=h,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]        # a few tokens, then hang up
+    assert any(json.loads(x[6:])["choices"][0]["delta"].get("content") for x in got
+               if x.startswith("data: {"))
+    # 4,000 tokens take minutes here: idle within 15 s means the engines aborted it
+    after = wait_idle(grpc_client)
+    assert after[[s["name"] for s in after].index("pdserve:decode-0")]["aborted"] == \
+        before["pdserve:decode-0"] + 1
+
+
+def test_metrics_name_what_happened(oai, model, dep):
+    oai.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0,
+                           extra_body={"route": "disaggregated"})
+    text = httpx.get(dep.http_address + "/metrics").text
+    for series in ('pdserve:num_requests_running{engine="decode-0",role="decode"}',
+                   'pdserve:kv_pages_total{engine="fused-0",role="fused"} 256.0',
+                   'pdserve:time_to_first_token_seconds_count{engine="decode-0"}',
+                   'pdserve:generation_tokens_total{engine="decode-0"}',
+                   'pdserve:request_success_total{engine="decode-0",finished_reason="length"}',
+                   'pdserve:kv_transfer_seconds_count{engine="prefill-0",role="prefill"}',
+                   'pdserve:prefix_cache_queries_total{engine="prefill-0",role="prefill"}'):
+        assert series in text, series
+    transfers = [ln for ln in text.splitlines()
+                 if ln.startswith('pdserve:kv_transfers_total{engine="prefill-0"')]
+    assert float(transfers[0].split()[-1]) >= 1
+
+
+def test_grpc_returns_logprobs_and_min_tokens_too(grpc_client):
+    r = grpc_client.generate("The capital of France is", max_tokens=5, logprobs=2,
+                             route="disaggregated")
+    assert len(r.logprobs) == len(r.token_ids) == 5
+    assert all(len(top) == 2 and tok == top[0][0] for tok, _, top in r.logprobs)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) |
+                    st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) |
+                    st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
+          "stop", "seed", "logprobs", "top_logprobs", "stream", "stream_options", "min_tokens",
+          "ignore_eos", "route", "max_completion_tokens", "echo", "logit_bias"]
+
+
+def short(body: dict) -> dict:
+    """A fuzzed body that is well formed may run: cap what it generates."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        if is_int(body.get(key)) and body[key] > 2:
+            body[key] = 2
+    if not is_int(body.get("max_completion_tokens")) and body.get("max_tokens") is None:
+        body["max_tokens"] = 2          # unset or null: until the context limit
+    return body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       junk=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4),
+       raw=st.one_of(st.none(), st.binary(max_size=40)))
+def test_fuzzed_bodies_never_get_a_500_and_the_server_stays_up(dep, model, path, junk, raw):
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = short({"model": model, "prompt": "Hi", "messages": QUESTION, **junk})
+    content = raw if raw is not None else json.dumps(body).encode()
+    r = httpx.post(dep.http_address + path, content=content, headers=h, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+
+
+def test_the_deployment_is_idle_after_everything(grpc_client):
+    wait_idle(grpc_client)
+
+
+def test_many_concurrent_streams_finish_in_order(oai, model):
+    outs = [None] * 6
+
+    def ask(i):
+        chunks = oai.completions.create(model=model, prompt=f"{i} apples and", max_tokens=8,
+                                        temperature=0, stream=True,
+                                        extra_body={"route": ROUTES[i % 2]})
+        outs[i] = "".join(c.choices[0].text for c in chunks)
+    ts = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for i in range(6):
+        want = oai.completions.create(model=model, prompt=f"{i} apples and", max_tokens=8,
+                                      temperature=0).choices[0].text
+        assert outs[i] == want
+
+
+def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
+    """A second router over the same engines, with TLS and the key: the gRPC
+    client and an HTTPS client both get answers, a plaintext one does not."""
+    import shutil
+    import ssl
+    import subprocess
+
+    from pdserve.cluster.router import Router
+
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to make the test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    old = dep.router
+    r = Router(old.cfg, old.tokenizer, old.vocab_size,
+               [(e.name, e.role, e.address) for e in old.engines.values()], old.resolver,
+               Security(KEY, str(cert), str(key)))
+    r.start("localhost", 0, http_port=0)
+    try:
+        c = Client(r.address, timeout=60, api_key=KEY, tls_ca=str(cert))
+        assert c.generate("The capital of France is", max_tokens=3).token_ids
+        oai = openai.OpenAI(base_url=r.http_address + "/v1", api_key=KEY, max_retries=0,
+                            http_client=openai.DefaultHttpxClient(
+                                verify=ssl.create_default_context(cafile=str(cert))))
+        assert oai.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).usage
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(r.http_address.replace("https", "http") + "/health", timeout=5)
+    finally:
+        r.stop()
