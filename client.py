@@ -93,12 +93,15 @@ def _channel(address: str, tls_ca: str | None, aio: bool):
     """A channel to the router; with `tls_ca` (a PEM file, or "" for the
     system's roots) a TLS one."""
     mod = grpc.aio if aio else grpc
+    # a connection of its own (gRPC shares one per address across channels by
+    # default): with router replicas behind one port, clients then spread
+    options = [("grpc.use_local_subchannel_pool", 1)]
     if tls_ca is None:
-        return mod.insecure_channel(address)
+        return mod.insecure_channel(address, options=options)
     from pathlib import Path
 
     creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes() if tls_ca else None)
-    return mod.secure_channel(address, creds)
+    return mod.secure_channel(address, creds, options=options)
 
 
 def _metadata(api_key: str | None):
@@ -146,6 +149,7 @@ class Client:
     def server_info(self) -> dict:
         i = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=30, metadata=self._md)
         return {"version": i.version, "model": i.model, "page_size": i.page_size,
+                "router": i.router,
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
                              "incarnation": e.incarnation, "alive": e.alive} for e in i.engines]}

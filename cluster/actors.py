@@ -44,6 +44,37 @@ class EngineHost:
 EngineActor = ray.remote(EngineHost)
 
 
+class RouterHost:
+    """A router replica in a process of its own (router.replicas > 1): the
+    same ports as the others (SO_REUSEPORT), the same engines, its own
+    streams and its own subscription to each engine."""
+
+    def __init__(self, cfg: ServeConfig, engines: list[tuple], security, host: str, port: int,
+                 http_port: int | None):
+        from pdserve.cluster.router import Router
+        from pdserve.kernels.loader import load_tokenizer, model_config_for
+
+        m = cfg.model
+        tok = load_tokenizer(m.path, m.preset)
+
+        def resolve(name: str) -> str:
+            actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
+            return ray.get(actor.info.remote(), timeout=5)["address"]
+        self.router = Router(cfg, tok, model_config_for(m.path, m.preset).vocab_size, engines,
+                             resolve, security)
+        self.router.start(host, port, http_port)
+
+    def info(self) -> dict:
+        return {"id": self.router.id, "address": self.router.address,
+                "http_address": self.router.http_address}
+
+    def stop(self) -> None:
+        self.router.stop()
+
+
+RouterActor = ray.remote(RouterHost)
+
+
 def actor_name(role: str, index: int) -> str:
     return f"pdserve:{role}-{index}"
 

@@ -278,8 +278,8 @@ class HttpFront:
                 if want_lps and d.logprobs:
                     lps = self._logprobs(d.logprobs, chat, offsets[i])
                 offsets[i] += len(d.text)
-                if not (d.text or d.finish_reason or lps):
-                    continue                         # held back (a stop string may follow)
+                # one event a delta, even while its text is held back (part of a
+                # character, or of a possible stop string): streams stay token by token
                 finish = d.finish_reason or None
                 if chat:
                     yield event({"index": i, "delta": {"content": d.text} if d.text else {},
@@ -416,6 +416,8 @@ async def http_server(router: Router, host: str, port: int) -> tuple[HttpServer,
                             ssl_keyfile=sec.tls_key, timeout_graceful_shutdown=2)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if router.cfg.router.replicas > 1:          # the replicas share the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -15,6 +15,11 @@ from pdserve.proto import control_pb2_grpc as cpbg
 
 log = logging.getLogger("pdserve.router")
 
+# an engine that misses this many GetInfo rounds in a row is taken as down; a
+# broken event stream (engine_link.py) says so at once. A loaded machine can
+# delay one answer past its timeout without the engine being gone.
+MISSES_DOWN = 3
+
 
 def connect(ref: EngineRef, address: str, options=()) -> None:
     ref.address = address
@@ -49,9 +54,12 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> b
     changed, infos = False, {}
     for ref, info in zip(refs, got):
         if info is None:
-            changed |= ref.alive
-            ref.alive = False
+            ref.misses += 1
+            if ref.misses >= MISSES_DOWN:
+                changed |= ref.alive
+                ref.alive = False
             continue
+        ref.misses = 0
         ref.alive = True
         infos[ref.name] = info
         if info.incarnation != ref.incarnation:

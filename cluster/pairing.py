@@ -22,6 +22,7 @@ class EngineRef:
     incarnation: int = 0
     alive: bool = True
     load: int = 0                 # outstanding tokens the router sent it
+    misses: int = 0               # membership rounds in a row it did not answer
 
 
 class Pairing:

@@ -28,6 +28,7 @@ import grpc
 import pdserve
 from pdserve.cluster import membership
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.engine_link import LOST, EngineLink
 from pdserve.cluster.metrics import RouterMetrics
 from pdserve.cluster.pairing import ROUTES, EngineRef, Pairing
 from pdserve.kernels.sampling import SamplingParams
@@ -38,6 +39,7 @@ from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 log = logging.getLogger("pdserve.router")
 
 MAX_RESUBMITS = 3
+SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
 
 
 class RequestError(Exception):
@@ -85,6 +87,9 @@ class Router:
         self.resolver = resolver
         self.security = security
         self.engines = {name: EngineRef(name, role, address) for name, role, address in engines}
+        self.id = uuid.uuid4().hex[:12]
+        self.links: dict[str, EngineLink] = {}
+        self._background: set = set()           # fire-and-forget aborts, kept referenced
         self.pairing = Pairing(self.engines, cfg.engine.page_size)
         self.max_prompt_tokens = max_single_request_tokens(cfg.engine)
         self.model_name = cfg.model.served_name
@@ -102,7 +107,8 @@ class Router:
         return self.pairing.pick(route, ids)
 
     # ---- validation (both fronts) ------------------------------------------------
-    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, param: str = "prompt",
+               add_special_tokens: bool = True) -> list[int]:
         """Token ids; a chat template's text is encoded without the BOS the
         tokenizer would add (the template wrote its own), as transformers does."""
         try:
@@ -203,7 +209,7 @@ class Router:
     def server_info(self) -> pb.ServerInfoResponse:
         m = self.cfg.model
         return pb.ServerInfoResponse(
-            version=pdserve.__version__, model=m.path or f"preset:{m.preset}",
+            version=pdserve.__version__, model=m.path or f"preset:{m.preset}", router=self.id,
             page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role, address=e.address,
                                    incarnation=e.incarnation, alive=e.alive)
@@ -242,6 +248,12 @@ class Router:
         for ref in self.engines.values():
             membership.connect(ref, ref.address, options)
         await membership.refresh(self.engines, self.resolver, options)
+        for ref in self.engines.values():
+            self.links[ref.name] = link = EngineLink(ref, self.id)
+            link.start()
+        live = [self.links[r.name].ready.wait() for r in self.engines.values() if r.alive]
+        with contextlib.suppress(asyncio.TimeoutError):   # a slow one joins when it can
+            await asyncio.wait_for(asyncio.gather(*live), SUBSCRIBE_WAIT_S)
         server, bound = await grpc_server(self, host, port)
         self.address = f"{host}:{bound}"
         http = None
@@ -253,6 +265,8 @@ class Router:
         started.set()
         await self._stopping.wait()
         watcher.cancel()
+        for link in self.links.values():
+            link.stop()
         if http is not None:
             await http.close()
         await server.stop(grace=1.0)
@@ -266,6 +280,15 @@ class Router:
                 log.exception("membership refresh failed")
                 if len(self.errors) < 20:
                     self.errors.append(f"{type(e).__name__}: {e}")
+
+    def background(self, coro) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:          # a stream closed off the loop (at exit): nothing to run on
+            coro.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def run_sync(self, coro, timeout: float = 30.0):
         """Run a coroutine on the router's loop from another thread."""
@@ -302,7 +325,8 @@ class Stream:
         try:
             for attempt in range(MAX_RESUBMITS + 1):
                 try:
-                    async with contextlib.aclosing(self._attempt(streamed)) as deltas:
+                    attempt_deltas = _every(self._attempt(streamed), r.cfg.router.stream_interval)
+                    async with contextlib.aclosing(attempt_deltas) as deltas:
                         async for d in deltas:
                             timing.tokens(d.engine, len(d.token_ids))
                             if d.finish_reason:
@@ -345,22 +369,75 @@ class Stream:
             sub.seed = sp.seed
         if sp.logprobs is not None:
             sub.logprobs = sp.logprobs
-        call = target.stub.Submit(sub)
+        link = r.links[target.name]
+        q: asyncio.Queue = asyncio.Queue()
+        ended = submitted = False
         try:
-            async for ev in call:
+            try:
+                await asyncio.wait_for(link.ready.wait(), SUBSCRIBE_WAIT_S)
+            except asyncio.TimeoutError:
+                target.alive = False              # until membership sees it again
+                raise _EngineLost(f"{target.name} has no live event stream") from None
+            link.requests[self.id] = q
+            sub.subscriber = link.subscriber
+            try:
+                await target.stub.Submit(sub, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RequestError("invalid", e.details()) from None
+                target.alive = False
+                raise _EngineLost(f"{target.name} did not take the request: "
+                                  f"{e.code().name}") from None
+            submitted = True
+            while not ended:
+                ev = await q.get()
+                if ev is LOST:
+                    ended = True                  # nothing left on that engine to abort
+                    target.alive = False
+                    raise _EngineLost(f"{target.name} failed mid-stream")
                 if ev.error:
+                    ended = True
                     kind = "aborted" if ev.error.startswith("aborted") else "internal"
                     raise RequestError(kind, ev.error)
+                ended = bool(ev.finish_reason)
                 streamed.extend(ev.token_ids)
                 yield Delta(list(ev.token_ids), ev.text, list(ev.logprobs), ev.finish_reason,
                             target.name)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RequestError("invalid", e.details()) from None
-            target.alive = False                  # until membership sees it again
-            raise _EngineLost(f"{target.name} failed mid-stream: {e.code().name}") from None
         finally:
-            call.cancel()                         # the client left: the engine aborts it
+            if link.requests.get(self.id) is q:
+                del link.requests[self.id]
+            if submitted and not ended:           # the client left: the engine aborts it
+                r.background(_abort(target, self.id, "client went away"))
             target.load -= load
             if peer is not None:
                 peer.load -= len(ids)
+
+
+async def _every(deltas, k: int):
+    """The deltas, merged so that each carries at least `k` tokens (the
+    last one whatever is left): router.stream_interval."""
+    if k <= 1:
+        async with contextlib.aclosing(deltas):
+            async for d in deltas:
+                yield d
+        return
+    held = None
+    async with contextlib.aclosing(deltas):
+        async for d in deltas:
+            if held is None:
+                held = d
+            else:
+                held = Delta(held.token_ids + d.token_ids, held.text + d.text,
+                             held.logprobs + d.logprobs, d.finish_reason, d.engine)
+            if len(held.token_ids) >= k or held.finish_reason:
+                yield held
+                held = None
+    if held is not None:
+        yield held
+
+
+async def _abort(ref: EngineRef, rid: str, reason: str) -> None:
+    try:
+        await ref.stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason=reason), timeout=10)
+    except grpc.aio.AioRpcError as e:               # the engine is gone: nothing left to abort
+        log.info("abort of %s on %s: %s", rid, ref.name, e.code().name)

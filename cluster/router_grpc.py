@@ -106,7 +106,9 @@ async def grpc_server(router: Router, host: str, port: int):
     sec, rc = router.security, router.cfg.router
     interceptors = [_ApiKey(sec.api_key, rc.protect_metrics)] if sec.api_key else []
     server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_receive_message_length", rc.max_body_bytes)])
+        ("grpc.max_receive_message_length", rc.max_body_bytes),
+        # replicas share the port; a lone router must own it (a clash is an error)
+        ("grpc.so_reuseport", 1 if rc.replicas > 1 else 0)])
     pbg.add_RouterServicer_to_server(RouterServicer(router), server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -1,78 +1,99 @@
 """Incremental detokenization: text for each new token in constant work.
 
 Decoding a request's whole output after every token costs time quadratic
-in its length. A `Detokenizer` decodes only a short window: the tokens
-since the last text it was sure of (`prefix`), with and without the new
-ones, and emits the difference. A window that ends in U+FFFD (part of a
-multi-byte character) emits nothing until the character completes.
-
-Stop strings are found in the tail of the text, and text that could still
-become a stop string is held back from `ready()` until it cannot, so a
-stream never shows a client the start of a stop string it then takes back.
+in its length. A `Detokenizer` feeds each token to the tokenizer's
+incremental decoder (`decode_stream`: tokenizers' DecodeStream, which holds
+a multi-byte character back until all its bytes are in), looks for stop
+strings only where a new one could end, and holds back text that could
+still become a stop string, so a stream never shows a client the start of a
+stop string it then takes back. Every step touches a bounded amount of text
+(the new piece and the longest stop string's length before it).
 """
 
 from __future__ import annotations
 
-CONTEXT_TOKENS = 6      # prompt tokens decoded with the first output tokens
+CONTEXT_TOKENS = 6      # prompt tokens that give the first output token its context
 
 
 class Detokenizer:
-    __slots__ = ("tok", "ids", "prefix", "read", "text", "stop", "longest_stop", "stopped",
-                 "_sent", "_scanned")
+    __slots__ = ("_step", "stop", "longest_stop", "stopped", "_out", "_pending")
 
     def __init__(self, tokenizer, prompt_tail=(), stop=()):
-        self.tok = tokenizer
-        # a few prompt tokens give the first output token its context (a
-        # leading space, a merge across the boundary), never emitted themselves
-        self.ids = list(prompt_tail[-CONTEXT_TOKENS:])
-        self.prefix = 0
-        self.read = len(self.ids)
-        self.text = ""              # the output's text so far (cut at a stop string)
+        self._step = tokenizer.decode_stream(list(prompt_tail[-CONTEXT_TOKENS:])).step
         self.stop = tuple(stop)
         self.longest_stop = max((len(s) for s in self.stop), default=0)
-        self.stopped = False        # a stop string was found; text ends before it
-        self._sent = 0              # chars of text handed out by ready()
-        self._scanned = 0           # text before this offset holds no stop string
+        self.stopped = False        # a stop string was found; the text ends before it
+        self._out: list[str] = []   # text handed out by ready()
+        self._pending = ""          # text not handed out yet (held back, or not asked for)
+
+    @property
+    def text(self) -> str:
+        """The whole output's text so far (cut at a stop string)."""
+        return "".join(self._out) + self._pending
 
     def push(self, token: int, check_stop: bool = True) -> bool:
         """Add one token; True if a stop string now appears in the text.
         `check_stop=False` (before min_tokens) adds text without looking."""
         if self.stopped:
             return True
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        after = self.tok.decode(self.ids[self.prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return False            # nothing printable yet: wait for the next token
-        self.text += after[len(before):]
-        self.prefix, self.read = self.read, len(self.ids)
+        piece = self._step(token)
+        if not piece:
+            return False            # part of a character: wait for the next token
         if not (self.stop and check_stop):
-            self._scanned = len(self.text)
+            self._pending += piece
             return False
-        start = max(self._scanned - self.longest_stop + 1, 0)
-        cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0),
-                  default=-1)
-        self._scanned = len(self.text)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            self.stopped = True
-        return self.stopped
+        # a stop string that ends in this piece starts at most longest-1 chars before it
+        before = self._tail(self.longest_stop - 1)
+        window = before + piece
+        cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut < 0:
+            self._pending += piece
+            return False
+        self.stopped = True
+        keep = cut - len(before)    # chars of `piece` before the stop string (may be < 0)
+        if keep >= 0:
+            self._pending += piece[:keep]
+        else:                       # it began in text not handed out yet, or in text out
+            drop = -keep
+            held = len(self._pending)
+            self._pending = self._pending[:held - min(drop, held)]
+        return True
+
+    def _tail(self, n: int) -> str:
+        if n <= 0:
+            return ""
+        if len(self._pending) >= n:
+            return self._pending[-n:]
+        out, need = [self._pending], n - len(self._pending)
+        for piece in reversed(self._out):
+            out.append(piece[-need:])
+            need -= len(out[-1])
+            if need <= 0:
+                break
+        return "".join(reversed(out))
 
     def ready(self, final: bool = False) -> str:
         """Text not handed out yet. Unless `final`, a tail that is the start
         of a stop string stays back."""
-        end = len(self.text)
+        text = self._pending
+        keep = 0
         if not final and self.stop and not self.stopped:
-            end -= _held_back(self.text, self.stop, self.longest_stop)
-        out = self.text[self._sent:end] if end > self._sent else ""
-        self._sent = max(self._sent, end)
+            keep = _held_back(self._tail(self.longest_stop - 1), self.stop)
+        out = text[:len(text) - keep] if keep else text
+        if out:
+            self._out.append(out)
+        self._pending = text[len(out):]
         return out
 
 
-def _held_back(text: str, stops, longest: int) -> int:
-    """Length of the longest tail of `text` that begins some stop string."""
-    for n in range(min(longest - 1, len(text)), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stops):
-            return n
-    return 0
+def _held_back(tail: str, stops) -> int:
+    """Length of the longest end of `tail` that begins some stop string."""
+    best = 0
+    for s in stops:
+        i = tail.find(s[0])
+        while i >= 0 and len(tail) - i > best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
+                break
+            i = tail.find(s[0], i + 1)
+    return best

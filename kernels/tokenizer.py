@@ -30,6 +30,17 @@ class PrintableTokenizer:
     def decode(self, ids) -> str:
         return "".join("\n" if i == 95 else chr(i + 32) for i in ids if 0 <= i <= 95)
 
+    def decode_stream(self, context=()):
+        return _PrintableStream()
+
+
+class _PrintableStream:
+    """One character a token: nothing to hold back."""
+
+    @staticmethod
+    def step(token: int) -> str | None:
+        return "\n" if token == 95 else (chr(token + 32) if 0 <= token < 95 else None)
+
 
 NO_TOKENIZER = ("this model directory has no tokenizer.json; pass token ids instead of text, "
                 "or add the tokenizer to the directory")
@@ -105,6 +116,37 @@ class HFTokenizer:
         if self._tok is None:
             return " ".join(str(i) for i in ids)
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def decode_stream(self, context=()):
+        """An incremental decoder (`step(id) -> str | None`): tokenizers'
+        DecodeStream, which holds back a character until its bytes are all
+        in; `context` (the prompt's last tokens) gives the first output token
+        its leading space or merge."""
+        if self._tok is None:
+            return _JoinedIds()
+        from tokenizers.decoders import DecodeStream
+
+        return _BoundStream(DecodeStream(ids=list(context), skip_special_tokens=True), self._tok)
+
+
+class _BoundStream:
+    __slots__ = ("step",)
+
+    def __init__(self, stream, tok):
+        step = stream.step
+        self.step = lambda token: step(tok, token)
+
+
+class _JoinedIds:
+    """No tokenizer: the ids themselves, space-separated (as `decode`)."""
+
+    def __init__(self):
+        self.first = True
+
+    def step(self, token: int) -> str:
+        out = ("" if self.first else " ") + str(token)
+        self.first = False
+        return out
 
 
 def _read_json(path: Path) -> dict:

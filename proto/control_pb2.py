@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import router_pb2 as pdserve_dot_proto_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/control.proto\x12\npdserve.v1\x1a\x1apdserve/proto/router.proto\"\xb5\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x14\n\x0cprefill_peer\x18\x0b \x01(\t\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x7f\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"8\n\x12\x41\x62ortEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x9d\x02\n\x14RemotePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x15\n\rlanding_pages\x18\x04 \x03(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rtarget_engine\x18\x06 \x01(\t\x12\x1a\n\x12target_incarnation\x18\x07 \x01(\x04\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\">\n\x12TransferAckRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0crelease_only\x18\x02 \x01(\x08\"J\n\x15TransferFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x10HeartbeatRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"\r\n\x0bInfoRequest\"i\n\x0cInfoResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"]\n\x0e\x41\x64\x64PeerRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"\xd8\x05\n\x13\x45ngineStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\r\x12\x12\n\nused_pages\x18\x02 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x04\x12\x13\n\x0bretractions\x18\x07 \x01(\x04\x12\x11\n\ttransfers\x18\x08 \x01(\x04\x12\x19\n\x11transfer_failures\x18\t \x01(\x04\x12\x16\n\x0elease_expiries\x18\n \x01(\x04\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x16\n\x0eprefix_queries\x18\x0c \x01(\x04\x12\x13\n\x0bprefix_hits\x18\r \x01(\x04\x12\x0e\n\x06\x66\x65nces\x18\x0e \x01(\x04\x12\x14\n\x0creadmissions\x18\x0f \x01(\x04\x12\x0e\n\x06stalls\x18\x10 \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x11 \x01(\x04\x12`\n\x1atransfer_failures_by_stage\x18\x12 \x03(\x0b\x32<.pdserve.v1.EngineStatsResponse.TransferFailuresByStageEntry\x12 \n\x18transfer_seconds_buckets\x18\x13 \x03(\x01\x12\x1f\n\x17transfer_seconds_counts\x18\x14 \x03(\x04\x12\x1c\n\x14transfer_seconds_sum\x18\x15 \x01(\x01\x12\x34\n\x10waiting_requests\x18\x16 \x03(\x0b\x32\x1a.pdserve.v1.WaitingRequest\x12\x0f\n\x07\x61\x62orted\x18\x17 \x01(\x04\x12\r\n\x05\x64type\x18\x18 \x01(\t\x12\x11\n\tattention\x18\x19 \x01(\t\x1a>\n\x1cTransferFailuresByStageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xcc\x04\n\rEngineControl\x12=\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x16.pdserve.v1.TokenEvent0\x01\x12\x38\n\x05\x41\x62ort\x12\x1e.pdserve.v1.AbortEngineRequest\x1a\x0f.pdserve.v1.Ack\x12\x42\n\rRemotePrefill\x12 .pdserve.v1.RemotePrefillRequest\x1a\x0f.pdserve.v1.Ack\x12>\n\x0bTransferAck\x12\x1e.pdserve.v1.TransferAckRequest\x1a\x0f.pdserve.v1.Ack\x12\x44\n\x0eTransferFailed\x12!.pdserve.v1.TransferFailedRequest\x1a\x0f.pdserve.v1.Ack\x12?\n\x0eLeaseHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x0f.pdserve.v1.Ack\x12<\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12\x36\n\x07\x41\x64\x64Peer\x12\x1a.pdserve.v1.AddPeerRequest\x1a\x0f.pdserve.v1.Ack\x12\x41\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x1f.pdserve.v1.EngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/control.proto\x12\npdserve.v1\x1a\x1apdserve/proto/router.proto\"\xc9\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x14\n\x0cprefill_peer\x18\x0b \x01(\t\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12\x12\n\nsubscriber\x18\x0e \x01(\tB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"8\n\x0c\x45ngineEvents\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RequestEvent\"\x95\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"8\n\x12\x41\x62ortEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x9d\x02\n\x14RemotePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x15\n\rlanding_pages\x18\x04 \x03(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rtarget_engine\x18\x06 \x01(\t\x12\x1a\n\x12target_incarnation\x18\x07 \x01(\x04\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\">\n\x12TransferAckRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0crelease_only\x18\x02 \x01(\x08\"J\n\x15TransferFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x10HeartbeatRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"\r\n\x0bInfoRequest\"i\n\x0cInfoResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"]\n\x0e\x41\x64\x64PeerRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"\xd8\x05\n\x13\x45ngineStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\r\x12\x12\n\nused_pages\x18\x02 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x04\x12\x13\n\x0bretractions\x18\x07 \x01(\x04\x12\x11\n\ttransfers\x18\x08 \x01(\x04\x12\x19\n\x11transfer_failures\x18\t \x01(\x04\x12\x16\n\x0elease_expiries\x18\n \x01(\x04\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x16\n\x0eprefix_queries\x18\x0c \x01(\x04\x12\x13\n\x0bprefix_hits\x18\r \x01(\x04\x12\x0e\n\x06\x66\x65nces\x18\x0e \x01(\x04\x12\x14\n\x0creadmissions\x18\x0f \x01(\x04\x12\x0e\n\x06stalls\x18\x10 \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x11 \x01(\x04\x12`\n\x1atransfer_failures_by_stage\x18\x12 \x03(\x0b\x32<.pdserve.v1.EngineStatsResponse.TransferFailuresByStageEntry\x12 \n\x18transfer_seconds_buckets\x18\x13 \x03(\x01\x12\x1f\n\x17transfer_seconds_counts\x18\x14 \x03(\x04\x12\x1c\n\x14transfer_seconds_sum\x18\x15 \x01(\x01\x12\x34\n\x10waiting_requests\x18\x16 \x03(\x0b\x32\x1a.pdserve.v1.WaitingRequest\x12\x0f\n\x07\x61\x62orted\x18\x17 \x01(\x04\x12\r\n\x05\x64type\x18\x18 \x01(\t\x12\x11\n\tattention\x18\x19 \x01(\t\x1a>\n\x1cTransferFailuresByStageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x8a\x05\n\rEngineControl\x12\x45\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x18.pdserve.v1.EngineEvents0\x01\x12\x34\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x0f.pdserve.v1.Ack\x12\x38\n\x05\x41\x62ort\x12\x1e.pdserve.v1.AbortEngineRequest\x1a\x0f.pdserve.v1.Ack\x12\x42\n\rRemotePrefill\x12 .pdserve.v1.RemotePrefillRequest\x1a\x0f.pdserve.v1.Ack\x12>\n\x0bTransferAck\x12\x1e.pdserve.v1.TransferAckRequest\x1a\x0f.pdserve.v1.Ack\x12\x44\n\x0eTransferFailed\x12!.pdserve.v1.TransferFailedRequest\x1a\x0f.pdserve.v1.Ack\x12?\n\x0eLeaseHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x0f.pdserve.v1.Ack\x12<\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12\x36\n\x07\x41\x64\x64Peer\x12\x1a.pdserve.v1.AddPeerRequest\x1a\x0f.pdserve.v1.Ack\x12\x41\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x1f.pdserve.v1.EngineStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._loaded_options = None
   _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUEST']._serialized_start=72
-  _globals['_SUBMITREQUEST']._serialized_end=381
-  _globals['_TOKENEVENT']._serialized_start=383
-  _globals['_TOKENEVENT']._serialized_end=510
-  _globals['_ABORTENGINEREQUEST']._serialized_start=512
-  _globals['_ABORTENGINEREQUEST']._serialized_end=568
-  _globals['_ACK']._serialized_start=570
-  _globals['_ACK']._serialized_end=602
-  _globals['_REMOTEPREFILLREQUEST']._serialized_start=605
-  _globals['_REMOTEPREFILLREQUEST']._serialized_end=890
-  _globals['_TRANSFERACKREQUEST']._serialized_start=892
-  _globals['_TRANSFERACKREQUEST']._serialized_end=954
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=956
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=1030
-  _globals['_HEARTBEATREQUEST']._serialized_start=1032
-  _globals['_HEARTBEATREQUEST']._serialized_end=1108
-  _globals['_INFOREQUEST']._serialized_start=1110
-  _globals['_INFOREQUEST']._serialized_end=1123
-  _globals['_INFORESPONSE']._serialized_start=1125
-  _globals['_INFORESPONSE']._serialized_end=1230
-  _globals['_ADDPEERREQUEST']._serialized_start=1232
-  _globals['_ADDPEERREQUEST']._serialized_end=1325
-  _globals['_ENGINESTATSRESPONSE']._serialized_start=1328
-  _globals['_ENGINESTATSRESPONSE']._serialized_end=2056
-  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_start=1994
-  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_end=2056
-  _globals['_ENGINECONTROL']._serialized_start=2059
-  _globals['_ENGINECONTROL']._serialized_end=2647
+  _globals['_SUBMITREQUEST']._serialized_end=401
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=403
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=441
+  _globals['_ENGINEEVENTS']._serialized_start=443
+  _globals['_ENGINEEVENTS']._serialized_end=499
+  _globals['_REQUESTEVENT']._serialized_start=502
+  _globals['_REQUESTEVENT']._serialized_end=651
+  _globals['_ABORTENGINEREQUEST']._serialized_start=653
+  _globals['_ABORTENGINEREQUEST']._serialized_end=709
+  _globals['_ACK']._serialized_start=711
+  _globals['_ACK']._serialized_end=743
+  _globals['_REMOTEPREFILLREQUEST']._serialized_start=746
+  _globals['_REMOTEPREFILLREQUEST']._serialized_end=1031
+  _globals['_TRANSFERACKREQUEST']._serialized_start=1033
+  _globals['_TRANSFERACKREQUEST']._serialized_end=1095
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=1097
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=1171
+  _globals['_HEARTBEATREQUEST']._serialized_start=1173
+  _globals['_HEARTBEATREQUEST']._serialized_end=1249
+  _globals['_INFOREQUEST']._serialized_start=1251
+  _globals['_INFOREQUEST']._serialized_end=1264
+  _globals['_INFORESPONSE']._serialized_start=1266
+  _globals['_INFORESPONSE']._serialized_end=1371
+  _globals['_ADDPEERREQUEST']._serialized_start=1373
+  _globals['_ADDPEERREQUEST']._serialized_end=1466
+  _globals['_ENGINESTATSRESPONSE']._serialized_start=1469
+  _globals['_ENGINESTATSRESPONSE']._serialized_end=2197
+  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_start=2135
+  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_end=2197
+  _globals['_ENGINECONTROL']._serialized_start=2200
+  _globals['_ENGINECONTROL']._serialized_end=2850
 # @@protoc_insertion_point(module_scope)

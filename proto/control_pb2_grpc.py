@@ -34,10 +34,15 @@ class EngineControlStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_stream(
+        self.Subscribe = channel.unary_stream(
+                '/pdserve.v1.EngineControl/Subscribe',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.EngineEvents.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
                 '/pdserve.v1.EngineControl/Submit',
                 request_serializer=pdserve_dot_proto_dot_control__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_control__pb2.TokenEvent.FromString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.EngineControl/Abort',
@@ -84,8 +89,19 @@ class EngineControlStub:
 class EngineControlServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Subscribe(self, request, context):
+        """Router -> engine: one long-lived stream per router carrying the tokens
+        of every request that router submitted, batched per round; the first
+        message (empty) says the subscription is live. When it ends, the engine
+        aborts that router's requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Submit(self, request, context):
-        """Router -> D or fused: run a request; tokens stream back as produced.
+        """Router -> D or fused: run a request; its events arrive on the router's
+        subscription (SubmitRequest.subscriber).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,10 +164,15 @@ class EngineControlServicer:
 
 def add_EngineControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_stream_rpc_method_handler(
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.SubscribeRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.EngineEvents.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
                     request_deserializer=pdserve_dot_proto_dot_control__pb2.SubmitRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_control__pb2.TokenEvent.SerializeToString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -205,7 +226,7 @@ class EngineControl:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Submit(request,
+    def Subscribe(request,
             target,
             options=(),
             channel_credentials=None,
@@ -218,9 +239,36 @@ class EngineControl:
         return grpc.experimental.unary_stream(
             request,
             target,
+            '/pdserve.v1.EngineControl/Subscribe',
+            pdserve_dot_proto_dot_control__pb2.SubscribeRequest.SerializeToString,
+            pdserve_dot_proto_dot_control__pb2.EngineEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
             '/pdserve.v1.EngineControl/Submit',
             pdserve_dot_proto_dot_control__pb2.SubmitRequest.SerializeToString,
-            pdserve_dot_proto_dot_control__pb2.TokenEvent.FromString,
+            pdserve_dot_proto_dot_control__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ planner itself."""
 
 from __future__ import annotations
 
+import queue
 import time
 
 import grpc
@@ -24,24 +25,42 @@ class EngineControlServicer(pbg.EngineControlServicer):
         except RejectedRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    def Subscribe(self, request, context):
+        """A router's event stream: an empty message once live, then each
+        round's events for its requests (rounds that queued up while the
+        last message was being sent travel together)."""
+        sub = request.subscriber
+        q = self.s.outputs.subscribe(sub)
+
+        def gone():
+            if self.s.outputs.unsubscribe(sub, q):
+                self.s.subscriber_gone(sub)
+        context.add_callback(gone)
+        yield pb.EngineEvents()
+        while True:
+            events = q.get()
+            if events is None:
+                return
+            while True:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    yield pb.EngineEvents(events=events)
+                    return
+                events = events + more
+            yield pb.EngineEvents(events=events)
+
     def Submit(self, request, context):
-        rid = request.request_id
-        # registered first: however the stream ends, the engine lets the request go
-        # (after a normal finish the abort finds nothing and does nothing)
-        context.add_callback(lambda: self.s._inbox.put(
-            lambda: self.s.abort(rid, "client went away")))
         try:
-            q = self.s.call(lambda: self.s.submit(request))
+            self.s.call(lambda: self.s.submit(request))
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.s.name} did not take the "
                           "request in time")
-        while True:
-            ev = q.get()
-            if ev is None:
-                return
-            yield ev
+        return pb.Ack(ok=True)
 
     def Abort(self, request, context):
         found = self.s.call(lambda: self.s.abort(request.request_id,

@@ -4,8 +4,10 @@ leases. A plain class; cluster/actors.py makes it a Ray actor.
 
 Threads: gRPC handlers never touch the planner. They put a closure on the
 inbox; the loop thread runs it between rounds, so the planner, executor and
-transport are only ever used from one thread. Results flow back through
-per-request queues that the Submit stream drains.
+transport are only ever used from one thread. Results leave the loop thread
+as one handoff a round to the output thread (roles/outputs.py), which
+detokenizes them and batches them into one message a round for each router
+subscribed (the Subscribe stream).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 
 import grpc
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.config import ServeConfig, engine_for_model
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.sampling import Logprob, SamplingParams
 from pdserve.proto import control_pb2 as pb
@@ -29,6 +31,7 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.roles.engine_stats import EngineCounters, waiting_requests_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.engine import Engine
+from pdserve.roles.outputs import Outputs, logprob_pb
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner, RejectedRequest
@@ -66,11 +69,9 @@ class EngineServer:
         self.incarnation = time.time_ns()
         model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
                                 device=device, attention=cfg.model.attention)
-        engine_cfg = cfg.engine
-        if "max_context_tokens" not in cfg.engine_overrides:
-            engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.cfg.max_position)
+        engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
         self.tokenizer = tok
-        self.executor = TorchExecutor(model, tok, engine_cfg)
+        self.executor = TorchExecutor(model, tok, engine_cfg, detokenize=False)
         self.planner = Planner(engine_cfg, self.role)
         self.engine = Engine(self.name, self.planner, self.executor, forget_finished=False)
         self.transport = None
@@ -88,8 +89,9 @@ class EngineServer:
         self.peers: dict[str, Peer] = {}
         self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
         self.epochs: dict[str, int] = {}        # D: req -> landing epoch
-        self.streams: dict[str, queue.Queue] = {}
-        self.emitted: dict[str, int] = {}       # req -> tokens sent
+        self.owner: dict[str, str] = {}         # req -> the subscription its events go to
+        self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
+        self.outputs = Outputs(tok, self._stop_string_hit, self.name)
         self.counts = EngineCounters()
         self._page_bytes = self.executor.cache.data[0].nbytes
         self._inbox: queue.Queue = queue.Queue()
@@ -132,6 +134,7 @@ class EngineServer:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(10)
+        self.outputs.close()
         self.server.stop(grace=0.5)
         self._rpc_pool.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
@@ -249,66 +252,79 @@ class EngineServer:
         for op in plan.prefills:
             c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.begin)
         for op in plan.remote_prefills:
-            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.first_page * self.planner.page_size)
-        touched = [op.req for op in plan.prefills if op.completes] + list(plan.decodes)
+            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens),
+                            op.first_page * self.planner.page_size)
         if self.role is not Role.PREFILL:
-            for req in touched:
-                self._emit(req)
+            finished = set(out.finished)
+            items = [self._item(op.req, op.req in finished) for op in plan.prefills
+                     if op.completes]
+            items += [self._item(req, req in finished) for req in plan.decodes]
+            self.outputs.post(items)
         for req in out.finished:
-            self._finish_stream(req)
+            self._finished(req)
         for op in plan.remote_prefills:
             self._ask_prefill(op)
         for op in plan.remote_decodes:
             self._ship(op)
 
-    # ---- streams ---------------------------------------------------------------
-    def _emit(self, req, final: str | None = None, error: str | None = None) -> None:
-        q = self.streams.get(req.id)
-        if q is None:
-            return
+    # ---- outputs ---------------------------------------------------------------
+    def _item(self, req, final: bool = False) -> tuple:
+        """The tokens `req` produced since the last handoff, for the output
+        thread; with `final`, its finish reason."""
         sent = self.emitted.get(req.id, 0)
-        new = req.output[sent:]
-        t = self.executor.tracked.get(req.id)
-        text, lps = "", ()
-        if t is not None:
-            text = t.detok.ready(final=final is not None)
-            if t.logprobs:
-                lps, t.logprobs = [_logprob_pb(lp) for lp in t.logprobs], []
-        if new or final or error:
-            q.put(pb.TokenEvent(token_ids=new, text=text, finish_reason=final or "",
-                                error=error or "", logprobs=lps))
         self.emitted[req.id] = len(req.output)
+        t = self.executor.tracked.get(req.id)
+        lps = ()
+        if t is not None and t.logprobs:
+            lps, t.logprobs = t.logprobs, []
+        return (req.id, req.output[sent:], lps, (req.finish_reason or "length") if final else None,
+                None)
 
-    def _finish_stream(self, req) -> None:
+    def _finished(self, req) -> None:
         self.counts.finished += 1
-        self._emit(req, final=req.finish_reason or "length")
         self._close(req.id)
-        self.executor.forget(req.id)
 
     def _close(self, req_id: str) -> None:
-        q = self.streams.pop(req_id, None)
-        if q is not None:
-            q.put(None)
+        self.owner.pop(req_id, None)
         self.emitted.pop(req_id, None)
         self.counts.forget(req_id)
-
-    def _fail(self, req_id: str, error: str) -> None:
-        q = self.streams.get(req_id)
-        if q is not None:
-            q.put(pb.TokenEvent(error=error))
-        self._close(req_id)
         self.executor.forget(req_id)
 
+    def _fail(self, req_id: str, error: str) -> None:
+        if req_id in self.owner:
+            self.outputs.post([(req_id, (), (), None, error)])
+        self._close(req_id)
+
+    def _stop_string_hit(self, req_id: str) -> None:
+        """Output thread: `req_id` produced a stop string; its last event is
+        out. The loop lets the request go (it may have finished meanwhile)."""
+        def release():
+            if req_id in self.planner.requests and req_id in self.owner:
+                self.planner.abort(req_id, "stop string")
+                self.counts.finished += 1
+                self._close(req_id)
+        self._inbox.put(release)
+
+    def subscriber_gone(self, subscriber: str) -> None:
+        """A router's subscription ended: abort the requests it submitted."""
+        def run():
+            for rid in [r for r, s in self.owner.items() if s == subscriber]:
+                self.abort(rid, "router went away")
+        self._inbox.put(run)
+
     # ---- submit and abort (router) ---------------------------------------------
-    def submit(self, r: pb.SubmitRequest) -> queue.Queue:
-        """Loop thread: admit a request; returns its event queue."""
+    def submit(self, r: pb.SubmitRequest) -> None:
+        """Loop thread: admit a request; its events go to `r.subscriber`."""
         sp = SamplingParams(max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
                             temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
                             seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
                             stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos,
                             min_tokens=r.min_tokens,
                             logprobs=r.logprobs if r.HasField("logprobs") else None)
-        if r.request_id in self.planner.requests or r.request_id in self.streams:
+        if not self.outputs.has(r.subscriber):
+            raise RejectedRequest(f"{self.name} has no subscription {r.subscriber!r}: "
+                                  "subscribe first, then submit")
+        if r.request_id in self.planner.requests or r.request_id in self.owner:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
                                   "use a fresh id")
         req = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=sp.max_tokens))
@@ -319,15 +335,13 @@ class EngineServer:
             req.peer = r.prefill_peer
         self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF,
                                prompt=req.prompt.tokens)
-        q: queue.Queue = queue.Queue()
-        self.streams[req.id] = q
         try:
             self.planner.submit(req)
         except RejectedRequest:
-            self.streams.pop(req.id, None)
             self.executor.forget(req.id)
             raise
-        return q
+        self.owner[req.id] = r.subscriber
+        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp.stop, sp.min_tokens)
 
     def abort(self, req_id: str, reason: str) -> bool:
         p = self.planner
@@ -396,9 +410,9 @@ class EngineServer:
                                                               for t in m.top))
                 stopped = self.executor.on_token(req, ev.first_token, lp)
                 finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
-                self._emit(req)
+                self.outputs.post([self._item(req, bool(finished))])
                 for r in finished:
-                    self._finish_stream(r)
+                    self._finished(r)
                 self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=ev.req_id))
         elif ev.kind == "done":                    # P: our write completed
             self.counts.transfer_seconds.observe(ev.seconds)
@@ -472,7 +486,7 @@ class EngineServer:
         if not self.leases.holds(op.req.id, time.monotonic()):
             return                  # the lease ran out: the timers release it, nothing is posted
         t = self.executor.tracked.get(op.req.id)
-        payload = _logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
+        payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
                                      tuple(op.src_pages), pages, op.first_token, payload))
         self.counts.transfers += 1
@@ -516,7 +530,3 @@ class EngineServer:
             transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
             transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
             dtype=self.info()["dtype"], attention=self.info()["attention"], **c.as_dict())
-
-def _logprob_pb(lp: Logprob) -> rpb.TokenLogprob:
-    return rpb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
-                            top=[rpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

@@ -1,0 +1,153 @@
+"""What an engine sends its routers, off the loop thread.
+
+The loop thread hands each round's raw results to `Outputs.post`: one queue
+put a round, whatever the batch. The output thread turns token ids into
+text (an incremental Detokenizer per request: constant work per token),
+finds stop strings, groups the round's events by the router that submitted
+each request (its subscription), and queues one message per router. A stop
+string ends a request here: its last event goes out at once and the loop is
+asked to let the request go (`on_stop`); tokens the engine produced for it
+meanwhile are dropped.
+
+    loop thread:    open(req) ... post([(id, tokens, logprobs, final, error), ...])
+    output thread:  text, stop strings -> subscriber queues
+    gRPC threads:   Subscribe streams drain their subscriber's queue
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from pdserve.kernels.detokenize import Detokenizer
+from pdserve.proto import control_pb2 as pb
+from pdserve.proto import router_pb2 as rpb
+
+log = logging.getLogger("pdserve.engine")
+
+
+class _Live:
+    __slots__ = ("subscriber", "detok", "min_tokens", "tokens")
+
+    def __init__(self, subscriber, detok, min_tokens):
+        self.subscriber, self.detok, self.min_tokens, self.tokens = \
+            subscriber, detok, min_tokens, 0
+
+
+def logprob_pb(lp) -> rpb.TokenLogprob:
+    return rpb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                            top=[rpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+class Outputs:
+    def __init__(self, tokenizer, on_stop, name: str = "engine"):
+        self.tok = tokenizer
+        self.on_stop = on_stop              # called (output thread) with a request id
+        self._in: queue.Queue = queue.Queue()
+        self._subs: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}   # output thread only
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name=f"{name}-outputs", daemon=True)
+        self._thread.start()
+
+    # ---- the loop thread ------------------------------------------------------
+    def open(self, req_id: str, subscriber: str, prompt, stop=(), min_tokens: int = 0) -> None:
+        self._in.put([("open", req_id, subscriber, prompt[-8:], stop, min_tokens)])
+
+    def post(self, items: list) -> None:
+        """A round's results: (req id, new token ids, logprobs, final, error),
+        `final` "length" | "stop" (a stop token: its text is not part of the
+        answer) | None, `error` a message | None."""
+        if items:
+            self._in.put(items)
+
+    # ---- gRPC threads ---------------------------------------------------------
+    def subscribe(self, subscriber: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            old = self._subs.get(subscriber)
+            self._subs[subscriber] = q
+        if old is not None:
+            old.put(None)
+        return q
+
+    def unsubscribe(self, subscriber: str, q: queue.Queue) -> bool:
+        """Drop the subscription if `q` is still its queue; True if it was."""
+        with self._lock:
+            if self._subs.get(subscriber) is not q:
+                return False
+            del self._subs[subscriber]
+        return True
+
+    def has(self, subscriber: str) -> bool:
+        with self._lock:
+            return subscriber in self._subs
+
+    def close(self) -> None:
+        self._in.put(None)
+        self._thread.join(5)
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+        for q in subs:
+            q.put(None)
+
+    # ---- the output thread ------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._in.get()
+            if batch is None:
+                return
+            try:
+                self._batch(batch)
+            except Exception as e:          # keep serving the other requests; tests read it
+                log.exception("output thread failed on a batch")
+                if len(self.errors) < 20:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+
+    def _batch(self, batch: list) -> None:
+        out: dict[str, list] = {}
+        for item in batch:
+            if item[0] == "open":
+                _, rid, sub, tail, stop, min_tokens = item
+                self._live[rid] = _Live(sub, Detokenizer(self.tok, tail, stop), min_tokens)
+                continue
+            ev = self._event(*item)
+            if ev is not None:
+                out.setdefault(ev[0], []).append(ev[1])
+        if not out:
+            return
+        with self._lock:
+            targets = [(self._subs.get(sub), evs) for sub, evs in out.items()]
+        for q, evs in targets:
+            if q is not None:
+                q.put(evs)
+
+    def _event(self, rid, tokens, logprobs, final, error):
+        st = self._live.get(rid)
+        if st is None:
+            return None                     # ended already (a stop string, an abort)
+        if error:
+            del self._live[rid]
+            return st.subscriber, pb.RequestEvent(request_id=rid, error=error)
+        d = st.detok
+        stopped = False
+        for i, t in enumerate(tokens):
+            st.tokens += 1
+            if final == "stop" and i == len(tokens) - 1:
+                break                       # the stop token: no text of its own
+            if d.push(t, check_stop=st.tokens >= st.min_tokens):
+                stopped = True
+                tokens, logprobs = tokens[:i + 1], logprobs[:i + 1]
+                break
+        if stopped:
+            final = "stop"
+        ev = pb.RequestEvent(request_id=rid, token_ids=tokens, text=d.ready(final is not None),
+                             finish_reason=final or "",
+                             logprobs=[logprob_pb(lp) for lp in logprobs])
+        if final:
+            del self._live[rid]
+        if stopped:
+            self.on_stop(rid)
+        return st.subscriber, ev

@@ -1,0 +1,100 @@
+"""Incremental detokenization (kernels/detokenize.py): the streamed pieces
+add up to the text of the whole output, characters split across tokens are
+held until complete, and stop strings cut the text at their first
+occurrence without a stream ever showing part of one."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.kernels.detokenize import Detokenizer
+from pdserve.kernels.loader import load_tokenizer
+from pdserve.kernels.tokenizer import PrintableTokenizer
+
+TEXTS = ["Paris is the capital of France.", "naïve café, 日本語のテキスト, emoji 🙂🚀 ok",
+         "  leading spaces\n\nnew lines\ttabs", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_tokenizer(None, "smollm2-135m")
+
+
+def stream(tok, ids, stop=(), context=()):
+    d = Detokenizer(tok, context, stop)
+    pieces = []
+    for t in ids:
+        hit = d.push(t)
+        pieces.append(d.ready())
+        if hit:
+            break
+    pieces.append(d.ready(final=True))
+    return d, pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_add_up_to_the_whole_decode_and_no_piece_splits_a_character(smol, text):
+    ids = smol.encode(text, add_special_tokens=False)
+    d, pieces = stream(smol, ids)
+    assert "".join(pieces) == smol.decode(ids) == d.text
+    assert all("\ufffd" not in p for p in pieces)
+    # a multi-byte character spread over tokens shows up once, whole
+    if any(ord(c) > 0xFFFF for c in text):
+        assert any(p == "" for p in pieces[:-1])
+
+
+def test_prompt_context_gives_the_first_token_its_text(smol):
+    prompt = smol.encode("The capital of France is", add_special_tokens=False)
+    out = smol.encode(" Paris.", add_special_tokens=False)
+    _, pieces = stream(smol, out, context=prompt)
+    assert "".join(pieces) == smol.decode(prompt + out)[len(smol.decode(prompt)):]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stop_string_cuts_the_text_and_no_piece_shows_part_of_it(smol, text):
+    ids = smol.encode(text, add_special_tokens=False)
+    full = smol.decode(ids)
+    for stop in {full[5:9], full[-3:], full[10:11]}:
+        d, pieces = stream(smol, ids, stop=(stop, "zzz-never"))
+        want = full[:full.find(stop)]
+        assert d.stopped and "".join(pieces) == want == d.text, stop
+        streamed = ""
+        for p in pieces:
+            streamed += p
+            assert want.startswith(streamed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc \n", max_size=40),
+       stops=st.lists(st.text(alphabet="abc \n", min_size=1, max_size=4), min_size=1, max_size=3),
+       min_tokens=st.integers(0, 5))
+def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens):
+    tok = PrintableTokenizer()
+    d = Detokenizer(tok, (), stops)
+    pieces, n = [], 0
+    for t in tok.encode(text):
+        n += 1
+        hit = d.push(t, check_stop=n >= min_tokens)
+        pieces.append(d.ready())
+        if hit:
+            break
+    pieces.append(d.ready(final=True))
+    got = "".join(pieces)
+    if min_tokens == 0:
+        assert got == reference_cut(text, stops)
+    else:
+        assert text.startswith(got)
+    streamed = ""
+    for p in pieces:
+        streamed += p
+        assert got.startswith(streamed)       # nothing shown is ever taken back
+
+
+def reference_cut(text: str, stops) -> str:
+    """Generation stops at the first token after which some stop string is
+    in the text; the text ends where the leftmost of those begins."""
+    for i in range(1, len(text) + 1):
+        hits = [text[:i].find(s) for s in stops if s in text[:i]]
+        if hits:
+            return text[:min(hits)]
+    return text
