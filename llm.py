@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from pdserve.cluster.config import ServeConfig, load_config
+from pdserve.cluster.config import ServeConfig, engine_for_model, load_config
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.roles.engine import Engine
@@ -35,10 +35,11 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, config=None, *, dtype: str | None = None, device: str = "cpu",
+    def __init__(self, config=None, *, dtype: str | None = None, device: str | None = None,
                  attention: str | None = None, **engine_overrides):
-        """`dtype` and `attention` override the config's model.dtype and
-        model.attention (both 'auto' by default)."""
+        """`dtype`, `device` and `attention` override the config's model.dtype,
+        model.device and model.attention (all 'auto' by default; a device of
+        auto is cpu)."""
         if config is None:
             cfg = ServeConfig()
         elif isinstance(config, ServeConfig):
@@ -48,14 +49,13 @@ class LLM:
         else:
             cfg = load_config(config)
         self.model, self.tokenizer = load_model(
-            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype, device=device,
-            attention=attention or cfg.model.attention)
+            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
+            device=cfg.model.device_for(device), attention=attention or cfg.model.attention)
         engine = cfg.engine
         if engine_overrides:
             engine = dataclasses.replace(engine, **engine_overrides)
-        if "max_context_tokens" not in cfg.engine_overrides and \
-                "max_context_tokens" not in engine_overrides:
-            engine = dataclasses.replace(engine, max_context_tokens=self.model.cfg.max_position)
+        engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
+                                  self.model.cfg.max_position)
         self.engine_config = engine
         self.executor = TorchExecutor(self.model, self.tokenizer, engine)
         self.engine = Engine("fused-0", Planner(engine), self.executor, forget_finished=False)

@@ -13,9 +13,9 @@ Two workloads at each batch size B:
 
 Tokens/s counts the tokens each request asked for (HF's tokens past a
 request's own length are waste, not output) over wall time, prefill
-included. Before each batch size both sides run one warm-up batch of the
-uniform shape (other prompts, 2 new tokens). Needs transformers (the test
-extra).
+included. Before each row both sides run one warm-up batch of the row's
+shape (its first B prompt and output lengths) on other prompts, so no timed
+request reuses a warmed prefix. Needs transformers (the test extra).
 """
 
 from __future__ import annotations
@@ -43,19 +43,28 @@ def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int):
-    """[(prompt ids, new tokens)] for one row of the table (warm: a batch of
-    uniform prompts, 2 new tokens, that warms both sides up)."""
+# Warm-up prompts draw from seeds no timed row uses (below 2**32: torch's CPU
+# generator keeps only a seed's low 32 bits, so 2**32 + s would repeat seed s)
+WARM_SEED = 1 << 30
+
+
+def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int, warm: bool = False):
+    """[(prompt ids, new tokens)] for one row of the table; with `warm`, one
+    batch of the row's shape (its first `batch` lengths) on other prompts,
+    which warms both sides up before the row is timed."""
     # seeded by workload too: no prompt shares a prefix with another row's
-    g = torch.Generator().manual_seed(3 * batch + ("uniform", "trace", "warm").index(kind))
-    if kind in ("uniform", "warm"):
-        lens = [(64, 64 if kind == "uniform" else 2)] * batch
+    g = torch.Generator().manual_seed(3 * batch + ("uniform", "trace").index(kind) +
+                                      (WARM_SEED if warm else 0))
+    if kind == "uniform":
+        lens = [(64, 64)] * batch
     else:
         from pdserve.cluster.trace import read_trace
 
         reqs = read_trace(trace, limit=max(2 * batch, 16))
         lens = [(max(1, r.prompt.length // scale), max(1, r.max_new_tokens // scale))
                 for r in reqs]
+    if warm:
+        lens = lens[:batch]
     return [(torch.randint(3, vocab, (p,), generator=g).tolist(), n) for p, n in lens]
 
 
@@ -85,6 +94,7 @@ def run_hf(hf, reqs, batch: int) -> tuple[float, list]:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         new = max(n for _, n in chunk)
+        ids, mask = ids.to(hf.device), mask.to(hf.device)
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         got += [out[row, width:width + n].tolist() for row, (_, n) in enumerate(chunk)]
@@ -92,7 +102,13 @@ def run_hf(hf, reqs, batch: int) -> tuple[float, list]:
 
 
 def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
-         workloads=("uniform", "trace"), trace: Path = AZURE_CONV, scale: int = 8) -> int:
+         workloads=("uniform", "trace"), trace: Path = AZURE_CONV, scale: int = 8,
+         device: str = "cpu") -> int:
+    """`device="cuda"`: both sides on the GPU (pdserve with the attention its
+    config picks: flashinfer for bfloat16 where installed)."""
+    from pdserve.kernels.loader import check_device
+
+    dev = check_device(device)          # first: a clear one-line error, nothing built
     import transformers
 
     from pdserve.llm import LLM
@@ -108,15 +124,17 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
         with tempfile.TemporaryDirectory() as d:
             base.save_pretrained(d, safe_serialization=True)
             for dtype in dtypes:
-                hf = copy.deepcopy(base).to(getattr(torch, dtype))
+                hf = copy.deepcopy(base).to(dtype=getattr(torch, dtype), device=dev)
                 for b in batches:
                     llm = LLM({"model": {"path": d, "dtype": dtype},
                                "engine": {"page_size": 16, "total_pages": 8192,
-                                          "max_scheduled_tokens": 4096, "max_batch_size": b}})
-                    warm = workload("warm", b, SIZES[name]["vocab_size"], trace, scale)
-                    run_ours(llm, warm)             # first-run costs out of the timing
-                    run_hf(hf, warm, b)
+                                          "max_scheduled_tokens": 4096, "max_batch_size": b}},
+                              device=device)
                     for kind in workloads:
+                        warm = workload(kind, b, SIZES[name]["vocab_size"], trace, scale,
+                                        warm=True)
+                        run_ours(llm, warm)         # this shape's first-run costs untimed
+                        run_hf(hf, warm, b)
                         reqs = workload(kind, b, SIZES[name]["vocab_size"], trace, scale)
                         ours, a = run_ours(llm, reqs)
                         theirs, h = run_hf(hf, reqs, b)
@@ -124,8 +142,9 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
                         same = sum(x == y for x, y in zip(a, h))
                         rows.append((name, _params(base), dtype, kind, b, len(reqs),
                                      tokens / ours, tokens / theirs, same))
+    where = f"CUDA ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "CPU"
     print(f"greedy; uniform: 64-token prompts, 64 new tokens; trace: Azure conversation "
-          f"lengths / {scale}; {torch.get_num_threads()} torch threads, CPU")
+          f"lengths / {scale}; {torch.get_num_threads()} torch threads, {where}")
     print(f"{'model':<11} {'params':>7} {'dtype':>8} {'workload':>8} {'batch':>5} {'reqs':>4} "
           f"{'pdserve tok/s':>14} {'HF tok/s':>9} {'speedup':>8} {'same':>7}")
     for name, n, dtype, kind, b, nreq, a, h, same in rows:

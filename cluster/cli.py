@@ -52,11 +52,14 @@ def _cmd_up(args) -> int:
 
     import os
 
-    from pdserve.cluster.config import load_config
+    from pdserve.cluster.config import engine_gpus, load_config
+
+    cfg = load_config(args.config)
+    device = cfg.model.device_for(args.device)
+    gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
     from pdserve.cluster.deploy import Deployment
     from pdserve.cluster.router import Security
 
-    cfg = load_config(args.config)
     if bool(args.tls_cert) != bool(args.tls_key):
         print("pdserve: error: --tls-cert and --tls-key go together; give both or neither",
               file=sys.stderr)
@@ -66,8 +69,7 @@ def _cmd_up(args) -> int:
             print(f"pdserve: error: TLS file {path!r} does not exist", file=sys.stderr)
             return 2
     key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
-    dep = Deployment(cfg, address=args.address, device=args.device,
-                     gpus_per_engine=args.gpus_per_engine,
+    dep = Deployment(cfg, address=args.address, device=device, gpus_per_engine=gpus,
                      security=Security(key, args.tls_cert, args.tls_key))
     addr = dep.start(host=args.host, port=args.port, http_port=args.http_port)
     http = f", OpenAI HTTP on {dep.http_address}" if dep.http_address else ""
@@ -123,7 +125,7 @@ def _cmd_generate(args) -> int:
     if args.address:
         from pdserve.client import Client
 
-        if args.dtype or args.device != "cpu":
+        if args.dtype or args.device is not None:
             print("pdserve: error: --dtype and --device apply offline (--config); a running "
                   "deployment uses its own config's model.dtype and devices", file=sys.stderr)
             return 2
@@ -163,11 +165,15 @@ def _cmd_bench(args) -> int:
         kw = {k: v for k, v in (("sizes", args.models), ("dtypes", args.dtype),
                                 ("workloads", args.workload), ("batches", args.batches),
                                 ("trace", args.trace), ("scale", args.scale)) if v}
-        return llm_main(**kw)
+        return llm_main(**kw, device=args.device)
+    if args.what == "tokens":
+        from pdserve.benchmarks.tokens import main as tokens_main
+
+        return tokens_main()
     if args.what == "transfer":
         from pdserve.benchmarks.transfer import main as transfer_main
 
-        return transfer_main()
+        return transfer_main(device=args.device)
     if args.what == "soak":
         from pdserve.benchmarks.soak import main as soak_main
 
@@ -182,7 +188,8 @@ def _cmd_bench(args) -> int:
         return serve_main(args.address, args.config or [], args.requests, args.prompt_len,
                           args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
                           args.max_prompt, args.out, apis=args.api,
-                          http_address=args.http_address, repeats=args.repeats)
+                          http_address=args.http_address, repeats=args.repeats,
+                          offline=args.offline)
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
@@ -224,8 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "metadata (gRPC); default $PDSERVE_API_KEY")
     up.add_argument("--tls-cert", help="serve TLS on both ports with this PEM certificate")
     up.add_argument("--tls-key", help="... and this PEM private key")
-    up.add_argument("--device", default="cpu", help="cpu or cuda")
-    up.add_argument("--gpus-per-engine", type=float, default=0)
+    up.add_argument("--device", choices=["cpu", "cuda"],
+                    help="where engines run (default: the config's model.device; auto is cpu)")
+    up.add_argument("--gpus-per-engine", type=float,
+                    help="Ray GPUs each engine takes (default 1 on cuda, 0 on cpu; 0 on cuda "
+                         "is refused: every engine would share cuda:0)")
     up.set_defaults(func=_cmd_up)
 
     stats = sub.add_parser("stats", help="per-engine pages and requests of a deployment")
@@ -246,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--device", help="offline: cpu, cuda or cuda:N (default: the config's "
+                                      "model.device; auto is cpu)")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                      help="offline: overrides the config's model.dtype")
     gen.add_argument("text", nargs="+", help="one or more prompts")
@@ -254,14 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
-                                        "serve", "soak"],
+                                        "serve", "soak", "tokens"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
                             "llm: pdserve.LLM against Hugging Face generate; "
                             "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
                             "serve: load a deployment through the client; "
-                            "soak: faults, aborts and a killed engine under load")
+                            "soak: faults, aborts and a killed engine under load; "
+                            "tokens: what a generated token costs on its way out of an engine")
     bench.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256, 1024, 4096],
                        help="planner: decoding requests per round (64 256 1024 4096)")
     bench.add_argument("--rounds", type=_positive, default=200,
@@ -276,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "e.g. http://127.0.0.1:8000")
     bench.add_argument("--api", nargs="+", choices=["grpc", "http"], default=["grpc"],
                        help="serve: the client APIs to load (both: side by side, interleaved)")
+    bench.add_argument("--offline", action="store_true",
+                       help="serve: also run the same requests through pdserve.LLM in-process "
+                            "(each --config), the engine's own rate")
     bench.add_argument("--repeats", type=_positive, default=1,
                        help="serve: runs of each API; the median is reported with the spread")
     bench.add_argument("--requests", type=int, default=64, help="serve: how many")
@@ -291,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "downloaded (default both)")
     bench.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"],
                        help="llm: dtypes, each run by both sides (default both)")
+    bench.add_argument("--device", default="cpu",
+                       help="llm, transfer: cpu or cuda (transfer: GPU pools, NIXL VRAM)")
     bench.add_argument("--workload", nargs="+", choices=["uniform", "trace"],
                        help="llm: uniform lengths and/or the trace's (default both)")
     bench.add_argument("--batches", type=_positive, nargs="+",

@@ -1,9 +1,11 @@
 """The config YAML: one schema for serving and simulation.
 
-    model: {path: DIR | FILE.gguf | preset: NAME, name: ..., dtype: auto, attention: auto}
+    model: {path: DIR | FILE.gguf | preset: NAME, name: ..., dtype: auto, attention: auto,
+            device: auto}
     engine: {...}                 # scheduler.EngineConfig fields
     cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0
-    router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false}
+    router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false,
+             stream_interval: 1, replicas: 1}
     simulate: {gpu: h100, model: llama-3-8b}
 
 Unknown keys are an error that names the key.
@@ -21,6 +23,7 @@ from pdserve.scheduler.config import ConfigError, EngineConfig, check_keys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "torch", "flashinfer")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -30,22 +33,31 @@ class ModelConfig:
     dtype: str = "auto"          # auto: the checkpoint's (float16 runs as bfloat16 on CPU)
     attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
     name: str | None = None      # the served model name (the API's "model"); see served_name
+    device: str = "auto"         # auto: cpu, unless the command line says otherwise
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
-        data = check_keys(data, "model", {"path", "preset", "dtype", "attention", "name"})
+        data = check_keys(data, "model",
+                          {"path", "preset", "dtype", "attention", "name", "device"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
-        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION)):
+        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION), ("device", DEVICES)):
             if key in data and data[key] not in allowed:
                 raise ConfigError(f"model.{key} is {data[key]!r}; use one of "
                                   f"{', '.join(allowed)}")
         if "name" in data and (not isinstance(data["name"], str) or not data["name"].strip()):
             raise ConfigError(f"model.name is {data['name']!r}; give a non-empty string")
-        extra = {k: data[k] for k in ("dtype", "attention", "name") if k in data}
+        extra = {k: data[k] for k in ("dtype", "attention", "name", "device") if k in data}
         if "path" in data:
             return cls(path=str(data["path"]), preset=None, **extra)
         return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)
+
+    def device_for(self, flag: str | None = None) -> str:
+        """Where the model runs: the command line's --device (or an API's
+        device=) over model.device, and auto as cpu."""
+        if flag is not None:
+            return flag
+        return "cpu" if self.device == "auto" else self.device
 
     @property
     def served_name(self) -> str:
@@ -89,12 +101,14 @@ class RouterConfig:
     max_requests: int = 4096         # in flight at once; past it: HTTP 429 / RESOURCE_EXHAUSTED
     max_body_bytes: int = 8 << 20    # an HTTP body or gRPC message; past it: 413
     protect_metrics: bool = False    # with an API key, /health and /metrics need it too
+    stream_interval: int = 1         # send a stream's tokens every k (1: token by token)
+    replicas: int = 1                # router processes sharing the ports (SO_REUSEPORT)
 
     @classmethod
     def from_dict(cls, data) -> "RouterConfig":
         data = check_keys(data, "router", {f.name for f in dataclasses.fields(cls)})
         cfg = cls(**data)
-        for name in ("max_requests", "max_body_bytes"):
+        for name in ("max_requests", "max_body_bytes", "stream_interval", "replicas"):
             v = getattr(cfg, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"router.{name} must be an integer >= 1, got {v!r}")
@@ -146,6 +160,35 @@ class ServeConfig:
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
         )
+
+
+def engine_gpus(device: str, gpus_per_engine: float | None) -> float:
+    """Ray GPUs per engine: 1 on CUDA unless given. 0 on CUDA is refused:
+    Ray then sets no CUDA_VISIBLE_DEVICES and every engine lands on cuda:0."""
+    on_cuda = device.startswith("cuda")
+    if gpus_per_engine is None:
+        return 1 if on_cuda else 0
+    if on_cuda and gpus_per_engine <= 0:
+        raise ValueError(
+            f"--gpus-per-engine {gpus_per_engine:g} with device cuda would put every engine "
+            "on the same GPU (cuda:0); give 1 for a GPU each (the default on cuda), or a "
+            "fraction such as 0.5 to share GPUs knowingly")
+    if gpus_per_engine < 0:
+        raise ValueError(f"--gpus-per-engine must be >= 0, got {gpus_per_engine:g}")
+    return gpus_per_engine
+
+
+def engine_for_model(engine: EngineConfig, set_keys, max_position: int) -> EngineConfig:
+    """The engine config a model runs with: max_context_tokens is the
+    model's context unless the config set it, and never beyond it (RoPE
+    tables and the model's training end there)."""
+    if "max_context_tokens" not in set_keys:
+        return dataclasses.replace(engine, max_context_tokens=max_position)
+    if engine.max_context_tokens > max_position:
+        raise ConfigError(f"engine.max_context_tokens={engine.max_context_tokens:,} exceeds the "
+                          f"model's context of {max_position:,} tokens; lower it or leave it "
+                          "unset (the model's context is the default)")
+    return engine
 
 
 def load_config(path) -> ServeConfig:

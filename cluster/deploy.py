@@ -13,8 +13,8 @@ import dataclasses
 
 import ray
 
-from pdserve.cluster.actors import NAMESPACE, start_engines
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.actors import NAMESPACE, RouterActor, start_engines
+from pdserve.cluster.config import ServeConfig, engine_for_model, engine_gpus
 from pdserve.cluster.router import Router, Security
 from pdserve.kernels.loader import load_tokenizer, model_config_for
 
@@ -23,15 +23,19 @@ LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
 
 
 class Deployment:
-    def __init__(self, cfg: ServeConfig, address: str | None = None, device: str = "cpu",
-                 num_cpus: int | None = None, gpus_per_engine: float = 0,
+    def __init__(self, cfg: ServeConfig, address: str | None = None, device: str | None = None,
+                 num_cpus: int | None = None, gpus_per_engine: float | None = None,
                  engine_options: dict | None = None, placement: dict | None = None,
                  loopback: bool | None = None, security: Security = Security()):
+        """`device`: over the config's model.device (auto: cpu).
+        `gpus_per_engine`: Ray GPUs each engine actor takes; on CUDA it
+        defaults to 1, one GPU per engine (with 0 Ray would give every
+        engine the same GPU)."""
         self.cfg = cfg
         self.ray_address = address
-        self.device = device
+        self.device = cfg.model.device_for(device)
         self.num_cpus = num_cpus
-        self.gpus_per_engine = gpus_per_engine
+        self.gpus_per_engine = engine_gpus(self.device, gpus_per_engine)
         self.engine_options = engine_options or {}
         self.placement = placement
         self.security = security
@@ -39,6 +43,7 @@ class Deployment:
         self.loopback = (address is None) if loopback is None else loopback
         self.engines: list = []
         self.router: Router | None = None
+        self.replicas: list = []                # router actors beside self.router
         self._started_ray = False
 
     def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None) -> str:
@@ -60,18 +65,24 @@ class Deployment:
         m = self.cfg.model
         tok = load_tokenizer(m.path, m.preset)
         model_cfg = model_config_for(m.path, m.preset)
-        cfg = self.cfg
-        if "max_context_tokens" not in cfg.engine_overrides:     # as the engines resolve it
-            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
-                cfg.engine, max_context_tokens=model_cfg.max_position))
+        cfg = dataclasses.replace(self.cfg, engine=engine_for_model(   # as the engines do
+            self.cfg.engine, self.cfg.engine_overrides, model_cfg.max_position))
         actors = {name: actor for name, _, actor in self.engines}
 
         def resolve(name: str) -> str:
             return ray.get(actors[name].info.remote(), timeout=5)["address"]
-        self.router = Router(cfg, tok, model_cfg.vocab_size,
-                             [(i["engine"], i["role"], i["address"]) for i in infos], resolve,
-                             self.security)
-        return self.router.start(host, port, http_port)
+        engines = [(i["engine"], i["role"], i["address"]) for i in infos]
+        self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security)
+        address = self.router.start(host, port, http_port)
+        # the other replicas bind the ports this one got (SO_REUSEPORT)
+        bound = int(address.rsplit(":", 1)[1])
+        http_bound = int(self.router.http_address.rsplit(":", 1)[1]) \
+            if self.router.http_address else None
+        self.replicas = [RouterActor.options(num_cpus=0, namespace=NAMESPACE).remote(
+            cfg, engines, self.security, host, bound, http_bound)
+            for _ in range(cfg.router.replicas - 1)]
+        ray.get([r.info.remote() for r in self.replicas])
+        return address
 
     @property
     def address(self) -> str:
@@ -111,6 +122,13 @@ class Deployment:
         return out
 
     def stop(self) -> None:
+        for replica in self.replicas:
+            try:
+                ray.get(replica.stop.remote(), timeout=20)
+            except Exception:                   # already gone
+                pass
+            ray.kill(replica, no_restart=True)
+        self.replicas = []
         if self.router is not None:
             self.router.stop()
         for _, _, actor in self.engines:

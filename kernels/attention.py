@@ -1,10 +1,12 @@
 """Paged attention: K/V live in pages; each sequence reads its own through
 a block table. Two backends behind one interface: a torch reference (CPU and
-CUDA) and flashinfer's paged wrappers (CUDA only)."""
+CUDA) and flashinfer's paged wrappers (CUDA only). `choose_backend` says
+which one a model gets and why; the loader logs it."""
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +39,59 @@ class KVCache:
 
     def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device,
                  pin_memory: bool = False):
+        """`pin_memory`: a host cache page-locked for a GPU's DMA (see
+        `_pin`); pages are then not zeroed, as a device pool's fresh pages
+        are not read before they are written."""
         self.page_size = page_size
-        self.data = torch.zeros(pages, layers, 2, page_size, kv_heads, head_dim,
-                                dtype=dtype, device=device, pin_memory=pin_memory)
+        shape = (pages, layers, 2, page_size, kv_heads, head_dim)
+        if pin_memory:
+            self.data = torch.empty(shape, dtype=dtype)
+            self._pin()
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _pin(self) -> None:
+        """Page-lock `data` in place with cudaHostRegister. torch's
+        pin_memory=True allocates through its caching host allocator, which
+        rounds every block up to a power of two: a 117 GiB host cache would
+        lock (and zero) 128 GiB. A plain allocation registered as it is locks
+        exactly its own bytes; it is unregistered when this cache goes."""
+        nbytes = self.data.numel() * self.data.element_size()
+        if not nbytes:
+            return
+        cudart = torch.cuda.cudart()
+        ptr = self.data.data_ptr()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"could not page-lock the {nbytes / 2 ** 30:.1f} GiB host KV cache "
+                f"(cudaHostRegister: {err}); lower engine.host_pages, or raise the "
+                "locked-memory limit (ulimit -l)")
+        weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer(self, i):
         return self.data[:, i, 0], self.data[:, i, 1]
+
+    def copy_pages_from(self, src: "KVCache", src_pages, dst_pages) -> None:
+        """This cache's `dst_pages[i]` = `src`'s `src_pages[i]`: one copy per
+        run of pages consecutive on both sides. Between a GPU pool and a
+        pinned host cache each copy is a DMA queued on the current stream
+        (non_blocking) and nothing waits: the caller synchronizes once,
+        before it reports the copies done. Stream order already puts them
+        before any later kernel that touches the same pages."""
+        for s0, d0, n in _runs(src_pages, dst_pages):
+            self.data[d0:d0 + n].copy_(src.data[s0:s0 + n], non_blocking=True)
+
+
+def _runs(src, dst) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) where both sides run consecutively."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class TorchAttention:
@@ -71,6 +120,14 @@ class TorchAttention:
             buf = self._scratch_bufs[name] = torch.empty(grown, dtype=like.dtype,
                                                           device=like.device)
         return buf[:n].view(shape)
+
+    def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
+        """Prepare the round now (forward's first layer does it otherwise)."""
+        self._prepare(meta, k_pages.shape[1], k_pages.device)
+
+    def warm_up(self, dtype: torch.dtype, device, page_size: int = 16) -> list[str]:
+        """Nothing to compile: torch's kernels ship built."""
+        return []
 
     def _prepare(self, meta: BatchMeta, ps: int, device) -> dict:
         """What every layer of the round shares: where each row's K/V goes,
@@ -181,6 +238,19 @@ class FlashInferAttention(TorchAttention):
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 * 1024 * 1024
+    # The prefill wrapper is pinned to fa2 rather than "auto". On Hopper,
+    # auto re-picks the kernel family at every plan: fa3 when the round's
+    # longest chunk has more than 64 rows, else fa2; on Blackwell it may pick
+    # cuDNN, which needs packages we do not install. flashinfer compiles each
+    # family on first use, fa3's SM90 CUTLASS units for minutes, so under auto
+    # a compile lands mid-serving the first time a long prompt is chunked, and
+    # a request's kernel (and its rounding) depends on its neighbours'
+    # lengths. With fa2 one prefill module serves every chunk (and the
+    # tensor-core decode, whose auto resolves to fa2 for half precision), and
+    # `warm_up` compiles it at load. fa3 is faster on long chunks on H100/H200;
+    # to take it set this to "auto": warm_up's >64-row chunk compiles it too.
+    BACKEND = "fa2"
+    WARM_ROWS = 65                      # one row more than auto's fa2 limit
 
     def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None):
         import flashinfer  # raises ImportError where it is absent
@@ -189,14 +259,18 @@ class FlashInferAttention(TorchAttention):
         self._fi = flashinfer
         self._ws = None
         self._planned = None            # the BatchMeta the wrappers are planned for
+        self._slots = None              # its rows' (page, offset), shared by every layer
 
     def _wrappers(self, device):
         if self._ws is None:
-            self._ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._prefill_w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD")
-            # CUDA-core decode kernels ship for group sizes 1, 2, 4, 8 only
+            # zeroed: the decode wrapper asks for a zeroed workspace on first use
+            self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._prefill_w = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._ws, "NHD", backend=self.BACKEND)
+            # tensor cores past group 4, as SGLang and vLLM choose; flashinfer
+            # has CUDA-core decode kernels for groups 1, 2, 3, 4, 6, 8 and 16
             self._decode_w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws, "NHD", use_tensor_cores=self.group not in (1, 2, 4, 8))
+                self._ws, "NHD", use_tensor_cores=self.group > 4)
 
     @staticmethod
     def _csr(seqs, ps: int):
@@ -228,39 +302,89 @@ class FlashInferAttention(TorchAttention):
             self._decode_w.plan(indptr, indices, last, self.h, self.kvh, self.d, ps,
                                 window_left=window, sm_scale=self.scale, q_data_type=dtype,
                                 kv_data_type=dtype)
+        self._slots = (meta.slot_mapping // ps, meta.slot_mapping % ps)
         self._planned = meta
 
+    def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
+        """Plan the round now (forward's first layer does it otherwise)."""
+        self._plan(meta, k_pages.shape[1], dtype, k_pages.device)
+
     def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
-        ps = k_pages.shape[1]
-        page, off = meta.slot_mapping // ps, meta.slot_mapping % ps
+        if self._planned is not meta:
+            self._plan(meta, k_pages.shape[1], q.dtype, q.device)
+        page, off = self._slots
         k_pages[page, off] = k
         v_pages[page, off] = v
-        if self._planned is not meta:
-            self._plan(meta, ps, q.dtype, q.device)
         q = q.contiguous()                 # a slice of the fused q/k rotation
         out = torch.empty_like(q)
         n_pre = len(meta.seqs) - meta.num_decodes
         split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]
         if n_pre:
-            out[:split] = self._prefill_w.run(q[:split], (k_pages, v_pages))
+            self._prefill_w.run(q[:split], (k_pages, v_pages), out=out[:split])
         if meta.num_decodes:
-            out[split:] = self._decode_w.run(q[split:], (k_pages, v_pages))
+            self._decode_w.run(q[split:], (k_pages, v_pages), out=out[split:])
         return out
+
+    def warm_up(self, dtype: torch.dtype, device, page_size: int = 16) -> list[str]:
+        """Plan and run every kernel the engine will use, on a scratch cache:
+        a 1-row prefill, a WARM_ROWS-row prefill, a decode, and a round with
+        both. flashinfer compiles each module the first time it is planned
+        (minutes on a fresh host, then cached on disk), so this moves the
+        compile to load time, before the engine registers, instead of into
+        the engine loop where P's lease and transfer timeouts run. Returns
+        what ran, for the log."""
+        device = torch.device(device)
+        rows = self.WARM_ROWS
+        pages = 2 * (-(-(rows + 1) // page_size))
+        cache = KVCache(1, pages, page_size, self.kvh, self.d, dtype, device)
+        k_pages, v_pages = cache.layer(0)
+        table = list(range(pages))
+
+        def one(seqs, num_decodes):
+            n = sum(s.q_len for s in seqs)
+            slots, pos = [], []
+            for s in seqs:
+                span = range(s.ctx_len - s.q_len, s.ctx_len)
+                pos.extend(span)
+                slots.extend(s.block_table[p // page_size] * page_size + p % page_size
+                             for p in span)
+            meta = BatchMeta(seqs, torch.tensor(slots, device=device),
+                             torch.tensor(pos, device=device), num_decodes=num_decodes)
+            q = torch.zeros(n, self.h, self.d, dtype=dtype, device=device)
+            kv = torch.zeros(n, self.kvh, self.d, dtype=dtype, device=device)
+            self.forward(q, kv, kv, k_pages, v_pages, meta)
+
+        second = table[pages // 2:]
+        shapes = {
+            "prefill 1 row": ([SeqMeta(0, 1, 1, table)], 0),
+            f"prefill {rows} rows": ([SeqMeta(0, rows, rows, table)], 0),
+            "decode": ([SeqMeta(0, 1, rows + 1, table)], 1),
+            "prefill + decode": ([SeqMeta(0, 2, 2, second), SeqMeta(2, 1, rows + 1, table)], 1),
+        }
+        for seqs, num_decodes in shapes.values():
+            one(seqs, num_decodes)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._planned = self._slots = None
+        return list(shapes)
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def make_backend(name: str, device, dtype: torch.dtype, **kw):
-    """'auto' picks flashinfer on CUDA when it is installed and has kernels
-    for the model (float16 or bfloat16, head_dim 64, 128 or 256), else torch.
-    Asking for flashinfer where it cannot run is an error that says why."""
+def choose_backend(name: str, device, dtype: torch.dtype, **kw):
+    """(backend, why): 'auto' picks flashinfer on CUDA when it is installed
+    and has kernels for the model (float16 or bfloat16, head_dim 64, 128 or
+    256), else torch. Asking for flashinfer where it cannot run is an error
+    that says why."""
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")
     on_cuda = torch.device(device).type == "cuda"
-    if name == "torch" or not on_cuda and name == "auto":
-        return TorchAttention(**kw)
+    if name == "torch":
+        return TorchAttention(**kw), "model.attention is torch"
+    if not on_cuda and name == "auto":
+        return TorchAttention(**kw), f"auto on {device}: flashinfer runs on CUDA only"
     unfit = None
     if not on_cuda:
         unfit = f"flashinfer runs on CUDA only, and this model is on {device}"
@@ -272,11 +396,18 @@ def make_backend(name: str, device, dtype: torch.dtype, **kw):
                 f"(it has {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
     if unfit is None:
         try:
-            return FlashInferAttention(**kw)
+            return FlashInferAttention(**kw), (
+                f"model.attention is {name}; flashinfer {FlashInferAttention.BACKEND} kernels "
+                f"for {str(dtype).removeprefix('torch.')}, head_dim {kw['head_dim']}")
         except ImportError:
             unfit = "attention backend 'flashinfer' needs the gpu extra: " \
                     "pip install 'pdserve[gpu]' on a CUDA machine"
     if name == "flashinfer":
         raise ValueError(f"attention: flashinfer cannot serve this model: {unfit} "
                          "(or use attention: auto or torch)")
-    return TorchAttention(**kw)
+    return TorchAttention(**kw), f"auto fell back to torch: {unfit}"
+
+
+def make_backend(name: str, device, dtype: torch.dtype, **kw):
+    """The backend `choose_backend` picks, without the reason."""
+    return choose_backend(name, device, dtype, **kw)[0]

@@ -4,16 +4,19 @@ preset (tiny, embedded; smollm2-135m, a GGUF file shipped in a wheel)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.kernels.attention import make_backend
+from pdserve.kernels.attention import TorchAttention, choose_backend
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
+
+log = logging.getLogger("pdserve.kernels")
 
 TINY_SEED = 20261129
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,15 +96,23 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device) -> torch.dtype:
-    """'auto' is the checkpoint's dtype (float32 for the tiny preset), except
-    float16 on CPU, which runs as bfloat16: CPUs with bfloat16 instructions
-    multiply in it several times faster than in float16 (or float32)."""
+    return choose_dtype(dtype, cfg, device)[0]
+
+
+def choose_dtype(dtype: str, cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
+    """(dtype, why). 'auto' is the checkpoint's dtype (float32 for the tiny
+    preset), except float16 on CPU, which runs as bfloat16: CPUs with
+    bfloat16 instructions multiply in it several times faster than in
+    float16 (or float32)."""
     if dtype != "auto":
-        return DTYPES[dtype]
-    own = cfg.torch_dtype if cfg.torch_dtype in ("float32", "bfloat16", "float16") else "float32"
+        return DTYPES[dtype], f"model.dtype is {dtype}"
+    known = cfg.torch_dtype in ("float32", "bfloat16", "float16")
+    own = cfg.torch_dtype if known else "float32"
+    why = f"auto: the checkpoint's {own}" if known else \
+        f"auto: float32, the checkpoint names {cfg.torch_dtype or 'no dtype'}"
     if own == "float16" and torch.device(device).type == "cpu":
-        own = "bfloat16"
-    return DTYPES[own]
+        own, why = "bfloat16", "auto: the checkpoint's float16 runs as bfloat16 on CPU"
+    return DTYPES[own], why
 
 
 def check_device(device) -> torch.device:
@@ -140,11 +151,40 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         d = Path(resolved)
         cfg, tok = read_config(d), HFTokenizer.from_directory(d)
         read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
-    torch_dtype = resolve_dtype(dtype, cfg, device)
-    backend = make_backend(attention, device, torch_dtype, num_heads=cfg.num_heads,
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           sliding_window=cfg.sliding_window)
+    torch_dtype, dtype_why = choose_dtype(dtype, cfg, device)
+    backend = load_backend(attention, device, torch_dtype, dict(
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window), dtype_why)
     return DecoderModel(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
+
+
+def load_backend(attention: str, device, dtype: torch.dtype, shape: dict,
+                 dtype_why: str = ""):
+    """The attention backend, its kernels compiled (`warm_up`), and a log
+    line saying which backend and dtype the model runs and why. A backend
+    whose kernels fail to build is an error when asked for by name; under
+    auto the model falls back to torch attention, with a warning."""
+    backend, why = choose_backend(attention, device, dtype, **shape)
+    try:
+        ran = backend.warm_up(dtype, device)
+    except Exception as e:          # nvcc, ninja or the driver: whatever the build raised
+        if attention != "auto":
+            raise ModelError(f"attention: {backend.name} kernels failed to build or run "
+                             f"at load: {e}") from e
+        backend = TorchAttention(**shape)
+        why = f"auto fell back to torch: {type(e).__name__} while compiling flashinfer: {e}"
+    else:
+        if ran:
+            why += f"; kernels compiled or loaded from cache at load ({', '.join(ran)})"
+    dev = torch.device(device)
+    name = str(dtype).removeprefix("torch.")
+    line = "model on %s: dtype %s (%s); attention %s (%s)"
+    args = (dev, name, dtype_why or "given", backend.name, why)
+    if dev.type == "cuda" and backend.name == "torch" and attention == "auto":
+        log.warning(line, *args)        # a GPU without its fast attention: say so loudly
+    else:
+        log.info(line, *args)
+    return backend
 
 
 def load_tokenizer(path: str | None = None, preset: str | None = "tiny"):

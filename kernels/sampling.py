@@ -3,6 +3,15 @@
 Randomness is keyed by (seed, token index), never by the order requests
 happen to be batched, so a seeded request gives the same tokens whatever
 the schedule, retractions included.
+
+The whole batch samples at once, with no per-row kernels and one
+device-to-host copy a round (the tokens, and the logprobs asked for):
+temperature, top-k and top-p are masks over the batch, and each sampling
+row draws by inverse CDF with one uniform number. That number is made on
+the host from (seed, step) by a counter-based hash (splitmix64), so it
+depends on nothing else; the CDF is summed in float64, so the summation
+order (which CUDA's scan picks by the batch's shape) cannot move a token's
+boundary, and a row gets the same token alone or in any batch.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.kernels.staging import stage, stage_rows
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,6 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-_MASK = 0x7FFFFFFFFFFFFFFF
 MAX_LOGPROBS = 20
 
 
@@ -79,53 +89,104 @@ class Logprob:
     top: tuple = ()
 
 
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection on 64-bit integers that spreads
+    every input bit over every output bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def row_uniform(seed: int, step: int) -> float:
+    """The draw in [0, 1) for token `step` of a request seeded `seed`."""
+    x = _mix64((_mix64((seed + 0x9E3779B97F4A7C15) & _M64) + step) & _M64)
+    return (x >> 11) * 2.0 ** -53
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
            fallback_seeds: list[int], stop_ids: frozenset = frozenset()):
     """One token per row, and a Logprob for rows that asked (else None).
     `steps[i]` is how many tokens row i's request has generated so far;
     `fallback_seeds[i]` seeds an unseeded request; `stop_ids` (EOS) are masked,
     with each row's stop_token_ids, while the row is short of min_tokens."""
-    raw = logits
-    masked = [i for i, sp in enumerate(params) if steps[i] < sp.min_tokens]
-    if masked:
-        logits = logits.clone()
-        for i in masked:
-            sp = params[i]
-            ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(stop_ids))
-            ids = [t for t in ids if 0 <= t < logits.shape[-1]]
-            if ids:
-                logits[i, ids] = float("-inf")
-    out = logits.argmax(dim=-1).tolist()
+    raw, dev, vocab = logits, logits.device, logits.shape[-1]
+    mask_rows, mask_ids = [], []
     for i, sp in enumerate(params):
-        if sp.greedy:
-            continue
-        row = logits[i] / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(row, min(sp.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < sp.top_p
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        seed = sp.seed if sp.seed is not None else fallback_seeds[i]
-        g = torch.Generator(device=logits.device).manual_seed(
-            hash((seed, steps[i])) & _MASK)
-        out[i] = int(torch.multinomial(probs, 1, generator=g))
-    return out, _logprobs(raw, params, out)
+        if steps[i] < sp.min_tokens:
+            ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(stop_ids))
+            ids = sorted(t for t in ids if 0 <= t < vocab)
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+    if mask_rows:
+        r, c = stage_rows([mask_rows, mask_ids], dev)
+        logits = logits.clone()
+        logits[r, c] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if rows:
+        seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i]
+                 for i in rows]
+        drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
+                                  [row_uniform(s, steps[i]) for s, i in zip(seeds, rows)])
+        tokens.index_copy_(0, idx, drawn)
+    return _fetch(raw, params, tokens)
 
 
-def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list:
+def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list[float]):
+    """Tokens for the sampling rows `rows` (and those rows' index on the
+    device): temperature, then top-k, then top-p, then inverse CDF."""
+    vocab, n = logits.shape[-1], len(rows)
+    ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in sps]
+    by_k = [j for j in range(n) if ks[j]]
+    by_p = [j for j in range(n) if sps[j].top_p < 1.0]
+    # every parameter of the round in one host tensor, one copy (ints are exact in float64)
+    temp, top_p, u, idx, kk, sub_k, sub_p = stage_rows(
+        [[float(sp.temperature) for sp in sps], [float(sp.top_p) for sp in sps], draws,
+         rows, [ks[j] for j in by_k], by_k, by_p], logits.device, torch.float64)
+    idx = idx.long()
+    x = logits.index_select(0, idx) / temp.to(logits.dtype)[:, None]
+    if by_k:
+        sub = sub_k.long()
+        xs = x.index_select(0, sub)
+        kth = xs.topk(max(ks), dim=-1).values.gather(1, kk.long()[:, None] - 1)
+        x.index_copy_(0, sub, xs.masked_fill(xs < kth, float("-inf")))
+    if by_p:
+        sub = sub_p.long()
+        xs = x.index_select(0, sub)
+        desc = xs.sort(dim=-1, descending=True, stable=True).values
+        p = torch.softmax(desc, dim=-1).double()
+        keep = (p.cumsum(-1) - p) < top_p.index_select(0, sub)[:, None]  # a prefix, never empty
+        cut = desc.gather(1, keep.sum(-1, keepdim=True) - 1)
+        x.index_copy_(0, sub, xs.masked_fill(xs < cut, float("-inf")))
+    weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)          # masked: 0
+    cdf = weights.double().cumsum(-1)
+    drawn = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).view(-1)
+    return drawn.clamp_(max=vocab - 1), idx
+
+
+def _fetch(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor):
+    """Tokens and logprobs to the host in one copy."""
     rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
     if not rows:
-        return [None] * len(params)
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        return tokens.tolist(), [None] * len(params)
     k = max(params[i].logprobs for i in rows)
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
-    chosen, top_v, top_i = chosen.view(-1).tolist(), top_v.tolist(), top_i.tolist()
-    out = [None] * len(params)
+    idx = stage(rows, raw.device)
+    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, idx)[:, None]).view(-1)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    flat = torch.cat([tokens.double(), chosen.double(), top_v.reshape(-1).double(),
+                      top_i.reshape(-1).double()]).tolist()
+    B, n = len(params), len(rows)
+    out_tokens = [int(t) for t in flat[:B]]
+    chosen, top_v, top_i = flat[B:B + n], flat[B + n:B + n + n * k], flat[B + n + n * k:]
+    out = [None] * B
     for j, i in enumerate(rows):
-        n = params[i].logprobs
-        out[i] = Logprob(tokens[i], chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
-    return out
+        m = params[i].logprobs
+        top = tuple((int(top_i[j * k + t]), top_v[j * k + t]) for t in range(m))
+        out[i] = Logprob(out_tokens[i], chosen[j], top)
+    return out_tokens, out

@@ -4,7 +4,8 @@ Order within a round is the spec's stream order: host stores first (the
 retraction snapshots among them read pages the plan has already granted to
 someone else), then loads back from host, then the forward. Fresh pages are
 not zeroed: attention reads only positions a request has written. Every copy
-finishes within the round, so every store and load is acked in the result.
+finishes within the round (on a GPU: queued on one stream, then one sync),
+so every store and load is acked in the result.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
+from pdserve.kernels.staging import stage_rows
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
 
@@ -26,21 +28,25 @@ class Tracked:
     so far, and the logprobs of its tokens not yet handed out."""
     params: SamplingParams
     seed: int
-    detok: Detokenizer
+    detok: Detokenizer | None       # None: text is made elsewhere (an engine's output thread)
     logprobs: list = field(default_factory=list)
     tokens: int = 0                 # tokens taken (on_token calls)
 
 
 class TorchExecutor:
-    def __init__(self, model, tokenizer, cfg: EngineConfig):
+    def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True):
+        """`detokenize=False`: tokens only; stop strings are then found by
+        whoever makes the text (roles/outputs.py)."""
         self.model = model
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self.page_size = cfg.page_size
         self.cache = model.new_cache(cfg.total_pages, cfg.page_size)
         self.host = None
         if cfg.host_pages:
             c = model.cfg
-            # pinned beside a GPU: stores and loads then copy by DMA
+            # page-locked beside a GPU (exactly its size, not torch's power of
+            # two): stores and loads are then DMA straight between the pools
             self.host = KVCache(c.num_layers, cfg.host_pages, cfg.page_size, c.num_kv_heads,
                                 c.head_dim, model.dtype, "cpu",
                                 pin_memory=model.device.type == "cuda")
@@ -55,8 +61,8 @@ class TorchExecutor:
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
                  prompt=()) -> None:
-        self.tracked[req_id] = Tracked(params, fallback_seed,
-                                       Detokenizer(self.tokenizer, prompt, params.stop))
+        detok = Detokenizer(self.tokenizer, prompt, params.stop) if self.detokenize else None
+        self.tracked[req_id] = Tracked(params, fallback_seed, detok)
 
     def params(self, req_id: str) -> SamplingParams:
         return self.tracked[req_id].params
@@ -66,8 +72,9 @@ class TorchExecutor:
 
     def on_token(self, req, token: int, logprob: Logprob | None = None) -> bool:
         """Take `token`, sampled next for `req`: extend its text and logprobs;
-        True if it ends the request (EOS, a stop id, or a stop string). Every
-        token of a request passes here once, in order."""
+        True if it ends the request (EOS, a stop id, or, when this executor
+        detokenizes, a stop string). Every token of a request passes here
+        once, in order."""
         t = self.tracked[req.id]
         sp = t.params
         t.tokens += 1
@@ -77,19 +84,24 @@ class TorchExecutor:
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
             if not early:
                 return True         # a stop token's text is not part of the answer
-        return t.detok.push(token, check_stop=not early)
+        if t.detok is None:
+            return False
+        stopped = t.detok.push(token, check_stop=not early)
+        t.detok.ready()             # hand the text on as it comes: no string grows per token
+        return stopped
 
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
         result = StepResult()
         for s in plan.stores:
-            self.host.data[s.host_pages] = self.cache.data[s.device_pages].to(
-                self.host.data.device)
+            self.host.copy_pages_from(self.cache, s.device_pages, s.host_pages)
             result.stores_done.append(s.id)
         for ld in plan.loads:
-            self.cache.data[ld.device_pages] = self.host.data[ld.host_pages].to(
-                self.cache.data.device)
+            self.cache.copy_pages_from(self.host, ld.host_pages, ld.device_pages)
             result.loads_done.append(ld.id)
+        if (plan.stores or plan.loads) and self.cache.data.is_cuda:
+            # the copies are queued on the stream: done before they are acked
+            torch.cuda.current_stream(self.cache.data.device).synchronize()
         if not (plan.prefills or plan.decodes):
             return result
         logits, rows = self._forward(plan)
@@ -140,10 +152,10 @@ class TorchExecutor:
             slots.append(table[p // ps] * ps + p % ps)
             sample_rows.append(len(ids) - 1)
             rows.append(req)
-        dev = self.model.device
-        meta = BatchMeta(seqs, torch.tensor(slots, device=dev), torch.tensor(pos, device=dev),
-                         num_decodes=len(plan.decodes))
+        # one host tensor, one (asynchronous) copy for the round's four lists
+        ids_t, pos_t, slots_t, rows_t = stage_rows([ids, pos, slots, sample_rows],
+                                                   self.model.device)
+        meta = BatchMeta(seqs, slots_t, pos_t, num_decodes=len(plan.decodes))
         self.forward_tokens += len(ids)
-        logits = self.model.forward(torch.tensor(ids, device=dev), meta, self.cache,
-                                    torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        logits = self.model.forward(ids_t, meta, self.cache, rows_t)
         return logits, rows

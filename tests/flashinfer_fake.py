@@ -7,7 +7,7 @@ per-request loops, float32 math.
 
 It lets the CPU suite check what pdserve hands flashinfer (the plans, the
 split between prefill and decode rows, the strided per-layer caches); the
-kernels themselves are checked on CUDA by the `device` test.
+kernels themselves are checked on CUDA by tests/test_device.py (`-m device`).
 """
 
 from __future__ import annotations
@@ -60,10 +60,20 @@ def _attend(q, k, v, qpos, window_left, scale):
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
+BACKENDS = ("auto", "fa2", "fa3", "cudnn", "trtllm-gen", "cute-dsl")
+
+
+def _check_out(out, q):
+    if out is not None:
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+
+
 class BatchPrefillWithPagedKVCacheWrapper:
-    def __init__(self, workspace, kv_layout="NHD"):
-        assert kv_layout == "NHD"
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, *, backend="auto"):
+        assert kv_layout == "NHD" and backend in BACKENDS
+        self.backend = backend
         self.plans = 0
+        self.planned_rows = []          # each plan's longest chunk (auto's fa2/fa3 switch)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
@@ -77,8 +87,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self.window_left, self.q_dtype = window_left, q_data_type
         self.scale = sm_scale if sm_scale is not None else head_dim_qk ** -0.5
         self.plans += 1
+        self.planned_rows.append(int((qo_indptr[1:] - qo_indptr[:-1]).max()))
 
-    def run(self, q, paged_kv_cache):
+    def run(self, q, paged_kv_cache, *, out=None):
+        _check_out(out, q)
+        given = out
         qo, indptr, indices, last = self.args
         h, kvh, d, ps = self.shape
         assert q.dtype == self.q_dtype and q.shape[1:] == (h, d)
@@ -91,17 +104,28 @@ class BatchPrefillWithPagedKVCacheWrapper:
             t = rows.stop - rows.start
             qpos = torch.arange(k.shape[0] - t, k.shape[0])   # causal, bottom-right aligned
             out[rows] = _attend(q[rows], k, v, qpos, self.window_left, self.scale)
+        return _result(out, q, given)
+
+
+def _result(out, q, given):
+    if given is None:
         return out.to(q.dtype)
+    given.copy_(out)
+    return given
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
-    def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
-        assert kv_layout == "NHD"
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False,
+                 use_tensor_cores=False, *, backend="auto"):
+        assert kv_layout == "NHD" and backend in BACKENDS
+        self.backend, self.use_tensor_cores = backend, use_tensor_cores
         self.plans = 0
 
+    # flashinfer's decode plan takes its optional arguments by keyword only,
+    # and refuses unknown ones: so does this one
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, window_left=-1, sm_scale=None, q_data_type=torch.float16,
-             kv_data_type=None, **_):
+             kv_data_type=None):
         _check_csr(indptr, indices, last_page_len, page_size)
         _check_dtypes(q_data_type, kv_data_type)
         self.args = (indptr, indices, last_page_len)
@@ -110,7 +134,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self.scale = sm_scale if sm_scale is not None else head_dim ** -0.5
         self.plans += 1
 
-    def run(self, q, paged_kv_cache):
+    def run(self, q, paged_kv_cache, *, out=None):
+        _check_out(out, q)
+        given = out
         indptr, indices, last = self.args
         h, kvh, d, ps = self.shape
         assert q.dtype == self.q_dtype and q.shape == (indptr.numel() - 1, h, d)
@@ -119,4 +145,4 @@ class BatchDecodeWithPagedKVCacheWrapper:
             k, v = _kv(paged_kv_cache, indices, ps, last, i, indptr)
             qpos = torch.tensor([k.shape[0] - 1])
             out[i] = _attend(q[i:i + 1], k, v, qpos, self.window_left, self.scale)[0]
-        return out.to(q.dtype)
+        return _result(out, q, given)

@@ -81,3 +81,96 @@ def test_the_grafana_dashboard_plots_only_series_the_router_exports():
     assert used and used <= names, used - names
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["metrics_path"] == "/metrics"
+
+
+def test_the_gpu_cluster_runs_its_engines_on_cuda_a_gpu_each_in_bfloat16():
+    from pdserve.cluster.config import engine_gpus
+
+    m = load_config(DEPLOY / "gpu-cluster.yaml").model
+    assert m.device == "cuda" and m.device_for(None) == "cuda" and m.dtype == "bfloat16"
+    assert engine_gpus(m.device_for(None), None) == 1
+
+
+def test_model_device_auto_means_cpu_and_the_command_line_wins():
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.scheduler.config import ConfigError
+
+    assert ServeConfig.from_dict({}).model.device_for(None) == "cpu"
+    cuda = ServeConfig.from_dict({"model": {"preset": "tiny", "device": "cuda"}}).model
+    assert cuda.device_for(None) == "cuda" and cuda.device_for("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="model.device is 'gpu'; use one of auto, cpu, cuda"):
+        ServeConfig.from_dict({"model": {"device": "gpu"}})
+
+
+@pytest.mark.parametrize("device,flag,want", [
+    ("cuda", None, 1), ("cuda", "0.5", 0.5), ("cpu", None, 0), ("auto", None, 0)])
+def test_up_gives_each_cuda_engine_its_own_gpu(tmp_path, monkeypatch, device, flag, want):
+    import pdserve.cluster.deploy as deploy
+    from pdserve.cluster.cli import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(cfg, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(deploy, "Deployment", fake)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{preset: tiny, device: {device}}}\ncluster: {{fused: 1}}\n")
+    with pytest.raises(Stop):
+        main(["up", "--config", str(cfg)] + (["--gpus-per-engine", flag] if flag else []))
+    assert seen["device"] == ("cpu" if device == "auto" else device)
+    assert seen["gpus_per_engine"] == want
+
+
+def test_up_on_cuda_refuses_zero_gpus_per_engine_before_starting_anything(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {preset: tiny}\ncluster: {fused: 2}\n")
+    assert main(["up", "--config", str(cfg), "--device", "cuda", "--gpus-per-engine", "0"]) == 2
+    assert "--gpus-per-engine 0 with device cuda would put every engine on the same GPU " \
+           "(cuda:0)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_llm_and_offline_generate_read_model_device(tmp_path, capsys):
+    from pdserve import LLM
+    from pdserve.cluster.cli import main
+    from pdserve.kernels.model_config import ModelError
+
+    conf = {"model": {"preset": "tiny", "device": "cuda"}}
+    with pytest.raises(ModelError, match="device 'cuda': no CUDA GPU is usable here"):
+        LLM(conf)
+    assert LLM(conf, device="cpu").model.device.type == "cpu"
+    cfg = tmp_path / "cuda.yaml"
+    cfg.write_text("model: {preset: tiny, device: cuda}\n")
+    assert main(["generate", "--config", str(cfg), "--max-tokens", "2", "hi"]) == 2
+    assert "device 'cuda': no CUDA GPU is usable here" in capsys.readouterr().err
+    assert main(["generate", "--config", str(cfg), "--device", "cpu", "--max-tokens", "2",
+                 "hi"]) == 0
+
+
+@pytest.mark.parametrize("what", ["llm", "transfer"])
+def test_a_cuda_benchmark_on_a_machine_without_one_is_a_one_line_error(what, capsys):
+    import torch
+
+    from pdserve.cluster.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", what, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pdserve: error: device 'cuda': no CUDA GPU" in err
+
+
+def test_a_context_beyond_the_models_is_refused_at_load_not_in_every_round():
+    from pdserve import LLM
+    from pdserve.scheduler.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exceeds the model's context of 4,096 tokens"):
+        LLM({"engine": {"max_context_tokens": 5000}})
+    assert LLM({"engine": {"max_context_tokens": 1000}}).engine_config.max_context_tokens == 1000

@@ -1,0 +1,113 @@
+"""Batched sampling (kernels/sampling.py): one token per row, keyed by
+(seed, step) alone, drawn from the distribution temperature, top-k and
+top-p leave."""
+
+import math
+
+import torch
+
+from pdserve.kernels.sampling import SamplingParams, row_uniform, sample
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+N = 4000
+
+
+def draws(sp_kw: dict, probs=PROBS, n=N) -> list[float]:
+    """Token frequencies of n seeded rows over one distribution."""
+    logits = torch.tensor(probs).log().repeat(n, 1)
+    params = [SamplingParams(seed=s, **sp_kw) for s in range(n)]
+    tokens, _ = sample(logits, params, [0] * n, [0] * n)
+    return (torch.bincount(torch.tensor(tokens), minlength=len(probs)) / n).tolist()
+
+
+def close(freqs, want, n=N) -> bool:
+    """Every frequency within 4.5 standard errors of what it should be."""
+    return all(abs(f - p) <= 4.5 * math.sqrt(max(p * (1 - p), 1e-12) / n)
+               for f, p in zip(freqs, want))
+
+
+def test_a_row_s_token_does_not_depend_on_its_batch_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(24, 500) * 2
+    kinds = [dict(temperature=0), dict(temperature=0.7), dict(temperature=1.0, top_k=20),
+             dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=100, top_p=0.9,
+                                                    logprobs=3)]
+    params = [SamplingParams(seed=i if i % 3 else None, **kinds[i % len(kinds)])
+              for i in range(24)]
+    steps, seeds = [3 * i for i in range(24)], [1000 + i for i in range(24)]
+    batch, _ = sample(logits, params, steps, seeds)
+    order = list(range(24))[::-1]
+    flipped, _ = sample(logits[order], [params[i] for i in order], [steps[i] for i in order],
+                        [seeds[i] for i in order])
+    assert flipped[::-1] == batch
+    for i in range(24):
+        alone, _ = sample(logits[i:i + 1], params[i:i + 1], steps[i:i + 1], seeds[i:i + 1])
+        greedy_neighbour = torch.cat([logits[i:i + 1], logits[:3]])
+        paired, _ = sample(greedy_neighbour, [params[i]] + [SamplingParams(temperature=0)] * 3,
+                           [steps[i]] + [0] * 3, [seeds[i]] + [0] * 3)
+        assert alone == [batch[i]] and paired[0] == batch[i], i
+
+
+def test_draws_follow_the_distribution():
+    assert close(draws(dict(temperature=1.0)), PROBS)
+
+
+def test_temperature_sharpens_and_flattens():
+    for t in (0.5, 2.0):
+        w = [p ** (1 / t) for p in PROBS]
+        assert close(draws(dict(temperature=t)), [x / sum(w) for x in w])
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens_in_proportion():
+    assert close(draws(dict(temperature=1.0, top_k=2)), [0.625, 0.375, 0, 0])
+    # top_p keeps tokens until the mass before them reaches it
+    assert close(draws(dict(temperature=1.0, top_p=0.7)), [0.625, 0.375, 0, 0])
+    assert close(draws(dict(temperature=1.0, top_p=0.85)), [0.5 / 0.95, 0.3 / 0.95,
+                                                           0.15 / 0.95, 0])
+    assert close(draws(dict(temperature=1.0, top_k=3, top_p=0.7)), [0.625, 0.375, 0, 0])
+
+
+def test_a_seed_and_step_repeat_a_draw_and_each_step_draws_afresh():
+    flat = torch.zeros(1, 64)
+    sp = [SamplingParams(temperature=1.0, seed=5)]
+    by_step = [sample(flat, sp, [step], [0])[0][0] for step in range(64)]
+    assert by_step == [sample(flat, sp, [step], [0])[0][0] for step in range(64)]
+    assert len(set(by_step)) > 30                      # 64 draws over 64 tokens
+    assert row_uniform(5, 1) != row_uniform(6, 1) != row_uniform(5, 2)
+    assert all(0 <= row_uniform(s, k) < 1 for s in (0, 1, 2 ** 63) for k in (0, 10 ** 9))
+
+
+def test_a_tiny_temperature_and_top_k_of_one_are_greedy():
+    torch.manual_seed(1)
+    logits = torch.randn(16, 300)
+    want = logits.argmax(-1).tolist()
+    for kw in (dict(temperature=1e-4), dict(temperature=1.5, top_k=1)):
+        got, _ = sample(logits, [SamplingParams(seed=i, **kw) for i in range(16)],
+                        list(range(16)), [0] * 16)
+        assert got == want
+
+
+def test_min_tokens_masks_stop_ids_for_greedy_and_sampled_rows():
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 50.0                                # EOS all but certain
+    logits[:, 3] = 49.0
+    params = [SamplingParams(temperature=0, min_tokens=2),
+              SamplingParams(temperature=1.0, seed=1, min_tokens=2, stop_token_ids=(3,))]
+    early, _ = sample(logits, params, [0, 0], [0, 0], frozenset({7}))
+    assert early[0] == 3 and early[1] not in (3, 7)
+    late, _ = sample(logits, params, [2, 2], [0, 0], frozenset({7}))
+    assert late[0] == 7
+
+
+def test_logprobs_are_of_the_model_s_own_distribution():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.5, top_k=5, seed=1, logprobs=3),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=0)]
+    tokens, lps = sample(logits, params, [0, 0, 0], [0, 0, 0])
+    ref = torch.log_softmax(logits, dim=-1)
+    assert lps[1] is None and lps[2].top == () and lps[2].token == tokens[2]
+    assert math.isclose(lps[0].logprob, float(ref[0, tokens[0]]), rel_tol=1e-6)
+    top_v, top_i = ref[0].topk(3)
+    assert [t for t, _ in lps[0].top] == top_i.tolist()
+    assert all(math.isclose(v, float(w), rel_tol=1e-6) for (_, v), w in zip(lps[0].top, top_v))

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# pdserve's first checks on a bare CUDA host: Python 3.12, torch and nvcc, but
+# no package registry and no ray. From the repository root, with .whl/ built
+# by tools/gpu/build_wheelhouse.sh beside it:
+#
+#   tools/gpu/run_device_checks.sh OUTDIR [--dry-run] [--steps NAME,NAME...]
+#
+# Steps, each under its own `timeout`, all inside a 9-minute budget (later
+# steps shrink or are skipped when it runs out; PDSERVE_CHECK_BUDGET_S):
+#   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions
+#   import    torch sees the GPU; flashinfer and nixl import
+#   warm      flashinfer's kernels compiled, every module the later steps use
+#             (tools/gpu/warm_kernels.py: the loader's warm_up, in parallel)
+#   tests     pytest -m device tests/test_device.py
+#   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
+#   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
+#   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
+#   keep      the compiled flashinfer modules, for a later run to reuse
+# OUTDIR receives at most 8 files: log.txt (everything), steps.tsv (step, exit
+# status, seconds), warm.json, device-tests.xml, per_row.json,
+# bench_llm.txt, bench_transfer.txt and flashinfer-jit.tar.xz.
+#
+# --dry-run runs the same steps on this machine's CPU: the wheelhouse's
+# archives are verified instead of installed, flashinfer is the stand-in
+# tests/flashinfer_fake.py, ray is made unimportable (as on the GPU host),
+# the device tests are collected rather than run, and each benchmark with
+# --device cuda must fail with its one-line error. It exits 0 when every
+# step did what it should. --steps runs only the steps named.
+set -uo pipefail
+
+usage() { echo "usage: $0 OUTDIR [--dry-run] [--steps NAME,NAME...]" >&2; exit 2; }
+OUT="" DRY=0 STEPS=""
+while (($#)); do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -*) usage ;;
+        *) [[ -z $OUT ]] && OUT=$1 || usage ;;
+    esac
+    shift
+done
+[[ -n $OUT ]] || usage
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+: > "$OUT/steps.tsv"
+exec > >(tee "$OUT/log.txt") 2>&1
+cd "$REPO"
+
+PY=${PYTHON:-python3}
+BUDGET=${PDSERVE_CHECK_BUDGET_S:-530}
+START=$(date +%s)
+FAILED=0
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+step() {   # step NAME LIMIT_S COMMAND...: run it under timeout, record rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    [[ -z $STEPS || $STEPS == *",$name,"* ]] || return 0
+    local left=$((BUDGET - ($(date +%s) - START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 5)); then
+        echo "== $name: skipped, the ${BUDGET}s budget is spent"
+        printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+        FAILED=1
+        return 1
+    fi
+    echo "== $name (limit ${limit}s): $*"
+    local t0 rc
+    t0=$(date +%s)
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    echo "== $name: rc=$rc in $(($(date +%s) - t0))s"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" >> "$OUT/steps.tsv"
+    ((rc == 0)) || FAILED=1
+    return $rc
+}
+
+cuda_refused() {   # cuda_refused FILE COMMAND...: exits 2 with one line, "pdserve: error: device 'cuda'..."
+    local file=$1 rc
+    shift
+    "$@" > "$file" 2>&1
+    rc=$?
+    cat "$file"
+    [[ $rc == 2 && $(wc -l < "$file") == 1 ]] && grep -q "^pdserve: error: device 'cuda'" "$file"
+}
+export -f cuda_refused
+
+echo "pdserve device checks: $(date -u +%FT%TZ), repo $REPO, commit" \
+     "$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'), dry run $DRY"
+
+if ((DRY)); then
+    # the GPU host has no ray: neither may the checks, here
+    NORAY=$(mktemp -d)
+    mkdir -p "$NORAY/ray"
+    echo 'raise ImportError("ray is not installed on the GPU host (a --dry-run stand-in)")' \
+        > "$NORAY/ray/__init__.py"
+    export PYTHONPATH=$NORAY${PYTHONPATH:+:$PYTHONPATH}
+    FAKE=(--fake --device cpu)
+    if [[ -f .whl/SHA256SUMS ]]; then
+        step install 60 bash -c 'cd .whl && sha256sum -c SHA256SUMS && for a in *.tar.xz; do
+            xz -t "$a" && echo "$a: $(tar -tJf "$a" | wc -l) files"; done &&
+            for w in *.whl; do unzip -tq "$w"; done && du -ch . | tail -1'
+    else
+        echo "== install: no .whl/ here (tools/gpu/build_wheelhouse.sh builds it); skipped"
+    fi
+    step import 60 "$PY" -c 'import torch, pdserve.kernels.attention as a
+try:
+    import ray
+except ImportError as e:
+    print("ray:", e)
+else:
+    raise SystemExit("ray imported, but the GPU host has none")
+print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
+    step warm 120 "$PY" tools/gpu/warm_kernels.py "${FAKE[@]}" --out "$OUT/warm.json"
+    step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/test_device.py \
+        --collect-only
+    step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
+        --out "$OUT/per_row.json"
+    for what in llm transfer; do
+        step "bench-$what" 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_$what.txt" \
+            "$PY" -m pdserve.cluster.cli bench "$what" --device cuda
+    done
+else
+    SITE=${PDSERVE_SITE:-/tmp/site}
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/pdserve-flashinfer}
+    # four modules build at once (warm_kernels.py): a few nvcc each, not one a core each
+    export MAX_JOBS=${MAX_JOBS:-5}
+    if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc > /dev/null; then
+        CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+        export CUDA_HOME
+    fi
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    step install 60 bash -c "set -e; cd .whl; sha256sum -c SHA256SUMS; mkdir -p '$SITE'
+        '$PY' -m pip install -q --no-index --no-deps --no-compile --target '$SITE' *.whl
+        for a in *.tar.xz; do tar -xJf \"\$a\" -C '$SITE'; done
+        ln -sfn '$REPO' '$SITE/pdserve'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+        nvcc --version | tail -2 || true" || { echo "install failed: nothing else can run"; exit 1; }
+    step import 60 "$PY" -c 'import sys, torch
+assert torch.cuda.is_available(), "torch sees no GPU"
+print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda,
+      torch.cuda.get_device_name(0), "sm%d%d" % torch.cuda.get_device_capability(0))
+import flashinfer, nixl, pdserve
+print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pdserve.__file__)'
+    step warm 240 "$PY" tools/gpu/warm_kernels.py --out "$OUT/warm.json"
+    step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/test_device.py -rA \
+        --junitxml="$OUT/device-tests.xml"
+    step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
+    step bench-llm 90 bash -c "'$PY' -m pdserve.cluster.cli bench llm --device cuda \
+        --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \
+        2>&1 | tee '$OUT/bench_llm.txt'"
+    step bench-transfer 60 bash -c "'$PY' -m pdserve.cluster.cli bench transfer --device cuda \
+        2>&1 | tee '$OUT/bench_transfer.txt'"
+    step keep 30 bash -c "cd '$FLASHINFER_WORKSPACE_BASE' && find . -name '*.so' -printf '%s %p\n' &&
+        find . -name '*.so' -print0 | tar -cf - --null -T - | xz -T0 -6 > '$OUT/flashinfer-jit.tar.xz' &&
+        ls -l '$OUT/flashinfer-jit.tar.xz' &&
+        if (( \$(stat -c %s '$OUT/flashinfer-jit.tar.xz') > 15 * 1048576 )); then
+            echo 'over 15 MiB: not kept'; rm '$OUT/flashinfer-jit.tar.xz'; fi"
+fi
+
+echo "== steps (name, rc, seconds), $(($(date +%s) - START))s in all:"
+cat "$OUT/steps.tsv"
+exit $FAILED
