@@ -5,9 +5,16 @@ two interleaved `--repeats` times, so a drift of the machine hits both).
 
 Workload: N synthetic prompts, or a replayed trace (Mooncake JSONL or Azure
 CSV from shared/data/traces, lengths capped to what the model can take).
-Arrivals: as fast as `--concurrency` allows, or Poisson at `--rate` req/s
-(seeded). Reports TTFT, TPOT, ITL and E2E percentiles and throughput,
-prints a table and saves JSON.
+Arrivals, and where each request's clock starts:
+- closed loop (synthetic prompts, no `--rate`): a request starts when one of
+  `--concurrency` workers picks it up; its clock starts then.
+- open loop: Poisson at `--rate` req/s (seeded), or a trace's own arrival
+  times (`--trace` without `--rate`; `--rate` replaces them). A request's
+  clock starts at its scheduled arrival, not when a worker is free, so time
+  spent queued behind `--concurrency` busy workers counts in its TTFT and E2E
+  (no coordinated omission: a saturated server cannot hide its queue).
+Reports TTFT, TPOT, ITL and E2E percentiles, the queueing delay and
+throughput, prints a table and saves JSON.
 """
 
 from __future__ import annotations
@@ -26,17 +33,35 @@ from pdserve.cluster.sim_report import percentile
 class Sample:
     prompt: list
     max_tokens: int
-    arrival_s: float = 0.0
+    arrival_s: float | None = None      # a trace's arrival; None: synthetic, no schedule
 
 
 @dataclass
 class Timing:
     ok: bool = False
     error: str = ""
-    ttft: float | None = None
-    e2e: float | None = None
+    queued: float | None = None         # scheduled arrival -> a worker picks it up
+    ttft: float | None = None           # both from the scheduled arrival (open loop)
+    e2e: float | None = None            # or from the pick-up (closed loop)
     tokens: int = 0
     gaps: list = field(default_factory=list)
+
+
+def arrivals(samples: list[Sample], rate: float | None, seed: int) -> list[float] | None:
+    """Each request's scheduled arrival in seconds from the start: Poisson at
+    `rate` (seeded), else the trace's own times shifted to start at 0; None
+    for a closed loop (synthetic samples, no rate)."""
+    if rate:
+        rng = random.Random(seed)
+        due, out = 0.0, []
+        for _ in samples:
+            due += rng.expovariate(rate)
+            out.append(due)
+        return out
+    if samples and all(s.arrival_s is not None for s in samples):
+        first = min(s.arrival_s for s in samples)
+        return [s.arrival_s - first for s in samples]
+    return None
 
 
 def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit: int | None,
@@ -56,14 +81,20 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
 
 
 def _grpc_stream(address: str):
+    """A client (its own connection) per worker thread, as separate users
+    have: with router replicas, the connections spread over them."""
     from pdserve.client import Client
 
-    client = Client(address, timeout=600)
+    local, clients = threading.local(), []
 
     def stream(s: Sample):
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = Client(address, timeout=600)
+            clients.append(client)
         for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens, ignore_eos=True):
             yield len(chunk.token_ids)
-    return stream, client.close
+    return stream, lambda: [c.close() for c in clients]
 
 
 def _http_stream(base_url: str):
@@ -111,9 +142,13 @@ def run(address: str, samples: list[Sample], concurrency: int, rate: float | Non
     bar = tqdm(total=len(samples), disable=not progress, unit="req", desc=f"bench serve {api}")
     lock = threading.Lock()
 
+    due = arrivals(samples, rate, seed)
+
     def one(i: int) -> None:
         s, t = samples[i], timings[i]
-        t0 = last = time.perf_counter()
+        picked = last = time.perf_counter()
+        t0 = start + due[i] if due is not None else picked
+        t.queued = picked - t0
         try:
             for n in stream(s):
                 now = time.perf_counter()
@@ -131,14 +166,13 @@ def run(address: str, samples: list[Sample], concurrency: int, rate: float | Non
         with lock:
             bar.update(1)
 
-    rng = random.Random(seed)
+    order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
+        else range(len(samples))
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        due = 0.0
-        for i in range(len(samples)):
-            if rate:
-                due += rng.expovariate(rate)
-                wait = start + due - time.perf_counter()
+        for i in order:
+            if due is not None:
+                wait = start + due[i] - time.perf_counter()
                 if wait > 0:
                     time.sleep(wait)          # pacing arrivals, not waiting on a race
             pool.submit(one, i)
@@ -155,6 +189,8 @@ def run(address: str, samples: list[Sample], concurrency: int, rate: float | Non
     return {"requests": len(samples), "ok": len(ok), "failed": len(samples) - len(ok),
             "wall_s": wall, "req_per_s": len(ok) / wall,
             "output_tok_per_s": sum(t.tokens for t in ok) / wall,
+            "arrivals": "closed loop" if due is None else "rate" if rate else "trace",
+            "queued_s": pct([t.queued for t in ok]),
             "ttft_s": pct([t.ttft for t in ok]), "tpot_s": pct(tpot), "itl_s": pct(gaps),
             "e2e_s": pct([t.e2e for t in ok]),
             "errors": sorted({t.error for t in timings if t.error})[:5]}
@@ -180,7 +216,7 @@ def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repea
 def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_tokens: int,
          concurrency: int, rate: float | None, trace: str | None, limit: int | None,
          max_prompt: int, out: str | None, seed: int = 0, apis=("grpc",),
-         http_address: str | None = None, repeats: int = 1) -> int:
+         http_address: str | None = None, repeats: int = 1, offline: bool = False) -> int:
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
     results = []
     if address or http_address:
@@ -205,8 +241,15 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
             results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
         finally:
             dep.stop()
+        if offline:
+            results.append((f"{path} [offline LLM]", run_offline(path, samples, seed)))
+    mode = arrivals(samples, rate, seed)
     print(f"{len(samples)} requests, concurrency {concurrency}, "
-          f"{'rate %.2f req/s' % rate if rate else 'closed loop'}")
+          + (f"Poisson arrivals at {rate:.2f} req/s" if rate else
+             f"the trace's arrivals over {max(mode):.1f} s" if mode is not None else
+             "closed loop")
+          + ("; TTFT and E2E from each scheduled arrival, queueing included"
+             if mode is not None else ""))
     print(f"{'target':<30} {'ok':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'ITL p99':>8} {'E2E p50':>8}")
 
@@ -226,9 +269,34 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
     for name, r in results:
         if name.endswith("[http]") and name[:-6] + "[grpc]" in by_name:
             g = by_name[name[:-6] + "[grpc]"]
-            print(f"{name[:-7]}: HTTP/gRPC throughput {r['output_tok_per_s'] / g['output_tok_per_s']:.3f}, "
-                  f"TTFT p50 {(r['ttft_s']['p50'] - g['ttft_s']['p50']) * 1000:+.2f} ms")
+            ratio = r["output_tok_per_s"] / g["output_tok_per_s"]
+            print(f"{name[:-7]}: HTTP/gRPC throughput {ratio:.3f}, TTFT p50 "
+                  f"{(r['ttft_s']['p50'] - g['ttft_s']['p50']) * 1000:+.2f} ms")
+        base = name.rsplit(" [", 1)[0] + " [offline LLM]"
+        if base in by_name and name != base:
+            print(f"{name}: {r['output_tok_per_s'] / by_name[base]['output_tok_per_s']:.1%} "
+                  "of the offline rate")
     if out:
         with open(out, "w") as f:
             json.dump({name: r for name, r in results}, f, indent=1)
     return 0 if all(r["failed"] == 0 for _, r in results) else 1
+
+
+def run_offline(config: str, samples: list[Sample], seed: int) -> dict:
+    """The same requests through `pdserve.LLM` in this process, all at once:
+    the engine's own rate, the ceiling the served rows are measured against."""
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
+    llm = LLM(config)
+    llm.generate([s.prompt for s in samples[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(max_tokens=s.max_tokens, temperature=1.0, ignore_eos=True,
+                             seed=seed + i) for i, s in enumerate(samples)]
+    t0 = time.perf_counter()
+    outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    none = {"p50": None, "p90": None, "p99": None}
+    return {"requests": len(samples), "ok": len(outs), "failed": 0, "wall_s": wall,
+            "req_per_s": len(outs) / wall, "output_tok_per_s": tokens / wall, "ttft_s": none,
+            "tpot_s": none, "itl_s": none, "e2e_s": none, "errors": []}
