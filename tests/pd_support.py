@@ -10,12 +10,14 @@ from support import config, result_for
 
 
 class PDPair:
-    def __init__(self, p_cfg=None, d_cfg=None):
+    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0):
         self.P = Planner(p_cfg or config(), Role.PREFILL)
         self.D = Planner(d_cfg or config(), Role.DECODE)
         self.in_flight = []          # (req id, first token) shipped, not yet landed
         self.fail_next = set()       # request ids whose transfer fails
         self.lose_ack = set()        # request ids whose ack never reaches P
+        self.lease_rounds = lease_rounds   # ticks P waits for a lost ack before letting go
+        self.leased = {}             # req id -> ticks left on P's lease (its ack was lost)
         self.finished = []
 
     def submit(self, req: Request) -> None:
@@ -35,6 +37,7 @@ class PDPair:
         for op in pplan.remote_decodes:
             self.in_flight.append((op.req.id, op.first_token))
         self.deliver()
+        self.expire_leases()
         self.D.check_invariants()
         self.P.check_invariants()
         return dplan, pplan
@@ -52,14 +55,23 @@ class PDPair:
                 continue
             self.finished += self.D.transfer_landed(rid, tok)
             if rid in self.lose_ack:
-                self.P.abort(rid, "lease expired")   # the lease bounds a lost ack
+                self.leased[rid] = self.lease_rounds  # only the lease ends it on P
             else:
                 self.P.peer_ack(rid)
+
+    def expire_leases(self) -> None:
+        for rid, left in list(self.leased.items()):
+            if left > 0:
+                self.leased[rid] = left - 1
+                continue
+            del self.leased[rid]
+            self.P.abort(rid, "lease expired")
 
     def run(self, max_rounds: int = 10_000) -> list:
         for _ in range(max_rounds):
             if not (self.D.has_work() or self.P.has_work() or self.in_flight):
                 return self.finished
             dplan, pplan = self.tick()
-            assert not (dplan.is_empty() and pplan.is_empty()), "both sides stalled"
+            assert not (dplan.is_empty() and pplan.is_empty() and not self.leased), \
+                "both sides stalled"
         raise AssertionError("did not finish")

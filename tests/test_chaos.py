@@ -29,6 +29,11 @@ PROMPTS = ["chaos monkey", "chaos monkey in the server room", "a different promp
            "chaos monkey in the server room, again" * 3]
 IDLE_BOUND_S = 20.0
 N_TOKENS = 16
+# Generations the tiny model cannot finish within ABORT_BOUND_S (4,000 tokens
+# take a lone request 9 s or more on a 2-core machine): only an abort brings
+# their engines back to idle.
+LONG = 4000
+ABORT_BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +55,14 @@ def reference():
                                                                           use_tqdm=False))}
 
 
+@pytest.fixture(autouse=True)
+def no_faults(dep):
+    """Each test starts with no fault rule anywhere, whatever ran before it."""
+    set_faults_after_restart(dep)
+
+
 @pytest.fixture
 def client(dep):
-    for _, _, actor in dep.engines:
-        ray.get(actor.set_faults.remote([]))
     c = Client(dep.address, timeout=120)
     yield c
     assert_all_idle(dep)
@@ -77,15 +86,19 @@ def assert_all_idle(dep, bound: float = IDLE_BOUND_S) -> None:
                                  f"{ {n: s for n, s in states.items() if not s['idle']} }")
 
 
-def run_all(client, prompts, **kw):
+def run_all(client, prompts, tag=None, **kw):
+    """Every prompt at once (request ids `tag-0`, `tag-1`, ... with a tag);
+    returns ({prompt: tokens}, [errors])."""
     out, errs = {}, []
 
-    def one(p):
+    def one(i, p):
+        rid = f"{tag}-{i}" if tag else None
         try:
-            out[p] = client.generate(p, max_tokens=N_TOKENS, ignore_eos=True, **kw).token_ids
+            out[p] = client.generate(p, request_id=rid, max_tokens=N_TOKENS, ignore_eos=True,
+                                     **kw).token_ids
         except Exception as e:                  # reported by the caller
             errs.append(e)
-    ts = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    ts = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
     for t in ts:
         t.start()
     for t in ts:
@@ -105,37 +118,81 @@ def counters(dep, role, key):
                if r == role)
 
 
-@pytest.mark.parametrize("role,rule,path", [
-    ("prefill", {"stage": "post", "action": "fail"}, ("decode", "transfer_failures")),
-    ("prefill", {"stage": "completion", "action": "fail"}, None),   # may race the landing
-    ("decode", {"stage": "notification", "action": "drop"}, ("decode", "transfer_failures")),
-    ("decode", {"stage": "notification", "action": "delay", "delay_s": 1.0}, None),
-    ("decode", {"stage": "ack", "action": "drop"}, ("prefill", "lease_expiries")),
-    ("decode", {"stage": "ack", "action": "delay", "delay_s": 5.0},
-     ("prefill", "lease_expiries")),                                   # past the lease
-])
+def fired(dep, role, kind):
+    """How often fault `kind` ("stage:action") fired on `role`'s engines
+    since their rules were last set."""
+    return sum(ray.get(a.check.remote())["faults_fired"].get(kind, 0)
+               for _, r, a in dep.engines if r == role)
+
+
+def snapshot(dep) -> dict:
+    """Each role's counters summed over its engines."""
+    out = {}
+    for _, role, actor in dep.engines:
+        for k, v in ray.get(actor.check.remote())["counters"].items():
+            out[(role, k)] = out.get((role, k), 0) + v
+    return out
+
+
+# Two of the four requests meet the fault (a rule per request id, on every
+# engine of the role); per stage, what those two move in the counters summed
+# over a role's engines. A completion failure races the landing: D either
+# recovers (the failure report arrives first) or keeps the landed KV, so only
+# P's side is exact there; the check common to every stage covers D's.
+@pytest.mark.parametrize("role,rule,moved", [
+    ("prefill", {"stage": "post", "action": "fail"},
+     {("prefill", "transfer_failures"): 2, ("decode", "transfer_failures"): 2}),
+    ("prefill", {"stage": "completion", "action": "fail"},
+     {("prefill", "transfer_failures"): 2}),
+    ("decode", {"stage": "notification", "action": "drop"},
+     {("decode", "transfer_failures"): 2, ("decode", "transfers"): len(PROMPTS) - 2}),
+    ("decode", {"stage": "notification", "action": "delay", "delay_s": 1.0},  # < the 3 s timeout
+     {("decode", "transfer_failures"): 0, ("decode", "transfers"): len(PROMPTS)}),
+    ("decode", {"stage": "ack", "action": "drop"},
+     {("prefill", "lease_expiries"): 2, ("decode", "transfer_failures"): 0}),
+    ("decode", {"stage": "ack", "action": "delay", "delay_s": 5.0},       # past the lease
+     {("prefill", "lease_expiries"): 2, ("decode", "transfer_failures"): 0}),
+], ids=lambda v: f"{v['stage']}-{v['action']}" if isinstance(v, dict) and "stage" in v else None)
 def test_a_transfer_fault_at_each_stage_loses_nothing(dep, client, reference, role, rule,
-                                                      path):
-    before = counters(dep, *path) if path else 0
-    set_faults(dep, role, [dict(rule, times=2)], seed=7)
-    out, errs = run_all(client, PROMPTS)
+                                                      moved):
+    before = snapshot(dep)
+    tag = f"{rule['stage']}-{rule['action']}"
+    set_faults(dep, role, [dict(rule, req_id=f"{tag}-{i}") for i in (0, 3)])
+    out, errs = run_all(client, PROMPTS, tag)
     assert not errs, errs
     assert out == reference                     # recovered, token for token
-    if path:
-        assert_all_idle(dep)
-        assert counters(dep, *path) > before, f"the fault never took the {path[1]} path"
+    assert_all_idle(dep)
+    assert fired(dep, role, f"{rule['stage']}:{rule['action']}") == 2
+    after = snapshot(dep)
+    delta = {k: after[k] - before[k] for k in after}
+    assert {k: delta[k] for k in moved} == moved
+    # P shipped each request once; D took each either as landed or recovered, once
+    assert delta[("prefill", "transfers")] == len(PROMPTS)
+    assert delta[("decode", "transfers")] + delta[("decode", "transfer_failures")] == \
+        len(PROMPTS)
     # the cluster keeps serving: a fresh request right after
+    set_faults(dep, role, [])
     assert client.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True).token_ids == \
         reference[PROMPTS[0]]
 
 
 def test_random_faults_with_probability_are_reproducible_by_seed(dep, client, reference):
-    rules = [{"stage": "completion", "action": "fail", "probability": 0.3, "times": 0}]
-    set_faults(dep, "prefill", rules, seed=1234)
-    set_faults(dep, "decode", [{"stage": "ack", "action": "drop", "probability": 0.3,
-                                "times": 0}], seed=1234)
-    out, errs = run_all(client, PROMPTS * 2)
-    assert not errs and out == reference
+    def run(tag: str) -> dict:
+        set_faults(dep, "prefill", [{"stage": "completion", "action": "fail",
+                                     "probability": 0.3, "times": 0}], seed=1234)
+        set_faults(dep, "decode", [{"stage": "ack", "action": "drop", "probability": 0.3,
+                                    "times": 0}], seed=1234)
+        # one request at a time: each engine meets the same transfers in the same order
+        for i, p in enumerate(PROMPTS * 3):
+            got = client.generate(p, request_id=f"{tag}-{i}", max_tokens=N_TOKENS,
+                                  ignore_eos=True)
+            assert got.token_ids == reference[p]
+        assert_all_idle(dep)
+        return {name: ray.get(a.check.remote())["faults_fired"] for name, _, a in dep.engines}
+    first, second = run("first"), run("second")
+    assert first == second
+    for kind in ("completion:fail", "ack:drop"):          # and the run was not fault-free
+        assert sum(f.get(kind, 0) for f in first.values()) > 0, (kind, first)
 
 
 def _wait_state(dep, role, rid, states, bound=10.0):
@@ -212,18 +269,23 @@ def test_p_killed_while_writing_recovers_on_d(dep, client, reference):
     t = threading.Thread(target=lambda: res.update(zip(("out", "errs"),
                                                        run_all(client, PROMPTS[:2]))))
     t.start()
-    victim = None
+    before = counters(dep, "decode", "transfer_failures")
+    victim, held = None, []
     deadline = time.monotonic() + 10
     while victim is None and time.monotonic() < deadline:
         for name, role, actor in dep.engines:
-            if role == "prefill" and ray.get(actor.check.remote())["requests"]:
+            held = ray.get(actor.check.remote())["requests"] if role == "prefill" else []
+            if held:
                 victim = name
                 break
     assert victim, "no prefill engine ever held the requests"
-    _kill(dep, victim)
+    _kill(dep, victim)                          # its writes are held back 3 s: none left
     t.join(120)
+    assert not t.is_alive(), "a request hung"
     assert not res["errs"], res["errs"]
     assert res["out"] == {p: reference[p] for p in PROMPTS[:2]}
+    # D recovered each prompt the victim held by prefilling it locally
+    assert counters(dep, "decode", "transfer_failures") >= before + len(held), held
     set_faults_after_restart(dep)
     assert client.generate(PROMPTS[2], max_tokens=N_TOKENS, ignore_eos=True).token_ids == \
         reference[PROMPTS[2]]
@@ -269,18 +331,25 @@ def test_router_restart_while_requests_run(dep, reference):
 
     def long_one(i):
         try:
-            c.generate("r" * 40, request_id=f"rr-{i}", max_tokens=3000, ignore_eos=True)
+            c.generate("r" * 40, request_id=f"rr-{i}", max_tokens=LONG, ignore_eos=True)
         except grpc.RpcError as e:
             errors.append(e.code())
+    before = {k: counters(dep, "decode", k) for k in ("aborted", "finished")}
     ts = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
-    _wait_state(dep, "decode", "rr-0", {"Decoding"})
+    for i in range(3):
+        _wait_state(dep, "decode", f"rr-{i}", {"Decoding"})
     address = dep.restart_router()
     for t in ts:
         t.join(60)
+    assert not any(t.is_alive() for t in ts), "a request hung"
     assert len(errors) == 3 and set(errors) <= {grpc.StatusCode.UNAVAILABLE,
                                                 grpc.StatusCode.CANCELLED}
+    # the engines aborted what the old router had sent them, long before it could finish
+    assert_all_idle(dep, ABORT_BOUND_S)
+    assert counters(dep, "decode", "aborted") == before["aborted"] + 3
+    assert counters(dep, "decode", "finished") == before["finished"]
     c2 = Client(address, timeout=60)
     assert c2.generate(PROMPTS[0], max_tokens=N_TOKENS, ignore_eos=True).token_ids == \
         reference[PROMPTS[0]]
@@ -324,20 +393,19 @@ def generate_requests(draw):
     return req
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(req=generate_requests())
-def test_fuzzed_requests_are_served_or_refused_with_a_message(dep, req):
-    stub = pbg.RouterStub(grpc.insecure_channel(dep.address))
-    try:
-        msgs = list(stub.Generate(req, timeout=120))
-        assert msgs and msgs[-1].finish_reason in ("length", "stop")
-    except grpc.RpcError as e:
-        allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS}
-        if req.route == "fused":                 # this deployment has no fused engine
-            allowed.add(grpc.StatusCode.UNAVAILABLE)
-        assert e.code() in allowed, (e.code(), e.details())
-        assert e.details(), "a refusal without a message"
-
-
-def test_after_the_fuzz_nothing_is_left_behind(dep):
+def test_fuzzed_requests_are_served_or_refused_with_a_message_and_leave_nothing(dep):
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(req=generate_requests())
+    def one(req):
+        stub = pbg.RouterStub(grpc.insecure_channel(dep.address))
+        try:
+            msgs = list(stub.Generate(req, timeout=120))
+            assert msgs and msgs[-1].finish_reason in ("length", "stop")
+        except grpc.RpcError as e:
+            allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS}
+            if req.route == "fused":                 # this deployment has no fused engine
+                allowed.add(grpc.StatusCode.UNAVAILABLE)
+            assert e.code() in allowed, (e.code(), e.details())
+            assert e.details(), "a refusal without a message"
+    one()
     assert_all_idle(dep)

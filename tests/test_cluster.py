@@ -17,6 +17,12 @@ ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}
 PROMPTS = ["The quick brown fox", "The quick brown fox jumps over the lazy dog",
            "Disaggregated prefill", "The quick brown cat" * 8, "x"]
+# A generation the tiny model cannot finish within ABORT_BOUND_S: 4,000 tokens
+# take a lone request 9 s or more on a 2-core machine (3,000 took 7 s idle;
+# 4,000 took 21-26 s under load), so only an abort brings its engine back to
+# idle within the bound.
+LONG = 4000
+ABORT_BOUND_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,12 @@ def wait_idle(c: Client, seconds: float = 30.0) -> None:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"engines not idle: {busy}")
+
+
+def counters(c: Client) -> dict[str, dict]:
+    """Each engine's stats by name: its counters (finished, aborted,
+    transfers, ...) since it started."""
+    return {s["name"]: s for s in c.stats()}
 
 
 def concurrently(fn, items):
@@ -93,9 +105,11 @@ def test_tokens_stream_in_order_and_only_the_last_chunk_finishes(client):
     assert len(chunks) >= 2                      # it streamed, it did not arrive at once
 
 
-@pytest.mark.parametrize("route", ["fused", "disaggregated"])
-def test_abort_mid_stream_ends_the_stream_and_frees_everything(client, route):
-    stream = client.generate_stream(PROMPTS[0], request_id=f"long-{route}", max_tokens=3000,
+@pytest.mark.parametrize("route,engine", [("fused", "pdserve:fused-0"),
+                                          ("disaggregated", "pdserve:decode-0")])
+def test_abort_mid_stream_ends_the_stream_and_frees_everything(client, route, engine):
+    before = counters(client)[engine]
+    stream = client.generate_stream(PROMPTS[0], request_id=f"long-{route}", max_tokens=LONG,
                                     ignore_eos=True, route=route)
     got, aborted = 0, False
     with pytest.raises(grpc.RpcError) as e:
@@ -104,21 +118,29 @@ def test_abort_mid_stream_ends_the_stream_and_frees_everything(client, route):
             if got >= 3 and not aborted:
                 aborted = client.abort(f"long-{route}")
     assert e.value.code() == grpc.StatusCode.ABORTED
-    assert 3 <= got < 3000
+    assert 3 <= got < LONG
+    wait_idle(client, ABORT_BOUND_S)              # far sooner than the generation could end
+    after = counters(client)[engine]
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["finished"] == before["finished"]
 
 
 def test_a_client_that_disconnects_is_aborted_on_the_engine(client, deployment):
-    ch = grpc.insecure_channel(deployment.address)
     from pdserve.proto import router_pb2 as pb
     from pdserve.proto import router_pb2_grpc as pbg
 
+    before = counters(client)["pdserve:decode-0"]
+    ch = grpc.insecure_channel(deployment.address)
     call = pbg.RouterStub(ch).Generate(pb.GenerateRequest(
-        text="bye", sampling=pb.SamplingOptions(max_tokens=3000, ignore_eos=True),
+        text="bye", sampling=pb.SamplingOptions(max_tokens=LONG, ignore_eos=True),
         route="disaggregated"))
     next(call)
     call.cancel()
     ch.close()
-    wait_idle(client)
+    wait_idle(client, ABORT_BOUND_S)
+    after = counters(client)["pdserve:decode-0"]
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["finished"] == before["finished"]
 
 
 def test_stats_and_server_info_describe_every_engine(client):
@@ -127,9 +149,14 @@ def test_stats_and_server_info_describe_every_engine(client):
                                                    "pdserve:decode-0"}
     assert all(e["alive"] and e["address"].startswith("127.0.0.1:") for e in info["engines"])
     assert info["max_prompt_tokens"] == 4096           # the tiny model's context
-    stats = {s["name"]: s for s in client.stats()}
-    assert stats["pdserve:prefill-0"]["total_pages"] == 512
-    assert stats["pdserve:decode-0"]["transfers"] >= 1
+    before = counters(client)
+    assert before["pdserve:prefill-0"]["total_pages"] == 512
+    client.generate(PROMPTS[2], max_tokens=2, route="disaggregated")
+    after = counters(client)
+    for name in ("pdserve:prefill-0", "pdserve:decode-0"):   # P shipped it, D landed it
+        assert after[name]["transfers"] == before[name]["transfers"] + 1, name
+    p_bytes = [s["pdserve:prefill-0"]["transfer_bytes"] for s in (before, after)]
+    assert p_bytes[1] > p_bytes[0]
 
 
 def test_health_checking_and_reflection_are_served(deployment):

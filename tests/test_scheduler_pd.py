@@ -209,11 +209,21 @@ def test_abort_on_d_while_the_peer_prefills_releases_both_sides():
 
 
 def test_a_lost_ack_holds_p_pages_until_the_lease_lets_go():
-    pair = PDPair()
+    pair = PDPair(lease_rounds=5)
     pair.lose_ack.add("a")
     pair.submit(req("a", 10, max_new=3))
-    done = pair.run()
-    assert [r.id for r in done] == ["a"]
+    held = []                       # P's used pages each tick, from the tick D had the KV
+    while pair.D.has_work() or pair.P.has_work() or pair.in_flight:
+        pair.tick()
+        if "a" in pair.leased:                  # P still waits for the ack
+            assert "a" in pair.P.requests and \
+                isinstance(pair.P.requests["a"].state, Transferring)
+        if held or "a" in pair.leased:
+            held.append(pair.P.total_pages - pair.P.free_pages())
+    assert [r.id for r in pair.finished] == ["a"]
+    # the ack never came: P kept every page of the 10-token prompt (3 pages
+    # of 4) pinned for the 5 ticks of its lease, and none after it
+    assert held == [3] * 5 + [0]
     pair.P.assert_idle()
 
 

@@ -391,17 +391,24 @@ def test_a_redirected_grant_respects_a_waiting_readmission():
 
 
 def test_a_failed_round_aborts_what_it_touched_and_leaves_the_rest_running():
-    p = tight(host=64, total_pages=40)
+    p = tight(host=64, total_pages=40, max_batch_size=2)
     p.submit(req("a", 6, max_new=30))
     step(p)
     p.submit(req("b", 6, max_new=30))
-    plan = p.build()                              # a decodes, b prefills
+    p.submit(req("c", 6, max_new=30))
+    plan = p.build()                              # a decodes, b prefills, c waits (batch full)
+    assert {r.id for r in plan.decodes} == {"a"} and [o.req.id for o in plan.prefills] == ["b"]
     with pytest.raises(Exception, match="forward in flight"):
         p.abort("a")                              # refused, and nothing changed
     assert "a" in p.running
     failed = p.fail_plan(plan, "engine error: boom")
     assert {r.id for r in failed} == {"a", "b"}
     assert all(r.error == "engine error: boom" for r in failed)
+    p.check_invariants()
+    # c, which the round never touched, is still queued, unharmed, and served to the end
+    assert set(p.requests) == {"c"} and isinstance(p.requests["c"].state, Waiting)
+    done = run_to_completion(p)
+    assert [r.id for r in done] == ["c"] and len(done[0].output) == 30 and not done[0].error
     p.assert_idle()
 
 

@@ -23,7 +23,7 @@ class Pair:
     """P and D transports with their pools, peers added both ways."""
 
     def __init__(self, backend, p_faults=None, d_faults=None):
-        self.backend = backend
+        self.backend = backend        # nixl: NIXL reports what it moved (telemetry)
         self.fabric = LoopbackFabric()
         self.P = self.make(Incarnation("prefill-0", 1), p_faults)
         self.D = self.make(Incarnation("decode-0", 1), d_faults)
@@ -36,7 +36,7 @@ class Pair:
         if self.backend == "nixl":
             from pdserve.transfer.nixl_transport import NixlTransport
 
-            return NixlTransport(inc, faults)
+            return NixlTransport(inc, faults, telemetry=True)
         return LoopbackTransport(inc, self.fabric, faults)
 
     def write(self, src, dst, req="r1", epoch=1, target=None):
@@ -86,6 +86,21 @@ def test_a_multi_page_write_lands_bit_exact(backend):
     pair.close()
 
 
+def test_nixl_merges_consecutive_pages_into_one_descriptor_each():
+    """Six pages, of which 0-2 -> 5-7 are consecutive on both sides: NIXL
+    itself reports moving four descriptors (its telemetry, not our tally)."""
+    pair = Pair("nixl")
+    pair.write([0, 1, 2, 9, 4, 30], [5, 6, 7, 1, 20, 31])
+    p_ev, _ = pair.settle()
+    assert [e.kind for e in p_ev] == ["done"]
+    assert pair.P.metrics.backend_descriptors == 4
+    pair.write([3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7], req="r2")   # one run
+    p_ev, _ = pair.settle()
+    assert [e.kind for e in p_ev] == ["done"]
+    assert pair.P.metrics.backend_descriptors == 4 + 1
+    pair.close()
+
+
 def test_a_single_page_and_a_partial_run(backend):
     pair = Pair(backend)
     pair.write([3], [3], req="a")
@@ -118,17 +133,28 @@ def test_a_completion_failure_is_reported_even_though_the_data_moved(backend):
 def test_a_dropped_notification_never_reaches_d(backend):
     pair = Pair(backend, d_faults=FaultInjector([FaultRule("notification", "drop")]))
     pair.write([0], [0])
-    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
-    assert [e.kind for e in p_ev] == ["done"] and d_ev == []
+    p_ev, d_ev = pair.settle(1, 0)                  # the write completed on P ...
+    more = pair.settle(0, 1, seconds=0.3)           # ... and D hears nothing of it
+    assert [e.kind for e in p_ev] == ["done"] and d_ev + more[1] == []
     pair.close()
 
 
 def test_a_delayed_notification_arrives_later(backend):
+    delay = 0.3
     pair = Pair(backend, d_faults=FaultInjector([FaultRule("notification", "delay",
-                                                           delay_s=0.05)]))
+                                                           delay_s=delay)]))
+    t0 = time.monotonic()
     pair.write([0], [0])
-    p_ev, d_ev = pair.settle(1, 1)
+    p_ev, d_ev = [], []
+    deadline = t0 + 5.0
+    while not d_ev and time.monotonic() < deadline:
+        p_ev += pair.P.poll()
+        d_ev += pair.D.poll()
+    landed_after = time.monotonic() - t0
     assert [e.kind for e in d_ev] == ["landed"]
+    assert landed_after >= delay                    # held back, not merely slow to poll
+    assert pair.D.faults.fired == [("notification", "delay", "r1")]
+    assert torch.equal(pair.D.pool[0], pool()[0])
     pair.close()
 
 

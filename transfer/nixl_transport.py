@@ -22,12 +22,17 @@ from pdserve.transfer.transport import (
 
 
 class NixlTransport(KvTransport):
-    def __init__(self, incarnation: Incarnation, faults=None, backends=("UCX",)):
+    def __init__(self, incarnation: Incarnation, faults=None, backends=("UCX",),
+                 telemetry: bool = False):
+        """`telemetry`: have NIXL record each transfer and add the descriptor
+        count it reports (after its merging) to metrics.backend_descriptors."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         super().__init__(incarnation, faults)
+        self.telemetry = telemetry
         self.agent = nixl_agent(incarnation.agent_name,
-                                nixl_agent_config(backends=list(backends)))
+                                nixl_agent_config(backends=list(backends),
+                                                  capture_telemetry=telemetry))
         self._reg = None
         self._local = None
         self._descs = None
@@ -127,6 +132,9 @@ class NixlTransport(KvTransport):
             del self._inflight[handle]
             took = time.perf_counter() - t0
             self.metrics.seconds += took
+            if self.telemetry and state == "DONE":
+                tm = self.agent.get_xfer_telemetry(handle)
+                self.metrics.backend_descriptors += tm.descCount
             self._release(handle)
             if state == "DONE":
                 out.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))

@@ -59,7 +59,9 @@ class TransferEvent:
 class TransferMetrics:
     writes: int = 0
     bytes: int = 0
-    descriptors: int = 0
+    descriptors: int = 0             # page runs the writes named (both sides consecutive)
+    backend_descriptors: int = 0     # what the backend reports it moved (NIXL telemetry,
+                                     # NixlTransport(telemetry=True)); 0 when not captured
     failures: int = 0
     landed: int = 0
     dropped_notifications: int = 0   # late or stale: fenced epoch, old incarnation

@@ -1,0 +1,84 @@
+"""Every `pdserve bench` kind, run once through the command line at tiny
+sizes: each one starts, measures and prints its table (the numbers are the
+benchmarks' business, not these tests')."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM_CFG = str(ROOT / "deploy" / "sim-demo.yaml")          # two fused engines, simulated
+TRACE = str(ROOT / "deploy" / "demo-trace.jsonl")
+TINY_CFG = str(ROOT / "deploy" / "local-tiny.yaml")       # one fused engine, tiny model
+
+
+def bench(capsys, *args) -> str:
+    code = main(["bench", *args])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def test_bench_planner(capsys):
+    out = bench(capsys, "planner", "--sizes", "8", "32", "--rounds", "5")
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["8"], ["32"])]
+    assert [r[0] for r in rows] == ["8", "32"] and all(r[-1].endswith("x") for r in rows)
+
+
+def test_bench_retraction(capsys):
+    out = bench(capsys, "retraction", "--config", SIM_CFG, "--trace", TRACE, "--limit", "6")
+    for run in ("optimistic, no host cache", "optimistic, host cache", "every request strict"):
+        assert run in out
+    assert out.startswith("6 requests")
+
+
+def test_bench_disagg(capsys, tmp_path):
+    res = tmp_path / "disagg.json"
+    bench(capsys, "disagg", "--config", SIM_CFG, "--trace", TRACE, "--limit", "6",
+          "--rates", "1.0", "--out", str(res))
+    rows = json.loads(res.read_text())
+    assert {r["config"] for r in rows} == {"fused x4", "2P+2D", "1P+3D", "3P+1D"}
+    assert all(r["finished"] == 6 for r in rows)
+
+
+@pytest.mark.slow                          # ~25 s: transformers and two warm-ups
+def test_bench_llm(capsys):
+    pytest.importorskip("transformers")
+    out = bench(capsys, "llm", "--models", "tiny", "--dtype", "float32", "--workload",
+                "uniform", "--batches", "1")
+    row = next(ln.split() for ln in out.splitlines() if ln.startswith("tiny "))
+    assert row[2:5] == ["float32", "uniform", "1"]
+    assert row[-1] == "1/1"                 # float32: pdserve's tokens equal transformers'
+
+
+def test_bench_transfer(capsys, monkeypatch):
+    from pdserve.benchmarks import transfer
+
+    # the benchmark's two pools, shrunk (the report quotes the 128-page row of
+    # the "llama-3-8b" pool, so that name and size stay)
+    monkeypatch.setattr(transfer, "POOLS", {
+        "tiny": dict(shape=(2, 2, 4, 2, 8), dtype="float32", pages=64, sizes=(1, 16)),
+        "llama-3-8b": dict(shape=(2, 2, 4, 2, 8), dtype="bfloat16", pages=256, sizes=(128,)),
+    })
+    out = bench(capsys, "transfer")
+    assert "handoff_vs_raw_nixl=" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["tiny"], ["llama-3-8b"])]
+    assert [(r[0], r[1]) for r in rows] == [("tiny", "1"), ("tiny", "16"), ("llama-3-8b", "128")]
+
+
+def test_bench_serve(capsys, tmp_path):
+    res = tmp_path / "serve.json"
+    bench(capsys, "serve", "--config", TINY_CFG, "--requests", "4", "--concurrency", "2",
+          "--max-tokens", "4", "--prompt-len", "8", "--out", str(res))
+    (row,) = json.loads(res.read_text()).values()
+    assert row["ok"] == 4 and row["failed"] == 0 and row["errors"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_bench_soak(capsys):
+    out = bench(capsys, "soak", "--seconds", "8", "--concurrency", "4", "--seed", "1")
+    assert "soak: PASS" in out
