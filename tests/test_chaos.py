@@ -331,7 +331,10 @@ def test_router_restart_while_requests_run(dep, reference):
 
     def long_one(i):
         try:
-            c.generate("r" * 40, request_id=f"rr-{i}", max_tokens=LONG, ignore_eos=True)
+            # distinct first pages: prefix affinity would put all three on one D,
+            # which has room for two of them
+            c.generate(f"{i}" + "r" * 39, request_id=f"rr-{i}", max_tokens=LONG,
+                       ignore_eos=True)
         except grpc.RpcError as e:
             errors.append(e.code())
     before = {k: counters(dep, "decode", k) for k in ("aborted", "finished")}
