@@ -20,6 +20,7 @@ throughput, prints a table and saves JSON.
 from __future__ import annotations
 
 import json
+import socket
 import random
 import threading
 import time
@@ -111,6 +112,10 @@ def _http_stream(base_url: str):
         conn = getattr(local, "conn", None)
         if conn is None:
             conn = local.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+            conn.connect()
+            # http.client sends the headers and the body in two writes; without
+            # TCP_NODELAY the body waits for the server's delayed ACK (~40 ms)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = json.dumps({"prompt": s.prompt, "max_tokens": s.max_tokens, "ignore_eos": True,
                            "temperature": 1.0, "stream": True,
                            "stream_options": {"include_usage": True}})

@@ -414,7 +414,10 @@ async def http_server(router: Router, host: str, port: int) -> tuple[HttpServer,
     config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
                             access_log=False, lifespan="off", ssl_certfile=sec.tls_cert,
                             ssl_keyfile=sec.tls_key, timeout_graceful_shutdown=2)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
+    # without it a stream's first event waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if router.cfg.router.replicas > 1:          # the replicas share the port
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
