@@ -270,6 +270,8 @@ class Router:
         if http is not None:
             await http.close()
         await server.stop(grace=1.0)
+        if self._background:                  # aborts the closing streams sent: let them go out
+            await asyncio.wait(list(self._background), timeout=5)
 
     async def _watch(self, period: float, options) -> None:
         while True:
