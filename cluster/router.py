@@ -232,6 +232,10 @@ class Router:
                 failure.append(e)
                 started.set()
             finally:
+                # streams still open end here, on this loop, and their aborts go out
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                if self._background:
+                    loop.run_until_complete(asyncio.wait(list(self._background), timeout=5))
                 loop.close()
         self._thread = threading.Thread(target=run, name="router", daemon=True)
         self._thread.start()
