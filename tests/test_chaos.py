@@ -337,6 +337,13 @@ def test_router_restart_while_requests_run(dep, reference):
                        ignore_eos=True)
         except grpc.RpcError as e:
             errors.append(e.code())
+    # an engine an earlier test killed may still be coming back: with one D
+    # alive, all three would land on it, which holds two
+    deadline = time.monotonic() + 60
+    while not all(e.alive and dep.router.links[e.name].ready.is_set()
+                  for e in dep.router.engines.values()):
+        assert time.monotonic() < deadline, "an engine never came back"
+        time.sleep(0.05)
     before = {k: counters(dep, "decode", k) for k in ("aborted", "finished")}
     ts = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
     for t in ts:
