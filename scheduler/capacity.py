@@ -16,10 +16,14 @@ def single_request_pages(cfg: EngineConfig, prompt_tokens: int) -> int:
     return -(-(prompt_tokens + cfg.decode_input_tokens) // cfg.page_size)
 
 
-def max_single_request_tokens(cfg: EngineConfig) -> int:
+def max_single_request_tokens(cfg: EngineConfig, full_history: bool = True) -> int:
     """Largest prompt whose working set fits the pool, by binary search over
     `single_request_pages` (monotone in the prompt length), and within the
-    model's context."""
+    model's context. Without a full-history group (every layer sliding) the
+    working set does not grow with the prompt: the context is the bound
+    (the planner checks at start that each sliding pool holds one request)."""
+    if not full_history:
+        return cfg.max_context_tokens - cfg.decode_input_tokens
     lo, hi = 0, cfg.max_context_tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -30,20 +34,23 @@ def max_single_request_tokens(cfg: EngineConfig) -> int:
     return lo
 
 
-def context_bound(cfg: EngineConfig) -> int:
+def context_bound(cfg: EngineConfig, full_history: bool = True) -> int:
     """Tokens one sequence (prompt plus generation) can ever occupy."""
+    if not full_history:
+        return cfg.max_context_tokens
     return min(cfg.max_context_tokens, cfg.total_pages * cfg.page_size)
 
 
-def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | None) -> str | None:
+def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | None,
+                 full_history: bool = True) -> str | None:
     """Why a request can never be served by this deployment, or None."""
     if prompt_tokens < 1:
         return "the prompt is empty; send at least one token"
-    bound = max_single_request_tokens(cfg)
+    bound = max_single_request_tokens(cfg, full_history)
     pool = (f"engine.total_pages={cfg.total_pages} x page_size={cfg.page_size}, "
             f"model context {cfg.max_context_tokens}")
     # advise raising the pool only where the pool, not the model, is the limit
-    pool_bound = cfg.total_pages * cfg.page_size < cfg.max_context_tokens
+    pool_bound = full_history and cfg.total_pages * cfg.page_size < cfg.max_context_tokens
     if prompt_tokens > bound:
         fix = "raise engine.total_pages or shorten the prompt" if pool_bound else \
             "shorten the prompt (the model's context is the limit)"
@@ -52,7 +59,7 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             return f"max_new_tokens must be at least 1, got {max_new_tokens}"
-        limit = context_bound(cfg)
+        limit = context_bound(cfg, full_history)
         if prompt_tokens + max_new_tokens > limit:
             fix = f"lower max_new_tokens to at most {max(limit - prompt_tokens, 0):,}"
             fix += " or raise engine.total_pages" if pool_bound else \
@@ -60,3 +67,28 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
             return (f"prompt of {prompt_tokens:,} tokens plus max_new_tokens={max_new_tokens:,} "
                     f"exceeds the {limit:,} tokens one sequence can occupy ({pool}); {fix}")
     return None
+
+
+def sliding_request_pages(cfg: EngineConfig, window: int, chunk_tokens: int) -> int:
+    """Pages a sliding-window group holds for one request computing a chunk
+    of `chunk_tokens` (spec §1.4): its lookback (W - 1), the chunk, the decode
+    slot, and one more for a window that starts mid-page."""
+    return -(-(window - 1 + chunk_tokens + cfg.decode_input_tokens) // cfg.page_size) + 1
+
+
+def group_pages(cfg: EngineConfig, groups) -> list[int]:
+    """Each cache group's pool. Full history: engine.total_pages. Sliding:
+    engine.sliding_pages, or by default enough for max_batch_size requests
+    each holding its lookback and decode slot plus one round's chunk budget,
+    never more than a full-history pool."""
+    out = []
+    for g in groups:
+        if not g.sliding:
+            out.append(cfg.total_pages)
+        elif cfg.sliding_pages:
+            out.append(cfg.sliding_pages)
+        else:
+            per_request = sliding_request_pages(cfg, g.window, 1)
+            chunk = -(-cfg.max_scheduled_tokens // cfg.page_size)
+            out.append(min(cfg.total_pages, cfg.max_batch_size * per_request + chunk))
+    return out

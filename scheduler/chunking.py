@@ -7,21 +7,35 @@ chunk; `prefill_reserve` is the one place a chunk's reserve is decided.
 from __future__ import annotations
 
 
-def prefill_chunk_tokens(begin: int, target: int, budget: int, page_size: int) -> int:
+def prefill_chunk_tokens(begin: int, target: int, budget: int, page_size: int,
+                         final_window: int = 0) -> int:
     """Tokens to compute this round for a prefill standing at `begin` of
     `target`, with `budget` tokens left in the round.
 
     A chunk that completes the prefill takes what it needs. Any other chunk
     is shortened to end on a page boundary, because a page is the unit of
     prefix caching and a chunk ending mid-page would leave a page no one can
-    match. Returns 0 when the budget cannot reach the next boundary."""
+    match. With bounded replay (`final_window` W, §1.3) no final chunk is
+    shorter than W: a chunk that would leave 0 < rest < W leaves exactly W.
+    Returns 0 when the budget cannot reach the next boundary."""
     remaining = target - begin
     if remaining <= 0 or budget <= 0:
         return 0
     if remaining <= budget:
         return remaining
     end = (begin + budget) // page_size * page_size
+    if 0 < target - end < final_window:
+        end = target - final_window
     return max(end - begin, 0)
+
+
+def replay_rows(hit_tokens: int, window: int, page_size: int) -> int:
+    """Rows a chunk after a prefix hit at `hit_tokens` re-feeds (§1.3):
+    min(W, P), reaching down to a page boundary so the replayed group's
+    pages hold nothing but rows this forward writes."""
+    if not window or not hit_tokens:
+        return 0
+    return hit_tokens - (hit_tokens - min(window, hit_tokens)) // page_size * page_size
 
 
 def admission_headroom(remaining_new_tokens: int, safe_steps: int, retractions: int) -> int:

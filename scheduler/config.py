@@ -43,6 +43,8 @@ class EngineConfig:
     safe_steps: int = 4096              # admission headroom window (spec §4)
     max_context_tokens: int = 131072    # the model's context limit
     decode_input_tokens: int = 1        # decode slot reserved on completion
+    sliding_pages: int = 0              # pool of each sliding-window group (0: sized for max_batch_size)
+    sliding_replay: bool = False        # sliding windows recomputed after a hit, never cached (§1.3)
 
     def __post_init__(self) -> None:
         positive = (
@@ -56,12 +58,21 @@ class EngineConfig:
                 raise ConfigError(
                     f"engine.{name} must be a positive integer, got {value!r}"
                 )
+        if isinstance(self.sliding_pages, bool) or not isinstance(self.sliding_pages, int) \
+                or self.sliding_pages < 0:
+            raise ConfigError(
+                f"engine.sliding_pages must be an integer >= 0 (0 sizes each sliding-window "
+                f"group's pool for max_batch_size requests), got {self.sliding_pages!r}"
+            )
         if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) \
                 or self.host_pages < 0:
             raise ConfigError(
                 f"engine.host_pages must be an integer >= 0 (0 disables the host "
                 f"cache), got {self.host_pages!r}"
             )
+        if not isinstance(self.sliding_replay, bool):
+            raise ConfigError(f"engine.sliding_replay must be true or false, got "
+                              f"{self.sliding_replay!r}")
         if not isinstance(self.enable_mixed_prefill_decode, bool):
             raise ConfigError(
                 "engine.enable_mixed_prefill_decode must be true or false, got "

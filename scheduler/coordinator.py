@@ -14,31 +14,36 @@ Ownership of a page reference, so that every count is checkable:
   a load ticket               one ref on each host source
   a retracted snapshot        one ref on each host page it holds
 
-Only full-history groups exist today; the list shape is the extension point
-for sliding-window and state groups.
+Groups (cache_groups.py): at most one full-history group, first when there
+is one, then sliding-window groups. A sliding group's table keeps absolute
+slots and lets go of the pages below the window of the forward it is
+admitted for; its admission counts those as available. The prefix hit is
+the longest one every group can serve (`match`); the host tier caches the
+full-history group's pages for prefix hits, and snapshots every group's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec
 from pdserve.scheduler.plan import LoadOp, StoreOp
 from pdserve.scheduler.pool import PagePool, PoolError
-from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex
+from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
 
 
 @dataclass(frozen=True)
 class GroupDemand:
-    tokens: int          # the chunk's end position: pages must hold [0, tokens)
+    tokens: int          # the chunk's end position: pages must hold [.., tokens)
     reserve_tokens: int  # held beyond the chunk (decode slot, headroom: §1)
+    begin: int = 0       # first row the next forward computes (a sliding group's window)
 
 
 class FullHistoryGroup:
     """Keeps every page of a request's history; prefix-cached by page."""
 
-    retention = "full_history"
-
-    def __init__(self, total_pages: int, page_size: int):
+    def __init__(self, total_pages: int, page_size: int, spec: CacheGroupSpec = FULL):
+        self.spec = spec
         self.page_size = page_size
         self.pool = PagePool(total_pages)
         self.index = PrefixIndex(self.pool)
@@ -46,9 +51,36 @@ class FullHistoryGroup:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def first_live(self, begin: int) -> int:
+        return 0
+
+
+class SlidingWindowGroup(FullHistoryGroup):
+    """Keeps a request's last window: slots below the window of the next
+    forward go back (HOLE in the table). Cached pages are named by the
+    chain hash of the prefix they end (WindowIndex); a replayable group
+    caches nothing (§1.3)."""
+
+    def __init__(self, total_pages: int, page_size: int, spec: CacheGroupSpec):
+        self.spec = spec
+        self.page_size = page_size
+        self.pool = PagePool(total_pages)
+        self.index = WindowIndex(self.pool)
+
+    def first_live(self, begin: int) -> int:
+        return self.spec.first_live_page(begin, self.page_size)
+
+
+def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int):
+    if spec.sliding:
+        return SlidingWindowGroup(total_pages, page_size, spec)
+    return FullHistoryGroup(total_pages, page_size, spec)
+
 
 class HostTier:
-    """The L2 host cache: a page pool and prefix index in host memory."""
+    """The L2 host cache of one group: a page pool and prefix index in host
+    memory (the index serves prefix hits for the full-history group only;
+    every group's tier takes retraction snapshots)."""
 
     def __init__(self, total_pages: int):
         self.pool = PagePool(total_pages)
@@ -77,18 +109,47 @@ class HostTier:
         _drop_refs(self.pool, self.index, pages)
 
 
+class Hit:
+    """A prefix hit every group can serve: slots [0, pages) are cached.
+    `device[g]` are group g's device pages for slots [first[g], device_end)
+    (a sliding group's lookback; none for a replayable group), `host` the
+    full-history group's host pages for slots [device_end, pages)."""
+
+    __slots__ = ("pages", "device_end", "device", "first", "host", "tail")
+
+    def __init__(self, pages: int, device: list, first: list, host: list, tail: int):
+        self.pages = pages
+        self.device_end = pages - len(host)
+        self.device = device
+        self.first = first
+        self.host = host
+        self.tail = tail              # chain hash of the prefix [0, device_end)
+
+
 class Coordinator:
     def __init__(self, groups: list[FullHistoryGroup], host_pages: int = 0):
         if not groups:
             raise ValueError("a coordinator needs at least one cache group")
+        full = [i for i, g in enumerate(groups) if not g.spec.sliding]
+        if full not in ([], [0]):
+            raise ValueError("at most one full-history cache group, and it comes first")
         self.groups = groups
-        self.host = HostTier(host_pages) if host_pages else None
+        self.page_size = groups[0].page_size
+        self.full = 0 if full else None
+        # admission order: the full history, then publication, then sliding groups
+        self._order = [g for g, grp in enumerate(groups) if not grp.spec.sliding] + [None] + \
+            [g for g, grp in enumerate(groups) if grp.spec.sliding]
+        self.cached_sliding = [i for i, g in enumerate(groups)
+                               if g.spec.sliding and not g.spec.replayable]
+        self.hosts = [HostTier(host_pages) for _ in groups] if host_pages else []
+        self.host = self.hosts[0] if self.hosts else None
         self.pending_stores: list[StoreOp] = []     # made, not yet handed to a plan
         self.stores: dict[int, StoreOp] = {}        # handed out, not yet acked (and pending)
         self.loads: dict[int, LoadOp] = {}
-        self.fences: dict = {}                      # key -> device pages a late write may reach
+        self.fences: dict = {}                      # key -> per group, device pages a late write may reach
         # The last refused admission: (pages it needed from the pool, pages
-        # free then, evictable cached ones included). Read by waiting.py only.
+        # free then, evictable cached ones included), in the group that
+        # refused. Read by waiting.py only.
         self.refused: tuple[int, int] = (0, 0)
         self._next_op = 0
 
@@ -99,21 +160,73 @@ class Coordinator:
         return grp.pool.num_free + grp.index.num_idle
 
     def free_pages(self) -> int:
-        """Pages no request holds or pins (evictable cached pages count)."""
+        """Group 0's pages no request holds or pins (evictable cached count)."""
         return self.available_pages(0)
 
-    def match(self, req, max_pages: int) -> tuple[list[int], list[int]]:
-        """Group 0's cached prefix for this request, at most max_pages long:
-        device pages, then the host pages that continue the chain."""
-        grp = self.groups[0]
-        ps = grp.page_size
-        dev = grp.index.match(req.page_key(i, ps) for i in range(max_pages))
-        if self.host is None or len(dev) == max_pages:
-            return dev, []
-        parent = grp.index.hash_of(dev[-1]) if dev else ROOT_HASH
-        host = self.host.index.match(
-            (req.page_key(i, ps) for i in range(len(dev), max_pages)), parent)
-        return dev, host
+    def match(self, req, max_pages: int, sliding: bool = True, use_host: bool = True) -> Hit:
+        """The longest cached prefix of at most max_pages pages that every
+        group can serve: the full-history group's device chain continued on
+        host, cut back until each cached sliding group holds the lookback
+        its first new query reads (its last W - 1 positions). `sliding`
+        False: sliding groups are not asked (a D landing receives their
+        window from the peer). Pure."""
+        groups, ps, n_groups = self.groups, self.groups[0].page_size, len(self.groups)
+        keys = (req.page_key(i, ps) for i in range(max_pages))
+        dev, host = [], []
+        if self.full is not None:
+            grp = groups[0]
+            keys = [req.page_key(i, ps) for i in range(max_pages)]
+            dev = grp.index.match(keys)
+            if use_host and self.host is not None and len(dev) < max_pages:
+                parent = grp.index.hash_of(dev[-1]) if dev else ROOT_HASH
+                host = self.host.index.match(keys[len(dev):], parent)
+            n = len(dev) + len(host)
+        else:
+            keys = list(keys) if self.cached_sliding and sliding else []
+            n = len(keys)
+        first = [0] * n_groups
+        device = [[] for _ in range(n_groups)]
+        device[0] = dev
+        todo = [g for g in self.cached_sliding if sliding]
+        hashes = []
+        if todo and n:
+            h = ROOT_HASH
+            for key in keys[:n]:
+                h = chain_hash(h, key)
+                hashes.append(h)
+            found = {g: [groups[g].index.find(x) for x in hashes] for g in todo}
+            n = self._sliding_cut(found, n)
+            for g in todo:
+                first[g] = groups[g].first_live(n * ps)
+                device[g] = found[g][first[g]:n]
+        elif todo:
+            n = 0
+        if self.full is None:
+            return Hit(n, device, first, [], hashes[n - 1] if n else ROOT_HASH)
+        index = groups[0].index
+        if n <= len(dev):
+            device[0] = dev[:n]
+            return Hit(n, device, first, [], index.hash_of(dev[n - 1]) if n else ROOT_HASH)
+        return Hit(n, device, first, host[:n - len(dev)],
+                   index.hash_of(dev[-1]) if dev else ROOT_HASH)
+
+    def _sliding_cut(self, found: dict, n: int) -> int:
+        """The largest m <= n at which every sliding group holds the pages
+        of slots [first_live(m * ps), m)."""
+        runs = {}
+        for g, pages in found.items():
+            run, start = [], 0
+            for i, p in enumerate(pages):
+                if p is None:
+                    start = i + 1
+                run.append(start)           # first slot of the present run ending at i
+            runs[g] = run
+        ps = self.groups[0].page_size
+        for m in range(n, 0, -1):
+            if all(runs[g][m - 1] <= self.groups[g].first_live(m * ps) or
+                   self.groups[g].first_live(m * ps) >= m for g in found):
+                return m
+        return 0
 
     def pinned_stores_outstanding(self) -> int:
         return sum(1 for s in self.stores.values() if s.pinned)
@@ -124,51 +237,100 @@ class Coordinator:
 
     # ---- admission -------------------------------------------------------
     def admit(self, req, res, demands: list[GroupDemand], publish_pages: int, plan,
-              hit: list[int] | None = None, host_hit: list[int] | None = None) -> bool:
-        """Grant every group's demand, claim the device `hit`, load the
-        `host_hit` that follows it, publish group 0's pages up to
-        `publish_pages`; or change nothing and return False."""
-        grp0 = self.groups[0]
-        rc0 = grp0.pool.refcount
-        nhit = len(hit) if hit else 0
-        claimed_idle = sum(1 for p in hit if rc0[p] == 0) if hit else 0
-        needs = []
+              hit: Hit | None = None) -> bool:
+        """Grant every group's demand, claim the device part of `hit`, load
+        its host part, publish the pages up to `publish_pages`, let each
+        sliding group's slots below its window go; or change nothing and
+        return False. Slots a sliding group lets go count as available to
+        the same admission."""
+        needs, slots = [], []
+        fresh_hit = hit is not None and not res.tables[0] and hit.pages
         for g, (grp, demand) in enumerate(zip(self.groups, demands)):
-            held = len(res.tables[g]) + (nhit if g == 0 else 0)
-            need = max(grp.pages_for(demand.tokens + demand.reserve_tokens) - held, 0)
-            avail = grp.pool.num_free + grp.index.num_idle - (claimed_idle if g == 0 else 0)
+            table = res.tables[g]
+            hit_pages = hit.device[g] if fresh_hit else ()
+            if table:
+                cur = len(table)
+            else:
+                cur = hit.first[g] + len(hit_pages) if hit_pages else 0
+            lo = grp.first_live(demand.begin) if grp.spec.sliding else 0
+            need = -(-(demand.tokens + demand.reserve_tokens) // grp.page_size) - max(cur, lo)
+            if need <= 0:
+                needs.append(0)
+                slots.append(lo)
+                continue
+            avail = grp.pool.num_free + grp.index.num_idle
+            claimed_idle = 0
+            if hit_pages:
+                rc = grp.pool.refcount
+                claimed_idle = sum(1 for p in hit_pages if rc[p] == 0)
+                avail -= claimed_idle
+            if lo:
+                rc = grp.pool.refcount
+                avail += sum(1 for p in table[:lo] if p != HOLE and rc[p] == 1)
             if need > avail:
                 # its own idle hit pages count once on each side, as free_pages() shows them
-                own = claimed_idle if g == 0 else 0
-                self.refused = (need + own, avail + own)
+                self.refused = (need + claimed_idle, avail + claimed_idle)
                 return False
             needs.append(need)
-        if host_hit and len(host_hit) > needs[0]:
+            slots.append(lo)
+        if hit is not None and hit.host and len(hit.host) > needs[0]:
             raise PoolError("a host hit beyond the admitted pages")
-        if hit:
-            table = res.tables[0]
-            index = grp0.index
-            for p in hit:
-                if rc0[p] == 0:
-                    index.claim(p)
-                rc0[p] += 1
-                table.append(p)
-            res.published = nhit
-            res.chain_tail = index.hash_of(hit[-1])
-        for g, (grp, need, table) in enumerate(zip(self.groups, needs, res.tables)):
-            if need:
-                pages = self._allocate(grp, need)
-                if g == 0 and host_hit:
-                    self.host.hold(host_hit)
-                    load = LoadOp(self._op_id(), req.id, list(host_hit), pages[:len(host_hit)])
-                    self.loads[load.id] = load
-                    plan.loads.append(load)
-                table.extend(pages)
-                plan.fresh_pages.extend(pages)
-        req.capacity = len(res.tables[0]) * grp0.page_size
-        if publish_pages > res.published:
-            self._publish(req, res, publish_pages, store=True)
+        if fresh_hit:
+            self._claim(res, hit)
+        # the full history grows first (a host hit's pages are published
+        # with it); sliding groups publish, then let go, then grow
+        for g in self._order:
+            if g is None:
+                if publish_pages > res.published:
+                    self._publish(req, res, publish_pages, store=True)
+                continue
+            grp, need, lo, table = self.groups[g], needs[g], slots[g], res.tables[g]
+            if lo:
+                self._let_go(grp, table, lo)
+            if not need:
+                continue
+            pages = self._allocate(grp, need)
+            if g == 0 and hit is not None and hit.host:
+                self.host.hold(hit.host)
+                load = LoadOp(self._op_id(), req.id, list(hit.host), pages[:len(hit.host)])
+                self.loads[load.id] = load
+                plan.loads.append(load)
+            table.extend(pages)
+            plan.fresh_pages.extend(pages)
+        tables = res.tables
+        slots_held = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
+        req.capacity = slots_held * self.page_size
         return True
+
+    def _claim(self, res, hit: Hit) -> None:
+        """Take a reference on every device page of the hit, in slot order."""
+        for g, grp in enumerate(self.groups):
+            pages = hit.device[g]
+            if not pages:
+                continue
+            rc, index, table = grp.pool.refcount, grp.index, res.tables[g]
+            table.extend([HOLE] * hit.first[g])
+            for p in pages:
+                if rc[p] == 0:
+                    index.claim(p)
+                rc[p] += 1
+                table.append(p)
+        res.published = hit.device_end
+        res.content_tail = hit.tail
+        if self.full is not None:
+            res.chain_tail = hit.tail
+
+    @staticmethod
+    def _let_go(grp, table: list, lo: int) -> None:
+        """A sliding group's slots below `lo` hold nothing the next forward
+        reads: drop them (HOLE), padding a table that starts above them."""
+        if len(table) < lo:
+            table.extend([HOLE] * (lo - len(table)))
+        gone = [p for p in table[:lo] if p != HOLE]
+        if gone:
+            _drop_refs(grp.pool, grp.index, gone)
+            for i in range(lo):
+                table[i] = HOLE
 
     def _allocate(self, grp: FullHistoryGroup, n: int) -> list[int]:
         short = n - grp.pool.num_free
@@ -179,27 +341,36 @@ class Coordinator:
 
     # ---- publication -----------------------------------------------------
     def _publish(self, req, res, upto: int, store: bool) -> None:
-        """Put group 0's pages [published, upto) into the prefix index, in
-        chain order, and (with a host tier, when `store`) queue pinned
-        stores that copy them to host. A key another page already owns ends
-        this request's chain: its later pages stay private (prefix.py)."""
-        if not res.publishing:
-            res.published = upto
-            return
-        grp = self.groups[0]
-        index, table, ps = grp.index, res.tables[0], grp.page_size
-        parent = res.chain_tail
+        """Put the pages of slots [published, upto) into each group's prefix
+        index, in chain order, and (with a host tier, when `store`) queue
+        pinned stores that copy the full-history group's to host. A key
+        another page already owns ends this request's full-history chain:
+        its later pages stay private (prefix.py). A sliding group caches
+        the pages it still holds under the same chain hashes."""
+        ps = self.groups[0].page_size
+        sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
+        full = self.full is not None and res.publishing
+        index = self.groups[0].index if full else None
+        table = res.tables[0]
+        parent, h = res.chain_tail, res.content_tail
         fresh = []
         for i in range(res.published, upto):
-            page = table[i]
             key = req.page_key(i, ps)
-            h = index.insert(parent, key, page)
-            if h is None:
-                res.publishing = False
-                break
-            fresh.append((page, parent, key, h))
-            parent = h
+            if sliding:
+                h = chain_hash(h, key)
+                for sindex, stable in sliding:
+                    if i < len(stable) and stable[i] != HOLE and not sindex.contains(stable[i]):
+                        sindex.insert(h, stable[i])
+            if full:
+                page = table[i]
+                hf = index.insert(parent, key, page)
+                if hf is None:
+                    full = res.publishing = False
+                    continue
+                fresh.append((page, parent, key, hf))
+                parent = hf
         res.chain_tail = parent
+        res.content_tail = h
         res.published = upto
         if store and fresh and self.host is not None:
             self._store_published(req.id, fresh, table)
@@ -230,37 +401,58 @@ class Coordinator:
         return out
 
     # ---- the host snapshot of a retraction --------------------------------
-    def snapshot(self, req_id: str, res, pages: int, plan) -> list[int] | None:
-        """A stream-ordered copy of the first `pages` device pages to fresh
-        host pages the caller's Retracted state will hold; None if the host
-        tier cannot take them."""
+    def snapshot(self, req_id: str, res, pages: int, plan) -> list | None:
+        """Stream-ordered copies of the device pages of slots [0, pages) of
+        every group but the replayable ones, to fresh host pages the
+        caller's Retracted state will hold: per group, a host page or HOLE
+        per slot. None if the host tiers cannot take them all."""
         if self.host is None or pages == 0:
             return None
-        host_pages = self.host.allocate(pages)
-        if host_pages is None:
-            return None
-        op = StoreOp(self._op_id(), req_id, list(res.tables[0][:pages]), host_pages, False)
-        self.stores[op.id] = op
-        plan.stores.append(op)
-        return host_pages
+        snap, ops = [], []
+        for g, grp in enumerate(self.groups):
+            slots = res.tables[g][:pages]
+            src = [p for p in slots if p != HOLE] if not grp.spec.replayable else []
+            host_pages = self.hosts[g].allocate(len(src)) if src else []
+            if host_pages is None:
+                for g2, s in enumerate(snap):
+                    self.hosts[g2].release([p for p in s if p != HOLE])
+                return None
+            it = iter(host_pages)
+            snap.append([next(it) if p != HOLE else HOLE for p in slots] if src else [])
+            if src:
+                ops.append(StoreOp(self._op_id(), req_id, src, host_pages, False, group=g))
+        for op in ops:
+            self.stores[op.id] = op
+            plan.stores.append(op)
+        return snap
 
-    def load_snapshot(self, req_id: str, res, host_pages: list[int], start: int, plan) -> None:
-        """Readmission: load snapshot pages [start, ...) into the same pages
-        of the (just admitted) table; the first `start` came back as a
-        device prefix hit, so their host copies are let go. The snapshot's
-        hold on the rest passes to the load ticket."""
-        if start >= len(host_pages):
-            if host_pages:
-                self.host.release(host_pages)
-            return
-        self.host.release(host_pages[:start])
-        op = LoadOp(self._op_id(), req_id, host_pages[start:],
-                    res.tables[0][start:len(host_pages)])
-        self.loads[op.id] = op
-        plan.loads.append(op)
+    def load_snapshot(self, req_id: str, res, snap: list, start: int, plan) -> None:
+        """Readmission: load each group's snapshot pages of the slots the
+        (just admitted) table holds from `start` on; host copies of slots a
+        device hit or a slid-out window made moot are let go. The
+        snapshot's hold on what loads passes to the load ticket."""
+        for g, host_pages in enumerate(snap):
+            if not host_pages:
+                continue
+            table = res.tables[g]
+            load_h, load_d, drop = [], [], []
+            for i, hp in enumerate(host_pages):
+                if hp == HOLE:
+                    continue
+                if i >= start and i < len(table) and table[i] != HOLE:
+                    load_h.append(hp)
+                    load_d.append(table[i])
+                else:
+                    drop.append(hp)
+            self.hosts[g].release(drop)
+            if load_h:
+                op = LoadOp(self._op_id(), req_id, load_h, load_d, group=g)
+                self.loads[op.id] = op
+                plan.loads.append(op)
 
-    def release_snapshot(self, host_pages: list[int]) -> None:
-        self.host.release(host_pages)
+    def release_snapshot(self, snap: list) -> None:
+        for g, host_pages in enumerate(snap):
+            self.hosts[g].release([p for p in host_pages if p != HOLE])
 
     # ---- acks ------------------------------------------------------------
     def store_done(self, op_id: int) -> None:
@@ -283,7 +475,7 @@ class Coordinator:
 
     def load_done(self, op_id: int) -> None:
         op = self.loads.pop(op_id)
-        self.host.release(op.host_pages)
+        self.hosts[op.group].release(op.host_pages)
 
     # ---- fences ------------------------------------------------------------
     def fence(self, key, res) -> None:
@@ -291,11 +483,16 @@ class Coordinator:
         a posted write may still land in them (transfer/landing.py)."""
         if key in self.fences:
             raise PoolError(f"fence {key!r} exists")
-        self.fences[key] = list(res.tables[0])
-        res.tables[0].clear()
+        self.fences[key] = [[p for p in t if p != HOLE] for t in res.tables]
+        for t in res.tables:
+            t.clear()
 
     def release_fence(self, key) -> None:
-        self._unref(reversed(self.fences.pop(key)))
+        for grp, pages in zip(self.groups, self.fences.pop(key)):
+            _drop_refs(grp.pool, grp.index, reversed(pages))
+
+    def fenced_pages(self) -> int:
+        return sum(len(pages[0]) for pages in self.fences.values())
 
     # ---- release ---------------------------------------------------------
     def _unref(self, pages) -> None:
@@ -305,7 +502,7 @@ class Coordinator:
         """Drop the request's hold on every page, deepest first, so that the
         deepest pages carry the oldest LRU stamps."""
         for grp, table in zip(self.groups, res.tables):
-            _drop_refs(grp.pool, grp.index, reversed(table))
+            _drop_refs(grp.pool, grp.index, [p for p in reversed(table) if p != HOLE])
             table.clear()
 
     # ---- invariants ------------------------------------------------------
@@ -316,32 +513,35 @@ class Coordinator:
             expected = [0] * grp.pool.total
             for tables in live_tables:
                 for p in tables[g]:
-                    expected[p] += 1
+                    if p != HOLE:
+                        expected[p] += 1
             if g == 0:
                 for op in self.stores.values():
                     if op.pinned:
                         for p in op.pins:
                             expected[p] += 1
-                for pages in self.fences.values():
-                    for p in pages:
-                        expected[p] += 1
-            _check_pool(f"group {g}", grp.pool, grp.index, expected)
-        if self.host is not None:
-            expected = [0] * self.host.pool.total
-            for pages in snapshots or ():
-                for p in pages:
+            for pages in self.fences.values():
+                for p in pages[g]:
                     expected[p] += 1
+            _check_pool(f"group {g}", grp.pool, grp.index, expected)
+        for g, host in enumerate(self.hosts):
+            expected = [0] * host.pool.total
+            for snap in snapshots or ():
+                for p in (snap[g] if snap else ()):
+                    if p != HOLE:
+                        expected[p] += 1
             for op in self.stores.values():
-                if op.pinned:
+                if op.pinned and g == 0:
                     for p in op.host_pages:
                         expected[p] += 1
             for op in self.loads.values():
-                for p in op.host_pages:
-                    expected[p] += 1
-            _check_pool("host", self.host.pool, self.host.index, expected)
+                if op.group == g:
+                    for p in op.host_pages:
+                        expected[p] += 1
+            _check_pool(f"host group {g}", host.pool, host.index, expected)
 
 
-def _drop_refs(pool: PagePool, index: PrefixIndex, pages) -> None:
+def _drop_refs(pool: PagePool, index, pages) -> None:
     """One reference fewer on each page: a page nobody holds any more
     becomes idle in the index if it is cached, else free."""
     rc = pool.refcount
@@ -356,7 +556,7 @@ def _drop_refs(pool: PagePool, index: PrefixIndex, pages) -> None:
             raise PoolError(f"page {p} released more often than held")
 
 
-def _check_pool(name: str, pool: PagePool, index: PrefixIndex, expected: list[int]) -> None:
+def _check_pool(name: str, pool: PagePool, index, expected: list[int]) -> None:
     pool.check_invariants()
     index.check_invariants()
     if expected != pool.refcount:

@@ -36,15 +36,16 @@ class FsmError(RuntimeError):
 
 
 class Resources:
-    __slots__ = ("tables", "forwards_out", "published", "chain_tail", "publishing",
-                 "covers_generation")
+    __slots__ = ("tables", "forwards_out", "published", "chain_tail", "content_tail",
+                 "publishing", "covers_generation")
 
     def __init__(self, num_groups: int):
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
         self.forwards_out = 0      # forwards scheduled against these pages, not yet landed
-        self.published = 0         # leading pages of group 0 already in the prefix index
-        self.chain_tail = ROOT_HASH  # chain hash of the last published page
-        self.publishing = True     # False once another request's page owns our next key
+        self.published = 0         # leading slots already offered to the prefix index
+        self.chain_tail = ROOT_HASH  # full-history group: chain hash of its last published page
+        self.content_tail = ROOT_HASH  # chain hash of [0, published) (kept where a sliding group caches)
+        self.publishing = True     # full history: False once another request's page owns our next key
         # The admission that made this bundle secured decode room for the whole
         # generation budget open at that admission (§4): never a victim.
         self.covers_generation = False
@@ -61,13 +62,15 @@ class Waiting(State):
 
 class Prefilling(State):
     """Computing the prompt: `window_end` tokens are scheduled (the computed
-    frontier, §5); `target` is where the prefill ends."""
+    frontier, §5); `target` is where the prefill ends. `replay`: rows its
+    next chunk re-feeds below window_end (a readmission's bounded replay,
+    §1.3), spent by that chunk."""
 
-    __slots__ = ("res", "window_end", "target")
+    __slots__ = ("res", "window_end", "target", "replay")
     holds_pages = True
 
-    def __init__(self, res: Resources, window_end: int, target: int):
-        self.res, self.window_end, self.target = res, window_end, target
+    def __init__(self, res: Resources, window_end: int, target: int, replay: int = 0):
+        self.res, self.window_end, self.target, self.replay = res, window_end, target, replay
 
 
 class PrefillDone(State):
@@ -181,6 +184,7 @@ def advance_prefill(req, window_end: int) -> None:
     st = req.state
     if window_end <= st.window_end or window_end > st.target:
         raise FsmError(f"{req.id}: window {st.window_end} -> {window_end} of {st.target}")
+    st.replay = 0                  # spent by the chunk just scheduled
     if window_end == st.target:
         req.state = PrefillDone(st.res)
     else:
@@ -238,14 +242,14 @@ def retract_to_host(req, epoch: int, snapshot: list, computed: int) -> Resources
     return st.res
 
 
-def readmit(req, res: Resources, window_end: int) -> None:
+def readmit(req, res: Resources, window_end: int, replay: int = 0) -> None:
     """Retracted -> back on the device with `window_end` tokens of KV:
-    mid-prompt (Prefilling), or with its prompt done and a sampled token to
-    feed (PrefillDone)."""
+    mid-prompt (Prefilling, its next chunk re-feeding `replay` rows), or
+    with its prompt done and a sampled token to feed (PrefillDone)."""
     _expect(req, Retracted)
     st = req.state
     if window_end < st.target:
-        req.state = Prefilling(res, window_end, st.target)
+        req.state = Prefilling(res, window_end, st.target, replay)
     else:
         req.state = PrefillDone(res)
 

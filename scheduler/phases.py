@@ -17,7 +17,8 @@ operator's `Planner.waiting_reasons()`; the plan never reads it.
 from __future__ import annotations
 
 from pdserve.scheduler import fsm
-from pdserve.scheduler.chunking import admission_headroom, prefill_chunk_tokens, prefill_reserve
+from pdserve.scheduler.chunking import (
+    admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
 from pdserve.scheduler.coordinator import GroupDemand
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
@@ -75,6 +76,29 @@ class PlanBuild:
         res.forwards_out += 1
 
 
+def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
+            replay: int = 0) -> list[GroupDemand]:
+    """One demand per group for a forward computing rows [begin - replay,
+    end): the full-history group holds `reserve` beyond end, each sliding
+    group only `sliding_reserve` (§1: the decode slot, never headroom) and
+    lets go of what slid out of the window of its first row."""
+    full = GroupDemand(end, reserve, begin)
+    if len(p.groups) == 1 and p.coord.full == 0:
+        return [full]
+    out = []
+    for g in p.groups:
+        if not g.sliding:
+            out.append(full)
+        elif replay:
+            # the replayed rows are the first this group has: its table
+            # starts at their (page-aligned) first row, so the window of a
+            # re-fed row reads only rows this forward writes
+            out.append(GroupDemand(end, sliding_reserve, begin - replay + g.window - 1))
+        else:
+            out.append(GroupDemand(end, sliding_reserve, begin))
+    return out
+
+
 # ---- decode -----------------------------------------------------------------
 
 def try_decode(p, b: PlanBuild, req) -> bool:
@@ -82,8 +106,8 @@ def try_decode(p, b: PlanBuild, req) -> bool:
     publish the prompt's pages); False if the pool cannot supply it."""
     st = req.state
     ps = p.page_size
-    if not p.coord.admit(req, st.res, [GroupDemand(req.num_tokens, 0)],
-                         (req.num_tokens - 1) // ps, b.plan):
+    n = req.num_tokens
+    if not p.coord.admit(req, st.res, demands(p, n - 1, n, 0, 0), (n - 1) // ps, b.plan):
         return False
     if st.__class__ in _FIRST_DECODE:
         fsm.begin_decoding(req)
@@ -98,7 +122,10 @@ def decode_phase(p, b: PlanBuild) -> None:
         return
     limit = b.batch_left
     if b.decodes_use_budget:
-        limit = min(limit, b.budget)
+        # with bounded replay a hit's first chunk needs its replay rows and
+        # a page beside them: leave that much for a prefill waiting (§1.3)
+        keep = p.min_prefill_tokens if (p.waiting or p.prefilling) else 0
+        limit = min(limit, max(b.budget - keep, 1 if not b.plan.prefills else 0))
     decodes = b.plan.decodes
     n = 0
     for req in p.running.values():
@@ -142,21 +169,24 @@ def readmission_phase(p, b: PlanBuild) -> bool:
         return False
     st = req.state
     ps = p.page_size
-    hit, _ = p.coord.match(req, (st.target - 1) // ps)
-    start = max(st.computed, len(hit) * ps)
+    hit = p.coord.match(req, (st.target - 1) // ps, use_host=False)
+    start = max(st.computed, hit.pages * ps)
+    # bounded replay is never carried across a retraction: re-derived from
+    # where this readmission resumes (§4)
+    replay = replay_rows(start, p.replay_tokens, ps)
     headroom, remaining = _headroom(p, req)
     tokens = start + 1 if start == st.target else start
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, [GroupDemand(tokens, st.target - start + headroom)],
-                         len(hit), b.plan, hit=hit):
+    if not p.coord.admit(req, res, demands(p, start, tokens, st.target - start + headroom, 0,
+                                           replay), hit.pages, b.plan, hit=hit):
         b.new_prompts_sealed = True
         needed, free = p.coord.refused
         b.waits.readmission = Stop(Hold.CAPACITY, req.id, needed, free)
         return False
     b.waits.readmission = Stop(Hold.READMISSION_LIMIT, req.id)
     res.covers_generation = headroom >= remaining
-    p.coord.load_snapshot(req.id, res, st.snapshot, len(hit), b.plan)
-    fsm.readmit(req, res, start)
+    p.coord.load_snapshot(req.id, res, st.snapshot, hit.pages, b.plan)
+    fsm.readmit(req, res, start, replay)
     p.readmitted(req)
     b.plan.readmits.append(req)
     b.prefill_progressed = True
@@ -167,20 +197,23 @@ def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
     """Schedule the next chunk of an admitted prefill. None: the budget
     cannot reach a boundary; False: admission failed."""
     st = req.state
-    begin, target = st.window_end, st.target
-    chunk = prefill_chunk_tokens(begin, target, b.budget, p.page_size)
+    begin, target, replay = st.window_end, st.target, st.replay
+    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.page_size,
+                                 p.replay_tokens)
     if chunk == 0:
         return None
     end = begin + chunk
     completes = end == target
+    width = p.cfg.decode_input_tokens
     reserve = prefill_reserve(
         decodes_locally=p.decodes_locally, first_chunk=False, completes=completes,
-        rest_of_prompt=target - end, headroom=0, decode_width=p.cfg.decode_input_tokens)
+        rest_of_prompt=target - end, headroom=0, decode_width=width)
     res = st.res
-    if not p.coord.admit(req, res, [GroupDemand(end, reserve)], begin // p.page_size, b.plan):
+    if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
+                                           replay), begin // p.page_size, b.plan):
         return False
     fsm.advance_prefill(req, end)
-    b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
+    b.push_prefill(PrefillOp(req, begin, chunk, completes, replay), res)
     if completes:
         p.prefill_completed(req)
     else:
@@ -213,22 +246,25 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     cfg = p.cfg
     ps = p.page_size
     target = req.num_tokens
-    hit, host_hit = p.coord.match(req, (target - 1) // ps)
-    begin = (len(hit) + len(host_hit)) * ps
-    chunk = prefill_chunk_tokens(begin, target, b.budget, ps)
+    hit = p.coord.match(req, (target - 1) // ps)
+    begin = hit.pages * ps
+    replay = replay_rows(begin, p.replay_tokens, ps)
+    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, ps, p.replay_tokens)
     if chunk == 0:
         b.waits.stop_line(Hold.BUDGET, req, f"the budget left ({b.budget} tokens) cannot "
-                          "reach a page boundary of its prompt")
+                          f"reach a page boundary of its prompt"
+                          + (f" beside {replay} replayed rows" if replay else ""))
         return None
     end = begin + chunk
     completes = end == target
     headroom, remaining = _headroom(p, req)
+    width = cfg.decode_input_tokens
     reserve = prefill_reserve(
         decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
-        rest_of_prompt=target - end, headroom=headroom, decode_width=cfg.decode_input_tokens)
+        rest_of_prompt=target - end, headroom=headroom, decode_width=width)
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, [GroupDemand(end, reserve)], len(hit) + len(host_hit),
-                         b.plan, hit=hit, host_hit=host_hit):
+    if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
+                                           replay), hit.pages, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
@@ -238,7 +274,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         p.waiting.remove(req)             # a grant redirected past a retracted victim
     p.take_slot(req)
     fsm.start_prefill(req, res, end, target)
-    b.push_prefill(PrefillOp(req, begin, chunk, completes), res)
+    b.push_prefill(PrefillOp(req, begin, chunk, completes, replay), res)
     if completes:
         p.prefill_completed(req)
     else:
@@ -270,11 +306,14 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     headroom (the peer prefills it: there is no mid-way), reuse what the
     local prefix cache holds, and ask a peer for the rest."""
     ps = p.page_size
-    hit, _ = p.coord.match(req, (req.num_tokens - 1) // ps)
+    n = req.num_tokens
+    # the peer sends each sliding group's last window: only the full
+    # history's hit counts here, and no host hit (a landing loads nothing)
+    hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=False)
     headroom, remaining = _headroom(p, req)
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, [GroupDemand(req.num_tokens, headroom)], len(hit),
-                         b.plan, hit=hit):
+    if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens),
+                         hit.pages, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
@@ -283,10 +322,10 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     else:
         p.waiting.remove(req)
     p.take_slot(req)
-    fsm.start_remote_prefill(req, res, len(hit))
+    fsm.start_remote_prefill(req, res, hit.pages)
     p.landing[req.id] = req
-    landing = res.tables[0][len(hit):-(-req.num_tokens // ps)]
-    b.plan.remote_prefills.append(RemotePrefillOp(req, len(hit), landing))
+    b.plan.remote_prefills.append(RemotePrefillOp(req, hit.pages, transfer_slots(p, res, n,
+                                                                                 hit.pages)))
     b.prefill_progressed = True
     b.waits.stop_line(Hold.REMOTE_ADMISSION_LIMIT, req)
     return True
@@ -340,5 +379,18 @@ def ship_phase(p, b: PlanBuild) -> None:
         fsm.start_transfer(req)
         del p.running[req.id]
         p.transferring[req.id] = req
-        src = res.tables[0][req.first_page:-(-(req.num_tokens - 1) // ps)]
+        src = transfer_slots(p, res, req.num_tokens - 1, req.first_page)
         b.plan.remote_decodes.append(RemoteDecodeOp(req, src, req.output[0]))
+
+
+def transfer_slots(p, res, prompt_len: int, first_page: int) -> list[list[int]]:
+    """Per group, the pages a P -> D transfer of a `prompt_len`-token prompt
+    moves: the full history from the first page D lacks, and each sliding
+    group's last window (the slots D's first decode reads), never the whole
+    prompt. The same slots on both sides: D's landing pages and P's sources."""
+    end = -(-prompt_len // p.page_size)
+    out = []
+    for g, grp in zip(p.groups, res.tables):
+        lo = g.first_live_page(prompt_len, p.page_size) if g.sliding else first_page
+        out.append(grp[lo:end])
+    return out

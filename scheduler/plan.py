@@ -77,6 +77,7 @@ class StoreOp:
     # root to the last source, so a pinned page never sits under an idle
     # parent that eviction could not reach.
     pins: list | None = None
+    group: int = 0                # the cache group whose pages these are
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class LoadOp:
     req_id: str
     host_pages: list
     device_pages: list
+    group: int = 0                # the cache group whose pages these are
 
 
 @dataclass(slots=True)
@@ -97,18 +99,27 @@ class RetractOp:
 
 @dataclass(slots=True)
 class RemotePrefillOp:
-    """D asks a peer to prefill `req` and write pages [first_page, ...) of
-    its prompt into `landing_pages` (D's page ids)."""
+    """D asks a peer to prefill `req` and write, per cache group, the
+    prompt's slots D lacks into `landing[g]` (D's page ids): the full
+    history from `first_page`, each sliding group's last window."""
     req: object
     first_page: int
-    landing_pages: list
+    landing: list
+
+    @property
+    def landing_pages(self) -> list:
+        return self.landing[0]
 
 
 @dataclass(slots=True)
 class RemoteDecodeOp:
-    """P ships a completed prompt: its pages `src_pages` (from the peer's
-    first_page on) and the first sampled token. The pages stay pinned on P
-    until the peer acks."""
+    """P ships a completed prompt: per cache group the pages `src[g]` of the
+    slots the peer's landing asked for, and the first sampled token. The
+    pages stay pinned on P until the peer acks."""
     req: object
-    src_pages: list
+    src: list
     first_token: int
+
+    @property
+    def src_pages(self) -> list:
+        return self.src[0]

@@ -20,7 +20,10 @@ from collections import deque
 from pdserve.scheduler import fsm
 from pdserve.scheduler.capacity import context_bound, ingest_error
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup
+from pdserve.scheduler.cache_groups import FULL, check_groups, describe, replay_window
+from pdserve.scheduler.capacity import group_pages, sliding_request_pages
+from pdserve.scheduler.config import ConfigError
+from pdserve.scheduler.coordinator import Coordinator, make_group
 from pdserve.scheduler.fsm import (
     Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
     Transferring)
@@ -38,14 +41,38 @@ class RejectedRequest(ValueError):
 
 
 class Planner:
-    def __init__(self, cfg: EngineConfig, role: Role = Role.FUSED):
+    def __init__(self, cfg: EngineConfig, role: Role = Role.FUSED, groups=(FULL,)):
+        """`groups`: the model's cache groups (cache_groups.py); one
+        full-history group by default."""
+        groups = list(groups)
+        check_groups(groups)
         self.cfg = cfg
         self.role = role
+        self.groups = groups
         self.page_size = cfg.page_size
         self.decodes_locally = role is not Role.PREFILL
         self.decodes_use_budget = role is Role.FUSED   # D decodes spend no token budget
         self.requeues_victims = role is Role.FUSED     # D recovers through readmission only
-        self.coord = Coordinator([FullHistoryGroup(cfg.total_pages, cfg.page_size)],
+        self.replay_tokens = replay_window(groups)     # W of §1.3 (0: no replay)
+        ps = cfg.page_size
+        # a hit's first chunk spends its replay rows and must still advance (§1.3)
+        self.min_prefill_tokens = -(-self.replay_tokens // ps) * ps + \
+            max(self.replay_tokens, ps) if self.replay_tokens else 0
+        if self.min_prefill_tokens > cfg.max_scheduled_tokens:
+            raise ConfigError(
+                f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below "
+                f"{self.min_prefill_tokens}: with bounded replay of {self.replay_tokens} rows a "
+                "hit's first chunk re-feeds them and must still advance; raise "
+                "max_scheduled_tokens or turn replay off")
+        pages = group_pages(cfg, groups)
+        for g, n in zip(groups, pages):
+            if g.sliding and n < sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens):
+                raise ConfigError(
+                    f"engine.sliding_pages={n} cannot hold one request's window of {g.window} "
+                    f"plus a chunk of max_scheduled_tokens={cfg.max_scheduled_tokens}: it "
+                    f"needs {sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens)}; "
+                    "raise sliding_pages (or total_pages) or lower max_scheduled_tokens")
+        self.coord = Coordinator([make_group(g, n, ps) for g, n in zip(groups, pages)],
                                  host_pages=cfg.host_pages)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
         self.waiting: deque[Request] = deque()
@@ -72,11 +99,13 @@ class Planner:
         if not isinstance(req.state, fsm.Waiting) or req.output:
             raise RejectedRequest(f"request {req.id!r} was already scheduled elsewhere")
         max_new = req.limits.max_new_tokens if self.decodes_locally else None
-        err = ingest_error(self.cfg, req.prompt_len, max_new)
+        full = self.coord.full is not None
+        err = ingest_error(self.cfg, req.prompt_len, max_new, full)
         if err:
             raise RejectedRequest(err)
         mnt = req.limits.max_new_tokens
-        req.max_new_tokens = mnt if mnt is not None else context_bound(self.cfg) - req.prompt_len
+        req.max_new_tokens = mnt if mnt is not None else \
+            context_bound(self.cfg, full) - req.prompt_len
         req.seq = self._seq
         self._seq += 1
         self.requests[req.id] = req
@@ -329,7 +358,7 @@ class Planner:
         return bool(self.requests or c.stores or c.loads or c.pending_stores)
 
     def held_by_fences(self) -> int:
-        return sum(len(p) for p in self.coord.fences.values())
+        return self.coord.fenced_pages()
 
     def free_pages(self) -> int:
         return self.coord.free_pages()
@@ -358,8 +387,9 @@ class Planner:
                 raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
             if st.holds_pages:
                 live.append(st.res.tables)
-                if req.capacity != len(st.res.tables[0]) * self.page_size:
-                    raise AssertionError(f"{req.id}: capacity out of step with its table")
+                if req.capacity != min(len(t) for t in st.res.tables) * self.page_size:
+                    raise AssertionError(f"{req.id}: capacity out of step with its tables")
+                self._check_windows(req)
                 if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
                     raise AssertionError(f"{req.id}: more than one token beyond capacity")
         counted = (len(self.waiting) + len(self.prefilling) + len(self.running)
@@ -372,6 +402,29 @@ class Planner:
                 raise AssertionError("a resident collection is out of submission order")
         self.coord.check_invariants(live, snapshots)
 
+    def _check_windows(self, req) -> None:
+        """A sliding group holds no slot below the window of the forward it
+        was last admitted for, and every slot from there to its end."""
+        from pdserve.scheduler.cache_groups import HOLE
+
+        for g, table in zip(self.groups, req.state.res.tables):
+            if not g.sliding or not table:
+                continue
+            held = [i for i, p in enumerate(table) if p != HOLE]
+            if held and held != list(range(held[0], len(table))):
+                raise AssertionError(f"{req.id}: a hole inside its sliding window")
+            lowest = g.first_live_page(fsm.computed_tokens(req), self.page_size)
+            if held and held[0] > lowest and not isinstance(req.state, RemotePrefilling):
+                raise AssertionError(f"{req.id}: sliding window starts at slot {held[0]}, "
+                                     f"its next forward reads slot {lowest}")
+            if len(held) > sliding_request_pages(self.cfg, g.window,
+                                                 self.cfg.max_scheduled_tokens):
+                raise AssertionError(f"{req.id}: holds {len(held)} sliding pages, more than "
+                                     "its window, a chunk and its decode slot")
+
+    def describe_groups(self) -> str:
+        return describe(self.groups)
+
     def assert_idle(self) -> None:
         """Nothing live and no page held: what every lifecycle ends with."""
         self.check_invariants()
@@ -382,7 +435,10 @@ class Planner:
             raise AssertionError(f"{len(c.fences)} fences still hold pages")
         if c.stores or c.loads or c.pending_stores:
             raise AssertionError("copies still in flight")
-        if c.free_pages() != self.cfg.total_pages:
-            raise AssertionError(f"{self.cfg.total_pages - c.free_pages()} pages still held")
-        if c.host is not None and c.host.pool.num_free + c.host.index.num_idle != c.host.pool.total:
-            raise AssertionError("host pages still held")
+        for g, grp in enumerate(c.groups):
+            if c.available_pages(g) != grp.pool.total:
+                raise AssertionError(f"group {g}: {grp.pool.total - c.available_pages(g)} "
+                                     "pages still held")
+        for host in c.hosts:
+            if host.pool.num_free + host.index.num_idle != host.pool.total:
+                raise AssertionError("host pages still held")

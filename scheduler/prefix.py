@@ -178,3 +178,98 @@ class PrefixIndex:
         for page in self._by_hash.values():
             if rc[page] == 0 and self._children[page] == 0 and page not in live:
                 raise PoolError(f"idle leaf {page} is not reachable for eviction")
+
+
+class WindowIndex:
+    """A sliding-window group's cached pages, each named by the chain hash
+    of the prefix it ends (the full-history chain's hash for the same page).
+
+    A sliding page is useful to a hit on its own: it serves a hit at P only
+    together with the other pages of P's lookback, which the matcher checks
+    page by page. So there is no tree here, and eviction need not be
+    leaf-first (a page that slid out of a live request's window has held
+    children and must still be reclaimable): it takes the least recently
+    idled page. Same interface as PrefixIndex where the coordinator uses
+    both: contains, claim, idle, evict, num_idle, check_invariants."""
+
+    __slots__ = ("_pool", "_by_hash", "_hash", "_stamp", "_heap", "_clock", "num_idle")
+
+    def __init__(self, pool: PagePool):
+        self._pool = pool
+        self._by_hash: dict[int, int] = {}
+        self._hash: list = [None] * pool.total       # page -> chain hash
+        self._stamp = [0] * pool.total
+        self._heap: list = []
+        self._clock = 0
+        self.num_idle = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def contains(self, page: int) -> bool:
+        return self._hash[page] is not None
+
+    def find(self, h: int) -> int | None:
+        return self._by_hash.get(h)
+
+    def insert(self, h: int, page: int) -> bool:
+        """Cache a held page under chain hash h; False if h is cached already."""
+        if h in self._by_hash:
+            return False
+        if self._hash[page] is not None:
+            raise PoolError(f"sliding page {page} published twice")
+        self._by_hash[h] = page
+        self._hash[page] = h
+        return True
+
+    def claim(self, page: int) -> None:
+        self.num_idle -= 1
+
+    def idle(self, page: int) -> None:
+        self.num_idle += 1
+        self._clock += 1
+        self._stamp[page] = self._clock
+        heapq.heappush(self._heap, (self._clock, page))
+        if len(self._heap) > 2 * len(self._stamp) + 64:
+            self._heap = [(s, p) for s, p in self._heap if self._evictable(s, p)]
+            heapq.heapify(self._heap)
+
+    def _evictable(self, stamp: int, page: int) -> bool:
+        return (self._hash[page] is not None and not self._pool.refcount[page]
+                and self._stamp[page] == stamp)
+
+    def evict(self, n: int, best_effort: bool = False) -> list[int]:
+        out, heap = [], self._heap
+        while len(out) < n:
+            if not heap:
+                if best_effort:
+                    break
+                raise PoolError(f"evict({n}): only {len(out)} evictable")
+            stamp, page = heapq.heappop(heap)
+            if not self._evictable(stamp, page):
+                continue
+            del self._by_hash[self._hash[page]]
+            self._hash[page] = None
+            self.num_idle -= 1
+            out.append(page)
+        return out
+
+    def check_invariants(self) -> None:
+        rc = self._pool.refcount
+        idle = 0
+        for h, page in self._by_hash.items():
+            if self._hash[page] != h:
+                raise PoolError(f"sliding page {page}: index entry and page disagree")
+            if self._pool.is_free(page):
+                raise PoolError(f"cached sliding page {page} is on the free list")
+            if rc[page] == 0:
+                idle += 1
+        if sum(h is not None for h in self._hash) != len(self._by_hash):
+            raise PoolError("a sliding page names a hash the index lost")
+        if idle != self.num_idle:
+            raise PoolError(f"sliding num_idle={self.num_idle}, counted {idle}")
+        live = {p for s, p in self._heap if self._stamp[p] == s}
+        for page in self._by_hash.values():
+            if rc[page] == 0 and page not in live:
+                raise PoolError(f"idle sliding page {page} is not reachable for eviction")

@@ -33,9 +33,12 @@ from pdserve.scheduler.waiting import Hold
 
 
 def _releasable(p, req) -> int:
-    """Pages the victim alone holds: what retracting it returns to the pool."""
-    rc = p.coord.groups[0].pool.refcount
-    return sum(1 for pg in req.state.res.tables[0] if rc[pg] == 1)
+    """Pages the victim alone holds: what retracting it returns to the pools."""
+    n = 0
+    for grp, table in zip(p.coord.groups, req.state.res.tables):
+        rc = grp.pool.refcount
+        n += sum(1 for pg in table if pg >= 0 and rc[pg] == 1)
+    return n
 
 
 def choose_victim(p, ignore_exemption: bool = False):

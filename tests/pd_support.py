@@ -10,9 +10,11 @@ from support import config, result_for
 
 
 class PDPair:
-    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0):
-        self.P = Planner(p_cfg or config(), Role.PREFILL)
-        self.D = Planner(d_cfg or config(), Role.DECODE)
+    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0, groups=None):
+        kw = {"groups": groups} if groups else {}
+        self.P = Planner(p_cfg or config(), Role.PREFILL, **kw)
+        self.D = Planner(d_cfg or config(), Role.DECODE, **kw)
+        self.landing = {}            # req id -> pages per group D reserved for the peer
         self.in_flight = []          # (req id, first token) shipped, not yet landed
         self.fail_next = set()       # request ids whose transfer fails
         self.lose_ack = set()        # request ids whose ack never reaches P
@@ -30,11 +32,15 @@ class PDPair:
             r = op.req
             twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1))
             twin.first_page = op.first_page
+            self.landing[r.id] = [len(pages) for pages in op.landing]
             self.P.submit(twin)
         self.finished += self.D.apply(dplan, result_for(dplan))
         pplan = self.P.build()
         self.P.apply(pplan, result_for(pplan))
         for op in pplan.remote_decodes:
+            # P sends, per group, exactly the slots D reserved (a sliding
+            # group's last window, not the prompt)
+            assert [len(pages) for pages in op.src] == self.landing.pop(op.req.id), op.req
             self.in_flight.append((op.req.id, op.first_token))
         self.deliver()
         self.expire_leases()

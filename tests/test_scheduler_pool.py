@@ -55,7 +55,7 @@ def test_published_pages_stay_cached_after_release_and_count_as_free():
     g = c.groups[0]
     assert g.index.num_cached == 2 and g.pool.num_free == 14
     assert c.free_pages() == 16
-    assert len(c.match(r, 2)[0]) == 2
+    assert len(c.match(r, 2).device[0]) == 2
     c.check_invariants([])
 
 
@@ -64,11 +64,11 @@ def test_match_does_not_restamp_lru():
     a, b = req("a", 4), req("b", 4)
     c.release(admit_whole(c, a))     # a's page idles first: older
     c.release(admit_whole(c, b))
-    assert c.match(a, 1)[0]          # probing a must not make it younger
+    assert c.match(a, 1).device[0]          # probing a must not make it younger
     res = Resources(1)
     # 3 pages: the 2 free ones, then one eviction, which must take a's page
     assert c.admit(req("x", 12), res, [GroupDemand(12, 0)], 0, Plan(0))
-    assert c.match(a, 1)[0] == [] and len(c.match(b, 1)[0]) == 1
+    assert c.match(a, 1).device[0] == [] and len(c.match(b, 1).device[0]) == 1
     c.check_invariants([res.tables])
 
 
@@ -79,8 +79,8 @@ def test_eviction_takes_the_least_recently_released_leaf_first():
     c.release(admit_whole(c, b))
     res = Resources(1)
     assert c.admit(req("x", 8), res, [GroupDemand(8, 0)], 0, Plan(0))  # 1 free + evict 1
-    assert c.match(a, 1)[0] == []          # a idled first: evicted
-    assert len(c.match(b, 1)[0]) == 1
+    assert c.match(a, 1).device[0] == []          # a idled first: evicted
+    assert len(c.match(b, 1).device[0]) == 1
 
 
 def test_a_parent_is_never_evicted_before_its_children():
@@ -104,7 +104,7 @@ def test_a_page_held_by_a_live_request_is_never_evicted():
     res = admit_whole(c, r)             # 2 pages held and published
     other = Resources(1)
     assert not c.admit(req("x", 12), other, [GroupDemand(12, 0)], 0, Plan(0))  # needs 3, 2 free
-    assert c.match(r, 2)[0] == res.tables[0]
+    assert c.match(r, 2).device[0] == res.tables[0]
     assert other.tables == [[]]
 
 
@@ -134,12 +134,12 @@ def test_a_prefix_hit_claims_cached_pages_and_counts_them_against_room():
     a = req("a", [1, 2, 3, 4, 5, 6, 7, 8])
     c.release(admit_whole(c, a))
     b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
-    hit, _ = c.match(b, 3)
-    assert len(hit) == 2
+    hit = c.match(b, 3)
+    assert hit.pages == 2
     res = Resources(1)
     # 4 pages needed, 2 of them the hit; the other 2 come from the free list
     assert c.admit(b, res, [GroupDemand(16, 0)], 2, Plan(0), hit=hit)
-    assert res.tables[0][:2] == hit and c.free_pages() == 0
+    assert res.tables[0][:2] == hit.device[0] and c.free_pages() == 0
     c.check_invariants([res.tables])
 
 

@@ -1,15 +1,40 @@
 """Property test (spec §5): random workloads through the fused planner,
-invariants checked after every round, every request ends, nothing leaks."""
+invariants checked after every round, every request ends, nothing leaks.
+Each workload draws its cache groups too: full history alone, beside a
+sliding window (cached or replayed, §1.3), or sliding windows alone."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.scheduler import Planner
+from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec, replay_window
+from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import Prefilling
 
 from support import config, req, result_for
 
 PREFIXES = [[7] * 12, [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3]]
+
+
+def sliding(window, replay=False):
+    return CacheGroupSpec("sliding_window", window, replayable=replay)
+
+
+@st.composite
+def cache_groups(draw, page: int, budget: int):
+    """(groups, budget, sliding_pages): a group set, the chunk budget raised
+    to what bounded replay needs, and a sliding pool from one request's
+    working set up (tight) to roomy."""
+    w = draw(st.integers(1, 3 * page + 2))
+    groups = draw(st.sampled_from([
+        (FULL,), (FULL,), (FULL, sliding(w)), (FULL, sliding(w, True)),
+        (FULL, sliding(w), sliding(w + page)), (sliding(w),), (sliding(w, True),)]))
+    r = replay_window(groups)
+    if r:
+        budget = max(budget, -(-r // page) * page + max(r, page))
+    need = max((sliding_request_pages(config(page_size=page), g.window, budget)
+                for g in groups if g.sliding), default=0)
+    return groups, budget, need + draw(st.integers(0, 2 * need + 1))
 
 
 @st.composite
@@ -26,19 +51,20 @@ def workloads(draw):
         reqs.append((f"r{i}", prefix + tail, max_new, arrive, stop_at))
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
     pages = biggest + draw(st.integers(0, 3 * biggest))
-    cfg = config(page_size=page, total_pages=pages,
-                 max_scheduled_tokens=max(page, draw(st.integers(1, 64))),
+    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 64)))))
+    cfg = config(page_size=page, total_pages=pages, sliding_pages=swp,
+                 max_scheduled_tokens=budget,
                  max_batch_size=draw(st.integers(1, 8)),
                  enable_mixed_prefill_decode=draw(st.booleans()))
     abort = draw(st.one_of(st.none(), st.tuples(st.integers(0, n - 1), st.integers(0, 30))))
-    return cfg, reqs, abort
+    return cfg, reqs, abort, groups
 
 
 @settings()
 @given(workloads())
 def test_random_fused_workloads_end_with_every_request_done_and_nothing_held(w):
-    cfg, reqs, abort = w
-    p = Planner(cfg)
+    cfg, reqs, abort, groups = w
+    p = Planner(cfg, groups=groups)
     pending = sorted(reqs, key=lambda r: r[3])
     stop_at = {rid: s for rid, _, _, _, s in reqs}
     live = {}
@@ -89,18 +115,19 @@ def tight_workloads(draw):
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
     pages = biggest + draw(st.integers(0, biggest))
     host = draw(st.sampled_from([0, 0, 4 * biggest, biggest // 2 + 1]))
+    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
     cfg = config(page_size=page, total_pages=pages, safe_steps=safe, host_pages=host,
-                 max_scheduled_tokens=max(page, draw(st.integers(1, 48))),
+                 max_scheduled_tokens=budget, sliding_pages=swp,
                  max_batch_size=draw(st.integers(1, 8)),
                  enable_mixed_prefill_decode=draw(st.booleans()))
-    return cfg, reqs
+    return cfg, reqs, groups
 
 
 @settings()
 @given(tight_workloads())
 def test_tight_pools_with_retraction_finish_everything_within_the_retraction_bound(w):
-    cfg, reqs = w
-    p = Planner(cfg)
+    cfg, reqs, groups = w
+    p = Planner(cfg, groups=groups)
     pending = sorted(reqs, key=lambda r: r[3])
     live = {}
     for rnd in range(20000):
@@ -137,13 +164,14 @@ def pd_workloads(draw):
         reqs.append((f"r{i}", prefix + tail, draw(st.integers(1, 30)), draw(st.integers(0, 15)),
                      draw(st.sampled_from(["ok", "ok", "ok", "fail", "lose_ack", "abort"]))))
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
+    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
     d_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
-                   safe_steps=draw(st.sampled_from([2, 8, 4096])),
+                   safe_steps=draw(st.sampled_from([2, 8, 4096])), sliding_pages=swp,
                    host_pages=draw(st.sampled_from([0, 2 * biggest])),
-                   max_batch_size=draw(st.integers(1, 8)))
+                   max_scheduled_tokens=budget, max_batch_size=draw(st.integers(1, 8)))
     p_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
-                   max_scheduled_tokens=max(page, draw(st.integers(1, 48))))
-    return p_cfg, d_cfg, reqs
+                   max_scheduled_tokens=budget, sliding_pages=swp)
+    return p_cfg, d_cfg, reqs, groups
 
 
 @settings()
@@ -151,8 +179,8 @@ def pd_workloads(draw):
 def test_random_pd_workloads_with_failures_end_every_request_and_leak_nothing(w):
     from pd_support import PDPair
 
-    p_cfg, d_cfg, reqs = w
-    pair = PDPair(p_cfg, d_cfg)
+    p_cfg, d_cfg, reqs, groups = w
+    pair = PDPair(p_cfg, d_cfg, groups=groups)
     pending = sorted(reqs, key=lambda r: r[3])
     live, aborted = {}, set()
     for rnd in range(20000):

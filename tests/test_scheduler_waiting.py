@@ -392,8 +392,9 @@ def check_reasons(p) -> None:
 @settings()
 @given(workloads())
 def test_random_fused_workloads_give_every_waiting_request_exactly_one_reason(w):
-    cfg, reqs, _ = w
-    _drive_fused(cfg, [(rid, prompt, m, arrive, False) for rid, prompt, m, arrive, _ in reqs])
+    cfg, reqs, _, groups = w
+    _drive_fused(cfg, [(rid, prompt, m, arrive, False) for rid, prompt, m, arrive, _ in reqs],
+                 groups)
 
 
 @settings()
@@ -402,8 +403,8 @@ def test_random_tight_workloads_give_every_waiting_request_exactly_one_reason(w)
     _drive_fused(*w)
 
 
-def _drive_fused(cfg, reqs):
-    p = Planner(cfg)
+def _drive_fused(cfg, reqs, groups):
+    p = Planner(cfg, groups=groups)
     pending = sorted(reqs, key=lambda r: r[3])
     for rnd in range(20000):
         while pending and pending[0][3] <= rnd:
@@ -421,8 +422,8 @@ def _drive_fused(cfg, reqs):
 @settings()
 @given(pd_workloads())
 def test_random_pd_workloads_give_every_waiting_request_exactly_one_reason(w):
-    p_cfg, d_cfg, reqs = w
-    pair = PDPair(p_cfg, d_cfg)
+    p_cfg, d_cfg, reqs, groups = w
+    pair = PDPair(p_cfg, d_cfg, groups=groups)
     pending = sorted(reqs, key=lambda r: r[3])
     for rnd in range(20000):
         while pending and pending[0][3] <= rnd:

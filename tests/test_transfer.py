@@ -190,10 +190,43 @@ def test_mismatched_page_sizes_are_refused_with_the_fix():
     a, b = NixlTransport(Incarnation("a", 1)), NixlTransport(Incarnation("b", 1))
     a.register_pool(pool())
     b.register_pool(torch.zeros(4, 8))
-    with pytest.raises(ValueError, match="same model and page_size"):
+    with pytest.raises(ValueError, match="same model, dtype and page_size"):
         a.add_peer(b.incarnation, b.metadata())
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "loopback"])
+def test_one_write_moves_pages_of_every_cache_group(backend):
+    """A sliding-window model has one pool per cache group, each with its
+    own page bytes: one write names pages of both, by transport page id."""
+    pair = Pair(backend)
+    full_p, slide_p = pool(), torch.arange(20 * 16, dtype=torch.float32).view(20, 16) + 0.5
+    full_d, slide_d = pool(-1.0), torch.full((12, 16), -1.0)
+    fabric = LoopbackFabric()
+    P, D = pair.make(Incarnation("p2", 1)), pair.make(Incarnation("d2", 1))
+    if backend == "loopback":
+        P.fabric = D.fabric = fabric
+        fabric.endpoints.update({"p2": P, "d2": D})
+    P.register_pools([full_p, slide_p])
+    D.register_pools([full_d, slide_d])
+    P.add_peer(D.incarnation, D.metadata())
+    D.add_peer(P.incarnation, P.metadata())
+    src = P.page_ids([[3, 4], [17, 18, 19]])
+    dst = D.page_ids([[0, 1], [9, 10, 11]])
+    assert src == (3, 4, 32 + 17, 32 + 18, 32 + 19) and D.locate(dst[-1]) == (1, 11)
+    P.write(KvWrite("r", 1, D.incarnation, src, dst))
+    got = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(got) < 2:
+        got += P.poll() + D.poll()
+    assert sorted(e.kind for e in got) == ["done", "landed"]
+    assert torch.equal(full_d[0:2], full_p[3:5]) and torch.all(full_d[2:] == -1)
+    assert torch.equal(slide_d[9:12], slide_p[17:20]) and torch.all(slide_d[:9] == -1)
+    assert P.metrics.bytes == 2 * full_p[0].nbytes + 3 * slide_p[0].nbytes
+    P.close()
+    D.close()
+    pair.close()
 
 
 # ---- D's fences, P's leases -------------------------------------------------

@@ -25,10 +25,9 @@ class LoopbackTransport(KvTransport):
         self._events: list[TransferEvent] = []
         fabric.endpoints[incarnation.engine_id] = self
 
-    def register_pool(self, pool) -> None:
-        self.pool = pool
-        self.num_pages = pool.shape[0]
-        self.page_bytes = pool[0].numel() * pool.element_size()
+    def _register(self, pools: list) -> None:
+        self.pools = pools
+        self.pool = pools[0]
 
     def metadata(self) -> bytes:
         return self.incarnation.agent_name.encode()
@@ -54,7 +53,12 @@ class LoopbackTransport(KvTransport):
                                      f"{w.target.agent_name} is not a live peer"))
             return
         t0 = time.perf_counter()
-        live.pool[list(w.dst_pages)] = self.pool[list(w.src_pages)]
+        for s, d in zip(w.src_pages, w.dst_pages):
+            gs, ps = self.locate(s)
+            gd, pd = live.locate(d)
+            if gs != gd:
+                raise ValueError(f"{w.req_id}: page {s} of group {gs} written to group {gd}")
+            live.pools[gd][pd] = self.pools[gs][ps]
         took = time.perf_counter() - t0
         self.metrics.seconds += took
         self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))

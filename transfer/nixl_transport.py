@@ -1,8 +1,9 @@
 """The NIXL transport: one agent per engine incarnation over UCX.
 
-The KV pool (page-major, so page i is one contiguous region) is registered
-once, and one descriptor per page is prepared once locally and once per
-peer incarnation; a write names page indices on both sides and NIXL merges
+The KV pools (page-major, so page i is one contiguous region; one per cache
+group) are registered once, and one descriptor per page, the groups' pages
+numbered one after another, is prepared once locally and once per peer
+incarnation; a write names page indices on both sides and NIXL merges
 consecutive ones into single descriptors. So a transfer costs no
 registration and no descriptor building: only `make_prepped_xfer` and
 `transfer`. Completion is polled (`check_xfer_state`) off the critical
@@ -39,26 +40,26 @@ class NixlTransport(KvTransport):
         self._peers: dict[str, tuple[Incarnation, str, object]] = {}   # id -> (inc, name, handle)
         self._inflight: dict = {}                                        # handle -> (write, t0)
 
-    def register_pool(self, pool) -> None:
-        if not pool.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous page-major tensor")
-        self.pool = pool
-        self.num_pages = pool.shape[0]
-        self.page_bytes = pool[0].numel() * pool.element_size()
-        self._reg = self.agent.register_memory(pool)
-        dev = max(pool.get_device(), 0)
-        mem = "VRAM" if pool.is_cuda else "DRAM"
-        base = pool.data_ptr()
-        rows = np.array([[base + i * self.page_bytes, self.page_bytes, dev]
-                         for i in range(self.num_pages)], dtype=np.uint64)
-        self._descs = self.agent.get_xfer_descs(rows, mem)
+    def _register(self, pools: list) -> None:
+        for pool in pools:
+            if not pool.is_contiguous():
+                raise ValueError("each KV pool must be one contiguous page-major tensor")
+        self.pool = pools[0]
+        self._reg = [self.agent.register_memory(pool) for pool in pools]
+        rows = []
+        for pool, size in zip(pools, self.group_page_bytes):
+            dev = max(pool.get_device(), 0)
+            base = pool.data_ptr()
+            rows += [[base + i * size, size, dev] for i in range(pool.shape[0])]
+        mem = "VRAM" if pools[0].is_cuda else "DRAM"
+        self._descs = self.agent.get_xfer_descs(np.array(rows, dtype=np.uint64), mem)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._descs)
 
     def metadata(self) -> bytes:
         return json.dumps({
             "agent": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "descs": base64.b64encode(self.agent.get_serialized_descs(self._descs)).decode(),
-            "page_bytes": self.page_bytes, "pages": self.num_pages,
+            "page_bytes": self.group_page_bytes, "pages": self.num_pages,
             "incarnation": self.incarnation.agent_name,
         }).encode()
 
@@ -66,9 +67,10 @@ class NixlTransport(KvTransport):
         md = json.loads(metadata)
         if md["incarnation"] != incarnation.agent_name:
             raise ValueError(f"metadata is for {md['incarnation']}, not {incarnation.agent_name}")
-        if md["page_bytes"] != self.page_bytes:
-            raise ValueError(f"{incarnation.agent_name} has {md['page_bytes']}-byte pages, this "
-                             f"engine {self.page_bytes}: give both the same model and page_size")
+        if md["page_bytes"] != self.group_page_bytes:
+            raise ValueError(f"{incarnation.agent_name} has pages of {md['page_bytes']} bytes per "
+                             f"cache group, this engine {self.group_page_bytes}: give both the "
+                             "same model, dtype and page_size")
         old = self._peers.get(incarnation.engine_id)
         if old is not None:
             if old[0].epoch >= incarnation.epoch:
@@ -169,5 +171,6 @@ class NixlTransport(KvTransport):
             self.agent.release_dlist_handle(self._local)
             self._local = None
         if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
+            for reg in self._reg:
+                self.agent.deregister_memory(reg)
             self._reg = None

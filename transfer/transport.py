@@ -1,7 +1,9 @@
 """The transport contract every backend implements.
 
 A transport belongs to one engine incarnation. It registers the engine's KV
-pool once (page-major: page i is one contiguous region), publishes metadata
+pools once (page-major: page i is one contiguous region; one pool per cache
+group, each with its own page bytes, numbered one after another so a write
+names pages of every group in one list: `page_ids`), publishes metadata
 that peers add by incarnation, and moves pages with `write`: P posts a write
 of its pages into D's pages, with a notification naming request, epoch and
 target incarnation. `poll` reports, on P, each posted write's completion or
@@ -110,14 +112,50 @@ class KvTransport(abc.ABC):
         self.incarnation = incarnation
         self.faults = faults if faults is not None else FaultInjector()
         self.metrics = TransferMetrics()
-        self.page_bytes = 0
+        self.page_bytes = 0           # group 0's page (the only group of most models)
         self.num_pages = 0
+        self.group_page_bytes: list[int] = []
+        self.offsets: list[int] = []  # first transport page id of each group's pool
         self._delayed: list = []      # (due, TransferEvent) held back by a delay fault
         self._held: list = []         # (due, KvWrite) whose post a delay fault holds back
 
-    @abc.abstractmethod
     def register_pool(self, pool) -> None:
         """Register the page-major KV pool tensor (pages first) once."""
+        self.register_pools([pool])
+
+    def register_pools(self, pools) -> None:
+        """Register one page-major pool per cache group, once."""
+        self.group_page_bytes = [p[0].numel() * p.element_size() for p in pools]
+        self.offsets, n = [], 0
+        for p in pools:
+            self.offsets.append(n)
+            n += p.shape[0]
+        self.num_pages = n
+        self.page_bytes = self.group_page_bytes[0]
+        self._register(list(pools))
+
+    @abc.abstractmethod
+    def _register(self, pools: list) -> None:
+        ...
+
+    def page_ids(self, per_group) -> tuple:
+        """Transport page ids for per-group page lists (this engine's pools)."""
+        out = []
+        for off, pages in zip(self.offsets, per_group):
+            out.extend(off + p for p in pages)
+        return tuple(out)
+
+    def locate(self, page_id: int) -> tuple[int, int]:
+        """(group, page) of a transport page id."""
+        import bisect
+
+        g = bisect.bisect_right(self.offsets, page_id) - 1
+        return g, page_id - self.offsets[g]
+
+    def bytes_of(self, page_ids) -> int:
+        if len(self.group_page_bytes) == 1:
+            return len(page_ids) * self.page_bytes
+        return sum(self.group_page_bytes[self.locate(p)[0]] for p in page_ids)
 
     @abc.abstractmethod
     def metadata(self) -> bytes:
@@ -149,7 +187,7 @@ class KvTransport(abc.ABC):
             raise ValueError(f"{w.req_id}: {len(w.src_pages)} source pages for "
                              f"{len(w.dst_pages)} destination pages")
         self.metrics.writes += 1
-        self.metrics.bytes += len(w.src_pages) * self.page_bytes
+        self.metrics.bytes += self.bytes_of(w.src_pages)
         self.metrics.descriptors += len(page_runs(w.src_pages, w.dst_pages))
         rule = self.faults.match("post", w.req_id)
         if rule is not None and rule.action == "fail":

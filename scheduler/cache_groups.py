@@ -1,0 +1,98 @@
+"""Cache groups: which layers share a block table, and what each keeps.
+
+A model's layers fall into cache groups by what their attention reads. A
+full-history group keeps every page of a request's history; a sliding-window
+group of window W keeps only the pages the next queries can read (the last
+W - 1 positions plus the new rows) and frees the pages that slid out. Every
+group uses the engine's one page size; each has its own page pool and block
+tables, so a page id means nothing across groups.
+
+A block table holds absolute slots: entry i covers tokens [i*ps, (i+1)*ps).
+A sliding group's slots below its window are HOLE once their pages went
+back, so slot arithmetic is the same in every group.
+
+A sliding group may be replayable (spec §1.3): it never enters the prefix
+cache; after a hit at P the first chunk re-feeds [P - min(W, P), P) and the
+model regenerates that group's rows from those tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.scheduler.config import ConfigError
+
+FULL_HISTORY = "full_history"
+SLIDING_WINDOW = "sliding_window"
+HOLE = -1      # a slot whose page a sliding group let go
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    retention: str = FULL_HISTORY
+    window: int = 0                  # sliding: tokens a query sees, itself included
+    replayable: bool = False         # sliding only: recomputed, never cached (§1.3)
+    layers: tuple = ()               # the model's layers in this group (executor's business)
+    replay: int = 0                  # replayable: rows a hit re-feeds (0: the window)
+
+    def __post_init__(self) -> None:
+        if self.retention not in (FULL_HISTORY, SLIDING_WINDOW):
+            raise ConfigError(f"cache group retention must be {FULL_HISTORY} or "
+                              f"{SLIDING_WINDOW}, got {self.retention!r}")
+        if self.retention == SLIDING_WINDOW:
+            if isinstance(self.window, bool) or not isinstance(self.window, int) \
+                    or self.window < 1:
+                raise ConfigError(f"a sliding-window cache group needs a window of at "
+                                  f"least 1 token, got {self.window!r}")
+        elif self.window or self.replayable or self.replay:
+            raise ConfigError("a full-history cache group has no window and cannot be "
+                              "replayable; only sliding-window groups are")
+
+    @property
+    def sliding(self) -> bool:
+        return self.retention == SLIDING_WINDOW
+
+    def lookback(self) -> int:
+        """Cached positions a query at P reads below P: W - 1 for a sliding
+        group (the query reads [P - W + 1, P]), all of them for full history."""
+        return self.window - 1 if self.sliding else -1
+
+    def first_live_page(self, begin: int, page_size: int) -> int:
+        """The lowest slot a forward whose first row is at `begin` reads;
+        every slot below it can go back to the pool (0 for full history)."""
+        if not self.sliding:
+            return 0
+        return max(begin - self.window + 1, 0) // page_size
+
+
+FULL = CacheGroupSpec()
+
+
+def describe(groups) -> str:
+    parts = []
+    for g in groups:
+        what = f"window {g.window}" + (", replayable" if g.replayable else "") \
+            if g.sliding else "full history"
+        n = f"{len(g.layers)} layers, " if g.layers else ""
+        parts.append(f"{n}{what}")
+    return "; ".join(parts)
+
+
+def replay_window(groups) -> int:
+    """W of §1.3: the rows a hit must re-feed, the largest over the
+    replayable groups (0: none). It is the window itself for one sliding
+    layer; a model whose sliding layers stack declares more (`replay`),
+    since each one reads W - 1 positions further back than the one above."""
+    return max((g.replay or g.window for g in groups if g.replayable), default=0)
+
+
+def check_groups(groups) -> None:
+    """The combinations the coordinator serves, or a ConfigError."""
+    full = [g for g in groups if not g.sliding]
+    if len(full) > 1 or (full and groups[0] is not full[0]):
+        raise ConfigError("at most one full-history cache group, listed first")
+    replayable = [g.replayable for g in groups if g.sliding]
+    if any(replayable) and not all(replayable):
+        raise ConfigError("bounded replay is all or nothing: a replayed row passes through "
+                          "every sliding layer, so either every sliding-window group is "
+                          "replayable or none is")
