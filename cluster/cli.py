@@ -190,6 +190,10 @@ def _cmd_bench(args) -> int:
                           args.max_prompt, args.out, apis=args.api,
                           http_address=args.http_address, repeats=args.repeats,
                           offline=args.offline)
+    if args.what == "cache-groups":
+        from pdserve.benchmarks.cache_groups import main as groups_main
+
+        return groups_main(args.trace, args.limit)
     if not args.config or not args.trace:
         print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
         return 2
@@ -265,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
-                                        "serve", "soak", "tokens"],
+                                        "serve", "soak", "tokens", "cache-groups"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
@@ -273,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
                             "serve: load a deployment through the client; "
                             "soak: faults, aborts and a killed engine under load; "
-                            "tokens: what a generated token costs on its way out of an engine")
+                            "tokens: what a generated token costs on its way out of an engine; "
+                            "cache-groups: Gemma 3 27B's sliding-window groups against every "
+                            "layer full (per-request bytes, concurrency, a simulated trace)")
     bench.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256, 1024, 4096],
                        help="planner: decoding requests per round (64 256 1024 4096)")
     bench.add_argument("--rounds", type=_positive, default=200,
@@ -282,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config YAML (serve: start this deployment; repeat to compare)")
     bench.add_argument("--trace", help="the trace (serve: replayed with lengths capped; llm: "
                                        "the lengths of its trace workload, default the Azure "
-                                       "conversation trace in ../shared/data/traces)")
+                                       "conversation trace in ../shared/data/traces; "
+                                       "cache-groups: default the Mooncake one there)")
     bench.add_argument("--address", help="serve: a running deployment's router")
     bench.add_argument("--http-address", help="serve: a running deployment's HTTP API, "
                                               "e.g. http://127.0.0.1:8000")
@@ -314,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="llm: batch sizes (default 1 8 32)")
     bench.add_argument("--scale", type=_positive,
                        help="llm: divide the trace's lengths by this (default 8)")
-    bench.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    bench.add_argument("--limit", type=int, help="only the first N requests of the trace "
+                                                 "(cache-groups: default 300)")
     bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                        help="disagg: arrival-rate multipliers of the trace's own rate")
     bench.add_argument("--ttft-slo", type=float, default=2.0, help="disagg: seconds")

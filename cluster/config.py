@@ -125,11 +125,19 @@ class SimulateConfig:
     link_gbps: float = 400.0         # P -> D KV link, per prefill engine
     link_latency_s: float = 0.0002   # one control message or RDMA completion
     lease_s: float = 10.0            # how long a silent peer can keep P's pages pinned
+    # A model with sliding-window layers keeps only their window, in cache
+    # groups of their own (pools: engine.total_pages, engine.sliding_pages);
+    # false keeps every layer's whole history in one pool, as with a hybrid
+    # allocator turned off. Attention reads only the window either way.
+    sliding_groups: bool = True
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
         data = check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
         cfg = cls(**data)
+        if not isinstance(cfg.sliding_groups, bool):
+            raise ConfigError(f"simulate.sliding_groups must be true or false, got "
+                              f"{cfg.sliding_groups!r}")
         for name in ("link_gbps", "link_latency_s", "lease_s"):
             v = getattr(cfg, name)
             low = 0 < v if name == "link_gbps" else 0 <= v

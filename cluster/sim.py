@@ -10,7 +10,9 @@ Disaggregated flow (DESIGN.md): the router pairs a request with a D and a P
 (least outstanding tokens); D's remote admission sends the prompt to P; P
 prefills and ships KV over a modelled link (bytes per page from the model
 preset, the link's bandwidth and latency, one transfer at a time per P); D
-sees it land, acks P, and decodes. A failed transfer, a lost ack (P's lease
+sees it land, acks P, and decodes. Each engine's planner serves the model
+preset's cache groups (full history, sliding windows), a shipped page
+costing its group's layers. A failed transfer, a lost ack (P's lease
 expires) and a dead engine each take their path through the planners.
 """
 
@@ -71,14 +73,18 @@ def build_engines(cfg: ServeConfig) -> list[SimEngine]:
     if "max_context_tokens" not in cfg.engine_overrides:
         engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.context)
     cost = CostModel(model, gpu)
+    # the preset's cache groups, each with its own pool (capacity.group_pages:
+    # engine.total_pages for full history, engine.sliding_pages for a window)
+    groups = model.groups(sliding=cfg.simulate.sliding_groups)
+    group_bytes = model.group_kv_bytes_per_token(groups)
     out = []
     for role, count in ((Role.FUSED, cfg.cluster.fused), (Role.PREFILL, cfg.cluster.prefill),
                         (Role.DECODE, cfg.cluster.decode)):
         if role is not Role.FUSED and cfg.cluster.decode == 0:
             continue                  # prefill engines with no decode peer would idle
         for i in range(count):
-            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role),
-                         SimExecutor(cost, engine_cfg.page_size))
+            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups),
+                         SimExecutor(cost, engine_cfg.page_size, group_kv_bytes=group_bytes))
             out.append(SimEngine(eng, len(out), role))
     return out
 
@@ -96,11 +102,14 @@ class Simulation:
         self.plan_log = plan_log
         self.progress = progress
         self.rounds = 0
+        self.peak_resident = 0        # most requests holding pages on one engine after a round
         self.counters = {"remote_prefills": 0, "transfers": 0, "transfer_failures": 0,
                          "local_recoveries": 0, "lost_acks": 0, "lease_expiries": 0,
                          "engine_deaths": 0, "failed_by_death": 0}
         model = preset(MODELS, "model", cfg.simulate.model)
-        self._page_bytes = model.kv_bytes_per_token * cfg.engine.page_size
+        groups = model.groups(sliding=cfg.simulate.sliding_groups)
+        self._page_bytes = [b * cfg.engine.page_size
+                            for b in model.group_kv_bytes_per_token(groups)]
         self._link_bps = cfg.simulate.link_gbps * 1e9 / 8
         self._events: list = []
         self._seq = 0
@@ -296,6 +305,9 @@ class Simulation:
         self.rounds += 1
         now = se.clock
         plan = out.plan
+        resident = len(pl.prefilling) + len(pl.running) + len(pl.landing) + len(pl.transferring)
+        if resident > self.peak_resident:
+            self.peak_resident = resident
         if se.role is not Role.PREFILL:
             for op in plan.prefills:
                 if op.completes:
@@ -317,7 +329,7 @@ class Simulation:
         """Model P's KV write to D: one transfer at a time on P's link."""
         self.counters["transfers"] += 1
         start = max(now, p.link_free_at)
-        busy = len(op.src_pages) * self._page_bytes / self._link_bps
+        busy = sum(len(pages) * b for pages, b in zip(op.src, self._page_bytes)) / self._link_bps
         p.link_free_at = start + busy
         end = start + busy + self.cfg.simulate.link_latency_s
         d_idx = op.req.peer

@@ -8,12 +8,22 @@ each divided by the GPU's peak and an achieved fraction of it. The default
 fractions come from ../shared/data/perf (DistServe's A100 profile of
 OPT-13B): its prefill slope of 0.102 ms/token is ~80% of A100 bf16 peak, and
 its small-batch decode floor of ~20 ms is ~65% of HBM bandwidth.
+
+A sliding-window layer (window W) is charged only what it reads: a query at
+position p pairs with min(p + 1, W) keys, and a forward reads at most the
+last W - 1 cached positions of such a layer. That holds whatever the cache
+keeps: a deployment that keeps every layer's whole history (no sliding
+groups) still computes attention over the window only. A mixture-of-experts
+model computes with the parameters a token passes through (`active_params`)
+and reads every weight each round (`weight_bytes`): at the batch sizes
+serving runs, nearly every expert sees some token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.scheduler.cache_groups import FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec
 from pdserve.scheduler.config import ConfigError
 
 
@@ -26,28 +36,92 @@ class GpuPreset:
     mbu: float = 0.65       # achieved fraction of bandwidth in decode
     overhead_s: float = 0.003  # per-round launch and scheduling cost
     pcie_bw: float = 25e9      # host <-> device copy bytes/s (L2 stores and loads)
+    hbm_bytes: float = 0.0     # device memory (0: not stated)
 
 
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
-    params: float
+    params: float           # every parameter (an MoE's experts included)
     layers: int
     q_heads: int
     kv_heads: int
     head_dim: int
     context: int
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2    # KV cache (and, unless weight_bytes says, weights)
+    sliding_layers: int = 0  # layers attending over a sliding window; the rest see everything
+    window: int = 0          # their window, in tokens (the query itself included)
+    active_params: float = 0.0  # MoE: parameters one token passes through (0: params)
+    weight_bytes: float = 0.0   # bytes of weights read each round (0: params x dtype_bytes)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sliding_layers <= self.layers:
+            raise ConfigError(f"model preset {self.name}: sliding_layers={self.sliding_layers} "
+                              f"must be between 0 and layers={self.layers}")
+        if (self.sliding_layers > 0) != (self.window > 0):
+            raise ConfigError(f"model preset {self.name}: sliding layers need a window and a "
+                              f"window needs sliding layers (sliding_layers="
+                              f"{self.sliding_layers}, window={self.window})")
+
+    @property
+    def full_layers(self) -> int:
+        return self.layers - self.sliding_layers
+
+    @property
+    def kv_layer_bytes(self) -> int:
+        """KV bytes one token keeps in one layer (K and V)."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """KV bytes one token keeps across every layer (full retention)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def compute_params(self) -> float:
+        return self.active_params or self.params
+
+    @property
+    def weight_bytes_total(self) -> float:
+        return self.weight_bytes or self.params * self.dtype_bytes
+
+    def layer_kinds(self) -> tuple[tuple, tuple]:
+        """(full-attention layer indices, sliding-window ones). Full layers
+        are spread evenly, each ending a run: every 6th layer of Gemma 3
+        (5, 11, ..., 59), every 2nd of gpt-oss (1, 3, ..., 35), which is
+        where their configs' layer_types put them."""
+        if not self.sliding_layers:
+            return tuple(range(self.layers)), ()
+        if not self.full_layers:
+            return (), tuple(range(self.layers))
+        step = self.layers // self.full_layers
+        full = tuple((k + 1) * step - 1 for k in range(self.full_layers))
+        rest = set(range(self.layers)) - set(full)
+        return full, tuple(sorted(rest))
+
+    def groups(self, sliding: bool = True) -> list[CacheGroupSpec]:
+        """The cache groups a planner serves this model with: full history
+        first (if any layer has it), then the sliding-window layers. With
+        `sliding=False`, one full-history group keeps every layer's history
+        (a hybrid allocator turned off)."""
+        full, slide = self.layer_kinds()
+        if not slide or not sliding:
+            return [FULL]
+        out = [CacheGroupSpec(FULL_HISTORY, layers=full)] if full else []
+        return out + [CacheGroupSpec(SLIDING_WINDOW, self.window, layers=slide)]
+
+    def group_kv_bytes_per_token(self, groups) -> list[int]:
+        """KV bytes one token keeps in each group: its layers x K and V x
+        kv_heads x head_dim x dtype bytes. A group naming no layers holds
+        every layer (the bare FULL group)."""
+        return [(len(g.layers) if g.layers else self.layers) * self.kv_layer_bytes
+                for g in groups]
 
 
 GPUS = {
-    "h100": GpuPreset("h100", flops=989e12, mem_bw=3.35e12),
-    "h200": GpuPreset("h200", flops=989e12, mem_bw=4.8e12),
-    "a100": GpuPreset("a100", flops=312e12, mem_bw=2.039e12),
+    "h100": GpuPreset("h100", flops=989e12, mem_bw=3.35e12, hbm_bytes=80e9),
+    "h200": GpuPreset("h200", flops=989e12, mem_bw=4.8e12, hbm_bytes=141e9),
+    "a100": GpuPreset("a100", flops=312e12, mem_bw=2.039e12, hbm_bytes=80e9),
 }
 
 MODELS = {
@@ -57,6 +131,22 @@ MODELS = {
     "opt-13b": ModelPreset("opt-13b", 12.9e9, 40, 40, 40, 128, 2048),
     # the embedded tiny model (kernels' preset: tiny), for quick simulations
     "tiny": ModelPreset("tiny", 2.0e6, 2, 4, 2, 16, 4096, dtype_bytes=4),
+    # Gemma 3 27B (google/gemma-3-27b; transformers' convert_gemma3_weights.py,
+    # variant gemma3_27b; shared/research/hybrid-cache.md §5): 62 layers, 5
+    # sliding (window 1024) to 1 global, so 52 + 10; 32 q heads, 16 KV heads
+    # of 128. 27.4e9 parameters with the vision tower, 128K context, bf16.
+    "gemma-3-27b": ModelPreset("gemma-3-27b", 27.4e9, 62, 32, 16, 128, 131072,
+                               sliding_layers=52, window=1024),
+    # gpt-oss-120b (openai/gpt-oss-120b config.json; transformers' GptOssConfig
+    # defaults): 36 layers alternating sliding (window 128) and full, 64 q
+    # heads, 8 KV heads of 64, 128K context (YaRN). MoE, 128 experts, top 4:
+    # 116.8e9 parameters, 5.1e9 active per token. Its checkpoint keeps the
+    # expert weights in MXFP4 (4.25 bits; ~114.7e9 parameters) and the rest
+    # in bf16 (~2.2e9): ~65.2e9 bytes, the ~65 GB that fits one 80 GB GPU.
+    # KV is bf16. Compute uses the active parameters, weight reads all of them.
+    "gpt-oss-120b": ModelPreset("gpt-oss-120b", 116.8e9, 36, 64, 8, 64, 131072,
+                                sliding_layers=18, window=128, active_params=5.1e9,
+                                weight_bytes=65.2e9),
 }
 
 
@@ -69,18 +159,37 @@ def preset(table: dict, kind: str, name: str):
         ) from None
 
 
+def window_pairs(begin: int, tokens: int, window: int) -> int:
+    """Query x key pairs of a chunk computing rows [begin, begin + tokens) in
+    a layer of window W: row p reads min(p + 1, W) keys."""
+    lo, hi = begin + 1, begin + tokens          # keys row begin reads .. row end - 1 reads
+    top = min(hi, window)
+    ramp = (lo + top) * (top - lo + 1) // 2 if top >= lo else 0
+    return ramp + window * max(0, hi - max(lo - 1, window))
+
+
 class CostModel:
     def __init__(self, model: ModelPreset, gpu: GpuPreset):
         self.model, self.gpu = model, gpu
         self._flops = gpu.flops * gpu.mfu
         self._bw = gpu.mem_bw * gpu.mbu
-        self._weight_bytes = model.params * model.dtype_bytes
-        self._attn = 4 * model.layers * model.q_heads * model.head_dim
+        self._weight_bytes = model.weight_bytes_total
+        self._dense = 2 * model.compute_params
+        per_layer = 4 * model.q_heads * model.head_dim
+        self._attn = per_layer * model.full_layers
+        self._attn_w = per_layer * model.sliding_layers
         self._kvb = model.kv_bytes_per_token
+        self._kvb_full = model.kv_layer_bytes * model.full_layers
+        self._kvb_w = model.kv_layer_bytes * model.sliding_layers
+        self.window = model.window
 
-    def round_seconds(self, prefills, decode_contexts: int, num_decodes: int) -> float:
+    def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
+                      window_contexts: int | None = None) -> float:
         """`prefills`: (begin, tokens) per chunk; `decode_contexts`: the sum
-        of context lengths the decodes attend over."""
+        of context lengths the decodes attend over; `window_contexts`: the
+        sum of min(context, window) over them, what a sliding layer reads
+        (None: min(decode_contexts, num_decodes x window), exact when every
+        context is on the same side of the window)."""
         tokens = num_decodes
         pairs = decode_contexts
         kv = decode_contexts
@@ -90,10 +199,23 @@ class CostModel:
             kv += begin + n
         if tokens == 0:
             return 0.0
-        compute = (2 * self.model.params * tokens + self._attn * pairs) / self._flops
-        memory = (self._weight_bytes + self._kvb * kv) / self._bw
-        return max(compute, memory) + self.gpu.overhead_s
+        compute = self._dense * tokens + self._attn * pairs
+        memory = self._weight_bytes + self._kvb_full * kv
+        if self._attn_w:
+            w = self.window
+            if window_contexts is None:
+                window_contexts = min(decode_contexts, num_decodes * w)
+            w_pairs = w_kv = window_contexts
+            for begin, n in prefills:
+                w_pairs += window_pairs(begin, n, w)
+                w_kv += min(begin, w - 1) + n
+            compute += self._attn_w * w_pairs
+            memory += self._kvb_w * w_kv
+        return max(compute / self._flops, memory / self._bw) + self.gpu.overhead_s
 
-    def copy_seconds(self, tokens: int) -> float:
-        """Host <-> device time for `tokens` tokens of KV."""
-        return tokens * self._kvb / self.gpu.pcie_bw if tokens else 0.0
+    def copy_seconds(self, tokens: int, bytes_per_token: int | None = None) -> float:
+        """Host <-> device time for `tokens` tokens of KV: of every layer, or
+        `bytes_per_token` each (one cache group's layers)."""
+        if not tokens:
+            return 0.0
+        return tokens * (bytes_per_token or self._kvb) / self.gpu.pcie_bw

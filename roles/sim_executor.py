@@ -5,7 +5,8 @@ of tokens its trace says the model generates, so the planner sees exactly
 what a real executor would report, at simulated speed. Host copies finish
 within the round: stream-ordered snapshot stores and loads sit on the
 forward's critical path and cost PCIe time; pinned publication stores run
-on their own stream and cost the forward nothing.
+on their own stream and cost the forward nothing. A copied page costs the
+bytes of its cache group's layers (`group_kv_bytes`, per token).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from pdserve.scheduler.plan import Plan, StepResult
 
 
 class SimExecutor:
-    def __init__(self, cost: CostModel, page_size: int, vocab_size: int = 32000):
+    def __init__(self, cost: CostModel, page_size: int, vocab_size: int = 32000,
+                 group_kv_bytes: list[int] | None = None):
+        """`group_kv_bytes`: KV bytes per token of each of the planner's cache
+        groups (None: one group of every layer)."""
         self.cost = cost
         self.page_size = page_size
         self.vocab_size = vocab_size
+        self.group_kv_bytes = group_kv_bytes or [cost.model.kv_bytes_per_token]
+        self._window = cost.window
         self.now = 0.0
         self._stop_after: dict[str, int] = {}
 
@@ -35,15 +41,33 @@ class SimExecutor:
     def forget(self, req_id: str) -> None:
         self._stop_after.pop(req_id, None)
 
+    def _copy_seconds(self, plan: Plan) -> float:
+        if not plan.stores and not plan.loads:
+            return 0.0
+        copied = [0] * len(self.group_kv_bytes)
+        for s in plan.stores:
+            if not s.pinned:
+                copied[s.group] += len(s.device_pages)
+        for ld in plan.loads:
+            copied[ld.group] += len(ld.device_pages)
+        ps = self.page_size
+        return sum(self.cost.copy_seconds(n * ps, b)
+                   for n, b in zip(copied, self.group_kv_bytes) if n)
+
     def run(self, plan: Plan) -> StepResult:
-        ctx = 0
-        for req in plan.decodes:
-            ctx += req.num_tokens
-        copied = sum(len(s.device_pages) for s in plan.stores if not s.pinned)
-        copied += sum(len(ld.device_pages) for ld in plan.loads)
+        ctx = wctx = 0
+        w = self._window
+        if w:
+            for req in plan.decodes:
+                n = req.num_tokens
+                ctx += n
+                wctx += n if n < w else w
+        else:
+            for req in plan.decodes:
+                ctx += req.num_tokens
         self.now += self.cost.round_seconds(
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
-            ctx, len(plan.decodes)) + self.cost.copy_seconds(copied * self.page_size)
+            ctx, len(plan.decodes), wctx) + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size
         result = StepResult(stores_done=[s.id for s in plan.stores],

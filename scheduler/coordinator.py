@@ -320,6 +320,15 @@ class Coordinator:
         if self.full is not None:
             res.chain_tail = hit.tail
 
+    def trim(self, res, begin: int) -> None:
+        """Let each sliding group go of the slots below the window of a row
+        at `begin` (P, shipping a prompt: only the window travels)."""
+        for grp, table in zip(self.groups, res.tables):
+            if grp.spec.sliding:
+                lo = grp.first_live(begin)
+                if lo:
+                    self._let_go(grp, table, lo)
+
     @staticmethod
     def _let_go(grp, table: list, lo: int) -> None:
         """A sliding group's slots below `lo` hold nothing the next forward

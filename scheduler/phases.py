@@ -376,6 +376,7 @@ def ship_phase(p, b: PlanBuild) -> None:
     for req in list(p.running.values()):
         res = req.state.res
         p.coord.publish(req, res, (req.num_tokens - 1) // ps)
+        p.coord.trim(res, req.num_tokens - 1)      # pinned until the ack: only what travels
         fsm.start_transfer(req)
         del p.running[req.id]
         p.transferring[req.id] = req
