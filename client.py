@@ -77,7 +77,7 @@ def _stats(resp) -> list[dict]:
     keys = ("name", "role", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
             "finished", "aborted", "retractions", "readmissions", "transfers",
             "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
-            "prefix_queries", "prefix_hits", "dtype", "attention")
+            "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens")
     out = []
     for e in resp.engines:
         row = {k: getattr(e, k) for k in keys}
@@ -85,6 +85,10 @@ def _stats(resp) -> list[dict]:
             {"request_id": w.request_id, "reason": w.reason, "detail": w.detail,
              "pages_needed": w.pages_needed, "pages_free": w.pages_free}
             for w in e.waiting_requests]
+        row["cache_groups"] = [
+            {"retention": g.retention, "window": g.window, "layers": g.layers,
+             "total_pages": g.total_pages, "used_pages": g.used_pages, "page_bytes": g.page_bytes}
+            for g in e.cache_groups]
         out.append(row)
     return out
 
@@ -152,7 +156,8 @@ class Client:
                 "router": i.router,
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
-                             "incarnation": e.incarnation, "alive": e.alive} for e in i.engines]}
+                             "incarnation": e.incarnation, "alive": e.alive,
+                             "kv_capacity_tokens": e.kv_capacity_tokens} for e in i.engines]}
 
     def close(self) -> None:
         self._channel.close()

@@ -58,7 +58,8 @@ class LLM:
                                   self.model.cfg.max_position)
         self.engine_config = engine
         self.executor = TorchExecutor(self.model, self.tokenizer, engine)
-        self.engine = Engine("fused-0", Planner(engine), self.executor, forget_finished=False)
+        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups),
+                             self.executor, forget_finished=False)
         self._next = 0
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -86,7 +87,8 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         # refuse the whole batch before anything runs: nothing half-done
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
-            err = ingest_error(self.engine_config, len(ids), sp.max_tokens)
+            err = ingest_error(self.engine_config, len(ids), sp.max_tokens,
+                               self.engine.planner.coord.full is not None)
             if err:
                 raise ValueError(f"prompt {i}: {err}")
         reqs = []

@@ -107,6 +107,12 @@ def _cmd_stats(args) -> int:
             print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
                   f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} {r['finished']:>8}")
         for r in rows:
+            groups = r["cache_groups"]
+            if len(groups) > 1:
+                print(f"  {r['name']} holds {r['kv_capacity_tokens']:,} tokens: " + "; ".join(
+                    (f"window {g['window']}" if g["window"] else "full history") +
+                    f" {g['used_pages']}/{g['total_pages']} pages" for g in groups))
+        for r in rows:
             for w in r["waiting_requests"]:
                 print(f"  {r['name']} waits {w['request_id']}: {w['reason']} ({w['detail']})")
         return 0

@@ -61,6 +61,7 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> b
             continue
         ref.misses = 0
         ref.alive = True
+        ref.kv_capacity_tokens = info.kv_capacity_tokens
         infos[ref.name] = info
         if info.incarnation != ref.incarnation:
             ref.incarnation = info.incarnation

@@ -92,6 +92,8 @@ _GAUGES = (
     ("kv_pages_pinned", "KV pages held for a peer (P until the ack, D landing)",
      "pinned_pages"),
     ("kv_pages_total", "KV pages in the engine's device pool", "total_pages"),
+    ("kv_capacity_tokens", "Tokens of history the KV pools hold, sliding windows counted as "
+     "windows", "kv_capacity_tokens"),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
@@ -127,11 +129,21 @@ class _EngineCollector:
                                        "by stage", labels=["engine", "role", "stage"])
         seconds = HistogramMetricFamily(P + "kv_transfer_seconds", "KV write post to "
                                         "completion, on P", labels=["engine", "role"])
+        group_labels = ["engine", "role", "group"]
+        group_used = GaugeMetricFamily(P + "kv_group_pages_used", "KV pages held in each cache "
+                                       "group (full_history, sliding_window_W)",
+                                       labels=group_labels)
+        group_total = GaugeMetricFamily(P + "kv_group_pages_total", "KV pages in each cache "
+                                        "group's pool", labels=group_labels)
         for ref, s in self.snapshot:
             labels = [ref.name, s.role]
             for name, _, field in _GAUGES + _COUNTERS:
                 fams[name].add_metric(labels, getattr(s, field))
             usage.add_metric(labels, s.used_pages / s.total_pages if s.total_pages else 0.0)
+            for g in s.cache_groups:
+                name = g.retention + (f"_{g.window}" if g.window else "")
+                group_used.add_metric(labels + [name], g.used_pages)
+                group_total.add_metric(labels + [name], g.total_pages)
             for stage, n in sorted(s.transfer_failures_by_stage.items()):
                 failures.add_metric(labels + [stage], n)
             if s.role == "prefill" and s.transfer_seconds_buckets:
@@ -142,3 +154,5 @@ class _EngineCollector:
         yield usage
         yield failures
         yield seconds
+        yield group_used
+        yield group_total

@@ -23,6 +23,7 @@ class EngineRef:
     alive: bool = True
     load: int = 0                 # outstanding tokens the router sent it
     misses: int = 0               # membership rounds in a row it did not answer
+    kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
 
 
 class Pairing:

@@ -212,7 +212,8 @@ class Router:
             version=pdserve.__version__, model=m.path or f"preset:{m.preset}", router=self.id,
             page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role, address=e.address,
-                                   incarnation=e.incarnation, alive=e.alive)
+                                   incarnation=e.incarnation, alive=e.alive,
+                                   kv_capacity_tokens=e.kv_capacity_tokens)
                      for e in self.engines.values()])
 
     # ---- serving ---------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """Model forward, attention backends and sampling (torch).
 
 `load_model(path, preset)` builds a `DecoderModel` (Llama, Qwen2, Mistral)
-from a Hugging Face checkpoint directory, a GGUF file (`gguf.py`), or a
-preset (`tiny`, embedded; `smollm2-135m`, a GGUF a pip package ships), with
-its tokenizer and chat template (`chat.py`). The model runs one flat batch a round: every scheduled token of
-every request concatenated, writing K/V into a paged cache and reading it
-back through block tables (`attention.py`). `sampling.py` turns the logits
-of the rows that sample into tokens (and logprobs); `detokenize.py` turns
-tokens into text a constant amount of work at a time.
+or a `Gemma3Model` (`gemma3.py`) from a Hugging Face checkpoint directory,
+a GGUF file (`gguf.py`), or a preset (`tiny`, embedded; `smollm2-135m`, a
+GGUF a pip package ships), with its tokenizer and chat template
+(`chat.py`). The model runs one flat batch a round: every scheduled token
+of every request concatenated, writing K/V into paged caches and reading
+them back through block tables (`attention.py`), one cache and one table
+per request for each cache group (the layers sharing a window,
+`ModelConfig.cache_groups`). `sampling.py` turns the logits of the rows
+that sample into tokens (and logprobs); `detokenize.py` turns tokens into
+text a constant amount of work at a time.
 """

@@ -1,7 +1,12 @@
 """Paged attention: K/V live in pages; each sequence reads its own through
 a block table. Two backends behind one interface: a torch reference (CPU and
 CUDA) and flashinfer's paged wrappers (CUDA only). `choose_backend` says
-which one a model gets and why; the loader logs it."""
+which one a model gets and why; the loader logs it.
+
+A round has one BatchMeta per cache group: the group's block tables, where
+each row's K/V goes in the group's pages, and the group's window. A sliding
+group's table has HOLE below the window; attention reads a sequence's pages
+from its `kv_start` on, so it never touches them."""
 
 from __future__ import annotations
 
@@ -12,21 +17,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.model_config import ModelError
+
 
 @dataclass
 class SeqMeta:
     q_start: int          # first row of this sequence in the flat batch
     q_len: int            # rows it computes this round
     ctx_len: int          # keys it attends over, these rows included
-    block_table: list     # its pages, in order
+    block_table: list     # its pages, in order: entry i holds tokens [i*ps, (i+1)*ps)
+    # The lowest key position its rows read. Slots below kv_start // ps are
+    # never read (a sliding group's HOLEs); keys below kv_start are masked.
+    # 0 for full history; a sliding group's oldest key of its first row's
+    # window, or the first re-fed row when a replay regenerates the window.
+    kv_start: int = 0
 
 
 @dataclass
 class BatchMeta:
     seqs: list            # SeqMeta, prefill chunks first, then decodes (q_len 1)
-    slot_mapping: torch.Tensor   # [T] page * page_size + offset for each row's K/V
+    # [T] page * page_size + offset for each row's K/V; -1 for a row whose
+    # K/V this group does not keep (a replay row in a non-replayable group)
+    slot_mapping: torch.Tensor
     positions: torch.Tensor      # [T]
     num_decodes: int = 0  # the trailing q_len == 1 sequences, batched together
+    window: int | None = None    # keys a query sees, itself included; None: all before it
+    # The rows whose K/V are written (ascending), when some slot is -1; None:
+    # every row. Given by the caller: finding the -1s on a GPU would sync.
+    write_rows: torch.Tensor | None = None
     _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
 
 
@@ -95,17 +113,24 @@ def _runs(src, dst) -> list[tuple[int, int, int]]:
 
 
 class TorchAttention:
-    """Reference backend: exact, plain torch, any device."""
+    """Reference backend: exact, plain torch, any device. Each round's window
+    is its BatchMeta's."""
 
     name = "torch"
     MATMUL_SCORES = 1 << 22   # a chunk with more scores than this goes to SDPA
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None):
+        """`sliding_window`: the model's sliding layers' window, if it has
+        any (flashinfer's warm_up compiles the windowed kernels for it).
+        `scale`: the scores' factor (default head_dim ** -0.5); `softcap`:
+        scores become softcap * tanh(scores / softcap) (Gemma's option)."""
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.window = sliding_window
-        self.scale = head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.softcap = softcap
         self._scratch_bufs: dict[str, torch.Tensor] = {}
 
     def _scratch(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
@@ -130,55 +155,76 @@ class TorchAttention:
         return []
 
     def _prepare(self, meta: BatchMeta, ps: int, device) -> dict:
-        """What every layer of the round shares: where each row's K/V goes,
-        each prefill's page table and causal mask, the decode batch's padded
-        tables and mask. Built once a round (the first layer), not per layer."""
+        """What every layer of the group shares this round: where each row's
+        K/V goes, each prefill's page table (from its kv_start's page) and
+        mask, the decode batch's padded tables and mask. Built once a round
+        (the group's first layer), not per layer."""
         if getattr(meta, "_prep", None) is not None:
             return meta._prep
-        prep = {"page": meta.slot_mapping // ps, "off": meta.slot_mapping % ps, "pre": []}
+        slots, rows = meta.slot_mapping, meta.write_rows
+        if rows is not None:
+            slots = slots[rows]
+        prep = {"page": slots // ps, "off": slots % ps, "rows": rows, "pre": []}
+        window = meta.window
         n_pre = len(meta.seqs) - meta.num_decodes
         for s in meta.seqs[:n_pre]:
-            table = torch.as_tensor(s.block_table[: -(-s.ctx_len // ps)], device=device)
+            lo = s.kv_start // ps
+            table = torch.as_tensor(s.block_table[lo: -(-s.ctx_len // ps)], device=device)
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)
-            kpos = torch.arange(s.ctx_len, device=device)
+            kpos = torch.arange(lo * ps, s.ctx_len, device=device)
             mask = kpos[None, :] <= qpos[:, None]
-            if self.window is not None:
-                mask &= kpos[None, :] > qpos[:, None] - self.window
-            prep["pre"].append((s, table, mask))
+            if window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - window
+            if s.kv_start > lo * ps:
+                mask &= kpos[None, :] >= s.kv_start
+            prep["pre"].append((s, lo * ps, table, mask))
         if meta.num_decodes:
             seqs = meta.seqs[n_pre:]
-            n = [-(-s.ctx_len // ps) for s in seqs]
+            lo = [s.kv_start // ps for s in seqs]
+            n = [-(-s.ctx_len // ps) - a for s, a in zip(seqs, lo)]
             width = max(n)
-            tables = torch.tensor([s.block_table[:k] + [0] * (width - k)
-                                   for s, k in zip(seqs, n)], dtype=torch.long)
+            # padded with the sequence's own first page: masked, but a page it holds
+            tables = torch.tensor([s.block_table[a:a + k] + [s.block_table[a]] * (width - k)
+                                   for s, a, k in zip(seqs, lo, n)], dtype=torch.long)
             ctx = torch.tensor([s.ctx_len for s in seqs], device=device)
-            kpos = torch.arange(width * ps, device=device)
-            mask = kpos[None, :] < ctx[:, None]
-            if self.window is not None:
-                mask &= kpos[None, :] > (ctx[:, None] - 1 - self.window)
+            kpos = torch.arange(width * ps, device=device)[None, :]
+            if any(lo):
+                kpos = kpos + torch.tensor(lo, device=device)[:, None] * ps
+            mask = kpos < ctx[:, None]
+            if window is not None:
+                mask &= kpos > (ctx[:, None] - 1 - window)
             # an additive float32 mask: 0 where a key counts, -inf past the end
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])
         meta._prep = prep
         return prep
 
+    @staticmethod
+    def _write(k, v, k_pages, v_pages, page, off, rows) -> None:
+        if rows is None:
+            k_pages[page, off] = k
+            v_pages[page, off] = v
+        else:
+            k_pages[page, off] = k[rows]
+            v_pages[page, off] = v[rows]
+
     def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d]. Writes k, v into the pages, then
         attends. Returns [T, H, d]."""
         ps = k_pages.shape[1]
         prep = self._prepare(meta, ps, q.device)
-        k_pages[prep["page"], prep["off"]] = k
-        v_pages[prep["page"], prep["off"]] = v
+        self._write(k, v, k_pages, v_pages, prep["page"], prep["off"], prep["rows"])
         out = torch.empty_like(q)
         gqa = self.group > 1
-        for s, table, mask in prep["pre"]:
+        for s, first, table, mask in prep["pre"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
+            n = s.ctx_len - first
             if s.ctx_len == s.q_len:       # a first chunk: its keys are its own rows
                 keys, vals = k[rows], v[rows]
             else:
-                keys = k_pages.index_select(0, table).reshape(-1, self.kvh, self.d)[:s.ctx_len]
-                vals = v_pages.index_select(0, table).reshape(-1, self.kvh, self.d)[:s.ctx_len]
-            if self.h * s.q_len * s.ctx_len <= self.MATMUL_SCORES:
+                keys = k_pages.index_select(0, table).reshape(-1, self.kvh, self.d)[:n]
+                vals = v_pages.index_select(0, table).reshape(-1, self.kvh, self.d)[:n]
+            if self.h * s.q_len * n <= self.MATMUL_SCORES or self.softcap is not None:
                 out[rows] = self._prefill(q[rows], keys, vals, mask)
             else:                          # SDPA tiles the scores: bounded memory
                 o = F.scaled_dot_product_attention(
@@ -201,6 +247,8 @@ class TorchAttention:
         vals = vals.transpose(0, 1).contiguous()
         scores = torch.matmul(qg.reshape(self.kvh, g * T, self.d), keys.transpose(1, 2))
         scores = (scores.float() * self.scale).view(self.kvh, g, T, L)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(self.kvh, g * T, L)
         o = torch.matmul(probs, vals).view(self.kvh, g, T, self.d)
@@ -223,7 +271,10 @@ class TorchAttention:
             heads.append(hm.copy_(rows.view(B, L, self.kvh, self.d).transpose(1, 2)))
         keys, vals = heads
         qg = q.reshape(B, self.kvh, self.group, self.d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale + bias
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores + bias
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, vals).reshape(B, self.h, self.d)
 
@@ -231,10 +282,18 @@ class TorchAttention:
 class FlashInferAttention(TorchAttention):
     """flashinfer's paged prefill and decode wrappers (CUDA). K/V writes are
     the reference backend's; attention reads the pages in place through
-    CSR page tables, planned once a round and reused by every layer. A
-    layer's K and V are strided views of the page-major pool (the page
-    stride spans every layer); flashinfer reads caches by their strides
-    since its non-contiguous KV cache support (flashinfer PR #513, 0.2)."""
+    CSR page tables, planned once a round per cache group and reused by each
+    of the group's layers. A layer's K and V are strided views of the
+    page-major pool (the page stride spans every layer); flashinfer reads
+    caches by their strides since its non-contiguous KV cache support
+    (flashinfer PR #513, 0.2).
+
+    A sliding group's sequences hand flashinfer their pages from kv_start's
+    on, with window_left = W - 1: flashinfer aligns the queries to the end
+    of the keys it is given, so dropping whole pages from the front changes
+    no relative position. It has no lower bound other than the window, so a
+    kv_start inside the window (a replayed window) must fall on a page
+    boundary; elsewhere `attention: torch` serves it."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -252,87 +311,124 @@ class FlashInferAttention(TorchAttention):
     BACKEND = "fa2"
     WARM_ROWS = 65                      # one row more than auto's fa2 limit
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None):
+    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None, scale=None,
+                 softcap=None):
         import flashinfer  # raises ImportError where it is absent
 
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale, softcap)
         self._fi = flashinfer
         self._ws = None
-        self._planned = None            # the BatchMeta the wrappers are planned for
-        self._slots = None              # its rows' (page, offset), shared by every layer
+        # per window (None: full history): the group's wrappers and the round
+        # they are planned for; groups differ in window, so it names the group
+        self._groups: dict = {}
 
-    def _wrappers(self, device):
-        if self._ws is None:
-            # zeroed: the decode wrapper asks for a zeroed workspace on first use
-            self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._prefill_w = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._ws, "NHD", backend=self.BACKEND)
+    def _wrappers(self, window, device) -> "_Planned":
+        st = self._groups.get(window)
+        if st is None:
+            if self._ws is None:
+                # zeroed: the decode wrapper asks for a zeroed workspace on first use.
+                # One float workspace for every wrapper: their runs are stream-ordered,
+                # and each keeps its plan in its own int workspace.
+                self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             # tensor cores past group 4, as SGLang and vLLM choose; flashinfer
             # has CUDA-core decode kernels for groups 1, 2, 3, 4, 6, 8 and 16
-            self._decode_w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws, "NHD", use_tensor_cores=self.group > 4)
+            st = self._groups[window] = _Planned(
+                self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD",
+                                                             backend=self.BACKEND),
+                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD",
+                                                            use_tensor_cores=self.group > 4))
+        return st
 
     @staticmethod
-    def _csr(seqs, ps: int):
+    def _csr(seqs, ps: int, window):
         """Host tensors: plan() reads indptr and last_page_len on the host and
         copies what the kernels need to the device itself, so tables built on
         the GPU would cost a device-to-host sync every round."""
         indptr, indices, last = [0], [], []
         for s in seqs:
-            n = -(-s.ctx_len // ps)
-            indices.extend(s.block_table[:n])
+            lo, n = s.kv_start // ps, -(-s.ctx_len // ps)
+            if s.kv_start % ps and (window is None or
+                                    s.kv_start > s.ctx_len - s.q_len - window + 1):
+                raise ModelError(
+                    f"flashinfer cannot start a sequence's keys mid-page (position "
+                    f"{s.kv_start}, page size {ps}) inside its window: a replay that "
+                    "re-feeds a window not aligned to pages; use attention: torch, or a "
+                    "window and replay that are multiples of the page size")
+            indices.extend(s.block_table[lo:n])
             indptr.append(len(indices))
             last.append(s.ctx_len - (n - 1) * ps)
         i32 = dict(dtype=torch.int32)
         return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)
 
-    def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> None:
-        self._wrappers(device)
+    def _window_left(self, meta: BatchMeta) -> int:
+        """flashinfer's window: keys to the left of the query (-1: all)."""
+        return meta.window - 1 if meta.window is not None else -1
+
+    def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> "_Planned":
+        st = self._wrappers(meta.window, device)
         n_pre = len(meta.seqs) - meta.num_decodes
-        window = (self.window - 1) if self.window else -1
+        kw = dict(window_left=self._window_left(meta), sm_scale=self.scale,
+                  q_data_type=dtype, kv_data_type=dtype)
+        if self.softcap is not None:       # passed only when set: a stand-in need not know it
+            kw["logits_soft_cap"] = self.softcap
         if n_pre:
             pre = meta.seqs[:n_pre]
             qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32)
-            indptr, indices, last = self._csr(pre, ps)
-            self._prefill_w.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
-                                 causal=True, window_left=window, sm_scale=self.scale,
-                                 q_data_type=dtype, kv_data_type=dtype)
+            indptr, indices, last = self._csr(pre, ps, meta.window)
+            st.prefill.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
+                            causal=True, **kw)
         if meta.num_decodes:
-            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps)
-            self._decode_w.plan(indptr, indices, last, self.h, self.kvh, self.d, ps,
-                                window_left=window, sm_scale=self.scale, q_data_type=dtype,
-                                kv_data_type=dtype)
-        self._slots = (meta.slot_mapping // ps, meta.slot_mapping % ps)
-        self._planned = meta
+            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps, meta.window)
+            st.decode.plan(indptr, indices, last, self.h, self.kvh, self.d, ps, **kw)
+        slots, rows = meta.slot_mapping, meta.write_rows
+        if rows is not None:
+            slots = slots[rows]
+        st.slots = (slots // ps, slots % ps, rows)
+        st.meta = meta
+        return st
 
     def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
-        """Plan the round now (forward's first layer does it otherwise)."""
+        """Plan the group's round now (its first layer does it otherwise)."""
         self._plan(meta, k_pages.shape[1], dtype, k_pages.device)
 
     def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
-        if self._planned is not meta:
-            self._plan(meta, k_pages.shape[1], q.dtype, q.device)
-        page, off = self._slots
-        k_pages[page, off] = k
-        v_pages[page, off] = v
+        st = self._groups.get(meta.window)
+        if st is None or st.meta is not meta:
+            st = self._plan(meta, k_pages.shape[1], q.dtype, q.device)
+        self._write(k, v, k_pages, v_pages, *st.slots)
         q = q.contiguous()                 # a slice of the fused q/k rotation
         out = torch.empty_like(q)
         n_pre = len(meta.seqs) - meta.num_decodes
         split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]
         if n_pre:
-            self._prefill_w.run(q[:split], (k_pages, v_pages), out=out[:split])
+            st.prefill.run(q[:split], (k_pages, v_pages), out=out[:split])
         if meta.num_decodes:
-            self._decode_w.run(q[split:], (k_pages, v_pages), out=out[split:])
+            st.decode.run(q[split:], (k_pages, v_pages), out=out[split:])
         return out
+
+    # the full-history group's wrappers (the only group of most models)
+    @property
+    def _prefill_w(self):
+        return self._groups[None].prefill
+
+    @property
+    def _decode_w(self):
+        return self._groups[None].decode
+
+    @property
+    def _planned(self):
+        """The BatchMeta some group is planned for (None: none is)."""
+        return next((st.meta for st in self._groups.values() if st.meta is not None), None)
 
     def warm_up(self, dtype: torch.dtype, device, page_size: int = 16) -> list[str]:
         """Plan and run every kernel the engine will use, on a scratch cache:
         a 1-row prefill, a WARM_ROWS-row prefill, a decode, and a round with
-        both. flashinfer compiles each module the first time it is planned
-        (minutes on a fresh host, then cached on disk), so this moves the
-        compile to load time, before the engine registers, instead of into
-        the engine loop where P's lease and transfer timeouts run. Returns
-        what ran, for the log."""
+        both; without a window, and with the model's sliding window if it
+        has one (a separate module). flashinfer compiles each module the
+        first time it is planned (minutes on a fresh host, then cached on
+        disk), so this moves the compile to load time, before the engine
+        registers, instead of into the engine loop where P's lease and
+        transfer timeouts run. Returns what ran, for the log."""
         device = torch.device(device)
         rows = self.WARM_ROWS
         pages = 2 * (-(-(rows + 1) // page_size))
@@ -340,7 +436,7 @@ class FlashInferAttention(TorchAttention):
         k_pages, v_pages = cache.layer(0)
         table = list(range(pages))
 
-        def one(seqs, num_decodes):
+        def one(seqs, num_decodes, window):
             n = sum(s.q_len for s in seqs)
             slots, pos = [], []
             for s in seqs:
@@ -349,7 +445,8 @@ class FlashInferAttention(TorchAttention):
                 slots.extend(s.block_table[p // page_size] * page_size + p % page_size
                              for p in span)
             meta = BatchMeta(seqs, torch.tensor(slots, device=device),
-                             torch.tensor(pos, device=device), num_decodes=num_decodes)
+                             torch.tensor(pos, device=device), num_decodes=num_decodes,
+                             window=window)
             q = torch.zeros(n, self.h, self.d, dtype=dtype, device=device)
             kv = torch.zeros(n, self.kvh, self.d, dtype=dtype, device=device)
             self.forward(q, kv, kv, k_pages, v_pages, meta)
@@ -361,12 +458,25 @@ class FlashInferAttention(TorchAttention):
             "decode": ([SeqMeta(0, 1, rows + 1, table)], 1),
             "prefill + decode": ([SeqMeta(0, 2, 2, second), SeqMeta(2, 1, rows + 1, table)], 1),
         }
-        for seqs, num_decodes in shapes.values():
-            one(seqs, num_decodes)
+        ran = []
+        for window in (None, self.window) if self.window else (None,):
+            for what, (seqs, num_decodes) in shapes.items():
+                one(seqs, num_decodes, window)
+                ran.append(what if window is None else f"{what}, window {window}")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self._planned = self._slots = None
-        return list(shapes)
+        for st in self._groups.values():
+            st.meta = st.slots = None       # the next round plans afresh
+        return ran
+
+
+@dataclass
+class _Planned:
+    """One cache group's flashinfer wrappers, and the round they hold."""
+    prefill: object
+    decode: object
+    meta: BatchMeta | None = None
+    slots: tuple | None = None          # its written rows' (page, offset, rows)
 
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)

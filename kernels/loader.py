@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels.attention import TorchAttention, choose_backend
+from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
@@ -84,7 +85,7 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
     weights = {}
     for f in files:
         weights.update(load_file(str(f)))
-    need = weight_names(cfg)
+    need = checkpoint_weight_names(cfg)
     missing = [n for n in need if n not in weights]
     if cfg.tie_word_embeddings is False and "lm_head.weight" in missing \
             and "model.embed_tokens.weight" in weights:
@@ -93,6 +94,25 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
     if missing:
         raise ModelError(f"{d}: checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
     return weights
+
+
+def checkpoint_weight_names(cfg: ModelConfig) -> list[str]:
+    """The tensors a checkpoint of `cfg`'s architecture must hold."""
+    return gemma3_weight_names(cfg) if cfg.arch == "gemma3" else weight_names(cfg)
+
+
+def attention_shape(cfg: ModelConfig) -> dict:
+    """What an attention backend needs to know of the model."""
+    scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+    return dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                sliding_window=cfg.sliding_window, scale=scale,
+                softcap=cfg.attn_logit_softcapping)
+
+
+def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
+    """The architecture's model class over `weights` (Hugging Face names)."""
+    cls = Gemma3Model if cfg.arch == "gemma3" else DecoderModel
+    return cls(cfg, weights, dtype, device, attention)
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device) -> torch.dtype:
@@ -152,10 +172,8 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         cfg, tok = read_config(d), HFTokenizer.from_directory(d)
         read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
     torch_dtype, dtype_why = choose_dtype(dtype, cfg, device)
-    backend = load_backend(attention, device, torch_dtype, dict(
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        sliding_window=cfg.sliding_window), dtype_why)
-    return DecoderModel(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
+    backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)
+    return build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
 
 
 def load_backend(attention: str, device, dtype: torch.dtype, shape: dict,

@@ -1,7 +1,12 @@
 """A Llama-family decoder over a paged KV cache: RMSNorm, rotary positions,
 grouped-query attention, SwiGLU; Qwen2's q/k/v biases and Mistral's sliding
 window where they differ. Weights use Hugging Face's names, so a checkpoint's
-safetensors load as they are."""
+safetensors load as they are.
+
+`PagedDecoder` is what every architecture here shares: its layers fall into
+cache groups (`ModelConfig.cache_groups`), each group with its own KVCache
+holding only its layers, and a round's forward takes one BatchMeta per group.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta, KVCache
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 
 
@@ -63,12 +68,66 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
     return out
 
 
-class DecoderModel:
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device,
-                 attention):
+class PagedDecoder:
+    """Cache groups and their KV caches; the architecture's forward is the
+    subclass's. Layer i's K/V live in cache `slots[i][0]` as its layer
+    `slots[i][1]`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, attention):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        self.attention = attention
+        self.groups = cfg.cache_groups()
+        self.slots = [None] * cfg.num_layers
+        for g, spec in enumerate(self.groups):
+            for j, layer in enumerate(spec.layers):
+                self.slots[layer] = (g, j)
+        # what each group's BatchMeta must say its window is
+        self._windows = [spec.window if spec.sliding else None for spec in self.groups]
+
+    def cache_groups(self, replayable: bool = False) -> list:
+        """The model's CacheGroupSpecs, in cache order (see
+        ModelConfig.cache_groups); `replayable` marks sliding groups §1.3's."""
+        return self.cfg.cache_groups(replayable)
+
+    def new_caches(self, pages_per_group: list[int], page_size: int) -> list[KVCache]:
+        """One KVCache per cache group, of that group's pages and layers."""
+        if len(pages_per_group) != len(self.groups):
+            raise ValueError(f"{len(pages_per_group)} page counts for the model's "
+                             f"{len(self.groups)} cache groups")
+        c = self.cfg
+        return [KVCache(len(spec.layers), pages, page_size, c.num_kv_heads, c.head_dim,
+                        self.dtype, self.device)
+                for spec, pages in zip(self.groups, pages_per_group)]
+
+    def new_cache(self, pages: int, page_size: int) -> KVCache:
+        """The one cache of a single-group model (every layer the same window)."""
+        if len(self.groups) != 1:
+            raise ModelError(f"this model has {len(self.groups)} cache groups; "
+                             "use new_caches(pages_per_group, page_size)")
+        return self.new_caches([pages], page_size)[0]
+
+    def per_group(self, meta, cache) -> tuple[list, list]:
+        """(metas, caches), one per cache group; a lone BatchMeta and KVCache
+        stand for a single-group model's. A meta's window must be its group's:
+        a mismatch would attend over the wrong keys without a sound."""
+        if isinstance(cache, KVCache):
+            meta, cache = [meta], [cache]
+        if len(meta) != len(self.groups) or len(cache) != len(self.groups):
+            raise ValueError(f"{len(meta)} BatchMetas and {len(cache)} caches for the "
+                             f"model's {len(self.groups)} cache groups")
+        for g, (m, want) in enumerate(zip(meta, self._windows)):
+            if m.window != want:
+                raise ValueError(f"cache group {g}'s BatchMeta has window {m.window}, but its "
+                                 f"layers attend over {want or 'all'} keys")
+        return meta, cache
+
+
+class DecoderModel(PagedDecoder):
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device,
+                 attention):
+        super().__init__(cfg, dtype, device, attention)
         w = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
@@ -83,35 +142,31 @@ class DecoderModel:
             bias = torch.cat([w[a + f"{x}_proj.bias"] for x in "qkv"]) \
                 if cfg.attention_bias else None
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            self.layers.append((w[p + "input_layernorm.weight"], qkv, bias,
+            self.layers.append((*self.slots[i], w[p + "input_layernorm.weight"], qkv, bias,
                                 w[a + "o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                                 gate_up, w[p + "mlp.down_proj.weight"]))
         self.rotary = Rotary(cfg, dtype, self.device)
-        self.attention = attention
-
-    def new_cache(self, pages: int, page_size: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_layers, pages, page_size, c.num_kv_heads, c.head_dim,
-                       self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, cache: KVCache,
+    def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) for the rows in `logits_indices`."""
+        """Logits (float32) for the rows in `logits_indices`. `meta` and
+        `cache`: one per cache group (or, single-group, one of each)."""
         c = self.cfg
+        metas, caches = self.per_group(meta, cache)
         h = self.embed[input_ids]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        cos, sin = self.rotary.at(meta.positions)
+        cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
-        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
+        for g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w in self.layers:
             x = rms_norm(h, ln1, c.rms_norm_eps)
             qkv = F.linear(x, qkv_w, qkv_b)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
             qk = self.rotary.apply(qkv[:, :q_dim + kv_dim].view(-1, heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim)
-            k_pages, v_pages = cache.layer(i)
-            o = self.attention.forward(q, k, v, k_pages, v_pages, meta)
+            k_pages, v_pages = caches[g].layer(j)
+            o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             h = h + F.linear(o.reshape(-1, q_dim), o_w)
             x = rms_norm(h, ln2, c.rms_norm_eps)
             gu = F.linear(x, gate_up_w)

@@ -1,5 +1,6 @@
 """The architecture facts a decoder needs, read from a Hugging Face
-config.json or a GGUF file's metadata, or the embedded tiny preset."""
+config.json or a GGUF file's metadata, or the embedded tiny preset; and
+the cache groups they imply (which layers share a block table)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.scheduler.cache_groups import FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec
+
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # config.json's model_type, for checkpoints that do not list architectures
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+SLIDING, GLOBAL = "sliding_attention", "full_attention"     # Hugging Face's layer_types
 
 
 class ModelError(ValueError):
@@ -40,6 +45,47 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = field(default_factory=tuple)
     torch_dtype: str | None = None     # the checkpoint's own dtype, for dtype: auto
+    # Per layer, SLIDING or GLOBAL. Empty: every layer slides when
+    # sliding_window is set (Mistral), else none does.
+    layer_types: tuple = ()
+    hidden_act: str = "silu"           # the MLP's gate activation
+    # Gemma 3: the attention scale is query_pre_attn_scalar ** -0.5 (None:
+    # head_dim's); optional tanh caps on attention scores and final logits;
+    # sliding layers rotate with their own base and scaling.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict | None = None
+
+    def layer_window(self, i: int) -> int | None:
+        """Tokens layer i's queries see, themselves included (None: all)."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types or self.layer_types[i] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def cache_groups(self, replayable: bool = False) -> list[CacheGroupSpec]:
+        """The layers grouped by what their attention keeps: the full-history
+        group first (if any layer reads all history), then one group per
+        window, smallest first. `replayable` marks every sliding group as
+        recomputed from re-fed tokens instead of prefix-cached (spec §1.3)."""
+        by_window: dict = {}
+        for i in range(self.num_layers):
+            by_window.setdefault(self.layer_window(i), []).append(i)
+        groups = []
+        if None in by_window:
+            groups.append(CacheGroupSpec(FULL_HISTORY, layers=tuple(by_window.pop(None))))
+        # a re-fed row is exact in a sliding layer only if the rows its window
+        # reads were exact below it: each stacked sliding layer reaches W - 1
+        # further back, so exact regeneration re-feeds the sum over them
+        replay = sum((w - 1) * len(layers) for w, layers in by_window.items()) \
+            if replayable else 0
+        for w in sorted(by_window):
+            groups.append(CacheGroupSpec(SLIDING_WINDOW, window=w, replayable=replayable,
+                                         layers=tuple(by_window[w]), replay=replay))
+        return groups
 
 
 def tiny_config() -> ModelConfig:
@@ -70,19 +116,25 @@ def read_config(path) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None) if archs \
         else MODEL_TYPES.get(raw.get("model_type"))
+    if arch is None and "Gemma3ForConditionalGeneration" in archs:
+        raise ModelError(f"{d}: Gemma3ForConditionalGeneration is Gemma 3's multimodal "
+                         "checkpoint; pdserve runs the text-only Gemma3ForCausalLM "
+                         "(e.g. google/gemma-3-1b-it)")
     if arch is None:
         raise ModelError(f"{d}: architecture {archs or raw.get('model_type')!r} is not "
                          f"supported; pdserve runs {', '.join(sorted(SUPPORTED))}")
+    if arch == "gemma3":
+        return _gemma3_config(d, raw)
     heads = raw["num_attention_heads"]
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    eos_ids = _eos_ids(raw)
     # transformers 5 writes rope_parameters; older checkpoints rope_scaling + rope_theta
     rope = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                           else None)
     window = raw.get("sliding_window")
-    if arch == "qwen2" and not raw.get("use_sliding_window", False):
-        window = None
+    layer_types = ()
+    if arch == "qwen2":
+        window, layer_types = _qwen2_windows(raw)
     return ModelConfig(
         arch=arch,
         vocab_size=raw["vocab_size"],
@@ -99,8 +151,88 @@ def read_config(path) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
         sliding_window=window,
+        layer_types=layer_types,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         # transformers 5 writes dtype; earlier versions torch_dtype
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+
+
+def _eos_ids(raw: dict) -> tuple:
+    eos = raw.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def _qwen2_windows(raw: dict) -> tuple[int | None, tuple]:
+    """Qwen2 slides only with use_sliding_window, and then only in the layers
+    its layer_types names (written by transformers 5), or else in layers
+    max_window_layers and up, as transformers reads older configs."""
+    window = raw.get("sliding_window")
+    if not raw.get("use_sliding_window", False) or window is None:
+        return None, ()
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or [SLIDING if i >= raw.get("max_window_layers", 28)
+                                       else GLOBAL for i in range(n)]
+    return window, tuple(types)
+
+
+def _gemma3_config(d: Path, raw: dict) -> ModelConfig:
+    """Gemma 3 text. Absent keys take Gemma3TextConfig's defaults, which
+    differ from Llama's (tied embeddings, head_dim 256, window 4096). Local
+    and global layers: `layer_types`, or in older configs every
+    `sliding_window_pattern`-th layer global. RoPE: transformers 5 writes
+    rope_parameters per layer type; older configs rope_theta and
+    rope_scaling (global layers) and rope_local_base_freq (local ones)."""
+    if raw.get("use_bidirectional_attention"):
+        raise ModelError(f"{d}: use_bidirectional_attention is set (an embedding model); "
+                         "pdserve serves causal Gemma 3 only")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):     # both the tanh approximation
+        raise ModelError(f"{d}: hidden_activation {act!r} is not supported; pdserve runs "
+                         "Gemma 3 with gelu_pytorch_tanh")
+    n = raw.get("num_hidden_layers", 26)
+    types = raw.get("layer_types")
+    if not types:
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+        types = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(n)]
+    if len(types) != n or set(types) - {SLIDING, GLOBAL}:
+        raise ModelError(f"{d}: layer_types must name {SLIDING!r} or {GLOBAL!r} for each of "
+                         f"the {n} layers, got {types!r}")
+    params = raw.get("rope_parameters") or {}
+    glob, local = params.get(GLOBAL) or {}, params.get(SLIDING) or {}
+
+    def scaling(p: dict, legacy):
+        if p:
+            return p if p.get("rope_type", "default") != "default" else None
+        return legacy
+
+    heads = raw.get("num_attention_heads", 8)
+    window = raw.get("sliding_window", 4096)
+    return ModelConfig(
+        arch="gemma3",
+        vocab_size=raw.get("vocab_size", 262_208),
+        hidden_size=raw.get("hidden_size", 2304),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or 256,
+        intermediate_size=raw.get("intermediate_size", 9216),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=glob.get("rope_theta", raw.get("rope_theta", 1_000_000.0)),
+        rope_scaling=scaling(glob, raw.get("rope_scaling")),
+        max_position=raw.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        attention_bias=raw.get("attention_bias", False),
+        sliding_window=window if SLIDING in types else None,
+        layer_types=tuple(types) if window is not None else (),
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        rope_local_theta=local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)),
+        rope_local_scaling=scaling(local, None),
+        bos_token_id=raw.get("bos_token_id", 2),
+        eos_token_ids=_eos_ids({"eos_token_id": raw.get("eos_token_id", 1)}),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )

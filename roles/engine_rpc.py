@@ -86,7 +86,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         i = self.s.info()
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
                                incarnation=i["incarnation"], nixl_metadata=md,
-                               address=i["address"])
+                               address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"])
 
     def AddPeer(self, request, context):
         return self._ack(lambda: self.s.add_peer(request), context)

@@ -33,6 +33,7 @@ from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.engine import Engine
 from pdserve.roles.outputs import Outputs, logprob_pb
 from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.scheduler.capacity import capacity_line, capacity_report
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
@@ -72,7 +73,10 @@ class EngineServer:
         engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
         self.tokenizer = tok
         self.executor = TorchExecutor(model, tok, engine_cfg, detokenize=False)
-        self.planner = Planner(engine_cfg, self.role)
+        self.planner = Planner(engine_cfg, self.role, groups=self.executor.groups)
+        self.capacity = capacity_report(engine_cfg, self.planner.groups,
+                                        [c.data[0].nbytes for c in self.executor.caches])
+        log.info("%s: %s", self.name, capacity_line(self.capacity))
         self.engine = Engine(self.name, self.planner, self.executor, forget_finished=False)
         self.transport = None
         if self.role is not Role.FUSED:
@@ -82,7 +86,7 @@ class EngineServer:
 
             self.transport = NixlTransport(Incarnation(self.name, self.incarnation),
                                            FaultInjector.from_config(faults or [], fault_seed))
-            self.transport.register_pool(self.executor.cache.data)
+            self.transport.register_pools([c.data for c in self.executor.caches])
         self.landing = LandingTable(transfer_timeout_s, lease_s)     # D
         self.leases = LeaseTable(lease_s)                             # P
         self.heartbeat_s = heartbeat_s
@@ -93,7 +97,6 @@ class EngineServer:
         self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
         self.outputs = Outputs(tok, self._stop_string_hit, self.name)
         self.counts = EngineCounters()
-        self._page_bytes = self.executor.cache.data[0].nbytes
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._rpc_pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-rpc")
@@ -113,7 +116,8 @@ class EngineServer:
         return {"engine": self.name, "role": self.role.value, "incarnation": self.incarnation,
                 "address": self.address,
                 "dtype": str(self.executor.model.dtype).removeprefix("torch."),
-                "attention": self.executor.model.attention.name}
+                "attention": self.executor.model.attention.name,
+                "kv_capacity_tokens": self.capacity["tokens"]}
 
     @property
     def counters(self) -> dict:
@@ -372,12 +376,13 @@ class EngineServer:
         if req.peer is None or req.peer not in self.peers:
             self._recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
             return
-        epoch = self.landing.expect(req.id, op.landing_pages, time.monotonic())
+        landing = self.transport.page_ids(op.landing)      # every group's, one list
+        epoch = self.landing.expect(req.id, landing, time.monotonic())
         self.epochs[req.id] = epoch
         sp = self.executor.params(req.id)
         self._send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
-            landing_pages=op.landing_pages, epoch=epoch, target_engine=self.name,
+            landing_pages=landing, epoch=epoch, target_engine=self.name,
             target_incarnation=self.incarnation, temperature=sp.temperature,
             top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {}),
             **({"logprobs": sp.logprobs} if sp.logprobs is not None else {})))
@@ -487,10 +492,18 @@ class EngineServer:
             return                  # the lease ran out: the timers release it, nothing is posted
         t = self.executor.tracked.get(op.req.id)
         payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
+        src = self.transport.page_ids(op.src)
+        if len(src) != len(pages):
+            # the two engines group the model's layers differently: nothing sensible to write
+            self._send(d_name, "TransferFailed", pb.TransferFailedRequest(
+                request_id=op.req.id, epoch=epoch,
+                reason=f"{self.name} ships {len(src)} pages where the landing has {len(pages)}: "
+                       "run the same model and engine.page_size on both roles"))
+            return
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
-                                     tuple(op.src_pages), pages, op.first_token, payload))
+                                     src, pages, op.first_token, payload))
         self.counts.transfers += 1
-        self.counts.transfer_bytes += len(op.src_pages) * self._page_bytes
+        self.counts.transfer_bytes += self.transport.bytes_of(src)
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
         self.transport.cancel(r.request_id)
@@ -529,4 +542,14 @@ class EngineServer:
             stalls=len(p.stalls), transfer_failures_by_stage=c.failures_by_stage,
             transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
             transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
-            dtype=self.info()["dtype"], attention=self.info()["attention"], **c.as_dict())
+            dtype=self.info()["dtype"], attention=self.info()["attention"],
+            kv_capacity_tokens=self.capacity["tokens"], cache_groups=self._group_usage(),
+            **c.as_dict())
+
+    def _group_usage(self) -> list:
+        coord = self.planner.coord
+        return [rpb.CacheGroupUsage(retention=e["retention"], window=e["window"],
+                                    layers=e["layers"], total_pages=e["pages"],
+                                    used_pages=e["pages"] - coord.available_pages(g),
+                                    page_bytes=e["page_bytes"])
+                for g, e in enumerate(self.capacity["groups"])]

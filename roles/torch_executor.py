@@ -6,6 +6,12 @@ someone else), then loads back from host, then the forward. Fresh pages are
 not zeroed: attention reads only positions a request has written. Every copy
 finishes within the round (on a GPU: queued on one stream, then one sync),
 so every store and load is acked in the result.
+
+Each cache group (the model's `cache_groups()`) has its own device pool and
+host pool, and each request its own block table per group. A round's
+forward gets one BatchMeta per group: a sliding group's sequences read from
+their window's first page on (slots below are HOLE), and replay rows write
+their K/V only into replayable groups (spec §1.3).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
+from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
 
@@ -34,22 +42,33 @@ class Tracked:
 
 
 class TorchExecutor:
-    def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True):
+    def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True,
+                 groups=None):
         """`detokenize=False`: tokens only; stop strings are then found by
-        whoever makes the text (roles/outputs.py)."""
+        whoever makes the text (roles/outputs.py). `groups`: the planner's
+        CacheGroupSpecs, by default the model's `cache_groups()` (sliding
+        groups replayable when engine.sliding_replay is set); they must lay
+        out the model's layers as the model does (replayable may differ)."""
         self.model = model
         self.tokenizer = tokenizer
         self.detokenize = detokenize
         self.page_size = cfg.page_size
-        self.cache = model.new_cache(cfg.total_pages, cfg.page_size)
-        self.host = None
+        self.groups = list(groups) if groups is not None \
+            else model.cache_groups(replayable=cfg.sliding_replay)
+        _check_groups(self.groups, model.cache_groups())
+        self.caches = model.new_caches(group_pages(cfg, self.groups), cfg.page_size)
+        self.hosts = []
         if cfg.host_pages:
             c = model.cfg
             # page-locked beside a GPU (exactly its size, not torch's power of
             # two): stores and loads are then DMA straight between the pools
-            self.host = KVCache(c.num_layers, cfg.host_pages, cfg.page_size, c.num_kv_heads,
-                                c.head_dim, model.dtype, "cpu",
-                                pin_memory=model.device.type == "cuda")
+            self.hosts = [KVCache(len(g.layers), cfg.host_pages, cfg.page_size, c.num_kv_heads,
+                                  c.head_dim, model.dtype, "cpu",
+                                  pin_memory=model.device.type == "cuda")
+                          for g in self.groups]
+        # the first group's pools, for callers that know one group
+        self.cache = self.caches[0]
+        self.host = self.hosts[0] if self.hosts else None
         self.eos = set(model.cfg.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
@@ -94,17 +113,19 @@ class TorchExecutor:
     def run(self, plan: Plan) -> StepResult:
         result = StepResult()
         for s in plan.stores:
-            self.host.copy_pages_from(self.cache, s.device_pages, s.host_pages)
+            self.hosts[s.group].copy_pages_from(self.caches[s.group], s.device_pages,
+                                                s.host_pages)
             result.stores_done.append(s.id)
         for ld in plan.loads:
-            self.cache.copy_pages_from(self.host, ld.host_pages, ld.device_pages)
+            self.caches[ld.group].copy_pages_from(self.hosts[ld.group], ld.host_pages,
+                                                  ld.device_pages)
             result.loads_done.append(ld.id)
         if (plan.stores or plan.loads) and self.cache.data.is_cuda:
             # the copies are queued on the stream: done before they are acked
             torch.cuda.current_stream(self.cache.data.device).synchronize()
         if not (plan.prefills or plan.decodes):
             return result
-        logits, rows = self._forward(plan)
+        logits, rows = self.forward(plan)
         tokens = []
         if rows:
             tracked = [self.tracked[r.id] for r in rows]
@@ -128,34 +149,85 @@ class TorchExecutor:
                 result.stopped.add(req)
         return result
 
-    def _forward(self, plan: Plan):
+    def forward(self, plan: Plan):
+        """The round's forward: (logits of the rows that sample, float32, and
+        their requests, in order: completing prefills, then decodes)."""
         ps = self.page_size
-        ids, pos, slots, seqs, sample_rows, rows = [], [], [], [], [], []
+        groups = self.groups
+        ids, pos, sample_rows, rows = [], [], [], []
+        seqs = [[] for _ in groups]
+        slots = [[] for _ in groups]
+        skips = [False] * len(groups)
         for op in plan.prefills:
             req = op.req
-            table = req.state.res.tables[0]
             toks = req.prompt.tokens + req.output
             begin, end = op.begin - op.replay, op.begin + op.tokens
-            seqs.append(SeqMeta(len(ids), end - begin, end, table))
+            q0 = len(ids)
             ids.extend(toks[begin:end])
             pos.extend(range(begin, end))
-            slots.extend(table[p // ps] * ps + p % ps for p in range(begin, end))
+            for g, spec in enumerate(groups):
+                table = req.state.res.tables[g]
+                # replay rows' K/V go only where the group regenerates them
+                keeps = not op.replay or spec.replayable
+                first = begin if keeps else op.begin
+                kv_start = 0
+                if spec.sliding:
+                    kv_start = begin if op.replay and spec.replayable \
+                        else max(begin - spec.window + 1, 0)
+                    _check_live(table, kv_start, end, ps, req, g)
+                seqs[g].append(SeqMeta(q0, end - begin, end, table, kv_start))
+                if not keeps:
+                    slots[g].extend([-1] * op.replay)
+                    skips[g] = True
+                slots[g].extend(table[p // ps] * ps + p % ps for p in range(first, end))
             if op.completes:
                 sample_rows.append(len(ids) - 1)
                 rows.append(req)
         for req in plan.decodes:
-            table = req.state.res.tables[0]
             p = req.num_tokens - 1
-            seqs.append(SeqMeta(len(ids), 1, p + 1, table))
+            for g, spec in enumerate(groups):
+                table = req.state.res.tables[g]
+                kv_start = 0
+                if spec.sliding:
+                    kv_start = max(p - spec.window + 1, 0)
+                    _check_live(table, kv_start, p + 1, ps, req, g)
+                seqs[g].append(SeqMeta(len(ids), 1, p + 1, table, kv_start))
+                slots[g].append(table[p // ps] * ps + p % ps)
             ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
             pos.append(p)
-            slots.append(table[p // ps] * ps + p % ps)
             sample_rows.append(len(ids) - 1)
             rows.append(req)
-        # one host tensor, one (asynchronous) copy for the round's four lists
-        ids_t, pos_t, slots_t, rows_t = stage_rows([ids, pos, slots, sample_rows],
-                                                   self.model.device)
-        meta = BatchMeta(seqs, slots_t, pos_t, num_decodes=len(plan.decodes))
+        writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
+                  for sl, skip in zip(slots, skips)]
+        # one host tensor, one (asynchronous) copy for the round's lists
+        staged = stage_rows([ids, pos, sample_rows, *slots, *writes], self.model.device)
+        ids_t, pos_t, rows_t = staged[:3]
+        n = len(groups)
+        metas = [BatchMeta(seqs[g], staged[3 + g], pos_t, num_decodes=len(plan.decodes),
+                           window=spec.window if spec.sliding else None,
+                           write_rows=staged[3 + n + g] if skips[g] else None)
+                 for g, spec in enumerate(groups)]
         self.forward_tokens += len(ids)
-        logits = self.model.forward(ids_t, meta, self.cache, rows_t)
+        logits = self.model.forward(ids_t, metas, self.caches, rows_t)
         return logits, rows
+
+
+def _check_groups(groups, model_groups) -> None:
+    """The planner's groups must lay out the model's layers as the model does."""
+    def shape(gs):
+        return [(g.retention, g.window, tuple(g.layers)) for g in gs]
+
+    if shape(groups) != shape(model_groups):
+        raise ValueError(f"cache groups {shape(groups)} (retention, window, layers) are not "
+                         f"the model's {shape(model_groups)}; build them with "
+                         "model.cache_groups()")
+
+
+def _check_live(table, kv_start: int, end: int, ps: int, req, g: int) -> None:
+    """A sliding group's forward reads and writes slots [kv_start // ps,
+    end / ps): none of them may be a page the group let go."""
+    live = table[kv_start // ps: -(-end // ps)]
+    if HOLE in live or len(live) < -(-end // ps) - kv_start // ps:
+        raise RuntimeError(f"request {req.id}: cache group {g}'s table {table} lacks a page "
+                           f"in slots [{kv_start // ps}, {-(-end // ps)}) that the forward "
+                           f"over positions [{kv_start}, {end}) reads")

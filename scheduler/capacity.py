@@ -92,3 +92,44 @@ def group_pages(cfg: EngineConfig, groups) -> list[int]:
             chunk = -(-cfg.max_scheduled_tokens // cfg.page_size)
             out.append(min(cfg.total_pages, cfg.max_batch_size * per_request + chunk))
     return out
+
+
+def capacity_report(cfg: EngineConfig, groups, page_bytes: list[int]) -> dict:
+    """What the KV pools hold, counted with each group's retention: the
+    tokens of full history (every request's, together), the windows each
+    sliding pool holds at once, the bytes, and the bytes a model keeping
+    every layer's history would need for the same tokens (what a server
+    without cache groups allocates, and reports as its capacity)."""
+    pages = group_pages(cfg, groups)
+    ps = cfg.page_size
+    out = []
+    for g, n, b in zip(groups, pages, page_bytes):
+        entry = {"retention": g.retention, "window": g.window, "layers": len(g.layers),
+                 "pages": n, "page_bytes": b, "bytes": n * b}
+        if g.sliding:
+            entry["windows"] = n // sliding_request_pages(cfg, g.window, 1)
+        out.append(entry)
+    full = [e for e in out if e["retention"] == "full_history"]
+    tokens = full[0]["pages"] * ps if full else cfg.max_context_tokens * min(
+        e["windows"] for e in out)
+    per_token_all = sum(page_bytes) / ps          # every group's layers, every token kept
+    return {"tokens": tokens, "groups": out, "bytes": sum(e["bytes"] for e in out),
+            "bytes_every_layer_kept": int(tokens * per_token_all)}
+
+
+def capacity_line(report: dict) -> str:
+    """The startup log's account of the KV cache."""
+    gib = 2 ** 30
+    parts = []
+    for e in report["groups"]:
+        layers = f"{e['layers']} layers, " if e["layers"] else ""
+        if e["retention"] == "full_history":
+            parts.append(f"full history: {e['pages']:,} pages ({layers}{e['bytes'] / gib:.2f} GiB)")
+        else:
+            parts.append(f"sliding window {e['window']}: {e['pages']:,} pages ({layers}"
+                         f"{e['bytes'] / gib:.2f} GiB, {e['windows']:,} request windows)")
+    line = f"KV cache holds {report['tokens']:,} tokens: " + "; ".join(parts)
+    if len(report["groups"]) > 1:
+        line += (f"; {report['bytes'] / gib:.2f} GiB in all, where keeping every layer's "
+                 f"history would take {report['bytes_every_layer_kept'] / gib:.2f} GiB")
+    return line

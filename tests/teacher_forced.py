@@ -113,12 +113,8 @@ class WindowOffByOne(FlashInferAttention):
     """A planted bug the check must catch: flashinfer is told the sliding
     window is one key wider than the model's."""
 
-    def _plan(self, meta, ps, dtype, device):
-        self.window += 1
-        try:
-            super()._plan(meta, ps, dtype, device)
-        finally:
-            self.window -= 1
+    def _window_left(self, meta):
+        return super()._window_left(meta) + 1
 
 
 @dataclass
@@ -185,7 +181,7 @@ def pool_pages(seqs: dict[str, Seq]) -> int:
     return 1 + max(max(s.table) for s in seqs.values())
 
 
-def _round(seqs, prefills, decodes, device):
+def _round(seqs, prefills, decodes, device, window=None):
     """(ids, meta, keys): one round's inputs; keys[i] names row i."""
     ids, pos, slots, metas, keys = [], [], [], [], []
     for name, n in prefills:
@@ -206,7 +202,7 @@ def _round(seqs, prefills, decodes, device):
         keys.append((name, p))
     t = torch.tensor(ids + pos + slots, device=device)
     n = len(ids)
-    meta = BatchMeta(metas, t[2 * n:], t[n:2 * n], num_decodes=len(decodes))
+    meta = BatchMeta(metas, t[2 * n:], t[n:2 * n], num_decodes=len(decodes), window=window)
     return t[:n], meta, keys
 
 
@@ -221,7 +217,7 @@ def run(model: DecoderModel, seqs: dict[str, Seq], extend: bool, no_sync: bool =
     every = torch.arange(4096, device=device)
     out = {}
     for label, prefills, decodes in SCHEDULE:
-        ids, meta, keys = _round(seqs, prefills, decodes, device)
+        ids, meta, keys = _round(seqs, prefills, decodes, device, model.cfg.sliding_window)
         rows = every[:len(keys)]
         guard = nullcontext()
         if no_sync:

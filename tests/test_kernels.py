@@ -61,7 +61,7 @@ def test_paged_model_matches_transformers(tmp_path, arch, sdpa):
         table = list(range(-(-len(prompt) // 4)))
         meta = BatchMeta([SeqMeta(0, len(prompt), len(prompt), table)],
                          torch.tensor([table[p // 4] * 4 + p % 4 for p in range(len(prompt))]),
-                         torch.arange(len(prompt)))
+                         torch.arange(len(prompt)), window=llm.model.cfg.sliding_window)
         got = llm.model.forward(torch.tensor(prompt), meta, ex.cache,
                                 torch.tensor([len(prompt) - 1]))[0]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
@@ -313,7 +313,8 @@ def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, fak
     for _ in range(2):                  # the second pass reads cached prefix pages
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy(10), use_tqdm=False)]
         assert got == want
-    assert 0 < att._prefill_w.plans <= rounds and 0 < att._decode_w.plans <= rounds
+    (group,) = att._groups.values()     # one cache group: full history, or Mistral's window
+    assert 0 < group.prefill.plans <= rounds and 0 < group.decode.plans <= rounds
 
 
 def test_attention_auto_and_flashinfer_respect_what_flashinfer_has(fake_flashinfer):
