@@ -513,3 +513,26 @@ def test_flashinfer_gets_each_group_s_window_and_pages(tmp_path, monkeypatch):
     assert att._groups[WINDOW].prefill.window_left == WINDOW - 1
     assert att._groups[None].prefill.window_left == -1
     assert att._groups[WINDOW].decode.scale == 16 ** -0.5
+
+
+def test_exact_replay_needs_every_stacked_sliding_layer_s_reach(tmp_path):
+    """Re-feeding one window regenerates only the lowest sliding layer
+    exactly: each layer above reads W - 1 positions further back. The model
+    declares the rows that suffice, the sum over its sliding layers of
+    W - 1 (4 x 7 here), and with them the logits are the uncached ones."""
+    model, d = gemma3_checkpoint(tmp_path)
+    groups = read_config(d).cache_groups(replayable=True)
+    depth = groups[1].replay
+    assert depth == 4 * (WINDOW - 1)
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -1]
+    errors = {}
+    for replay in (WINDOW, depth):
+        ex = executor(d, groups=groups)
+        tables = Tables(ex)
+        shared = _prefix_run(ex, tables, prompt, 40)[0][:40 // PS]
+        req = new_request("hit", prompt, len(ex.groups))
+        req.state.res.tables[0].extend(shared)
+        errors[replay] = float((_replayed(ex, tables, req, 40, replay) - want).abs().max())
+    assert errors[WINDOW] > 100 * TOL and errors[depth] < TOL, errors
