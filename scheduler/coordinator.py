@@ -24,6 +24,7 @@ full-history group's pages for prefix hits, and snapshots every group's.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec
@@ -171,18 +172,24 @@ class Coordinator:
         False: sliding groups are not asked (a D landing receives their
         window from the peer). Pure."""
         groups, ps, n_groups = self.groups, self.groups[0].page_size, len(self.groups)
-        keys = (req.page_key(i, ps) for i in range(max_pages))
+        keys = []                         # page keys, made as far as a matcher reads
+
+        def more():
+            for i in range(max_pages):
+                keys.append(req.page_key(i, ps))
+                yield keys[-1]
         dev, host = [], []
         if self.full is not None:
             grp = groups[0]
-            keys = [req.page_key(i, ps) for i in range(max_pages)]
-            dev = grp.index.match(keys)
+            it = more()
+            dev = grp.index.match(it)
             if use_host and self.host is not None and len(dev) < max_pages:
                 parent = grp.index.hash_of(dev[-1]) if dev else ROOT_HASH
-                host = self.host.index.match(keys[len(dev):], parent)
+                host = self.host.index.match(itertools.chain(keys[len(dev):], it), parent)
             n = len(dev) + len(host)
         else:
-            keys = list(keys) if self.cached_sliding and sliding else []
+            if self.cached_sliding and sliding:
+                keys = [req.page_key(i, ps) for i in range(max_pages)]
             n = len(keys)
         first = [0] * n_groups
         device = [[] for _ in range(n_groups)]
