@@ -81,6 +81,7 @@ def _stats(resp) -> list[dict]:
     out = []
     for e in resp.engines:
         row = {k: getattr(e, k) for k in keys}
+        row["transfer_failures_by_stage"] = dict(e.transfer_failures_by_stage)
         row["waiting_requests"] = [
             {"request_id": w.request_id, "reason": w.reason, "detail": w.detail,
              "pages_needed": w.pages_needed, "pages_free": w.pages_free}
@@ -157,10 +158,38 @@ class Client:
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
                              "incarnation": e.incarnation, "alive": e.alive,
+                             "draining": e.draining,
                              "kv_capacity_tokens": e.kv_capacity_tokens} for e in i.engines]}
+
+    def drain(self, engine: str, deadline_s: float | None = None) -> dict:
+        """Drain one engine (`role-index`): it takes no new request, finishes
+        what it holds (aborting what is left after `deadline_s`, default
+        60 s) and stops. Returns its report once it has stopped."""
+        req = pb.DrainRequest(engine=engine)
+        if deadline_s is not None:
+            req.deadline_s = deadline_s
+        wait = (deadline_s if deadline_s is not None else 60.0) + 120.0
+        r = self._stub.Drain(req, timeout=wait, metadata=self._md)
+        return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+
+    def add_engine(self, engine: str, role: str, address: str) -> None:
+        """Have the router serve an engine started after it (the autoscaler's)."""
+        self._stub.AddEngine(pb.AddEngineRequest(engine=engine, role=role, address=address),
+                             timeout=120, metadata=self._md)
+
+    def stats_response(self):
+        """Stats as the router sent it (router_pb2.StatsResponse): engines and
+        the router's own load (arrivals, TTFT and ITL histograms)."""
+        return self._stub.Stats(pb.StatsRequest(), timeout=30, metadata=self._md)
 
     def close(self) -> None:
         self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncClient:

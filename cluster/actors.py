@@ -11,6 +11,7 @@ import os
 
 import ray
 
+from pdserve.cluster.autoscaler import Autoscaler
 from pdserve.cluster.config import ServeConfig
 from pdserve.roles.engine_server import EngineServer
 
@@ -60,8 +61,12 @@ class RouterHost:
         def resolve(name: str) -> str:
             actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
             return ray.get(actor.info.remote(), timeout=5)["address"]
+
+        def retire(name: str) -> None:        # drained and stopped: never restarted
+            actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
+            ray.kill(actor, no_restart=True)
         self.router = Router(cfg, tok, model_config_for(m.path, m.preset).vocab_size, engines,
-                             resolve, security)
+                             resolve, security, retire)
         self.router.start(host, port, http_port)
 
     def info(self) -> dict:
@@ -73,6 +78,7 @@ class RouterHost:
 
 
 RouterActor = ray.remote(RouterHost)
+AutoscalerActor = ray.remote(Autoscaler)
 
 
 def actor_name(role: str, index: int) -> str:
@@ -94,19 +100,30 @@ def start_engines(cfg: ServeConfig, device: str = "cpu", gpus_per_engine: float 
     [(name, role, actor)]. `placement` maps a role to a Ray custom resource
     its engines need (to pin roles to nodes); `host` is the address engines
     bind (None: their node's); `env` goes into their processes."""
-    if device == "cpu":
-        env = {**{k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ},
-               **(env or {})}
     out = []
     for role, count in (("fused", cfg.cluster.fused), ("prefill", cfg.cluster.prefill),
                         ("decode", cfg.cluster.decode)):
         for i in range(count):
-            opts = dict(name=actor_name(role, i), namespace=NAMESPACE, max_restarts=-1,
-                        num_cpus=0, num_gpus=gpus_per_engine, lifetime=None)
-            if placement and role in placement:
-                opts["resources"] = {placement[role]: 0.001}
-            if env:
-                opts["runtime_env"] = {"env_vars": dict(env)}
-            actor = EngineActor.options(**opts).remote(cfg, role, i, device, options or {}, host)
-            out.append((f"{role}-{i}", role, actor))
+            name, actor = start_engine(cfg, role, i, device, gpus_per_engine, options,
+                                       placement, host, env)
+            out.append((name, role, actor))
     return out
+
+
+def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
+                 gpus_per_engine: float = 0, options: dict | None = None,
+                 placement: dict | None = None, host: str | None = None,
+                 env: dict | None = None) -> tuple:
+    """One engine actor (`pdserve:<role>-<index>`, restarted by Ray if its
+    process dies); returns (name, actor). Also what the autoscaler adds."""
+    if device == "cpu":
+        env = {**{k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ},
+               **(env or {})}
+    opts = dict(name=actor_name(role, index), namespace=NAMESPACE, max_restarts=-1,
+                num_cpus=0, num_gpus=gpus_per_engine, lifetime=None)
+    if placement and role in placement:
+        opts["resources"] = {placement[role]: 0.001}
+    if env:
+        opts["runtime_env"] = {"env_vars": dict(env)}
+    actor = EngineActor.options(**opts).remote(cfg, role, index, device, options or {}, host)
+    return f"{role}-{index}", actor

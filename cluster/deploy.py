@@ -1,6 +1,10 @@
 """Start and stop a deployment: a Ray cluster (local, or joined), the engine
 actors, and the router.
 
+`drain` lets every engine finish what it holds (SIGTERM or Ctrl-C of
+`pdserve up` runs it before `stop`); an engine the router drains is
+retired, its actor killed without restart.
+
 A local deployment keeps every byte on the loopback interface: Ray, the
 engines' gRPC servers and UCX (UCX_NET_DEVICES=lo) all use 127.0.0.1. A
 joined cluster binds engines to their node's address and lets UCX choose
@@ -13,9 +17,11 @@ import dataclasses
 
 import ray
 
-from pdserve.cluster.actors import NAMESPACE, RouterActor, start_engines
+from pdserve.cluster.actors import (
+    NAMESPACE, AutoscalerActor, RouterActor, actor_name, start_engines)
 from pdserve.cluster.config import ServeConfig, engine_for_model, engine_gpus
-from pdserve.cluster.router import Router, Security
+from pdserve.cluster.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
+                                    Security)
 from pdserve.kernels.loader import load_tokenizer, model_config_for
 
 
@@ -44,6 +50,7 @@ class Deployment:
         self.engines: list = []
         self.router: Router | None = None
         self.replicas: list = []                # router actors beside self.router
+        self.autoscaler = None                  # its actor, with an autoscale: section
         self._started_ray = False
 
     def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None) -> str:
@@ -67,12 +74,11 @@ class Deployment:
         model_cfg = model_config_for(m.path, m.preset)
         cfg = dataclasses.replace(self.cfg, engine=engine_for_model(   # as the engines do
             self.cfg.engine, self.cfg.engine_overrides, model_cfg.max_position))
-        actors = {name: actor for name, _, actor in self.engines}
-
         def resolve(name: str) -> str:
-            return ray.get(actors[name].info.remote(), timeout=5)["address"]
+            return ray.get(self.actor(name).info.remote(), timeout=5)["address"]
         engines = [(i["engine"], i["role"], i["address"]) for i in infos]
-        self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security)
+        self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security,
+                             retire=self._retire)
         address = self.router.start(host, port, http_port)
         # the other replicas bind the ports this one got (SO_REUSEPORT)
         bound = int(address.rsplit(":", 1)[1])
@@ -82,6 +88,10 @@ class Deployment:
             cfg, engines, self.security, host, bound, http_bound)
             for _ in range(cfg.router.replicas - 1)]
         ray.get([r.info.remote() for r in self.replicas])
+        if cfg.autoscale is not None:
+            self.autoscaler = AutoscalerActor.options(num_cpus=0, namespace=NAMESPACE).remote(
+                address, cfg, self.device, self.gpus_per_engine, self.engine_options,
+                "127.0.0.1" if local else None, self.security.api_key)
         return address
 
     @property
@@ -93,7 +103,13 @@ class Deployment:
         return self.router.http_address
 
     def actor(self, name: str):
-        return next(a for n, _, a in self.engines if n == name)
+        """An engine's actor: one started with the deployment, or one the
+        autoscaler added (found by its Ray name); ValueError if none."""
+        for n, _, a in self.engines:
+            if n == name:
+                return a
+        role, _, index = name.removeprefix("pdserve:").rpartition("-")
+        return ray.get_actor(actor_name(role, int(index)), namespace=NAMESPACE)
 
     def restart_router(self, host: str = "127.0.0.1", port: int = 0,
                        http_port: int | None = None) -> str:
@@ -102,8 +118,45 @@ class Deployment:
         old.stop()
         self.router = Router(old.cfg, old.tokenizer, old.vocab_size,
                              [(e.name, e.role, e.address) for e in old.engines.values()],
-                             old.resolver, old.security)
+                             old.resolver, old.security, retire=old.retire)
         return self.router.start(host, port, http_port)
+
+    def _autoscaled(self) -> list[str]:
+        """Engine actors in the namespace this deployment did not start (the
+        autoscaler's, added or still starting)."""
+        ours = {name for name, _, _ in self.engines}
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception:                       # Ray already gone
+            return []
+        return [a["name"].removeprefix("pdserve:") for a in named
+                if a.get("namespace") == NAMESPACE and a["name"].startswith("pdserve:")
+                and a["name"].removeprefix("pdserve:") not in ours
+                and a["name"].removeprefix("pdserve:").rpartition("-")[0] in
+                ("fused", "prefill", "decode")]
+
+    def _retire(self, name: str) -> None:
+        """An engine drained and stopped: its actor goes, never restarted."""
+        ray.kill(self.actor(name), no_restart=True)
+
+    def drain(self, deadline_s: float = DRAIN_DEADLINE_S) -> dict[str, str]:
+        """Drain every engine at once: no new request is taken, each finishes
+        what it holds, what is left at the deadline is aborted. Returns a
+        line per engine saying how it ended."""
+        results = self.router.run_sync(self.router.drain_all(deadline_s),
+                                       timeout=deadline_s + DRAIN_SLACK_S + 10)
+        out = {}
+        for name, r in results.items():
+            if isinstance(r, RequestError):
+                out[name] = f"not drained: {r.message}"
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                how = (f"deadline passed, {r.aborted} aborted" if r.deadline_passed
+                       else "every request finished")
+                out[name] = (f"drained in {r.seconds:.1f} s ({r.requests_at_start} live "
+                             f"at start; {how})")
+        return out
 
     def errors(self) -> dict[str, list[str]]:
         """Failures the engines' loops and the router's watcher logged and
@@ -122,6 +175,15 @@ class Deployment:
         return out
 
     def stop(self) -> None:
+        if self.autoscaler is not None:
+            try:
+                ray.get(self.autoscaler.stop.remote(), timeout=60)
+            except Exception:                   # already gone
+                pass
+            ray.kill(self.autoscaler, no_restart=True)
+            self.autoscaler = None
+        added = [n for n in (self.router.engines if self.router else {})
+                 if n not in {name for name, _, _ in self.engines}]
         for replica in self.replicas:
             try:
                 ray.get(replica.stop.remote(), timeout=20)
@@ -131,7 +193,15 @@ class Deployment:
         self.replicas = []
         if self.router is not None:
             self.router.stop()
-        for _, _, actor in self.engines:
+        actors = [actor for _, _, actor in self.engines]
+        for name in added + self._autoscaled():   # the autoscaler's, if still there
+            try:
+                actor = self.actor(name)
+            except ValueError:
+                continue
+            if actor not in actors:
+                actors.append(actor)
+        for actor in actors:
             try:
                 ray.get(actor.shutdown.remote(), timeout=20)
             except Exception:                   # already gone: nothing to stop

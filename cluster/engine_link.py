@@ -28,6 +28,7 @@ class EngineLink:
         self.router_id = router_id
         self.subscriber = ""                      # the live subscription's id
         self.ready = asyncio.Event()
+        self.ended = asyncio.Event()              # the last live stream ended (all read)
         self.requests: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
@@ -49,6 +50,7 @@ class EngineLink:
                 async for msg in call:
                     if not self.ready.is_set():
                         self.subscriber = sub
+                        self.ended.clear()
                         self.ready.set()
                     for ev in msg.events:
                         q = self.requests.get(ev.request_id)
@@ -58,6 +60,7 @@ class EngineLink:
                 pass                              # the engine is gone: tell, then retry
             if self.ready.is_set():               # it was up: down until membership sees it
                 self.ref.alive = False
+                self.ended.set()
             self.ready.clear()
             for q in self.requests.values():
                 q.put_nowait(LOST)

@@ -40,7 +40,7 @@ from pdserve.cluster.router import RequestError, Router
 from pdserve.cluster.router_grpc import key_matches
 
 STATUS = {"invalid": 400, "exists": 409, "overloaded": 429, "unavailable": 503,
-          "aborted": 499, "internal": 500}
+          "aborted": 499, "internal": 500, "not_found": 404, "precondition": 409}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error", 499: "aborted",

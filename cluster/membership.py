@@ -65,7 +65,10 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> b
         infos[ref.name] = info
         if info.incarnation != ref.incarnation:
             ref.incarnation = info.incarnation
+            ref.draining = info.draining          # a new incarnation serves afresh
             changed = True
+        else:       # never undone by an answer sent before the engine heard the drain
+            ref.draining |= info.draining
     if changed:
         calls, told = [], []
         for a in refs:

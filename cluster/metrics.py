@@ -43,11 +43,32 @@ class RouterMetrics:
                                ["engine", "finished_reason"], registry=r)
         self.rejected = Counter(P + "request_errors", "Requests refused or failed, by kind",
                                 ["reason"], registry=r)
+        self.arrivals = Counter(P + "requests_arrived", "Requests admitted, counted at arrival",
+                                registry=r)
         self.resubmitted = Counter(P + "requests_resubmitted",
                                    "Requests moved to another engine after theirs died",
                                    registry=r)
         self._engines = _EngineCollector()
         r.register(self._engines)
+
+    def load(self):
+        """What the autoscaler reads: arrivals, and TTFT and ITL as cumulative
+        bucket counts summed over engines (router_pb2.RouterLoad)."""
+        from pdserve.proto import router_pb2 as pb
+
+        out = pb.RouterLoad(arrivals=int(self.arrivals._value.get()))
+        for hist, bounds, counts in ((self.ttft, out.ttft_bounds, out.ttft_counts),
+                                     (self.itl, out.itl_bounds, out.itl_counts)):
+            by_le: dict[float, float] = {}
+            for metric in hist.collect():
+                for s in metric.samples:
+                    if s.name.endswith("_bucket"):
+                        le = float(s.labels["le"])
+                        by_le[le] = by_le.get(le, 0.0) + s.value
+            les = sorted(by_le) or [float("inf")]
+            bounds.extend(le for le in les if le != float("inf"))
+            counts.extend(int(by_le.get(le, 0)) for le in les)
+        return out
 
     def request(self, prompt_tokens: int, arrived: float) -> "RequestTiming":
         return RequestTiming(self, prompt_tokens, arrived)

@@ -21,6 +21,7 @@ class EngineRef:
     stub: object = None           # the EngineControl stub, made on the router's loop
     incarnation: int = 0
     alive: bool = True
+    draining: bool = False        # told to drain: takes no new request, never picked
     load: int = 0                 # outstanding tokens the router sent it
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
@@ -48,8 +49,9 @@ class Pairing:
         return best
 
     def candidates(self, route: str) -> tuple[list, list]:
-        """(engines that could decode the request, prefill engines for a D)."""
-        live = [e for e in self.engines.values() if e.alive]
+        """(engines that could decode the request, prefill engines for a D).
+        A draining engine is never a candidate."""
+        live = [e for e in self.engines.values() if e.alive and not e.draining]
         fused = [e for e in live if e.role == "fused"]
         dec = [e for e in live if e.role == "decode"]
         pre = [e for e in live if e.role == "prefill"]
@@ -57,7 +59,9 @@ class Pairing:
             dec = []                      # a D engine with no P would prefill everything itself
         cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
         if not cands:
-            raise LookupError(f"no live engine can serve route {route or 'any'!r}")
+            draining = sorted(e.name for e in self.engines.values() if e.alive and e.draining)
+            why = f" ({', '.join(draining)} draining)" if draining else ""
+            raise LookupError(f"no live engine can serve route {route or 'any'!r}{why}")
         return cands, pre
 
     def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:

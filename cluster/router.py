@@ -10,7 +10,10 @@ engine that decodes it, and yields its tokens as `Delta`s. If that engine
 dies mid-stream, the request is resubmitted to a live one with the tokens
 already streamed. Closing a stream early (the client left) cancels the
 engine's stream, and the engine aborts the request and tells its peer.
-Membership (membership.py) is refreshed on the same loop.
+Membership (membership.py) is refreshed on the same loop. `drain` tells an
+engine to take no new request, finish what it holds and stop; the router
+stops picking it at once, and a request an engine refuses because it drains
+is submitted to another one.
 """
 
 from __future__ import annotations
@@ -40,13 +43,18 @@ log = logging.getLogger("pdserve.router")
 
 MAX_RESUBMITS = 3
 SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
+ADD_ENGINE_WAIT_S = 60.0     # how long a new engine has to answer and subscribe
+DRAIN_DEADLINE_S = 60.0      # a drain's default deadline; then what is left is aborted
+DRAIN_SLACK_S = 60.0         # past the deadline, for the engine's aborts and its stop
+DRAIN_STREAM_END_S = 10.0    # a drained engine's event stream ends this soon after its report
 
 
 class RequestError(Exception):
     """A request the router will not or cannot carry out. `kind` maps to a
     status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
     ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
-    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL).
+    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL),
+    not_found (404 / NOT_FOUND), precondition (409 / FAILED_PRECONDITION).
     `param` names the request field at fault, where there is one."""
 
     def __init__(self, kind: str, message: str, param: str | None = None):
@@ -58,6 +66,10 @@ class RequestError(Exception):
 
 class _EngineLost(RuntimeError):
     pass
+
+
+class _EngineDraining(_EngineLost):
+    """The engine refused the request because it drains: try another."""
 
 
 @dataclasses.dataclass
@@ -78,14 +90,17 @@ class Security:
 
 class Router:
     def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
-                 resolver=None, security: Security = Security()):
+                 resolver=None, security: Security = Security(), retire=None):
         """`engines`: (name, role, address) of every engine. `resolver(name)`
-        returns an engine's current address (it changes when Ray restarts it)."""
+        returns an engine's current address (it changes when Ray restarts it).
+        `retire(name)` removes an engine that drained and stopped (its Ray
+        actor); it runs off the loop."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.resolver = resolver
         self.security = security
+        self.retire = retire
         self.engines = {name: EngineRef(name, role, address) for name, role, address in engines}
         self.id = uuid.uuid4().hex[:12]
         self.links: dict[str, EngineLink] = {}
@@ -102,6 +117,7 @@ class Router:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
+        self._options: list = []
 
     def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
         return self.pairing.pick(route, ids)
@@ -165,6 +181,7 @@ class Router:
             raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
                                "request_id")
         limit = self.cfg.router.max_requests
+        self.metrics.arrivals.inc()
         if len(self.active) >= limit:
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise RequestError("overloaded", f"{limit} requests are in flight, this "
@@ -204,7 +221,7 @@ class Router:
                 else:
                     getattr(e, f).extend(value)
             out.append(e)
-        return pb.StatsResponse(engines=out)
+        return pb.StatsResponse(engines=out, load=self.metrics.load())
 
     def server_info(self) -> pb.ServerInfoResponse:
         m = self.cfg.model
@@ -213,8 +230,89 @@ class Router:
             page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role, address=e.address,
                                    incarnation=e.incarnation, alive=e.alive,
-                                   kv_capacity_tokens=e.kv_capacity_tokens)
+                                   kv_capacity_tokens=e.kv_capacity_tokens,
+                                   draining=e.draining)
                      for e in self.engines.values()])
+
+    # ---- draining --------------------------------------------------------------------
+    def engine_named(self, name: str) -> EngineRef:
+        """`name` as `role-index` or `pdserve:role-index`; a RequestError
+        naming the engines there are otherwise."""
+        ref = self.engines.get(name.removeprefix("pdserve:"))
+        if ref is None:
+            known = ", ".join(sorted(self.engines)) or "none"
+            raise RequestError("not_found", f"no engine {name!r} in this deployment; its "
+                               f"engines are: {known}", "engine")
+        return ref
+
+    async def drain(self, name: str, deadline_s: float = DRAIN_DEADLINE_S) -> pb.DrainResponse:
+        """Stop sending `name` new requests and tell it to drain; returns
+        its report once it has stopped (past `deadline_s` it aborted what
+        was left). Then the engine is retired."""
+        ref = self.engine_named(name)
+        if deadline_s < 0:
+            raise RequestError("invalid", f"deadline_s must be >= 0 seconds, got {deadline_s}",
+                               "deadline_s")
+        if not ref.alive:
+            state = "has drained and stopped" if ref.draining else "is not alive"
+            raise RequestError("precondition", f"engine {ref.name} {state}: nothing to drain")
+        ref.draining = True                       # picked no more, from now on
+        try:
+            report = await ref.stub.Drain(cpb.DrainEngineRequest(deadline_s=deadline_s),
+                                          timeout=deadline_s + DRAIN_SLACK_S)
+        except grpc.aio.AioRpcError as e:
+            raise RequestError("unavailable", f"engine {ref.name} did not finish draining: "
+                               f"{e.code().name}: {e.details()}") from None
+        ref.alive = False
+        link = self.links.get(ref.name)
+        if link is not None:                      # its last events read before the link goes
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(link.ended.wait(), DRAIN_STREAM_END_S)
+            link.stop()
+        log.info("drained %s: %s", ref.name, report)
+        if self.retire is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.retire, ref.name)
+            except Exception:                     # it stopped serving; the process may linger
+                log.exception("retiring %s failed", ref.name)
+        return report
+
+    async def add_engine(self, name: str, role: str, address: str) -> None:
+        """Serve an engine started after the router (the autoscaler's): its
+        events subscribed, its P/D peers introduced, then it is picked."""
+        name = name.removeprefix("pdserve:")
+        if role not in ("prefill", "decode", "fused"):
+            raise RequestError("invalid", f"role must be prefill, decode or fused, got {role!r}",
+                               "role")
+        old = self.engines.get(name)
+        if old is not None and old.alive:
+            raise RequestError("exists", f"engine {name} is already served", "engine")
+        ref = EngineRef(name, role, address)
+        membership.connect(ref, address, self._options)
+        ref.alive = False                         # not picked until it answered and subscribed
+        self.engines[name] = ref
+        await membership.refresh(self.engines, self.resolver, self._options)
+        self.links[name] = link = EngineLink(ref, self.id)
+        link.start()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(link.ready.wait(), ADD_ENGINE_WAIT_S)
+        if not (ref.alive and link.ready.is_set()):
+            link.stop()                           # never picked: forgotten whole
+            del self.links[name]
+            del self.engines[name]
+            raise RequestError("unavailable", f"engine {name} at {address} did not answer "
+                               f"within {ADD_ENGINE_WAIT_S:.0f} s")
+        log.info("serving %s (%s) at %s", name, role, address)
+
+    async def drain_all(self, deadline_s: float = DRAIN_DEADLINE_S) -> dict:
+        """Drain every live engine at once (a deployment shutting down):
+        engine name -> its DrainResponse, or the RequestError it ended with."""
+        for ref in self.engines.values():
+            ref.draining = True
+        names = [name for name, ref in self.engines.items() if ref.alive]
+        got = await asyncio.gather(*(self.drain(n, deadline_s) for n in names),
+                                   return_exceptions=True)
+        return dict(zip(names, got))
 
     # ---- serving ---------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
@@ -250,6 +348,7 @@ class Router:
 
         self._stopping = asyncio.Event()
         options = [("grpc.max_receive_message_length", self.cfg.router.max_body_bytes)]
+        self._options = options
         for ref in self.engines.values():
             membership.connect(ref, ref.address, options)
         await membership.refresh(self.engines, self.resolver, options)
@@ -343,6 +442,8 @@ class Stream:
                 except _EngineLost as lost:
                     if attempt == MAX_RESUBMITS:
                         raise RequestError("unavailable", str(lost)) from None
+                    if isinstance(lost, _EngineDraining):
+                        continue                  # nothing streamed: not a resubmission
                     r.counters["resubmitted"] += 1
                     r.metrics.resubmitted.inc()
                     log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
@@ -392,6 +493,9 @@ class Stream:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RequestError("invalid", e.details()) from None
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    target.draining = True        # it drains: picked no more
+                    raise _EngineDraining(e.details()) from None
                 target.alive = False
                 raise _EngineLost(f"{target.name} did not take the request: "
                                   f"{e.code().name}") from None

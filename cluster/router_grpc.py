@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.router import RequestError, Router
+from pdserve.cluster.router import DRAIN_DEADLINE_S, RequestError, Router
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
 
@@ -24,6 +24,8 @@ CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "aborted": grpc.StatusCode.ABORTED,
     "internal": grpc.StatusCode.INTERNAL,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 HEALTH_METHOD = "/grpc.health.v1.Health/"
 
@@ -99,6 +101,20 @@ class RouterServicer(pbg.RouterServicer):
 
     async def Stats(self, request, context):
         return await self.r.stats()
+
+    async def AddEngine(self, request, context):
+        try:
+            await self.r.add_engine(request.engine, request.role, request.address)
+        except RequestError as e:
+            await context.abort(CODES[e.kind], e.message)
+        return pb.AddEngineResponse()
+
+    async def Drain(self, request, context):
+        deadline = request.deadline_s if request.HasField("deadline_s") else DRAIN_DEADLINE_S
+        try:
+            return await self.r.drain(request.engine, deadline)
+        except RequestError as e:
+            await context.abort(CODES[e.kind], e.message)
 
 
 async def grpc_server(router: Router, host: str, port: int):

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pdserve.proto import control_pb2 as pdserve_dot_proto_dot_control__pb2
+from pdserve.proto import router_pb2 as pdserve_dot_proto_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -84,6 +85,11 @@ class EngineControlStub:
                 request_serializer=pdserve_dot_proto_dot_control__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_control__pb2.EngineStatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.EngineControl/Drain',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class EngineControlServicer:
@@ -161,6 +167,15 @@ class EngineControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Router -> engine: take no new request (Submit and RemotePrefill answer
+        FAILED_PRECONDITION), finish what is held, stop. Answers once stopped;
+        past the deadline the engine aborts what is left first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +228,11 @@ def add_EngineControlServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_proto_dot_control__pb2.InfoRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_control__pb2.EngineStatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +505,33 @@ class EngineControl:
             '/pdserve.v1.EngineControl/Stats',
             pdserve_dot_proto_dot_control__pb2.InfoRequest.SerializeToString,
             pdserve_dot_proto_dot_control__pb2.EngineStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineControl/Drain',
+            pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.SerializeToString,
+            pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,16 @@ class RouterStub:
                 request_serializer=pdserve_dot_proto_dot_router__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_router__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Router/Drain',
+                request_serializer=pdserve_dot_proto_dot_router__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.AddEngine = channel.unary_unary(
+                '/pdserve.v1.Router/AddEngine',
+                request_serializer=pdserve_dot_proto_dot_router__pb2.AddEngineRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_router__pb2.AddEngineResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -86,6 +96,24 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain one engine: it takes no new request, finishes what it holds, then
+        stops. Answers once it has stopped; past the deadline what is left is
+        aborted ("engine drained: deadline passed"). NOT_FOUND for an unknown
+        engine, FAILED_PRECONDITION for one that is not alive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddEngine(self, request, context):
+        """Serve a new engine (the autoscaler started it): the router subscribes to
+        its events, introduces it to its P/D peers and starts routing to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +136,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_proto_dot_router__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_router__pb2.StatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_proto_dot_router__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.SerializeToString,
+            ),
+            'AddEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddEngine,
+                    request_deserializer=pdserve_dot_proto_dot_router__pb2.AddEngineRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_router__pb2.AddEngineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +256,60 @@ class Router:
             '/pdserve.v1.Router/Stats',
             pdserve_dot_proto_dot_router__pb2.StatsRequest.SerializeToString,
             pdserve_dot_proto_dot_router__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Drain',
+            pdserve_dot_proto_dot_router__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/AddEngine',
+            pdserve_dot_proto_dot_router__pb2.AddEngineRequest.SerializeToString,
+            pdserve_dot_proto_dot_router__pb2.AddEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,22 +1,27 @@
 """The EngineControl gRPC service of an engine: each handler hands its work
 to the engine's loop thread (`EngineServer.call`) and never touches the
-planner itself."""
+planner itself. Work a draining engine will not take is refused with
+FAILED_PRECONDITION (roles/drain.py): the caller sends it elsewhere."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import grpc
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
 
 class EngineControlServicer(pbg.EngineControlServicer):
     def __init__(self, server):
         self.s = server
+        self._streams = 0                       # Subscribe calls not yet terminated
+        self._streams_cv = threading.Condition()
 
     def _ack(self, fn, context):
         try:
@@ -24,18 +29,30 @@ class EngineControlServicer(pbg.EngineControlServicer):
             return pb.Ack(ok=True)
         except RejectedRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDraining as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except EngineStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     def Subscribe(self, request, context):
         """A router's event stream: an empty message once live, then each
         round's events for its requests (rounds that queued up while the
         last message was being sent travel together)."""
+        if self.s.drain.stopped.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.s.name} has drained and stopped")
         sub = request.subscriber
         q = self.s.outputs.subscribe(sub)
+        with self._streams_cv:
+            self._streams += 1
 
         def gone():
+            with self._streams_cv:
+                self._streams -= 1
+                self._streams_cv.notify_all()
             if self.s.outputs.unsubscribe(sub, q):
                 self.s.subscriber_gone(sub)
-        context.add_callback(gone)
+        if not context.add_callback(gone):
+            gone()                              # it terminated already
         yield pb.EngineEvents()
         while True:
             events = q.get()
@@ -57,6 +74,10 @@ class EngineControlServicer(pbg.EngineControlServicer):
             self.s.call(lambda: self.s.submit(request))
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDraining as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except EngineStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.s.name} did not take the "
                           "request in time")
@@ -68,17 +89,17 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.Ack(ok=found, error="" if found else "unknown request")
 
     def RemotePrefill(self, request, context):
-        return self._ack(lambda: self.s.remote_prefill(request), context)
+        return self._ack(lambda: self.s.peer.remote_prefill(request), context)
 
     def TransferAck(self, request, context):
-        return self._ack(lambda: self.s.transfer_ack(request), context)
+        return self._ack(lambda: self.s.peer.transfer_ack(request), context)
 
     def TransferFailed(self, request, context):
-        return self._ack(lambda: self.s.transfer_failed_from_peer(request), context)
+        return self._ack(lambda: self.s.peer.transfer_failed_from_peer(request), context)
 
     def LeaseHeartbeat(self, request, context):
-        self.s.call(lambda: self.s.leases.renew(request.engine, request.request_ids,
-                                                time.monotonic()))
+        self.s.call(lambda: self.s.peer.leases.renew(request.engine, request.request_ids,
+                                                     time.monotonic()))
         return pb.Ack(ok=True)
 
     def GetInfo(self, request, context):
@@ -86,10 +107,33 @@ class EngineControlServicer(pbg.EngineControlServicer):
         i = self.s.info()
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
                                incarnation=i["incarnation"], nixl_metadata=md,
-                               address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"])
+                               address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"],
+                               draining=i["draining"])
 
     def AddPeer(self, request, context):
-        return self._ack(lambda: self.s.add_peer(request), context)
+        return self._ack(lambda: self.s.peer.add_peer(request), context)
+
+    def Drain(self, request, context):
+        """Start draining and answer once the engine has stopped (past the
+        deadline, after it aborted what was left)."""
+        drain = self.s.drain
+        deadline = request.deadline_s                # 0: abort what is left at once
+        try:
+            self.s.call(lambda: self.s.begin_drain(deadline))
+        except EngineStopped:
+            pass                                  # drained already: its report stands
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # past the deadline: a round in progress ends, the aborts, the stop
+        wait = min(deadline + 6 * STOP_GRACE_S, max(context.time_remaining() - 0.5, 0.0))
+        if not drain.stopped.wait(wait):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{self.s.name} did not stop within {wait:.0f} s of the drain")
+        # answer once every router's stream has sent its last events: whoever
+        # retires the engine on this answer cannot cut a stream's tail
+        with self._streams_cv:
+            self._streams_cv.wait_for(lambda: self._streams == 0, STOP_GRACE_S)
+        return drain.report
 
     def Stats(self, request, context):
         return self.s.call(self.s.stats)

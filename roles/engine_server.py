@@ -1,6 +1,8 @@
 """An engine as a service: the planner loop on its own thread, a gRPC
-control server, and (for P and D) the NIXL transport with its fences and
-leases. A plain class; cluster/actors.py makes it a Ray actor.
+control server, and (for P and D) the NIXL transport and the peer protocol
+(roles/peer_protocol.py: fences, leases, acks). A plain class;
+cluster/actors.py makes it a Ray actor. Told to drain (roles/drain.py), it
+takes no new request, finishes what it holds and stops by itself.
 
 Threads: gRPC handlers never touch the planner. They put a closure on the
 inbox; the loop thread runs it between rounds, so the planner, executor and
@@ -13,7 +15,6 @@ subscribed (the Subscribe stream).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import logging
 import queue
 import socket
@@ -24,20 +25,22 @@ import grpc
 
 from pdserve.cluster.config import ServeConfig, engine_for_model
 from pdserve.kernels.loader import load_model
-from pdserve.kernels.sampling import Logprob, SamplingParams
+from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
+from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine_stats import EngineCounters, waiting_requests_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.engine import Engine
-from pdserve.roles.outputs import Outputs, logprob_pb
+from pdserve.roles.outputs import Outputs
+from pdserve.roles.peer_protocol import PeerProtocol
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.capacity import capacity_line, capacity_report
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer import Incarnation, KvWrite, LandingTable, LeaseTable
+from pdserve.transfer import Incarnation
 
 log = logging.getLogger("pdserve.engine")
 
@@ -50,14 +53,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Peer:
-    name: str
-    incarnation: int
-    address: str
-    stub: object
 
 
 class EngineServer:
@@ -78,30 +73,28 @@ class EngineServer:
                                         [c.data[0].nbytes for c in self.executor.caches])
         log.info("%s: %s", self.name, capacity_line(self.capacity))
         self.engine = Engine(self.name, self.planner, self.executor, forget_finished=False)
-        self.transport = None
+        transport = None
         if self.role is not Role.FUSED:
             from pdserve.transfer.nixl_transport import NixlTransport
 
             from pdserve.transfer.faults import FaultInjector
 
-            self.transport = NixlTransport(Incarnation(self.name, self.incarnation),
-                                           FaultInjector.from_config(faults or [], fault_seed))
-            self.transport.register_pools([c.data for c in self.executor.caches])
-        self.landing = LandingTable(transfer_timeout_s, lease_s)     # D
-        self.leases = LeaseTable(lease_s)                             # P
-        self.heartbeat_s = heartbeat_s
-        self.peers: dict[str, Peer] = {}
-        self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
-        self.epochs: dict[str, int] = {}        # D: req -> landing epoch
+            transport = NixlTransport(Incarnation(self.name, self.incarnation),
+                                      FaultInjector.from_config(faults or [], fault_seed))
+            transport.register_pools([c.data for c in self.executor.caches])
+        self.transport = transport
+        self.peer = PeerProtocol(self, transport, transfer_timeout_s, lease_s, heartbeat_s)
+        self.drain = Drain(self.name)
         self.owner: dict[str, str] = {}         # req -> the subscription its events go to
         self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
         self.outputs = Outputs(tok, self._stop_string_hit, self.name)
         self.counts = EngineCounters()
         self._inbox: queue.Queue = queue.Queue()
+        self._inbox_lock = threading.Lock()     # closing the inbox against a racing put
+        self._inbox_closed = False
         self._stop = threading.Event()
-        self._rpc_pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{self.name}-rpc")
+        self._shut = False
         self.loop_errors: list[str] = []        # what `round failed` logged (tests assert none)
-        self._last_heartbeat = 0.0
         self._stalls_logged = 0
         self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
         pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self.server)
@@ -117,14 +110,15 @@ class EngineServer:
                 "address": self.address,
                 "dtype": str(self.executor.model.dtype).removeprefix("torch."),
                 "attention": self.executor.model.attention.name,
-                "kv_capacity_tokens": self.capacity["tokens"]}
+                "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active}
 
     @property
     def counters(self) -> dict:
         return self.counts.as_dict()
 
     def call(self, fn, timeout: float = 30.0):
-        """Run fn() on the loop thread and return its result."""
+        """Run fn() on the loop thread and return its result; EngineStopped
+        once the engine has drained and stopped."""
         fut: cf.Future = cf.Future()
 
         def job():
@@ -132,42 +126,73 @@ class EngineServer:
                 fut.set_result(fn())
             except Exception as e:           # handed back to the caller
                 fut.set_exception(e)
-        self._inbox.put(job)
+        if not self.post_job(job):
+            raise EngineStopped(f"{self.name} has drained and stopped")
         return fut.result(timeout)
+
+    def post_job(self, job) -> bool:
+        """Queue `job` for the loop thread; False once the inbox is closed."""
+        with self._inbox_lock:
+            if self._inbox_closed:
+                return False
+            self._inbox.put(job)
+            return True
 
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(10)
+        if self._shut:
+            return
+        self._shut = True
         self.outputs.close()
         self.server.stop(grace=0.5)
-        self._rpc_pool.shutdown(wait=False, cancel_futures=True)
-        if self.transport is not None:
-            self.transport.close()
+        self.peer.close()
 
-    def _send(self, peer_name: str, method: str, request) -> None:
-        """Fire a control message to a peer off the loop thread. An "ack"
-        fault rule can drop or delay a TransferAck (chaos tests)."""
-        peer = self.peers.get(peer_name)
-        if peer is None:
-            log.warning("%s: no peer %s for %s", self.name, peer_name, method)
-            return
-        delay = 0.0
-        if method == "TransferAck" and self.transport is not None:
-            rule = self.transport.faults.match("ack", request.request_id)
-            if rule is not None and rule.action in ("drop", "fail"):
-                return
-            if rule is not None and rule.action == "delay":
-                delay = rule.delay_s
+    # ---- drain -------------------------------------------------------------------
+    def begin_drain(self, deadline_s: float) -> None:
+        """Loop thread: take no new request from now on; stop once nothing
+        is live, aborting what is left at the deadline."""
+        self.drain.begin(time.monotonic(), deadline_s, len(self.planner.requests))
+        log.info("%s: draining (%d requests live, deadline %.0f s)", self.name,
+                 len(self.planner.requests), deadline_s)
 
-        def go():
+    def _nothing_live(self) -> bool:
+        return not self.engine.has_work() and self.peer.idle()
+
+    def _abort_left(self) -> None:
+        """The drain's deadline passed: end every live request with an error
+        its client sees (a P twin not yet shipped: D is told, and prefills it
+        itself)."""
+        left = list(self.planner.requests)
+        for rid in left:
+            if self.role is Role.PREFILL:
+                self.peer.give_up(rid, DEADLINE_ABORT)
+            self.abort(rid, DEADLINE_ABORT)
+        self.drain.aborted_left(len(left))
+        log.warning("%s: drain deadline passed; aborted %d requests", self.name, len(left))
+
+    def _stop_drained(self) -> None:
+        """Loop thread, drained: close the inbox, flush every stream's last
+        event to its router, answer the Drain RPC, then stop serving."""
+        try:
+            self.planner.check_invariants()
+        except Exception as e:                       # reported; the stop goes on
+            log.exception("%s: invariants broken at the drain's end", self.name)
+            self.loop_errors.append(f"{type(e).__name__}: {e}")
+        self.drain.finish(time.monotonic(), self.stats().used_pages)
+        with self._inbox_lock:
+            self._inbox_closed = True
+        while True:              # calls that raced the close: new work is refused anyway
             try:
-                getattr(peer.stub, method)(request, timeout=10)
-            except grpc.RpcError as e:
-                log.warning("%s -> %s %s failed: %s", self.name, peer_name, method, e.code())
-        if delay:
-            threading.Timer(delay, lambda: self._rpc_pool.submit(go)).start()
-        else:
-            self._rpc_pool.submit(go)
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                break
+        self._shut = True
+        self.outputs.close()
+        self.drain.stopped.set()
+        self.server.stop(grace=STOP_GRACE_S)
+        self.peer.close(wait=True)
+        log.info("%s: drained and stopped: %s", self.name, self.drain.report)
 
     # ---- test and operator hooks ------------------------------------------------
     def set_faults(self, rules: list[dict], seed: int = 0) -> None:
@@ -186,16 +211,17 @@ class EngineServer:
             p = self.planner
             p.check_invariants()
             stats = self.stats()
+            peer = self.peer
             idle = (not p.requests and stats.used_pages == 0 and not p.coord.fences
-                    and len(self.leases) == 0 and len(self.landing) == 0 and not self.remote)
+                    and peer.idle() and len(peer.landing) == 0)
             fired: dict[str, int] = {}
             if self.transport is not None:
                 for stage, action, _ in self.transport.faults.fired:
                     fired[f"{stage}:{action}"] = fired.get(f"{stage}:{action}", 0) + 1
             return {"idle": idle, "requests": sorted(p.requests), "used_pages": stats.used_pages,
                     "faults_fired": fired,
-                    "fences": len(p.coord.fences), "leases": len(self.leases),
-                    "landings": len(self.landing), "counters": dict(self.counters),
+                    "fences": len(p.coord.fences), "leases": len(peer.leases),
+                    "landings": len(peer.landing), "counters": dict(self.counters),
                     "loop_errors": list(self.loop_errors),
                     "incarnation": self.incarnation}
         return self.call(run)
@@ -210,17 +236,24 @@ class EngineServer:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._tick()
+                if self._tick():
+                    self._stop_drained()
+                    return
             except Exception as e:                   # keep serving; the log says what broke
                 log.exception("%s: round failed", self.name)
                 if len(self.loop_errors) < 20:
                     self.loop_errors.append(f"{type(e).__name__}: {e}")
                 time.sleep(0.05)
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One pass: jobs, transfer events, timers, a round. True when the
+        engine drains and this pass was idle with nothing live: time to stop
+        (a pass that did work is not idle; the next one decides)."""
         busy = self.engine.has_work() and not self._only_waiting_on_peer()
+        ran = False
         try:
             job = self._inbox.get(timeout=0 if busy else 0.002)
+            ran = True
             job()
             while True:
                 self._inbox.get_nowait()()
@@ -228,16 +261,23 @@ class EngineServer:
             pass
         now = time.monotonic()
         if self.transport is not None:
-            for ev in self.transport.poll():
-                self._on_transfer_event(ev)
-            self._timers(now)
+            events = self.transport.poll()
+            ran |= bool(events)
+            for ev in events:
+                self.peer.on_transfer_event(ev)
+            self.peer.timers(now)
+        if self.drain.due(now):
+            self._abort_left()
+            ran = True
         if self.engine.has_work():
+            ran = True
             out = self.engine.step()
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
             self._stalls_logged = len(self.planner.stalls)
             if out is not None:
                 self._after_round(out)
+        return self.drain.active and not ran and self._nothing_live()
 
     def _only_waiting_on_peer(self) -> bool:
         p = self.planner
@@ -260,19 +300,19 @@ class EngineServer:
                             op.first_page * self.planner.page_size)
         if self.role is not Role.PREFILL:
             finished = set(out.finished)
-            items = [self._item(op.req, op.req in finished) for op in plan.prefills
+            items = [self.output_item(op.req, op.req in finished) for op in plan.prefills
                      if op.completes]
-            items += [self._item(req, req in finished) for req in plan.decodes]
+            items += [self.output_item(req, req in finished) for req in plan.decodes]
             self.outputs.post(items)
         for req in out.finished:
-            self._finished(req)
+            self.request_finished(req)
         for op in plan.remote_prefills:
-            self._ask_prefill(op)
+            self.peer.ask_prefill(op)
         for op in plan.remote_decodes:
-            self._ship(op)
+            self.peer.ship(op)
 
     # ---- outputs ---------------------------------------------------------------
-    def _item(self, req, final: bool = False) -> tuple:
+    def output_item(self, req, final: bool = False) -> tuple:
         """The tokens `req` produced since the last handoff, for the output
         thread; with `final`, its finish reason."""
         sent = self.emitted.get(req.id, 0)
@@ -284,7 +324,7 @@ class EngineServer:
         return (req.id, req.output[sent:], lps, (req.finish_reason or "length") if final else None,
                 None)
 
-    def _finished(self, req) -> None:
+    def request_finished(self, req) -> None:
         self.counts.finished += 1
         self._close(req.id)
 
@@ -307,18 +347,19 @@ class EngineServer:
                 self.planner.abort(req_id, "stop string")
                 self.counts.finished += 1
                 self._close(req_id)
-        self._inbox.put(release)
+        self.post_job(release)
 
     def subscriber_gone(self, subscriber: str) -> None:
         """A router's subscription ended: abort the requests it submitted."""
         def run():
             for rid in [r for r, s in self.owner.items() if s == subscriber]:
                 self.abort(rid, "router went away")
-        self._inbox.put(run)
+        self.post_job(run)
 
     # ---- submit and abort (router) ---------------------------------------------
     def submit(self, r: pb.SubmitRequest) -> None:
         """Loop thread: admit a request; its events go to `r.subscriber`."""
+        self.drain.refuse("request")
         sp = SamplingParams(max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
                             temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
                             seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
@@ -333,7 +374,7 @@ class EngineServer:
                                   "use a fresh id")
         req = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=sp.max_tokens))
         if r.prefill_peer and self.role is Role.DECODE:
-            if r.prefill_peer not in self.peers:
+            if r.prefill_peer not in self.peer.peers:
                 raise RejectedRequest(f"{self.name} does not know prefill engine "
                                       f"{r.prefill_peer!r}")
             req.peer = r.prefill_peer
@@ -353,177 +394,15 @@ class EngineServer:
         if req is None:
             return False
         if req_id in p.landing:
-            # a posted write may still land: fence the pages, then let go
-            epoch = self.epochs.pop(req_id, None)
-            fenced = epoch is not None and \
-                self.landing.fence(req_id, epoch, time.monotonic()) is not None
-            self.counts.fences += fenced
-            p.transfer_failed(req_id, reason, fence_key=(req_id, epoch) if fenced else None)
-            self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=req_id,
-                                                                      release_only=True))
+            self.peer.abort_landing(req, reason)
         p.abort(req_id, reason)
         self.counts.aborted += 1
         if self.role is Role.PREFILL:
-            self.leases.release(req_id)
-            self.remote.pop(req_id, None)
-            self.transport.cancel(req_id)
+            self.peer.release_twin(req_id)
         self._fail(req_id, f"aborted: {reason}")
         return True
 
-    # ---- D: asking P, and what comes back --------------------------------------
-    def _ask_prefill(self, op) -> None:
-        req = op.req
-        if req.peer is None or req.peer not in self.peers:
-            self._recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
-            return
-        landing = self.transport.page_ids(op.landing)      # every group's, one list
-        epoch = self.landing.expect(req.id, landing, time.monotonic())
-        self.epochs[req.id] = epoch
-        sp = self.executor.params(req.id)
-        self._send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
-            request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
-            landing_pages=landing, epoch=epoch, target_engine=self.name,
-            target_incarnation=self.incarnation, temperature=sp.temperature,
-            top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {}),
-            **({"logprobs": sp.logprobs} if sp.logprobs is not None else {})))
-
-    def _recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool,
-                         stage: str) -> None:
-        if req_id not in self.planner.landing:
-            return
-        key = None
-        if fence:
-            self.counts.fences += self.landing.fence(req_id, epoch, time.monotonic()) is not None
-            key = (req_id, epoch)
-        self.epochs.pop(req_id, None)
-        self.counts.transfer_failed(stage)
-        self.planner.transfer_failed(req_id, reason, fence_key=key)
-
-    def _on_transfer_event(self, ev) -> None:
-        if ev.kind == "landed":
-            verdict = self.landing.on_notification(ev.req_id, ev.epoch)
-            if verdict == "drained":
-                self.planner.release_fence((ev.req_id, ev.epoch))
-            elif verdict == "landed" and ev.req_id in self.planner.landing:
-                self.epochs.pop(ev.req_id, None)
-                self.counts.transfers += 1
-                req = self.planner.requests[ev.req_id]
-                lp = None
-                if ev.payload:
-                    m = rpb.TokenLogprob.FromString(ev.payload)
-                    lp = Logprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob)
-                                                              for t in m.top))
-                stopped = self.executor.on_token(req, ev.first_token, lp)
-                finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
-                self.outputs.post([self._item(req, bool(finished))])
-                for r in finished:
-                    self._finished(r)
-                self._send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=ev.req_id))
-        elif ev.kind == "done":                    # P: our write completed
-            self.counts.transfer_seconds.observe(ev.seconds)
-        elif ev.kind == "failed":                  # P: our write will not land
-            info = self.remote.get(ev.req_id)
-            self.counts.transfer_failed("write")
-            if info is not None:
-                self._send(info[0], "TransferFailed", pb.TransferFailedRequest(
-                    request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
-
-    def _timers(self, now: float) -> None:
-        if self.role is Role.DECODE:
-            for ld in self.landing.timed_out(now):
-                req = self.planner.requests.get(ld.req_id)
-                self._recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True,
-                                      stage="timeout")
-                if req is not None and req.peer:
-                    self._send(req.peer, "TransferAck", pb.TransferAckRequest(
-                        request_id=ld.req_id, release_only=True))
-            for ld in self.landing.expired_fences(now):
-                self.planner.release_fence((ld.req_id, ld.epoch))
-            if now - self._last_heartbeat >= self.heartbeat_s:
-                self._last_heartbeat = now
-                by_peer: dict[str, list] = {}
-                for req in self.planner.landing.values():
-                    by_peer.setdefault(req.peer, []).append(req.id)
-                for peer, ids in by_peer.items():
-                    self._send(peer, "LeaseHeartbeat", pb.HeartbeatRequest(
-                        engine=self.name, incarnation=self.incarnation, request_ids=ids))
-        elif self.role is Role.PREFILL:
-            for rid in self.leases.expired(now):
-                self.transport.cancel(rid)
-                if rid in self.planner.requests:
-                    self.counts.lease_expiries += 1
-                    self.planner.abort(rid, "lease expired")
-                    self.remote.pop(rid, None)
-                    self.executor.forget(rid)
-
-    def transfer_failed_from_peer(self, r: pb.TransferFailedRequest) -> None:
-        # the write failed on P's side and will not land: no fence needed
-        if self.epochs.get(r.request_id) == r.epoch and self.landing.forget(r.request_id, r.epoch):
-            req = self.planner.requests.get(r.request_id)
-            self._recover_locally(r.request_id, r.epoch, r.reason, fence=False,
-                                  stage="reported_by_prefill")
-            if req is not None:
-                self._send(req.peer, "TransferAck", pb.TransferAckRequest(
-                    request_id=r.request_id, release_only=True))
-
-    # ---- P: prefilling for D, shipping, acks ------------------------------------
-    def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
-        if r.request_id in self.planner.requests:
-            raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}")
-        if r.target_engine not in self.peers:
-            raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
-        twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
-        twin.first_page = r.first_page
-        sp = SamplingParams(max_tokens=1, temperature=r.temperature, top_p=r.top_p or 1.0,
-                            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
-                            logprobs=r.logprobs if r.HasField("logprobs") else None)
-        self.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF)
-        self.planner.submit(twin)
-        self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
-                                r.epoch)
-        self.leases.grant(twin.id, r.target_engine, time.monotonic())
-
-    def _ship(self, op) -> None:
-        info = self.remote.get(op.req.id)
-        if info is None:
-            return
-        d_name, d_inc, pages, epoch = info
-        if not self.leases.holds(op.req.id, time.monotonic()):
-            return                  # the lease ran out: the timers release it, nothing is posted
-        t = self.executor.tracked.get(op.req.id)
-        payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
-        src = self.transport.page_ids(op.src)
-        if len(src) != len(pages):
-            # the two engines group the model's layers differently: nothing sensible to write
-            self._send(d_name, "TransferFailed", pb.TransferFailedRequest(
-                request_id=op.req.id, epoch=epoch,
-                reason=f"{self.name} ships {len(src)} pages where the landing has {len(pages)}: "
-                       "run the same model and engine.page_size on both roles"))
-            return
-        self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
-                                     src, pages, op.first_token, payload))
-        self.counts.transfers += 1
-        self.counts.transfer_bytes += self.transport.bytes_of(src)
-
-    def transfer_ack(self, r: pb.TransferAckRequest) -> None:
-        self.transport.cancel(r.request_id)
-        if r.request_id in self.planner.requests:
-            self.planner.peer_ack(r.request_id)
-        self.leases.release(r.request_id)
-        self.remote.pop(r.request_id, None)
-        self.executor.forget(r.request_id)
-
-    # ---- membership and stats -----------------------------------------------
-    def add_peer(self, r: pb.AddPeerRequest) -> None:
-        old = self.peers.get(r.engine)
-        if old is not None and old.incarnation == r.incarnation:
-            return
-        channel = grpc.insecure_channel(r.address)
-        self.peers[r.engine] = Peer(r.engine, r.incarnation, r.address,
-                                    pbg.EngineControlStub(channel))
-        if self.transport is not None and r.nixl_metadata:
-            self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
-
+    # ---- stats -----------------------------------------------------------------
     def stats(self) -> pb.EngineStatsResponse:
         p = self.planner
         total = p.total_pages

@@ -1,6 +1,6 @@
 """`pdserve up` and `pdserve demo` as a user runs them: separate processes,
-each wait bounded. `up` serves until SIGTERM and then stops cleanly;
-`generate` and `stats` talk to it from processes of their own."""
+each wait bounded. `up` serves until SIGTERM and then drains and stops
+cleanly; `generate` and `stats` talk to it from processes of their own."""
 
 import os
 import queue
@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 START_BOUND_S = 180.0          # Ray and the engines starting on a loaded 2-core machine
 STOP_BOUND_S = 60.0
+DRAINED_TOKENS = 1000          # a few seconds of the tiny model: still streaming at SIGTERM
 
 
 def pdserve(*args) -> list[str]:
@@ -90,8 +91,21 @@ def test_up_serves_generate_and_stats_then_stops_on_sigterm():
         row = next(ln.split() for ln in stats.stdout.splitlines()
                    if ln.startswith("pdserve:fused-0"))
         assert row[-1] == "1"                           # finished: the one request above
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM drains: a generation streaming then still gets every token
+        from contextlib import closing
+
+        from pdserve.client import Client
+
+        with closing(Client(address, timeout=STOP_BOUND_S)) as c:
+            stream = c.generate_stream("drain me", max_tokens=DRAINED_TOKENS, ignore_eos=True)
+            got = len(next(stream).token_ids)
+            proc.send_signal(signal.SIGTERM)
+            out.wait_for(r"pdserve: draining every engine", STOP_BOUND_S)
+            chunks = list(stream)
+        assert got + sum(len(ch.token_ids) for ch in chunks) == DRAINED_TOKENS
+        assert chunks[-1].finish_reason == "length"
         assert proc.wait(STOP_BOUND_S) == 0, out.rest()
+        assert "fused-0: drained in" in out.rest() and "every request finished" in out.rest()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -80,3 +80,54 @@ def test_the_http_front_maps_router_refusals_to_openai_errors():
     assert http.get("/v1/nothing").status_code == 404
     r.engines["fused-0"].alive = False
     assert http.get("/health").status_code == 503
+
+
+def test_a_draining_engine_is_never_picked_and_the_refusal_says_why():
+    import pytest
+
+    r = router({"fused": 2, "prefill": 1, "decode": 1})
+    r.engines["fused-0"].draining = True
+    r.engines["prefill-0"].draining = True       # a D with no P left is no candidate either
+    assert {r.pick("")[0].name for _ in range(4)} == {"fused-1"}
+    r.engines["fused-1"].draining = True
+    with pytest.raises(LookupError, match=r"\(fused-0, fused-1, prefill-0 draining\)"):
+        r.pick("")
+
+
+def test_a_request_refused_by_a_draining_engine_is_submitted_to_another():
+    import asyncio
+
+    import grpc
+
+    from pdserve.cluster.engine_link import EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 2, "prefill": 0, "decode": 0})
+    tried = []
+
+    class Draining:
+        async def Submit(self, sub, timeout):
+            tried.append("fused-0")
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="fused-0 is draining and takes no new request")
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            tried.append("fused-1")
+            r.links["fused-1"].requests[sub.request_id].put_nowait(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[7, 8], text="ab", finish_reason="length"))
+
+    async def go():
+        for name, stub in (("fused-0", Draining()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            r.links[name] = link = EngineLink(r.engines[name], r.id)
+            link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=2))
+        return [d async for d in stream.events()]
+    deltas = asyncio.run(go())
+    assert tried == ["fused-0", "fused-1"]       # least loaded first; refused; the other
+    assert [t for d in deltas for t in d.token_ids] == [7, 8]
+    assert deltas[-1].engine == "fused-1" and deltas[-1].finish_reason == "length"
+    assert r.engines["fused-0"].draining and r.engines["fused-0"].alive
+    assert r.counters["resubmitted"] == 0        # nothing streamed: not a resubmission
