@@ -16,28 +16,23 @@ from pathlib import Path
 
 from pdserve.cluster.config import ClusterShape, load_config
 from pdserve.cluster.sim import Simulation
-from pdserve.cluster.sim_report import goodput
-from pdserve.cluster.trace import read_trace
+from pdserve.cluster.sim_report import goodput, plot_lines
+from pdserve.cluster.trace import native_rate, read_trace, scale_arrivals
 
 SPLITS = {"fused x4": (0, 0, 4), "2P+2D": (2, 2, 0), "1P+3D": (1, 3, 0), "3P+1D": (3, 1, 0)}
-
-
-def scaled(trace, factor: float):
-    return [dataclasses.replace(t, arrival_s=t.arrival_s / factor) for t in trace]
 
 
 def main(config_path: str, trace_path: str, limit: int | None, rates: list[float],
          ttft_slo: float, tpot_slo: float, out: str | None, plot: str | None) -> int:
     base = load_config(config_path)
     trace = read_trace(trace_path, limit=limit)
-    span = max(t.arrival_s for t in trace) or 1.0
-    native = len(trace) / span
+    native = native_rate(trace)
     rows = []
     for name, (p, d, f) in SPLITS.items():
         cfg = dataclasses.replace(base, cluster=ClusterShape(prefill=p, decode=d, fused=f))
         for factor in rates:
             t0 = time.perf_counter()
-            res = Simulation(cfg, scaled(trace, factor), progress=False).run()
+            res = Simulation(cfg, scale_arrivals(trace, factor), progress=False).run()
             s = res["summary"]
             rows.append({"config": name, "rate_req_s": native * factor, "factor": factor,
                          "finished": s["finished"], "ttft_p50_s": s["ttft_p50_s"],
@@ -67,22 +62,10 @@ def main(config_path: str, trace_path: str, limit: int | None, rates: list[float
 
 
 def _plot(rows, path: str, ttft_slo: float, tpot_slo: float) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in SPLITS:
-        pts = [(r["rate_req_s"], r["goodput_req_s"]) for r in rows if r["config"] == name]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel(f"goodput (req/s, TTFT<={ttft_slo:g}s, TPOT<={tpot_slo * 1000:g}ms)")
-    ax.set_title("Mooncake conversation trace, 4 simulated GPUs")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    lines = {name: ([r["rate_req_s"] for r in rows if r["config"] == name],
+                    [r["goodput_req_s"] for r in rows if r["config"] == name])
+             for name in SPLITS}
+    if plot_lines(path, lines, "request rate (req/s)",
+                  f"goodput (req/s, TTFT<={ttft_slo:g}s, TPOT<={tpot_slo * 1000:g}ms)",
+                  "Mooncake conversation trace, 4 simulated GPUs"):
+        print(f"plot: {path}")

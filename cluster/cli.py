@@ -46,6 +46,14 @@ def _cmd_sim(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    from pdserve.cluster.calibrate import main as calibrate_main
+
+    return calibrate_main(args.config, args.out, args.device, args.threads, args.chunks,
+                          args.batches, args.contexts, args.decode_rounds, args.seed,
+                          args.rounds, args.clock)
+
+
 def _cmd_up(args) -> int:
     import signal
     import threading
@@ -77,13 +85,46 @@ def _cmd_up(args) -> int:
           f"{cfg.cluster.decode} decode, {cfg.cluster.fused} fused; model "
           f"{cfg.model.served_name}); Ctrl-C stops", flush=True)
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+
+    def on_term(*_):
+        if done.is_set():
+            raise KeyboardInterrupt           # a second SIGTERM: stop without waiting
+        done.set()
+    signal.signal(signal.SIGTERM, on_term)
+    rc = 0
     try:
-        done.wait()
+        try:
+            done.wait()
+        except KeyboardInterrupt:
+            done.set()
+        print(f"pdserve: draining every engine (at most {args.drain_deadline:g} s, then what "
+              "is left is aborted); Ctrl-C again stops at once", flush=True)
+        for name, how in dep.drain(args.drain_deadline).items():
+            print(f"pdserve: {name}: {how}", flush=True)
     except KeyboardInterrupt:
-        pass
-    dep.stop()
-    return 0
+        print("pdserve: stopping without waiting for the drain", flush=True)
+    except Exception as e:                    # the drain broke: say so, still stop
+        print(f"pdserve: error: the drain failed ({type(e).__name__}: {e}); stopping",
+              file=sys.stderr, flush=True)
+        rc = 1
+    finally:
+        dep.stop()
+    return rc
+
+
+def _cmd_drain(args) -> int:
+    from pdserve.client import Client
+
+    def go():
+        r = Client(args.address).drain(args.engine, args.deadline)
+        how = (f"the deadline passed: {r['aborted']} request(s) aborted ('engine drained: "
+               "deadline passed')" if r["deadline_passed"] else "every request finished")
+        print(f"pdserve: {r['engine']} drained and stopped in {r['seconds']:.1f} s: "
+              f"{r['requests_at_start']} request(s) live at the start, {how}; "
+              f"{r['refused']} new request(s) sent elsewhere; {r['used_pages']} pages held at "
+              "the stop")
+        return 0
+    return _client_errors(go)
 
 
 def _client_errors(fn):
@@ -94,6 +135,12 @@ def _client_errors(fn):
     except grpc.RpcError as e:
         print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+
+
+def _cmd_plan(args) -> int:
+    from pdserve.cluster.plan_report import command
+
+    return command(args)
 
 
 def _cmd_stats(args) -> int:
@@ -180,6 +227,10 @@ def _cmd_bench(args) -> int:
         from pdserve.benchmarks.transfer import main as transfer_main
 
         return transfer_main(device=args.device)
+    if args.what == "autoscale":
+        from pdserve.benchmarks.autoscale import main as autoscale_main
+
+        return autoscale_main(args.seconds, args.concurrency)
     if args.what == "soak":
         from pdserve.benchmarks.soak import main as soak_main
 
@@ -196,6 +247,16 @@ def _cmd_bench(args) -> int:
                           args.max_prompt, args.out, apis=args.api,
                           http_address=args.http_address, repeats=args.repeats,
                           offline=args.offline)
+    if args.what == "sim-accuracy":
+        from pdserve.benchmarks.sim_accuracy import main as accuracy_main
+
+        if not args.config or not args.profile:
+            print("pdserve: error: bench sim-accuracy needs --config (repeatable) and "
+                  "--profile (from pdserve calibrate)", file=sys.stderr)
+            return 2
+        return accuracy_main(args.config, args.profile, args.requests, args.prompt_len,
+                             args.max_tokens, args.fractions, args.repeats, args.saturation,
+                             args.out, n_alone=args.alone, quiet=args.quiet)
     if args.what == "cache-groups":
         from pdserve.benchmarks.cache_groups import main as groups_main
 
@@ -229,6 +290,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="admit every request strictly (its whole generation reserved)")
     sim.set_defaults(func=_cmd_sim)
 
+    cal = sub.add_parser("calibrate", help="time the config's real engine over a grid of "
+                                           "rounds and fit a cost profile for `pdserve sim`")
+    cal.add_argument("--config", required=True, help="config YAML (its model and engine)")
+    cal.add_argument("--out", required=True, help="where to write the profile YAML")
+    cal.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's model.device)")
+    cal.add_argument("--threads", type=_positive,
+                     help="torch intra-op threads (default: 1 on CPU, as a Ray engine runs)")
+    cal.add_argument("--chunks", type=_positive, nargs="+",
+                     help="prefill chunk sizes (default: page_size x 4^k up to "
+                          "engine.max_scheduled_tokens)")
+    cal.add_argument("--batches", type=_positive, nargs="+",
+                     help="decode batch sizes (default: 4^k up to engine.max_batch_size, 64 "
+                          "at most)")
+    cal.add_argument("--contexts", type=_positive, nargs="+",
+                     help="decode context lengths (default: 64 256 1024)")
+    cal.add_argument("--decode-rounds", type=_positive, default=4,
+                     help="pure decode rounds timed per batch and context (4)")
+    cal.add_argument("--seed", type=int, default=0, help="the prompts' random tokens")
+    cal.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                     help="time rounds by wall clock (default), or by the thread's CPU time "
+                          "(CPU, one thread: leaves out time other processes held the core)")
+    cal.add_argument("--rounds", help="also write every timed round (features, seconds) here "
+                                      "as JSON lines")
+    cal.set_defaults(func=_cmd_calibrate)
+
     up = sub.add_parser("up", help="start a deployment (local Ray cluster, or join one) and serve")
     up.add_argument("--config", default=str(DEFAULT_CONFIG),
                     help="config YAML (default: deploy/local-pd.yaml, SmolLM2 on 1P+1D)")
@@ -246,11 +332,49 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus-per-engine", type=float,
                     help="Ray GPUs each engine takes (default 1 on cuda, 0 on cpu; 0 on cuda "
                          "is refused: every engine would share cuda:0)")
+    up.add_argument("--drain-deadline", type=float, default=60.0,
+                    help="on SIGTERM or Ctrl-C, seconds the engines get to finish their "
+                         "requests before what is left is aborted (60)")
     up.set_defaults(func=_cmd_up)
+
+    drain = sub.add_parser("drain", help="drain one engine: it takes no new request, "
+                                         "finishes what it holds, then stops")
+    drain.add_argument("engine", help="the engine, as ServerInfo names it (decode-0 or "
+                                      "pdserve:decode-0)")
+    drain.add_argument("--address", required=True, help="the router, HOST:PORT")
+    drain.add_argument("--deadline", type=float,
+                       help="seconds to wait before aborting what is left (default 60)")
+    drain.set_defaults(func=_cmd_drain)
 
     stats = sub.add_parser("stats", help="per-engine pages and requests of a deployment")
     stats.add_argument("--address", required=True, help="the router, HOST:PORT")
     stats.set_defaults(func=_cmd_stats)
+
+    plan = sub.add_parser("plan", help="search P:D splits and chunk budgets by simulation for "
+                                       "the most goodput per GPU within a latency SLO")
+    plan.add_argument("--config", required=True, help="base config YAML (its simulate: section "
+                                                      "and engine settings)")
+    plan.add_argument("--trace", required=True,
+                      help="trace JSONL (ours or Mooncake) or Azure CSV, replayed open loop")
+    plan.add_argument("--ttft", type=float, required=True, help="time-to-first-token SLO, s")
+    plan.add_argument("--tpot", type=float, required=True, help="time-per-output-token SLO, s")
+    plan.add_argument("--gpus", type=int, required=True, help="engines to plan, one GPU each")
+    plan.add_argument("--attainment", type=float, default=0.9,
+                      help="fraction of requests that must meet both SLOs (0.9)")
+    plan.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    plan.add_argument("--chunks", type=int, nargs="+",
+                      help="engine.max_scheduled_tokens values to try (2048 8192)")
+    plan.add_argument("--tolerance", type=float,
+                      help="stop a bisection when its failing rate is within this fraction "
+                           "of its passing rate (0.1)")
+    plan.add_argument("--address", help="run the simulations on this Ray cluster (default: a "
+                                        "local Ray on every core)")
+    plan.add_argument("--cpus", type=_positive, help="local Ray: CPUs to use (default: all)")
+    plan.add_argument("--in-process", action="store_true",
+                      help="run the simulations here, one at a time, without Ray")
+    plan.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plan.add_argument("--out", required=True, help="folder for plan.yaml, plan.json, plan.png")
+    plan.set_defaults(func=_cmd_plan)
 
     demo = sub.add_parser("demo", help="a local 1P+1D cluster on SmolLM2-135M-Instruct, a "
                                        "few concurrent questions, streamed answers, stats")
@@ -275,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table")
     bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
-                                        "serve", "soak", "tokens", "cache-groups"],
+                                        "serve", "soak", "tokens", "cache-groups",
+                                        "sim-accuracy", "autoscale"],
                        help="planner: plan-build cost per round; retraction: a tight pool "
                             "with the host cache off and on, and every request strict; "
                             "disagg: fused against P/D splits across request rates; "
@@ -285,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "soak: faults, aborts and a killed engine under load; "
                             "tokens: what a generated token costs on its way out of an engine; "
                             "cache-groups: Gemma 3 27B's sliding-window groups against every "
-                            "layer full (per-request bytes, concurrency, a simulated trace)")
+                            "layer full (per-request bytes, concurrency, a simulated trace); "
+                            "sim-accuracy: the simulator with a calibrated profile against "
+                            "the real deployment at concurrency 1 and fractions of saturation; "
+                            "autoscale: a sine load against 1P+1D fixed and autoscaled")
     bench.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256, 1024, 4096],
                        help="planner: decoding requests per round (64 256 1024 4096)")
     bench.add_argument("--rounds", type=_positive, default=200,
@@ -335,6 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tpot-slo", type=float, default=0.1, help="disagg: seconds")
     bench.add_argument("--out", help="disagg, serve: save the results as JSON here")
     bench.add_argument("--plot", help="disagg: draw goodput against rate into this PNG")
+    bench.add_argument("--profile", help="sim-accuracy: the cost profile the simulator uses")
+    bench.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 1.1],
+                       help="sim-accuracy: Poisson rates as fractions of the measured "
+                            "saturation (0.5 0.9 1.1)")
+    bench.add_argument("--saturation", type=float,
+                       help="sim-accuracy: saturation in req/s (default: measured closed-loop "
+                            "at concurrency 16)")
+    bench.add_argument("--alone", type=_positive, default=8,
+                       help="sim-accuracy: requests run at concurrency 1 (8)")
+    bench.add_argument("--quiet", type=float,
+                       help="sim-accuracy: before each real run, wait until processes outside "
+                            "the benchmark use under this many cores")
     bench.set_defaults(func=_cmd_bench)
     return ap
 

@@ -6,7 +6,7 @@
     cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0
     router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false,
              stream_interval: 1, replicas: 1}
-    simulate: {gpu: h100, model: llama-3-8b}
+    simulate: {gpu: h100, model: llama-3-8b}   # or {profile: PROFILE.yaml} (pdserve calibrate)
 
 Unknown keys are an error that names the key.
 """
@@ -130,10 +130,22 @@ class SimulateConfig:
     # false keeps every layer's whole history in one pool, as with a hybrid
     # allocator turned off. Attention reads only the window either way.
     sliding_groups: bool = True
+    # a cost profile `pdserve calibrate` wrote, in place of gpu and model (a
+    # relative path is read from the config file's folder)
+    profile: str | None = None
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
         data = check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
+        if data.get("profile") is not None:
+            p = data["profile"]
+            if not isinstance(p, str) or not p.strip():
+                raise ConfigError(f"simulate.profile is {p!r}; give the path of a profile "
+                                  "that `pdserve calibrate` wrote")
+            both = [k for k in ("gpu", "model") if k in data]
+            if both:
+                raise ConfigError(f"simulate.profile replaces simulate.gpu and simulate.model "
+                                  f"(the profile measured both); remove {' and '.join(both)}")
         cfg = cls(**data)
         if not isinstance(cfg.sliding_groups, bool):
             raise ConfigError(f"simulate.sliding_groups must be true or false, got "
@@ -154,18 +166,37 @@ class ServeConfig:
     cluster: ClusterShape = field(default_factory=ClusterShape)
     router: RouterConfig = field(default_factory=RouterConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    autoscale: object = None                    # AutoscaleConfig, or None: a fixed shape
     engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
 
     @classmethod
     def from_dict(cls, data) -> "ServeConfig":
-        data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate"})
+        data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate",
+                                           "autoscale"})
         engine = data.get("engine") or {}
+        autoscale = None
+        if data.get("autoscale") is not None:
+            from pdserve.cluster.autoscale import AutoscaleConfig
+
+            autoscale = AutoscaleConfig.from_dict(data["autoscale"])
+            shape = ClusterShape.from_dict(data.get("cluster"))
+            for role in ("prefill", "decode"):
+                n, b = getattr(shape, role), autoscale.bounds(role)
+                if not b.min <= n <= b.max:
+                    raise ConfigError(f"cluster.{role}: {n} engines to start with, outside "
+                                      f"autoscale.{role} [{b.min}, {b.max}]; start within "
+                                      "the bounds the autoscaler keeps")
+            replicas = (data.get("router") or {}).get("replicas", 1)
+            if replicas != 1:
+                raise ConfigError(f"autoscale with router.replicas={replicas}: the autoscaler "
+                                  "adds engines through one router; use one replica")
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
             engine=EngineConfig.from_dict(engine),
             cluster=ClusterShape.from_dict(data.get("cluster")),
             router=RouterConfig.from_dict(data.get("router")),
             simulate=SimulateConfig.from_dict(data.get("simulate")),
+            autoscale=autoscale,
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
         )
 
@@ -208,8 +239,13 @@ def load_config(path) -> ServeConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     try:
-        return ServeConfig.from_dict(data)
+        cfg = ServeConfig.from_dict(data)
     except TypeError as e:       # a field of the wrong shape
         raise ConfigError(f"{p}: {e}") from None
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+    prof = cfg.simulate.profile
+    if prof and not Path(prof).is_absolute():    # beside the config, wherever it runs from
+        cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(
+            cfg.simulate, profile=str(p.parent / prof)))
+    return cfg

@@ -12,7 +12,9 @@ prefills and ships KV over a modelled link (bytes per page from the model
 preset, the link's bandwidth and latency, one transfer at a time per P); D
 sees it land, acks P, and decodes. Each engine's planner serves the model
 preset's cache groups (full history, sliding windows), a shipped page
-costing its group's layers. A failed transfer, a lost ack (P's lease
+costing its group's layers. Round times come from the GPU and model
+presets' roofline, or from a measured profile (`simulate.profile`,
+`pdserve calibrate`). A failed transfer, a lost ack (P's lease
 expires) and a dead engine each take their path through the planners.
 """
 
@@ -26,9 +28,9 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.faults import Fault
-from pdserve.cluster.sim_report import Record, format_summary, goodput, summarize
+from pdserve.cluster.sim_report import Record, SloWatch, format_summary, goodput, summarize
 from pdserve.cluster.trace import TraceRequest
-from pdserve.roles.cost_model import GPUS, MODELS, CostModel, preset
+from pdserve.roles.cost_profile import simulated_cost
 from pdserve.roles.engine import Engine
 from pdserve.roles.sim_executor import SimExecutor
 from pdserve.scheduler.grammar import Role
@@ -66,13 +68,15 @@ class SimEngine:
         return self.alive and not self.stalled and not self.parked and self.engine.has_work()
 
 
-def build_engines(cfg: ServeConfig) -> list[SimEngine]:
-    model = preset(MODELS, "model", cfg.simulate.model)
-    gpu = preset(GPUS, "gpu", cfg.simulate.gpu)
+def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
+    """`cost`: the cost model (default: the config's, `simulated_cost`)."""
+    if cost is None:
+        s = cfg.simulate
+        cost = simulated_cost(s.gpu, s.model, s.profile)[1]
+    model = cost.model
     engine_cfg = cfg.engine
     if "max_context_tokens" not in cfg.engine_overrides:
         engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.context)
-    cost = CostModel(model, gpu)
     # the preset's cache groups, each with its own pool (capacity.group_pages:
     # engine.total_pages for full history, engine.sliding_pages for a window)
     groups = model.groups(sliding=cfg.simulate.sliding_groups)
@@ -91,10 +95,16 @@ def build_engines(cfg: ServeConfig) -> list[SimEngine]:
 
 class Simulation:
     def __init__(self, cfg: ServeConfig, trace: list[TraceRequest], plan_log=None,
-                 progress: bool = True, all_strict: bool = False, faults: list[Fault] = ()):
+                 progress: bool = True, all_strict: bool = False, faults: list[Fault] = (),
+                 watch: SloWatch | None = None):
+        """`watch`: stop as soon as it finds the SLO attainment out of reach
+        (the unreached requests stay unfinished)."""
         self.cfg = cfg
+        self.watch = watch
         self.all_strict = all_strict
-        self.engines = build_engines(cfg)
+        s = cfg.simulate
+        model, cost = simulated_cost(s.gpu, s.model, s.profile)
+        self.engines = build_engines(cfg, cost)
         self.faults = list(faults)
         self.records = {t.id: Record(t.id, t.arrival_s) for t in trace}
         self.order = [t.id for t in trace]
@@ -106,7 +116,6 @@ class Simulation:
         self.counters = {"remote_prefills": 0, "transfers": 0, "transfer_failures": 0,
                          "local_recoveries": 0, "lost_acks": 0, "lease_expiries": 0,
                          "engine_deaths": 0, "failed_by_death": 0}
-        model = preset(MODELS, "model", cfg.simulate.model)
         groups = model.groups(sliding=cfg.simulate.sliding_groups)
         self._page_bytes = [b * cfg.engine.page_size
                             for b in model.group_kv_bytes_per_token(groups)]
@@ -117,6 +126,9 @@ class Simulation:
         self._stalls_seen: dict[int, int] = {}
         for t in sorted(trace, key=lambda t: t.arrival_s):
             self._push(t.arrival_s, "arrive", t)
+        if watch is not None:     # deadlines only count misses: they wake no engine
+            for t in sorted(trace, key=lambda t: t.arrival_s):
+                self._push(t.arrival_s + watch.slo.ttft_s, "deadline", t.id)
         for f in self.faults:
             if f.kind == "engine_death":
                 self._push(f.at_s, "death", f)
@@ -173,6 +185,10 @@ class Simulation:
                 req.peer = p.index
                 p.live[tr.id] = req.prompt_len
                 p.load += req.prompt_len
+
+    def _on_deadline(self, t: float, rid: str) -> None:
+        if self.records[rid].first_token_s is None:
+            self.watch.miss(rid)
 
     def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
         p = self.engines[p_idx] if p_idx is not None else None
@@ -279,6 +295,8 @@ class Simulation:
             rec.finish_s = now
             rec.output_tokens = len(req.output)
             rec.retractions = req.retractions
+            if self.watch is not None:
+                self.watch.check(rec)
             se.load -= se.live.pop(req.id)
             se.engine.executor.forget(req.id)
             self._done += 1
@@ -366,7 +384,8 @@ class Simulation:
         bar = tqdm(total=self.n, disable=not self.progress, unit="req",
                    desc="pdserve sim", file=sys.stderr)
         engines, events = self.engines, self._events
-        while True:
+        watch = self.watch
+        while watch is None or not watch.hopeless:
             busy = None
             for se in engines:
                 if se.runnable() and (busy is None or se.clock < busy.clock):

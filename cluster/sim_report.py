@@ -1,4 +1,5 @@
-"""What `pdserve sim` reports: per-request records, the summary, goodput."""
+"""What `pdserve sim` reports: per-request records, the summary, goodput;
+the SLO a request meets, and a watch that ends a run once too many miss it."""
 
 from __future__ import annotations
 
@@ -55,12 +56,51 @@ def summarize(rows: list[dict], virtual_seconds: float) -> dict:
     return summary
 
 
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets a request meets only together (DistServe counts a
+    request as served when both hold)."""
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, row: dict) -> bool:
+        """`row`: a request of the result JSON (`Record.to_json`)."""
+        return (row["status"] == "finished" and row["ttft_s"] <= self.ttft_s
+                and (row["tpot_s"] is None or row["tpot_s"] <= self.tpot_s))
+
+
 def goodput(result: dict, ttft_slo_s: float, tpot_slo_s: float) -> float:
     """Finished requests a second that met both SLOs (DistServe's goodput)."""
-    ok = sum(1 for r in result["requests"] if r["status"] == "finished"
-             and r["ttft_s"] <= ttft_slo_s and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo_s))
+    slo = Slo(ttft_slo_s, tpot_slo_s)
+    ok = sum(1 for r in result["requests"] if slo.met(r))
     secs = result["summary"]["virtual_seconds"]
     return ok / secs if secs > 0 else 0.0
+
+
+class SloWatch:
+    """Counts, while a simulation runs, the requests certain to miss `slo`
+    (no first token by arrival + TTFT, or finished late), so that a run
+    which can no longer reach `target` attainment stops early: a rate
+    probe past capacity costs a fraction of a full run."""
+
+    def __init__(self, slo: Slo, target: float, requests: int):
+        self.slo = slo
+        self.requests = requests
+        self.need = math.ceil(target * requests - 1e-9)   # met requests a pass needs
+        self.budget = requests - self.need                 # misses a pass can afford
+        self.missed: set[str] = set()
+
+    def miss(self, req_id: str) -> None:
+        self.missed.add(req_id)
+
+    def check(self, record: Record) -> None:
+        """A finished request: count it if it was late."""
+        if not self.slo.met(record.to_json()):
+            self.missed.add(record.id)
+
+    @property
+    def hopeless(self) -> bool:
+        return len(self.missed) > self.budget
 
 
 def format_summary(summary: dict) -> str:
@@ -72,3 +112,32 @@ def format_summary(summary: dict) -> str:
         return str(v)
     width = max(len(k) for k in summary)
     return "\n".join(f"{k:<{width}}  {fmt(v)}" for k, v in summary.items())
+
+
+def plot_lines(path, lines: dict, xlabel: str, ylabel: str, title: str,
+               marked: tuple | None = None) -> bool:
+    """Draw one line a series (`lines`: label -> (xs, ys)) into a PNG, and
+    the points `marked` (xs, ys, label) as black crosses. False, with a
+    note, when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5) if len(lines) > 6 else (6, 4))
+    for label, (xs, ys) in lines.items():
+        ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    if marked is not None and marked[0]:
+        ax.plot(marked[0], marked[1], "kx", linestyle="none", markersize=6, label=marked[2])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small" if len(lines) <= 8 else "x-small",
+              ncol=1 if len(lines) <= 12 else 2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

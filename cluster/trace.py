@@ -12,6 +12,7 @@ A bad line is an error that names the line and the field.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -135,6 +136,19 @@ def _read_azure(path: Path) -> list[TraceRequest]:
             out.append(TraceRequest(f"az{i}", (ts - t0).total_seconds(),
                                     _unique_prompt(i, max(ctx, 1)), max(gen, 1), max(gen, 1)))
     return out
+
+
+def native_rate(trace: list[TraceRequest]) -> float:
+    """Requests a second over the trace's span (its first arrival is t=0)."""
+    span = max((t.arrival_s for t in trace), default=0.0)
+    return len(trace) / span if span > 0 else float(len(trace))
+
+
+def scale_arrivals(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    """The same requests arriving `factor` times as fast (open loop)."""
+    if not factor > 0:
+        raise ValueError(f"rate factor must be > 0, got {factor!r}")
+    return [dataclasses.replace(t, arrival_s=t.arrival_s / factor) for t in trace]
 
 
 def read_trace(path, limit: int | None = None) -> list[TraceRequest]:

@@ -1,0 +1,165 @@
+"""`pdserve bench sim-accuracy`: the simulator against the real deployment.
+
+For each --config: start the deployment (as `bench serve` does), find its
+saturation (closed loop at `--sat-concurrency`, req/s), then load it at
+concurrency 1 (closed loop) and with Poisson arrivals at each of
+`--fractions` x saturation, `--repeats` times. The simulator runs the same
+requests (the same prompt tokens, output lengths and arrival times; at
+concurrency 1 each request alone) on the config with `simulate.profile` set
+to `--profile`. Reports TTFT and TPOT p50 and p90 of both and the error
+(sim / real - 1) against the median real run, with the real runs' spread.
+
+Every run also records the CPU that processes outside this benchmark's
+process tree used meanwhile (`foreign_cores`): on a shared machine another
+workload's load shows up as a slower real run, not as a simulator error.
+With `--quiet C` each real run first waits (up to 15 minutes) until they
+use under C cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+
+from pdserve.benchmarks.serve import Sample, arrivals, run, workload
+from pdserve.cluster.calibrate import ForeignLoad, wait_for_quiet
+
+ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
+
+
+def sim_trace(samples: list[Sample], due: list[float] | None, max_tokens: int):
+    from pdserve.cluster.trace import TraceRequest
+    from pdserve.scheduler.request import TokenPrompt
+
+    times = due if due is not None else [i * ALONE_GAP_S for i in range(len(samples))]
+    return [TraceRequest(f"r{i}", t, TokenPrompt(list(s.prompt)), s.max_tokens, s.max_tokens)
+            for i, (s, t) in enumerate(zip(samples, times))]
+
+
+def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
+    from pdserve.cluster.sim import Simulation
+    from pdserve.cluster.sim_report import percentile
+
+    sim_cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(cfg.simulate,
+                                                                    profile=profile))
+    res = Simulation(sim_cfg, sim_trace(samples, due, max_tokens), progress=False).run()
+    fin = [r for r in res["requests"] if r["status"] == "finished"]
+
+    def pct(key):
+        xs = [r[key] for r in fin if r[key] is not None]
+        return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9)}
+    return {"ok": len(fin), "ttft_s": pct("ttft_s"), "tpot_s": pct("tpot_s")}
+
+
+def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
+            fractions, repeats: int, saturation: float | None, sat_concurrency: int,
+            seed: int, quiet: float | None = None) -> dict:
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.deploy import Deployment
+
+    cfg = load_config(path)
+    samples = workload(n, prompt_len, max_tokens, None, None, prompt_len, seed)
+    alone = samples[:n_alone]
+    out = {"config": path, "runs": []}
+    dep = Deployment(cfg)
+    if quiet is not None:
+        wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
+    try:
+        addr = dep.start()
+        run(addr, workload(4, prompt_len, max_tokens, None, None, prompt_len, seed + 1), 4,
+            None, seed, progress=False)
+        if saturation is None:
+            if quiet is not None:
+                wait_for_quiet(quiet)
+            with ForeignLoad() as load:
+                r = run(addr, samples, sat_concurrency, None, seed, progress=False)
+            saturation = r["req_per_s"]
+            out["saturation_run"] = {**r, "foreign_cores": load.cores}
+        out["saturation_req_per_s"] = saturation
+        levels = [("c1", None)] + [(f"{f:g}x", f * saturation) for f in fractions]
+        out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]
+        for rep in range(repeats):
+            for name, rate in levels:
+                batch = alone if rate is None else samples
+                if quiet is not None:
+                    wait_for_quiet(quiet)
+                with ForeignLoad() as load:
+                    r = run(addr, batch, 1 if rate is None else len(batch), rate, seed,
+                            progress=False)
+                r.update(level=name, repeat=rep, foreign_cores=load.cores)
+                out["runs"].append(r)
+                print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
+                      f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
+                      f"foreign load {_cores(load.cores)}", flush=True)
+    finally:
+        dep.stop()
+    out["sim"] = {}
+    for name, rate in levels:
+        batch = alone if rate is None else samples
+        due = None if rate is None else arrivals(batch, rate, seed)
+        out["sim"][name] = simulate(cfg, profile, batch, due, max_tokens)
+    return out
+
+
+def _ms(v) -> str:
+    return f"{v * 1000:.0f} ms" if v is not None else "-"
+
+
+def _cores(v) -> str:
+    return f"{v:.2f} cores" if v is not None else "unknown"
+
+
+def table(results: list[dict]) -> list[str]:
+    """Markdown rows: per config and level, real (median of repeats, min-max)
+    against simulated, TTFT and TPOT at p50 and p90."""
+    lines = ["| config | level | rate req/s | metric | real p50 (runs) | sim p50 | err p50 | "
+             "real p90 (runs) | sim p90 | err p90 |",
+             "| --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    for res in results:
+        for lv in res["levels"]:
+            runs = [r for r in res["runs"] if r["level"] == lv["level"]]
+            sim = res["sim"][lv["level"]]
+            rate = f"{lv['rate']:.2f}" if lv["rate"] else "closed, c=1"
+            for metric in ("ttft_s", "tpot_s"):
+                cells = []
+                for q in ("p50", "p90"):
+                    xs = sorted(r[metric][q] for r in runs if r[metric][q] is not None)
+                    real = statistics.median(xs) if xs else None
+                    s = sim[metric][q]
+                    spread = f" ({xs[0] * 1000:.0f}-{xs[-1] * 1000:.0f})" if len(xs) > 1 else ""
+                    err = f"{s / real - 1:+.0%}" if real and s is not None else "-"
+                    cells += [f"{_ms(real)}{spread}", _ms(s), err]
+                lines.append(f"| {res['config']} | {lv['level']} | {rate} | "
+                             f"{metric[:-2].upper()} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
+         fractions, repeats: int, saturation: float | None, out: str | None,
+         n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
+         quiet: float | None = None) -> int:
+    from pdserve.roles.cost_profile import load_profile
+
+    load_profile(profile)              # a bad profile fails before any deployment starts
+    profile = os.path.abspath(profile)
+    results = []
+    for path in configs:
+        results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
+                               fractions, repeats, saturation, sat_concurrency, seed, quiet))
+        print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s", flush=True)
+    print(f"{n} requests of {prompt_len} prompt tokens and {max_tokens} output tokens "
+          f"(concurrency 1: the first {min(n_alone, n)}); {repeats} real run(s) a level; "
+          f"profile {profile}")
+    for line in table(results):
+        print(line)
+    loads = [r["foreign_cores"] for res in results for r in res["runs"]
+             if r["foreign_cores"] is not None]
+    if loads:
+        print(f"CPU used outside this benchmark during the real runs: median "
+              f"{statistics.median(loads):.2f} cores, max {max(loads):.2f}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0

@@ -1,0 +1,506 @@
+"""`pdserve calibrate`: time the real engine's rounds and fit a cost profile.
+
+The config's model is loaded in this process as an engine loads it (same
+dtype, attention backend, device, engine settings) and driven by the real
+planner through a grid of rounds:
+
+- chunk sweep: one prompt cut into chunks of each size in `chunks`, so the
+  chunks start at every context from 0 up (prefill tokens x context);
+- decode sweep: for each context L in `contexts` and batch B in `batches`,
+  B requests of L tokens decode together (they share all but their last
+  page, so only one prompt is computed whole); then one fresh prompt joins
+  them, a mixed round of a chunk and B decodes.
+
+Each round's wall time is the engine's step (plan build, forward, sampling,
+apply), with the plan's features (roles/cost_profile.py). The fit minimizes
+the sum of |predicted / measured - 1|: relative, so a 5 ms round counts as
+much as a 2 s one; absolute, not squared, so it fits the median and the
+rounds another process slowed on a shared machine do not drag it. Every
+coefficient is kept >= 0 (a term that comes out negative is dropped and the
+rest refitted). Every 4th round is held out of the fit and its error
+reported.
+
+Threads: a CPU engine under Ray runs one intra-op thread (Ray sets
+OMP_NUM_THREADS=1 in an actor without CPUs), so `threads` defaults to 1 on
+CPU: the profile then describes one engine as a deployment runs it. Clock:
+wall time by default (what a deployment sees); `clock="cpu"` takes the
+thread's CPU time instead, the round's cost with a core to itself, which a
+machine other work shares still measures (memory and cache contention
+aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.cluster.config import ServeConfig, engine_for_model
+from pdserve.roles.cost_model import ModelPreset
+from pdserve.roles.cost_profile import TERMS, Profile, RoundCost, features
+
+HOLD_OUT_EVERY = 4
+
+
+@dataclass(frozen=True)
+class Round:
+    """One timed engine round and what it computed."""
+    prefills: tuple            # (begin, tokens) per chunk, replay rows included
+    decode_contexts: int       # sum of the decodes' context lengths
+    num_decodes: int
+    window_contexts: int       # sum of min(context, window) (0 without sliding layers)
+    seconds: float
+
+    @property
+    def kind(self) -> str:
+        if self.prefills and self.num_decodes:
+            return "mixed"
+        return "prefill" if self.prefills else "decode"
+
+
+@dataclass(frozen=True)
+class Grid:
+    chunks: tuple              # prefill chunk sizes (engine.max_scheduled_tokens of a stage)
+    batches: tuple             # decode batch sizes
+    contexts: tuple            # decode context lengths; the chunk sweep reaches the largest
+    decode_rounds: int = 4     # pure decode rounds timed per (batch, context)
+
+    @classmethod
+    def for_engine(cls, cfg, chunks=None, batches=None, contexts=None,
+                   decode_rounds: int = 4) -> "Grid":
+        """Defaults from the engine's own bounds: chunks page_size x 4^k up
+        to max_scheduled_tokens, batches 4^k up to max_batch_size (64 at
+        most), contexts 64, 256, 1024 (within half the context limit)."""
+        s, ps = cfg.max_scheduled_tokens, cfg.page_size
+        if chunks is None:
+            chunks = sorted({c for c in _geometric(ps, s)} | {s})
+        if batches is None:
+            top = min(cfg.max_batch_size, 64)
+            batches = sorted(set(_geometric(1, top)) | {top})
+        if contexts is None:
+            contexts = [c for c in (64, 256, 1024) if c <= cfg.max_context_tokens // 2] or \
+                [cfg.max_context_tokens // 2]
+        for name, vals, top, bound in (
+                ("chunks", chunks, s, "engine.max_scheduled_tokens"),
+                ("batches", batches, cfg.max_batch_size, "engine.max_batch_size"),
+                ("contexts", contexts, cfg.max_context_tokens - 64,
+                 "the context limit less 64 decode tokens")):
+            bad = [v for v in vals if v < 1 or v > top]
+            if bad:
+                raise ValueError(f"calibrate --{name} {bad[0]} is outside [1, {top}] ({bound}); "
+                                 "lower it, or raise that setting in the config")
+        if decode_rounds < 1:
+            raise ValueError(f"calibrate --decode-rounds must be >= 1, got {decode_rounds}")
+        return cls(tuple(chunks), tuple(batches), tuple(contexts), decode_rounds)
+
+
+def _geometric(start: int, top: int, step: int = 4):
+    v = start
+    while v <= top:
+        yield v
+        v *= step
+
+
+class Harness:
+    """One executor (the model and its KV pools), a fresh planner per stage;
+    every engine round is timed and recorded."""
+
+    def __init__(self, model, tokenizer, engine_cfg, seed: int = 0, clock: str = "wall"):
+        """`clock`: "wall" (perf_counter), or "cpu": this thread's CPU time,
+        which leaves out the time other processes held the core (a CPU
+        engine of one thread computes on the calling thread)."""
+        from pdserve.roles.torch_executor import TorchExecutor
+
+        self.model = model
+        self.cfg = engine_cfg
+        self.executor = TorchExecutor(model, tokenizer, engine_cfg, detokenize=False)
+        self.window = next((g.window for g in self.executor.groups if g.sliding), 0)
+        self.rng = random.Random(seed)
+        self.rounds: list[Round] = []
+        self.engine = None
+        self._next = 0
+        self._clock = time.thread_time if clock == "cpu" else time.perf_counter
+
+    def stage(self, **overrides) -> None:
+        from pdserve.roles.engine import Engine
+        from pdserve.scheduler.planner import Planner
+
+        if self.engine is not None:
+            self.drain()
+        cfg = dataclasses.replace(self.cfg, **overrides)
+        self.engine = Engine("calibrate", Planner(cfg, groups=self.executor.groups),
+                             self.executor)
+
+    def tokens(self, n: int) -> list:
+        vocab = self.model.cfg.vocab_size
+        return [self.rng.randrange(vocab) for _ in range(n)]
+
+    def submit(self, prompt: list, max_new: int):
+        from pdserve.kernels.sampling import SamplingParams
+        from pdserve.scheduler.request import Request, SamplingLimits
+
+        rid = f"cal-{self._next}"
+        self._next += 1
+        sp = SamplingParams(max_tokens=max_new, temperature=1.0, ignore_eos=True)
+        self.executor.register(rid, sp, fallback_seed=self._next, prompt=prompt)
+        req = Request(rid, prompt, SamplingLimits(max_new_tokens=max_new))
+        self.engine.submit(req)
+        return req
+
+    def step(self, record: bool = True):
+        t0 = self._clock()
+        out = self.engine.step()
+        dt = self._clock() - t0
+        if out is None:
+            raise RuntimeError("calibrate: the planner built an empty round with work left; "
+                               f"stalls: {self.engine.planner.stalls}")
+        if out.failed:
+            raise RuntimeError(f"calibrate: a round failed: {out.error}")
+        if record:
+            self.rounds.append(round_of(out.plan, dt, self.window))
+        return out
+
+    def step_until(self, done, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if done():
+                return
+            self.step()
+        raise RuntimeError("calibrate: a stage did not reach its state; this is a bug")
+
+    def drain(self) -> None:
+        """End the stage: abort what is live, forget it."""
+        pl = self.engine.planner
+        for rid in list(pl.requests):
+            pl.abort(rid, "calibration stage over")
+            self.executor.forget(rid)
+        pl.assert_idle()
+
+
+def round_of(plan, seconds: float, window: int) -> Round:
+    """A plan's features as the simulated executor hands them to the cost
+    model (roles/sim_executor.py), and its time."""
+    ctx = wctx = 0
+    for req in plan.decodes:
+        n = req.num_tokens
+        ctx += n
+        wctx += min(n, window) if window else 0
+    return Round(tuple((op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills),
+                 ctx, len(plan.decodes), wctx, seconds)
+
+
+def chunk_sweep(h: Harness, grid: Grid, progress) -> None:
+    top = max(grid.contexts)
+    for c in grid.chunks:
+        h.stage(max_scheduled_tokens=c)
+        length = max(c, min(top + c, 64 * c) // c * c)
+        req = h.submit(h.tokens(length), 1)
+        h.step_until(lambda: not h.engine.has_work() or req.output)
+        progress(f"chunks of {c}")
+
+
+def decode_sweep(h: Harness, grid: Grid, progress) -> None:
+    ps, s = h.cfg.page_size, h.cfg.max_scheduled_tokens
+    for ctx in grid.contexts:
+        for b in grid.batches:
+            h.stage(max_batch_size=max(b + 1, h.cfg.max_batch_size))
+            tail = min(ps, ctx)
+            shared = h.tokens(ctx - tail)
+            # enough tokens that the first is still decoding when the timed rounds end
+            new = grid.decode_rounds + 8 + -(-b * tail // s)
+            first = h.submit(shared + h.tokens(tail), new)
+            h.step_until(lambda: first.output)
+            reqs = [first] + [h.submit(shared + h.tokens(tail), new) for _ in range(b - 1)]
+            h.step_until(lambda: all(r.output for r in reqs))
+            for _ in range(grid.decode_rounds):
+                h.step()
+            h.submit(h.tokens(min(s, 4 * ctx)), 1)      # one chunk beside the decodes
+            h.step()
+            progress(f"batch {b} at context {ctx}")
+
+
+def fit(rounds: list[Round], model: ModelPreset, iterations: int = 30) -> RoundCost:
+    """Non-negative least absolute relative error (see the module doc):
+    iteratively reweighted least squares, each round weighted 1/|residual|,
+    so a round another process slowed pulls the fit no more than any other."""
+    import numpy as np
+
+    x = np.array([features(model, r.prefills, r.decode_contexts, r.num_decodes,
+                           r.window_contexts) for r in rounds], dtype=np.float64)
+    y = np.array([r.seconds for r in rounds], dtype=np.float64)
+    xr = x / y[:, None]                     # predicted / measured, per unit coefficient
+    w = np.ones_like(y)
+    coef = _nonnegative_lstsq(xr, np.ones_like(y), w)
+    for _ in range(iterations):
+        resid = np.abs(xr @ coef - 1)
+        w = 1 / np.maximum(resid, 1e-3)
+        coef = _nonnegative_lstsq(xr, np.ones_like(y), w)
+    return RoundCost(*(float(c) for c in coef))
+
+
+def _nonnegative_lstsq(x, y, w):
+    """Weighted least squares with every coefficient >= 0: a term that comes
+    out negative is dropped and the rest refitted."""
+    import numpy as np
+
+    sw = np.sqrt(w)
+    xw, yw = x * sw[:, None], y * sw
+    live = [j for j in range(x.shape[1]) if x[:, j].any()]
+    coef = np.zeros(x.shape[1])
+    while live:
+        # scale columns so features of 1 and of 10^6 pairs condition alike
+        scale = np.abs(xw[:, live]).max(axis=0)
+        sol = np.linalg.lstsq(xw[:, live] / scale, yw, rcond=None)[0] / scale
+        if (sol >= 0).all():
+            coef[live] = sol
+            break
+        live.pop(int(np.argmin(sol)))
+    return coef
+
+
+def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset) -> list[float]:
+    """Relative error of each round's prediction: (predicted - measured) / measured."""
+    return [cost.seconds(features(model, r.prefills, r.decode_contexts, r.num_decodes,
+                                  r.window_contexts)) / r.seconds - 1 for r in rounds]
+
+
+def model_facts(model, name: str) -> ModelPreset:
+    """The KV shape the simulator needs, read off the loaded model."""
+    c = model.cfg
+    sliding = [g for g in model.cache_groups() if g.sliding]
+    windows = {g.window for g in sliding}
+    if len(windows) > 1:
+        raise ValueError(f"model {name} has sliding layers of several windows {sorted(windows)}; "
+                         "a cost profile describes one window")
+    params = 0
+    for v in vars(model).values():
+        params += _numel(v)
+    return ModelPreset(name, float(params), c.num_layers, c.num_heads, c.num_kv_heads,
+                       c.head_dim, c.max_position, dtype_bytes=model.dtype.itemsize,
+                       sliding_layers=sum(len(g.layers) for g in sliding),
+                       window=windows.pop() if windows else 0)
+
+
+def _numel(v, seen=None) -> int:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v.numel()
+    if isinstance(v, (list, tuple)):
+        return sum(_numel(x) for x in v)
+    if isinstance(v, dict):
+        return sum(_numel(x) for x in v.values())
+    if hasattr(v, "__dict__") and type(v).__module__.startswith("pdserve.kernels"):
+        return sum(_numel(x) for x in vars(v).values())
+    return 0
+
+
+def copy_bandwidth(device, repeats: int = 5) -> float:
+    """Bytes/s of a 64 MiB device-to-host copy (the median of `repeats`)."""
+    import torch
+
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty(64 << 20, dtype=torch.uint8, device="cpu")
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return src.numel() / times[len(times) // 2]
+
+
+class ForeignLoad:
+    """CPU (in cores) used by processes outside this one's tree, sampled
+    from /proc while the block runs. None where /proc is not there."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s = every_s
+        self.cores = None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        if not os.path.exists("/proc/stat"):
+            return self
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if hasattr(self, "_thread"):
+            self._stop.set()
+            self._thread.join()
+
+    @staticmethod
+    def _busy() -> int:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4]          # all but idle and iowait
+
+    @staticmethod
+    def _mine(root: int) -> int:
+        parent, ticks = {}, {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d)] = int(st[1])
+            ticks[int(d)] = int(st[11]) + int(st[12])
+        total = 0
+        for pid, t in ticks.items():
+            p = pid
+            while p > 1 and p != root:
+                p = parent.get(p, 0)
+            if p == root:
+                total += t
+        return total
+
+    def _watch(self) -> None:
+        hz = os.sysconf("SC_CLK_TCK")
+        root = os.getpid()
+        t0, b0, m0 = time.perf_counter(), self._busy(), self._mine(root)
+        while not self._stop.wait(self.every_s):
+            pass
+        dt = time.perf_counter() - t0
+        # children that ended during the block count as foreign (their
+        # ticks left with them); a benchmark run keeps its processes alive
+        self.cores = max(0.0, (self._busy() - b0 - (self._mine(root) - m0)) / hz / dt)
+
+
+def wait_for_quiet(below: float, window_s: float = 5.0, timeout_s: float = 900.0) -> float | None:
+    """Wait until other processes use less than `below` cores over a window
+    (at most `timeout_s`); the last window's load (None without /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with ForeignLoad() as load:
+            time.sleep(window_s)
+        if load.cores is None or load.cores < below or time.monotonic() > deadline:
+            return load.cores
+
+
+def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | None = None,
+              threads: int | None = None, seed: int = 0, progress: bool = True,
+              source: str = "", clock: str = "wall") -> tuple[Profile, list[Round], dict]:
+    """(profile, every timed round, the fit's held-out report). `clock`:
+    see `Harness`."""
+    import torch
+
+    from pdserve.kernels.loader import load_model
+
+    device = cfg.model.device_for(device)
+    if threads is None:
+        threads = 1 if device == "cpu" else torch.get_num_threads()
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"calibrate --clock is {clock!r}; use wall or cpu")
+    if clock == "cpu" and (device != "cpu" or threads != 1):
+        raise ValueError(f"calibrate --clock cpu times the calling thread, so it needs device "
+                         f"cpu and --threads 1 (got {device}, {threads} threads); use "
+                         "--clock wall")
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    m = cfg.model
+    model, tok = load_model(m.path, m.preset, dtype=m.dtype, device=device,
+                            attention=m.attention)
+    engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
+    grid = Grid.for_engine(engine_cfg, **(grid_args or {}))
+    facts = model_facts(model, m.served_name)
+    h = Harness(model, tok, engine_cfg, seed, clock)
+
+    def say(what: str) -> None:
+        if progress:
+            print(f"pdserve calibrate: {what} ({len(h.rounds)} rounds, "
+                  f"{time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    # warm-up: first forwards allocate and (on a GPU) compile; not recorded
+    h.stage()
+    warm = h.submit(h.tokens(min(engine_cfg.max_scheduled_tokens, 64)), 4)
+    while h.engine.has_work() and len(warm.output) < 4:
+        h.step(record=False)
+    with ForeignLoad() as load:
+        chunk_sweep(h, grid, say)
+        decode_sweep(h, grid, say)
+    h.drain()
+    rounds = h.rounds
+    train = [r for i, r in enumerate(rounds) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+    held = [r for i, r in enumerate(rounds) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    cost = fit(train, facts)
+    report = held_out_report(cost, held, facts)
+    measured = {
+        "config": source, "model": m.served_name, "device": device,
+        "dtype": str(model.dtype).removeprefix("torch."), "threads": threads, "clock": clock,
+        "torch": str(torch.__version__), "rounds": len(rounds), "held_out": len(held),
+        "held_out_error": report,
+        "grid": {"chunks": list(grid.chunks), "batches": list(grid.batches),
+                 "contexts": list(grid.contexts), "decode_rounds": grid.decode_rounds},
+        "seconds": round(time.perf_counter() - started, 1),
+        # CPU other processes used meanwhile (a shared machine slows the rounds)
+        "foreign_cores": None if load.cores is None else round(load.cores, 2),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return Profile(cost, facts, copy_bandwidth(model.device), measured), rounds, report
+
+
+def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset) -> dict:
+    """|relative error| p50, p90 and max over held-out rounds, overall and by kind."""
+    from pdserve.cluster.sim_report import percentile
+
+    def stats(rs):
+        e = [abs(x) for x in errors(cost, rs, model)]
+        return {"rounds": len(e), "p50": round(percentile(e, 0.5), 4),
+                "p90": round(percentile(e, 0.9), 4), "max": round(max(e), 4)} if e else {}
+    out = {"all": stats(held)}
+    for kind in ("prefill", "decode", "mixed"):
+        s = stats([r for r in held if r.kind == kind])
+        if s:
+            out[kind] = s
+    return out
+
+
+FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\n"
+        "#   + prefill_token_s * P + prefill_pair_s * Q + decode_s * D + decode_context_s * K\n"
+        "# M: 1 if the round computes more than one token; C: prefill chunks; P: the\n"
+        "# tokens they compute; Q: their query x key pairs (a chunk of n tokens from\n"
+        "# position b: n * (b + (n + 1) / 2)); D: decoding requests; K: the sum of their\n"
+        "# context lengths. Use it with `simulate: {profile: THIS_FILE}`.\n")
+
+
+def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,
+         contexts, decode_rounds: int, seed: int = 0, rounds_out: str | None = None,
+         clock: str = "wall") -> int:
+    from pdserve.cluster.config import load_config
+    from pdserve.roles.cost_profile import save_profile
+
+    cfg = load_config(config)
+    grid_args = {"chunks": chunks, "batches": batches, "contexts": contexts,
+                 "decode_rounds": decode_rounds}
+    profile, rounds, report = calibrate(cfg, grid_args, device, threads, seed, source=config,
+                                        clock=clock)
+    save_profile(profile, out, header=f"# pdserve cost profile of {config}, written by "
+                                      f"`pdserve calibrate`\n" + FORM)
+    if rounds_out:
+        with open(rounds_out, "w") as f:
+            for r in rounds:
+                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+    ms = profile.measured
+    print(f"pdserve calibrate: {ms['model']} on {ms['device']} ({ms['dtype']}, "
+          f"{ms['threads']} thread(s), {clock} clock): {len(rounds)} rounds in {ms['seconds']:.0f} s; "
+          f"profile in {out}")
+    if ms["foreign_cores"] is not None:
+        print(f"  other processes used {ms['foreign_cores']:.2f} cores meanwhile")
+    for t, v in zip(TERMS, profile.round.coefficients()):
+        print(f"  {t:<17} {v:.4g}")
+    print("held-out rounds, |predicted/measured - 1|:")
+    for kind, s in report.items():
+        print(f"  {kind:<8} {s['rounds']:>4} rounds  p50 {s['p50']:.1%}  p90 {s['p90']:.1%}  "
+              f"max {s['max']:.1%}")
+    return 0

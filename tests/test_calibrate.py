@@ -1,0 +1,269 @@
+"""`pdserve calibrate` and `simulate.profile`: the profile file and its
+errors, the fit, the simulator charging what the profile says, and a coarse
+check of the simulator against the real engine (the tiny model on CPU).
+
+Timing bounds here are deliberately loose. The tiny model's rounds take
+1-30 ms on CPU, and on a shared two-core machine another process's burst
+can double a round; calibrate's held-out error on it measured 8-16% (p50)
+with up to one core of other load. A factor of 3 (see the last test) still
+catches what breaks a simulator: a profile in the wrong unit, a feature
+wired to the wrong count, a term dropped (each is off by far more than 3x
+somewhere).
+"""
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.cluster.calibrate import Round, fit
+from pdserve.cluster.cli import main
+from pdserve.cluster.config import ServeConfig, load_config
+from pdserve.cluster.sim import Simulation
+from pdserve.cluster.trace import TraceRequest
+from pdserve.roles.cost_model import MODELS, CostModel, GPUS
+from pdserve.roles.cost_profile import (TERMS, Profile, ProfiledCostModel, RoundCost,
+                                        features, load_profile, save_profile,
+                                        simulated_cost)
+from pdserve.scheduler import ConfigError
+from pdserve.scheduler.request import TokenPrompt
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = MODELS["tiny"]
+
+
+def profile_dict(**round_terms) -> dict:
+    rnd = {t: 0.0 for t in TERMS}
+    rnd.update(round_terms or {"overhead_s": 0.001, "decode_s": 0.01})
+    return {"kind": "pdserve-cost-profile", "version": 1, "round": rnd,
+            "copy_bytes_per_s": 1e10,
+            "model": {"name": "tiny", "layers": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 16,
+                      "context": 4096, "kv_dtype_bytes": 4}}
+
+
+def write_profile(tmp_path, data, name="p.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+# ---- the profile file ------------------------------------------------------------
+
+def test_a_saved_profile_loads_back_equal(tmp_path):
+    p = Profile(RoundCost(0.001, 0.003, 0.0002, 1e-5, 1e-8, 0.002, 1e-7), TINY, 5e9,
+                {"device": "cpu"})
+    save_profile(p, tmp_path / "p.yaml", header="# a comment\n")
+    assert load_profile(tmp_path / "p.yaml") == p
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["round"].pop("decode_s"), "profile.round lacks decode_s"),
+    (lambda d: d["round"].update(decode_s=-1.0), "profile.round.decode_s must be a finite "
+                                                 "number >= 0, got -1.0"),
+    (lambda d: d["round"].update(decode_s="fast"), "profile.round.decode_s must be"),
+    (lambda d: d["round"].update(bogus_s=1.0), "unknown key profile.round.bogus_s"),
+    (lambda d: d.update(round={t: 0.0 for t in TERMS}, ), "charges nothing per token"),
+    (lambda d: d["model"].pop("kv_heads"), "profile.model lacks kv_heads"),
+    (lambda d: d["model"].update(head_dim=0), "profile.model.head_dim must be an integer >= 1"),
+    (lambda d: d["model"].update(sliding_layers=1), "sliding layers need a window"),
+    (lambda d: d.update(kind="vidur"), "not a file `pdserve calibrate` wrote"),
+    (lambda d: d.update(version=7), "recalibrate"),
+    (lambda d: d.update(copy_bytes_per_s=0), "profile.copy_bytes_per_s must be a finite "
+                                             "number > 0"),
+    (lambda d: d.pop("model"), "profile.model is missing"),
+    (lambda d: d.update(gpu="h100"), "unknown key profile.gpu"),
+])
+def test_a_bad_profile_is_refused_naming_the_field(tmp_path, mutate, message):
+    data = profile_dict()
+    mutate(data)
+    p = write_profile(tmp_path, data)
+    with pytest.raises(ConfigError, match="cost profile .*p.yaml: ") as e:
+        load_profile(p)
+    assert message in str(e.value)
+
+
+def test_a_missing_or_unparsable_profile_says_how_to_make_one(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist; write one with `pdserve calibrate"):
+        load_profile(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("round: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_profile(bad)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="profile is empty"):
+        load_profile(empty)
+
+
+def test_simulate_profile_replaces_gpu_and_model_and_must_name_a_file():
+    with pytest.raises(ConfigError, match="simulate.profile replaces simulate.gpu and "
+                                          "simulate.model.*remove gpu"):
+        ServeConfig.from_dict({"simulate": {"profile": "p.yaml", "gpu": "h100"}})
+    with pytest.raises(ConfigError, match="simulate.profile is 3"):
+        ServeConfig.from_dict({"simulate": {"profile": 3}})
+
+
+def test_a_relative_profile_is_read_beside_the_config(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    write_profile(tmp_path / "sub", profile_dict())
+    cfg_path = tmp_path / "sub" / "c.yaml"
+    cfg_path.write_text("cluster: {fused: 1}\nsimulate: {profile: p.yaml}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("sub/c.yaml")
+    assert Path(cfg.simulate.profile) == Path("sub") / "p.yaml"
+    model, cost = simulated_cost(cfg.simulate.gpu, cfg.simulate.model, cfg.simulate.profile)
+    assert isinstance(cost, ProfiledCostModel) and model.kv_heads == 2
+
+
+def test_presets_still_give_the_roofline_model():
+    model, cost = simulated_cost("h100", "llama-3-8b", None)
+    assert isinstance(cost, CostModel) and cost.gpu is GPUS["h100"] and model is MODELS["llama-3-8b"]
+
+
+def test_a_sim_with_a_bad_profile_fails_at_the_command_line_with_the_reason(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster: {fused: 1}\nsimulate: {profile: missing.yaml}\n")
+    code = main(["sim", "--config", str(cfg), "--trace", str(ROOT / "deploy/demo-trace.jsonl"),
+                 "--out", str(tmp_path / "o.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "missing.yaml" in err and "pdserve calibrate" in err
+
+
+# ---- the form and the simulator ------------------------------------------------------
+
+def test_features_count_chunks_tokens_pairs_decodes_and_contexts():
+    # a chunk of 4 tokens from position 10 pairs each query with 11..14 keys
+    assert features(TINY, [(10, 4), (0, 2)], 300, 3) == (1.0, 1.0, 2.0, 6.0, 4 * 12.5 + 2 * 1.5,
+                                                         3.0, 300.0)
+    # one token alone: the matrix-vector path, no multi-token step
+    assert features(TINY, [], 40, 1)[:2] == (1.0, 0.0)
+    assert features(TINY, [(0, 1)], 0, 0)[:2] == (1.0, 0.0)
+
+
+def test_the_simulator_charges_each_round_what_the_profile_says(tmp_path):
+    """One request alone on a fused engine: its first token comes after one
+    prefill round and each later token after one decode round, each costing
+    exactly the profile's form."""
+    terms = dict(overhead_s=0.002, multi_token_s=0.005, prefill_chunk_s=0.003, prefill_token_s=0.0001,
+                 prefill_pair_s=1e-7, decode_s=0.004, decode_context_s=1e-5)
+    prof = write_profile(tmp_path, profile_dict(**terms))
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "simulate": {"profile": str(prof)},
+                                 "engine": {"max_scheduled_tokens": 256}})
+    trace = [TraceRequest("a", 0.0, TokenPrompt(list(range(100))), 5, 5)]
+    res = Simulation(cfg, trace, progress=False).run()["requests"][0]
+    c = RoundCost(**terms)
+    prefill = c.seconds(features(TINY, [(0, 100)], 0, 0))
+    assert res["ttft_s"] == pytest.approx(prefill)
+    # decodes read contexts 101 .. 104 (the prompt plus the tokens so far)
+    decodes = [c.seconds(features(TINY, [], n, 1)) for n in range(101, 105)]
+    assert res["tpot_s"] == pytest.approx(sum(decodes) / 4)
+
+
+def test_profiled_copies_cost_bytes_over_the_measured_bandwidth(tmp_path):
+    cost = ProfiledCostModel(load_profile(write_profile(tmp_path, profile_dict())))
+    assert cost.copy_seconds(100) == pytest.approx(100 * TINY.kv_bytes_per_token / 1e10)
+    assert cost.round_seconds([], 0, 0) == 0.0
+
+
+# ---- the fit ------------------------------------------------------------------------
+
+def synthetic_rounds(truth: RoundCost, n: int, seed: int, noise: float, outliers: float):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        chunks = [(rng.choice([0, 64, 512]), rng.choice([16, 64, 256]))
+                  for _ in range(rng.choice([0, 0, 1, 2]))]
+        d = rng.choice([0, 1, 4, 16, 64]) if chunks else rng.choice([1, 4, 16, 64])
+        ctx = d * rng.choice([64, 256, 1024])
+        t = truth.seconds(features(TINY, chunks, ctx, d)) * (1 + rng.uniform(-noise, noise))
+        if rng.random() < outliers:
+            t *= 3                   # another process took the core for a while
+        out.append(Round(tuple(chunks), ctx, d, 0, t))
+    return out
+
+
+def test_the_fit_recovers_known_coefficients_despite_noise_and_slowed_rounds():
+    truth = RoundCost(0.05, 0.04, 0.01, 0.003, 3e-6, 0.006, 1.5e-5)
+    rounds = synthetic_rounds(truth, 300, seed=1, noise=0.05, outliers=0.1)
+    got = fit(rounds, TINY)
+    # judged by what the simulator uses, the predicted round time (a weakly
+    # determined term, e.g. per chunk beside per token, may trade off)
+    fresh = synthetic_rounds(truth, 200, seed=2, noise=0.0, outliers=0.0)
+    err = sorted(abs(got.seconds(f) / truth.seconds(f) - 1) for f in (
+        features(TINY, r.prefills, r.decode_contexts, r.num_decodes) for r in fresh))
+    # (plain least squares: 2.4% and 5.8% here, the slowed rounds pull it)
+    assert err[len(err) // 2] < 0.01 and err[-1] < 0.05
+
+
+def test_the_fit_keeps_every_coefficient_non_negative():
+    # rounds that take the same time whatever they hold: only the overhead is real
+    rounds = [Round(((0, n),), 0, 0, 0, 0.01) for n in (16, 64, 256)] + \
+             [Round((), 64 * d, d, 0, 0.01) for d in (1, 4, 16)]
+    got = fit(rounds, TINY)
+    assert all(c >= 0 for c in got.coefficients())
+    assert got.overhead_s == pytest.approx(0.01, rel=0.01)
+
+
+# ---- the real engine, coarsely ------------------------------------------------------
+
+def test_calibrated_tiny_profile_predicts_the_real_engine_within_3x(tmp_path):
+    """Calibrate the tiny model (small grid), check held-out rounds, then
+    time real `pdserve.LLM` runs (one thread, as calibrated) against the
+    simulator with the profile: one request's TTFT and TPOT, and a batch's
+    makespan, each the median of 3 runs, within a factor of 3. Both sides
+    count the thread's CPU time (`--clock cpu`), not wall time: with other
+    jobs on a two-core machine wall times here were measured 2x off. Even
+    CPU time moves with them (caches, memory bandwidth): at a load average
+    of 12 on two cores, five runs gave sim/real of 0.55 to 1.66, so the
+    bound is 3x, still far inside what a unit or wiring error costs."""
+    import torch
+
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
+    out = tmp_path / "tiny.yaml"
+    assert main(["calibrate", "--config", str(ROOT / "deploy/local-tiny.yaml"), "--out", str(out),
+                 "--chunks", "16", "64", "256", "--batches", "1", "4", "16",
+                 "--contexts", "64", "256", "--clock", "cpu"]) == 0
+    prof = load_profile(out)
+    assert prof.measured["threads"] == 1 and prof.measured["clock"] == "cpu"
+    assert prof.model.layers == TINY.layers
+    assert prof.measured["held_out_error"]["all"]["p50"] < 0.5
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(str(ROOT / "deploy/local-tiny.yaml"))
+        rng = random.Random(3)
+
+        def wall(prompts, max_tokens):
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+            t0 = time.thread_time()
+            llm.generate(prompts, sp, use_tqdm=False)
+            return time.thread_time() - t0
+
+        def prompt(n=128):
+            return [rng.randrange(1, 95) for _ in range(n)]
+        wall([prompt()], 8)                                   # warm-up
+        first = statistics.median(wall([prompt()], 1) for _ in range(3))
+        long = statistics.median(wall([prompt()], 64) for _ in range(3))
+        # fresh prompts every run: the engine's prefix cache would serve repeats
+        makespan = statistics.median(wall([prompt() for _ in range(8)], 32) for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    real_tpot = (long - first) / 63
+
+    cfg = ServeConfig.from_dict({"model": {"preset": "tiny"}, "cluster": {"fused": 1},
+                                 "engine": {"max_scheduled_tokens": 256, "max_batch_size": 256,
+                                            "total_pages": 4096},
+                                 "simulate": {"profile": str(out)}})
+    one = Simulation(cfg, [TraceRequest("a", 0.0, TokenPrompt(prompt()), 64, 64)],
+                     progress=False).run()["requests"][0]
+    many = Simulation(cfg, [TraceRequest(f"b{i}", 0.0, TokenPrompt(prompt()), 32, 32)
+                            for i in range(8)], progress=False).run()
+    for name, sim, real in (("TTFT", one["ttft_s"], first), ("TPOT", one["tpot_s"], real_tpot),
+                            ("makespan", many["summary"]["virtual_seconds"], makespan)):
+        assert 1 / 3 < sim / real < 3, f"{name}: simulated {sim * 1e3:.2f} ms, real {real * 1e3:.2f} ms"
