@@ -6,8 +6,10 @@ concurrency 1 (closed loop) and with Poisson arrivals at each of
 `--fractions` x saturation, `--repeats` times. The simulator runs the same
 requests (the same prompt tokens, output lengths and arrival times; at
 concurrency 1 each request alone) on the config with `simulate.profile` set
-to `--profile`. Reports TTFT and TPOT p50 and p90 of both and the error
-(sim / real - 1) against the median real run, with the real runs' spread.
+to `--profile`. Each run draws fresh prompts (its own seed), so no run is
+served from the prefix cache an earlier one filled. Reports TTFT and TPOT
+p50 and p90 of both, medians over the runs with their spread, and the
+error (median sim / median real - 1).
 
 Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
@@ -56,50 +58,54 @@ def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
 def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
             fractions, repeats: int, saturation: float | None, sat_concurrency: int,
             seed: int, quiet: float | None = None) -> dict:
+    """Every run draws fresh prompts (its own seed): a prompt the deployment
+    has seen would be served from its prefix cache, and the simulator, which
+    starts empty each run, would compute it whole."""
     from pdserve.cluster.config import load_config
     from pdserve.cluster.deploy import Deployment
 
     cfg = load_config(path)
-    samples = workload(n, prompt_len, max_tokens, None, None, prompt_len, seed)
-    alone = samples[:n_alone]
+
+    def batch(run_seed: int, rate):
+        return workload(n_alone if rate is None else n, prompt_len, max_tokens, None, None,
+                        prompt_len, run_seed)
     out = {"config": path, "runs": []}
     dep = Deployment(cfg)
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
     try:
         addr = dep.start()
-        run(addr, workload(4, prompt_len, max_tokens, None, None, prompt_len, seed + 1), 4,
-            None, seed, progress=False)
+        run(addr, batch(seed + 1, None), 4, None, seed, progress=False)      # warm-up
         if saturation is None:
             if quiet is not None:
                 wait_for_quiet(quiet)
             with ForeignLoad() as load:
-                r = run(addr, samples, sat_concurrency, None, seed, progress=False)
+                r = run(addr, batch(seed + 2, 0), sat_concurrency, None, seed, progress=False)
             saturation = r["req_per_s"]
             out["saturation_run"] = {**r, "foreign_cores": load.cores}
         out["saturation_req_per_s"] = saturation
         levels = [("c1", None)] + [(f"{f:g}x", f * saturation) for f in fractions]
         out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]
         for rep in range(repeats):
-            for name, rate in levels:
-                batch = alone if rate is None else samples
+            for i, (name, rate) in enumerate(levels):
+                run_seed = seed + 100 * (rep + 1) + i
                 if quiet is not None:
                     wait_for_quiet(quiet)
                 with ForeignLoad() as load:
-                    r = run(addr, batch, 1 if rate is None else len(batch), rate, seed,
-                            progress=False)
-                r.update(level=name, repeat=rep, foreign_cores=load.cores)
+                    r = run(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
+                            run_seed, progress=False)
+                r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
+                         foreign_cores=load.cores)
                 out["runs"].append(r)
                 print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
                       f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
                       f"foreign load {_cores(load.cores)}", flush=True)
     finally:
         dep.stop()
-    out["sim"] = {}
-    for name, rate in levels:
-        batch = alone if rate is None else samples
-        due = None if rate is None else arrivals(batch, rate, seed)
-        out["sim"][name] = simulate(cfg, profile, batch, due, max_tokens)
+    for r in out["runs"]:             # the same requests at the same times, simulated
+        samples = batch(r["seed"], r["rate"])
+        due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
+        r["sim"] = simulate(cfg, profile, samples, due, max_tokens)
     return out
 
 
@@ -111,26 +117,33 @@ def _cores(v) -> str:
     return f"{v:.2f} cores" if v is not None else "unknown"
 
 
+def _median_cell(values) -> tuple:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None, "-"
+    mid = statistics.median(xs)
+    spread = f" ({xs[0] * 1000:.0f}-{xs[-1] * 1000:.0f})" if len(xs) > 1 else ""
+    return mid, _ms(mid) + spread
+
+
 def table(results: list[dict]) -> list[str]:
-    """Markdown rows: per config and level, real (median of repeats, min-max)
-    against simulated, TTFT and TPOT at p50 and p90."""
-    lines = ["| config | level | rate req/s | metric | real p50 (runs) | sim p50 | err p50 | "
-             "real p90 (runs) | sim p90 | err p90 |",
+    """Markdown rows: per config and level, the median over runs (min-max)
+    of the real deployment and of the simulator on each run's requests,
+    TTFT and TPOT at p50 and p90; the error is median sim / median real - 1."""
+    lines = ["| config | level | rate req/s | metric | real p50 (runs) | sim p50 (runs) | "
+             "err p50 | real p90 (runs) | sim p90 (runs) | err p90 |",
              "| --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
     for res in results:
         for lv in res["levels"]:
             runs = [r for r in res["runs"] if r["level"] == lv["level"]]
-            sim = res["sim"][lv["level"]]
             rate = f"{lv['rate']:.2f}" if lv["rate"] else "closed, c=1"
             for metric in ("ttft_s", "tpot_s"):
                 cells = []
                 for q in ("p50", "p90"):
-                    xs = sorted(r[metric][q] for r in runs if r[metric][q] is not None)
-                    real = statistics.median(xs) if xs else None
-                    s = sim[metric][q]
-                    spread = f" ({xs[0] * 1000:.0f}-{xs[-1] * 1000:.0f})" if len(xs) > 1 else ""
-                    err = f"{s / real - 1:+.0%}" if real and s is not None else "-"
-                    cells += [f"{_ms(real)}{spread}", _ms(s), err]
+                    real, real_cell = _median_cell([r[metric][q] for r in runs])
+                    sim, sim_cell = _median_cell([r["sim"][metric][q] for r in runs])
+                    err = f"{sim / real - 1:+.0%}" if real and sim is not None else "-"
+                    cells += [real_cell, sim_cell, err]
                 lines.append(f"| {res['config']} | {lv['level']} | {rate} | "
                              f"{metric[:-2].upper()} | " + " | ".join(cells) + " |")
     return lines

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.sim import Simulation
-from pdserve.cluster.sim_report import Slo, SloWatch, goodput, percentile
+from pdserve.cluster.sim_report import Slo, SloWatch, percentile
 from pdserve.cluster.trace import TraceRequest, native_rate, scale_arrivals
 from pdserve.scheduler.config import ConfigError
 
@@ -26,10 +26,11 @@ class Probe:
     factor: float
     rate_req_s: float
     passed: bool
-    attainment: float       # met / requests; stopped early: the most it could have reached
+    # met / requests; stopped early, met / decided (finished or certainly
+    # missed by then): how the part it simulated went
+    attainment: float
     stopped_early: bool     # the target became unreachable before the trace ended
     finished: int
-    goodput_req_s: float    # requests that met the SLO per simulated second (so far, if stopped)
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     tpot_p50_s: float | None
@@ -53,11 +54,11 @@ def run_probe(cfg: ServeConfig, trace: list[TraceRequest], factor: float, slo: S
     tpot = [r["tpot_s"] for r in fin if r["tpot_s"] is not None]
     n = len(trace)
     stopped = watch.hopeless
-    met = n - len(watch.missed) if stopped else sum(1 for r in res["requests"] if slo.met(r))
+    met = sum(1 for r in res["requests"] if slo.met(r))
     return Probe(factor=factor, rate_req_s=factor * native_rate(trace),
-                 passed=not stopped and met >= watch.need, attainment=met / n,
+                 passed=not stopped and met >= watch.need,
+                 attainment=met / (met + len(watch.missed)) if stopped else met / n,
                  stopped_early=stopped, finished=len(fin),
-                 goodput_req_s=goodput(res, slo.ttft_s, slo.tpot_s),
                  ttft_p50_s=percentile(ttft, 0.5), ttft_p90_s=percentile(ttft, 0.9),
                  tpot_p50_s=percentile(tpot, 0.5), tpot_p90_s=percentile(tpot, 0.9),
                  wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)

@@ -3,7 +3,8 @@
     DIR/plan.yaml   the base config with the winner's cluster: and
                     engine.max_scheduled_tokens (`pdserve up` and `sim` take it)
     DIR/plan.json   the settings, the winner, every candidate's probes
-    DIR/plan.png    goodput per GPU against offered rate, a line a candidate
+    DIR/plan.png    req/s per GPU within the SLO against offered rate, a line a
+                    candidate
 """
 
 from __future__ import annotations
@@ -103,23 +104,27 @@ def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:
 
 
 def plot(result: PlanResult, path: Path) -> bool:
-    """Goodput per GPU (requests that met the SLO per simulated second)
-    against offered rate, a line a candidate; a cross marks a rate that
-    failed the attainment target (a run stopped early counts the part it
-    simulated)."""
+    """Requests a second per GPU that met the SLO (rate x attainment / GPUs)
+    against offered rate, a line a candidate. Points under the dashed line
+    missed the attainment target; a cross is a run stopped early, plotted
+    with the attainment of the part it simulated."""
     s = result.settings
-    lines, fails = {}, ([], [], f"below {s.attainment:.0%} attainment")
+    lines, stopped = {}, ([], [], "stopped early")
     for b in result.ranked():
         pts = sorted(b.probes, key=lambda p: p.factor)
-        lines[b.candidate.name] = ([p.rate_req_s for p in pts],
-                                   [p.goodput_req_s / s.gpus for p in pts])
-        for p in pts:
-            if not p.passed:
-                fails[0].append(p.rate_req_s)
-                fails[1].append(p.goodput_req_s / s.gpus)
-    return plot_lines(path, lines, "offered rate (req/s)", "goodput per GPU (req/s)",
+        ys = [p.rate_req_s * p.attainment / s.gpus for p in pts]
+        lines[b.candidate.name] = ([p.rate_req_s for p in pts], ys)
+        for p, y in zip(pts, ys):
+            if p.stopped_early:
+                stopped[0].append(p.rate_req_s)
+                stopped[1].append(y)
+    xs = sorted({x for line in lines.values() for x in line[0]})
+    target = ([xs[0], xs[-1]], [x * s.attainment / s.gpus for x in (xs[0], xs[-1])],
+              f"{s.attainment:.0%} attainment")
+    return plot_lines(path, lines, "offered rate (req/s)",
+                      "req/s per GPU within the SLO (goodput at the target)",
                       f"pdserve plan: {s.gpus} GPUs, TTFT<={s.slo.ttft_s:g}s, "
-                      f"TPOT<={s.slo.tpot_s * 1000:g}ms", marked=fails)
+                      f"TPOT<={s.slo.tpot_s * 1000:g}ms", reference=target, marked=stopped)
 
 
 def command(args) -> int:

@@ -115,10 +115,11 @@ def format_summary(summary: dict) -> str:
 
 
 def plot_lines(path, lines: dict, xlabel: str, ylabel: str, title: str,
-               marked: tuple | None = None) -> bool:
-    """Draw one line a series (`lines`: label -> (xs, ys)) into a PNG, and
-    the points `marked` (xs, ys, label) as black crosses. False, with a
-    note, when matplotlib is not installed."""
+               reference: tuple | None = None, marked: tuple | None = None) -> bool:
+    """Draw one line a series (`lines`: label -> (xs, ys)) into a PNG,
+    `reference` (xs, ys, label) dashed and the points `marked` (xs, ys,
+    label) as black crosses. False, with a note, when matplotlib is not
+    installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -129,6 +130,8 @@ def plot_lines(path, lines: dict, xlabel: str, ylabel: str, title: str,
     fig, ax = plt.subplots(figsize=(7, 4.5) if len(lines) > 6 else (6, 4))
     for label, (xs, ys) in lines.items():
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    if reference is not None:
+        ax.plot(reference[0], reference[1], "k--", linewidth=0.8, label=reference[2])
     if marked is not None and marked[0]:
         ax.plot(marked[0], marked[1], "kx", linestyle="none", markersize=6, label=marked[2])
     ax.set_xlabel(xlabel)

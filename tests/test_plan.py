@@ -59,7 +59,7 @@ def test_candidates_are_n_fused_then_every_split_of_n_for_each_chunk():
 
 
 def fake_probe(factor, passes):
-    return Probe(factor, factor, passes, 1.0 if passes else 0.5, not passes, 0, factor,
+    return Probe(factor, factor, passes, 1.0 if passes else 0.5, not passes, 0,
                  None, None, None, None)
 
 
@@ -158,8 +158,10 @@ def test_plan_yaml_loads_and_names_the_best_candidate(files, tmp_path, capsys):
     assert plan["candidates"][0]["shape"] == best["shape"]
     assert len(plan["candidates"]) == 3 * 2            # fused x3, 1P+2D, 2P+1D x 2 chunks
     assert f"best: {best['shape']}, chunk {best['chunk']}" in printed
-    assert (tmp_path / "out" / "plan.png").stat().st_size > 0 or \
-        "matplotlib is not installed" in printed
+    assert main(["sim", "--config", str(tmp_path / "out" / "plan.yaml"), "--trace", str(trace),
+                 "--out", str(tmp_path / "sim.json"), "--no-progress"]) == 0
+    png = tmp_path / "out" / "plan.png"
+    assert (png.is_file() and png.stat().st_size > 0) or "matplotlib is not installed" in printed
 
 
 def test_two_runs_write_the_same_plan_whatever_runs_the_probes(files, tmp_path):
