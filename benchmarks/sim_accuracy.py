@@ -15,7 +15,8 @@ Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
 workload's load shows up as a slower real run, not as a simulator error.
 With `--quiet C` each real run first waits (up to 15 minutes) until they
-use under C cores.
+use under C cores. `--replay FILE` simulates the real runs a previous
+`--out FILE` recorded again, with another `--profile`, starting nothing.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
     def batch(run_seed: int, rate):
         return workload(n_alone if rate is None else n, prompt_len, max_tokens, None, None,
                         prompt_len, run_seed)
-    out = {"config": path, "runs": []}
+    out = {"config": path, "runs": [], "workload": {"requests": n, "alone": n_alone,
+                                                   "prompt_len": prompt_len,
+                                                   "max_tokens": max_tokens}}
     dep = Deployment(cfg)
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
@@ -102,11 +105,21 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                       f"foreign load {_cores(load.cores)}", flush=True)
     finally:
         dep.stop()
-    for r in out["runs"]:             # the same requests at the same times, simulated
-        samples = batch(r["seed"], r["rate"])
-        due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
-        r["sim"] = simulate(cfg, profile, samples, due, max_tokens)
+    resimulate(out, profile)
     return out
+
+
+def resimulate(res: dict, profile: str) -> None:
+    """Simulate each recorded real run: the same requests at the same times."""
+    from pdserve.cluster.config import load_config
+
+    cfg, w = load_config(res["config"]), res["workload"]
+    for r in res["runs"]:
+        samples = workload(w["alone"] if r["rate"] is None else w["requests"], w["prompt_len"],
+                           w["max_tokens"], None, None, w["prompt_len"], r["seed"])
+        due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
+        r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
+    res["profile"] = profile
 
 
 def _ms(v) -> str:
@@ -152,19 +165,32 @@ def table(results: list[dict]) -> list[str]:
 def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
          fractions, repeats: int, saturation: float | None, out: str | None,
          n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
-         quiet: float | None = None) -> int:
+         quiet: float | None = None, replay: str | None = None) -> int:
+    """`replay`: a JSON this wrote; its real runs are simulated again with
+    `profile`, nothing is started (to compare profiles on one set of runs)."""
     from pdserve.roles.cost_profile import load_profile
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
-    results = []
-    for path in configs:
-        results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
-                               fractions, repeats, saturation, sat_concurrency, seed, quiet))
-        print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s", flush=True)
-    print(f"{n} requests of {prompt_len} prompt tokens and {max_tokens} output tokens "
-          f"(concurrency 1: the first {min(n_alone, n)}); {repeats} real run(s) a level; "
-          f"profile {profile}")
+    if replay:
+        with open(replay) as f:
+            results = json.load(f)
+        for res in results:
+            resimulate(res, profile)
+    else:
+        results = []
+        for path in configs:
+            results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
+                                   fractions, repeats, saturation, sat_concurrency, seed, quiet))
+            print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
+                  flush=True)
+    for res in results:
+        w = res["workload"]
+        print(f"{res['config']}: {w['requests']} requests of {w['prompt_len']} prompt tokens "
+              f"and {w['max_tokens']} output tokens (concurrency 1: {w['alone']}); "
+              f"{max(r['repeat'] for r in res['runs']) + 1} real run(s) a level; saturation "
+              f"{res['saturation_req_per_s']:.2f} req/s")
+    print(f"profile {profile}" + (f"; real runs replayed from {replay}" if replay else ""))
     for line in table(results):
         print(line)
     loads = [r["foreign_cores"] for res in results for r in res["runs"]

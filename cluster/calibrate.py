@@ -390,9 +390,13 @@ def wait_for_quiet(below: float, window_s: float = 5.0, timeout_s: float = 900.0
 
 def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | None = None,
               threads: int | None = None, seed: int = 0, progress: bool = True,
-              source: str = "", clock: str = "wall") -> tuple[Profile, list[Round], dict]:
+              source: str = "", clock: str = "wall", copies: int = 1,
+              as_load: bool = False) -> tuple[Profile, list[Round], dict]:
     """(profile, every timed round, the fit's held-out report). `clock`:
-    see `Harness`."""
+    see `Harness`. `copies` > 1: that many engines' worth of the same work
+    at once (copies - 1 processes sweeping the same grid beside this one),
+    the rounds of a host whose engines share it. `as_load`: be such a copy
+    (sweep until killed; returns nothing)."""
     import torch
 
     from pdserve.kernels.loader import load_model
@@ -406,8 +410,42 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
         raise ValueError(f"calibrate --clock cpu times the calling thread, so it needs device "
                          f"cpu and --threads 1 (got {device}, {threads} threads); use "
                          "--clock wall")
+    if copies > 1 and not source:
+        raise ValueError("calibrate with copies > 1 needs `source`, the config file the "
+                         "copies load")
     torch.set_num_threads(threads)
     started = time.perf_counter()
+    neighbours = _start_copies(source, copies - 1, device, threads, seed, grid_args or {})
+    try:
+        return _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock,
+                          neighbours, as_load, started)
+    finally:
+        for p in neighbours:
+            p.terminate()
+            p.wait()
+
+
+def _start_copies(config: str, n: int, device: str, threads: int, seed: int,
+                  grid_args: dict) -> list:
+    import subprocess
+
+    argv = [sys.executable, "-m", "pdserve.cluster.cli", "calibrate", "--config", config,
+            "--out", os.devnull, "--device", device, "--threads", str(threads), "--as-load"]
+    for key in ("chunks", "batches", "contexts"):
+        if grid_args.get(key):
+            argv += [f"--{key}", *map(str, grid_args[key])]
+    if grid_args.get("decode_rounds"):
+        argv += ["--decode-rounds", str(grid_args["decode_rounds"])]
+    return [subprocess.Popen(argv + ["--seed", str(seed + 1 + i)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True) for i in range(n)]
+
+
+def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, neighbours,
+               as_load, started):
+    import torch
+
+    from pdserve.kernels.loader import load_model
+
     m = cfg.model
     model, tok = load_model(m.path, m.preset, dtype=m.dtype, device=device,
                             attention=m.attention)
@@ -426,6 +464,16 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
     warm = h.submit(h.tokens(min(engine_cfg.max_scheduled_tokens, 64)), 4)
     while h.engine.has_work() and len(warm.output) < 4:
         h.step(record=False)
+    if as_load:
+        print("ready", flush=True)
+    for p in neighbours:                # the copies sweep from when this one starts
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"calibrate: a copy (pid {p.pid}) ended before it was ready; "
+                               "run it alone to see why")
+    while as_load:
+        chunk_sweep(h, grid, lambda _: None)
+        decode_sweep(h, grid, lambda _: None)
+        h.rounds.clear()
     with ForeignLoad() as load:
         chunk_sweep(h, grid, say)
         decode_sweep(h, grid, say)
@@ -438,6 +486,7 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
     measured = {
         "config": source, "model": m.served_name, "device": device,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": threads, "clock": clock,
+        "copies": 1 + len(neighbours),
         "torch": str(torch.__version__), "rounds": len(rounds), "held_out": len(held),
         "held_out_error": report,
         "grid": {"chunks": list(grid.chunks), "batches": list(grid.batches),
@@ -476,15 +525,18 @@ FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\
 
 def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,
          contexts, decode_rounds: int, seed: int = 0, rounds_out: str | None = None,
-         clock: str = "wall") -> int:
+         clock: str = "wall", copies: int = 1, as_load: bool = False) -> int:
     from pdserve.cluster.config import load_config
     from pdserve.roles.cost_profile import save_profile
 
     cfg = load_config(config)
     grid_args = {"chunks": chunks, "batches": batches, "contexts": contexts,
                  "decode_rounds": decode_rounds}
+    if as_load:
+        calibrate(cfg, grid_args, device, threads, seed, False, config, as_load=True)
+        return 0
     profile, rounds, report = calibrate(cfg, grid_args, device, threads, seed, source=config,
-                                        clock=clock)
+                                        clock=clock, copies=copies)
     save_profile(profile, out, header=f"# pdserve cost profile of {config}, written by "
                                       f"`pdserve calibrate`\n" + FORM)
     if rounds_out:
@@ -493,7 +545,8 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
                 f.write(json.dumps(dataclasses.asdict(r)) + "\n")
     ms = profile.measured
     print(f"pdserve calibrate: {ms['model']} on {ms['device']} ({ms['dtype']}, "
-          f"{ms['threads']} thread(s), {clock} clock): {len(rounds)} rounds in {ms['seconds']:.0f} s; "
+          f"{ms['threads']} thread(s), {clock} clock, {copies} cop{'y' if copies == 1 else 'ies'}"
+          f"): {len(rounds)} rounds in {ms['seconds']:.0f} s; "
           f"profile in {out}")
     if ms["foreign_cores"] is not None:
         print(f"  other processes used {ms['foreign_cores']:.2f} cores meanwhile")

@@ -51,7 +51,7 @@ def _cmd_calibrate(args) -> int:
 
     return calibrate_main(args.config, args.out, args.device, args.threads, args.chunks,
                           args.batches, args.contexts, args.decode_rounds, args.seed,
-                          args.rounds, args.clock)
+                          args.rounds, args.clock, args.copies, args.as_load)
 
 
 def _cmd_up(args) -> int:
@@ -250,13 +250,14 @@ def _cmd_bench(args) -> int:
     if args.what == "sim-accuracy":
         from pdserve.benchmarks.sim_accuracy import main as accuracy_main
 
-        if not args.config or not args.profile:
-            print("pdserve: error: bench sim-accuracy needs --config (repeatable) and "
-                  "--profile (from pdserve calibrate)", file=sys.stderr)
+        if not (args.config or args.replay) or not args.profile:
+            print("pdserve: error: bench sim-accuracy needs --config (repeatable) or --replay, "
+                  "and --profile (from pdserve calibrate)", file=sys.stderr)
             return 2
-        return accuracy_main(args.config, args.profile, args.requests, args.prompt_len,
+        return accuracy_main(args.config or [], args.profile, args.requests, args.prompt_len,
                              args.max_tokens, args.fractions, args.repeats, args.saturation,
-                             args.out, n_alone=args.alone, quiet=args.quiet)
+                             args.out, n_alone=args.alone, quiet=args.quiet,
+                             replay=args.replay)
     if args.what == "cache-groups":
         from pdserve.benchmarks.cache_groups import main as groups_main
 
@@ -311,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                      help="time rounds by wall clock (default), or by the thread's CPU time "
                           "(CPU, one thread: leaves out time other processes held the core)")
+    cal.add_argument("--copies", type=_positive, default=1,
+                     help="run the same grid in this many processes at once and time one: "
+                          "a host whose engines share it (default 1: the engine alone)")
+    cal.add_argument("--as-load", action="store_true", help=argparse.SUPPRESS)
     cal.add_argument("--rounds", help="also write every timed round (features, seconds) here "
                                       "as JSON lines")
     cal.set_defaults(func=_cmd_calibrate)
@@ -369,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "of its passing rate (0.1)")
     plan.add_argument("--address", help="run the simulations on this Ray cluster (default: a "
                                         "local Ray on every core)")
-    plan.add_argument("--cpus", type=_positive, help="local Ray: CPUs to use (default: all)")
+    plan.add_argument("--cpus", type=_positive, help="simulations at once: a local Ray's "
+                                                     "CPUs (default: every core; with "
+                                                     "--address, the cluster's CPUs)")
     plan.add_argument("--in-process", action="store_true",
                       help="run the simulations here, one at a time, without Ray")
     plan.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -475,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", type=float,
                        help="sim-accuracy: before each real run, wait until processes outside "
                             "the benchmark use under this many cores")
+    bench.add_argument("--replay", help="sim-accuracy: simulate the real runs of this --out "
+                                        "JSON again with --profile; start nothing")
     bench.set_defaults(func=_cmd_bench)
     return ap
 

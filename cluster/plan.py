@@ -7,18 +7,18 @@ sped up by a factor, at which at least `attainment` of the requests meet
 both TTFT and TPOT: DistServe's goodput. Every probe is one simulation
 (`cluster/sim.py`: the real planner on a cost model), open loop.
 
-    starts (cost-model ceilings) -> a wave: the live candidates with the
-    highest ceilings, one probe each -> brackets [lo passes, hi fails]
-    narrow -> the next wave ... until every candidate converged or lost
+    starts (cost-model ceilings) -> a free slot: the live candidate with
+    the highest ceiling, its next probe -> its bracket [lo passes, hi
+    fails] narrows -> ... until every candidate converged or lost
 
-Probes of a wave run in parallel (Ray tasks, or in-process); a candidate's
-own probes run one after another. Once some candidate passes at a rate,
-every other is probed there next: one that fails at it cannot win and is
-dropped as dominated, without the slow low-rate probes a full bisection
-would run. Every decision reads only finished waves, so the plan does not
-depend on which probe finished first. A probe stops as soon as its misses
-make the target unreachable (`SloWatch`), so rates past capacity cost a
-fraction of a run.
+As many probes run at once as there are CPUs (Ray tasks, or in-process one
+at a time); a candidate's own probes run one after another. Once some
+candidate passes at a rate, every other is probed there next: one that
+fails at it cannot win and is dropped as dominated, without the slow
+low-rate probes a full bisection would run. Results are taken in the order
+the probes started, so the plan does not depend on which finished first. A
+probe stops as soon as its misses make the target unreachable (`SloWatch`),
+so rates past capacity cost a fraction of a run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import enum
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ClusterShape, ServeConfig
@@ -39,8 +40,13 @@ from pdserve.scheduler.config import ConfigError
 
 DEFAULT_CHUNKS = (2048, 8192)
 DEFAULT_TOLERANCE = 0.1   # stop when the failing rate is within 10% of the passing one
-STEP = 2.0                # a bracket's open side moves by this factor a probe
-MAX_STEPS = 6             # ... at most this many times past the start (2^6 = 64x)
+# Until a bracket closes, its open side moves by these factors a probe: down
+# in small steps (the start is a ceiling, and a failing probe stops early,
+# while a pass far below the boundary costs a whole slow run), up in big
+# ones (every pass is a whole run). A search gives up RANGE x from its start.
+DOWN = math.sqrt(2)
+UP = 2.0
+RANGE = 64.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class Settings:
     gpus: int = 8
     chunks: tuple = DEFAULT_CHUNKS
     tolerance: float = DEFAULT_TOLERANCE
-    width: int = 2            # probes a wave: the CPUs that run them
+    width: int = 2            # probes in flight: the CPUs that run them
 
 
 def check_settings(s: Settings, base: ServeConfig) -> list[str]:
@@ -181,8 +187,8 @@ class Status(enum.Enum):
     SEARCHING = "searching"
     CONVERGED = "converged"       # hi / lo within the tolerance
     DOMINATED = "dominated"       # fails at a rate another candidate passes
-    INFEASIBLE = "infeasible"     # fails even 64x below its start
-    UNBOUNDED = "unbounded"       # passes even 64x above its start
+    INFEASIBLE = "infeasible"     # fails even RANGE x below its start
+    UNBOUNDED = "unbounded"       # passes even RANGE x above its start
 
 
 @dataclass
@@ -212,14 +218,14 @@ class Bracket:
         if not self.probes:
             return self.start
         if self.lo is None:
-            f = self.hi.factor / STEP
-            if f < self.start / STEP ** MAX_STEPS:
+            f = self.hi.factor / DOWN
+            if f < self.start / RANGE:
                 self.status = Status.INFEASIBLE
                 return None
             return f
         if self.hi is None:
-            f = self.lo.factor * STEP
-            if f > self.start * STEP ** MAX_STEPS:
+            f = self.lo.factor * UP
+            if f > self.start * RANGE:
                 self.status = Status.UNBOUNDED
                 return None
             return f
@@ -256,30 +262,35 @@ def rivals(brackets: list[Bracket]) -> list[float]:
     return [second if i == top else passing[top] for i in range(len(passing))]
 
 
-def search(cands: list[Candidate], starts: list[float], run_wave, tolerance: float,
+def search(cands: list[Candidate], starts: list[float], submit, collect, tolerance: float,
            width: int) -> list[Bracket]:
-    """Branch and bound, best first: each wave probes the `width` live
-    candidates with the highest ceilings, so the leaders' passing rates are
+    """Branch and bound, best first, `width` probes in flight: whenever a
+    slot is free, the live candidate with the highest ceiling that has no
+    probe in flight gets its next one, so the leaders' passing rates are
     known before the others are tested against them (`Bracket.next_factor`).
-    `run_wave(jobs, live)`: jobs are (candidate index, factor), `live` how
-    many candidates are still in the search; it returns the jobs' probes in
-    the same order.
+    `submit(index, factor)` starts a probe and returns a handle;
+    `collect(handle)` waits for its probe.
 
-    Decisions read only finished waves, so a given `width` gives the same
-    probes on every run, whichever probe finishes first. A candidate is
-    dropped only when it fails at a rate another passes, so the winner is
-    the same whatever `width`; its rate may differ within `tolerance`."""
+    Results are taken in the order the probes were started, and every
+    decision reads only those taken, so a given `width` gives the same
+    probes on every run, whichever finishes first. A candidate is dropped
+    only when it fails at a rate another passes, so the winner is the same
+    whatever `width`; its rate may differ within `tolerance`."""
     brackets = [Bracket(c, s) for c, s in zip(cands, starts)]
+    flight: deque = deque()                    # (candidate index, handle), oldest first
     while True:
-        jobs = [(i, f) for i, (b, r) in enumerate(zip(brackets, rivals(brackets)))
-                if (f := b.next_factor(tolerance, r)) is not None]
-        if not jobs:
+        while len(flight) < width:
+            busy = {i for i, _ in flight}
+            ready = [(i, f) for i, (b, r) in enumerate(zip(brackets, rivals(brackets)))
+                     if i not in busy and (f := b.next_factor(tolerance, r)) is not None]
+            if not ready:
+                break
+            i, f = min(ready, key=lambda job: (-brackets[job[0]].ceiling, job[0]))
+            flight.append((i, submit(i, f)))
+        if not flight:
             return brackets
-        live = len(jobs)
-        jobs.sort(key=lambda job: (-brackets[job[0]].ceiling, job[0]))
-        jobs = sorted(jobs[:width])
-        for (i, _), probe in zip(jobs, run_wave(jobs, live)):
-            brackets[i].record(probe)
+        i, handle = flight.popleft()
+        brackets[i].record(collect(handle))
 
 
 # ---- the whole plan -------------------------------------------------------------
@@ -317,12 +328,14 @@ def make_plan(base: ServeConfig, trace: list[TraceRequest], settings: Settings, 
     starts = ceiling_factors(base, trace, cands, settings.slo)
     bar = tqdm(disable=not progress, unit="sim", desc="pdserve plan", file=sys.stderr)
 
-    def run_wave(jobs, live):
-        bar.set_postfix_str(f"{live} of {len(cands)} candidates live", refresh=True)
-        return pool.run([(configs[i], f) for i, f in jobs], lambda: bar.update(1))
+    def collect(handle):
+        probe = pool.result(handle)
+        bar.update(1)
+        return probe
 
     try:
-        brackets = search(cands, starts, run_wave, settings.tolerance, settings.width)
+        brackets = search(cands, starts, lambda i, f: pool.submit(configs[i], f), collect,
+                          settings.tolerance, settings.width)
     finally:
         bar.close()
     return PlanResult(settings, len(trace), native_rate(trace), brackets,

@@ -1,8 +1,9 @@
 """One probe of `pdserve plan`, and where probes run.
 
 A probe is one simulation of a candidate at a rate factor, watched so that
-it stops once the SLO attainment is out of reach. `InProcess` runs a wave
-of probes one after another; `RayPool` runs them as Ray tasks, one CPU
+it stops once the SLO attainment is out of reach. A pool starts probes
+(`submit`) and hands back each one's result (`result`): `InProcess` runs
+them here one after another; `RayPool` runs them as Ray tasks, one CPU
 each, and is the one place plan touches Ray.
 """
 
@@ -67,18 +68,19 @@ def run_probe(cfg: ServeConfig, trace: list[TraceRequest], factor: float, slo: S
 # ---- where probes run ----------------------------------------------------------
 
 class InProcess:
-    """Every probe here, one after another (tests, debugging)."""
+    """Every probe here, one after another, when its result is asked for
+    (tests, debugging)."""
 
     def __init__(self, trace, slo: Slo, target: float, width: int = 1):
         self.trace, self.slo, self.target = trace, slo, target
-        self.width = width          # plans waves as wide as a pool of this many CPUs
+        self.width = width          # plans as if this many CPUs ran probes at once
 
-    def run(self, jobs: list[tuple[ServeConfig, float]], done) -> list[Probe]:
-        out = []
-        for cfg, factor in jobs:
-            out.append(run_probe(cfg, self.trace, factor, self.slo, self.target))
-            done()
-        return out
+    def submit(self, cfg: ServeConfig, factor: float):
+        return cfg, factor
+
+    def result(self, handle) -> Probe:
+        cfg, factor = handle
+        return run_probe(cfg, self.trace, factor, self.slo, self.target)
 
     def close(self) -> None:
         pass
@@ -109,19 +111,11 @@ class RayPool:
         self.slo, self.target = slo, target
         self.width = max(1, int(ray.cluster_resources().get("CPU", 1)))
 
-    def run(self, jobs: list[tuple[ServeConfig, float]], done) -> list[Probe]:
-        ray = self._ray
-        refs = [self._probe.remote(cfg, self._trace, f, self.slo, self.target)
-                for cfg, f in jobs]
-        where = {r: i for i, r in enumerate(refs)}
-        out: list = [None] * len(refs)
-        pending = refs
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            for r in ready:
-                out[where[r]] = ray.get(r)
-                done()
-        return out
+    def submit(self, cfg: ServeConfig, factor: float):
+        return self._probe.remote(cfg, self._trace, factor, self.slo, self.target)
+
+    def result(self, handle) -> Probe:
+        return self._ray.get(handle)
 
     def close(self) -> None:
         if self._owned:

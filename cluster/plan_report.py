@@ -122,7 +122,7 @@ def plot(result: PlanResult, path: Path) -> bool:
     target = ([xs[0], xs[-1]], [x * s.attainment / s.gpus for x in (xs[0], xs[-1])],
               f"{s.attainment:.0%} attainment")
     return plot_lines(path, lines, "offered rate (req/s)",
-                      "req/s per GPU within the SLO (goodput at the target)",
+                      "req/s per GPU meeting the SLO",
                       f"pdserve plan: {s.gpus} GPUs, TTFT<={s.slo.ttft_s:g}s, "
                       f"TPOT<={s.slo.tpot_s * 1000:g}ms", reference=target, marked=stopped)
 
@@ -152,7 +152,8 @@ def command(args) -> int:
         pool = RayPool(trace, settings.slo, settings.attainment, args.address,
                        args.cpus or local_cpus())
     try:
-        result = make_plan(base, trace, dataclasses.replace(settings, width=pool.width), pool,
+        result = make_plan(base, trace,
+                           dataclasses.replace(settings, width=args.cpus or pool.width), pool,
                            progress=not args.no_progress)
     finally:
         pool.close()

@@ -127,7 +127,10 @@ def plot_lines(path, lines: dict, xlabel: str, ylabel: str, title: str,
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5) if len(lines) > 6 else (6, 4))
+    many = len(lines) > 8
+    fig, ax = plt.subplots(figsize=(9.5, 4.5) if many else (6, 4))
+    if len(lines) > 10:
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for label, (xs, ys) in lines.items():
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
     if reference is not None:
@@ -138,8 +141,10 @@ def plot_lines(path, lines: dict, xlabel: str, ylabel: str, title: str,
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small" if len(lines) <= 8 else "x-small",
-              ncol=1 if len(lines) <= 12 else 2)
+    if many:      # beside the axes, not over the lines
+        ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -267,3 +267,38 @@ def test_calibrated_tiny_profile_predicts_the_real_engine_within_3x(tmp_path):
     for name, sim, real in (("TTFT", one["ttft_s"], first), ("TPOT", one["tpot_s"], real_tpot),
                             ("makespan", many["summary"]["virtual_seconds"], makespan)):
         assert 1 / 3 < sim / real < 3, f"{name}: simulated {sim * 1e3:.2f} ms, real {real * 1e3:.2f} ms"
+
+
+def test_copies_time_one_engine_while_others_sweep_the_same_grid(tmp_path):
+    out = tmp_path / "p.yaml"
+    assert main(["calibrate", "--config", str(ROOT / "deploy/local-tiny.yaml"), "--out", str(out),
+                 "--chunks", "16", "--batches", "1", "--contexts", "64", "--copies", "2"]) == 0
+    assert load_profile(out).measured["copies"] == 2
+
+
+def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys):
+    """The table compares each recorded real run with the simulator on the
+    same requests; --replay needs no deployment."""
+    import json
+
+    prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
+                                                decode_s=0.002))
+    real = {"p50": 0.05, "p90": 0.06, "p99": 0.07}
+    runs = [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": real,
+             "tpot_s": real, "foreign_cores": 0.0},
+            {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": real,
+             "tpot_s": real, "foreign_cores": 0.1}]
+    recorded = [{"config": str(ROOT / "deploy/local-tiny.yaml"), "runs": runs,
+                 "saturation_req_per_s": 4.0,
+                 "levels": [{"level": "c1", "rate": None}, {"level": "0.5x", "rate": 2.0}],
+                 "workload": {"requests": 4, "alone": 2, "prompt_len": 32, "max_tokens": 4}}]
+    src = tmp_path / "runs.json"
+    src.write_text(json.dumps(recorded))
+    assert main(["bench", "sim-accuracy", "--replay", str(src), "--profile", str(prof),
+                 "--out", str(tmp_path / "again.json")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + 2 * 2          # header, rule, TTFT and TPOT per level
+    # c1: one 32-token prefill round, then 1-token decodes over 33..35 tokens
+    again = json.loads((tmp_path / "again.json").read_text())[0]["runs"][0]["sim"]
+    assert again["ttft_s"]["p50"] == pytest.approx(0.001 + 32e-4)
+    assert again["tpot_s"]["p50"] == pytest.approx(0.003)
