@@ -19,6 +19,7 @@ is submitted to another one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -500,8 +501,13 @@ class Stream:
                 raise _EngineLost(f"{target.name} did not take the request: "
                                   f"{e.code().name}") from None
             submitted = True
+            backlog: collections.deque = collections.deque()
             while not ended:
-                ev = await q.get()
+                if not backlog:
+                    backlog.append(await q.get())
+                    while not q.empty():          # what came while the client was busy
+                        backlog.append(q.get_nowait())
+                ev = backlog.popleft()
                 if ev is LOST:
                     ended = True                  # nothing left on that engine to abort
                     target.alive = False
@@ -510,10 +516,12 @@ class Stream:
                     ended = True
                     kind = "aborted" if ev.error.startswith("aborted") else "internal"
                     raise RequestError(kind, ev.error)
-                ended = bool(ev.finish_reason)
-                streamed.extend(ev.token_ids)
-                yield Delta(list(ev.token_ids), ev.text, list(ev.logprobs), ev.finish_reason,
-                            target.name)
+                d = _delta(ev, target.name)
+                while not d.finish_reason and backlog and _plain(backlog[0]):
+                    d = _joined(d, _delta(backlog.popleft(), target.name))
+                ended = bool(d.finish_reason)
+                streamed.extend(d.token_ids)
+                yield d
         finally:
             if link.requests.get(self.id) is q:
                 del link.requests[self.id]
@@ -522,6 +530,21 @@ class Stream:
             target.load -= load
             if peer is not None:
                 peer.load -= len(ids)
+
+
+def _plain(ev) -> bool:
+    """An engine event that carries tokens (not a lost stream, not an error)."""
+    return ev is not LOST and not ev.error
+
+
+def _delta(ev, engine: str) -> Delta:
+    return Delta(list(ev.token_ids), ev.text, list(ev.logprobs), ev.finish_reason, engine)
+
+
+def _joined(a: Delta, b: Delta) -> Delta:
+    """`a` then `b` as one delta."""
+    return Delta(a.token_ids + b.token_ids, a.text + b.text, a.logprobs + b.logprobs,
+                 b.finish_reason, b.engine)
 
 
 async def _every(deltas, k: int):
@@ -535,11 +558,7 @@ async def _every(deltas, k: int):
     held = None
     async with contextlib.aclosing(deltas):
         async for d in deltas:
-            if held is None:
-                held = d
-            else:
-                held = Delta(held.token_ids + d.token_ids, held.text + d.text,
-                             held.logprobs + d.logprobs, d.finish_reason, d.engine)
+            held = d if held is None else _joined(held, d)
             if len(held.token_ids) >= k or held.finish_reason:
                 yield held
                 held = None

@@ -16,7 +16,7 @@ CONTEXT_TOKENS = 6      # prompt tokens that give the first output token its con
 
 
 class Detokenizer:
-    __slots__ = ("_step", "stop", "longest_stop", "stopped", "_out", "_pending")
+    __slots__ = ("_step", "stop", "longest_stop", "stopped", "_out", "_pending", "_recent")
 
     def __init__(self, tokenizer, prompt_tail=(), stop=()):
         self._step = tokenizer.decode_stream(list(prompt_tail[-CONTEXT_TOKENS:])).step
@@ -25,6 +25,7 @@ class Detokenizer:
         self.stopped = False        # a stop string was found; the text ends before it
         self._out: list[str] = []   # text handed out by ready()
         self._pending = ""          # text not handed out yet (held back, or not asked for)
+        self._recent = ""           # the text's last longest_stop - 1 chars (while not stopped)
 
     @property
     def text(self) -> str:
@@ -40,14 +41,14 @@ class Detokenizer:
         if not piece:
             return False            # part of a character: wait for the next token
         if not (self.stop and check_stop):
-            self._pending += piece
+            self._add(piece)
             return False
         # a stop string that ends in this piece starts at most longest-1 chars before it
-        before = self._tail(self.longest_stop - 1)
+        before = self._recent
         window = before + piece
         cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut < 0:
-            self._pending += piece
+            self._add(piece)
             return False
         self.stopped = True
         keep = cut - len(before)    # chars of `piece` before the stop string (may be < 0)
@@ -59,18 +60,11 @@ class Detokenizer:
             self._pending = self._pending[:held - min(drop, held)]
         return True
 
-    def _tail(self, n: int) -> str:
-        if n <= 0:
-            return ""
-        if len(self._pending) >= n:
-            return self._pending[-n:]
-        out, need = [self._pending], n - len(self._pending)
-        for piece in reversed(self._out):
-            out.append(piece[-need:])
-            need -= len(out[-1])
-            if need <= 0:
-                break
-        return "".join(reversed(out))
+    def _add(self, piece: str) -> None:
+        self._pending += piece
+        n = self.longest_stop - 1
+        if n > 0:
+            self._recent = (self._recent + piece)[-n:]
 
     def ready(self, final: bool = False) -> str:
         """Text not handed out yet. Unless `final`, a tail that is the start
@@ -78,7 +72,7 @@ class Detokenizer:
         text = self._pending
         keep = 0
         if not final and self.stop and not self.stopped:
-            keep = _held_back(self._tail(self.longest_stop - 1), self.stop)
+            keep = _held_back(self._recent, self.stop)
         out = text[:len(text) - keep] if keep else text
         if out:
             self._out.append(out)

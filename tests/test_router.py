@@ -131,3 +131,53 @@ def test_a_request_refused_by_a_draining_engine_is_submitted_to_another():
     assert deltas[-1].engine == "fused-1" and deltas[-1].finish_reason == "length"
     assert r.engines["fused-0"].draining and r.engines["fused-0"].alive
     assert r.counters["resubmitted"] == 0        # nothing streamed: not a resubmission
+
+
+def test_events_that_pile_up_behind_a_slow_reader_go_out_as_one_delta_in_order():
+    """Three rounds' events queued before the client reads: one delta with
+    all their tokens and text, in order; an event after the client caught
+    up is a delta of its own; an error after tokens still ends the stream."""
+    import asyncio
+
+    import pytest
+
+    from pdserve.cluster.engine_link import EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+
+    def event(rid, tokens, text, finish=""):
+        return cpb.RequestEvent(request_id=rid, token_ids=tokens, text=text,
+                                finish_reason=finish)
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            q = r.links["fused-0"].requests[sub.request_id]
+            for i, t in enumerate((5, 6, 7)):
+                q.put_nowait(event(sub.request_id, [t], "abc"[i]))
+
+        async def Abort(self, req, timeout):
+            return None
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+        deltas = []
+        async for d in stream.events():
+            deltas.append(d)
+            if len(deltas) == 1:                 # caught up: the last token comes alone
+                link.requests[stream.id].put_nowait(event(stream.id, [8], "d", "length"))
+        broken = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+        got = []
+        with pytest.raises(RequestError, match="engine error: boom"):
+            async for d in broken.events():
+                got.append(d)
+                link.requests[broken.id].put_nowait(
+                    cpb.RequestEvent(request_id=broken.id, error="engine error: boom"))
+        return deltas, got
+    deltas, got = asyncio.run(go())
+    assert [(d.token_ids, d.text, d.finish_reason) for d in deltas] == \
+        [([5, 6, 7], "abc", ""), ([8], "d", "length")]
+    assert [d.token_ids for d in got] == [[5, 6, 7]]
