@@ -14,6 +14,7 @@ faster tokens.
 
 from __future__ import annotations
 
+import argparse
 import math
 import threading
 import time
@@ -27,7 +28,8 @@ SLO_TTFT, SLO_TPOT = 2.0, 0.25       # seconds: what a request must meet to coun
 NEW = 80
 
 
-def run(autoscale: bool, seconds: float, peak: int) -> dict:
+def trial(autoscale: bool, seconds: float, peak: int) -> dict:
+    """One deployment, autoscaled or fixed 1P+1D, under one period of the load."""
     from pdserve.client import Client
     from pdserve.cluster.config import ServeConfig
     from pdserve.cluster.deploy import Deployment
@@ -95,8 +97,8 @@ def run(autoscale: bool, seconds: float, peak: int) -> dict:
 def main(seconds: float = 120.0, peak: int = 8) -> int:
     print(f"sine load, 1 to {peak} clients over {seconds:.0f} s, {NEW} tokens a request; "
           f"SLO: TTFT <= {SLO_TTFT} s and TPOT <= {SLO_TPOT * 1000:.0f} ms")
-    rows = [("fixed 1P+1D", run(False, seconds, peak)),
-            ("autoscaled 1-2P, 1-2D", run(True, seconds, peak))]
+    rows = [("fixed 1P+1D", trial(False, seconds, peak)),
+            ("autoscaled 1-2P, 1-2D", trial(True, seconds, peak))]
     print(f"{'deployment':<24} {'requests':>8} {'failed':>6} {'SLO met':>8} "
           f"{'TTFT p50':>9} {'TTFT p90':>9} {'tokens':>7} {'engines max/end':>16}  steps")
     for name, r in rows:
@@ -104,3 +106,14 @@ def main(seconds: float = 120.0, peak: int = 8) -> int:
               f"{r['ttft_p50']:>8.2f}s {r['ttft_p90']:>8.2f}s {r['tokens']:>7} "
               f"{r['most_engines']:>8}/{r['last_engines']:<7}  {r['steps']}")
     return 0 if all(r["failures"] == 0 for _, r in rows) else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=60.0,
+                   help="one period of the sine, for each deployment (60)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="clients at the peak of the sine (16)")
+
+
+def run(args) -> int:
+    return main(args.seconds, args.concurrency)

@@ -20,6 +20,7 @@ pool every byte left.
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,3 +307,14 @@ def main(trace_path: str | None = None, limit: int | None = None,
     print("peak: most requests holding pages on one engine; rej: prompts one engine's pool "
           "can never hold")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="the trace simulated both ways (default the Mooncake "
+                                   "conversation trace in ../shared/data/traces)")
+    p.add_argument("--limit", type=int,
+                   help=f"only the first N requests of the trace ({TRACE_LIMIT})")
+
+
+def run(args) -> int:
+    return main(args.trace, args.limit)

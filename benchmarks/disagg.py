@@ -9,11 +9,13 @@ installed (`pip install matplotlib`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.args import sim_arguments, usage_error
 from pdserve.cluster.config import ClusterShape, load_config
 from pdserve.cluster.sim import Simulation
 from pdserve.cluster.sim_report import goodput, plot_lines
@@ -69,3 +71,22 @@ def _plot(rows, path: str, ttft_slo: float, tpot_slo: float) -> None:
                   f"goodput (req/s, TTFT<={ttft_slo:g}s, TPOT<={tpot_slo * 1000:g}ms)",
                   "Mooncake conversation trace, 4 simulated GPUs"):
         print(f"plot: {path}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sim_arguments(p)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
+                   help="arrival-rate multipliers of the trace's own rate")
+    p.add_argument("--ttft-slo", type=float, default=2.0,
+                   help="time to first token a request must meet to count, seconds (2)")
+    p.add_argument("--tpot-slo", type=float, default=0.1,
+                   help="time per output token a request must meet to count, seconds (0.1)")
+    p.add_argument("--out", help="save the results as JSON here")
+    p.add_argument("--plot", help="draw goodput against rate into this PNG")
+
+
+def run(args) -> int:
+    if not args.config or not args.trace:
+        return usage_error("bench disagg needs --config and --trace")
+    return main(args.config, args.trace, args.limit, args.rates, args.ttft_slo, args.tpot_slo,
+                args.out, args.plot)

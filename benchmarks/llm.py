@@ -20,12 +20,13 @@ request reuses a warmed prefix. Needs transformers (the test extra).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from pdserve.benchmarks.args import positive
 
 SIZES = {
     # the tiny preset's shape
@@ -52,6 +53,8 @@ def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int, warm: b
     """[(prompt ids, new tokens)] for one row of the table; with `warm`, one
     batch of the row's shape (its first `batch` lengths) on other prompts,
     which warms both sides up before the row is timed."""
+    import torch
+
     # seeded by workload too: no prompt shares a prefix with another row's
     g = torch.Generator().manual_seed(3 * batch + ("uniform", "trace").index(kind) +
                                       (WARM_SEED if warm else 0))
@@ -79,25 +82,27 @@ def run_ours(llm, reqs) -> tuple[float, list]:
     return wall, [o.token_ids for o in outs]
 
 
-@torch.inference_mode()
 def run_hf(hf, reqs, batch: int) -> tuple[float, list]:
     """Static batches of `batch` in order, left-padded, each run to its
     longest output; every row then cut to its own length."""
+    import torch
+
     got = []
     t0 = time.perf_counter()
-    for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (p, _) in enumerate(chunk):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        new = max(n for _, n in chunk)
-        ids, mask = ids.to(hf.device), mask.to(hf.device)
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        got += [out[row, width:width + n].tolist() for row, (_, n) in enumerate(chunk)]
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch):
+            chunk = reqs[i:i + batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(chunk):
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            new = max(n for _, n in chunk)
+            ids, mask = ids.to(hf.device), mask.to(hf.device)
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            got += [out[row, width:width + n].tolist() for row, (_, n) in enumerate(chunk)]
     return time.perf_counter() - t0, got
 
 
@@ -109,6 +114,7 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
     from pdserve.kernels.loader import check_device
 
     dev = check_device(device)          # first: a clear one-line error, nothing built
+    import torch
     import transformers
 
     from pdserve.llm import LLM
@@ -153,3 +159,26 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
     print("same: requests whose tokens equal HF's exactly; float32 should match every one, "
           "bfloat16 drifts (8-bit mantissa, different kernel order)")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", choices=list(SIZES),
+                   help="model shapes, random weights built on the spot, nothing downloaded "
+                        "(default both)")
+    p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"],
+                   help="dtypes, each run by both sides (default both)")
+    p.add_argument("--workload", nargs="+", choices=["uniform", "trace"],
+                   help="uniform lengths and/or the trace's (default both)")
+    p.add_argument("--batches", type=positive, nargs="+", help="batch sizes (default 1 8 32)")
+    p.add_argument("--trace", help="the lengths of the trace workload (default the Azure "
+                                   "conversation trace in ../shared/data/traces)")
+    p.add_argument("--scale", type=positive,
+                   help="divide the trace's lengths by this (default 8)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def run(args) -> int:
+    kw = {k: v for k, v in (("sizes", args.models), ("dtypes", args.dtype),
+                            ("workloads", args.workload), ("batches", args.batches),
+                            ("trace", args.trace), ("scale", args.scale)) if v}
+    return main(**kw, device=args.device)

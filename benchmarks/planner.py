@@ -9,8 +9,10 @@ append a token, take a page off a free list at each boundary.
 
 from __future__ import annotations
 
+import argparse
 import time
 
+from pdserve.benchmarks.args import positive
 from pdserve.scheduler import EngineConfig, Planner, Request, SamplingLimits, StepResult
 
 PAGE = 16
@@ -104,3 +106,13 @@ def main(sizes=(64, 256, 1024, 4096), rounds: int = 200) -> int:
         ratio = by_n[4096]["us_per_req"] * 4096 / (by_n[1024]["us_per_req"] * 1024)
         print(f"growth 1024 -> 4096 decoding: round time x{ratio:.2f} (linear = x4.00)")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=positive, nargs="+", default=[64, 256, 1024, 4096],
+                   help="decoding requests per round (64 256 1024 4096)")
+    p.add_argument("--rounds", type=positive, default=200, help="rounds timed per size (200)")
+
+
+def run(args) -> int:
+    return main(sizes=args.sizes, rounds=args.rounds)

@@ -3,9 +3,11 @@ cache off, with it on, and every request strict (the banker's scheme)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 
+from pdserve.benchmarks.args import sim_arguments, usage_error
 from pdserve.cluster.config import load_config
 from pdserve.cluster.sim import Simulation
 from pdserve.cluster.sim_report import goodput
@@ -48,3 +50,13 @@ def main(config_path: str, trace_path: str, limit: int | None = None) -> int:
               f"{s['output_tok_per_s']:>7.0f} {ms(s['ttft_p50_s']):>9} {ms(s['ttft_p99_s']):>9} "
               f"{ms(s['tpot_p50_s']):>9} {ms(s['tpot_p99_s']):>9} {wall:>6.0f}")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sim_arguments(p)
+
+
+def run(args) -> int:
+    if not args.config or not args.trace:
+        return usage_error("bench retraction needs --config and --trace")
+    return main(args.config, args.trace, limit=args.limit)

@@ -19,6 +19,7 @@ throughput, prints a table and saves JSON.
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import random
@@ -27,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pdserve.benchmarks.args import positive, usage_error, workload_arguments
 from pdserve.cluster.sim_report import percentile
 
 
@@ -137,9 +139,10 @@ def _http_stream(base_url: str):
     return stream, lambda: None
 
 
-def run(address: str, samples: list[Sample], concurrency: int, rate: float | None,
-        seed: int, progress: bool = True, api: str = "grpc") -> dict:
-    """`address`: the gRPC HOST:PORT, or with api="http" the HTTP base URL."""
+def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
+          seed: int, progress: bool = True, api: str = "grpc") -> dict:
+    """Send `samples` to `address` and time each: the gRPC HOST:PORT, or with
+    api="http" the HTTP base URL."""
     from tqdm import tqdm
 
     stream, close = _http_stream(address) if api == "http" else _grpc_stream(address)
@@ -207,7 +210,7 @@ def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repea
     runs: dict[str, list] = {api: [] for api in addresses}
     for _ in range(repeats):
         for api, addr in addresses.items():
-            runs[api].append(run(addr, samples, concurrency, rate, seed, api=api))
+            runs[api].append(drive(addr, samples, concurrency, rate, seed, api=api))
     out = []
     for api, rs in runs.items():
         rs = sorted(rs, key=lambda r: r["output_tok_per_s"])
@@ -241,8 +244,8 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
             addr = dep.start(http_port=0 if "http" in apis else None)
             addrs = {a: (dep.http_address if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
-                run(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
-                                seed + 1), concurrency, None, seed, progress=False, api=api)
+                drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
+                                  seed + 1), concurrency, None, seed, progress=False, api=api)
             results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
         finally:
             dep.stop()
@@ -285,6 +288,41 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         with open(out, "w") as f:
             json.dump({name: r for name, r in results}, f, indent=1)
     return 0 if all(r["failed"] == 0 for _, r in results) else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append",
+                   help="config YAML: start this deployment (repeat to compare)")
+    p.add_argument("--address", help="a running deployment's router")
+    p.add_argument("--http-address", help="a running deployment's HTTP API, "
+                                          "e.g. http://127.0.0.1:8000")
+    p.add_argument("--api", nargs="+", choices=["grpc", "http"], default=["grpc"],
+                   help="the client APIs to load (both: side by side, interleaved)")
+    p.add_argument("--offline", action="store_true",
+                   help="also run the same requests through pdserve.LLM in-process (each "
+                        "--config), the engine's own rate")
+    p.add_argument("--repeats", type=positive, default=1,
+                   help="runs of each API; the median is reported with the spread")
+    workload_arguments(p)
+    p.add_argument("--trace", help="replay this trace (Mooncake JSONL or Azure CSV) instead of "
+                                   "synthetic prompts, lengths capped")
+    p.add_argument("--limit", type=int,
+                   help="only the first N requests of the trace (default --requests)")
+    p.add_argument("--max-prompt", type=int, default=1024,
+                   help="cap replayed prompts at this many tokens (1024)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals a second")
+    p.add_argument("--out", help="save the results as JSON here")
+
+
+def run(args) -> int:
+    if not args.address and not args.config and not args.http_address:
+        return usage_error("bench serve needs --address HOST:PORT or --config FILE "
+                           "(repeat --config to compare deployments)")
+    return main(args.address, args.config or [], args.requests, args.prompt_len,
+                args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
+                args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
+                repeats=args.repeats, offline=args.offline)
 
 
 def run_offline(config: str, samples: list[Sample], seed: int) -> dict:

@@ -21,12 +21,14 @@ use under C cores. `--replay FILE` simulates the real runs a previous
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import statistics
 
-from pdserve.benchmarks.serve import Sample, arrivals, run, workload
+from pdserve.benchmarks.args import positive, usage_error, workload_arguments
+from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
 from pdserve.cluster.calibrate import ForeignLoad, wait_for_quiet
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
@@ -78,12 +80,13 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
     try:
         addr = dep.start()
-        run(addr, batch(seed + 1, None), 4, None, seed, progress=False)      # warm-up
+        drive(addr, batch(seed + 1, None), 4, None, seed, progress=False)    # warm-up
         if saturation is None:
             if quiet is not None:
                 wait_for_quiet(quiet)
             with ForeignLoad() as load:
-                r = run(addr, batch(seed + 2, 0), sat_concurrency, None, seed, progress=False)
+                r = drive(addr, batch(seed + 2, 0), sat_concurrency, None, seed,
+                          progress=False)
             saturation = r["req_per_s"]
             out["saturation_run"] = {**r, "foreign_cores": load.cores}
         out["saturation_req_per_s"] = saturation
@@ -95,8 +98,8 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                 if quiet is not None:
                     wait_for_quiet(quiet)
                 with ForeignLoad() as load:
-                    r = run(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
-                            run_seed, progress=False)
+                    r = drive(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
+                              run_seed, progress=False)
                 r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
                          foreign_cores=load.cores)
                 out["runs"].append(r)
@@ -202,3 +205,32 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append",
+                   help="config YAML: start this deployment (repeat to compare)")
+    p.add_argument("--profile", help="the cost profile the simulator uses (pdserve calibrate)")
+    workload_arguments(p)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 1.1],
+                   help="Poisson rates as fractions of the measured saturation (0.5 0.9 1.1)")
+    p.add_argument("--saturation", type=float,
+                   help="saturation in req/s (default: measured closed-loop at concurrency 16)")
+    p.add_argument("--alone", type=positive, default=8,
+                   help="requests run at concurrency 1 (8)")
+    p.add_argument("--repeats", type=positive, default=1, help="real runs of each level (1)")
+    p.add_argument("--quiet", type=float,
+                   help="before each real run, wait until processes outside the benchmark use "
+                        "under this many cores")
+    p.add_argument("--out", help="save the results as JSON here")
+    p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
+                                    "--profile; start nothing")
+
+
+def run(args) -> int:
+    if not (args.config or args.replay) or not args.profile:
+        return usage_error("bench sim-accuracy needs --config (repeatable) or --replay, "
+                           "and --profile (from pdserve calibrate)")
+    return main(args.config or [], args.profile, args.requests, args.prompt_len,
+                args.max_tokens, args.fractions, args.repeats, args.saturation, args.out,
+                n_alone=args.alone, quiet=args.quiet, replay=args.replay)

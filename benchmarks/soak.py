@@ -17,20 +17,12 @@ PASS needs all of these (`verdict`):
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 import time
 import traceback
 import zlib
-
-import grpc
-import ray
-
-from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
-from pdserve.kernels.sampling import SamplingParams
-from pdserve.llm import LLM
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64, "max_batch_size": 64}
 OPTIONS = {"transfer_timeout_s": 3.0, "lease_s": 3.0, "heartbeat_s": 0.5}
@@ -73,9 +65,10 @@ def verdict(counts: dict, hung: int, worker_errors: list, leaks: list,
 
 class Traffic:
     """The client side: `concurrency` workers, each sending one request after
-    another until `stop_at`, a tenth of them aborted after their first tokens."""
+    another through `client` (a pdserve Client) until `stop_at`, a tenth of
+    them aborted after their first tokens."""
 
-    def __init__(self, client: Client, prompts: list, reference: dict, seed: int):
+    def __init__(self, client, prompts: list, reference: dict, seed: int):
         self.client, self.prompts, self.reference, self.seed = client, prompts, reference, seed
         self.counts = {"requests": 0, "finished": 0, "matched_reference": 0,
                        "aborts_issued": 0, "aborts_too_late": 0, "aborted_by_client": 0,
@@ -91,6 +84,8 @@ class Traffic:
                 self.failures.append(note)
 
     def _abort(self, rid: str) -> None:
+        import grpc
+
         try:
             accepted = self.client.abort(rid)
         except grpc.RpcError as e:
@@ -100,6 +95,8 @@ class Traffic:
         self._count("aborts_issued" if accepted else "aborts_too_late")
 
     def one(self, r: random.Random, rid: str) -> None:
+        import grpc
+
         prompt = r.choice(self.prompts)
         abort_after = r.random() < 0.1
         got = []
@@ -134,8 +131,11 @@ class Traffic:
                 self.worker_errors.append(f"worker {wid}: {traceback.format_exc()}")
 
 
-def _settle(dep: Deployment, bound: float = 60.0) -> dict:
-    """Poll every engine's check() until all are idle or `bound` passed."""
+def _settle(dep, bound: float = 60.0) -> dict:
+    """Poll every engine of the Deployment `dep` with check() until all are
+    idle or `bound` passed."""
+    import ray
+
     deadline = time.monotonic() + bound
     while True:
         states = {}
@@ -150,6 +150,9 @@ def _settle(dep: Deployment, bound: float = 60.0) -> dict:
 
 def _workload(seed: int) -> tuple[list, dict]:
     """Prompts sharing six prefixes, and each one's greedy answer offline."""
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
     rng = random.Random(seed)
     prefixes = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(10, 200)))
                 for _ in range(6)]
@@ -161,6 +164,12 @@ def _workload(seed: int) -> tuple[list, dict]:
 
 
 def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
+    import ray
+
+    from pdserve.client import Client
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.deploy import Deployment
+
     prompts, reference = _workload(seed)
     cfg = ServeConfig.from_dict({"engine": ENGINE,
                                  "cluster": {"prefill": 2, "decode": 2, "fused": 0}})
@@ -221,3 +230,13 @@ def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
     ok = all(checks.values())
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=60.0, help="how long, seconds (60)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    p.add_argument("--seed", type=int, default=0, help="reproduces a run (0)")
+
+
+def run(args) -> int:
+    return main(args.seconds, args.concurrency, args.seed)

@@ -15,6 +15,7 @@ repeated to the length asked for; one request, one token a round.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 TEXT = ("Disaggregated serving splits the prefill of a prompt from the decoding of its "
@@ -105,6 +106,14 @@ def main(lengths=(64, 1000, 8000), model: str = "smollm2-135m") -> int:
         print(f"{n:>13,} {now * 1e6:>8.2f}us {outs * 1e6:>12.2f}us {before * 1e6:>10.1f}us "
               f"{before / now:>17.0f}x")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No options."""
+
+
+def run(args) -> int:
+    return main()
 
 
 if __name__ == "__main__":

@@ -23,13 +23,11 @@ pass for a fast one.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 from dataclasses import dataclass
-
-import numpy as np
-import torch
 
 POOLS = {
     "tiny": dict(shape=(2, 2, 16, 2, 16), dtype="float32", pages=4096, sizes=(1, 16, 256, 1024)),
@@ -110,10 +108,13 @@ def time_raw_write(agent, h) -> float | None:
     return took if state == "DONE" else None
 
 
-def _bench_pool(name: str, spec: dict, rng: np.random.Generator, repeats: int,
-                device: torch.device = torch.device("cpu")) -> list[dict]:
-    """On CUDA the pools, the raw buffers and the memcpy are GPU memory
-    (NIXL "VRAM"), both processes on the same GPU."""
+def _bench_pool(name: str, spec: dict, rng, repeats: int, device) -> list[dict]:
+    """`rng`: numpy's Generator; `device`: a torch.device. On CUDA the pools,
+    the raw buffers and the memcpy are GPU memory (NIXL "VRAM"), both
+    processes on the same GPU."""
+    import numpy as np
+    import torch
+
     from pdserve.transfer import Incarnation, KvWrite
     from pdserve.transfer.nixl_transport import NixlTransport
     from pdserve.transfer.peer_process import make_pool, spawn
@@ -186,6 +187,9 @@ def _cell(s: Spread | None) -> str:
 
 def main(repeats: int = REPEATS, device: str = "cpu") -> int:
     """`device="cuda"`: GPU pools (NIXL "VRAM"), both processes on one GPU."""
+    import numpy as np
+    import torch
+
     from pdserve.kernels.loader import check_device
 
     dev = check_device(device)          # first: a clear one-line error, nothing spawned
@@ -223,3 +227,12 @@ def main(repeats: int = REPEATS, device: str = "cpu") -> int:
     print(f"setup per handoff: medians {min(s.median for s in setups):.0f}-"
           f"{max(s.median for s in setups):.0f} µs, worst {max(s.hi for s in setups):.0f} µs")
     return 0 if failures == 0 else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="cpu (host memory) or cuda (GPU pools, NIXL VRAM)")
+
+
+def run(args) -> int:
+    return main(device=args.device)

@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.args import positive
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "local-pd.yaml"
+# `pdserve bench NAME`: each module defines its options (`add_arguments`) and
+# runs on them (`run`); importing one loads no torch or Ray
+BENCHMARKS = [
+    ("planner", "pdserve.benchmarks.planner", "plan-build cost per round"),
+    ("retraction", "pdserve.benchmarks.retraction",
+     "a tight pool with the host cache off and on, and every request strict"),
+    ("disagg", "pdserve.benchmarks.disagg", "fused against P/D splits across request rates"),
+    ("llm", "pdserve.benchmarks.llm", "pdserve.LLM against Hugging Face generate"),
+    ("transfer", "pdserve.benchmarks.transfer",
+     "KV handoff over NIXL against raw NIXL and memcpy"),
+    ("serve", "pdserve.benchmarks.serve", "load a deployment through the client"),
+    ("soak", "pdserve.benchmarks.soak", "faults, aborts and a killed engine under load"),
+    ("tokens", "pdserve.benchmarks.tokens",
+     "what a generated token costs on its way out of an engine"),
+    ("cache-groups", "pdserve.benchmarks.cache_groups",
+     "Gemma 3 27B's sliding-window groups against every layer full (per-request bytes, "
+     "concurrency, a simulated trace)"),
+    ("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
+     "the simulator with a calibrated profile against the real deployment at concurrency 1 "
+     "and fractions of saturation"),
+    ("autoscale", "pdserve.benchmarks.autoscale",
+     "a sine load against 1P+1D fixed and autoscaled"),
+    ("loop", "pdserve.benchmarks.loop",
+     "where a fused engine's round goes (planner, forward, sampling), and what overlapping "
+     "the planner with the forward could save"),
+]
 
 
 def _cmd_sim(args) -> int:
@@ -207,74 +236,6 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _cmd_bench(args) -> int:
-    if args.what == "planner":
-        from pdserve.benchmarks.planner import main as bench_main
-
-        return bench_main(sizes=args.sizes, rounds=args.rounds)
-    if args.what == "llm":
-        from pdserve.benchmarks.llm import main as llm_main
-
-        kw = {k: v for k, v in (("sizes", args.models), ("dtypes", args.dtype),
-                                ("workloads", args.workload), ("batches", args.batches),
-                                ("trace", args.trace), ("scale", args.scale)) if v}
-        return llm_main(**kw, device=args.device)
-    if args.what == "tokens":
-        from pdserve.benchmarks.tokens import main as tokens_main
-
-        return tokens_main()
-    if args.what == "transfer":
-        from pdserve.benchmarks.transfer import main as transfer_main
-
-        return transfer_main(device=args.device)
-    if args.what == "autoscale":
-        from pdserve.benchmarks.autoscale import main as autoscale_main
-
-        return autoscale_main(args.seconds, args.concurrency)
-    if args.what == "soak":
-        from pdserve.benchmarks.soak import main as soak_main
-
-        return soak_main(args.seconds, args.concurrency, args.seed)
-    if args.what == "serve":
-        from pdserve.benchmarks.serve import main as serve_main
-
-        if not args.address and not args.config and not args.http_address:
-            print("pdserve: error: bench serve needs --address HOST:PORT or --config FILE "
-                  "(repeat --config to compare deployments)", file=sys.stderr)
-            return 2
-        return serve_main(args.address, args.config or [], args.requests, args.prompt_len,
-                          args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
-                          args.max_prompt, args.out, apis=args.api,
-                          http_address=args.http_address, repeats=args.repeats,
-                          offline=args.offline)
-    if args.what == "sim-accuracy":
-        from pdserve.benchmarks.sim_accuracy import main as accuracy_main
-
-        if not (args.config or args.replay) or not args.profile:
-            print("pdserve: error: bench sim-accuracy needs --config (repeatable) or --replay, "
-                  "and --profile (from pdserve calibrate)", file=sys.stderr)
-            return 2
-        return accuracy_main(args.config or [], args.profile, args.requests, args.prompt_len,
-                             args.max_tokens, args.fractions, args.repeats, args.saturation,
-                             args.out, n_alone=args.alone, quiet=args.quiet,
-                             replay=args.replay)
-    if args.what == "cache-groups":
-        from pdserve.benchmarks.cache_groups import main as groups_main
-
-        return groups_main(args.trace, args.limit)
-    if not args.config or not args.trace:
-        print(f"pdserve: error: bench {args.what} needs --config and --trace", file=sys.stderr)
-        return 2
-    if args.what == "disagg":
-        from pdserve.benchmarks.disagg import main as disagg_main
-
-        return disagg_main(args.config[0], args.trace, args.limit, args.rates, args.ttft_slo,
-                           args.tpot_slo, args.out, args.plot)
-    from pdserve.benchmarks.retraction import main as bench_main
-
-    return bench_main(args.config[0], args.trace, limit=args.limit)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -296,23 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--config", required=True, help="config YAML (its model and engine)")
     cal.add_argument("--out", required=True, help="where to write the profile YAML")
     cal.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's model.device)")
-    cal.add_argument("--threads", type=_positive,
+    cal.add_argument("--threads", type=positive,
                      help="torch intra-op threads (default: 1 on CPU, as a Ray engine runs)")
-    cal.add_argument("--chunks", type=_positive, nargs="+",
+    cal.add_argument("--chunks", type=positive, nargs="+",
                      help="prefill chunk sizes (default: page_size x 4^k up to "
                           "engine.max_scheduled_tokens)")
-    cal.add_argument("--batches", type=_positive, nargs="+",
+    cal.add_argument("--batches", type=positive, nargs="+",
                      help="decode batch sizes (default: 4^k up to engine.max_batch_size, 64 "
                           "at most)")
-    cal.add_argument("--contexts", type=_positive, nargs="+",
+    cal.add_argument("--contexts", type=positive, nargs="+",
                      help="decode context lengths (default: 64 256 1024)")
-    cal.add_argument("--decode-rounds", type=_positive, default=4,
+    cal.add_argument("--decode-rounds", type=positive, default=4,
                      help="pure decode rounds timed per batch and context (4)")
     cal.add_argument("--seed", type=int, default=0, help="the prompts' random tokens")
     cal.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                      help="time rounds by wall clock (default), or by the thread's CPU time "
                           "(CPU, one thread: leaves out time other processes held the core)")
-    cal.add_argument("--copies", type=_positive, default=1,
+    cal.add_argument("--copies", type=positive, default=1,
                      help="run the same grid in this many processes at once and time one: "
                           "a host whose engines share it (default 1: the engine alone)")
     cal.add_argument("--as-load", action="store_true", help=argparse.SUPPRESS)
@@ -374,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "of its passing rate (0.1)")
     plan.add_argument("--address", help="run the simulations on this Ray cluster (default: a "
                                         "local Ray on every core)")
-    plan.add_argument("--cpus", type=_positive, help="simulations at once: a local Ray's "
+    plan.add_argument("--cpus", type=positive, help="simulations at once: a local Ray's "
                                                      "CPUs (default: every core; with "
                                                      "--address, the cluster's CPUs)")
     plan.add_argument("--in-process", action="store_true",
@@ -404,98 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("text", nargs="+", help="one or more prompts")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks that print a table")
-    bench.add_argument("what", choices=["planner", "retraction", "disagg", "llm", "transfer",
-                                        "serve", "soak", "tokens", "cache-groups",
-                                        "sim-accuracy", "autoscale"],
-                       help="planner: plan-build cost per round; retraction: a tight pool "
-                            "with the host cache off and on, and every request strict; "
-                            "disagg: fused against P/D splits across request rates; "
-                            "llm: pdserve.LLM against Hugging Face generate; "
-                            "transfer: KV handoff over NIXL against raw NIXL and memcpy; "
-                            "serve: load a deployment through the client; "
-                            "soak: faults, aborts and a killed engine under load; "
-                            "tokens: what a generated token costs on its way out of an engine; "
-                            "cache-groups: Gemma 3 27B's sliding-window groups against every "
-                            "layer full (per-request bytes, concurrency, a simulated trace); "
-                            "sim-accuracy: the simulator with a calibrated profile against "
-                            "the real deployment at concurrency 1 and fractions of saturation; "
-                            "autoscale: a sine load against 1P+1D fixed and autoscaled")
-    bench.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256, 1024, 4096],
-                       help="planner: decoding requests per round (64 256 1024 4096)")
-    bench.add_argument("--rounds", type=_positive, default=200,
-                       help="planner: rounds timed per size (200)")
-    bench.add_argument("--config", action="append",
-                       help="config YAML (serve: start this deployment; repeat to compare)")
-    bench.add_argument("--trace", help="the trace (serve: replayed with lengths capped; llm: "
-                                       "the lengths of its trace workload, default the Azure "
-                                       "conversation trace in ../shared/data/traces; "
-                                       "cache-groups: default the Mooncake one there)")
-    bench.add_argument("--address", help="serve: a running deployment's router")
-    bench.add_argument("--http-address", help="serve: a running deployment's HTTP API, "
-                                              "e.g. http://127.0.0.1:8000")
-    bench.add_argument("--api", nargs="+", choices=["grpc", "http"], default=["grpc"],
-                       help="serve: the client APIs to load (both: side by side, interleaved)")
-    bench.add_argument("--offline", action="store_true",
-                       help="serve: also run the same requests through pdserve.LLM in-process "
-                            "(each --config), the engine's own rate")
-    bench.add_argument("--repeats", type=_positive, default=1,
-                       help="serve: runs of each API; the median is reported with the spread")
-    bench.add_argument("--requests", type=int, default=64, help="serve: how many")
-    bench.add_argument("--prompt-len", type=int, default=128, help="serve: synthetic prompts")
-    bench.add_argument("--max-tokens", type=int, default=64, help="serve: per request")
-    bench.add_argument("--max-prompt", type=int, default=1024, help="serve: cap replayed prompts")
-    bench.add_argument("--concurrency", type=int, default=16, help="serve: requests in flight")
-    bench.add_argument("--rate", type=float, help="serve: Poisson arrivals a second")
-    bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long")
-    bench.add_argument("--seed", type=int, default=0, help="soak: reproduces a run")
-    bench.add_argument("--models", nargs="+", choices=["tiny", "llama-110m"],
-                       help="llm: model shapes, random weights built on the spot, nothing "
-                            "downloaded (default both)")
-    bench.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"],
-                       help="llm: dtypes, each run by both sides (default both)")
-    bench.add_argument("--device", default="cpu",
-                       help="llm, transfer: cpu or cuda (transfer: GPU pools, NIXL VRAM)")
-    bench.add_argument("--workload", nargs="+", choices=["uniform", "trace"],
-                       help="llm: uniform lengths and/or the trace's (default both)")
-    bench.add_argument("--batches", type=_positive, nargs="+",
-                       help="llm: batch sizes (default 1 8 32)")
-    bench.add_argument("--scale", type=_positive,
-                       help="llm: divide the trace's lengths by this (default 8)")
-    bench.add_argument("--limit", type=int, help="only the first N requests of the trace "
-                                                 "(cache-groups: default 300)")
-    bench.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
-                       help="disagg: arrival-rate multipliers of the trace's own rate")
-    bench.add_argument("--ttft-slo", type=float, default=2.0, help="disagg: seconds")
-    bench.add_argument("--tpot-slo", type=float, default=0.1, help="disagg: seconds")
-    bench.add_argument("--out", help="disagg, serve: save the results as JSON here")
-    bench.add_argument("--plot", help="disagg: draw goodput against rate into this PNG")
-    bench.add_argument("--profile", help="sim-accuracy: the cost profile the simulator uses")
-    bench.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 1.1],
-                       help="sim-accuracy: Poisson rates as fractions of the measured "
-                            "saturation (0.5 0.9 1.1)")
-    bench.add_argument("--saturation", type=float,
-                       help="sim-accuracy: saturation in req/s (default: measured closed-loop "
-                            "at concurrency 16)")
-    bench.add_argument("--alone", type=_positive, default=8,
-                       help="sim-accuracy: requests run at concurrency 1 (8)")
-    bench.add_argument("--quiet", type=float,
-                       help="sim-accuracy: before each real run, wait until processes outside "
-                            "the benchmark use under this many cores")
-    bench.add_argument("--replay", help="sim-accuracy: simulate the real runs of this --out "
-                                        "JSON again with --profile; start nothing")
-    bench.set_defaults(func=_cmd_bench)
+    about = "benchmarks that print a table; each has its own options: pdserve bench NAME --help"
+    bench = sub.add_parser("bench", help=about, description=about)
+    bench_sub = bench.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    for name, module, text in BENCHMARKS:
+        mod = importlib.import_module(module)
+        p = bench_sub.add_parser(name, help=text, description=text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
     return ap
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return n
 
 
 def main(argv=None) -> int:

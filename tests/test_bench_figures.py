@@ -41,7 +41,8 @@ def test_an_open_loop_past_capacity_counts_queueing_in_ttft(monkeypatch):
     in a closed loop are timed from the pick-up and show only the service."""
     _fake_stream(monkeypatch, SERVICE_S, [])
     n = 20
-    opened = serve.run("fake", _samples(n), concurrency=1, rate=1000.0, seed=0, progress=False)
+    opened = serve.drive("fake", _samples(n), concurrency=1, rate=1000.0, seed=0,
+                         progress=False)
     due = serve.arrivals(_samples(n), 1000.0, 0)
     assert opened["ok"] == n and opened["arrivals"] == "rate"
     # the median request is about the 10th served: it waited ~9 services
@@ -49,7 +50,7 @@ def test_an_open_loop_past_capacity_counts_queueing_in_ttft(monkeypatch):
     assert opened["queued_s"]["p50"] >= 9 * SERVICE_S - max(due)
     assert opened["e2e_s"]["p99"] >= (n - 1) * SERVICE_S - max(due)
 
-    closed = serve.run("fake", _samples(n), concurrency=1, rate=None, seed=0, progress=False)
+    closed = serve.drive("fake", _samples(n), concurrency=1, rate=None, seed=0, progress=False)
     assert closed["arrivals"] == "closed loop"
     assert closed["ttft_s"]["p50"] < opened["ttft_s"]["p50"] / 3      # ~1 service, not ~10
 
@@ -61,8 +62,8 @@ def test_a_trace_is_replayed_at_its_own_arrival_times(monkeypatch):
     picked = []
     _fake_stream(monkeypatch, 0.001, picked)
     arrivals = [100.0, 101.0, 100.5]
-    r = serve.run("fake", _samples(3, arrivals), concurrency=3, rate=None, seed=0,
-                  progress=False)
+    r = serve.drive("fake", _samples(3, arrivals), concurrency=3, rate=None, seed=0,
+                    progress=False)
     assert r["ok"] == 3 and r["arrivals"] == "trace"
     assert [which for _, which in picked] == [0, 2, 1]           # in arrival order
     t = [at for at, _ in picked]

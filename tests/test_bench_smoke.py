@@ -77,6 +77,12 @@ def test_bench_serve(capsys, tmp_path):
     assert row["ok"] == 4 and row["failed"] == 0 and row["errors"] == []
 
 
+def test_bench_loop(capsys):
+    out = bench(capsys, "loop", "--batches", "2", "--max-tokens", "8")
+    rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")]
+    assert "2" in rows
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_bench_soak(capsys):

@@ -1,0 +1,113 @@
+"""`pdserve bench loop`: where an engine's round goes, and what overlapping
+the planner with the forward could save.
+
+A fused engine (`pdserve.LLM`'s planner and executor, no server) runs B
+requests of `--prompt-len` tokens to `--max-tokens` each, and every round
+is split into: the planner's `build`, the executor's input staging and
+forward, its sampling and per-token bookkeeping, and the planner's `apply`.
+Overlap (building round N+1's plan while round N's forward runs) can hide
+at most build + apply: the table prints that share and the round rate it
+would give if it were hidden completely. On a GPU the forward is queued
+asynchronously and the host work is what overlap hides; on a CPU the forward
+and the planner compete for the same cores, so the bound is an upper one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from pdserve.benchmarks.args import positive
+
+
+def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:
+    import torch
+
+    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.roles.torch_executor import TorchExecutor
+    from pdserve.scheduler.config import EngineConfig
+    from pdserve.scheduler.grammar import Role
+    from pdserve.scheduler.planner import Planner
+    from pdserve.scheduler.request import Request, SamplingLimits
+
+    torch.set_num_threads(threads)
+    m, tok = load_model(None, model)
+    pages = batch * (-(-(prompt_len + max_tokens) // 16) + 1) + 16
+    cfg = EngineConfig(page_size=16, total_pages=pages, max_batch_size=batch,
+                       max_scheduled_tokens=max(512, prompt_len))
+    ex = TorchExecutor(m, tok, cfg, detokenize=False)
+    planner = Planner(cfg, Role.FUSED, groups=ex.groups)
+    forward_s = [0.0]
+    inner = ex.forward
+
+    def timed_forward(plan):
+        t = time.perf_counter()
+        out = inner(plan)
+        forward_s[0] += time.perf_counter() - t
+        return out
+    ex.forward = timed_forward
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(3, m.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+        ex.register(f"r{i}", SamplingParams(max_tokens=max_tokens, ignore_eos=True), i)
+        planner.submit(Request(f"r{i}", ids, SamplingLimits(max_new_tokens=max_tokens)))
+    rounds = []
+    while planner.has_work():
+        forward_s[0] = 0.0
+        t0 = time.perf_counter()
+        plan = planner.build()
+        t1 = time.perf_counter()
+        result = ex.run(plan)
+        t2 = time.perf_counter()
+        planner.apply(plan, result)
+        t3 = time.perf_counter()
+        if plan.decodes and not plan.prefills:          # the steady decode rounds
+            rounds.append((t1 - t0, forward_s[0], t2 - t1 - forward_s[0], t3 - t2, t3 - t0,
+                           len(plan.decodes)))
+    planner.check_invariants()
+    med = [statistics.median(r[k] for r in rounds) for k in range(5)]
+    return {"rounds": len(rounds), "build": med[0], "forward": med[1], "sample": med[2],
+            "apply": med[3], "round": med[4],
+            "tokens_per_s": sum(r[5] for r in rounds) / sum(r[4] for r in rounds)}
+
+
+def main(model: str = "tiny", batches=(16, 64, 256), prompt_len: int = 8,
+         max_tokens: int = 256, threads: int = 1) -> int:
+    if max_tokens < 2:              # the first token comes from the prefill's round
+        raise ValueError(f"--max-tokens {max_tokens} leaves no round that only decodes; "
+                         "ask for 2 or more")
+    print(f"{model}, fused, {threads} torch thread(s), prompt {prompt_len}, {max_tokens} tokens "
+          f"each; medians over the decode-only rounds")
+    print("| batch | round | build | forward | sample + tokens | apply | planner share | "
+          "tok/s | tok/s with build + apply hidden |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for b in batches:
+        r = _run(model, b, prompt_len, max_tokens, threads)
+        planner = r["build"] + r["apply"]
+        share = planner / r["round"]
+        print(f"| {b} | {r['round'] * 1e3:.2f} ms | {r['build'] * 1e6:.0f} µs | "
+              f"{r['forward'] * 1e3:.2f} ms | {r['sample'] * 1e6:.0f} µs | "
+              f"{r['apply'] * 1e6:.0f} µs | {share:.1%} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s'] / (1 - share):,.0f} |", flush=True)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=["tiny", "smollm2-135m"], default="tiny",
+                   help="the preset the engine runs (tiny)")
+    p.add_argument("--batches", type=positive, nargs="+", default=[16, 64, 256],
+                   help="requests decoding together, one table row each (16 64 256)")
+    p.add_argument("--prompt-len", type=positive, default=8, help="tokens of each prompt (8)")
+    p.add_argument("--max-tokens", type=positive, default=256,
+                   help="new tokens per request (256)")
+    p.add_argument("--threads", type=positive, default=1, help="torch intra-op threads (1)")
+
+
+def run(args) -> int:
+    return main(args.model, args.batches, args.prompt_len, args.max_tokens, args.threads)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
