@@ -15,6 +15,7 @@ from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
+from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
 
 log = logging.getLogger("pdserve.kernels")
@@ -98,7 +99,8 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
 
 def checkpoint_weight_names(cfg: ModelConfig) -> list[str]:
     """The tensors a checkpoint of `cfg`'s architecture must hold."""
-    return gemma3_weight_names(cfg) if cfg.arch == "gemma3" else weight_names(cfg)
+    names = {"gemma3": gemma3_weight_names, "qwen3_5": qwen3_5_weight_names}
+    return names.get(cfg.arch, weight_names)(cfg)
 
 
 def attention_shape(cfg: ModelConfig) -> dict:
@@ -111,7 +113,7 @@ def attention_shape(cfg: ModelConfig) -> dict:
 
 def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
     """The architecture's model class over `weights` (Hugging Face names)."""
-    cls = Gemma3Model if cfg.arch == "gemma3" else DecoderModel
+    cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model}.get(cfg.arch, DecoderModel)
     return cls(cfg, weights, dtype, device, attention)
 
 

@@ -1,6 +1,9 @@
 """The architecture facts a decoder needs, read from a Hugging Face
 config.json or a GGUF file's metadata, or the embedded tiny preset; and
-the cache groups they imply (which layers share a block table)."""
+the cache groups they imply (which layers share a block table). Layers that
+keep a fixed-size state instead of K/V (Qwen3.5's Gated DeltaNet) are in no
+cache group: `state_layers` names them and `state_slot_bytes` sizes one
+sequence's state."""
 
 from __future__ import annotations
 
@@ -15,10 +18,26 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 # config.json's model_type, for checkpoints that do not list architectures
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
+               "qwen3_5_text": "qwen3_5"}
+# multimodal checkpoints whose text model pdserve runs only when saved alone
+MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoint; pdserve runs the "
+                                      "text-only Gemma3ForCausalLM (e.g. google/gemma-3-1b-it)",
+    "Qwen3_5ForConditionalGeneration": "Qwen3.5's multimodal checkpoint (vision encoder and "
+                                       "text model); pdserve runs the text-only "
+                                       "Qwen3_5ForCausalLM: save the text model alone with "
+                                       "transformers (Qwen3_5ForCausalLM.from_pretrained(DIR)"
+                                       ".save_pretrained(OUT)), copy its tokenizer files "
+                                       "there, and point model.path at OUT",
+}
+MULTIMODAL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration",
+                    "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 SLIDING, GLOBAL = "sliding_attention", "full_attention"     # Hugging Face's layer_types
+LINEAR = "linear_attention"        # a Gated DeltaNet layer: a recurrent state, no K/V
 
 
 class ModelError(ValueError):
@@ -57,6 +76,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
     rope_local_scaling: dict | None = None
+    # Qwen3.5: rotary positions turn only the first head_dim * this dims of q
+    # and k. Its LINEAR layers (Gated DeltaNet) mix tokens through a causal
+    # depthwise conv of linear_conv_kernel taps over q, k and v, then a gated
+    # delta rule whose state is, per value head, a key_dim x value_dim matrix.
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def layer_window(self, i: int) -> int | None:
         """Tokens layer i's queries see, themselves included (None: all)."""
@@ -66,13 +95,48 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def state_layers(self) -> tuple:
+        """The layers that keep a recurrent state instead of K/V (Qwen3.5's
+        Gated DeltaNet), in order: StateCache layer j is layer
+        state_layers()[j]. They are in no cache group."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's conv: its q, k and v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim \
+            + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def conv_state_shape(self) -> tuple:
+        """One state layer's conv state: the last kernel - 1 inputs of each channel."""
+        return (self.conv_dim, self.linear_conv_kernel - 1)
+
+    def recurrent_state_shape(self) -> tuple:
+        """One state layer's delta-rule state: a key x value matrix per value head."""
+        return (self.linear_num_value_heads, self.linear_key_head_dim,
+                self.linear_value_head_dim)
+
+    def state_slot_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one state slot (one sequence's state at one point, every
+        state layer): the conv state in the model dtype (`dtype_bytes` per
+        element), the recurrent state in float32 whatever the model dtype."""
+        if not self.state_layers():
+            return 0
+        channels, width = self.conv_state_shape()
+        h, dk, dv = self.recurrent_state_shape()
+        return len(self.state_layers()) * (channels * width * dtype_bytes + h * dk * dv * 4)
+
     def cache_groups(self, replayable: bool = False) -> list[CacheGroupSpec]:
-        """The layers grouped by what their attention keeps: the full-history
+        """The attention layers grouped by what they keep: the full-history
         group first (if any layer reads all history), then one group per
         window, smallest first. `replayable` marks every sliding group as
-        recomputed from re-fed tokens instead of prefix-cached (spec §1.3)."""
+        recomputed from re-fed tokens instead of prefix-cached (spec §1.3).
+        State layers (`state_layers`) keep no K/V and are in no group."""
         by_window: dict = {}
+        state = set(self.state_layers())
         for i in range(self.num_layers):
+            if i in state:
+                continue
             by_window.setdefault(self.layer_window(i), []).append(i)
         groups = []
         if None in by_window:
@@ -116,15 +180,17 @@ def read_config(path) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None) if archs \
         else MODEL_TYPES.get(raw.get("model_type"))
-    if arch is None and "Gemma3ForConditionalGeneration" in archs:
-        raise ModelError(f"{d}: Gemma3ForConditionalGeneration is Gemma 3's multimodal "
-                         "checkpoint; pdserve runs the text-only Gemma3ForCausalLM "
-                         "(e.g. google/gemma-3-1b-it)")
+    multimodal = next((a for a in archs if a in MULTIMODAL), None) if archs \
+        else MULTIMODAL_TYPES.get(raw.get("model_type"))
+    if arch is None and multimodal:
+        raise ModelError(f"{d}: {multimodal} is {MULTIMODAL[multimodal]}")
     if arch is None:
         raise ModelError(f"{d}: architecture {archs or raw.get('model_type')!r} is not "
                          f"supported; pdserve runs {', '.join(sorted(SUPPORTED))}")
     if arch == "gemma3":
         return _gemma3_config(d, raw)
+    if arch == "qwen3_5":
+        return _qwen3_5_config(d, raw)
     heads = raw["num_attention_heads"]
     eos_ids = _eos_ids(raw)
     # transformers 5 writes rope_parameters; older checkpoints rope_scaling + rope_theta
@@ -234,5 +300,57 @@ def _gemma3_config(d: Path, raw: dict) -> ModelConfig:
         rope_local_scaling=scaling(local, None),
         bos_token_id=raw.get("bos_token_id", 2),
         eos_token_ids=_eos_ids({"eos_token_id": raw.get("eos_token_id", 1)}),
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+
+
+def _qwen3_5_config(d: Path, raw: dict) -> ModelConfig:
+    """Qwen3.5 text (Qwen3_5TextConfig): Gated DeltaNet layers beside full
+    attention ones, per `layer_types` (absent: every `full_attention_interval`-th
+    layer attends). Absent keys take Qwen3_5TextConfig's defaults. RoPE:
+    rope_parameters (transformers 5), or top-level rope_theta and
+    partial_rotary_factor; its multimodal rotary sections (mrope_section)
+    turn text positions exactly as plain RoPE, every section at the same
+    position."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelError(f"{d}: hidden_act {act!r} is not supported; pdserve runs Qwen3.5 "
+                         "with silu")
+    n = raw.get("num_hidden_layers", 32)
+    types = raw.get("layer_types")
+    if not types:
+        every = raw.get("full_attention_interval", 4)
+        types = [GLOBAL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+    if len(types) != n or set(types) - {LINEAR, GLOBAL}:
+        raise ModelError(f"{d}: layer_types must name {LINEAR!r} or {GLOBAL!r} for each of "
+                         f"the {n} layers, got {types!r}")
+    rope = raw.get("rope_parameters") or {}
+    kind = rope.get("rope_type", "default")
+    heads = raw.get("num_attention_heads", 16)
+    return ModelConfig(
+        arch="qwen3_5",
+        vocab_size=raw.get("vocab_size", 248_320),
+        hidden_size=raw.get("hidden_size", 4096),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or 4,
+        head_dim=raw.get("head_dim") or 256,
+        intermediate_size=raw.get("intermediate_size", 12_288),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10_000.0)),
+        rope_scaling=rope if kind != "default" else None,
+        max_position=raw.get("max_position_embeddings", 32_768),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=raw.get("attention_bias", False),
+        layer_types=tuple(types),
+        partial_rotary_factor=rope.get("partial_rotary_factor",
+                                       raw.get("partial_rotary_factor", 0.25)),
+        linear_num_key_heads=raw.get("linear_num_key_heads", 16),
+        linear_num_value_heads=raw.get("linear_num_value_heads", 32),
+        linear_key_head_dim=raw.get("linear_key_head_dim", 128),
+        linear_value_head_dim=raw.get("linear_value_head_dim", 128),
+        linear_conv_kernel=raw.get("linear_conv_kernel_dim", 4),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )

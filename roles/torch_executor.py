@@ -22,6 +22,7 @@ import torch
 
 from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
+from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.scheduler.cache_groups import HOLE
@@ -49,6 +50,10 @@ class TorchExecutor:
         CacheGroupSpecs, by default the model's `cache_groups()` (sliding
         groups replayable when engine.sliding_replay is set); they must lay
         out the model's layers as the model does (replayable may differ)."""
+        if model.cfg.state_layers():
+            raise ModelError(f"{model.cfg.arch}: layers {list(model.cfg.state_layers())} keep a "
+                             "recurrent state, which the engine cannot schedule yet (state "
+                             "cache groups, issue 14); serve a model whose layers all keep K/V")
         self.model = model
         self.tokenizer = tokenizer
         self.detokenize = detokenize
