@@ -79,8 +79,10 @@ class EngineServer:
 
             from pdserve.transfer.faults import FaultInjector
 
+            # NIXL's own progress thread spins a core: only where pools are on a GPU
             transport = NixlTransport(Incarnation(self.name, self.incarnation),
-                                      FaultInjector.from_config(faults or [], fault_seed))
+                                      FaultInjector.from_config(faults or [], fault_seed),
+                                      progress_thread=self.executor.caches[0].data.is_cuda)
             transport.register_pools([c.data for c in self.executor.caches])
         self.transport = transport
         self.peer = PeerProtocol(self, transport, transfer_timeout_s, lease_s, heartbeat_s)

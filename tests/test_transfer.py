@@ -168,6 +168,10 @@ def test_a_probability_rule_is_seeded_and_reproducible():
 def test_a_restarted_peer_receives_nothing_meant_for_its_previous_incarnation(backend):
     pair = Pair(backend)
     old = pair.D.incarnation
+    # Keep the old pool's memory: in one process a new pool could take its
+    # address, and a write to the dead incarnation's registration would land
+    # in it. A restarted engine is a new process, where that memory is gone.
+    old_pool = pair.D.pool
     pair.D.close()
     pair.D = pair.make(Incarnation("decode-0", 2))          # same engine, new start
     pair.D.register_pool(pool(-1.0))
@@ -182,6 +186,7 @@ def test_a_restarted_peer_receives_nothing_meant_for_its_previous_incarnation(ba
     p_ev, d_ev = pair.settle()
     assert [e.kind for e in d_ev] == ["landed"] and torch.equal(pair.D.pool[4], pool()[4])
     pair.close()
+    del old_pool
 
 
 def test_mismatched_page_sizes_are_refused_with_the_fix():

@@ -24,15 +24,21 @@ from pdserve.transfer.transport import (
 
 class NixlTransport(KvTransport):
     def __init__(self, incarnation: Incarnation, faults=None, backends=("UCX",),
-                 telemetry: bool = False):
+                 telemetry: bool = False, progress_thread: bool = False):
         """`telemetry`: have NIXL record each transfer and add the descriptor
-        count it reports (after its merging) to metrics.backend_descriptors."""
+        count it reports (after its merging) to metrics.backend_descriptors.
+        `progress_thread`: let NIXL's UCX backend drive transfers from a
+        thread of its own. That thread polls without pause (NIXL's Python
+        API sets no delay), a whole core per engine; without it, transfers
+        progress whenever this side polls (`poll`, every engine tick), which
+        costs no core. Worth it only where cores are spare (a GPU host)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         super().__init__(incarnation, faults)
         self.telemetry = telemetry
         self.agent = nixl_agent(incarnation.agent_name,
-                                nixl_agent_config(backends=list(backends),
+                                nixl_agent_config(enable_prog_thread=progress_thread,
+                                                  backends=list(backends),
                                                   capture_telemetry=telemetry))
         self._reg = None
         self._local = None
