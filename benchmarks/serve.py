@@ -49,6 +49,19 @@ class Timing:
     tokens: int = 0
     gaps: list = field(default_factory=list)
 
+    def seen(self, n: int, t0: float, last: float) -> float:
+        """`n` tokens arrived now (the request's clock started at `t0`, the
+        previous chunk came at `last`); returns now."""
+        now = time.perf_counter()
+        if n:
+            if self.ttft is None:
+                self.ttft = now - t0
+            else:
+                self.gaps.append(now - last)
+            self.tokens += n
+            return now
+        return last
+
 
 def arrivals(samples: list[Sample], rate: float | None, seed: int) -> list[float] | None:
     """Each request's scheduled arrival in seconds from the start: Poisson at
@@ -83,21 +96,54 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
     return out
 
 
-def _grpc_stream(address: str):
-    """A client (its own connection) per worker thread, as separate users
-    have: with router replicas, the connections spread over them."""
-    from pdserve.client import Client
+CHANNELS = 8      # gRPC connections an async client spreads its streams over
 
-    local, clients = threading.local(), []
 
-    def stream(s: Sample):
-        client = getattr(local, "client", None)
-        if client is None:
-            client = local.client = Client(address, timeout=600)
-            clients.append(client)
-        for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens, ignore_eos=True):
-            yield len(chunk.token_ids)
-    return stream, lambda: [c.close() for c in clients]
+async def _drive_grpc(address: str, samples: list[Sample], due, timings: list[Timing],
+                      concurrency: int, done) -> float:
+    """The gRPC load: `concurrency` streams on one event loop (no thread per
+    stream, as vLLM's and SGLang's benchmark clients), over a few
+    connections, so that with router replicas they spread over them.
+    Returns the wall time."""
+    import asyncio
+
+    from pdserve.client import AsyncClient
+
+    clients = [AsyncClient(address, timeout=600) for _ in range(min(CHANNELS, concurrency))]
+    order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
+        else list(range(len(samples)))
+    todo = asyncio.Queue()
+    for i in order:
+        todo.put_nowait(i)
+    start = time.perf_counter()
+
+    async def worker(w: int) -> None:
+        client = clients[w % len(clients)]
+        while not todo.empty():
+            i = todo.get_nowait()
+            if due is not None:
+                wait = start + due[i] - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)     # pacing arrivals, not waiting on a race
+            s, t = samples[i], timings[i]
+            picked = last = time.perf_counter()
+            t0 = start + due[i] if due is not None else picked
+            t.queued = picked - t0
+            try:
+                async for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens,
+                                                          ignore_eos=True):
+                    last = t.seen(len(chunk.token_ids), t0, last)
+                t.e2e = time.perf_counter() - t0
+                t.ok = True
+            except Exception as e:            # counted, reported
+                t.error = str(e)
+            done()
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        for c in clients:
+            await c.close()
+    return time.perf_counter() - start
 
 
 def _http_stream(base_url: str):
@@ -139,18 +185,12 @@ def _http_stream(base_url: str):
     return stream, lambda: None
 
 
-def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
-          seed: int, progress: bool = True, api: str = "grpc") -> dict:
-    """Send `samples` to `address` and time each: the gRPC HOST:PORT, or with
-    api="http" the HTTP base URL."""
-    from tqdm import tqdm
-
-    stream, close = _http_stream(address) if api == "http" else _grpc_stream(address)
-    timings = [Timing() for _ in samples]
-    bar = tqdm(total=len(samples), disable=not progress, unit="req", desc=f"bench serve {api}")
+def _drive_threads(stream_and_close, samples: list[Sample], due, timings: list[Timing],
+                   concurrency: int, done) -> float:
+    """The HTTP load: one worker thread (and keep-alive connection) per
+    concurrent stream. Returns the wall time."""
+    stream, close = stream_and_close
     lock = threading.Lock()
-
-    due = arrivals(samples, rate, seed)
 
     def one(i: int) -> None:
         s, t = samples[i], timings[i]
@@ -159,20 +199,13 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
         t.queued = picked - t0
         try:
             for n in stream(s):
-                now = time.perf_counter()
-                if n:
-                    if t.ttft is None:
-                        t.ttft = now - t0
-                    else:
-                        t.gaps.append(now - last)
-                    last = now
-                    t.tokens += n
+                last = t.seen(n, t0, last)
             t.e2e = time.perf_counter() - t0
             t.ok = True
         except Exception as e:            # counted, reported
             t.error = str(e)
         with lock:
-            bar.update(1)
+            done()
 
     order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
         else range(len(samples))
@@ -185,8 +218,28 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
                     time.sleep(wait)          # pacing arrivals, not waiting on a race
             pool.submit(one, i)
     wall = time.perf_counter() - start
-    bar.close()
     close()
+    return wall
+
+
+def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
+          seed: int, progress: bool = True, api: str = "grpc") -> dict:
+    """Send `samples` to `address` and time each: the gRPC HOST:PORT, or with
+    api="http" the HTTP base URL."""
+    from tqdm import tqdm
+
+    timings = [Timing() for _ in samples]
+    bar = tqdm(total=len(samples), disable=not progress, unit="req", desc=f"bench serve {api}")
+    due = arrivals(samples, rate, seed)
+    if api == "grpc":
+        import asyncio
+
+        wall = asyncio.run(_drive_grpc(address, samples, due, timings, concurrency,
+                                       lambda: bar.update(1)))
+    else:
+        wall = _drive_threads(_http_stream(address), samples, due, timings, concurrency,
+                              lambda: bar.update(1))
+    bar.close()
     ok = [t for t in timings if t.ok]
     tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]
     gaps = [g for t in ok for g in t.gaps]

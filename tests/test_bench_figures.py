@@ -17,17 +17,25 @@ SERVICE_S = 0.05
 
 
 def _fake_stream(monkeypatch, service_s: float, picked: list):
-    """A server that serves one request at a time per worker: each request
-    sleeps `service_s`, then streams two tokens; `picked` records when each
+    """A server that serves one request at a time per stream: each request
+    waits `service_s`, then streams two tokens; `picked` records when each
     one was picked up and which it was."""
-    def factory(address):
-        def stream(s):
-            picked.append((time.perf_counter(), s.prompt[0]))
-            time.sleep(service_s)
-            yield 1
-            yield 1
-        return stream, lambda: None
-    monkeypatch.setattr(serve, "_grpc_stream", factory)
+    import asyncio
+    from types import SimpleNamespace
+
+    class FakeClient:
+        def __init__(self, address, timeout=None):
+            pass
+
+        async def generate_stream(self, prompt, **kw):
+            picked.append((time.perf_counter(), prompt[0]))
+            await asyncio.sleep(service_s)
+            for _ in range(2):
+                yield SimpleNamespace(token_ids=[1])
+
+        async def close(self):
+            pass
+    monkeypatch.setattr("pdserve.client.AsyncClient", FakeClient)
 
 
 def _samples(n, arrivals=None):
