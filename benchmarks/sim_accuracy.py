@@ -29,7 +29,8 @@ import statistics
 
 from pdserve.benchmarks.args import positive, usage_error, workload_arguments
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
-from pdserve.cluster.calibrate import ForeignLoad, wait_for_quiet
+from pdserve.cluster.calibrate import ForeignLoad, errors, wait_for_quiet
+from pdserve.roles.cost_profile import load_profile
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
 
@@ -76,6 +77,20 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                                                    "prompt_len": prompt_len,
                                                    "max_tokens": max_tokens}}
     dep = Deployment(cfg)
+    prof = load_profile(profile)
+
+    def engine_rounds() -> dict:
+        """The profile against the rounds the engines timed since the last
+        call: the simulator's cost of each round, apart from its scheduling."""
+        import ray
+
+        rounds = [r for _, _, a in dep.engines for r in ray.get(a.take_rounds.remote())]
+        if not rounds:
+            return {"count": 0, "err_p50": None, "busy_err": None}
+        errs = errors(prof.round, rounds, prof.model)
+        busy = sum(r.seconds for r in rounds)
+        return {"count": len(rounds), "err_p50": statistics.median(errs),
+                "busy_err": sum((1 + e) * r.seconds for e, r in zip(errs, rounds)) / busy - 1}
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
     try:
@@ -97,15 +112,19 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                 run_seed = seed + 100 * (rep + 1) + i
                 if quiet is not None:
                     wait_for_quiet(quiet)
+                engine_rounds()                    # what ran before this run
                 with ForeignLoad() as load:
                     r = drive(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
                               run_seed, progress=False)
                 r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
-                         foreign_cores=load.cores)
+                         foreign_cores=load.cores, rounds=engine_rounds())
                 out["runs"].append(r)
+                rd = r["rounds"]
                 print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
                       f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
-                      f"foreign load {_cores(load.cores)}", flush=True)
+                      f"foreign load {_cores(load.cores)}; {rd['count']} engine rounds, "
+                      f"profile vs each {_pct(rd['err_p50'])} p50, vs busy time "
+                      f"{_pct(rd['busy_err'])}", flush=True)
     finally:
         dep.stop()
     resimulate(out, profile)
@@ -127,6 +146,10 @@ def resimulate(res: dict, profile: str) -> None:
 
 def _ms(v) -> str:
     return f"{v * 1000:.0f} ms" if v is not None else "-"
+
+
+def _pct(v) -> str:
+    return f"{v:+.0%}" if v is not None else "-"
 
 
 def _cores(v) -> str:
@@ -165,13 +188,31 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
+def rounds_table(results: list[dict]) -> list[str]:
+    """Markdown rows: per config and level, how the profile predicts the
+    rounds the real engines ran (median over runs): its error per round at
+    the median, and on their summed (busy) time."""
+    lines = ["| config | level | engine rounds | profile error per round (p50) | "
+             "on busy time |", "| --- | --- | ---: | ---: | ---: |"]
+    for res in results:
+        for lv in res["levels"]:
+            rds = [r["rounds"] for r in res["runs"]
+                   if r["level"] == lv["level"] and r.get("rounds", {}).get("count")]
+            if not rds:
+                continue
+            med = {k: statistics.median(r[k] for r in rds) for k in ("err_p50", "busy_err")}
+            lines.append(f"| {res['config']} | {lv['level']} | "
+                         f"{sum(r['count'] for r in rds)} | {_pct(med['err_p50'])} | "
+                         f"{_pct(med['busy_err'])} |")
+    return lines
+
+
 def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
          fractions, repeats: int, saturation: float | None, out: str | None,
          n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
          quiet: float | None = None, replay: str | None = None) -> int:
     """`replay`: a JSON this wrote; its real runs are simulated again with
     `profile`, nothing is started (to compare profiles on one set of runs)."""
-    from pdserve.roles.cost_profile import load_profile
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
@@ -196,6 +237,11 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     print(f"profile {profile}" + (f"; real runs replayed from {replay}" if replay else ""))
     for line in table(results):
         print(line)
+    rows = rounds_table(results)
+    if len(rows) > 2:
+        print("the profile against the rounds the engines ran (their own timings):")
+        for line in rows:
+            print(line)
     loads = [r["foreign_cores"] for res in results for r in res["runs"]
              if r["foreign_cores"] is not None]
     if loads:

@@ -41,6 +41,9 @@ class EngineHost:
     def request_state(self, req_id: str) -> str | None:
         return self.server.request_state(req_id)
 
+    def take_rounds(self) -> list:
+        return self.server.take_rounds()
+
 
 EngineActor = ray.remote(EngineHost)
 

@@ -42,25 +42,9 @@ from dataclasses import dataclass
 
 from pdserve.cluster.config import ServeConfig, engine_for_model
 from pdserve.roles.cost_model import ModelPreset
-from pdserve.roles.cost_profile import TERMS, Profile, RoundCost, features
+from pdserve.roles.cost_profile import TERMS, Profile, Round, RoundCost, features, round_of
 
 HOLD_OUT_EVERY = 4
-
-
-@dataclass(frozen=True)
-class Round:
-    """One timed engine round and what it computed."""
-    prefills: tuple            # (begin, tokens) per chunk, replay rows included
-    decode_contexts: int       # sum of the decodes' context lengths
-    num_decodes: int
-    window_contexts: int       # sum of min(context, window) (0 without sliding layers)
-    seconds: float
-
-    @property
-    def kind(self) -> str:
-        if self.prefills and self.num_decodes:
-            return "mixed"
-        return "prefill" if self.prefills else "decode"
 
 
 @dataclass(frozen=True)
@@ -179,18 +163,6 @@ class Harness:
             pl.abort(rid, "calibration stage over")
             self.executor.forget(rid)
         pl.assert_idle()
-
-
-def round_of(plan, seconds: float, window: int) -> Round:
-    """A plan's features as the simulated executor hands them to the cost
-    model (roles/sim_executor.py), and its time."""
-    ctx = wctx = 0
-    for req in plan.decodes:
-        n = req.num_tokens
-        ctx += n
-        wctx += min(n, window) if window else 0
-    return Round(tuple((op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills),
-                 ctx, len(plan.decodes), wctx, seconds)
 
 
 def chunk_sweep(h: Harness, grid: Grid, progress) -> None:

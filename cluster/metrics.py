@@ -50,6 +50,16 @@ class RouterMetrics:
                                    registry=r)
         self._engines = _EngineCollector()
         r.register(self._engines)
+        self._series: dict[str, tuple] = {}
+
+    def per_engine(self, engine: str) -> tuple:
+        """(ttft, itl, generation_tokens) of one engine: looked up once, not
+        per token (`labels` takes a lock and builds a key each call)."""
+        s = self._series.get(engine)
+        if s is None:
+            s = self._series[engine] = (self.ttft.labels(engine), self.itl.labels(engine),
+                                        self.generation_tokens.labels(engine))
+        return s
 
     def load(self):
         """What the autoscaler reads: arrivals, and TTFT and ITL as cumulative
@@ -93,12 +103,13 @@ class RequestTiming:
         if not n:
             return
         now = time.perf_counter()
+        ttft, itl, generated = self.m.per_engine(engine)
         if self.last is None:
-            self.m.ttft.labels(engine).observe(now - self.arrived)
+            ttft.observe(now - self.arrived)
         else:
-            self.m.itl.labels(engine).observe((now - self.last) / n)
+            itl.observe((now - self.last) / n)
         self.last = now
-        self.m.generation_tokens.labels(engine).inc(n)
+        generated.inc(n)
 
     def finished(self, engine: str, reason: str) -> None:
         self.m.e2e.labels(engine).observe(time.perf_counter() - self.arrived)

@@ -107,6 +107,35 @@ def features(model: ModelPreset, prefills, decode_contexts: int, num_decodes: in
     return (1.0, multi, float(len(prefills)), tokens, pairs, float(num_decodes), ctx)
 
 
+@dataclass(frozen=True)
+class Round:
+    """One timed engine round and what it computed."""
+    prefills: tuple            # (begin, tokens) per chunk, replay rows included
+    decode_contexts: int       # sum of the decodes' context lengths
+    num_decodes: int
+    window_contexts: int       # sum of min(context, window) (0 without sliding layers)
+    seconds: float
+
+    @property
+    def kind(self) -> str:
+        if self.prefills and self.num_decodes:
+            return "mixed"
+        return "prefill" if self.prefills else "decode"
+
+
+def round_of(plan, seconds: float, window: int) -> Round:
+    """A plan's features as the simulated executor hands them to the cost
+    model (roles/sim_executor.py), and its time. `window`: the model's
+    sliding window (0: none)."""
+    ctx = wctx = 0
+    for req in plan.decodes:
+        n = req.num_tokens
+        ctx += n
+        wctx += min(n, window) if window else 0
+    return Round(tuple((op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills),
+                 ctx, len(plan.decodes), wctx, seconds)
+
+
 class ProfiledCostModel:
     """`CostModel`'s interface (round_seconds, copy_seconds, model, window)
     over a measured profile."""

@@ -14,6 +14,7 @@ subscribed (the Subscribe stream).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import queue
@@ -32,6 +33,7 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine_stats import EngineCounters, waiting_requests_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
+from pdserve.roles.cost_profile import Round, round_of
 from pdserve.roles.engine import Engine
 from pdserve.roles.outputs import Outputs
 from pdserve.roles.peer_protocol import PeerProtocol
@@ -45,6 +47,7 @@ from pdserve.transfer import Incarnation
 log = logging.getLogger("pdserve.engine")
 
 TRANSFER_TIMEOUT_S = 30.0
+ROUNDS_KEPT = 20_000      # timed rounds kept for `take_rounds` (the oldest go first)
 LEASE_S = 10.0
 HEARTBEAT_S = 2.0
 
@@ -91,6 +94,9 @@ class EngineServer:
         self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
         self.outputs = Outputs(tok, self._stop_string_hit, self.name)
         self.counts = EngineCounters()
+        # each round's features and time, as calibrate times them (plan, forward, apply)
+        self.rounds: collections.deque = collections.deque(maxlen=ROUNDS_KEPT)
+        self._window = next((g.window for g in self.planner.groups if g.sliding), 0)
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()     # closing the inbox against a racing put
         self._inbox_closed = False
@@ -228,6 +234,14 @@ class EngineServer:
                     "incarnation": self.incarnation}
         return self.call(run)
 
+    def take_rounds(self) -> list[Round]:
+        """The rounds timed since the last call (at most ROUNDS_KEPT): what
+        `pdserve bench sim-accuracy` holds a cost profile against."""
+        out = []
+        while self.rounds:
+            out.append(self.rounds.popleft())
+        return out
+
     def request_state(self, req_id: str) -> str | None:
         def run():
             r = self.planner.requests.get(req_id)
@@ -273,7 +287,10 @@ class EngineServer:
             ran = True
         if self.engine.has_work():
             ran = True
+            t0 = time.perf_counter()
             out = self.engine.step()
+            if out is not None:
+                self.rounds.append(round_of(out.plan, time.perf_counter() - t0, self._window))
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
             self._stalls_logged = len(self.planner.stalls)

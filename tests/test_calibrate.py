@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.calibrate import Round, fit
+from pdserve.cluster.calibrate import fit
+from pdserve.roles.cost_profile import Round
 from pdserve.cluster.cli import main
 from pdserve.cluster.config import ServeConfig, load_config
 from pdserve.cluster.sim import Simulation

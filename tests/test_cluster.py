@@ -230,3 +230,23 @@ def test_cpu_engines_keep_freed_memory_in_the_heap(deployment):
         got = ray.get(actor.__ray_call__.remote(
             lambda self: {k: os.environ.get(k) for k in CPU_MALLOC_ENV}))
         assert got == want
+
+
+def test_engines_time_their_rounds_as_calibrate_does(deployment, client):
+    """Each engine keeps its rounds' features and times (what bench
+    sim-accuracy holds a cost profile against); taking them empties them."""
+    import ray
+
+    actors = {name: a for name, _, a in deployment.engines}
+    for a in actors.values():
+        ray.get(a.take_rounds.remote())                  # what earlier tests left
+    client.generate(PROMPTS[1], max_tokens=5, route="fused")
+    client.generate(PROMPTS[1], max_tokens=5, route="disaggregated")
+    rounds = {n: ray.get(a.take_rounds.remote()) for n, a in actors.items()}
+    for name, rs in rounds.items():
+        assert rs and all(r.seconds > 0 for r in rs), name
+    prompt = sum(n for r in rounds["fused-0"] for _, n in r.prefills)
+    assert prompt >= 9 and sum(r.num_decodes for r in rounds["fused-0"]) == 4
+    assert not any(r.num_decodes for r in rounds["prefill-0"])   # P never decodes
+    assert sum(r.num_decodes for r in rounds["decode-0"]) == 4
+    assert all(ray.get(a.take_rounds.remote()) == [] for a in actors.values())
