@@ -50,13 +50,15 @@ def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
 
     sim_cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(cfg.simulate,
                                                                     profile=profile))
-    res = Simulation(sim_cfg, sim_trace(samples, due, max_tokens), progress=False).run()
+    sim = Simulation(sim_cfg, sim_trace(samples, due, max_tokens), progress=False)
+    res = sim.run()
     fin = [r for r in res["requests"] if r["status"] == "finished"]
 
     def pct(key):
         xs = [r[key] for r in fin if r[key] is not None]
         return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9)}
-    return {"ok": len(fin), "ttft_s": pct("ttft_s"), "tpot_s": pct("tpot_s")}
+    return {"ok": len(fin), "ttft_s": pct("ttft_s"), "tpot_s": pct("tpot_s"),
+            "rounds": sim.rounds}
 
 
 def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
@@ -89,7 +91,7 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
             return {"count": 0, "err_p50": None, "busy_err": None}
         errs = errors(prof.round, rounds, prof.model)
         busy = sum(r.seconds for r in rounds)
-        return {"count": len(rounds), "err_p50": statistics.median(errs),
+        return {"count": len(rounds), "busy_s": busy, "err_p50": statistics.median(errs),
                 "busy_err": sum((1 + e) * r.seconds for e, r in zip(errs, rounds)) / busy - 1}
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
@@ -192,18 +194,20 @@ def rounds_table(results: list[dict]) -> list[str]:
     """Markdown rows: per config and level, how the profile predicts the
     rounds the real engines ran (median over runs): its error per round at
     the median, and on their summed (busy) time."""
-    lines = ["| config | level | engine rounds | profile error per round (p50) | "
-             "on busy time |", "| --- | --- | ---: | ---: | ---: |"]
+    lines = ["| config | level | engine rounds | simulated rounds | profile error per round "
+             "(p50) | on busy time |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for res in results:
         for lv in res["levels"]:
-            rds = [r["rounds"] for r in res["runs"]
-                   if r["level"] == lv["level"] and r.get("rounds", {}).get("count")]
-            if not rds:
+            runs = [r for r in res["runs"]
+                    if r["level"] == lv["level"] and r.get("rounds", {}).get("count")]
+            if not runs:
                 continue
+            rds = [r["rounds"] for r in runs]
             med = {k: statistics.median(r[k] for r in rds) for k in ("err_p50", "busy_err")}
+            sim = sum(r["sim"].get("rounds", 0) for r in runs)
             lines.append(f"| {res['config']} | {lv['level']} | "
-                         f"{sum(r['count'] for r in rds)} | {_pct(med['err_p50'])} | "
-                         f"{_pct(med['busy_err'])} |")
+                         f"{sum(r['count'] for r in rds)} | {sim or '-'} | "
+                         f"{_pct(med['err_p50'])} | {_pct(med['busy_err'])} |")
     return lines
 
 
