@@ -75,7 +75,7 @@ class _EngineDraining(_EngineLost):
 
 @dataclasses.dataclass
 class Delta:
-    token_ids: list
+    token_ids: list              # or the engine event's own sequence of ints
     text: str
     logprobs: list               # router_pb2.TokenLogprob, one per token if asked for
     finish_reason: str           # set on the last delta: length | stop
@@ -432,7 +432,9 @@ class Stream:
         try:
             for attempt in range(MAX_RESUBMITS + 1):
                 try:
-                    attempt_deltas = _every(self._attempt(streamed), r.cfg.router.stream_interval)
+                    attempt_deltas = self._attempt(streamed)
+                    if r.cfg.router.stream_interval > 1:
+                        attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
                     async with contextlib.aclosing(attempt_deltas) as deltas:
                         async for d in deltas:
                             timing.tokens(d.engine, len(d.token_ids))
@@ -538,23 +540,21 @@ def _plain(ev) -> bool:
 
 
 def _delta(ev, engine: str) -> Delta:
-    return Delta(list(ev.token_ids), ev.text, list(ev.logprobs), ev.finish_reason, engine)
+    """The event's tokens as they came (a protobuf sequence, not copied: this
+    runs once per token of every stream)."""
+    return Delta(ev.token_ids, ev.text, list(ev.logprobs) if ev.logprobs else [],
+                 ev.finish_reason, engine)
 
 
 def _joined(a: Delta, b: Delta) -> Delta:
     """`a` then `b` as one delta."""
-    return Delta(a.token_ids + b.token_ids, a.text + b.text, a.logprobs + b.logprobs,
+    return Delta([*a.token_ids, *b.token_ids], a.text + b.text, a.logprobs + b.logprobs,
                  b.finish_reason, b.engine)
 
 
 async def _every(deltas, k: int):
     """The deltas, merged so that each carries at least `k` tokens (the
     last one whatever is left): router.stream_interval."""
-    if k <= 1:
-        async with contextlib.aclosing(deltas):
-            async for d in deltas:
-                yield d
-        return
     held = None
     async with contextlib.aclosing(deltas):
         async for d in deltas:

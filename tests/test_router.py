@@ -181,3 +181,55 @@ def test_events_that_pile_up_behind_a_slow_reader_go_out_as_one_delta_in_order()
     assert [(d.token_ids, d.text, d.finish_reason) for d in deltas] == \
         [([5, 6, 7], "abc", ""), ([8], "d", "length")]
     assert [d.token_ids for d in got] == [[5, 6, 7]]
+
+
+def test_stream_interval_sends_k_tokens_a_message_and_the_rest_last():
+    """router.stream_interval: 2 with one token an event, each sent only
+    after the client read the previous message: [5, 6], [7, 8], then [9]
+    with the finish reason."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"stream_interval": 2}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    tokens = [5, 6, 7, 8, 9]
+
+    class Engine:
+        rid, next = None, 0
+
+        async def Submit(self, sub, timeout):
+            self.rid = sub.request_id
+            self.send()
+
+        def send(self):
+            t = tokens[self.next]
+            self.next += 1
+            r.links["fused-0"].requests[self.rid].put_nowait(cpb.RequestEvent(
+                request_id=self.rid, token_ids=[t], text=chr(ord("a") + t),
+                finish_reason="length" if self.next == len(tokens) else ""))
+
+    engine = Engine()
+
+    async def go():
+        r.engines["fused-0"].stub = engine
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=5))
+        out = []
+        agen = stream.events()
+        pending = asyncio.ensure_future(agen.__anext__())
+        while True:
+            await asyncio.sleep(0)
+            if pending.done():
+                try:
+                    out.append(pending.result())
+                except StopAsyncIteration:
+                    return out
+                pending = asyncio.ensure_future(agen.__anext__())
+            elif engine.rid and engine.next < len(tokens):
+                engine.send()                      # one event at a time
+    deltas = asyncio.run(asyncio.wait_for(go(), 10))
+    assert [(list(d.token_ids), d.text, d.finish_reason) for d in deltas] == \
+        [([5, 6], "fg", ""), ([7, 8], "hi", ""), ([9], "j", "length")]
