@@ -15,6 +15,11 @@ Arrivals, and where each request's clock starts:
   (no coordinated omission: a saturated server cannot hide its queue).
 Reports TTFT, TPOT, ITL and E2E percentiles, the queueing delay and
 throughput, prints a table and saves JSON.
+
+The load generator should cost as little CPU as it can, since on a small
+host it shares the cores with what it measures: the gRPC load is one
+asyncio loop (`AsyncClient`) over a few connections; the HTTP load uses a
+thread and a keep-alive connection per concurrent stream.
 """
 
 from __future__ import annotations
