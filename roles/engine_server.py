@@ -29,9 +29,8 @@ from pdserve.kernels.loader import load_model
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
-from pdserve.proto import router_pb2 as rpb
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
-from pdserve.roles.engine_stats import EngineCounters, waiting_requests_pb
+from pdserve.roles.engine_stats import EngineCounters, stats_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
 from pdserve.roles.cost_profile import Round, round_of
 from pdserve.roles.engine import Engine
@@ -423,31 +422,6 @@ class EngineServer:
 
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> pb.EngineStatsResponse:
-        p = self.planner
-        total = p.total_pages
-        used = total - p.free_pages()
-        if self.role is Role.PREFILL:
-            pinned = used
-        else:
-            pinned = sum(len(r.state.res.tables[0]) for r in p.landing.values()) + \
-                p.held_by_fences()
-        c = self.counts
-        hist = c.transfer_seconds
-        return pb.EngineStatsResponse(
-            total_pages=total, used_pages=used, pinned_pages=pinned,
-            running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
-            waiting=len(p.waiting) + len(p.retracted), role=self.role.value,
-            stalls=len(p.stalls), transfer_failures_by_stage=c.failures_by_stage,
-            transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
-            transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
-            dtype=self.info()["dtype"], attention=self.info()["attention"],
-            kv_capacity_tokens=self.capacity["tokens"], cache_groups=self._group_usage(),
-            **c.as_dict())
-
-    def _group_usage(self) -> list:
-        coord = self.planner.coord
-        return [rpb.CacheGroupUsage(retention=e["retention"], window=e["window"],
-                                    layers=e["layers"], total_pages=e["pages"],
-                                    used_pages=e["pages"] - coord.available_pages(g),
-                                    page_bytes=e["page_bytes"])
-                for g, e in enumerate(self.capacity["groups"])]
+        info = self.info()
+        return stats_pb(self.planner, self.role, self.counts, self.capacity, info["dtype"],
+                        info["attention"])

@@ -1,13 +1,15 @@
 """What an engine counts for operators: request and transfer counters, a
-transfer-time histogram, and prefix-cache queries and hits. Plain numbers,
-read by the Stats RPC and turned into Prometheus metrics by the router
-(cluster/metrics.py)."""
+transfer-time histogram, and prefix-cache queries and hits; and the Stats
+RPC's answer built from them and the planner (`stats_pb`). Plain numbers,
+turned into Prometheus metrics by the router (cluster/metrics.py)."""
 
 from __future__ import annotations
 
 import bisect
 
+from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
+from pdserve.scheduler.grammar import Role
 
 # seconds: a local NIXL write takes about a millisecond, a cross-node one of a
 # long prompt up to seconds
@@ -73,3 +75,33 @@ def waiting_requests_pb(planner) -> list:
     return [pb.WaitingRequest(request_id=w.req_id, reason=str(w.reason), detail=w.detail,
                               pages_needed=w.pages_needed or 0, pages_free=w.pages_free or 0)
             for w in planner.waiting_reasons()]
+
+
+def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
+             attention: str) -> cpb.EngineStatsResponse:
+    """The Stats RPC's answer: pages used and pinned, requests running and
+    waiting (and why), the counters, and each cache group's use."""
+    p = planner
+    total = p.total_pages
+    used = total - p.free_pages()
+    if role is Role.PREFILL:
+        pinned = used
+    else:
+        pinned = sum(len(r.state.res.tables[0]) for r in p.landing.values()) + \
+            p.held_by_fences()
+    hist = counts.transfer_seconds
+    coord = p.coord
+    groups = [pb.CacheGroupUsage(retention=e["retention"], window=e["window"],
+                                 layers=e["layers"], total_pages=e["pages"],
+                                 used_pages=e["pages"] - coord.available_pages(g),
+                                 page_bytes=e["page_bytes"])
+              for g, e in enumerate(capacity["groups"])]
+    return cpb.EngineStatsResponse(
+        total_pages=total, used_pages=used, pinned_pages=pinned,
+        running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
+        waiting=len(p.waiting) + len(p.retracted), role=role.value,
+        stalls=len(p.stalls), transfer_failures_by_stage=counts.failures_by_stage,
+        transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
+        transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
+        dtype=dtype, attention=attention, kv_capacity_tokens=capacity["tokens"],
+        cache_groups=groups, **counts.as_dict())
