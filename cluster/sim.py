@@ -219,6 +219,9 @@ class Simulation:
             self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
             return
         self._wake(d, t)
+        # an engine polls its transport between rounds: a landing that arrives
+        # mid-round is seen, and its first token streamed, when the round ends
+        t = max(t, d.clock)
         finished = d.planner.transfer_landed(rid, token, stopped=d.engine.executor.stops_at(rid, 1))
         rec = self.records[rid]
         if rec.first_token_s is None:
