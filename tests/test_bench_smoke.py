@@ -77,6 +77,18 @@ def test_bench_serve(capsys, tmp_path):
     assert row["ok"] == 4 and row["failed"] == 0 and row["errors"] == []
 
 
+def test_bench_cache_groups(capsys):
+    """At 32K a Gemma 3 27B request holds within 2 points of the ideal
+    share of every-layer KV, and the planner admits exactly as many
+    requests as the page arithmetic says the pools hold."""
+    out = bench(capsys, "cache-groups", "--trace", TRACE, "--limit", "5")
+    cols = next(ln.split() for ln in out.splitlines() if ln.split()[:2] == ["32K", "sliding"])
+    ratio, ideal = float(cols[7].rstrip("%")), float(cols[8].rstrip("%"))
+    assert abs(ratio - ideal) <= 2.0, cols
+    assert cols[11] == cols[12], cols                  # most requests == planner peak
+    assert "sliding" in out.split("requests of")[1]    # the simulated trace ran too
+
+
 def test_bench_loop(capsys):
     out = bench(capsys, "loop", "--batches", "2", "--max-tokens", "8")
     rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")]
