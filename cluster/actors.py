@@ -68,8 +68,9 @@ class RouterHost:
         def retire(name: str) -> None:        # drained and stopped: never restarted
             actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
             ray.kill(actor, no_restart=True)
-        self.router = Router(cfg, tok, model_config_for(m.path, m.preset).vocab_size, engines,
-                             resolve, security, retire)
+        model_cfg = model_config_for(m.path, m.preset)
+        self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, security, retire,
+                             full_history=model_cfg.full_history)
         self.router.start(host, port, http_port)
 
     def info(self) -> dict:

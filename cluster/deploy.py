@@ -78,7 +78,7 @@ class Deployment:
             return ray.get(self.actor(name).info.remote(), timeout=5)["address"]
         engines = [(i["engine"], i["role"], i["address"]) for i in infos]
         self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security,
-                             retire=self._retire)
+                             retire=self._retire, full_history=model_cfg.full_history)
         address = self.router.start(host, port, http_port)
         # the other replicas bind the ports this one got (SO_REUSEPORT)
         bound = int(address.rsplit(":", 1)[1])
@@ -118,7 +118,8 @@ class Deployment:
         old.stop()
         self.router = Router(old.cfg, old.tokenizer, old.vocab_size,
                              [(e.name, e.role, e.address) for e in old.engines.values()],
-                             old.resolver, old.security, retire=old.retire)
+                             old.resolver, old.security, retire=old.retire,
+                             full_history=old.full_history)
         return self.router.start(host, port, http_port)
 
     def _autoscaled(self) -> list[str]:

@@ -91,11 +91,14 @@ class Security:
 
 class Router:
     def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
-                 resolver=None, security: Security = Security(), retire=None):
+                 resolver=None, security: Security = Security(), retire=None,
+                 full_history: bool = True):
         """`engines`: (name, role, address) of every engine. `resolver(name)`
         returns an engine's current address (it changes when Ray restarts it).
         `retire(name)` removes an engine that drained and stopped (its Ray
-        actor); it runs off the loop."""
+        actor); it runs off the loop. `full_history`: the model has a layer
+        that keeps every position (False: every layer slides, so a prompt
+        needs no more pages for being long and only the context bounds it)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -107,7 +110,8 @@ class Router:
         self.links: dict[str, EngineLink] = {}
         self._background: set = set()           # fire-and-forget aborts, kept referenced
         self.pairing = Pairing(self.engines, cfg.engine.page_size)
-        self.max_prompt_tokens = max_single_request_tokens(cfg.engine)
+        self.full_history = full_history
+        self.max_prompt_tokens = max_single_request_tokens(cfg.engine, full_history)
         self.model_name = cfg.model.served_name
         self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
         self.counters = {"resubmitted": 0}

@@ -126,6 +126,12 @@ class ModelConfig:
         h, dk, dv = self.recurrent_state_shape()
         return len(self.state_layers()) * (channels * width * dtype_bytes + h * dk * dv * 4)
 
+    @property
+    def full_history(self) -> bool:
+        """Some layer keeps every position's K/V (not every layer slides): a
+        prompt's working set then grows with it."""
+        return any(not g.sliding for g in self.cache_groups())
+
     def cache_groups(self, replayable: bool = False) -> list[CacheGroupSpec]:
         """The attention layers grouped by what they keep: the full-history
         group first (if any layer reads all history), then one group per

@@ -326,6 +326,7 @@ def test_mistral_with_every_layer_sliding_matches_transformers(tmp_path):
     model, d = hf_checkpoint(tmp_path, "mistral", sliding_window=WINDOW)
     ex = executor(d)
     assert len(ex.caches) == 1 and ex.groups[0].sliding
+    assert not ex.model.cfg.full_history              # the router bounds prompts by context
     tables = Tables(ex)
     reqs, seen = generate(ex, tables, PROMPTS, 7, new_tokens=10, start_rounds=[0, 2])
     assert_matches_transformers(model, reqs, seen, 10)
@@ -337,6 +338,7 @@ def test_qwen2_with_full_and_sliding_layers_matches_transformers(tmp_path):
                              max_window_layers=1)
     ex = executor(d)
     assert [len(c.data[0]) for c in ex.caches] == [1, 1]          # one layer in each
+    assert ex.model.cfg.full_history
     reqs, seen = generate(ex, Tables(ex), PROMPTS, 16, new_tokens=8, start_rounds=[0, 1])
     assert_matches_transformers(model, reqs, seen, 8)
 

@@ -233,3 +233,17 @@ def test_stream_interval_sends_k_tokens_a_message_and_the_rest_last():
     deltas = asyncio.run(asyncio.wait_for(go(), 10))
     assert [(list(d.token_ids), d.text, d.finish_reason) for d in deltas] == \
         [([5, 6], "fg", ""), ([7, 8], "hi", ""), ([9], "j", "length")]
+
+
+def test_the_prompt_bound_is_the_context_when_every_layer_slides():
+    """A full-history model's longest prompt is what its pool holds; with
+    every layer sliding a prompt's pages do not grow with it, so only the
+    context bounds it (what the engines accept)."""
+    cfg = ServeConfig.from_dict({"engine": {"page_size": 4, "total_pages": 64,
+                                            "max_context_tokens": 4096},
+                                 "cluster": {"fused": 1}})
+    engines = [("fused-0", "fused", "127.0.0.1:9")]
+    full = Router(cfg, PrintableTokenizer(), 98, engines)
+    sliding = Router(cfg, PrintableTokenizer(), 98, engines, full_history=False)
+    assert full.max_prompt_tokens < 64 * 4
+    assert sliding.max_prompt_tokens == 4096 - cfg.engine.decode_input_tokens
