@@ -4,7 +4,7 @@ asyncio event loop, so neither front pays a network hop or a thread per
 stream to reach the other's logic.
 
 A request goes: a front validates it (`validate`, `check_prompt`), opens a
-`Stream` (admission: the in-flight limit, a live route), and iterates its
+`Stream` (stream.py; admission: the in-flight limit, a live route), and iterates its
 `events()`: the stream pairs the request (pairing.py), submits it to the
 engine that decodes it, and yields its tokens as `Delta`s. If that engine
 dies mid-stream, the request is resubmitted to a live one with the tokens
@@ -19,12 +19,10 @@ is submitted to another one.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import threading
-import time
 import uuid
 
 import grpc
@@ -32,9 +30,10 @@ import grpc
 import pdserve
 from pdserve.cluster import membership
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.engine_link import LOST, EngineLink
+from pdserve.cluster.engine_link import EngineLink
 from pdserve.cluster.metrics import RouterMetrics
 from pdserve.cluster.pairing import ROUTES, EngineRef, Pairing
+from pdserve.cluster.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
@@ -42,44 +41,10 @@ from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 
 log = logging.getLogger("pdserve.router")
 
-MAX_RESUBMITS = 3
-SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
 ADD_ENGINE_WAIT_S = 60.0     # how long a new engine has to answer and subscribe
 DRAIN_DEADLINE_S = 60.0      # a drain's default deadline; then what is left is aborted
 DRAIN_SLACK_S = 60.0         # past the deadline, for the engine's aborts and its stop
 DRAIN_STREAM_END_S = 10.0    # a drained engine's event stream ends this soon after its report
-
-
-class RequestError(Exception):
-    """A request the router will not or cannot carry out. `kind` maps to a
-    status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
-    ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
-    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL),
-    not_found (404 / NOT_FOUND), precondition (409 / FAILED_PRECONDITION).
-    `param` names the request field at fault, where there is one."""
-
-    def __init__(self, kind: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
-
-
-class _EngineLost(RuntimeError):
-    pass
-
-
-class _EngineDraining(_EngineLost):
-    """The engine refused the request because it drains: try another."""
-
-
-@dataclasses.dataclass
-class Delta:
-    token_ids: list              # or the engine event's own sequence of ints
-    text: str
-    logprobs: list               # router_pb2.TokenLogprob, one per token if asked for
-    finish_reason: str           # set on the last delta: length | stop
-    engine: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,169 +374,3 @@ class Router:
         if self.loop is not None and self._stopping is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stopping.set)
             self._thread.join(15)
-
-
-class Stream:
-    """One admitted request: `events()` yields its Deltas; the router forgets
-    it when the generator ends, however it ends."""
-
-    def __init__(self, router: Router, rid: str, ids: list[int], sp: SamplingParams,
-                 route: str):
-        self.router = router
-        self.id = rid
-        self.ids = ids
-        self.sp = sp
-        self.route = route
-        self.arrived = time.perf_counter()
-
-    async def events(self):
-        """Stream the request from its engine. If the engine dies mid-stream,
-        resubmit (at most MAX_RESUBMITS times) to a live engine with the
-        prompt plus the tokens already streamed, and continue where it
-        stopped: under greedy decoding the client sees exactly the tokens an
-        undisturbed run produces."""
-        r = self.router
-        streamed: list[int] = []
-        timing = r.metrics.request(len(self.ids), self.arrived)
-        try:
-            for attempt in range(MAX_RESUBMITS + 1):
-                try:
-                    attempt_deltas = self._attempt(streamed)
-                    if r.cfg.router.stream_interval > 1:
-                        attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
-                    async with contextlib.aclosing(attempt_deltas) as deltas:
-                        async for d in deltas:
-                            timing.tokens(d.engine, len(d.token_ids))
-                            if d.finish_reason:
-                                timing.finished(d.engine, d.finish_reason)
-                            yield d
-                    return
-                except _EngineLost as lost:
-                    if attempt == MAX_RESUBMITS:
-                        raise RequestError("unavailable", str(lost)) from None
-                    if isinstance(lost, _EngineDraining):
-                        continue                  # nothing streamed: not a resubmission
-                    r.counters["resubmitted"] += 1
-                    r.metrics.resubmitted.inc()
-                    log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
-                                len(streamed))
-        except RequestError as e:
-            r.metrics.rejected.labels(reason=e.kind).inc()
-            raise
-        finally:
-            r.active.pop(self.id, None)
-
-    async def _attempt(self, streamed: list[int]):
-        r, sp, done = self.router, self.sp, len(streamed)
-        ids = self.ids + streamed
-        try:
-            target, peer = r.pairing.pick(self.route, ids)
-        except LookupError as e:
-            raise RequestError("unavailable", str(e)) from None
-        load = len(ids) + (sp.max_tokens or 256)
-        target.load += load
-        if peer is not None:
-            peer.load += len(ids)
-        r.active[self.id] = (target, peer)
-        sub = cpb.SubmitRequest(
-            request_id=self.id, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "",
-            min_tokens=max(sp.min_tokens - done, 0))
-        if sp.max_tokens is not None:
-            sub.max_tokens = sp.max_tokens - done
-        if sp.seed is not None:
-            sub.seed = sp.seed
-        if sp.logprobs is not None:
-            sub.logprobs = sp.logprobs
-        link = r.links[target.name]
-        q: asyncio.Queue = asyncio.Queue()
-        ended = submitted = False
-        try:
-            try:
-                await asyncio.wait_for(link.ready.wait(), SUBSCRIBE_WAIT_S)
-            except asyncio.TimeoutError:
-                target.alive = False              # until membership sees it again
-                raise _EngineLost(f"{target.name} has no live event stream") from None
-            link.requests[self.id] = q
-            sub.subscriber = link.subscriber
-            try:
-                await target.stub.Submit(sub, timeout=30)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RequestError("invalid", e.details()) from None
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    target.draining = True        # it drains: picked no more
-                    raise _EngineDraining(e.details()) from None
-                target.alive = False
-                raise _EngineLost(f"{target.name} did not take the request: "
-                                  f"{e.code().name}") from None
-            submitted = True
-            backlog: collections.deque = collections.deque()
-            while not ended:
-                if not backlog:
-                    backlog.append(await q.get())
-                    while not q.empty():          # what came while the client was busy
-                        backlog.append(q.get_nowait())
-                ev = backlog.popleft()
-                if ev is LOST:
-                    ended = True                  # nothing left on that engine to abort
-                    target.alive = False
-                    raise _EngineLost(f"{target.name} failed mid-stream")
-                if ev.error:
-                    ended = True
-                    kind = "aborted" if ev.error.startswith("aborted") else "internal"
-                    raise RequestError(kind, ev.error)
-                d = _delta(ev, target.name)
-                while not d.finish_reason and backlog and _plain(backlog[0]):
-                    d = _joined(d, _delta(backlog.popleft(), target.name))
-                ended = bool(d.finish_reason)
-                streamed.extend(d.token_ids)
-                yield d
-        finally:
-            if link.requests.get(self.id) is q:
-                del link.requests[self.id]
-            if submitted and not ended:           # the client left: the engine aborts it
-                r.background(_abort(target, self.id, "client went away"))
-            target.load -= load
-            if peer is not None:
-                peer.load -= len(ids)
-
-
-def _plain(ev) -> bool:
-    """An engine event that carries tokens (not a lost stream, not an error)."""
-    return ev is not LOST and not ev.error
-
-
-def _delta(ev, engine: str) -> Delta:
-    """The event's tokens as they came (a protobuf sequence, not copied: this
-    runs once per token of every stream)."""
-    return Delta(ev.token_ids, ev.text, list(ev.logprobs) if ev.logprobs else [],
-                 ev.finish_reason, engine)
-
-
-def _joined(a: Delta, b: Delta) -> Delta:
-    """`a` then `b` as one delta."""
-    return Delta([*a.token_ids, *b.token_ids], a.text + b.text, a.logprobs + b.logprobs,
-                 b.finish_reason, b.engine)
-
-
-async def _every(deltas, k: int):
-    """The deltas, merged so that each carries at least `k` tokens (the
-    last one whatever is left): router.stream_interval."""
-    held = None
-    async with contextlib.aclosing(deltas):
-        async for d in deltas:
-            held = d if held is None else _joined(held, d)
-            if len(held.token_ids) >= k or held.finish_reason:
-                yield held
-                held = None
-    if held is not None:
-        yield held
-
-
-async def _abort(ref: EngineRef, rid: str, reason: str) -> None:
-    try:
-        await ref.stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason=reason), timeout=10)
-    except grpc.aio.AioRpcError as e:               # the engine is gone: nothing left to abort
-        log.info("abort of %s on %s: %s", rid, ref.name, e.code().name)
