@@ -14,6 +14,15 @@ back, so slot arithmetic is the same in every group.
 A sliding group may be replayable (spec §1.3): it never enters the prefix
 cache; after a hit at P the first chunk re-feeds [P - min(W, P), P) and the
 model regenerates that group's rows from those tokens.
+
+A snapshot-state group (spec §1.2) holds the layers that keep a fixed-size
+state instead of K/V (Qwen3.5's Gated DeltaNet). Its pool's "pages" are
+state slots, and its table uses the same absolute slots as the others, but
+sparsely: a state block spans `block` tokens (a multiple of the page size),
+and block b's state lives in the slot of the block's last page. That entry
+holds either the state at the block's end (a checkpoint, cacheable) or, for
+the block holding the request's last computed token, its working state.
+Every other entry is HOLE.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from pdserve.scheduler.config import ConfigError
 
 FULL_HISTORY = "full_history"
 SLIDING_WINDOW = "sliding_window"
+SNAPSHOT_STATE = "snapshot_state"
 HOLE = -1      # a slot whose page a sliding group let go
 
 
@@ -34,11 +44,22 @@ class CacheGroupSpec:
     replayable: bool = False         # sliding only: recomputed, never cached (§1.3)
     layers: tuple = ()               # the model's layers in this group (executor's business)
     replay: int = 0                  # replayable: rows a hit re-feeds (0: the window)
+    block: int = 0                   # state: tokens per state block (0: one page)
 
     def __post_init__(self) -> None:
-        if self.retention not in (FULL_HISTORY, SLIDING_WINDOW):
-            raise ConfigError(f"cache group retention must be {FULL_HISTORY} or "
-                              f"{SLIDING_WINDOW}, got {self.retention!r}")
+        if self.retention not in (FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE):
+            raise ConfigError(f"cache group retention must be {FULL_HISTORY}, "
+                              f"{SLIDING_WINDOW} or {SNAPSHOT_STATE}, got {self.retention!r}")
+        if self.retention == SNAPSHOT_STATE:
+            if self.window or self.replayable or self.replay:
+                raise ConfigError("a snapshot-state cache group has no window and is never "
+                                  "replayable; only sliding-window groups are")
+            if isinstance(self.block, bool) or not isinstance(self.block, int) \
+                    or self.block < 0:
+                raise ConfigError(f"a snapshot-state group's block is a number of tokens "
+                                  f"(0: one page), got {self.block!r}")
+        elif self.block:
+            raise ConfigError("only a snapshot-state cache group has a state block")
         if self.retention == SLIDING_WINDOW:
             if isinstance(self.window, bool) or not isinstance(self.window, int) \
                     or self.window < 1:
@@ -51,6 +72,18 @@ class CacheGroupSpec:
     @property
     def sliding(self) -> bool:
         return self.retention == SLIDING_WINDOW
+
+    @property
+    def state(self) -> bool:
+        return self.retention == SNAPSHOT_STATE
+
+    @property
+    def keeps_history(self) -> bool:
+        return self.retention == FULL_HISTORY
+
+    def block_tokens(self, page_size: int) -> int:
+        """Tokens per block: a state group's state block, else one page."""
+        return self.block or page_size
 
     def lookback(self) -> int:
         """Cached positions a query at P reads below P: W - 1 for a sliding
@@ -71,8 +104,12 @@ FULL = CacheGroupSpec()
 def describe(groups) -> str:
     parts = []
     for g in groups:
-        what = f"window {g.window}" + (", replayable" if g.replayable else "") \
-            if g.sliding else "full history"
+        if g.state:
+            what = "snapshot state" + (f", block {g.block}" if g.block else "")
+        elif g.sliding:
+            what = f"window {g.window}" + (", replayable" if g.replayable else "")
+        else:
+            what = "full history"
         n = f"{len(g.layers)} layers, " if g.layers else ""
         parts.append(f"{n}{what}")
     return "; ".join(parts)
@@ -86,11 +123,34 @@ def replay_window(groups) -> int:
     return max((g.replay or g.window for g in groups if g.replayable), default=0)
 
 
-def check_groups(groups) -> None:
+def prefix_granularity(groups, page_size: int) -> int:
+    """Tokens between the boundaries every group can resume from: the LCM
+    of the groups' blocks (a state group only at its checkpoints)."""
+    from math import lcm
+    out = page_size
+    for g in groups:
+        out = lcm(out, g.block_tokens(page_size))
+    return out
+
+
+def check_groups(groups, page_size: int | None = None) -> None:
     """The combinations the coordinator serves, or a ConfigError."""
-    full = [g for g in groups if not g.sliding]
+    full = [g for g in groups if g.keeps_history]
     if len(full) > 1 or (full and groups[0] is not full[0]):
         raise ConfigError("at most one full-history cache group, listed first")
+    state = [i for i, g in enumerate(groups) if g.state]
+    if state:
+        if not full or len(state) > 1 or state[0] != len(groups) - 1:
+            raise ConfigError("a snapshot-state cache group comes last, one at most, beside a "
+                              "full-history group (the state layers' K/V-keeping partners)")
+        if any(g.replayable for g in groups):
+            raise ConfigError("a snapshot-state group cannot sit beside replayable sliding "
+                              "groups: a replayed row would need the state below the replay, "
+                              "which no checkpoint holds; turn engine.sliding_replay off")
+        block = groups[state[0]].block
+        if page_size and block % page_size:
+            raise ConfigError(f"the state group's block of {block} tokens is not a multiple "
+                              f"of the page size {page_size}; make it one")
     replayable = [g.replayable for g in groups if g.sliding]
     if any(replayable) and not all(replayable):
         raise ConfigError("bounded replay is all or nothing: a replayed row passes through "

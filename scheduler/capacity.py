@@ -76,14 +76,30 @@ def sliding_request_pages(cfg: EngineConfig, window: int, chunk_tokens: int) -> 
     return -(-(window - 1 + chunk_tokens + cfg.decode_input_tokens) // cfg.page_size) + 1
 
 
+STATE_SLOTS_PER_REQUEST = 2   # the working state and its growth block (spec §1.2)
+STATE_SLOTS_PER_CHUNK = 2     # a chunk's read state and its checkpoint beside them
+
+
+def state_slots(cfg: EngineConfig) -> int:
+    """A snapshot-state group's pool: engine.state_slots, or enough for
+    max_batch_size decoding requests (each its working state and growth
+    block) and one prefill chunk's read state and checkpoint. Published
+    checkpoints live in what is left, evicted first when it runs out."""
+    if cfg.state_slots:
+        return cfg.state_slots
+    return STATE_SLOTS_PER_REQUEST * cfg.max_batch_size + STATE_SLOTS_PER_CHUNK
+
+
 def group_pages(cfg: EngineConfig, groups) -> list[int]:
     """Each cache group's pool. Full history: engine.total_pages. Sliding:
     engine.sliding_pages, or by default enough for max_batch_size requests
     each holding its lookback and decode slot plus one round's chunk budget,
-    never more than a full-history pool."""
+    never more than a full-history pool. Snapshot state: `state_slots`."""
     out = []
     for g in groups:
-        if not g.sliding:
+        if g.state:
+            out.append(state_slots(cfg))
+        elif not g.sliding:
             out.append(cfg.total_pages)
         elif cfg.sliding_pages:
             out.append(cfg.sliding_pages)

@@ -45,6 +45,8 @@ class EngineConfig:
     decode_input_tokens: int = 1        # decode slot reserved on completion
     sliding_pages: int = 0              # pool of each sliding-window group (0: sized for max_batch_size)
     sliding_replay: bool = False        # sliding windows recomputed after a hit, never cached (§1.3)
+    state_slots: int = 0                # state slots of a snapshot-state group (0: sized for max_batch_size)
+    state_block: int = 0                # tokens between state checkpoints (0: one page; §1.2)
 
     def __post_init__(self) -> None:
         positive = (
@@ -64,6 +66,22 @@ class EngineConfig:
                 f"engine.sliding_pages must be an integer >= 0 (0 sizes each sliding-window "
                 f"group's pool for max_batch_size requests), got {self.sliding_pages!r}"
             )
+        for name, zero in (("state_slots", "sizes the pool for max_batch_size requests"),
+                           ("state_block", "means one page")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"engine.{name} must be an integer >= 0 (0 {zero}), "
+                                  f"got {value!r}")
+        if self.state_block % self.page_size:
+            raise ConfigError(f"engine.state_block={self.state_block} must be a multiple of "
+                              f"engine.page_size={self.page_size}: a state checkpoint sits on "
+                              "a page boundary, where the prefix cache can name it")
+        if self.state_block > self.max_scheduled_tokens:
+            raise ConfigError(f"engine.state_block={self.state_block} exceeds "
+                              f"max_scheduled_tokens={self.max_scheduled_tokens}: a chunk that "
+                              "does not finish its prompt ends on a state block boundary, so "
+                              "no long prompt could advance; lower state_block or raise "
+                              "max_scheduled_tokens")
         if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) \
                 or self.host_pages < 0:
             raise ConfigError(

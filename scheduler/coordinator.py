@@ -15,11 +15,13 @@ Ownership of a page reference, so that every count is checkable:
   a retracted snapshot        one ref on each host page it holds
 
 Groups (cache_groups.py): at most one full-history group, first when there
-is one, then sliding-window groups. A sliding group's table keeps absolute
-slots and lets go of the pages below the window of the forward it is
-admitted for; its admission counts those as available. The prefix hit is
-the longest one every group can serve (`match`); the host tier caches the
-full-history group's pages for prefix hits, and snapshots every group's.
+is one, then sliding-window groups, then at most one snapshot-state group.
+A sliding group's table keeps absolute slots and lets go of the pages below
+the window of the forward it is admitted for; its admission counts those as
+available. A state group's table is sparse (`SnapshotStateGroup`). The
+prefix hit is the longest one every group can serve (`match`); the host
+tier caches the full-history group's pages for prefix hits, and snapshots
+every group's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class GroupDemand:
     tokens: int          # the chunk's end position: pages must hold [.., tokens)
     reserve_tokens: int  # held beyond the chunk (decode slot, headroom: §1)
     begin: int = 0       # first row the next forward computes (a sliding group's window)
+    lands: bool = False  # a state group: the state at `begin` arrives from a peer (§1.2)
+    records: bool = True  # a state group: keep the forward's aligned checkpoint (decode: no)
 
 
 class FullHistoryGroup:
@@ -72,7 +76,75 @@ class SlidingWindowGroup(FullHistoryGroup):
         return self.spec.first_live_page(begin, self.page_size)
 
 
+class SnapshotStateGroup(FullHistoryGroup):
+    """State slots for the layers that keep a fixed-size state (spec §1.2).
+
+    Block b (tokens [b*B, (b+1)*B), B a multiple of the page size) keeps
+    its state in the table entry of its last page, `entry(t)` for the
+    block holding token t - 1. A forward over [begin, end) reads the state
+    at entry(begin), writes its final state to entry(end) and, when a block
+    boundary falls strictly inside and end is off-boundary, the state at the
+    last such boundary to that boundary's entry: one aligned checkpoint per
+    forward, never every boundary it crosses. Entries below entry(begin) go
+    back when the next forward is admitted (published checkpoints stay
+    cached); entries it never needed are HOLE. Checkpoints are cached by
+    the chain hash of the prefix they end, like sliding pages."""
+
+    def __init__(self, total_slots: int, page_size: int, spec: CacheGroupSpec):
+        self.spec = spec
+        self.page_size = page_size
+        self.block = spec.block_tokens(page_size)
+        self.per_block = self.block // page_size
+        self.pool = PagePool(total_slots)
+        self.index = WindowIndex(self.pool)
+
+    def entry(self, t: int) -> int:
+        """The table entry holding the state after the first t tokens (t > 0)."""
+        return ((t - 1) // self.block + 1) * self.per_block - 1
+
+    def first_live(self, begin: int) -> int:
+        return self.entry(begin) if begin > 0 else 0
+
+    def aligned(self, t: int) -> bool:
+        return t > 0 and t % self.block == 0
+
+    def checkpoint(self, begin: int, end: int) -> int:
+        """The boundary a forward over [begin, end) materializes besides its
+        final state (0: none; an aligned end is its own checkpoint)."""
+        if end % self.block == 0:
+            return 0
+        b = end // self.block * self.block
+        return b if b > begin else 0
+
+    def wanted(self, d: GroupDemand) -> tuple[list[int], int | None]:
+        """(the entries a forward per `d` needs held, the entry it leaves an
+        aligned checkpoint in, or None). A landing needs only its read
+        state, which the peer sends; its mark is an aligned endpoint."""
+        begin, end = d.begin, d.tokens
+        want = [self.entry(begin)] if begin > 0 else []
+        mark = None
+        if end > begin:
+            b = self.checkpoint(begin, end)
+            if b:
+                want.append(self.entry(b))
+                mark = self.entry(b)
+            want.append(self.entry(end))
+            if self.aligned(end):
+                mark = self.entry(end)
+        elif d.lands and self.aligned(begin):
+            mark = self.entry(begin)
+        if not d.records:
+            mark = None
+        if d.reserve_tokens and end:
+            last = (end - 1) // self.block
+            for blk in range(last + 1, (end - 1 + d.reserve_tokens) // self.block + 1):
+                want.append((blk + 1) * self.per_block - 1)
+        return sorted(set(want)), mark
+
+
 def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int):
+    if spec.state:
+        return SnapshotStateGroup(total_pages, page_size, spec)
     if spec.sliding:
         return SlidingWindowGroup(total_pages, page_size, spec)
     return FullHistoryGroup(total_pages, page_size, spec)
@@ -131,18 +203,22 @@ class Coordinator:
     def __init__(self, groups: list[FullHistoryGroup], host_pages: int = 0):
         if not groups:
             raise ValueError("a coordinator needs at least one cache group")
-        full = [i for i, g in enumerate(groups) if not g.spec.sliding]
+        full = [i for i, g in enumerate(groups) if g.spec.keeps_history]
         if full not in ([], [0]):
             raise ValueError("at most one full-history cache group, and it comes first")
         self.groups = groups
         self.page_size = groups[0].page_size
         self.full = 0 if full else None
-        # admission order: the full history, then publication, then sliding groups
-        self._order = [g for g, grp in enumerate(groups) if not grp.spec.sliding] + [None] + \
-            [g for g, grp in enumerate(groups) if grp.spec.sliding]
+        # admission order: the full history, then publication, then the others
+        self._order = full + [None] + [g for g in range(len(groups)) if g not in full]
         self.cached_sliding = [i for i, g in enumerate(groups)
                                if g.spec.sliding and not g.spec.replayable]
-        self.hosts = [HostTier(host_pages) for _ in groups] if host_pages else []
+        self.state = next((i for i, g in enumerate(groups) if g.spec.state), None)
+        # groups whose cached entries are named by the chain hash
+        self.keyed = self.cached_sliding + ([self.state] if self.state is not None else [])
+        # a host tier per group: a state group's holds state slots, as many as its device pool
+        self.hosts = [HostTier(grp.pool.total if grp.spec.state else host_pages)
+                      for grp in groups] if host_pages else []
         self.host = self.hosts[0] if self.hosts else None
         self.pending_stores: list[StoreOp] = []     # made, not yet handed to a plan
         self.stores: dict[int, StoreOp] = {}        # handed out, not yet acked (and pending)
@@ -168,9 +244,11 @@ class Coordinator:
         """The longest cached prefix of at most max_pages pages that every
         group can serve: the full-history group's device chain continued on
         host, cut back until each cached sliding group holds the lookback
-        its first new query reads (its last W - 1 positions). `sliding`
-        False: sliding groups are not asked (a D landing receives their
-        window from the peer). Pure."""
+        its first new query reads (its last W - 1 positions) and the state
+        group a checkpoint at its end (§1.2: a hit restores the nearest
+        published checkpoint at or before it). `sliding` False: only the
+        full history is asked (a D landing receives the sliding windows and
+        the state from the peer). Pure."""
         groups, ps, n_groups = self.groups, self.groups[0].page_size, len(self.groups)
         keys = []                         # page keys, made as far as a matcher reads
 
@@ -194,7 +272,7 @@ class Coordinator:
         first = [0] * n_groups
         device = [[] for _ in range(n_groups)]
         device[0] = dev
-        todo = [g for g in self.cached_sliding if sliding]
+        todo = [g for g in self.keyed if sliding]
         hashes = []
         if todo and n:
             h = ROOT_HASH
@@ -219,7 +297,8 @@ class Coordinator:
 
     def _sliding_cut(self, found: dict, n: int) -> int:
         """The largest m <= n at which every sliding group holds the pages
-        of slots [first_live(m * ps), m)."""
+        of slots [first_live(m * ps), m) and the state group a checkpoint
+        in slot m - 1 (which it has only where m pages end a state block)."""
         runs = {}
         for g, pages in found.items():
             run, start = [], 0
@@ -229,9 +308,16 @@ class Coordinator:
                 run.append(start)           # first slot of the present run ending at i
             runs[g] = run
         ps = self.groups[0].page_size
+
+        def serves(g, m):
+            grp = self.groups[g]
+            if grp.spec.state:
+                return found[g][m - 1] is not None and grp.aligned(m * ps)
+            lo = grp.first_live(m * ps)
+            return runs[g][m - 1] <= lo or lo >= m
+
         for m in range(n, 0, -1):
-            if all(runs[g][m - 1] <= self.groups[g].first_live(m * ps) or
-                   self.groups[g].first_live(m * ps) >= m for g in found):
+            if all(serves(g, m) for g in found):
                 return m
         return 0
 
@@ -247,23 +333,19 @@ class Coordinator:
               hit: Hit | None = None) -> bool:
         """Grant every group's demand, claim the device part of `hit`, load
         its host part, publish the pages up to `publish_pages`, let each
-        sliding group's slots below its window go; or change nothing and
-        return False. Slots a sliding group lets go count as available to
-        the same admission."""
-        needs, slots = [], []
+        sliding group's slots below its window go (a state group's below the
+        state its forward reads) and record the state checkpoint the forward
+        will materialize; or change nothing and return False. Slots a group
+        lets go count as available to the same admission."""
+        grants = []
         fresh_hit = hit is not None and not res.tables[0] and hit.pages
         for g, (grp, demand) in enumerate(zip(self.groups, demands)):
             table = res.tables[g]
             hit_pages = hit.device[g] if fresh_hit else ()
-            if table:
-                cur = len(table)
-            else:
-                cur = hit.first[g] + len(hit_pages) if hit_pages else 0
-            lo = grp.first_live(demand.begin) if grp.spec.sliding else 0
-            need = -(-(demand.tokens + demand.reserve_tokens) // grp.page_size) - max(cur, lo)
-            if need <= 0:
-                needs.append(0)
-                slots.append(lo)
+            grant = self._grant(grp, table, demand, hit_pages, hit.first[g] if hit_pages else 0)
+            need, lo = grant[0], grant[1]
+            grants.append(grant)
+            if not need:
                 continue
             avail = grp.pool.num_free + grp.index.num_idle
             claimed_idle = 0
@@ -278,9 +360,7 @@ class Coordinator:
                 # its own idle hit pages count once on each side, as free_pages() shows them
                 self.refused = (need + claimed_idle, avail + claimed_idle)
                 return False
-            needs.append(need)
-            slots.append(lo)
-        if hit is not None and hit.host and len(hit.host) > needs[0]:
+        if hit is not None and hit.host and len(hit.host) > grants[0][0]:
             raise PoolError("a host hit beyond the admitted pages")
         if fresh_hit:
             self._claim(res, hit)
@@ -291,9 +371,16 @@ class Coordinator:
                 if publish_pages > res.published:
                     self._publish(req, res, publish_pages, store=True)
                 continue
-            grp, need, lo, table = self.groups[g], needs[g], slots[g], res.tables[g]
+            grp, table = self.groups[g], res.tables[g]
+            need, lo, entries, mark = grants[g]
             if lo:
                 self._let_go(grp, table, lo)
+            if grp.spec.state:
+                if need:
+                    self._place(table, entries, self._allocate(grp, need))
+                if mark is not None:
+                    res.marks.add(mark)
+                continue
             if not need:
                 continue
             pages = self._allocate(grp, need)
@@ -308,6 +395,31 @@ class Coordinator:
         slots_held = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
         req.capacity = slots_held * self.page_size
         return True
+
+    @staticmethod
+    def _grant(grp, table: list, demand: GroupDemand, hit_pages, hit_first: int) -> tuple:
+        """(pages the group must allocate for `demand`, the slot below which
+        its table lets go, and for a state group the entries the new slots
+        fill and the entry left holding an aligned checkpoint, or None)."""
+        lo = grp.first_live(demand.begin)
+        if grp.spec.state:
+            want, mark = grp.wanted(demand)
+            held = {i for i in want if i < len(table) and table[i] != HOLE}
+            if hit_pages:
+                held.add(hit_first)
+            missing = [i for i in want if i not in held]
+            return len(missing), lo, missing, mark
+        cur = len(table) if table else hit_first + len(hit_pages)
+        need = -(-(demand.tokens + demand.reserve_tokens) // grp.page_size) - max(cur, lo)
+        return max(need, 0), lo, (), None
+
+    @staticmethod
+    def _place(table: list, entries: list, slots: list) -> None:
+        """Put `slots` at `entries` of a sparse (state) table."""
+        if len(table) <= entries[-1]:
+            table.extend([HOLE] * (entries[-1] + 1 - len(table)))
+        for i, slot in zip(entries, slots):
+            table[i] = slot
 
     def _claim(self, res, hit: Hit) -> None:
         """Take a reference on every device page of the hit, in slot order."""
@@ -329,9 +441,10 @@ class Coordinator:
 
     def trim(self, res, begin: int) -> None:
         """Let each sliding group go of the slots below the window of a row
-        at `begin` (P, shipping a prompt: only the window travels)."""
+        at `begin`, the state group of all but the state there (P, shipping
+        a prompt: only the window and the final state travel)."""
         for grp, table in zip(self.groups, res.tables):
-            if grp.spec.sliding:
+            if not grp.spec.keeps_history:
                 lo = grp.first_live(begin)
                 if lo:
                     self._let_go(grp, table, lo)
@@ -359,12 +472,19 @@ class Coordinator:
     def _publish(self, req, res, upto: int, store: bool) -> None:
         """Put the pages of slots [published, upto) into each group's prefix
         index, in chain order, and (with a host tier, when `store`) queue
-        pinned stores that copy the full-history group's to host. A key
-        another page already owns ends this request's full-history chain:
-        its later pages stay private (prefix.py). A sliding group caches
-        the pages it still holds under the same chain hashes."""
+        pinned stores that copy the full-history group's to host. Where
+        another page already caches the same content (two requests computed
+        a shared prefix, or a hit was cut back to a state checkpoint below
+        the cached chain), the request holds that page instead of its own
+        and the chain goes on; only a parent gone from the index ends it. A sliding group caches
+        the pages it still holds under the same chain hashes, the state
+        group the aligned checkpoints its forwards recorded (§1.2: only
+        materialized boundaries, never a working state)."""
         ps = self.groups[0].page_size
         sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
+        state = self.state is not None and res.marks
+        if state:
+            sindex, stable, marks = self.groups[self.state].index, res.tables[self.state], res.marks
         full = self.full is not None and res.publishing
         index = self.groups[0].index if full else None
         table = res.tables[0]
@@ -372,16 +492,28 @@ class Coordinator:
         fresh = []
         for i in range(res.published, upto):
             key = req.page_key(i, ps)
-            if sliding:
+            if self.keyed:
                 h = chain_hash(h, key)
-                for sindex, stable in sliding:
-                    if i < len(stable) and stable[i] != HOLE and not sindex.contains(stable[i]):
-                        sindex.insert(h, stable[i])
+                for windex, wtable in sliding:
+                    if i < len(wtable) and wtable[i] != HOLE and not windex.contains(wtable[i]):
+                        windex.insert(h, wtable[i])
+                if state and i in marks:
+                    marks.discard(i)
+                    slot = stable[i] if i < len(stable) else HOLE
+                    if slot != HOLE and not sindex.contains(slot):
+                        sindex.insert(h, slot)
             if full:
                 page = table[i]
                 hf = index.insert(parent, key, page)
                 if hf is None:
-                    full = res.publishing = False
+                    twin = index.find(parent, key)
+                    if twin is None:
+                        full = res.publishing = False
+                        continue
+                    # another request cached this content first: hold its page
+                    # instead of ours, so the chain goes on under it
+                    self._adopt(table, i, twin)
+                    parent = index.hash_of(twin)
                     continue
                 fresh.append((page, parent, key, hf))
                 parent = hf
@@ -390,6 +522,18 @@ class Coordinator:
         res.published = upto
         if store and fresh and self.host is not None:
             self._store_published(req.id, fresh, table)
+
+    def _adopt(self, table: list, i: int, twin: int) -> None:
+        """Slot i of the full-history table takes the cached page `twin`,
+        which holds the same content; the request's own copy goes back.
+        Called at publication, when no forward of the request is out."""
+        grp = self.groups[0]
+        rc = grp.pool.refcount
+        if rc[twin] == 0:
+            grp.index.claim(twin)
+        rc[twin] += 1
+        own, table[i] = table[i], twin
+        _drop_refs(grp.pool, grp.index, [own])
 
     def _store_published(self, req_id: str, fresh, table) -> None:
         host = self.host
@@ -419,7 +563,8 @@ class Coordinator:
     # ---- the host snapshot of a retraction --------------------------------
     def snapshot(self, req_id: str, res, pages: int, plan) -> list | None:
         """Stream-ordered copies of the device pages of slots [0, pages) of
-        every group but the replayable ones, to fresh host pages the
+        every group but the replayable ones (of a state group, the state
+        after those pages' tokens), to fresh host pages the
         caller's Retracted state will hold: per group, a host page or HOLE
         per slot. None if the host tiers cannot take them all."""
         if self.host is None or pages == 0:
@@ -427,6 +572,10 @@ class Coordinator:
         snap, ops = [], []
         for g, grp in enumerate(self.groups):
             slots = res.tables[g][:pages]
+            if grp.spec.state:
+                # the working state only: the checkpoints are cached or recomputed
+                r = grp.first_live(pages * self.page_size)
+                slots = [HOLE] * r + res.tables[g][r:r + 1]
             src = [p for p in slots if p != HOLE] if not grp.spec.replayable else []
             host_pages = self.hosts[g].allocate(len(src)) if src else []
             if host_pages is None:
@@ -520,6 +669,7 @@ class Coordinator:
         for grp, table in zip(self.groups, res.tables):
             _drop_refs(grp.pool, grp.index, [p for p in reversed(table) if p != HOLE])
             table.clear()
+        res.marks.clear()
 
     # ---- invariants ------------------------------------------------------
     def check_invariants(self, live_tables: list, snapshots: list | None = None) -> None:

@@ -37,7 +37,7 @@ class FsmError(RuntimeError):
 
 class Resources:
     __slots__ = ("tables", "forwards_out", "published", "chain_tail", "content_tail",
-                 "publishing", "covers_generation")
+                 "publishing", "covers_generation", "marks")
 
     def __init__(self, num_groups: int):
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
@@ -45,10 +45,13 @@ class Resources:
         self.published = 0         # leading slots already offered to the prefix index
         self.chain_tail = ROOT_HASH  # full-history group: chain hash of its last published page
         self.content_tail = ROOT_HASH  # chain hash of [0, published) (kept where a sliding group caches)
-        self.publishing = True     # full history: False once another request's page owns our next key
+        self.publishing = True     # full history: False once the chain's parent left the index
         # The admission that made this bundle secured decode room for the whole
         # generation budget open at that admission (§4): never a victim.
         self.covers_generation = False
+        # A state group's entries its admitted forwards leave an aligned
+        # checkpoint in (§1.2 CacheProgress): publication caches these only.
+        self.marks: set[int] = set()
 
 
 class State:

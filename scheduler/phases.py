@@ -77,17 +77,25 @@ class PlanBuild:
 
 
 def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
-            replay: int = 0) -> list[GroupDemand]:
+            replay: int = 0, decode: bool = False, lands: bool = False) -> list[GroupDemand]:
     """One demand per group for a forward computing rows [begin - replay,
     end): the full-history group holds `reserve` beyond end, each sliding
     group only `sliding_reserve` (§1: the decode slot, never headroom) and
-    lets go of what slid out of the window of its first row."""
+    lets go of what slid out of the window of its first row. A state group
+    (§1.2) reserves a growth block where the prompt's shaping ends on a
+    decoding role (the completing chunk or the landing: `sliding_reserve`
+    set), nothing elsewhere; a decode (`decode`) records no checkpoint, a
+    landing (`lands`) receives its state instead of computing it."""
     full = GroupDemand(end, reserve, begin)
     if len(p.groups) == 1 and p.coord.full == 0:
         return [full]
     out = []
     for g in p.groups:
-        if not g.sliding:
+        if g.state:
+            grows = sliding_reserve and p.decodes_locally
+            out.append(GroupDemand(end, p.state_reserve if grows else 0, begin, lands=lands,
+                                   records=not decode))
+        elif not g.sliding:
             out.append(full)
         elif replay:
             # the replayed rows are the first this group has: its table
@@ -107,7 +115,8 @@ def try_decode(p, b: PlanBuild, req) -> bool:
     st = req.state
     ps = p.page_size
     n = req.num_tokens
-    if not p.coord.admit(req, st.res, demands(p, n - 1, n, 0, 0), (n - 1) // ps, b.plan):
+    if not p.coord.admit(req, st.res, demands(p, n - 1, n, 0, 0, decode=True), (n - 1) // ps,
+                         b.plan):
         return False
     if st.__class__ in _FIRST_DECODE:
         fsm.begin_decoding(req)
@@ -198,7 +207,7 @@ def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
     cannot reach a boundary; False: admission failed."""
     st = req.state
     begin, target, replay = st.window_end, st.target, st.replay
-    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.page_size,
+    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.prefix_tokens,
                                  p.replay_tokens)
     if chunk == 0:
         return None
@@ -249,7 +258,8 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     hit = p.coord.match(req, (target - 1) // ps)
     begin = hit.pages * ps
     replay = replay_rows(begin, p.replay_tokens, ps)
-    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, ps, p.replay_tokens)
+    chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.prefix_tokens,
+                                 p.replay_tokens)
     if chunk == 0:
         b.waits.stop_line(Hold.BUDGET, req, f"the budget left ({b.budget} tokens) cannot "
                           f"reach a page boundary of its prompt"
@@ -312,8 +322,8 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=False)
     headroom, remaining = _headroom(p, req)
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens),
-                         hit.pages, b.plan, hit=hit):
+    if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens,
+                                           lands=True), hit.pages, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
@@ -386,12 +396,17 @@ def ship_phase(p, b: PlanBuild) -> None:
 
 def transfer_slots(p, res, prompt_len: int, first_page: int) -> list[list[int]]:
     """Per group, the pages a P -> D transfer of a `prompt_len`-token prompt
-    moves: the full history from the first page D lacks, and each sliding
+    moves: the full history from the first page D lacks, each sliding
     group's last window (the slots D's first decode reads), never the whole
-    prompt. The same slots on both sides: D's landing pages and P's sources."""
+    prompt, and the state group's final state. The same slots on both
+    sides: D's landing pages and P's sources."""
     end = -(-prompt_len // p.page_size)
     out = []
-    for g, grp in zip(p.groups, res.tables):
-        lo = g.first_live_page(prompt_len, p.page_size) if g.sliding else first_page
-        out.append(grp[lo:end])
+    for g, table in zip(p.coord.groups, res.tables):
+        if g.spec.state:
+            e = g.entry(prompt_len)     # the final state alone (§1.2: endpoint-only landing)
+            out.append(table[e:e + 1])
+            continue
+        lo = g.first_live(prompt_len) if g.spec.sliding else first_page
+        out.append(table[lo:end])
     return out

@@ -20,7 +20,8 @@ from collections import deque
 from pdserve.scheduler import fsm
 from pdserve.scheduler.capacity import context_bound, ingest_error
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.cache_groups import FULL, check_groups, describe, replay_window
+from pdserve.scheduler.cache_groups import (
+    FULL, check_groups, describe, prefix_granularity, replay_window)
 from pdserve.scheduler.capacity import group_pages, sliding_request_pages
 from pdserve.scheduler.config import ConfigError
 from pdserve.scheduler.coordinator import Coordinator, make_group
@@ -45,7 +46,7 @@ class Planner:
         """`groups`: the model's cache groups (cache_groups.py); one
         full-history group by default."""
         groups = list(groups)
-        check_groups(groups)
+        check_groups(groups, cfg.page_size)
         self.cfg = cfg
         self.role = role
         self.groups = groups
@@ -55,6 +56,26 @@ class Planner:
         self.requeues_victims = role is Role.FUSED     # D recovers through readmission only
         self.replay_tokens = replay_window(groups)     # W of §1.3 (0: no replay)
         ps = cfg.page_size
+        # chunks that do not finish a prompt end on a boundary every group can resume from
+        self.prefix_tokens = prefix_granularity(groups, ps)
+        state = next((g for g in groups if g.state), None)
+        # §1.2: a decoding role's growth block, at least one block beyond the endpoint
+        self.state_reserve = max(state.block_tokens(ps), cfg.decode_input_tokens) if state else 0
+        if state:
+            per_request = 3 + -(-self.state_reserve // state.block_tokens(ps))
+            slots = group_pages(cfg, groups)[-1]
+            if slots < per_request:
+                raise ConfigError(
+                    f"engine.state_slots={slots} cannot hold one request's states: a chunk "
+                    f"reads one, writes a checkpoint and a final state, and reserves "
+                    f"{per_request - 3} growth block(s); raise state_slots to at least "
+                    f"{per_request}")
+        if self.prefix_tokens > cfg.max_scheduled_tokens:
+            raise ConfigError(
+                f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below the state "
+                f"block of {self.prefix_tokens} tokens: a chunk that does not finish its prompt "
+                "ends on a block boundary, so no long prompt could advance; raise "
+                "max_scheduled_tokens or lower engine.state_block")
         # a hit's first chunk spends its replay rows and must still advance (§1.3)
         self.min_prefill_tokens = -(-self.replay_tokens // ps) * ps + \
             max(self.replay_tokens, ps) if self.replay_tokens else 0
@@ -390,6 +411,7 @@ class Planner:
                 if req.capacity != min(len(t) for t in st.res.tables) * self.page_size:
                     raise AssertionError(f"{req.id}: capacity out of step with its tables")
                 self._check_windows(req)
+                self._check_states(req)
                 if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
                     raise AssertionError(f"{req.id}: more than one token beyond capacity")
         counted = (len(self.waiting) + len(self.prefilling) + len(self.running)
@@ -421,6 +443,27 @@ class Planner:
                                                  self.cfg.max_scheduled_tokens):
                 raise AssertionError(f"{req.id}: holds {len(held)} sliding pages, more than "
                                      "its window, a chunk and its decode slot")
+
+    def _check_states(self, req) -> None:
+        """A state group holds slots only at block ends, the state of the
+        computed frontier among them (unless it is still arriving), and no
+        more than one chunk's read, checkpoint and final state beside its
+        growth blocks."""
+        from pdserve.scheduler.cache_groups import HOLE
+
+        g = self.coord.state
+        if g is None:
+            return
+        grp, table = self.coord.groups[g], req.state.res.tables[g]
+        held = [i for i, s in enumerate(table) if s != HOLE]
+        if any((i + 1) % grp.per_block for i in held):
+            raise AssertionError(f"{req.id}: a state slot off a block end: {table}")
+        computed = fsm.computed_tokens(req)
+        if computed and grp.entry(computed) not in held \
+                and not isinstance(req.state, RemotePrefilling):
+            raise AssertionError(f"{req.id}: no state for its {computed} computed tokens")
+        if len(held) > 3 + -(-self.state_reserve // grp.block):
+            raise AssertionError(f"{req.id}: holds {len(held)} state slots: {table}")
 
     def describe_groups(self) -> str:
         return describe(self.groups)

@@ -143,13 +143,20 @@ def test_a_prefix_hit_claims_cached_pages_and_counts_them_against_room():
     c.check_invariants([res.tables])
 
 
-def test_a_duplicate_publication_keeps_the_second_copy_private():
+def test_a_duplicate_publication_adopts_the_cached_page_and_goes_on():
+    """b computed the same first two pages as a: publishing them, b holds
+    a's cached pages instead of its copies (which go back), and its third
+    page, new content, is cached under them."""
     c = coord()
-    a, b = req("a", [1, 2, 3, 4, 5, 6, 7, 8]), req("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    a, b = req("a", [1, 2, 3, 4, 5, 6, 7, 8]), req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9])
     ra, rb = admit_whole(c, a, publish=False), admit_whole(c, b, publish=False)
+    own = list(rb.tables[0])
+    free = c.free_pages()
     c.publish(a, ra, 2)
-    c.publish(b, rb, 2)
-    assert c.groups[0].index.num_cached == 2 and not rb.publishing
+    c.publish(b, rb, 3)
+    assert rb.tables[0] == ra.tables[0] + own[2:] and rb.publishing
+    assert c.groups[0].index.num_cached == 3 and c.free_pages() == free + 2
+    assert c.match(req("c", [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 5]), 3).pages == 3
     c.check_invariants([ra.tables, rb.tables])
     c.release(ra)
     c.release(rb)

@@ -1,7 +1,8 @@
 """Property test (spec §5): random workloads through the fused planner,
 invariants checked after every round, every request ends, nothing leaks.
 Each workload draws its cache groups too: full history alone, beside a
-sliding window (cached or replayed, §1.3), or sliding windows alone."""
+sliding window (cached or replayed, §1.3), sliding windows alone, or full
+history beside a snapshot-state group (§1.2) with or without a window."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,21 +21,31 @@ def sliding(window, replay=False):
     return CacheGroupSpec("sliding_window", window, replayable=replay)
 
 
+def state(block):
+    return CacheGroupSpec("snapshot_state", block=block)
+
+
 @st.composite
 def cache_groups(draw, page: int, budget: int):
-    """(groups, budget, sliding_pages): a group set, the chunk budget raised
-    to what bounded replay needs, and a sliding pool from one request's
-    working set up (tight) to roomy."""
+    """(groups, budget, sliding_pages, state_slots): a group set, the chunk
+    budget raised to what bounded replay or a state block needs, a sliding
+    pool from one request's working set up (tight) to roomy, and a state
+    pool from one request's slots up (0: the default)."""
     w = draw(st.integers(1, 3 * page + 2))
+    block = page * draw(st.integers(1, 3))
     groups = draw(st.sampled_from([
         (FULL,), (FULL,), (FULL, sliding(w)), (FULL, sliding(w, True)),
-        (FULL, sliding(w), sliding(w + page)), (sliding(w),), (sliding(w, True),)]))
+        (FULL, sliding(w), sliding(w + page)), (sliding(w),), (sliding(w, True),),
+        (FULL, state(block)), (FULL, state(block)), (FULL, sliding(w), state(block))]))
     r = replay_window(groups)
     if r:
         budget = max(budget, -(-r // page) * page + max(r, page))
+    if any(g.state for g in groups):
+        budget = max(budget, block)
     need = max((sliding_request_pages(config(page_size=page), g.window, budget)
                 for g in groups if g.sliding), default=0)
-    return groups, budget, need + draw(st.integers(0, 2 * need + 1))
+    slots = draw(st.sampled_from([0, 4, 5, 8]))
+    return groups, budget, need + draw(st.integers(0, 2 * need + 1)), slots
 
 
 @st.composite
@@ -51,8 +62,8 @@ def workloads(draw):
         reqs.append((f"r{i}", prefix + tail, max_new, arrive, stop_at))
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
     pages = biggest + draw(st.integers(0, 3 * biggest))
-    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 64)))))
-    cfg = config(page_size=page, total_pages=pages, sliding_pages=swp,
+    groups, budget, swp, slots = draw(cache_groups(page, max(page, draw(st.integers(1, 64)))))
+    cfg = config(page_size=page, total_pages=pages, sliding_pages=swp, state_slots=slots,
                  max_scheduled_tokens=budget,
                  max_batch_size=draw(st.integers(1, 8)),
                  enable_mixed_prefill_decode=draw(st.booleans()))
@@ -115,8 +126,9 @@ def tight_workloads(draw):
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
     pages = biggest + draw(st.integers(0, biggest))
     host = draw(st.sampled_from([0, 0, 4 * biggest, biggest // 2 + 1]))
-    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
+    groups, budget, swp, slots = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
     cfg = config(page_size=page, total_pages=pages, safe_steps=safe, host_pages=host,
+                 state_slots=slots,
                  max_scheduled_tokens=budget, sliding_pages=swp,
                  max_batch_size=draw(st.integers(1, 8)),
                  enable_mixed_prefill_decode=draw(st.booleans()))
@@ -164,13 +176,14 @@ def pd_workloads(draw):
         reqs.append((f"r{i}", prefix + tail, draw(st.integers(1, 30)), draw(st.integers(0, 15)),
                      draw(st.sampled_from(["ok", "ok", "ok", "fail", "lose_ack", "abort"]))))
     biggest = max(-(-(len(p) + m) // page) for _, p, m, _, _ in reqs)
-    groups, budget, swp = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
+    groups, budget, swp, slots = draw(cache_groups(page, max(page, draw(st.integers(1, 48)))))
     d_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
                    safe_steps=draw(st.sampled_from([2, 8, 4096])), sliding_pages=swp,
+                   state_slots=slots,
                    host_pages=draw(st.sampled_from([0, 2 * biggest])),
                    max_scheduled_tokens=budget, max_batch_size=draw(st.integers(1, 8)))
     p_cfg = config(page_size=page, total_pages=biggest + draw(st.integers(0, 2 * biggest)),
-                   max_scheduled_tokens=budget, sliding_pages=swp)
+                   max_scheduled_tokens=budget, sliding_pages=swp, state_slots=slots)
     return p_cfg, d_cfg, reqs, groups
 
 
