@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.scheduler.cache_groups import FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec
+from pdserve.scheduler.cache_groups import (
+    FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE, CacheGroupSpec)
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -130,7 +131,14 @@ class ModelConfig:
     def full_history(self) -> bool:
         """Some layer keeps every position's K/V (not every layer slides): a
         prompt's working set then grows with it."""
-        return any(not g.sliding for g in self.cache_groups())
+        return any(g.keeps_history for g in self.cache_groups())
+
+    def state_group(self, block: int = 0) -> CacheGroupSpec | None:
+        """The snapshot-state group of the layers keeping a recurrent state
+        (spec §1.2), checkpointed every `block` tokens (0: every page); None
+        for a model without such layers. It comes after `cache_groups()`."""
+        layers = self.state_layers()
+        return CacheGroupSpec(SNAPSHOT_STATE, block=block, layers=layers) if layers else None
 
     def cache_groups(self, replayable: bool = False) -> list[CacheGroupSpec]:
         """The attention layers grouped by what they keep: the full-history

@@ -35,16 +35,18 @@ class StateCache:
     sequence's state is one copy per tensor."""
 
     def __init__(self, slots: int, layers: int, conv_shape: tuple, recurrent_shape: tuple,
-                 dtype: torch.dtype, device):
-        self.conv = torch.zeros((slots, layers, *conv_shape), dtype=dtype, device=device)
+                 dtype: torch.dtype, device, pin_memory: bool = False):
+        self.conv = torch.zeros((slots, layers, *conv_shape), dtype=dtype, device=device,
+                                pin_memory=pin_memory)
         self.recurrent = torch.zeros((slots, layers, *recurrent_shape), dtype=torch.float32,
-                                     device=device)
+                                     device=device, pin_memory=pin_memory)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device) -> StateCache:
+    def for_model(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device,
+                  pin_memory: bool = False) -> StateCache:
         """`slots` slots for every state layer of `cfg` (`cfg.state_layers()`)."""
         return cls(slots, len(cfg.state_layers()), cfg.conv_state_shape(),
-                   cfg.recurrent_state_shape(), dtype, device)
+                   cfg.recurrent_state_shape(), dtype, device, pin_memory)
 
     @property
     def slots(self) -> int:
@@ -68,6 +70,14 @@ class StateCache:
         """The state before any token."""
         self.conv[slot].zero_()
         self.recurrent[slot].zero_()
+
+    def copy_slots_from(self, src: "StateCache", src_slots, dst_slots) -> None:
+        """This cache's `dst_slots[i]` = `src`'s `src_slots[i]` (a host
+        snapshot stored or loaded back); queued like KVCache.copy_pages_from."""
+        s = torch.as_tensor(list(src_slots), device=src.conv.device)
+        d = torch.as_tensor(list(dst_slots), device=self.conv.device)
+        self.conv[d] = src.conv[s].to(self.conv.device, non_blocking=True)
+        self.recurrent[d] = src.recurrent[s].to(self.recurrent.device, non_blocking=True)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` becomes slot `src`: a checkpoint restored, or a fork."""

@@ -72,7 +72,7 @@ class EngineServer:
         self.executor = TorchExecutor(model, tok, engine_cfg, detokenize=False)
         self.planner = Planner(engine_cfg, self.role, groups=self.executor.groups)
         self.capacity = capacity_report(engine_cfg, self.planner.groups,
-                                        [c.data[0].nbytes for c in self.executor.caches])
+                                        self.executor.group_bytes())
         log.info("%s: %s", self.name, capacity_line(self.capacity))
         self.engine = Engine(self.name, self.planner, self.executor, forget_finished=False)
         transport = None
@@ -85,7 +85,7 @@ class EngineServer:
             transport = NixlTransport(Incarnation(self.name, self.incarnation),
                                       FaultInjector.from_config(faults or [], fault_seed),
                                       progress_thread=self.executor.caches[0].data.is_cuda)
-            transport.register_pools([c.data for c in self.executor.caches])
+            transport.register_pools(self.executor.transfer_pools())
         self.transport = transport
         self.peer = PeerProtocol(self, transport, transfer_timeout_s, lease_s, heartbeat_s)
         self.drain = Drain(self.name)

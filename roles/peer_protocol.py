@@ -124,7 +124,8 @@ class PeerProtocol:
         if req.peer is None or req.peer not in self.peers:
             self.recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
             return
-        landing = self.transport.page_ids(op.landing)      # every group's, one list
+        # every group's pages (a state slot as its two rows), one list
+        landing = self.transport.page_ids(self.s.executor.transfer_lists(op.landing))
         epoch = self.landing.expect(req.id, landing, time.monotonic())
         self.epochs[req.id] = epoch
         sp = self.s.executor.params(req.id)
@@ -276,7 +277,7 @@ class PeerProtocol:
             return                  # the lease ran out: the timers release it, nothing is posted
         t = s.executor.tracked.get(op.req.id)
         payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
-        src = self.transport.page_ids(op.src)
+        src = self.transport.page_ids(s.executor.transfer_lists(op.src))
         if len(src) != len(pages):
             # the two engines group the model's layers differently: nothing sensible to write
             self.send(d_name, "TransferFailed", pb.TransferFailedRequest(

@@ -11,7 +11,11 @@ Each cache group (the model's `cache_groups()`) has its own device pool and
 host pool, and each request its own block table per group. A round's
 forward gets one BatchMeta per group: a sliding group's sequences read from
 their window's first page on (slots below are HOLE), and replay rows write
-their K/V only into replayable groups (spec §1.3).
+their K/V only into replayable groups (spec §1.3). A model with state
+layers (Qwen3.5) has a snapshot-state group last: its pools are
+StateCaches, and each sequence's SeqState names the slots its table gives
+the state it starts from, the state it ends with and the checkpoint
+between (spec §1.2).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import torch
 
 from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.scheduler.cache_groups import HOLE
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
+from pdserve.scheduler.coordinator import make_group
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -48,29 +53,43 @@ class TorchExecutor:
         """`detokenize=False`: tokens only; stop strings are then found by
         whoever makes the text (roles/outputs.py). `groups`: the planner's
         CacheGroupSpecs, by default the model's `cache_groups()` (sliding
-        groups replayable when engine.sliding_replay is set); they must lay
-        out the model's layers as the model does (replayable may differ)."""
-        if model.cfg.state_layers():
-            raise ModelError(f"{model.cfg.arch}: layers {list(model.cfg.state_layers())} keep a "
-                             "recurrent state, which the engine cannot schedule yet (state "
-                             "cache groups, issue 14); serve a model whose layers all keep K/V")
+        groups replayable when engine.sliding_replay is set) and its state
+        group (`state_group`, checkpointed every engine.state_block tokens);
+        they must lay out the model's layers as the model does (replayable
+        and the state block may differ)."""
         self.model = model
         self.tokenizer = tokenizer
         self.detokenize = detokenize
         self.page_size = cfg.page_size
-        self.groups = list(groups) if groups is not None \
-            else model.cache_groups(replayable=cfg.sliding_replay)
-        _check_groups(self.groups, model.cache_groups())
-        self.caches = model.new_caches(group_pages(cfg, self.groups), cfg.page_size)
+        if groups is None:
+            state = model.cfg.state_group(cfg.state_block)
+            groups = model.cache_groups(replayable=cfg.sliding_replay) + ([state] if state else [])
+        self.groups = list(groups)
+        _check_groups(self.groups, model)
+        # the state group (last, if any) keeps slots in a StateCache, the others pages
+        self.state = len(self.groups) - 1 if self.groups[-1].state else None
+        self.kv = [g for g in range(len(self.groups)) if g != self.state]
+        sizes = group_pages(cfg, self.groups)
+        self.caches = model.new_caches([sizes[g] for g in self.kv], cfg.page_size)
+        if self.state is not None:
+            self.caches.append(model.new_state_cache(sizes[self.state]))
         self.hosts = []
         if cfg.host_pages:
             c = model.cfg
+            pin = model.device.type == "cuda"
             # page-locked beside a GPU (exactly its size, not torch's power of
             # two): stores and loads are then DMA straight between the pools
-            self.hosts = [KVCache(len(g.layers), cfg.host_pages, cfg.page_size, c.num_kv_heads,
-                                  c.head_dim, model.dtype, "cpu",
-                                  pin_memory=model.device.type == "cuda")
-                          for g in self.groups]
+            self.hosts = [KVCache(len(self.groups[g].layers), cfg.host_pages, cfg.page_size,
+                                  c.num_kv_heads, c.head_dim, model.dtype, "cpu",
+                                  pin_memory=pin)
+                          for g in self.kv]
+            if self.state is not None:
+                # the coordinator's host tier of a state group: as many slots as on device
+                self.hosts.append(StateCache.for_model(c, sizes[self.state], model.dtype, "cpu",
+                                                       pin_memory=pin))
+        # the state group's entry arithmetic, as the planner's coordinator does it
+        self._state_group = make_group(self.groups[self.state], 1, cfg.page_size) \
+            if self.state is not None else None
         # the first group's pools, for callers that know one group
         self.cache = self.caches[0]
         self.host = self.hosts[0] if self.hosts else None
@@ -118,12 +137,18 @@ class TorchExecutor:
     def run(self, plan: Plan) -> StepResult:
         result = StepResult()
         for s in plan.stores:
-            self.hosts[s.group].copy_pages_from(self.caches[s.group], s.device_pages,
-                                                s.host_pages)
+            host, dev = self.hosts[s.group], self.caches[s.group]
+            if s.group == self.state:
+                host.copy_slots_from(dev, s.device_pages, s.host_pages)
+            else:
+                host.copy_pages_from(dev, s.device_pages, s.host_pages)
             result.stores_done.append(s.id)
         for ld in plan.loads:
-            self.caches[ld.group].copy_pages_from(self.hosts[ld.group], ld.host_pages,
-                                                  ld.device_pages)
+            host, dev = self.hosts[ld.group], self.caches[ld.group]
+            if ld.group == self.state:
+                dev.copy_slots_from(host, ld.host_pages, ld.device_pages)
+            else:
+                dev.copy_pages_from(host, ld.host_pages, ld.device_pages)
             result.loads_done.append(ld.id)
         if (plan.stores or plan.loads) and self.cache.data.is_cuda:
             # the copies are queued on the stream: done before they are acked
@@ -158,11 +183,12 @@ class TorchExecutor:
         """The round's forward: (logits of the rows that sample, float32, and
         their requests, in order: completing prefills, then decodes)."""
         ps = self.page_size
-        groups = self.groups
+        groups = [self.groups[g] for g in self.kv]
         ids, pos, sample_rows, rows = [], [], [], []
         seqs = [[] for _ in groups]
         slots = [[] for _ in groups]
         skips = [False] * len(groups)
+        states = []
         for op in plan.prefills:
             req = op.req
             toks = req.prompt.tokens + req.output
@@ -170,8 +196,9 @@ class TorchExecutor:
             q0 = len(ids)
             ids.extend(toks[begin:end])
             pos.extend(range(begin, end))
+            tables = req.state.res.tables
             for g, spec in enumerate(groups):
-                table = req.state.res.tables[g]
+                table = tables[self.kv[g]]
                 # replay rows' K/V go only where the group regenerates them
                 keeps = not op.replay or spec.replayable
                 first = begin if keeps else op.begin
@@ -185,19 +212,24 @@ class TorchExecutor:
                     slots[g].extend([-1] * op.replay)
                     skips[g] = True
                 slots[g].extend(table[p // ps] * ps + p % ps for p in range(first, end))
+            if self.state is not None:
+                states.append(self._seq_state(req, tables[self.state], begin, end))
             if op.completes:
                 sample_rows.append(len(ids) - 1)
                 rows.append(req)
         for req in plan.decodes:
             p = req.num_tokens - 1
+            tables = req.state.res.tables
             for g, spec in enumerate(groups):
-                table = req.state.res.tables[g]
+                table = tables[self.kv[g]]
                 kv_start = 0
                 if spec.sliding:
                     kv_start = max(p - spec.window + 1, 0)
                     _check_live(table, kv_start, p + 1, ps, req, g)
                 seqs[g].append(SeqMeta(len(ids), 1, p + 1, table, kv_start))
                 slots[g].append(table[p // ps] * ps + p % ps)
+            if self.state is not None:
+                states.append(self._seq_state(req, tables[self.state], p, p + 1))
             ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
             pos.append(p)
             sample_rows.append(len(ids) - 1)
@@ -213,19 +245,63 @@ class TorchExecutor:
                            write_rows=staged[3 + n + g] if skips[g] else None)
                  for g, spec in enumerate(groups)]
         self.forward_tokens += len(ids)
-        logits = self.model.forward(ids_t, metas, self.caches, rows_t)
+        caches = [self.caches[g] for g in self.kv]
+        if self.state is None:
+            logits = self.model.forward(ids_t, metas, caches, rows_t)
+        else:
+            logits = self.model.forward(ids_t, metas, caches, rows_t,
+                                        states=StateBatch(self.caches[self.state], states))
         return logits, rows
 
+    def _seq_state(self, req, table: list, begin: int, end: int) -> SeqState:
+        """Where a forward over [begin, end) finds its state and leaves it
+        (spec §1.2): the slot the planner gave the state after `begin`
+        tokens, the one for `end`, and the checkpoint between if any."""
+        grp = self._state_group
+        read = table[grp.entry(begin)] if begin else -1
+        b = grp.checkpoint(begin, end)
+        ckpt = (b - begin, table[grp.entry(b)]) if b else None
+        seq = SeqState(read, table[grp.entry(end)], ckpt)
+        if HOLE in (seq.write_slot, ckpt[1] if ckpt else 0) or (begin and read == HOLE):
+            raise RuntimeError(f"request {req.id}: its state table {table} lacks a slot the "
+                               f"forward over [{begin}, {end}) reads or writes")
+        return seq
 
-def _check_groups(groups, model_groups) -> None:
+    # ---- what P -> D transfers move ---------------------------------------------
+    def transfer_pools(self) -> list:
+        """The tensors a transport registers, one row per page or slot:
+        each page group's pool, then the state group's conv and recurrent."""
+        out = [self.caches[g].data for g in self.kv]
+        if self.state is not None:
+            st = self.caches[self.state]
+            out += [st.conv, st.recurrent]
+        return out
+
+    def transfer_lists(self, per_group) -> list:
+        """Per-group page (slot) lists as `transfer_pools` rows: a state
+        slot moves as its conv row and its recurrent row."""
+        out = [per_group[g] for g in self.kv]
+        if self.state is not None:
+            out += [per_group[self.state]] * 2
+        return out
+
+    def group_bytes(self) -> list[int]:
+        """Bytes of one page (a state group: one slot) of each group."""
+        return [c.slot_bytes() if g == self.state else c.data[0].nbytes
+                for g, c in enumerate(self.caches)]
+
+
+def _check_groups(groups, model) -> None:
     """The planner's groups must lay out the model's layers as the model does."""
     def shape(gs):
         return [(g.retention, g.window, tuple(g.layers)) for g in gs]
 
-    if shape(groups) != shape(model_groups):
+    state = model.cfg.state_group()
+    want = model.cache_groups() + ([state] if state else [])
+    if shape(groups) != shape(want):
         raise ValueError(f"cache groups {shape(groups)} (retention, window, layers) are not "
-                         f"the model's {shape(model_groups)}; build them with "
-                         "model.cache_groups()")
+                         f"the model's {shape(want)}; build them with model.cache_groups() "
+                         "and model.cfg.state_group()")
 
 
 def _check_live(table, kv_start: int, end: int, ps: int, req, g: int) -> None:

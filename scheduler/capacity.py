@@ -128,7 +128,8 @@ def capacity_report(cfg: EngineConfig, groups, page_bytes: list[int]) -> dict:
     full = [e for e in out if e["retention"] == "full_history"]
     tokens = full[0]["pages"] * ps if full else cfg.max_context_tokens * min(
         e["windows"] for e in out)
-    per_token_all = sum(page_bytes) / ps          # every group's layers, every token kept
+    # every K/V group's layers, every token kept (a state layer keeps no K/V)
+    per_token_all = sum(b for g, b in zip(groups, page_bytes) if not g.state) / ps
     return {"tokens": tokens, "groups": out, "bytes": sum(e["bytes"] for e in out),
             "bytes_every_layer_kept": int(tokens * per_token_all)}
 
@@ -141,6 +142,9 @@ def capacity_line(report: dict) -> str:
         layers = f"{e['layers']} layers, " if e["layers"] else ""
         if e["retention"] == "full_history":
             parts.append(f"full history: {e['pages']:,} pages ({layers}{e['bytes'] / gib:.2f} GiB)")
+        elif e["retention"] == "snapshot_state":
+            parts.append(f"snapshot state: {e['pages']:,} slots ({layers}"
+                         f"{e['bytes'] / gib:.2f} GiB)")
         else:
             parts.append(f"sliding window {e['window']}: {e['pages']:,} pages ({layers}"
                          f"{e['bytes'] / gib:.2f} GiB, {e['windows']:,} request windows)")

@@ -31,23 +31,30 @@ PROMPT = [(7 * i + 3) % 120 + 1 for i in range(50)]
 OTHER = [(11 * i + 5) % 120 + 1 for i in range(31)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(transformers model, directory of its save_pretrained)."""
+def qwen3_5_checkpoint(d, **overrides):
+    """(transformers model, `d` holding its save_pretrained): 4 layers, the
+    last full attention, the others Gated DeltaNet; norms perturbed so a
+    wrong state shows."""
     torch.manual_seed(0)
-    conf = transformers.Qwen3_5TextConfig(
+    conf = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.1)
-    model = transformers.Qwen3_5ForCausalLM(conf).float().eval()
+    conf.update(overrides)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**conf)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-    d = tmp_path_factory.mktemp("qwen3_5")
     model.save_pretrained(d, safe_serialization=True)
     return model, d
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(transformers model, directory of its save_pretrained)."""
+    return qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5"))
 
 
 @torch.no_grad()
@@ -292,15 +299,3 @@ def test_a_continuing_sequence_must_read_its_state_and_no_slot_is_written_twice(
     with pytest.raises(ValueError, match="pass states"):
         r.model.forward(ids, BatchMeta(meta, torch.zeros(4, dtype=torch.long),
                                        torch.arange(8, 12)), r.cache, torch.arange(4))
-
-
-def test_the_engine_refuses_a_state_model_it_cannot_schedule_yet(checkpoint):
-    """Until the planner has state cache groups, serving Qwen3.5 fails at
-    load with the reason, not at its first round."""
-    from pdserve.roles.torch_executor import TorchExecutor
-    from pdserve.scheduler.config import EngineConfig
-
-    _, d = checkpoint
-    model, tok = load_model(str(d), preset=None, dtype="float32", attention="torch")
-    with pytest.raises(ModelError, match="keep a recurrent state.*issue 14"):
-        TorchExecutor(model, tok, EngineConfig(page_size=4, total_pages=16))
