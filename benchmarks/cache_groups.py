@@ -49,9 +49,11 @@ MOONCAKE = Path(__file__).resolve().parents[2] / \
     "shared/data/traces/mooncake/conversation_trace.jsonl"
 
 
-def kv_pool_bytes(model: ModelPreset, gpu: GpuPreset, overhead: float = OVERHEAD) -> float:
-    """What one GPU has for KV: HBM less the weights and `overhead` of HBM."""
-    return gpu.hbm_bytes * (1 - overhead) - model.weight_bytes_total
+def kv_pool_bytes(model: ModelPreset, gpu: GpuPreset, overhead: float = OVERHEAD,
+                  gpus: int = 1) -> float:
+    """What `gpus` GPUs have for KV together: their HBM less the weights
+    (held once, sharded across them) and `overhead` of HBM."""
+    return gpus * gpu.hbm_bytes * (1 - overhead) - model.weight_bytes_total
 
 
 def _capacity_cfg(page_size: int, chunk: int) -> EngineConfig:

@@ -29,6 +29,9 @@ BENCHMARKS = [
     ("cache-groups", "pdserve.benchmarks.cache_groups",
      "Gemma 3 27B's sliding-window groups against every layer full (per-request bytes, "
      "concurrency, a simulated trace)"),
+    ("state-capacity", "pdserve.benchmarks.state_capacity",
+     "Qwen3-Next-80B's snapshot-state groups against vLLM-style pages and every layer "
+     "attention (requests of a long prompt one node's pool holds)"),
     ("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
      "the simulator with a calibrated profile against the real deployment at concurrency 1 "
      "and fractions of saturation"),

@@ -17,13 +17,19 @@ groups) still computes attention over the window only. A mixture-of-experts
 model computes with the parameters a token passes through (`active_params`)
 and reads every weight each round (`weight_bytes`): at the batch sizes
 serving runs, nearly every expert sees some token.
+
+A state layer (Gated DeltaNet) keeps a fixed-size state per sequence
+instead of K/V: it adds no attention pairs and no KV reads here. Its
+recurrence is small next to its projections (in `params`), and the state it
+reads and writes each round is not charged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec
+from pdserve.scheduler.cache_groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE,
+                                            CacheGroupSpec)
 from pdserve.scheduler.config import ConfigError
 
 
@@ -53,6 +59,8 @@ class ModelPreset:
     window: int = 0          # their window, in tokens (the query itself included)
     active_params: float = 0.0  # MoE: parameters one token passes through (0: params)
     weight_bytes: float = 0.0   # bytes of weights read each round (0: params x dtype_bytes)
+    state_layers: int = 0       # layers keeping a fixed-size state instead of K/V (Gated DeltaNet)
+    state_bytes: int = 0        # one state slot: one sequence's state across every state layer
 
     def __post_init__(self) -> None:
         if not 0 <= self.sliding_layers <= self.layers:
@@ -62,10 +70,23 @@ class ModelPreset:
             raise ConfigError(f"model preset {self.name}: sliding layers need a window and a "
                               f"window needs sliding layers (sliding_layers="
                               f"{self.sliding_layers}, window={self.window})")
+        if not 0 <= self.state_layers < self.layers:
+            raise ConfigError(f"model preset {self.name}: state_layers={self.state_layers} must "
+                              f"be between 0 and layers - 1 = {self.layers - 1} (a state group "
+                              f"needs a full-attention group beside it)")
+        if (self.state_layers > 0) != (self.state_bytes > 0):
+            raise ConfigError(f"model preset {self.name}: state layers need state_bytes (one "
+                              f"sequence's state across them) and state_bytes needs state layers "
+                              f"(state_layers={self.state_layers}, "
+                              f"state_bytes={self.state_bytes})")
+        if self.state_layers and self.sliding_layers:
+            raise ConfigError(f"model preset {self.name}: sliding and state layers together are "
+                              f"not modelled; set sliding_layers or state_layers to 0")
 
     @property
     def full_layers(self) -> int:
-        return self.layers - self.sliding_layers
+        """Layers attending over the whole history (each keeps K/V)."""
+        return self.layers - self.sliding_layers - self.state_layers
 
     @property
     def kv_layer_bytes(self) -> int:
@@ -74,8 +95,9 @@ class ModelPreset:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token keeps across every layer (full retention)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """KV bytes one token keeps across every attention layer (full
+        retention); a state layer keeps none."""
+        return (self.layers - self.state_layers) * self.kv_layer_bytes
 
     @property
     def compute_params(self) -> float:
@@ -85,26 +107,45 @@ class ModelPreset:
     def weight_bytes_total(self) -> float:
         return self.weight_bytes or self.params * self.dtype_bytes
 
-    def layer_kinds(self) -> tuple[tuple, tuple]:
-        """(full-attention layer indices, sliding-window ones). Full layers
-        are spread evenly, each ending a run: every 6th layer of Gemma 3
-        (5, 11, ..., 59), every 2nd of gpt-oss (1, 3, ..., 35), which is
-        where their configs' layer_types put them."""
-        if not self.sliding_layers:
+    def _spread(self) -> tuple[tuple, tuple]:
+        """(full-attention layer indices, the others). Full layers are
+        spread evenly, each ending a run: every 6th layer of Gemma 3
+        (5, 11, ..., 59), every 2nd of gpt-oss (1, 3, ..., 35), every 4th
+        of Qwen3-Next (3, 7, ..., 47), which is where their configs'
+        layer_types put them."""
+        if self.full_layers == self.layers:
             return tuple(range(self.layers)), ()
         if not self.full_layers:
             return (), tuple(range(self.layers))
         step = self.layers // self.full_layers
         full = tuple((k + 1) * step - 1 for k in range(self.full_layers))
-        rest = set(range(self.layers)) - set(full)
-        return full, tuple(sorted(rest))
+        return full, tuple(sorted(set(range(self.layers)) - set(full)))
 
-    def groups(self, sliding: bool = True) -> list[CacheGroupSpec]:
+    def layer_kinds(self) -> tuple[tuple, tuple]:
+        """(full-attention layer indices, sliding-window ones); a state
+        model's state layers are `state_layer_indices()`."""
+        full, rest = self._spread()
+        return full, rest if self.sliding_layers else ()
+
+    def state_layer_indices(self) -> tuple:
+        """The state layers' indices (none unless state_layers)."""
+        return self._spread()[1] if self.state_layers else ()
+
+    def groups(self, sliding: bool = True, state: bool = False) -> list[CacheGroupSpec]:
         """The cache groups a planner serves this model with: full history
         first (if any layer has it), then the sliding-window layers. With
         `sliding=False`, one full-history group keeps every layer's history
-        (a hybrid allocator turned off)."""
+        (a hybrid allocator turned off). A state model has a full-history
+        group of its attention layers, then, with `state=True`, a
+        snapshot-state group of its state layers; without it (the default
+        while the planner cannot serve state groups) the state layers are
+        left out, so a simulation charges no state slots."""
         full, slide = self.layer_kinds()
+        if self.state_layers:
+            out = [CacheGroupSpec(FULL_HISTORY, layers=full)]
+            if state:
+                out.append(CacheGroupSpec(SNAPSHOT_STATE, layers=self.state_layer_indices()))
+            return out
         if not slide or not sliding:
             return [FULL]
         out = [CacheGroupSpec(FULL_HISTORY, layers=full)] if full else []
@@ -113,9 +154,24 @@ class ModelPreset:
     def group_kv_bytes_per_token(self, groups) -> list[int]:
         """KV bytes one token keeps in each group: its layers x K and V x
         kv_heads x head_dim x dtype bytes. A group naming no layers holds
-        every layer (the bare FULL group)."""
-        return [(len(g.layers) if g.layers else self.layers) * self.kv_layer_bytes
-                for g in groups]
+        every attention layer (the bare FULL group). A state group's cost
+        is per slot, not per token (`state_bytes` a slot): 0 here."""
+        return [0 if g.state else
+                (len(g.layers) if g.layers else self.layers - self.state_layers)
+                * self.kv_layer_bytes for g in groups]
+
+
+def gdn_layer_state_bytes(key_heads: int, key_dim: int, value_heads: int, value_dim: int,
+                          conv_kernel: int, state_dtype_bytes: int = 4,
+                          conv_dtype_bytes: int = 2) -> int:
+    """Bytes one Gated DeltaNet layer keeps for one sequence: the recurrent
+    state (value_heads x key_dim x value_dim, fp32) and the conv state (the
+    q, k and v channels, 2 x key_heads x key_dim + value_heads x value_dim,
+    over the last conv_kernel - 1 inputs, in the model's dtype), the shapes
+    vLLM keeps (shared/research/hybrid-cache.md §4.3)."""
+    conv_channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return value_heads * key_dim * value_dim * state_dtype_bytes \
+        + conv_channels * (conv_kernel - 1) * conv_dtype_bytes
 
 
 GPUS = {
@@ -147,6 +203,18 @@ MODELS = {
     "gpt-oss-120b": ModelPreset("gpt-oss-120b", 116.8e9, 36, 64, 8, 64, 131072,
                                 sliding_layers=18, window=128, active_params=5.1e9,
                                 weight_bytes=65.2e9),
+    # Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json; the
+    # sizing in shared/research/hybrid-cache.md §4.3): 48 layers, every 4th
+    # full attention (full_attention_interval 4: 3, 7, ..., 47), the other 36
+    # Gated DeltaNet. Attention: 16 q heads, 2 KV heads of 256. GDN: 16 key
+    # heads and 32 value heads of 128, conv kernel 4, so a layer keeps a
+    # 32 x 128 x 128 fp32 recurrent state (2 MiB) and a (2 x 16 x 128 +
+    # 32 x 128 = 8192) x 3 bf16 conv state (48 KiB); one sequence's slot is
+    # 36 x that = 73.7 MiB, what the notes give. MoE, 512 experts, top 10
+    # plus a shared expert: ~80e9 parameters, ~3e9 active. 256K context, bf16.
+    "qwen3-next-80b": ModelPreset("qwen3-next-80b", 80e9, 48, 16, 2, 256, 262144,
+                                  active_params=3e9, state_layers=36,
+                                  state_bytes=36 * gdn_layer_state_bytes(16, 128, 32, 128, 4)),
 }
 
 

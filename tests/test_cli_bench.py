@@ -53,3 +53,13 @@ def test_building_the_parser_loads_no_torch_or_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_bench_state_capacity_prints_the_three_ways(capsys):
+    assert main(["bench", "state-capacity", "--prompt", "32768"]) == 0
+    rows = {ln.split()[1]: ln.split() for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("   32K")}
+    assert set(rows) == {"snapshot", "vLLM-style", "every"}
+    assert rows["snapshot"][-2:] == ["433", "3.36x"]
+    assert rows["every"][-2:] == ["129", "1.00x"]
+    assert int(rows["vLLM-style"][-2]) < 433
