@@ -47,6 +47,7 @@ class EngineConfig:
     sliding_replay: bool = False        # sliding windows recomputed after a hit, never cached (§1.3)
     state_slots: int = 0                # state slots of a snapshot-state group (0: sized for max_batch_size)
     state_block: int = 0                # tokens between state checkpoints (0: one page; §1.2)
+    state_checkpoints: bool = True      # cache state checkpoints for prefix hits (false: none)
 
     def __post_init__(self) -> None:
         positive = (
@@ -88,6 +89,9 @@ class EngineConfig:
                 f"engine.host_pages must be an integer >= 0 (0 disables the host "
                 f"cache), got {self.host_pages!r}"
             )
+        if not isinstance(self.state_checkpoints, bool):
+            raise ConfigError(f"engine.state_checkpoints must be true or false, got "
+                              f"{self.state_checkpoints!r}")
         if not isinstance(self.sliding_replay, bool):
             raise ConfigError(f"engine.sliding_replay must be true or false, got "
                               f"{self.sliding_replay!r}")

@@ -84,8 +84,9 @@ def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
     lets go of what slid out of the window of its first row. A state group
     (§1.2) reserves a growth block where the prompt's shaping ends on a
     decoding role (the completing chunk or the landing: `sliding_reserve`
-    set), nothing elsewhere; a decode (`decode`) records no checkpoint, a
-    landing (`lands`) receives its state instead of computing it."""
+    set), nothing elsewhere; a decode (`decode`) records no checkpoint, nor
+    does anything with engine.state_checkpoints off; a landing (`lands`)
+    receives its state instead of computing it."""
     full = GroupDemand(end, reserve, begin)
     if len(p.groups) == 1 and p.coord.full == 0:
         return [full]
@@ -94,7 +95,7 @@ def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
         if g.state:
             grows = sliding_reserve and p.decodes_locally
             out.append(GroupDemand(end, p.state_reserve if grows else 0, begin, lands=lands,
-                                   records=not decode))
+                                   records=not decode and p.cfg.state_checkpoints))
         elif not g.sliding:
             out.append(full)
         elif replay:

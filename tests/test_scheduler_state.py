@@ -210,3 +210,19 @@ def test_pd_lands_the_final_state_alone_and_d_publishes_an_aligned_endpoint():
     assert cached_boundaries(pair.P, r.prompt.tokens) == [48]
     pair.P.assert_idle()
     pair.D.assert_idle()
+
+
+def test_with_checkpoints_off_nothing_is_cached_and_nothing_hits():
+    p = planner(state_checkpoints=False)
+    a = req("a", 46, max_new=1)
+    p.submit(a)
+    run_to_completion(p)
+    assert cached_boundaries(p, a.prompt.tokens) == []
+    assert p.coord.groups[1].index.num_cached == 0
+    b = req("b", a.prompt.tokens + [3, 4, 5], max_new=2)
+    p.submit(b)
+    plan, _ = step(p)
+    # the K/V pages are cached, but no state to resume from: all recomputed
+    assert plan.prefills[0].begin == 0
+    run_to_completion(p)
+    p.assert_idle()
