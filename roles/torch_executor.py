@@ -29,10 +29,9 @@ from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.coordinator import make_group
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -88,7 +87,7 @@ class TorchExecutor:
                 self.hosts.append(StateCache.for_model(c, sizes[self.state], model.dtype, "cpu",
                                                        pin_memory=pin))
         # the state group's entry arithmetic, as the planner's coordinator does it
-        self._state_group = make_group(self.groups[self.state], 1, cfg.page_size) \
+        self._blocks = StateBlocks(self.groups[self.state], cfg.page_size) \
             if self.state is not None else None
         # the first group's pools, for callers that know one group
         self.cache = self.caches[0]
@@ -257,7 +256,7 @@ class TorchExecutor:
         """Where a forward over [begin, end) finds its state and leaves it
         (spec §1.2): the slot the planner gave the state after `begin`
         tokens, the one for `end`, and the checkpoint between if any."""
-        grp = self._state_group
+        grp = self._blocks
         read = table[grp.entry(begin)] if begin else -1
         b = grp.checkpoint(begin, end)
         ckpt = (b - begin, table[grp.entry(b)]) if b else None

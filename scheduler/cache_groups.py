@@ -101,6 +101,43 @@ class CacheGroupSpec:
 FULL = CacheGroupSpec()
 
 
+class StateBlocks:
+    """Where a snapshot-state group's table keeps a request's states (pure
+    token arithmetic, shared by the coordinator and the executor).
+
+    Block b (tokens [b*B, (b+1)*B), B a multiple of the page size) keeps its
+    state in the table entry of its last page: `entry(t)` for the block
+    holding token t - 1. A forward over [begin, end) reads entry(begin),
+    writes its final state to entry(end) and, when a block boundary falls
+    strictly inside and end is off-boundary, the state at the last such
+    boundary to that boundary's entry: one aligned checkpoint per forward,
+    never every boundary it crosses."""
+
+    def __init__(self, spec: CacheGroupSpec, page_size: int):
+        self.spec = spec
+        self.page_size = page_size
+        self.block = spec.block_tokens(page_size)
+        self.per_block = self.block // page_size
+
+    def entry(self, t: int) -> int:
+        """The table entry holding the state after the first t tokens (t > 0)."""
+        return ((t - 1) // self.block + 1) * self.per_block - 1
+
+    def first_live(self, begin: int) -> int:
+        return self.entry(begin) if begin > 0 else 0
+
+    def aligned(self, t: int) -> bool:
+        return t > 0 and t % self.block == 0
+
+    def checkpoint(self, begin: int, end: int) -> int:
+        """The boundary a forward over [begin, end) materializes besides its
+        final state (0: none; an aligned end is its own checkpoint)."""
+        if end % self.block == 0:
+            return 0
+        b = end // self.block * self.block
+        return b if b > begin else 0
+
+
 def describe(groups) -> str:
     parts = []
     for g in groups:

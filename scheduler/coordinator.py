@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec
+from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec, StateBlocks
 from pdserve.scheduler.plan import LoadOp, StoreOp
 from pdserve.scheduler.pool import PagePool, PoolError
 from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
@@ -76,45 +76,18 @@ class SlidingWindowGroup(FullHistoryGroup):
         return self.spec.first_live_page(begin, self.page_size)
 
 
-class SnapshotStateGroup(FullHistoryGroup):
-    """State slots for the layers that keep a fixed-size state (spec §1.2).
-
-    Block b (tokens [b*B, (b+1)*B), B a multiple of the page size) keeps
-    its state in the table entry of its last page, `entry(t)` for the
-    block holding token t - 1. A forward over [begin, end) reads the state
-    at entry(begin), writes its final state to entry(end) and, when a block
-    boundary falls strictly inside and end is off-boundary, the state at the
-    last such boundary to that boundary's entry: one aligned checkpoint per
-    forward, never every boundary it crosses. Entries below entry(begin) go
-    back when the next forward is admitted (published checkpoints stay
-    cached); entries it never needed are HOLE. Checkpoints are cached by
-    the chain hash of the prefix they end, like sliding pages."""
+class SnapshotStateGroup(StateBlocks):
+    """State slots for the layers that keep a fixed-size state (spec §1.2),
+    placed in a sparse table by StateBlocks' arithmetic. Entries below the
+    state a forward reads go back when it is admitted (published
+    checkpoints stay cached); entries it never needed are HOLE. Checkpoints
+    are cached by the chain hash of the prefix they end, like sliding
+    pages."""
 
     def __init__(self, total_slots: int, page_size: int, spec: CacheGroupSpec):
-        self.spec = spec
-        self.page_size = page_size
-        self.block = spec.block_tokens(page_size)
-        self.per_block = self.block // page_size
+        super().__init__(spec, page_size)
         self.pool = PagePool(total_slots)
         self.index = WindowIndex(self.pool)
-
-    def entry(self, t: int) -> int:
-        """The table entry holding the state after the first t tokens (t > 0)."""
-        return ((t - 1) // self.block + 1) * self.per_block - 1
-
-    def first_live(self, begin: int) -> int:
-        return self.entry(begin) if begin > 0 else 0
-
-    def aligned(self, t: int) -> bool:
-        return t > 0 and t % self.block == 0
-
-    def checkpoint(self, begin: int, end: int) -> int:
-        """The boundary a forward over [begin, end) materializes besides its
-        final state (0: none; an aligned end is its own checkpoint)."""
-        if end % self.block == 0:
-            return 0
-        b = end // self.block * self.block
-        return b if b > begin else 0
 
     def wanted(self, d: GroupDemand) -> tuple[list[int], int | None]:
         """(the entries a forward per `d` needs held, the entry it leaves an
