@@ -159,7 +159,7 @@ def planner_peak(model: ModelPreset, split: Split, prompt: int, page_size: int =
                        max_context_tokens=max(model.context, prompt + 1024))
     planner = Planner(cfg, Role.FUSED, groups=groups)
     sim = SimExecutor(CostModel(model, GPUS[GPU]), page_size,
-                      group_kv_bytes=model.group_kv_bytes_per_token(groups))
+                      group_page_bytes=model.group_page_bytes(groups, page_size))
     blocks = -(-prompt // 512)
     try:
         for i in range(split.requests + extra):

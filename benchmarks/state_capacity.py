@@ -82,7 +82,7 @@ def capacity(model: ModelPreset, pool_bytes: float, prompt: int,
     prompt and decode slot in the full-history group and, on a state model,
     its state slots; and how many of them `pool_bytes` holds beside the
     state slots of the chunk in flight."""
-    groups = model.groups(state=True)
+    groups = model.groups()
     pages = single_request_pages(EngineConfig(page_size=page_size), prompt)
     kv = pages * page_size * model.group_kv_bytes_per_token(groups)[0]
     state = any(g.state for g in groups)

@@ -68,6 +68,12 @@ class SimEngine:
         return self.alive and not self.stalled and not self.parked and self.engine.has_work()
 
 
+def sim_groups(cfg: ServeConfig, model) -> list:
+    """The preset's cache groups as this config's engines serve them."""
+    return [dataclasses.replace(g, block=cfg.engine.state_block) if g.state else g
+            for g in model.groups(sliding=cfg.simulate.sliding_groups)]
+
+
 def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
     """`cost`: the cost model (default: the config's, `simulated_cost`)."""
     if cost is None:
@@ -78,9 +84,10 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
     if "max_context_tokens" not in cfg.engine_overrides:
         engine_cfg = dataclasses.replace(engine_cfg, max_context_tokens=model.context)
     # the preset's cache groups, each with its own pool (capacity.group_pages:
-    # engine.total_pages for full history, engine.sliding_pages for a window)
-    groups = model.groups(sliding=cfg.simulate.sliding_groups)
-    group_bytes = model.group_kv_bytes_per_token(groups)
+    # engine.total_pages for full history, engine.sliding_pages for a window,
+    # engine.state_slots for a state group checkpointed every engine.state_block)
+    groups = sim_groups(cfg, model)
+    group_bytes = model.group_page_bytes(groups, engine_cfg.page_size)
     out = []
     for role, count in ((Role.FUSED, cfg.cluster.fused), (Role.PREFILL, cfg.cluster.prefill),
                         (Role.DECODE, cfg.cluster.decode)):
@@ -88,7 +95,7 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
             continue                  # prefill engines with no decode peer would idle
         for i in range(count):
             eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups),
-                         SimExecutor(cost, engine_cfg.page_size, group_kv_bytes=group_bytes))
+                         SimExecutor(cost, engine_cfg.page_size, group_page_bytes=group_bytes))
             out.append(SimEngine(eng, len(out), role))
     return out
 
@@ -116,9 +123,7 @@ class Simulation:
         self.counters = {"remote_prefills": 0, "transfers": 0, "transfer_failures": 0,
                          "local_recoveries": 0, "lost_acks": 0, "lease_expiries": 0,
                          "engine_deaths": 0, "failed_by_death": 0}
-        groups = model.groups(sliding=cfg.simulate.sliding_groups)
-        self._page_bytes = [b * cfg.engine.page_size
-                            for b in model.group_kv_bytes_per_token(groups)]
+        self._page_bytes = model.group_page_bytes(sim_groups(cfg, model), cfg.engine.page_size)
         self._link_bps = cfg.simulate.link_gbps * 1e9 / 8
         self._events: list = []
         self._seq = 0

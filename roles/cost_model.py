@@ -131,21 +131,16 @@ class ModelPreset:
         """The state layers' indices (none unless state_layers)."""
         return self._spread()[1] if self.state_layers else ()
 
-    def groups(self, sliding: bool = True, state: bool = False) -> list[CacheGroupSpec]:
+    def groups(self, sliding: bool = True) -> list[CacheGroupSpec]:
         """The cache groups a planner serves this model with: full history
-        first (if any layer has it), then the sliding-window layers. With
-        `sliding=False`, one full-history group keeps every layer's history
-        (a hybrid allocator turned off). A state model has a full-history
-        group of its attention layers, then, with `state=True`, a
-        snapshot-state group of its state layers; without it (the default
-        while the planner cannot serve state groups) the state layers are
-        left out, so a simulation charges no state slots."""
+        first (if any layer has it), then the sliding-window layers, or a
+        state model's snapshot-state group of its state layers, last. With
+        `sliding=False`, one full-history group keeps every sliding layer's
+        history (a hybrid allocator turned off)."""
         full, slide = self.layer_kinds()
         if self.state_layers:
-            out = [CacheGroupSpec(FULL_HISTORY, layers=full)]
-            if state:
-                out.append(CacheGroupSpec(SNAPSHOT_STATE, layers=self.state_layer_indices()))
-            return out
+            return [CacheGroupSpec(FULL_HISTORY, layers=full),
+                    CacheGroupSpec(SNAPSHOT_STATE, layers=self.state_layer_indices())]
         if not slide or not sliding:
             return [FULL]
         out = [CacheGroupSpec(FULL_HISTORY, layers=full)] if full else []
@@ -159,6 +154,12 @@ class ModelPreset:
         return [0 if g.state else
                 (len(g.layers) if g.layers else self.layers - self.state_layers)
                 * self.kv_layer_bytes for g in groups]
+
+    def group_page_bytes(self, groups, page_size: int) -> list[int]:
+        """Bytes one page of each group holds, a state group's being one
+        slot (`state_bytes`): what a host copy or a P -> D transfer moves."""
+        return [self.state_bytes if g.state else b * page_size
+                for g, b in zip(groups, self.group_kv_bytes_per_token(groups))]
 
 
 def gdn_layer_state_bytes(key_heads: int, key_dim: int, value_heads: int, value_dim: int,

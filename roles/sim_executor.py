@@ -6,7 +6,8 @@ what a real executor would report, at simulated speed. Host copies finish
 within the round: stream-ordered snapshot stores and loads sit on the
 forward's critical path and cost PCIe time; pinned publication stores run
 on their own stream and cost the forward nothing. A copied page costs the
-bytes of its cache group's layers (`group_kv_bytes`, per token).
+bytes of its cache group's page (`group_page_bytes`; a state group's page
+is one state slot).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from pdserve.scheduler.plan import Plan, StepResult
 
 class SimExecutor:
     def __init__(self, cost: CostModel, page_size: int, vocab_size: int = 32000,
-                 group_kv_bytes: list[int] | None = None):
-        """`group_kv_bytes`: KV bytes per token of each of the planner's cache
-        groups (None: one group of every layer)."""
+                 group_page_bytes: list[int] | None = None):
+        """`group_page_bytes`: bytes of one page of each of the planner's
+        cache groups (None: one group of every layer)."""
         self.cost = cost
         self.page_size = page_size
         self.vocab_size = vocab_size
-        self.group_kv_bytes = group_kv_bytes or [cost.model.kv_bytes_per_token]
+        self.group_page_bytes = group_page_bytes or \
+            [cost.model.kv_bytes_per_token * page_size]
         self._window = cost.window
         self.now = 0.0
         self._stop_after: dict[str, int] = {}
@@ -44,15 +46,15 @@ class SimExecutor:
     def _copy_seconds(self, plan: Plan) -> float:
         if not plan.stores and not plan.loads:
             return 0.0
-        copied = [0] * len(self.group_kv_bytes)
+        copied = [0] * len(self.group_page_bytes)
         for s in plan.stores:
             if not s.pinned:
                 copied[s.group] += len(s.device_pages)
         for ld in plan.loads:
             copied[ld.group] += len(ld.device_pages)
         ps = self.page_size
-        return sum(self.cost.copy_seconds(n * ps, b)
-                   for n, b in zip(copied, self.group_kv_bytes) if n)
+        return sum(self.cost.copy_seconds(n * ps, b / ps)
+                   for n, b in zip(copied, self.group_page_bytes) if n)
 
     def run(self, plan: Plan) -> StepResult:
         ctx = wctx = 0

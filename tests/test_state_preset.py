@@ -28,7 +28,7 @@ def test_one_qwen3_next_state_slot_is_73_7_mib():
 
 
 def test_qwen3_next_has_12_attention_layers_then_a_state_group_of_36_last():
-    full, state = QWEN.groups(state=True)
+    full, state = QWEN.groups()
     assert full.keeps_history and full.layers == tuple(range(3, 48, 4))
     assert state.state and len(state.layers) == 36
     assert sorted(full.layers + state.layers) == list(range(48))
@@ -40,15 +40,16 @@ def test_qwen3_next_has_12_attention_layers_then_a_state_group_of_36_last():
     assert QWEN.state_layer_indices() == state.layers
 
 
-def test_without_the_state_keyword_a_state_model_serves_only_its_attention_layers():
-    assert QWEN.groups() == QWEN.groups(sliding=False) == \
-        [CacheGroupSpec(FULL_HISTORY, layers=tuple(range(3, 48, 4)))]
+def test_a_state_slot_is_the_state_group_s_page_in_copies_and_transfers():
+    full, state = QWEN.groups()
+    assert QWEN.group_page_bytes([full, state], 16) == [16 * 24 * 1024, QWEN.state_bytes]
+    assert QWEN.groups(sliding=False) == [full, state]
 
 
 def test_existing_presets_groups_are_unchanged():
     for name in ("llama-3-8b", "llama-3-70b", "opt-13b", "tiny"):
         m = MODELS[name]
-        assert m.groups() == m.groups(state=True) == [FULL]
+        assert m.groups() == [FULL]
         assert m.layer_kinds() == (tuple(range(m.layers)), ())
         assert m.state_layer_indices() == ()
     for name, step, window in (("gemma-3-27b", 6, 1024), ("gpt-oss-120b", 2, 128)):
@@ -57,7 +58,7 @@ def test_existing_presets_groups_are_unchanged():
         rest = tuple(i for i in range(m.layers) if i not in full)
         expected = [CacheGroupSpec(FULL_HISTORY, layers=full),
                     CacheGroupSpec(SLIDING_WINDOW, window, layers=rest)]
-        assert m.groups() == m.groups(state=True) == expected
+        assert m.groups() == expected
         assert m.groups(sliding=False) == [FULL]
         assert m.group_kv_bytes_per_token([FULL]) == [m.layers * m.kv_layer_bytes]
 
