@@ -32,6 +32,9 @@ BENCHMARKS = [
     ("state-capacity", "pdserve.benchmarks.state_capacity",
      "Qwen3-Next-80B's snapshot-state groups against vLLM-style pages and every layer "
      "attention (requests of a long prompt one node's pool holds)"),
+    ("state-reuse", "pdserve.benchmarks.state_reuse",
+     "prefix hits on Qwen3-Next-80B with state checkpoints on and off, fused and P/D "
+     "(the Mooncake conversation trace, simulated)"),
     ("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
      "the simulator with a calibrated profile against the real deployment at concurrency 1 "
      "and fractions of saturation"),

@@ -63,3 +63,29 @@ def test_bench_state_capacity_prints_the_three_ways(capsys):
     assert rows["snapshot"][-2:] == ["433", "3.36x"]
     assert rows["every"][-2:] == ["129", "1.00x"]
     assert int(rows["vLLM-style"][-2]) < 433
+
+
+def test_bench_state_reuse_hits_only_with_checkpoints_and_never_past_the_trace_s_reuse(capsys):
+    assert main(["bench", "state-reuse", "--limit", "60"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()
+            if ln.split()[:1] in (["ideal"], ["fused"], ["1P+1D"])]
+
+    def hit(engines, ckpts, side):
+        (row,) = [r for r in rows if r[:3] == [engines, ckpts, side]]
+        return int(row[4].replace(",", ""))
+    ideal = int(rows[0][2].replace(",", ""))
+    assert ideal > 0
+    assert hit("fused", "off", "fused") == hit("1P+1D", "off", "P") == 0
+    assert 0 < hit("fused", "on", "fused") <= ideal
+    assert 0 < hit("1P+1D", "on", "P") <= ideal
+    # D's K/V hit does not depend on state checkpoints: P sends the state anyway
+    assert hit("1P+1D", "on", "D") == hit("1P+1D", "off", "D") > 0
+
+
+def test_bench_state_reuse_real_hits_on_cpu_and_answers_the_same(capsys):
+    from pdserve.benchmarks.state_reuse import real
+
+    assert real(block=64, convs=1, turns=2, answer=2) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()
+            if ln.split()[:1] in (["on"], ["off"])]
+    assert {r[0]: int(r[2].replace(",", "")) for r in rows} == {"off": 0, "on": 192}
