@@ -449,10 +449,12 @@ class Coordinator:
         another page already caches the same content (two requests computed
         a shared prefix, or a hit was cut back to a state checkpoint below
         the cached chain), the request holds that page instead of its own
-        and the chain goes on; only a parent gone from the index ends it. A sliding group caches
-        the pages it still holds under the same chain hashes, the state
-        group the aligned checkpoints its forwards recorded (§1.2: only
-        materialized boundaries, never a working state)."""
+        and the chain goes on, unless a forward of its own is out (it may
+        read its copy): then, as when the parent left the index, the chain
+        ends there. A sliding group caches the pages it still holds under
+        the same chain hashes, the state group the aligned checkpoints its
+        forwards recorded (§1.2: only materialized boundaries, never a
+        working state)."""
         ps = self.groups[0].page_size
         sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
         state = self.state is not None and res.marks
@@ -480,7 +482,7 @@ class Coordinator:
                 hf = index.insert(parent, key, page)
                 if hf is None:
                     twin = index.find(parent, key)
-                    if twin is None:
+                    if twin is None or res.forwards_out:
                         full = res.publishing = False
                         continue
                     # another request cached this content first: hold its page
@@ -498,8 +500,8 @@ class Coordinator:
 
     def _adopt(self, table: list, i: int, twin: int) -> None:
         """Slot i of the full-history table takes the cached page `twin`,
-        which holds the same content; the request's own copy goes back.
-        Called at publication, when no forward of the request is out."""
+        which holds the same content; the request's own copy goes back (no
+        forward of the request is out to read it)."""
         grp = self.groups[0]
         rc = grp.pool.refcount
         if rc[twin] == 0:
