@@ -83,9 +83,9 @@ class TorchExecutor:
                                   pin_memory=pin)
                           for g in self.kv]
             if self.state is not None:
-                # the coordinator's host tier of a state group: as many slots as on device
-                self.hosts.append(StateCache.for_model(c, sizes[self.state], model.dtype, "cpu",
-                                                       pin_memory=pin))
+                # the state group's host tier: engine.host_state_slots (0: as on the device)
+                self.hosts.append(StateCache.for_model(c, cfg.host_state_slots or sizes[self.state],
+                                                       model.dtype, "cpu", pin_memory=pin))
         # the state group's entry arithmetic, as the planner's coordinator does it
         self._blocks = StateBlocks(self.groups[self.state], cfg.page_size) \
             if self.state is not None else None

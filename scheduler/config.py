@@ -48,6 +48,7 @@ class EngineConfig:
     state_slots: int = 0                # state slots of a snapshot-state group (0: sized for max_batch_size)
     state_block: int = 0                # tokens between state checkpoints (0: one page; §1.2)
     state_checkpoints: bool = True      # cache state checkpoints for prefix hits (false: none)
+    host_state_slots: int = 0           # with host_pages: the state group's L2 slots (0: state_slots)
 
     def __post_init__(self) -> None:
         positive = (
@@ -68,7 +69,8 @@ class EngineConfig:
                 f"group's pool for max_batch_size requests), got {self.sliding_pages!r}"
             )
         for name, zero in (("state_slots", "sizes the pool for max_batch_size requests"),
-                           ("state_block", "means one page")):
+                           ("state_block", "means one page"),
+                           ("host_state_slots", "gives L2 as many state slots as the device")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"engine.{name} must be an integer >= 0 (0 {zero}), "

@@ -125,12 +125,14 @@ def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int):
 
 class HostTier:
     """The L2 host cache of one group: a page pool and prefix index in host
-    memory (the index serves prefix hits for the full-history group only;
-    every group's tier takes retraction snapshots)."""
+    memory. The full-history group's index serves prefix hits by chain, a
+    state group's (`keyed`) serves checkpoints by the chain hash of the
+    prefix they end; every group's tier takes retraction snapshots."""
 
-    def __init__(self, total_pages: int):
+    def __init__(self, total_pages: int, keyed: bool = False):
         self.pool = PagePool(total_pages)
-        self.index = PrefixIndex(self.pool, strict_holding=False)
+        self.index = WindowIndex(self.pool) if keyed else \
+            PrefixIndex(self.pool, strict_holding=False)
 
     def allocate(self, n: int) -> list[int] | None:
         """n host pages (refcount 1), evicting idle cached ones; None if the
@@ -159,21 +161,28 @@ class Hit:
     """A prefix hit every group can serve: slots [0, pages) are cached.
     `device[g]` are group g's device pages for slots [first[g], device_end)
     (a sliding group's lookback; none for a replayable group), `host` the
-    full-history group's host pages for slots [device_end, pages)."""
+    full-history group's host pages for slots [device_end, pages), and
+    `state_host` the host slot of the state checkpoint at the hit's end when
+    the device has none (-1: it has, or there is no state group)."""
 
-    __slots__ = ("pages", "device_end", "device", "first", "host", "tail")
+    __slots__ = ("pages", "device_end", "device", "first", "host", "tail", "state_host")
 
-    def __init__(self, pages: int, device: list, first: list, host: list, tail: int):
+    def __init__(self, pages: int, device: list, first: list, host: list, tail: int,
+                 state_host: int = -1):
         self.pages = pages
         self.device_end = pages - len(host)
         self.device = device
         self.first = first
         self.host = host
         self.tail = tail              # chain hash of the prefix [0, device_end)
+        self.state_host = state_host
 
 
 class Coordinator:
-    def __init__(self, groups: list[FullHistoryGroup], host_pages: int = 0):
+    def __init__(self, groups: list[FullHistoryGroup], host_pages: int = 0,
+                 host_slots: int = 0):
+        """`host_pages`: each page group's host tier (0: none); `host_slots`:
+        a state group's (0: as many as its device pool)."""
         if not groups:
             raise ValueError("a coordinator needs at least one cache group")
         full = [i for i, g in enumerate(groups) if g.spec.keeps_history]
@@ -189,9 +198,9 @@ class Coordinator:
         self.state = next((i for i, g in enumerate(groups) if g.spec.state), None)
         # groups whose cached entries are named by the chain hash
         self.keyed = self.cached_sliding + ([self.state] if self.state is not None else [])
-        # a host tier per group: a state group's holds state slots, as many as its device pool
-        self.hosts = [HostTier(grp.pool.total if grp.spec.state else host_pages)
-                      for grp in groups] if host_pages else []
+        # a host tier per group (a state group's holds state slots)
+        self.hosts = [HostTier(host_slots or grp.pool.total, keyed=True) if grp.spec.state
+                      else HostTier(host_pages) for grp in groups] if host_pages else []
         self.host = self.hosts[0] if self.hosts else None
         self.pending_stores: list[StoreOp] = []     # made, not yet handed to a plan
         self.stores: dict[int, StoreOp] = {}        # handed out, not yet acked (and pending)
@@ -219,9 +228,10 @@ class Coordinator:
         host, cut back until each cached sliding group holds the lookback
         its first new query reads (its last W - 1 positions) and the state
         group a checkpoint at its end (§1.2: a hit restores the nearest
-        published checkpoint at or before it). `sliding` False: only the
-        full history is asked (a D landing receives the sliding windows and
-        the state from the peer). Pure."""
+        published checkpoint at or before it, on the device or, with
+        `use_host`, on host). `sliding` False: only the full history is
+        asked (a D landing receives the sliding windows and the state from
+        the peer). Pure."""
         groups, ps, n_groups = self.groups, self.groups[0].page_size, len(self.groups)
         keys = []                         # page keys, made as far as a matcher reads
 
@@ -247,16 +257,29 @@ class Coordinator:
         device[0] = dev
         todo = [g for g in self.keyed if sliding]
         hashes = []
+        state_host = -1
         if todo and n:
             h = ROOT_HASH
             for key in keys[:n]:
                 h = chain_hash(h, key)
                 hashes.append(h)
             found = {g: [groups[g].index.find(x) for x in hashes] for g in todo}
-            n = self._sliding_cut(found, n)
+            s = self.state
+            on_host = [None] * n
+            if s in found and use_host and self.hosts:
+                # a checkpoint the device evicted may still be on host
+                on_host = [self.hosts[s].index.find(x) for x in hashes]
+                cut = dict(found)
+                cut[s] = [d if d is not None else h for d, h in zip(found[s], on_host)]
+                n = self._sliding_cut(cut, n)
+            else:
+                n = self._sliding_cut(found, n)
             for g in todo:
                 first[g] = groups[g].first_live(n * ps)
-                device[g] = found[g][first[g]:n]
+                device[g] = [p for p in found[g][first[g]:n] if p is not None] \
+                    if g == s else found[g][first[g]:n]
+            if s in found and n and not device[s]:
+                state_host = on_host[n - 1]
         elif todo:
             n = 0
         if self.full is None:
@@ -264,9 +287,10 @@ class Coordinator:
         index = groups[0].index
         if n <= len(dev):
             device[0] = dev[:n]
-            return Hit(n, device, first, [], index.hash_of(dev[n - 1]) if n else ROOT_HASH)
+            return Hit(n, device, first, [], index.hash_of(dev[n - 1]) if n else ROOT_HASH,
+                       state_host)
         return Hit(n, device, first, host[:n - len(dev)],
-                   index.hash_of(dev[-1]) if dev else ROOT_HASH)
+                   index.hash_of(dev[-1]) if dev else ROOT_HASH, state_host)
 
     def _sliding_cut(self, found: dict, n: int) -> int:
         """The largest m <= n at which every sliding group holds the pages
@@ -351,6 +375,9 @@ class Coordinator:
             if grp.spec.state:
                 if need:
                     self._place(table, entries, self._allocate(grp, need))
+                if fresh_hit and hit.state_host >= 0:
+                    # the hit's checkpoint from host into the slot its forward reads
+                    self._load(req.id, g, [hit.state_host], [table[hit.pages - 1]], plan)
                 if mark is not None:
                     res.marks.add(mark)
                 continue
@@ -358,16 +385,20 @@ class Coordinator:
                 continue
             pages = self._allocate(grp, need)
             if g == 0 and hit is not None and hit.host:
-                self.host.hold(hit.host)
-                load = LoadOp(self._op_id(), req.id, list(hit.host), pages[:len(hit.host)])
-                self.loads[load.id] = load
-                plan.loads.append(load)
+                self._load(req.id, 0, list(hit.host), pages[:len(hit.host)], plan)
             table.extend(pages)
             plan.fresh_pages.extend(pages)
         tables = res.tables
         slots_held = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
         req.capacity = slots_held * self.page_size
         return True
+
+    def _load(self, req_id: str, g: int, host_pages: list, device_pages: list, plan) -> None:
+        """A load ticket for a host hit: it holds the host pages until done."""
+        self.hosts[g].hold(host_pages)
+        load = LoadOp(self._op_id(), req_id, host_pages, device_pages, group=g)
+        self.loads[load.id] = load
+        plan.loads.append(load)
 
     @staticmethod
     def _grant(grp, table: list, demand: GroupDemand, hit_pages, hit_first: int) -> tuple:
@@ -464,7 +495,7 @@ class Coordinator:
         index = self.groups[0].index if full else None
         table = res.tables[0]
         parent, h = res.chain_tail, res.content_tail
-        fresh = []
+        fresh, fresh_states = [], []
         for i in range(res.published, upto):
             key = req.page_key(i, ps)
             if self.keyed:
@@ -475,8 +506,8 @@ class Coordinator:
                 if state and i in marks:
                     marks.discard(i)
                     slot = stable[i] if i < len(stable) else HOLE
-                    if slot != HOLE and not sindex.contains(slot):
-                        sindex.insert(h, slot)
+                    if slot != HOLE and not sindex.contains(slot) and sindex.insert(h, slot):
+                        fresh_states.append((slot, h))
             if full:
                 page = table[i]
                 hf = index.insert(parent, key, page)
@@ -497,6 +528,8 @@ class Coordinator:
         res.published = upto
         if store and fresh and self.host is not None:
             self._store_published(req.id, fresh, table)
+        if store and fresh_states and self.hosts:
+            self._store_states(req.id, fresh_states)
 
     def _adopt(self, table: list, i: int, twin: int) -> None:
         """Slot i of the full-history table takes the cached page `twin`,
@@ -524,6 +557,23 @@ class Coordinator:
             rc[page] += 1               # pinned until the ack
         op = StoreOp(self._op_id(), req_id, [f[0] for f in todo], host_pages, True,
                      [(f[1], f[2]) for f in todo], pins)
+        self.stores[op.id] = op
+        self.pending_stores.append(op)
+
+    def _store_states(self, req_id: str, fresh: list) -> None:
+        """Pinned stores of newly published state checkpoints to the state
+        group's host tier (best effort), each source slot held until the ack."""
+        g = self.state
+        host = self.hosts[g]
+        todo = [(slot, h) for slot, h in fresh if host.index.find(h) is None]
+        host_slots = host.allocate(len(todo)) if todo else None
+        if not host_slots:
+            return
+        rc = self.groups[g].pool.refcount
+        for slot, _ in todo:
+            rc[slot] += 1
+        op = StoreOp(self._op_id(), req_id, [s for s, _ in todo], host_slots, True,
+                     [h for _, h in todo], [s for s, _ in todo], group=g)
         self.stores[op.id] = op
         self.pending_stores.append(op)
 
@@ -599,19 +649,23 @@ class Coordinator:
         op = self.stores.pop(op_id)
         if not op.pinned:
             return                      # the snapshot's host pages stay with its owner
-        host = self.host
-        for hp, (parent, key) in zip(op.host_pages, op.entries):
-            host.index.insert(parent, key, hp)   # dropped if its parent left the host index
+        host = self.hosts[op.group]
+        if op.group == self.state:
+            for hp, h in zip(op.host_pages, op.entries):
+                host.index.insert(h, hp)             # dropped if h was cached meanwhile
+        else:
+            for hp, (parent, key) in zip(op.host_pages, op.entries):
+                host.index.insert(parent, key, hp)   # dropped if its parent left the host index
         host.release(op.host_pages)
-        self._unref(reversed(op.pins))
+        self._unref(reversed(op.pins), op.group)
 
     def store_failed(self, op_id: int) -> None:
         """A store that did not happen: its host pages hold nothing, so they
         go back unpublished; a pinned store's sources are unpinned."""
         op = self.stores.pop(op_id)
         if op.pinned:
-            self.host.release(op.host_pages)
-            self._unref(reversed(op.pins))
+            self.hosts[op.group].release(op.host_pages)
+            self._unref(reversed(op.pins), op.group)
 
     def load_done(self, op_id: int) -> None:
         op = self.loads.pop(op_id)
@@ -635,8 +689,8 @@ class Coordinator:
         return sum(len(pages[0]) for pages in self.fences.values())
 
     # ---- release ---------------------------------------------------------
-    def _unref(self, pages) -> None:
-        _drop_refs(self.groups[0].pool, self.groups[0].index, pages)
+    def _unref(self, pages, g: int = 0) -> None:
+        _drop_refs(self.groups[g].pool, self.groups[g].index, pages)
 
     def release(self, res) -> None:
         """Drop the request's hold on every page, deepest first, so that the
@@ -656,11 +710,10 @@ class Coordinator:
                 for p in tables[g]:
                     if p != HOLE:
                         expected[p] += 1
-            if g == 0:
-                for op in self.stores.values():
-                    if op.pinned:
-                        for p in op.pins:
-                            expected[p] += 1
+            for op in self.stores.values():
+                if op.pinned and op.group == g:
+                    for p in op.pins:
+                        expected[p] += 1
             for pages in self.fences.values():
                 for p in pages[g]:
                     expected[p] += 1
@@ -672,7 +725,7 @@ class Coordinator:
                     if p != HOLE:
                         expected[p] += 1
             for op in self.stores.values():
-                if op.pinned and g == 0:
+                if op.pinned and op.group == g:
                     for p in op.host_pages:
                         expected[p] += 1
             for op in self.loads.values():

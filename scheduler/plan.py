@@ -72,7 +72,9 @@ class StoreOp:
     device_pages: list
     host_pages: list
     pinned: bool
-    entries: list | None = None   # (parent hash, key) per page, for the host index
+    # per page, what names it in the host index: (parent hash, key) for the
+    # full history, the chain hash of the prefix it ends for a state checkpoint
+    entries: list | None = None
     # Device pages the ticket holds until the ack: the whole chain from the
     # root to the last source, so a pinned page never sits under an idle
     # parent that eviction could not reach.

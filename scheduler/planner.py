@@ -94,7 +94,7 @@ class Planner:
                     f"needs {sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens)}; "
                     "raise sliding_pages (or total_pages) or lower max_scheduled_tokens")
         self.coord = Coordinator([make_group(g, n, ps) for g, n in zip(groups, pages)],
-                                 host_pages=cfg.host_pages)
+                                 host_pages=cfg.host_pages, host_slots=cfg.host_state_slots)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}

@@ -226,3 +226,31 @@ def test_with_checkpoints_off_nothing_is_cached_and_nothing_hits():
     assert plan.prefills[0].begin == 0
     run_to_completion(p)
     p.assert_idle()
+
+
+def test_checkpoints_go_to_host_and_a_hit_the_device_evicted_loads_from_there():
+    """L2: a published checkpoint is stored to the state group's host tier
+    (pinned until the ack); once the device evicts it, a hit still resumes
+    there, loading the state into the slot its forward reads."""
+    p = planner(state_slots=5, host_pages=64)
+    a = req("a", 46, max_new=1)
+    p.submit(a)
+    stored = []
+    while p.has_work():
+        plan, _ = step(p)
+        stored += [s for s in plan.stores if s.group == 1]
+    assert stored and all(s.pinned for s in stored)
+    assert p.coord.hosts[1].index.find(_hash_of(a.prompt.tokens, 40)) is not None
+    for i in range(4):                  # other prompts take every device slot
+        p.submit(req(f"x{i}", 40, max_new=1))
+        run_to_completion(p)
+    assert cached_boundaries(p, a.prompt.tokens) == []
+    b = req("b", a.prompt.tokens + [3, 4, 5], max_new=2)
+    p.submit(b)
+    plan, _ = step(p)
+    assert (plan.prefills[0].begin, plan.prefills[0].tokens) == (40, 9)
+    (load,) = [ld for ld in plan.loads if ld.group == 1]
+    grp = p.coord.groups[1]
+    assert load.device_pages == [b.state.res.tables[1][grp.entry(40)]]
+    run_to_completion(p)
+    p.assert_idle()

@@ -46,12 +46,14 @@ class Watch:
     """Wraps an LLM's executor: forwarded rows, retractions, state slots held."""
 
     def __init__(self, llm):
-        self.retracts, self.forward, self.peak = 0, 0, 0
+        self.retracts, self.forward, self.peak, self.state_loads = 0, 0, 0, 0
         ex = llm.executor
         run = ex.run
 
         def watched(plan):
             self.retracts += len(plan.retracts)
+            self.state_loads += sum(len(ld.device_pages) for ld in plan.loads
+                                    if ld.group == ex.state)
             self.forward += sum(op.tokens for op in plan.prefills) + len(plan.decodes)
             for req in [op.req for op in plan.prefills] + list(plan.decodes):
                 state = req.state.res.tables[-1]
@@ -115,4 +117,18 @@ def test_retraction_with_and_without_the_host_cache_changes_nothing(served, host
     got = [o.token_ids for o in llm.generate(ps + ps, sp, use_tqdm=False)]
     assert watch.retracts > 0
     assert got == want + want
+    llm.engine.planner.assert_idle()
+
+
+def test_checkpoints_the_device_evicted_come_back_from_the_host_cache(served):
+    """With room for few state slots, the checkpoints the first pass cached
+    are evicted from the device by the time the second pass asks; the host
+    cache still holds them, and restoring them from there changes nothing."""
+    d, want = served
+    llm, watch = serve(d, state_slots=6, host_pages=256, max_batch_size=1)
+    assert greedy(llm) == want
+    cold = watch.forward
+    watch.forward = 0
+    assert greedy(llm) == want
+    assert watch.state_loads > 0 and watch.forward < cold
     llm.engine.planner.assert_idle()
