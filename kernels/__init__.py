@@ -1,9 +1,10 @@
 """Model forward, attention backends and sampling (torch).
 
 `load_model(path, preset)` builds a `DecoderModel` (Llama, Qwen2, Mistral),
-a `Gemma3Model` (`gemma3.py`) or a `Qwen3_5Model` (`qwen3_5.py`, whose
+a `Gemma3Model` (`gemma3.py`), a `Qwen3_5Model` (`qwen3_5.py`, whose
 Gated DeltaNet layers keep per-sequence state in a `StateCache`,
-`state_cache.py`, instead of K/V) from a Hugging Face checkpoint directory,
+`state_cache.py`, instead of K/V) or an `Lfm2Model` (`lfm2.py`, whose
+short-conv layers keep a conv state there) from a Hugging Face checkpoint directory,
 a GGUF file (`gguf.py`), or a preset (`tiny`, embedded; `smollm2-135m`, a
 GGUF a pip package ships), with its tokenizer and chat template
 (`chat.py`). The model runs one flat batch a round: every scheduled token

@@ -15,6 +15,7 @@ from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
+from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
 
@@ -99,7 +100,8 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
 
 def checkpoint_weight_names(cfg: ModelConfig) -> list[str]:
     """The tensors a checkpoint of `cfg`'s architecture must hold."""
-    names = {"gemma3": gemma3_weight_names, "qwen3_5": qwen3_5_weight_names}
+    names = {"gemma3": gemma3_weight_names, "qwen3_5": qwen3_5_weight_names,
+             "lfm2": lfm2_weight_names}
     return names.get(cfg.arch, weight_names)(cfg)
 
 
@@ -113,7 +115,8 @@ def attention_shape(cfg: ModelConfig) -> dict:
 
 def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
     """The architecture's model class over `weights` (Hugging Face names)."""
-    cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model}.get(cfg.arch, DecoderModel)
+    cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model, "lfm2": Lfm2Model}.get(
+        cfg.arch, DecoderModel)
     return cls(cfg, weights, dtype, device, attention)
 
 

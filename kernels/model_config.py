@@ -1,8 +1,9 @@
 """The architecture facts a decoder needs, read from a Hugging Face
 config.json or a GGUF file's metadata, or the embedded tiny preset; and
 the cache groups they imply (which layers share a block table). Layers that
-keep a fixed-size state instead of K/V (Qwen3.5's Gated DeltaNet) are in no
-cache group: `state_layers` names them and `state_slot_bytes` sizes one
+keep a fixed-size state instead of K/V (Qwen3.5's Gated DeltaNet, LFM2's
+short conv) are in no K/V group: `state_layers` names them, `state_group`
+makes their snapshot-state group, and `state_slot_bytes` sizes one
 sequence's state."""
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ SUPPORTED = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Lfm2ForCausalLM": "lfm2",
 }
 # config.json's model_type, for checkpoints that do not list architectures
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
-               "qwen3_5_text": "qwen3_5"}
+               "qwen3_5_text": "qwen3_5", "lfm2": "lfm2"}
 # multimodal checkpoints whose text model pdserve runs only when saved alone
 MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoint; pdserve runs the "
@@ -39,6 +41,7 @@ MULTIMODAL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration",
                     "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 SLIDING, GLOBAL = "sliding_attention", "full_attention"     # Hugging Face's layer_types
 LINEAR = "linear_attention"        # a Gated DeltaNet layer: a recurrent state, no K/V
+CONV = "conv"                      # an LFM2 short-conv layer: a conv state alone, no K/V
 
 
 class ModelError(ValueError):
@@ -87,6 +90,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # LFM2: its CONV layers gate a depthwise conv of linear_conv_kernel taps
+    # over the hidden size (B * x in, C * conv out), with biases if conv_bias
+    conv_bias: bool = False
 
     def layer_window(self, i: int) -> int | None:
         """Tokens layer i's queries see, themselves included (None: all)."""
@@ -100,11 +106,14 @@ class ModelConfig:
         """The layers that keep a recurrent state instead of K/V (Qwen3.5's
         Gated DeltaNet), in order: StateCache layer j is layer
         state_layers()[j]. They are in no cache group."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LINEAR, CONV))
 
     @property
     def conv_dim(self) -> int:
-        """Channels of a Gated DeltaNet layer's conv: its q, k and v."""
+        """Channels of a state layer's conv: a Gated DeltaNet's q, k and v;
+        an LFM2 conv's hidden size."""
+        if self.arch == "lfm2":
+            return self.hidden_size
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim \
             + self.linear_num_value_heads * self.linear_value_head_dim
 
@@ -113,7 +122,8 @@ class ModelConfig:
         return (self.conv_dim, self.linear_conv_kernel - 1)
 
     def recurrent_state_shape(self) -> tuple:
-        """One state layer's delta-rule state: a key x value matrix per value head."""
+        """One state layer's delta-rule state: a key x value matrix per value
+        head (LFM2's conv layers keep none: zero elements)."""
         return (self.linear_num_value_heads, self.linear_key_head_dim,
                 self.linear_value_head_dim)
 
@@ -205,6 +215,8 @@ def read_config(path) -> ModelConfig:
         return _gemma3_config(d, raw)
     if arch == "qwen3_5":
         return _qwen3_5_config(d, raw)
+    if arch == "lfm2":
+        return _lfm2_config(d, raw)
     heads = raw["num_attention_heads"]
     eos_ids = _eos_ids(raw)
     # transformers 5 writes rope_parameters; older checkpoints rope_scaling + rope_theta
@@ -365,6 +377,54 @@ def _qwen3_5_config(d: Path, raw: dict) -> ModelConfig:
         linear_value_head_dim=raw.get("linear_value_head_dim", 128),
         linear_conv_kernel=raw.get("linear_conv_kernel_dim", 4),
         bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+
+
+def _lfm2_config(d: Path, raw: dict) -> ModelConfig:
+    """LFM2 (Lfm2Config): short-conv layers beside full attention ones, per
+    `layer_types` (absent: the layers in `full_attn_idxs` attend). The MLP's
+    width is adjusted as Lfm2MLP does when block_auto_adjust_ff_dim is set;
+    absent keys take Lfm2Config's defaults."""
+    n = raw.get("num_hidden_layers", 32)
+    types = raw.get("layer_types")
+    if not types:
+        full = raw.get("full_attn_idxs")
+        full = set(range(n) if full is None else full)
+        types = [GLOBAL if i in full else CONV for i in range(n)]
+    if len(types) != n or set(types) - {CONV, GLOBAL}:
+        raise ModelError(f"{d}: layer_types must name {CONV!r} or {GLOBAL!r} for each of the "
+                         f"{n} layers, got {types!r}")
+    inter = raw.get("block_ff_dim", raw.get("intermediate_size", 12_288))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        inter = int(2 * inter / 3)
+        mult = raw.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            of = raw.get("block_multiple_of", 256)
+            inter = of * ((int(mult * inter) + of - 1) // of)
+    rope = raw.get("rope_parameters") or {}
+    kind = rope.get("rope_type", "default")
+    heads = raw.get("num_attention_heads", 32)
+    hidden = raw.get("hidden_size", 2560)
+    return ModelConfig(
+        arch="lfm2",
+        vocab_size=raw.get("vocab_size", 65_536),
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or 8,
+        head_dim=hidden // heads,
+        intermediate_size=inter,
+        rms_norm_eps=raw.get("norm_eps", 1e-5),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0)),
+        rope_scaling=rope if kind != "default" else None,
+        max_position=raw.get("max_position_embeddings", 128_000),
+        tie_word_embeddings=raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
+        layer_types=tuple(types),
+        linear_conv_kernel=raw.get("conv_L_cache", 3),
+        conv_bias=raw.get("conv_bias", False),
+        bos_token_id=raw.get("bos_token_id", 1),
         eos_token_ids=_eos_ids(raw),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )

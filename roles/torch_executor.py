@@ -267,13 +267,18 @@ class TorchExecutor:
         return seq
 
     # ---- what P -> D transfers move ---------------------------------------------
+    def _state_tensors(self) -> list:
+        """The state group's tensors that hold anything (LFM2 keeps no
+        recurrent state: that tensor has no elements and does not travel)."""
+        st = self.caches[self.state]
+        return [t for t in (st.conv, st.recurrent) if t.numel()]
+
     def transfer_pools(self) -> list:
         """The tensors a transport registers, one row per page or slot:
         each page group's pool, then the state group's conv and recurrent."""
         out = [self.caches[g].data for g in self.kv]
         if self.state is not None:
-            st = self.caches[self.state]
-            out += [st.conv, st.recurrent]
+            out += self._state_tensors()
         return out
 
     def transfer_lists(self, per_group) -> list:
@@ -281,7 +286,7 @@ class TorchExecutor:
         slot moves as its conv row and its recurrent row."""
         out = [per_group[g] for g in self.kv]
         if self.state is not None:
-            out += [per_group[self.state]] * 2
+            out += [per_group[self.state]] * len(self._state_tensors())
         return out
 
     def group_bytes(self) -> list[int]:

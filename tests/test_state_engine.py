@@ -1,9 +1,10 @@
-"""A hybrid state model (Qwen3.5: Gated DeltaNet layers beside full
-attention) served by the real engine: the planner's state group and the
-executor's state slots together (spec §1.2). Greedy tokens against
-transformers, unchanged by chunk size, by a warm prefix cache whose hits
-restore state checkpoints, and by retraction with and without the host
-cache; a long request's state slots stay bounded."""
+"""Hybrid state models served by the real engine: Qwen3.5 (Gated DeltaNet
+layers beside full attention) and LFM2 (short-conv layers beside full
+attention), the planner's state group and the executor's state slots
+together (spec §1.2). Greedy tokens against transformers, unchanged by
+chunk size, by a warm prefix cache whose hits restore state checkpoints
+(from the device or the host cache), and by retraction with and without
+the host cache; a long request's state slots stay bounded."""
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler.cache_groups import HOLE
 
-from test_qwen3_5 import checkpoint as qwen_checkpoint  # noqa: F401 (a fixture)
+from test_lfm2 import lfm2_checkpoint
+from test_qwen3_5 import qwen3_5_checkpoint
 
 transformers = pytest.importorskip("transformers")
+FAMILIES = {"qwen3_5": qwen3_5_checkpoint, "lfm2": lfm2_checkpoint}
 
 PS = 4
 BLOCK = 8
@@ -28,9 +31,9 @@ def prompts():
     return [base[:45], base[:60], base[:36] + other[:20]]
 
 
-@pytest.fixture(scope="module")
-def served(qwen_checkpoint):
-    model, d = qwen_checkpoint
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tmp_path_factory):
+    model, d = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
     want = []
     with torch.no_grad():
         for p in prompts():

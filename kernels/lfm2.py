@@ -1,0 +1,207 @@
+"""LFM2 (Lfm2ForCausalLM): short-conv layers beside full attention ones.
+
+The attention layers' K/V go in one full-history cache group, paged as in
+model.py, with each head's query and key RMS-normed before rotation. A conv
+layer keeps only the last kernel - 1 inputs of a depthwise causal conv per
+sequence: it projects the hidden state to B, C and x, convolves B * x, and
+gates the result by C. That state lives in a StateCache slot like a Gated
+DeltaNet layer's (with no recurrent part), so the planner's snapshot-state
+group serves it unchanged: a round's StateBatch names each sequence's read,
+final and checkpoint slot (spec §1.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.model import PagedDecoder, rms_norm
+from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.rope import Rotary
+from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
+
+
+def lfm2_weight_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.embedding_norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    state = set(cfg.state_layers())
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "operator_norm.weight", p + "ffn_norm.weight"]
+        if i in state:
+            names += [f"{p}conv.{n}.weight" for n in ("in_proj", "conv", "out_proj")]
+            if cfg.conv_bias:
+                names += [f"{p}conv.{n}.bias" for n in ("in_proj", "conv", "out_proj")]
+        else:
+            names += [f"{p}self_attn.{n}.weight"
+                      for n in ("q_proj", "k_proj", "v_proj", "out_proj", "q_layernorm",
+                                "k_layernorm")]
+        names += [f"{p}feed_forward.w{n}.weight" for n in (1, 2, 3)]
+    return names
+
+
+def depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None):
+    """One extent's causal conv, no activation: x [T, C] after `prev` [C, K - 1],
+    `weight` [C, K]. Returns (conv [T, C], the inputs [C, K - 1 + T]: the
+    state after row r is its columns [r, r + K - 1)). Summed in float32 and
+    rounded once, as conv1d accumulates."""
+    window = torch.cat([prev, x.t()], dim=1)
+    T, taps = x.shape[0], weight.shape[1]
+    wf, xf = weight.float(), window.float()
+    out = xf[:, :T] * wf[:, :1]
+    for i in range(1, taps):
+        out = out + xf[:, i:i + T] * wf[:, i:i + 1]
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    return out.to(x.dtype).t(), window
+
+
+@dataclass
+class _Conv:
+    in_proj: torch.Tensor
+    in_bias: torch.Tensor | None
+    weight: torch.Tensor          # [C, K]
+    bias: torch.Tensor | None
+    out_proj: torch.Tensor
+    out_bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, states: StateRound,
+                j: int) -> torch.Tensor:
+        """x [T, hidden] (normed), the round's rows in BatchMeta order; state
+        layer j's slots are read and written through `states`."""
+        b, c, v = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)
+        bx = b * v
+        conv0, rec0 = states.read(j)
+        width = conv0.shape[-1]
+        out = torch.empty_like(bx)
+        convs, ckpts = [], []
+        n_pre = len(meta.seqs) - meta.num_decodes
+        for i, s in enumerate(meta.seqs[:n_pre]):
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            out[rows], window = depthwise_conv(bx[rows], conv0[i], self.weight, self.bias)
+            convs.append(window[:, s.q_len:])
+            cut = states.checkpoint_rows.get(i)
+            if cut:
+                ckpts.append((i, window[:, cut:cut + width]))
+        if meta.num_decodes:
+            d0 = meta.seqs[n_pre].q_start
+            window = torch.cat([conv0[n_pre:], bx[d0:, :, None]], dim=2)
+            y = (window.float() * self.weight.float()).sum(-1)
+            if self.bias is not None:
+                y = y + self.bias.float()
+            out[d0:] = y.to(bx.dtype)
+            for i in range(n_pre, len(meta.seqs)):
+                convs.append(window[i - n_pre, :, 1:])
+                if i in states.checkpoint_rows:      # after its one row: the final state
+                    ckpts.append((i, window[i - n_pre, :, 1:]))
+        # no recurrent state: its tensors have no elements, written as read
+        states.write(j, torch.stack(convs), rec0, [cv for _, cv in ckpts],
+                     [rec0[i] for i, _ in ckpts])
+        return F.linear(c * out, self.out_proj, self.out_bias)
+
+
+@dataclass
+class _Attention:
+    group: int
+    slot: int
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    out_proj: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    operator_norm: torch.Tensor
+    mixer: object                 # _Attention, or _Conv with its state layer
+    state_layer: int | None
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class Lfm2Model(PagedDecoder):
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
+        super().__init__(cfg, dtype, device, attention)
+        dev = self.device
+        w = {k: weights[k].to(dtype=dtype, device=dev) for k in lfm2_weight_names(cfg)}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.embedding_norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        state_index = {layer: j for j, layer in enumerate(cfg.state_layers())}
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            if i in state_index:
+                cp = p + "conv."
+                bias = (lambda n: w[f"{cp}{n}.bias"]) if cfg.conv_bias else (lambda n: None)
+                mixer = _Conv(w[cp + "in_proj.weight"], bias("in_proj"),
+                              w[cp + "conv.weight"].squeeze(1), bias("conv"),
+                              w[cp + "out_proj.weight"], bias("out_proj"))
+            else:
+                a = p + "self_attn."
+                mixer = _Attention(*self.slots[i],
+                                   torch.cat([w[a + f"{x}_proj.weight"] for x in "qkv"]),
+                                   w[a + "q_layernorm.weight"], w[a + "k_layernorm.weight"],
+                                   w[a + "out_proj.weight"])
+            ff = p + "feed_forward."
+            self.layers.append(_Layer(w[p + "operator_norm.weight"], mixer, state_index.get(i),
+                                      w[p + "ffn_norm.weight"],
+                                      torch.cat([w[ff + "w1.weight"], w[ff + "w3.weight"]]),
+                                      w[ff + "w2.weight"]))
+        self.rotary = Rotary(cfg, dtype, dev)
+
+    def new_state_cache(self, slots: int) -> StateCache:
+        """A pool of `slots` state slots for this model's conv layers."""
+        return StateCache.for_model(self.cfg, slots, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
+                logits_indices: torch.Tensor, states: StateBatch | None = None) -> torch.Tensor:
+        """Logits (float32) for the rows in `logits_indices`. `meta` and
+        `cache`: the attention layers' one cache group. `states`: where each
+        sequence's conv state comes from and goes (None: whole fresh prompts
+        whose state is not kept)."""
+        c = self.cfg
+        metas, caches = self.per_group(meta, cache)
+        m = metas[0]
+        if states is None:
+            begun = [i for i, s in enumerate(m.seqs) if s.ctx_len != s.q_len]
+            if begun:
+                raise ValueError(f"sequence {begun[0]} continues a history, which needs its "
+                                 "state: pass states (a StateBatch)")
+            states = StateBatch(self.new_state_cache(len(m.seqs)),
+                                [SeqState(-1, i) for i in range(len(m.seqs))])
+        rnd = StateRound(states, m.seqs)
+        h = self.embed[input_ids]
+        rope = self.rotary.at(m.positions)
+        for layer in self.layers:
+            x = rms_norm(h, layer.operator_norm, c.rms_norm_eps)
+            if layer.state_layer is None:
+                h = h + self._attend(layer.mixer, x, metas, caches, rope)
+            else:
+                h = h + layer.mixer.forward(x, m, rnd, layer.state_layer)
+            x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
+            gu = F.linear(x, layer.gate_up)
+            inter = gu.shape[-1] // 2
+            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
+        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attend(self, a: _Attention, x, metas, caches, rope) -> torch.Tensor:
+        c = self.cfg
+        d, h, kvh = c.head_dim, c.num_heads, c.num_kv_heads
+        T = x.shape[0]
+        qkv = F.linear(x, a.qkv)
+        q = rms_norm(qkv[:, :h * d].view(T, h, d), a.q_norm, c.rms_norm_eps)
+        k = rms_norm(qkv[:, h * d:(h + kvh) * d].view(T, kvh, d), a.k_norm, c.rms_norm_eps)
+        v = qkv[:, (h + kvh) * d:].reshape(T, kvh, d)
+        qk = self.rotary.apply(torch.cat([q, k], dim=1), *rope)
+        k_pages, v_pages = caches[a.group].layer(a.slot)
+        o = self.attention.forward(qk[:, :h], qk[:, h:], v, k_pages, v_pages, metas[a.group])
+        return F.linear(o.reshape(T, h * d), a.out_proj)
