@@ -118,6 +118,22 @@ def _grant_new_prompt(p, b: PlanBuild, req) -> bool | None:
     return ok
 
 
+def _grant_next_resident(p, b: PlanBuild, victim) -> bool:
+    """The room a retracted blocker freed goes to the next admitted prefill
+    its failure held behind it, if one can advance: it holds pages and
+    progress already, which a newcomer would not. True if one did."""
+    if not b.can_prefill():
+        return False
+    for req in list(p.prefilling.values()):
+        if req is victim:
+            continue
+        if try_resident_chunk(p, b, req):
+            b.waits.served = req.id
+            return True
+        return False                     # it heads the line: nobody passes it
+    return False
+
+
 def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
     if b.new_prompts_sealed:
         return
@@ -160,10 +176,12 @@ def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
         retract(p, b, victim)
         b.waits.served = blocker.id
         if victim is blocker:
-            # granting its own pages straight back is the loop to break: the
-            # first waiting prompt gets the room instead, unless a waiting
-            # readmission holds new prompts back (§4)
-            _grant_first_waiting(p, b, victim)
+            # granting its own pages straight back is the loop to break: a
+            # prefill it held behind it, else the first waiting prompt gets
+            # the room instead (unless a waiting readmission holds new
+            # prompts back, §4)
+            if not _grant_next_resident(p, b, victim):
+                _grant_first_waiting(p, b, victim)
             return
         if _retry(p, b, blocker):
             return

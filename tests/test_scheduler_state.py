@@ -254,3 +254,37 @@ def test_checkpoints_go_to_host_and_a_hit_the_device_evicted_loads_from_there():
     assert load.device_pages == [b.state.res.tables[1][grp.entry(40)]]
     run_to_completion(p)
     p.assert_idle()
+
+
+def test_a_retracted_blocker_hands_its_room_to_the_prefill_it_held_back():
+    """Found by the deep property profile: with 5 state slots, the first of
+    two admitted prefills could never fit its completing chunk (a
+    checkpoint, a final state and a growth block) and was retracted and
+    readmitted every round, while the second, retraction-exempt and held
+    behind it by head of line, never ran. The room a blocker's own
+    retraction frees now goes to that second prefill first."""
+    cfg = dict(page_size=2, total_pages=25, host_pages=13, max_scheduled_tokens=4,
+               max_batch_size=2, safe_steps=2, state_slots=5)
+    p = Planner(config(**cfg), groups=(FULL, state(2)))
+    r5 = [9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 45, 44, 6, 39, 24, 44, 9, 26, 33, 10, 9,
+          21, 33, 35, 6, 36]
+    reqs = [("r0", [37, 36], 16, 3, True), ("r1", [9], 5, 19, True),
+            ("r2", [45, 44, 6, 39, 24, 44, 9, 26, 33, 10, 30, 21, 33, 35, 6, 36], 12, 13, False),
+            ("r3", [1, 2, 3, 4, 5, 6, 7, 8, 46, 25, 35, 50, 17], 1, 10, True),
+            ("r4", [3, 23, 23, 46, 2], 1, 20, False), ("r5", r5, 20, 5, False),
+            ("r6", [50, 2, 44, 34, 43, 37, 16, 7, 1, 5, 27], 20, 8, False),
+            ("r7", [14, 49], 31, 15, False)]
+    pending = sorted(reqs, key=lambda r: r[3])
+    for rnd in range(1000):
+        while pending and pending[0][3] <= rnd:
+            rid, prompt, max_new, _, strict = pending.pop(0)
+            p.submit(req(rid, prompt, max_new=max_new, strict=strict))
+        if not p.has_work() and not pending:
+            break
+        plan = p.build()
+        p.apply(plan, result_for(plan))
+        p.check_invariants()
+    else:
+        raise AssertionError("the workload never finished")
+    assert p.stalls == []
+    p.assert_idle()
