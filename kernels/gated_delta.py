@@ -39,10 +39,12 @@ def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor):
-    """One extent's conv: x [T, C] after `prev` [C, K - 1] (the inputs before
-    it), `weight` [C, K]. Returns (SiLU(conv) [T, C], the inputs [C, K-1+T]:
-    the state after row r is its columns [r, r + K - 1))."""
+def depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None):
+    """One extent's causal depthwise conv, no activation: x [T, C] after
+    `prev` [C, K - 1] (the inputs before it), `weight` [C, K]. Returns
+    (conv [T, C], the inputs [C, K - 1 + T]: the state after row r is its
+    columns [r, r + K - 1))."""
     window = torch.cat([prev, x.t()], dim=1)
     # K shifted multiply-adds rather than F.conv1d: a depthwise conv of a few
     # taps is memory-bound either way, and conv1d's threaded small-input path
@@ -53,7 +55,15 @@ def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor):
     out = xf[:, :T] * wf[:, :1]
     for i in range(1, taps):
         out = out + xf[:, i:i + T] * wf[:, i:i + 1]
-    return F.silu(out.to(x.dtype)).t(), window
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    return out.to(x.dtype).t(), window
+
+
+def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor):
+    """A Gated DeltaNet extent's conv: SiLU(depthwise_conv) and the inputs."""
+    out, window = depthwise_conv(x, prev, weight)
+    return F.silu(out), window
 
 
 def conv_step(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor):

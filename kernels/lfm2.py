@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.gated_delta import depthwise_conv
 from pdserve.kernels.model import PagedDecoder, rms_norm
 from pdserve.kernels.model_config import ModelConfig
 from pdserve.kernels.rope import Rotary
-from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
+from pdserve.kernels.state_cache import StateBatch, StateRound
 
 
 def lfm2_weight_names(cfg: ModelConfig) -> list[str]:
@@ -42,23 +43,6 @@ def lfm2_weight_names(cfg: ModelConfig) -> list[str]:
                                 "k_layernorm")]
         names += [f"{p}feed_forward.w{n}.weight" for n in (1, 2, 3)]
     return names
-
-
-def depthwise_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None):
-    """One extent's causal conv, no activation: x [T, C] after `prev` [C, K - 1],
-    `weight` [C, K]. Returns (conv [T, C], the inputs [C, K - 1 + T]: the
-    state after row r is its columns [r, r + K - 1)). Summed in float32 and
-    rounded once, as conv1d accumulates."""
-    window = torch.cat([prev, x.t()], dim=1)
-    T, taps = x.shape[0], weight.shape[1]
-    wf, xf = weight.float(), window.float()
-    out = xf[:, :T] * wf[:, :1]
-    for i in range(1, taps):
-        out = out + xf[:, i:i + T] * wf[:, i:i + 1]
-    if bias is not None:
-        out = out + bias.float()[:, None]
-    return out.to(x.dtype).t(), window
 
 
 @dataclass
@@ -156,10 +140,6 @@ class Lfm2Model(PagedDecoder):
                                       w[ff + "w2.weight"]))
         self.rotary = Rotary(cfg, dtype, dev)
 
-    def new_state_cache(self, slots: int) -> StateCache:
-        """A pool of `slots` state slots for this model's conv layers."""
-        return StateCache.for_model(self.cfg, slots, self.dtype, self.device)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
                 logits_indices: torch.Tensor, states: StateBatch | None = None) -> torch.Tensor:
@@ -170,14 +150,7 @@ class Lfm2Model(PagedDecoder):
         c = self.cfg
         metas, caches = self.per_group(meta, cache)
         m = metas[0]
-        if states is None:
-            begun = [i for i, s in enumerate(m.seqs) if s.ctx_len != s.q_len]
-            if begun:
-                raise ValueError(f"sequence {begun[0]} continues a history, which needs its "
-                                 "state: pass states (a StateBatch)")
-            states = StateBatch(self.new_state_cache(len(m.seqs)),
-                                [SeqState(-1, i) for i in range(len(m.seqs))])
-        rnd = StateRound(states, m.seqs)
+        rnd = self.state_round(states, m.seqs)
         h = self.embed[input_ids]
         rope = self.rotary.at(m.positions)
         for layer in self.layers:

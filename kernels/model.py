@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pdserve.kernels.attention import BatchMeta, KVCache
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
+from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,6 +108,26 @@ class PagedDecoder:
             raise ModelError(f"this model has {len(self.groups)} cache groups; "
                              "use new_caches(pages_per_group, page_size)")
         return self.new_caches([pages], page_size)[0]
+
+    def new_state_cache(self, slots: int) -> StateCache:
+        """A pool of `slots` state slots for this model's state layers."""
+        return StateCache.for_model(self.cfg, slots, self.dtype, self.device)
+
+    def state_round(self, states: StateBatch | None, seqs: list) -> StateRound:
+        """The round's StateRound for a model with state layers. `states`
+        None: whole fresh prompts whose state is not kept."""
+        if states is None:
+            begun = [i for i, s in enumerate(seqs) if s.ctx_len != s.q_len]
+            if begun:
+                raise ValueError(f"sequence {begun[0]} continues a history, which needs its "
+                                 "state: pass states (a StateBatch)")
+            states = StateBatch(self.new_state_cache(len(seqs)),
+                                [SeqState(-1, i) for i in range(len(seqs))])
+        layers = len(self.cfg.state_layers())
+        if states.cache.layers != layers:
+            raise ValueError(f"the StateCache holds {states.cache.layers} state layers; this "
+                             f"model has {layers} (use new_state_cache)")
+        return StateRound(states, seqs)
 
     def per_group(self, meta, cache) -> tuple[list, list]:
         """(metas, caches), one per cache group; a lone BatchMeta and KVCache

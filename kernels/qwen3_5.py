@@ -26,7 +26,7 @@ from pdserve.kernels.gemma3 import gemma_norm
 from pdserve.kernels.model import PagedDecoder
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
-from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
+from pdserve.kernels.state_cache import StateBatch
 
 GDN_WEIGHTS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
                "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
@@ -112,10 +112,6 @@ class Qwen3_5Model(PagedDecoder):
                                      scale(a + "k_norm.weight").expand(c.num_kv_heads, -1)]),
                           w[a + "o_proj.weight"])
 
-    def new_state_cache(self, slots: int) -> StateCache:
-        """A pool of `slots` state slots for this model's Gated DeltaNet layers."""
-        return StateCache.for_model(self.cfg, slots, self.dtype, self.device)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
                 logits_indices: torch.Tensor, states: StateBatch | None = None) -> torch.Tensor:
@@ -126,17 +122,7 @@ class Qwen3_5Model(PagedDecoder):
         c = self.cfg
         metas, caches = self.per_group(meta, cache)
         m = metas[0]
-        if states is None:
-            begun = [i for i, s in enumerate(m.seqs) if s.ctx_len != s.q_len]
-            if begun:
-                raise ValueError(f"sequence {begun[0]} continues a history, which needs its "
-                                 "state: pass states (a StateBatch)")
-            states = StateBatch(self.new_state_cache(len(m.seqs)),
-                                [SeqState(-1, i) for i in range(len(m.seqs))])
-        if states.cache.layers != len(c.state_layers()):
-            raise ValueError(f"the StateCache holds {states.cache.layers} state layers; this "
-                             f"model has {len(c.state_layers())} (use new_state_cache)")
-        rnd = StateRound(states, m.seqs)
+        rnd = self.state_round(states, m.seqs)
         h = self.embed[input_ids]
         rope = self.rotary.at(m.positions)
         for layer in self.layers:
