@@ -18,109 +18,22 @@ Groups (cache_groups.py): at most one full-history group, first when there
 is one, then sliding-window groups, then at most one snapshot-state group.
 A sliding group's table keeps absolute slots and lets go of the pages below
 the window of the forward it is admitted for; its admission counts those as
-available. A state group's table is sparse (`SnapshotStateGroup`). The
-prefix hit is the longest one every group can serve (`match`); the host
-tier caches the full-history group's pages for prefix hits, and snapshots
-every group's.
+available. A state group's table is sparse (`SnapshotStateGroup`); the
+groups' pools are in group_pools.py. The prefix hit is the longest one
+every group can serve (`match`); the host tier caches the full-history
+group's pages and the state group's checkpoints for prefix hits, and
+snapshots every group's.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec, StateBlocks
+from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.group_pools import FullHistoryGroup, GroupDemand
 from pdserve.scheduler.plan import LoadOp, StoreOp
 from pdserve.scheduler.pool import PagePool, PoolError
 from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
-
-
-@dataclass(frozen=True)
-class GroupDemand:
-    tokens: int          # the chunk's end position: pages must hold [.., tokens)
-    reserve_tokens: int  # held beyond the chunk (decode slot, headroom: §1)
-    begin: int = 0       # first row the next forward computes (a sliding group's window)
-    lands: bool = False  # a state group: the state at `begin` arrives from a peer (§1.2)
-    records: bool = True  # a state group: keep the forward's aligned checkpoint (decode: no)
-
-
-class FullHistoryGroup:
-    """Keeps every page of a request's history; prefix-cached by page."""
-
-    def __init__(self, total_pages: int, page_size: int, spec: CacheGroupSpec = FULL):
-        self.spec = spec
-        self.page_size = page_size
-        self.pool = PagePool(total_pages)
-        self.index = PrefixIndex(self.pool)
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def first_live(self, begin: int) -> int:
-        return 0
-
-
-class SlidingWindowGroup(FullHistoryGroup):
-    """Keeps a request's last window: slots below the window of the next
-    forward go back (HOLE in the table). Cached pages are named by the
-    chain hash of the prefix they end (WindowIndex); a replayable group
-    caches nothing (§1.3)."""
-
-    def __init__(self, total_pages: int, page_size: int, spec: CacheGroupSpec):
-        self.spec = spec
-        self.page_size = page_size
-        self.pool = PagePool(total_pages)
-        self.index = WindowIndex(self.pool)
-
-    def first_live(self, begin: int) -> int:
-        return self.spec.first_live_page(begin, self.page_size)
-
-
-class SnapshotStateGroup(StateBlocks):
-    """State slots for the layers that keep a fixed-size state (spec §1.2),
-    placed in a sparse table by StateBlocks' arithmetic. Entries below the
-    state a forward reads go back when it is admitted (published
-    checkpoints stay cached); entries it never needed are HOLE. Checkpoints
-    are cached by the chain hash of the prefix they end, like sliding
-    pages."""
-
-    def __init__(self, total_slots: int, page_size: int, spec: CacheGroupSpec):
-        super().__init__(spec, page_size)
-        self.pool = PagePool(total_slots)
-        self.index = WindowIndex(self.pool)
-
-    def wanted(self, d: GroupDemand) -> tuple[list[int], int | None]:
-        """(the entries a forward per `d` needs held, the entry it leaves an
-        aligned checkpoint in, or None). A landing needs only its read
-        state, which the peer sends; its mark is an aligned endpoint."""
-        begin, end = d.begin, d.tokens
-        want = [self.entry(begin)] if begin > 0 else []
-        mark = None
-        if end > begin:
-            b = self.checkpoint(begin, end)
-            if b:
-                want.append(self.entry(b))
-                mark = self.entry(b)
-            want.append(self.entry(end))
-            if self.aligned(end):
-                mark = self.entry(end)
-        elif d.lands and self.aligned(begin):
-            mark = self.entry(begin)
-        if not d.records:
-            mark = None
-        if d.reserve_tokens and end:
-            last = (end - 1) // self.block
-            for blk in range(last + 1, (end - 1 + d.reserve_tokens) // self.block + 1):
-                want.append((blk + 1) * self.per_block - 1)
-        return sorted(set(want)), mark
-
-
-def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int):
-    if spec.state:
-        return SnapshotStateGroup(total_pages, page_size, spec)
-    if spec.sliding:
-        return SlidingWindowGroup(total_pages, page_size, spec)
-    return FullHistoryGroup(total_pages, page_size, spec)
 
 
 class HostTier:

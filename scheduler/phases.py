@@ -19,7 +19,7 @@ from __future__ import annotations
 from pdserve.scheduler import fsm
 from pdserve.scheduler.chunking import (
     admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
-from pdserve.scheduler.coordinator import GroupDemand
+from pdserve.scheduler.group_pools import GroupDemand
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts

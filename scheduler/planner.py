@@ -24,7 +24,8 @@ from pdserve.scheduler.cache_groups import (
     FULL, check_groups, describe, prefix_granularity, replay_window)
 from pdserve.scheduler.capacity import group_pages, sliding_request_pages
 from pdserve.scheduler.config import ConfigError
-from pdserve.scheduler.coordinator import Coordinator, make_group
+from pdserve.scheduler.coordinator import Coordinator
+from pdserve.scheduler.group_pools import make_group
 from pdserve.scheduler.fsm import (
     Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
     Transferring)

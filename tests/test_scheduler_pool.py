@@ -3,7 +3,8 @@ matches that do not restamp, and check_invariants()."""
 
 import pytest
 
-from pdserve.scheduler.coordinator import Coordinator, FullHistoryGroup, GroupDemand
+from pdserve.scheduler.coordinator import Coordinator
+from pdserve.scheduler.group_pools import FullHistoryGroup, GroupDemand
 from pdserve.scheduler.fsm import Resources
 from pdserve.scheduler.pool import PagePool, PoolError
 from pdserve.scheduler.plan import Plan
