@@ -1,5 +1,6 @@
 """The transport contract, run against both backends (in-process NIXL over
-UCX, and the loopback fake), plus fault injection, fences and leases."""
+UCX, with and without its progress thread, and the loopback fake), plus
+fault injection, fences and leases."""
 
 import time
 
@@ -23,7 +24,7 @@ class Pair:
     """P and D transports with their pools, peers added both ways."""
 
     def __init__(self, backend, p_faults=None, d_faults=None):
-        self.backend = backend        # nixl: NIXL reports what it moved (telemetry)
+        self.backend = backend        # nixl*: NIXL reports what it moved (telemetry)
         self.fabric = LoopbackFabric()
         self.P = self.make(Incarnation("prefill-0", 1), p_faults)
         self.D = self.make(Incarnation("decode-0", 1), d_faults)
@@ -33,10 +34,11 @@ class Pair:
         self.D.add_peer(self.P.incarnation, self.P.metadata())
 
     def make(self, inc, faults=None):
-        if self.backend == "nixl":
-            from pdserve.transfer.nixl_transport import NixlTransport
+        if self.backend.startswith("nixl"):
+            from pdserve.transfer.nixl_transport import PROGRESS_WAKE_US, NixlTransport
 
-            return NixlTransport(inc, faults, telemetry=True)
+            wake = None if self.backend == "nixl-polled" else PROGRESS_WAKE_US
+            return NixlTransport(inc, faults, telemetry=True, progress_wake_us=wake)
         return LoopbackTransport(inc, self.fabric, faults)
 
     def write(self, src, dst, req="r1", epoch=1, target=None):
@@ -59,7 +61,7 @@ class Pair:
         self.D.close()
 
 
-@pytest.fixture(params=["loopback", "nixl"])
+@pytest.fixture(params=["loopback", "nixl", "nixl-polled"])
 def backend(request):
     return request.param
 
@@ -201,7 +203,7 @@ def test_mismatched_page_sizes_are_refused_with_the_fix():
     b.close()
 
 
-@pytest.mark.parametrize("backend", ["nixl", "loopback"])
+@pytest.mark.parametrize("backend", ["nixl", "nixl-polled", "loopback"])
 def test_one_write_moves_pages_of_every_cache_group(backend):
     """A sliding-window model has one pool per cache group, each with its
     own page bytes: one write names pages of both, by transport page id."""
@@ -290,3 +292,34 @@ def test_a_write_held_back_by_a_delay_is_never_posted_once_cancelled():
     pair.P.cancel("r1")
     p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
     assert p_ev == [] and d_ev == [] and torch.all(pair.D.pool == -1)
+
+
+@pytest.mark.parametrize("wake", [10_000, None])
+def test_a_large_write_lands_while_the_writer_computes(wake):
+    """With its progress thread, P's NIXL moves a write while P's loop is
+    busy with a round (it does not poll): D sees the landing. Without the
+    thread, a write larger than the socket buffers waits for P's next poll."""
+    from pdserve.transfer.nixl_transport import NixlTransport
+
+    big = torch.arange(8 * 2**20, dtype=torch.float32).view(8, 2**20)      # 8 pages of 4 MiB
+    P = NixlTransport(Incarnation("prefill-0", 1), progress_wake_us=wake)
+    D = NixlTransport(Incarnation("decode-0", 1), progress_wake_us=wake)
+    P.register_pool(big)
+    D.register_pool(torch.zeros_like(big))
+    P.add_peer(D.incarnation, D.metadata())
+    D.add_peer(P.incarnation, P.metadata())
+    P.write(KvWrite("r1", 1, D.incarnation, tuple(range(8)), tuple(range(8))))
+    landed = []
+    deadline = time.monotonic() + (5 if wake else 1)
+    while not landed and time.monotonic() < deadline:
+        landed += D.poll()                        # P never polls: its loop is "in a round"
+    if wake:
+        assert [e.kind for e in landed] == ["landed"] and torch.equal(D.pool, big)
+    else:
+        assert landed == []
+        while not landed and time.monotonic() < deadline + 5:
+            P.poll()
+            landed += D.poll()
+        assert [e.kind for e in landed] == ["landed"] and torch.equal(D.pool, big)
+    P.close()
+    D.close()

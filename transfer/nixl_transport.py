@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 
 import numpy as np
@@ -22,24 +23,50 @@ from pdserve.transfer.transport import (
     Incarnation, KvTransport, KvWrite, TransferEvent, decode_notif, encode_notif)
 
 
+PROGRESS_WAKE_US = 10_000     # the progress thread's longest sleep between UCX events
+_SWAP_LOCK = threading.Lock()
+
+
+def _new_agent(name: str, backends, telemetry: bool, progress_wake_us: int | None):
+    """A NIXL agent. With `progress_wake_us`, its UCX backend runs a progress
+    thread that sleeps in poll() on the workers' event fds and wakes on
+    traffic, or after that many microseconds at most. NIXL's Python API
+    hard-codes the sleep to 0 (`nixl_agent.__init__` sets `pthrDelay = 0`),
+    which makes the same thread spin a core; the config class is swapped for
+    one that keeps our value while the agent is built."""
+    import nixl._api as api
+
+    conf = api.nixl_agent_config(enable_prog_thread=progress_wake_us is not None,
+                                 backends=list(backends), capture_telemetry=telemetry)
+    if progress_wake_us is None:
+        return api.nixl_agent(name, conf)
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):
+        def __setattr__(self, key, value):
+            base.__setattr__(self, key, max(value, progress_wake_us) if key == "pthrDelay"
+                             else value)
+    with _SWAP_LOCK:
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return api.nixl_agent(name, conf)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
 class NixlTransport(KvTransport):
     def __init__(self, incarnation: Incarnation, faults=None, backends=("UCX",),
-                 telemetry: bool = False, progress_thread: bool = False):
+                 telemetry: bool = False, progress_wake_us: int | None = PROGRESS_WAKE_US):
         """`telemetry`: have NIXL record each transfer and add the descriptor
         count it reports (after its merging) to metrics.backend_descriptors.
-        `progress_thread`: let NIXL's UCX backend drive transfers from a
-        thread of its own. That thread polls without pause (NIXL's Python
-        API sets no delay), a whole core per engine; without it, transfers
-        progress whenever this side polls (`poll`, every engine tick), which
-        costs no core. Worth it only where cores are spare (a GPU host)."""
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        `progress_wake_us`: UCX progresses transfers from a thread of its own
+        that sleeps until the network wakes it (or this many microseconds),
+        so a write moves while this engine computes a round. None: no
+        thread; transfers move only when this side polls (`poll`, once per
+        engine tick, so a large write waits out the rounds of both ends)."""
         super().__init__(incarnation, faults)
         self.telemetry = telemetry
-        self.agent = nixl_agent(incarnation.agent_name,
-                                nixl_agent_config(enable_prog_thread=progress_thread,
-                                                  backends=list(backends),
-                                                  capture_telemetry=telemetry))
+        self.agent = _new_agent(incarnation.agent_name, backends, telemetry, progress_wake_us)
         self._reg = None
         self._local = None
         self._descs = None
