@@ -35,6 +35,18 @@ from pdserve.roles.cost_profile import load_profile
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
 
 
+def neighbours(per_engine: list[list]) -> list[int]:
+    """For each round (engine by engine, in order), how many other engines
+    were computing a round when it began, by the rounds' wall-clock starts."""
+    spans = [[(r.start, r.start + r.seconds) for r in rs] for rs in per_engine]
+    out = []
+    for i, rs in enumerate(per_engine):
+        for r in rs:
+            out.append(sum(1 for j, sp in enumerate(spans) if j != i and
+                           any(a <= r.start < b for a, b in sp)))
+    return out
+
+
 def sim_trace(samples: list[Sample], due: list[float] | None, max_tokens: int):
     from pdserve.cluster.trace import TraceRequest
     from pdserve.scheduler.request import TokenPrompt
@@ -86,10 +98,12 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
         call: the simulator's cost of each round, apart from its scheduling."""
         import ray
 
-        rounds = [r for _, _, a in dep.engines for r in ray.get(a.take_rounds.remote())]
+        per_engine = [ray.get(a.take_rounds.remote()) for _, _, a in dep.engines]
+        rounds = [r for rs in per_engine for r in rs]
         if not rounds:
             return {"count": 0, "err_p50": None, "busy_err": None}
-        errs = errors(prof.round, rounds, prof.model)
+        errs = errors(prof.round, rounds, prof.model, prof.neighbour_slowdown,
+                      neighbours(per_engine))
         busy = sum(r.seconds for r in rounds)
         return {"count": len(rounds), "busy_s": busy, "err_p50": statistics.median(errs),
                 "busy_err": sum((1 + e) * r.seconds for e, r in zip(errs, rounds)) / busy - 1}

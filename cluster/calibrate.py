@@ -20,6 +20,12 @@ coefficient is kept >= 0 (a term that comes out negative is dropped and the
 rest refitted). Every 4th round is held out of the fit and its error
 reported.
 
+Copies (`copies` > 1): the sweep runs twice, first with the host to itself
+(the fit), then with copies - 1 processes sweeping the same grid beside it;
+the second sweep's median measured/fitted ratio, less one, per copy, is the
+profile's `neighbour_slowdown` (roles/cost_profile.py), which the
+simulator applies while other engines compute.
+
 Threads: a CPU engine under Ray runs one intra-op thread (Ray sets
 OMP_NUM_THREADS=1 in an actor without CPUs), so `threads` defaults to 1 on
 CPU: the profile then describes one engine as a deployment runs it. Clock:
@@ -35,6 +41,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -234,10 +241,15 @@ def _nonnegative_lstsq(x, y, w):
     return coef
 
 
-def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset) -> list[float]:
-    """Relative error of each round's prediction: (predicted - measured) / measured."""
+def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
+           slowdown: float = 0.0, neighbours=None) -> list[float]:
+    """Relative error of each round's prediction: (predicted - measured) /
+    measured; with `neighbours` (per round, the other engines computing as
+    it began) each prediction is (1 + slowdown x n) times the form."""
+    n = neighbours or [0] * len(rounds)
     return [cost.seconds(features(model, r.prefills, r.decode_contexts, r.num_decodes,
-                                  r.window_contexts)) / r.seconds - 1 for r in rounds]
+                                  r.window_contexts)) * (1 + slowdown * k) / r.seconds - 1
+            for r, k in zip(rounds, n)]
 
 
 def model_facts(model, name: str) -> ModelPreset:
@@ -365,10 +377,10 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
               source: str = "", clock: str = "wall", copies: int = 1,
               as_load: bool = False) -> tuple[Profile, list[Round], dict]:
     """(profile, every timed round, the fit's held-out report). `clock`:
-    see `Harness`. `copies` > 1: that many engines' worth of the same work
-    at once (copies - 1 processes sweeping the same grid beside this one),
-    the rounds of a host whose engines share it. `as_load`: be such a copy
-    (sweep until killed; returns nothing)."""
+    see `Harness`. `copies` > 1: after the fit, time the sweep again with
+    copies - 1 processes sweeping the same grid beside this one, for the
+    profile's neighbour_slowdown. `as_load`: be such a copy (sweep from a
+    line on stdin until killed; returns nothing)."""
     import torch
 
     from pdserve.kernels.loader import load_model
@@ -408,8 +420,9 @@ def _start_copies(config: str, n: int, device: str, threads: int, seed: int,
             argv += [f"--{key}", *map(str, grid_args[key])]
     if grid_args.get("decode_rounds"):
         argv += ["--decode-rounds", str(grid_args["decode_rounds"])]
-    return [subprocess.Popen(argv + ["--seed", str(seed + 1 + i)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True) for i in range(n)]
+    return [subprocess.Popen(argv + ["--seed", str(seed + 1 + i)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for i in range(n)]
 
 
 def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, neighbours,
@@ -438,14 +451,15 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         h.step(record=False)
     if as_load:
         print("ready", flush=True)
-    for p in neighbours:                # the copies sweep from when this one starts
+        sys.stdin.readline()             # the calibrating process's sweep alone is done
+        while True:
+            chunk_sweep(h, grid, lambda _: None)
+            decode_sweep(h, grid, lambda _: None)
+            h.rounds.clear()
+    for p in neighbours:
         if p.stdout.readline().strip() != "ready":
             raise RuntimeError(f"calibrate: a copy (pid {p.pid}) ended before it was ready; "
                                "run it alone to see why")
-    while as_load:
-        chunk_sweep(h, grid, lambda _: None)
-        decode_sweep(h, grid, lambda _: None)
-        h.rounds.clear()
     with ForeignLoad() as load:
         chunk_sweep(h, grid, say)
         decode_sweep(h, grid, say)
@@ -455,6 +469,19 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
     held = [r for i, r in enumerate(rounds) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     cost = fit(train, facts)
     report = held_out_report(cost, held, facts)
+    slowdown, shared = 0.0, []
+    if neighbours:
+        h.rounds = []
+        for p in neighbours:             # the copies sweep from here on
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        say(f"fitted; the same sweep again beside {len(neighbours)} copies")
+        chunk_sweep(h, grid, say)
+        decode_sweep(h, grid, say)
+        h.drain()
+        shared = h.rounds
+        ratio = statistics.median(1 + e for e in errors(cost, shared, facts))
+        slowdown = max(0.0, ratio - 1) / len(neighbours)
     measured = {
         "config": source, "model": m.served_name, "device": device,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": threads, "clock": clock,
@@ -468,7 +495,10 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         "foreign_cores": None if load.cores is None else round(load.cores, 2),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    return Profile(cost, facts, copy_bandwidth(model.device), measured), rounds, report
+    if shared:
+        measured["rounds_beside_copies"] = len(shared)
+    return Profile(cost, facts, copy_bandwidth(model.device), measured, slowdown), \
+        rounds + shared, report
 
 
 def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset) -> dict:
@@ -492,7 +522,8 @@ FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\
         "# M: 1 if the round computes more than one token; C: prefill chunks; P: the\n"
         "# tokens they compute; Q: their query x key pairs (a chunk of n tokens from\n"
         "# position b: n * (b + (n + 1) / 2)); D: decoding requests; K: the sum of their\n"
-        "# context lengths. Use it with `simulate: {profile: THIS_FILE}`.\n")
+        "# context lengths. neighbour_slowdown: a round takes (1 + it x n) times as long\n"
+        "# while n other engines compute. Use it with `simulate: {profile: THIS_FILE}`.\n")
 
 
 def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,
@@ -524,6 +555,11 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
         print(f"  other processes used {ms['foreign_cores']:.2f} cores meanwhile")
     for t, v in zip(TERMS, profile.round.coefficients()):
         print(f"  {t:<17} {v:.4g}")
+    if copies > 1:
+        print(f"  neighbour_slowdown {profile.neighbour_slowdown:.3f} (a round beside "
+              f"{copies - 1} cop{'y' if copies == 2 else 'ies'}: "
+              f"{1 + profile.neighbour_slowdown * (copies - 1):.3f}x, median of "
+              f"{ms['rounds_beside_copies']} rounds)")
     print("held-out rounds, |predicted/measured - 1|:")
     for kind, s in report.items():
         print(f"  {kind:<8} {s['rounds']:>4} rounds  p50 {s['p50']:.1%}  p90 {s['p90']:.1%}  "

@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time rounds by wall clock (default), or by the thread's CPU time "
                           "(CPU, one thread: leaves out time other processes held the core)")
     cal.add_argument("--copies", type=positive, default=1,
-                     help="run the same grid in this many processes at once and time one: "
-                          "a host whose engines share it (default 1: the engine alone)")
+                     help="after the fit, time the sweep again beside this many - 1 processes "
+                          "sweeping the same grid, for the profile's neighbour_slowdown "
+                          "(engines sharing a host's cores; default 1: alone)")
     cal.add_argument("--as-load", action="store_true", help=argparse.SUPPRESS)
     cal.add_argument("--rounds", help="also write every timed round (features, seconds) here "
                                       "as JSON lines")

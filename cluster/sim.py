@@ -51,6 +51,7 @@ class SimEngine:
     parked: bool = False          # built nothing while waiting on a peer
     alive: bool = True
     link_free_at: float = 0.0     # P: when its KV link is next free
+    round_start: float = 0.0      # when its last round began (it ends at `clock`)
 
     @property
     def clock(self) -> float:
@@ -147,7 +148,7 @@ class Simulation:
         """An event reached `se` at time t: an idle or parked engine's clock
         jumps to it; a running one is already past it."""
         if se.parked or not se.engine.has_work():
-            se.engine.executor.now = max(se.clock, t)
+            se.engine.executor.now = se.round_start = max(se.clock, t)
         se.parked = False
 
     def _fault(self, kind: str, now: float, engine: str) -> bool:
@@ -311,6 +312,9 @@ class Simulation:
 
     def _step(self, se: SimEngine) -> None:
         t0 = se.clock
+        se.engine.executor.neighbours = sum(
+            1 for e in self.engines if e is not se and e.alive and e.round_start <= t0 < e.clock)
+        se.round_start = t0
         out = se.engine.step()
         pl = se.planner
         for msg in pl.stalls[self._stalls_seen.get(se.index, 0):]:

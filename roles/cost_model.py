@@ -251,6 +251,7 @@ class CostModel:
         self._kvb_full = model.kv_layer_bytes * model.full_layers
         self._kvb_w = model.kv_layer_bytes * model.sliding_layers
         self.window = model.window
+        self.neighbour_slowdown = 0.0       # one GPU per engine: no shared compute
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:

@@ -24,6 +24,16 @@ decode by 40-70%).
 A model with sliding-window layers counts P, Q and K as the layers' mean:
 a sliding layer's pairs and contexts are capped at its window.
 
+Engines that share a host's cores slow each other down (on a GPU each has
+its own device, and this is 0). `neighbour_slowdown` k says by how much: a
+round that starts while n other engines of the deployment are computing
+one takes (1 + k n) times its fitted time. `pdserve calibrate --copies 2`
+measures it: it fits the form on a sweep with the host to itself, then
+times the same sweep with a copy sweeping beside it; k is the median
+(measured / fitted - 1) of the second sweep per copy. Calibrating with a
+neighbour running the whole time instead priced a lone engine 13-18% too
+slow and a busy host's rounds 5-10% too fast.
+
 The file is YAML (see `Profile.to_dict`); `simulate: {profile: FILE}` in a
 config makes the simulator use it instead of a GPU and model preset. The
 profile carries the model's KV shape, so pages and transfers are sized as
@@ -71,6 +81,7 @@ class Profile:
     model: ModelPreset
     copy_bytes_per_s: float               # host <-> device copies (L2 stores and loads)
     measured: dict = field(default_factory=dict)   # where and how well; informational
+    neighbour_slowdown: float = 0.0       # per other engine computing beside a round
 
     def to_dict(self) -> dict:
         m = self.model
@@ -78,6 +89,7 @@ class Profile:
             "kind": KIND, "version": VERSION,
             "round": {t: float(v) for t, v in zip(TERMS, self.round.coefficients())},
             "copy_bytes_per_s": float(self.copy_bytes_per_s),
+            "neighbour_slowdown": float(self.neighbour_slowdown),
             "model": {"name": m.name, "layers": m.layers, "q_heads": m.q_heads,
                       "kv_heads": m.kv_heads, "head_dim": m.head_dim, "context": m.context,
                       "kv_dtype_bytes": m.dtype_bytes, "sliding_layers": m.sliding_layers,
@@ -116,6 +128,7 @@ class Round:
     window_contexts: int       # sum of min(context, window) (0 without sliding layers)
     seconds: float
     gap_s: float | None = None  # a serving engine's loop time before it, work waiting
+    start: float | None = None  # a serving engine's wall clock (time.time()) as it began
 
     @property
     def kind(self) -> str:
@@ -124,18 +137,20 @@ class Round:
         return "prefill" if self.prefills else "decode"
 
 
-def round_of(plan, seconds: float, window: int, gap_s: float | None = None) -> Round:
+def round_of(plan, seconds: float, window: int, gap_s: float | None = None,
+             start: float | None = None) -> Round:
     """A plan's features as the simulated executor hands them to the cost
     model (roles/sim_executor.py), and its time. `window`: the model's
     sliding window (0: none). `gap_s`: the time the engine loop spent
-    between the previous round and this one while work was waiting."""
+    between the previous round and this one while work was waiting;
+    `start`: when it began (wall clock, comparable across engines)."""
     ctx = wctx = 0
     for req in plan.decodes:
         n = req.num_tokens
         ctx += n
         wctx += min(n, window) if window else 0
     return Round(tuple((op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills),
-                 ctx, len(plan.decodes), wctx, seconds, gap_s)
+                 ctx, len(plan.decodes), wctx, seconds, gap_s, start)
 
 
 class ProfiledCostModel:
@@ -146,6 +161,7 @@ class ProfiledCostModel:
         self.profile = profile
         self.model = profile.model
         self.window = profile.model.window
+        self.neighbour_slowdown = profile.neighbour_slowdown
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:
@@ -190,7 +206,7 @@ def _count(v, where: str, minimum: int) -> int:
 def profile_from_dict(data, source: str = "cost profile") -> Profile:
     """A validated Profile; a ConfigError names the field and what to fix."""
     data = check_keys(data, "profile", {"kind", "version", "round", "copy_bytes_per_s", "model",
-                                        "measured"})
+                                        "measured", "neighbour_slowdown"})
     if not data:
         raise ConfigError("profile is empty; write one with `pdserve calibrate --config FILE "
                           "--out PROFILE.yaml`")
@@ -234,7 +250,8 @@ def profile_from_dict(data, source: str = "cost profile") -> Profile:
     if not isinstance(measured, dict):
         raise ConfigError(f"profile.measured must be a mapping, got {type(measured).__name__}")
     copy = _number(data["copy_bytes_per_s"], "profile.copy_bytes_per_s", positive=True)
-    return Profile(coef, model, copy, measured)
+    slowdown = _number(data.get("neighbour_slowdown", 0.0), "profile.neighbour_slowdown")
+    return Profile(coef, model, copy, measured, slowdown)
 
 
 def load_profile(path) -> Profile:

@@ -285,12 +285,12 @@ class EngineServer:
             ran = True
         if self.engine.has_work():
             ran = True
-            t0 = time.perf_counter()
+            start, t0 = time.time(), time.perf_counter()
             out = self.engine.step()
             t1 = time.perf_counter()
             if out is not None:
                 gap = None if self._busy_since is None else t0 - self._busy_since
-                self.rounds.append(round_of(out.plan, t1 - t0, self._window, gap))
+                self.rounds.append(round_of(out.plan, t1 - t0, self._window, gap, start))
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
             self._stalls_logged = len(self.planner.stalls)

@@ -7,7 +7,9 @@ within the round: stream-ordered snapshot stores and loads sit on the
 forward's critical path and cost PCIe time; pinned publication stores run
 on their own stream and cost the forward nothing. A copied page costs the
 bytes of its cache group's page (`group_page_bytes`; a state group's page
-is one state slot).
+is one state slot). A profile measured on a shared host slows a round by
+its `neighbour_slowdown` per other engine computing when it starts
+(`neighbours`, which the simulation sets).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SimExecutor:
             [cost.model.kv_bytes_per_token * page_size]
         self._window = cost.window
         self.now = 0.0
+        self.neighbours = 0           # other engines computing as this round starts
         self._stop_after: dict[str, int] = {}
 
     def expect(self, req_id: str, output_tokens: int | None) -> None:
@@ -67,9 +70,12 @@ class SimExecutor:
         else:
             for req in plan.decodes:
                 ctx += req.num_tokens
-        self.now += self.cost.round_seconds(
+        compute = self.cost.round_seconds(
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
-            ctx, len(plan.decodes), wctx) + self._copy_seconds(plan)
+            ctx, len(plan.decodes), wctx)
+        if self.neighbours:
+            compute *= 1 + self.cost.neighbour_slowdown * self.neighbours
+        self.now += compute + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size
         result = StepResult(stores_done=[s.id for s in plan.stores],

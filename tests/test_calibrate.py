@@ -55,7 +55,7 @@ def write_profile(tmp_path, data, name="p.yaml") -> Path:
 
 def test_a_saved_profile_loads_back_equal(tmp_path):
     p = Profile(RoundCost(0.001, 0.003, 0.0002, 1e-5, 1e-8, 0.002, 1e-7), TINY, 5e9,
-                {"device": "cpu"})
+                {"device": "cpu"}, neighbour_slowdown=0.15)
     save_profile(p, tmp_path / "p.yaml", header="# a comment\n")
     assert load_profile(tmp_path / "p.yaml") == p
 
@@ -76,6 +76,8 @@ def test_a_saved_profile_loads_back_equal(tmp_path):
                                              "number > 0"),
     (lambda d: d.pop("model"), "profile.model is missing"),
     (lambda d: d.update(gpu="h100"), "unknown key profile.gpu"),
+    (lambda d: d.update(neighbour_slowdown=-0.1), "profile.neighbour_slowdown must be a "
+                                                  "finite number >= 0"),
 ])
 def test_a_bad_profile_is_refused_naming_the_field(tmp_path, mutate, message):
     data = profile_dict()
@@ -161,6 +163,30 @@ def test_the_simulator_charges_each_round_what_the_profile_says(tmp_path):
     # decodes read contexts 101 .. 104 (the prompt plus the tokens so far)
     decodes = [c.seconds(features(TINY, [], n, 1)) for n in range(101, 105)]
     assert res["tpot_s"] == pytest.approx(sum(decodes) / 4)
+
+
+def test_a_round_beside_a_computing_neighbour_costs_the_profiles_slowdown_more(tmp_path):
+    """Two fused engines on one host: a request alone is charged the fitted
+    form; two arriving together are computed side by side, so each round
+    starts while the other engine computes and costs (1 + slowdown) x."""
+    terms = dict(overhead_s=0.002, prefill_token_s=0.0001, decode_s=0.004)
+    data = profile_dict(**terms)
+    data["neighbour_slowdown"] = 0.5
+    prof = write_profile(tmp_path, data)
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 2}, "simulate": {"profile": str(prof)},
+                                 "engine": {"max_scheduled_tokens": 256}})
+
+    def run(n):
+        trace = [TraceRequest(f"r{i}", 0.0, TokenPrompt([i + 1] * 100), 5, 5) for i in range(n)]
+        return Simulation(cfg, trace, progress=False).run()["requests"]
+    c = RoundCost(**{t: terms.get(t, 0.0) for t in TERMS})
+    prefill = c.seconds(features(TINY, [(0, 100)], 0, 0))
+    alone = run(1)[0]
+    assert alone["ttft_s"] == pytest.approx(prefill)
+    pair = run(2)
+    # the first engine to step finds the other idle; the second finds it computing
+    assert sorted(r["ttft_s"] for r in pair) == pytest.approx([prefill, 1.5 * prefill])
+    assert max(r["tpot_s"] for r in pair) > 1.2 * alone["tpot_s"]
 
 
 def test_profiled_copies_cost_bytes_over_the_measured_bandwidth(tmp_path):
@@ -274,7 +300,11 @@ def test_copies_time_one_engine_while_others_sweep_the_same_grid(tmp_path):
     out = tmp_path / "p.yaml"
     assert main(["calibrate", "--config", str(ROOT / "deploy/local-tiny.yaml"), "--out", str(out),
                  "--chunks", "16", "--batches", "1", "--contexts", "64", "--copies", "2"]) == 0
-    assert load_profile(out).measured["copies"] == 2
+    prof = load_profile(out)
+    # fitted alone, then the same grid timed again beside the copy
+    assert prof.measured["copies"] == 2
+    assert prof.measured["rounds_beside_copies"] == prof.measured["rounds"]
+    assert 0 <= prof.neighbour_slowdown < 10
 
 
 def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys):
@@ -303,3 +333,21 @@ def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys
     again = json.loads((tmp_path / "again.json").read_text())[0]["runs"][0]["sim"]
     assert again["ttft_s"]["p50"] == pytest.approx(0.001 + 32e-4)
     assert again["tpot_s"]["p50"] == pytest.approx(0.003)
+
+
+def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
+    from pdserve.benchmarks.sim_accuracy import neighbours
+
+    def rnd(start, seconds):
+        return Round((), 0, 1, 0, seconds, start=start)
+    a = [rnd(0.0, 1.0), rnd(1.0, 1.0), rnd(5.0, 1.0)]
+    b = [rnd(0.5, 1.0), rnd(3.0, 1.0)]
+    c = [rnd(0.6, 0.1)]
+    # a's rounds: at 0 nobody else; at 1.0 b (0.5-1.5); at 5 nobody
+    # b's: at 0.5 a (0-1) and not c (0.6-0.7 starts after); at 3 nobody
+    # c's: at 0.6 a and b
+    assert neighbours([a, b, c]) == [0, 1, 0, 1, 0, 2]
+    prof = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
+    from pdserve.cluster.calibrate import errors
+    assert errors(prof, [rnd(0, 1.5)], TINY, 0.5, [1]) == pytest.approx([0.0])
+    assert errors(prof, [rnd(0, 1.5)], TINY) == pytest.approx([1 / 1.5 - 1])
