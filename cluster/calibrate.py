@@ -252,6 +252,14 @@ def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
             for r, k in zip(rounds, n)]
 
 
+def neighbour_slowdown(cost: RoundCost, shared: list[Round], model: ModelPreset,
+                       copies: int) -> float:
+    """The profile's neighbour_slowdown: the median measured / fitted ratio
+    of rounds timed beside `copies` others, less one, per copy (>= 0)."""
+    ratio = statistics.median(1 / (1 + e) for e in errors(cost, shared, model))
+    return max(0.0, ratio - 1) / copies
+
+
 def model_facts(model, name: str) -> ModelPreset:
     """The KV shape the simulator needs, read off the loaded model."""
     c = model.cfg
@@ -480,8 +488,7 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         decode_sweep(h, grid, say)
         h.drain()
         shared = h.rounds
-        ratio = statistics.median(1 + e for e in errors(cost, shared, facts))
-        slowdown = max(0.0, ratio - 1) / len(neighbours)
+        slowdown = neighbour_slowdown(cost, shared, facts, len(neighbours))
     measured = {
         "config": source, "model": m.served_name, "device": device,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": threads, "clock": clock,

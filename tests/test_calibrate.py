@@ -351,3 +351,14 @@ def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     from pdserve.cluster.calibrate import errors
     assert errors(prof, [rnd(0, 1.5)], TINY, 0.5, [1]) == pytest.approx([0.0])
     assert errors(prof, [rnd(0, 1.5)], TINY) == pytest.approx([1 / 1.5 - 1])
+
+
+def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
+    from pdserve.cluster.calibrate import neighbour_slowdown
+
+    cost = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
+    shared = [Round((), 0, 1, 0, s) for s in (1.1, 1.3, 1.3, 1.4, 9.0)]
+    assert neighbour_slowdown(cost, shared, TINY, 1) == pytest.approx(0.3)
+    assert neighbour_slowdown(cost, shared, TINY, 3) == pytest.approx(0.1)
+    faster = [Round((), 0, 1, 0, 0.9)]
+    assert neighbour_slowdown(cost, faster, TINY, 1) == 0.0
