@@ -30,21 +30,9 @@ import statistics
 from pdserve.benchmarks.args import positive, usage_error, workload_arguments
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
 from pdserve.cluster.calibrate import ForeignLoad, errors, wait_for_quiet
-from pdserve.roles.cost_profile import load_profile
+from pdserve.roles.cost_profile import load_profile, neighbours
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
-
-
-def neighbours(per_engine: list[list]) -> list[int]:
-    """For each round (engine by engine, in order), how many other engines
-    were computing a round when it began, by the rounds' wall-clock starts."""
-    spans = [[(r.start, r.start + r.seconds) for r in rs] for rs in per_engine]
-    out = []
-    for i, rs in enumerate(per_engine):
-        for r in rs:
-            out.append(sum(1 for j, sp in enumerate(spans) if j != i and
-                           any(a <= r.start < b for a, b in sp)))
-    return out
 
 
 def sim_trace(samples: list[Sample], due: list[float] | None, max_tokens: int):

@@ -459,11 +459,14 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         h.step(record=False)
     if as_load:
         print("ready", flush=True)
-        sys.stdin.readline()             # the calibrating process's sweep alone is done
-        while True:
+        parent = os.getppid()
+        if not sys.stdin.readline():     # "go": the calibrating process swept alone
+            return None                  # it is gone
+        while os.getppid() == parent:    # until it stops this copy, or dies
             chunk_sweep(h, grid, lambda _: None)
             decode_sweep(h, grid, lambda _: None)
             h.rounds.clear()
+        return None
     for p in neighbours:
         if p.stdout.readline().strip() != "ready":
             raise RuntimeError(f"calibrate: a copy (pid {p.pid}) ended before it was ready; "
@@ -508,17 +511,23 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         rounds + shared, report
 
 
-def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset) -> dict:
-    """|relative error| p50, p90 and max over held-out rounds, overall and by kind."""
+def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset,
+                    slowdown: float = 0.0, neighbours=None) -> dict:
+    """|relative error| p50, p90 and max over held-out rounds, overall and by
+    kind (`slowdown`, `neighbours`: as `errors` takes them)."""
     from pdserve.cluster.sim_report import percentile
 
-    def stats(rs):
-        e = [abs(x) for x in errors(cost, rs, model)]
+    n = neighbours or [0] * len(held)
+
+    def stats(pairs):
+        e = [abs(x) for x in errors(cost, [r for r, _ in pairs], model, slowdown,
+                                    [k for _, k in pairs])]
         return {"rounds": len(e), "p50": round(percentile(e, 0.5), 4),
                 "p90": round(percentile(e, 0.9), 4), "max": round(max(e), 4)} if e else {}
-    out = {"all": stats(held)}
+    pairs = list(zip(held, n))
+    out = {"all": stats(pairs)}
     for kind in ("prefill", "decode", "mixed"):
-        s = stats([r for r in held if r.kind == kind])
+        s = stats([(r, k) for r, k in pairs if r.kind == kind])
         if s:
             out[kind] = s
     return out
@@ -535,7 +544,8 @@ FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\
 
 def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,
          contexts, decode_rounds: int, seed: int = 0, rounds_out: str | None = None,
-         clock: str = "wall", copies: int = 1, as_load: bool = False) -> int:
+         clock: str = "wall", copies: int = 1, as_load: bool = False,
+         served: bool = False) -> int:
     from pdserve.cluster.config import load_config
     from pdserve.roles.cost_profile import save_profile
 
@@ -545,8 +555,13 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
     if as_load:
         calibrate(cfg, grid_args, device, threads, seed, False, config, as_load=True)
         return 0
-    profile, rounds, report = calibrate(cfg, grid_args, device, threads, seed, source=config,
-                                        clock=clock, copies=copies)
+    if served:
+        from pdserve.cluster.calibrate_served import calibrate_served
+
+        profile, rounds, report = calibrate_served(cfg, config, seed, grid_args=grid_args)
+    else:
+        profile, rounds, report = calibrate(cfg, grid_args, device, threads, seed,
+                                            source=config, clock=clock, copies=copies)
     save_profile(profile, out, header=f"# pdserve cost profile of {config}, written by "
                                       f"`pdserve calibrate`\n" + FORM)
     if rounds_out:
@@ -554,20 +569,25 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
             for r in rounds:
                 f.write(json.dumps(dataclasses.asdict(r)) + "\n")
     ms = profile.measured
-    print(f"pdserve calibrate: {ms['model']} on {ms['device']} ({ms['dtype']}, "
-          f"{ms['threads']} thread(s), {clock} clock, {copies} cop{'y' if copies == 1 else 'ies'}"
-          f"): {len(rounds)} rounds in {ms['seconds']:.0f} s; "
-          f"profile in {out}")
+    how = "served by the deployment" if served else \
+        f"{ms['threads']} thread(s), {clock} clock, {copies} cop{'y' if copies == 1 else 'ies'}"
+    print(f"pdserve calibrate: {ms['model']} on {ms['device']} ({ms['dtype']}, {how}): "
+          f"{len(rounds)} rounds in {ms['seconds']:.0f} s; profile in {out}")
     if ms["foreign_cores"] is not None:
         print(f"  other processes used {ms['foreign_cores']:.2f} cores meanwhile")
     for t, v in zip(TERMS, profile.round.coefficients()):
         print(f"  {t:<17} {v:.4g}")
+    if served:
+        sv = ms["served"]
+        print(f"  neighbour_slowdown {profile.neighbour_slowdown:.4g}; the sweep's form x "
+              f"{sv['scale']:.3f} (fitted on {sv['rounds'] - sv['held_out']} served rounds, "
+              f"{sv['alone']} of all {sv['rounds']} began with no other engine computing)")
     if copies > 1:
         print(f"  neighbour_slowdown {profile.neighbour_slowdown:.3f} (a round beside "
               f"{copies - 1} cop{'y' if copies == 2 else 'ies'}: "
               f"{1 + profile.neighbour_slowdown * (copies - 1):.3f}x, median of "
               f"{ms['rounds_beside_copies']} rounds)")
-    print("held-out rounds, |predicted/measured - 1|:")
+    print(f"held-out {'served ' if served else ''}rounds, |predicted/measured - 1|:")
     for kind, s in report.items():
         print(f"  {kind:<8} {s['rounds']:>4} rounds  p50 {s['p50']:.1%}  p90 {s['p90']:.1%}  "
               f"max {s['max']:.1%}")

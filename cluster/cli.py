@@ -84,9 +84,17 @@ def _cmd_sim(args) -> int:
 def _cmd_calibrate(args) -> int:
     from pdserve.cluster.calibrate import main as calibrate_main
 
+    if args.served:
+        given = [f"--{k}" for k in ("threads", "device") if getattr(args, k)]
+        given += ["--copies"] * (args.copies > 1) + ["--clock cpu"] * (args.clock == "cpu")
+        if given:
+            print(f"pdserve calibrate: --served scales the sweep to the deployment's own "
+                  f"engines, which take their device and threads from the config; drop "
+                  f"{', '.join(given)}", file=sys.stderr)
+            return 2
     return calibrate_main(args.config, args.out, args.device, args.threads, args.chunks,
                           args.batches, args.contexts, args.decode_rounds, args.seed,
-                          args.rounds, args.clock, args.copies, args.as_load)
+                          args.rounds, args.clock, args.copies, args.as_load, args.served)
 
 
 def _cmd_up(args) -> int:
@@ -283,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the fit, time the sweep again beside this many - 1 processes "
                           "sweeping the same grid, for the profile's neighbour_slowdown "
                           "(engines sharing a host's cores; default 1: alone)")
+    cal.add_argument("--served", action="store_true",
+                     help="after the sweep, start the config's deployment, serve a generated "
+                          "load through its router, and scale the profile to the rounds its "
+                          "engines time (and fit neighbour_slowdown on them)")
     cal.add_argument("--as-load", action="store_true", help=argparse.SUPPRESS)
     cal.add_argument("--rounds", help="also write every timed round (features, seconds) here "
                                       "as JSON lines")

@@ -153,6 +153,18 @@ def round_of(plan, seconds: float, window: int, gap_s: float | None = None,
                  ctx, len(plan.decodes), wctx, seconds, gap_s, start)
 
 
+def neighbours(per_engine: list[list]) -> list[int]:
+    """For each round (engine by engine, in order), how many other engines
+    were computing a round when it began, by the rounds' wall-clock starts."""
+    spans = [[(r.start, r.start + r.seconds) for r in rs] for rs in per_engine]
+    out = []
+    for i, rs in enumerate(per_engine):
+        for r in rs:
+            out.append(sum(1 for j, sp in enumerate(spans) if j != i and
+                           any(a <= r.start < b for a, b in sp)))
+    return out
+
+
 class ProfiledCostModel:
     """`CostModel`'s interface (round_seconds, copy_seconds, model, window)
     over a measured profile."""

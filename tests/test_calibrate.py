@@ -11,6 +11,7 @@ wired to the wrong count, a term dropped (each is off by far more than 3x
 somewhere).
 """
 
+import dataclasses
 import random
 import statistics
 import time
@@ -336,7 +337,7 @@ def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys
 
 
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
-    from pdserve.benchmarks.sim_accuracy import neighbours
+    from pdserve.roles.cost_profile import neighbours
 
     def rnd(start, seconds):
         return Round((), 0, 1, 0, seconds, start=start)
@@ -362,3 +363,48 @@ def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
     assert neighbour_slowdown(cost, shared, TINY, 3) == pytest.approx(0.1)
     faster = [Round((), 0, 1, 0, 0.9)]
     assert neighbour_slowdown(cost, faster, TINY, 1) == 0.0
+
+
+def test_served_calibration_fits_a_scale_and_the_slowdown_beside_other_engines():
+    from pdserve.cluster.calibrate_served import fit_serving
+
+    cost = RoundCost(0.01, 0.0, 0.0, 0.001, 0.0, 0.002, 0.0)
+    rng = random.Random(3)
+    pairs = []
+    for i in range(200):
+        r = Round(((0, rng.randrange(1, 200)),), 0, 0, 0, 1.0) if i % 2 else \
+            Round((), rng.randrange(100, 5000), rng.randrange(1, 64), 0, 1.0)
+        n = rng.choice((0, 0, 1, 2))
+        truth = cost.seconds(features(TINY, r.prefills, r.decode_contexts, r.num_decodes))
+        noise = 1 + rng.uniform(-0.03, 0.03)
+        pairs.append((dataclasses.replace(r, seconds=1.25 * truth * (1 + 0.1 * n) * noise), n))
+    scale, slowdown = fit_serving(cost, pairs, TINY)
+    assert scale == pytest.approx(1.25, rel=0.03) and slowdown == pytest.approx(0.1, abs=0.0125)
+
+
+def test_served_calibration_rejects_options_its_engines_do_not_take(capsys):
+    assert main(["calibrate", "--config", str(ROOT / "deploy/local-tiny.yaml"), "--out", "x.yaml",
+                 "--served", "--copies", "2", "--threads", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "drop --threads, --copies" in err
+
+
+def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
+    """On the tiny model: the sweep, then a deployment of two fused engines
+    serving two short loads; every served round counts, and the profile is
+    the sweep's form times the fitted scale."""
+    from pdserve.cluster.calibrate_served import calibrate_served
+
+    cfg = load_config(ROOT / "deploy/local-tiny.yaml")
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, fused=2))
+    loads = ((1, 32, 16, 3), (8, 32, 16, 16))
+    prof, rounds, report = calibrate_served(cfg, "local-tiny.yaml", loads=loads,
+                                            progress=False,
+                                            grid_args={"chunks": [16], "batches": [1, 4],
+                                                       "contexts": [64]})
+    served = prof.measured["served"]
+    assert served["rounds"] >= 40 and served["loads"] == [list(x) for x in loads]
+    assert len(rounds) == prof.measured["rounds"] + served["rounds"]
+    assert all(r.start is not None for r in rounds[-served["rounds"]:])
+    assert served["scale"] > 0 and prof.neighbour_slowdown >= 0
+    assert report["all"]["rounds"] == served["held_out"]
