@@ -127,7 +127,6 @@ class Round:
     num_decodes: int
     window_contexts: int       # sum of min(context, window) (0 without sliding layers)
     seconds: float
-    gap_s: float | None = None  # a serving engine's loop time before it, work waiting
     start: float | None = None  # a serving engine's wall clock (time.time()) as it began
 
     @property
@@ -137,20 +136,18 @@ class Round:
         return "prefill" if self.prefills else "decode"
 
 
-def round_of(plan, seconds: float, window: int, gap_s: float | None = None,
-             start: float | None = None) -> Round:
+def round_of(plan, seconds: float, window: int, start: float | None = None) -> Round:
     """A plan's features as the simulated executor hands them to the cost
     model (roles/sim_executor.py), and its time. `window`: the model's
-    sliding window (0: none). `gap_s`: the time the engine loop spent
-    between the previous round and this one while work was waiting;
-    `start`: when it began (wall clock, comparable across engines)."""
+    sliding window (0: none). `start`: when it began (a serving engine's
+    wall clock, comparable across the engines of a host)."""
     ctx = wctx = 0
     for req in plan.decodes:
         n = req.num_tokens
         ctx += n
         wctx += min(n, window) if window else 0
     return Round(tuple((op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills),
-                 ctx, len(plan.decodes), wctx, seconds, gap_s, start)
+                 ctx, len(plan.decodes), wctx, seconds, start)
 
 
 def neighbours(per_engine: list[list]) -> list[int]:

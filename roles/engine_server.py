@@ -101,7 +101,6 @@ class EngineServer:
         self._shut = False
         self.loop_errors: list[str] = []        # what `round failed` logged (tests assert none)
         self._stalls_logged = 0
-        self._busy_since: float | None = None   # the last round's end, if work was left
         self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
         pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self.server)
         port = self.server.add_insecure_port(f"{host}:0")
@@ -287,17 +286,14 @@ class EngineServer:
             ran = True
             start, t0 = time.time(), time.perf_counter()
             out = self.engine.step()
-            t1 = time.perf_counter()
             if out is not None:
-                gap = None if self._busy_since is None else t0 - self._busy_since
-                self.rounds.append(round_of(out.plan, t1 - t0, self._window, gap, start))
+                self.rounds.append(round_of(out.plan, time.perf_counter() - t0, self._window,
+                                            start))
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
             self._stalls_logged = len(self.planner.stalls)
             if out is not None:
                 self._after_round(out)
-            self._busy_since = t1 if self.engine.has_work() and \
-                not self._only_waiting_on_peer() else None
         return self.drain.active and not ran and self._nothing_live()
 
     def _only_waiting_on_peer(self) -> bool:
