@@ -29,7 +29,8 @@ import statistics
 
 from pdserve.benchmarks.args import positive, usage_error, workload_arguments
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
-from pdserve.cluster.calibrate import ForeignLoad, errors, wait_for_quiet
+from pdserve.cluster.host_load import ForeignLoad, wait_for_quiet
+from pdserve.cluster.profile_fit import errors
 from pdserve.roles.cost_profile import load_profile, neighbours
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart

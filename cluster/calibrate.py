@@ -12,13 +12,10 @@ planner through a grid of rounds:
   them, a mixed round of a chunk and B decodes.
 
 Each round's wall time is the engine's step (plan build, forward, sampling,
-apply), with the plan's features (roles/cost_profile.py). The fit minimizes
-the sum of |predicted / measured - 1|: relative, so a 5 ms round counts as
-much as a 2 s one; absolute, not squared, so it fits the median and the
-rounds another process slowed on a shared machine do not drag it. Every
-coefficient is kept >= 0 (a term that comes out negative is dropped and the
-rest refitted). Every 4th round is held out of the fit and its error
-reported.
+apply), with the plan's features (roles/cost_profile.py). The fit
+(cluster/profile_fit.py) minimizes the sum of |predicted / measured - 1|,
+every coefficient >= 0. Every 4th round is held out of the fit and its
+error reported.
 
 Copies (`copies` > 1): the sweep runs twice, first with the host to itself
 (the fit), then with copies - 1 processes sweeping the same grid beside it;
@@ -41,17 +38,17 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
 from pdserve.cluster.config import ServeConfig, engine_for_model
 from pdserve.roles.cost_model import ModelPreset
-from pdserve.roles.cost_profile import TERMS, Profile, Round, RoundCost, features, round_of
+from pdserve.cluster.host_load import ForeignLoad
+from pdserve.cluster.profile_fit import (
+    HOLD_OUT_EVERY, errors, fit, held_out_report, neighbour_slowdown)
+from pdserve.roles.cost_profile import TERMS, Profile, Round, features
 
-HOLD_OUT_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -202,64 +199,6 @@ def decode_sweep(h: Harness, grid: Grid, progress) -> None:
             progress(f"batch {b} at context {ctx}")
 
 
-def fit(rounds: list[Round], model: ModelPreset, iterations: int = 30) -> RoundCost:
-    """Non-negative least absolute relative error (see the module doc):
-    iteratively reweighted least squares, each round weighted 1/|residual|,
-    so a round another process slowed pulls the fit no more than any other."""
-    import numpy as np
-
-    x = np.array([features(model, r.prefills, r.decode_contexts, r.num_decodes,
-                           r.window_contexts) for r in rounds], dtype=np.float64)
-    y = np.array([r.seconds for r in rounds], dtype=np.float64)
-    xr = x / y[:, None]                     # predicted / measured, per unit coefficient
-    w = np.ones_like(y)
-    coef = _nonnegative_lstsq(xr, np.ones_like(y), w)
-    for _ in range(iterations):
-        resid = np.abs(xr @ coef - 1)
-        w = 1 / np.maximum(resid, 1e-3)
-        coef = _nonnegative_lstsq(xr, np.ones_like(y), w)
-    return RoundCost(*(float(c) for c in coef))
-
-
-def _nonnegative_lstsq(x, y, w):
-    """Weighted least squares with every coefficient >= 0: a term that comes
-    out negative is dropped and the rest refitted."""
-    import numpy as np
-
-    sw = np.sqrt(w)
-    xw, yw = x * sw[:, None], y * sw
-    live = [j for j in range(x.shape[1]) if x[:, j].any()]
-    coef = np.zeros(x.shape[1])
-    while live:
-        # scale columns so features of 1 and of 10^6 pairs condition alike
-        scale = np.abs(xw[:, live]).max(axis=0)
-        sol = np.linalg.lstsq(xw[:, live] / scale, yw, rcond=None)[0] / scale
-        if (sol >= 0).all():
-            coef[live] = sol
-            break
-        live.pop(int(np.argmin(sol)))
-    return coef
-
-
-def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
-           slowdown: float = 0.0, neighbours=None) -> list[float]:
-    """Relative error of each round's prediction: (predicted - measured) /
-    measured; with `neighbours` (per round, the other engines computing as
-    it began) each prediction is (1 + slowdown x n) times the form."""
-    n = neighbours or [0] * len(rounds)
-    return [cost.seconds(features(model, r.prefills, r.decode_contexts, r.num_decodes,
-                                  r.window_contexts)) * (1 + slowdown * k) / r.seconds - 1
-            for r, k in zip(rounds, n)]
-
-
-def neighbour_slowdown(cost: RoundCost, shared: list[Round], model: ModelPreset,
-                       copies: int) -> float:
-    """The profile's neighbour_slowdown: the median measured / fitted ratio
-    of rounds timed beside `copies` others, less one, per copy (>= 0)."""
-    ratio = statistics.median(1 / (1 + e) for e in errors(cost, shared, model))
-    return max(0.0, ratio - 1) / copies
-
-
 def model_facts(model, name: str) -> ModelPreset:
     """The KV shape the simulator needs, read off the loaded model."""
     c = model.cfg
@@ -306,78 +245,6 @@ def copy_bandwidth(device, repeats: int = 5) -> float:
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
     return src.numel() / times[len(times) // 2]
-
-
-class ForeignLoad:
-    """CPU (in cores) used by processes outside this one's tree, sampled
-    from /proc while the block runs. None where /proc is not there."""
-
-    def __init__(self, every_s: float = 0.5):
-        self.every_s = every_s
-        self.cores = None
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        if not os.path.exists("/proc/stat"):
-            return self
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if hasattr(self, "_thread"):
-            self._stop.set()
-            self._thread.join()
-
-    @staticmethod
-    def _busy() -> int:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v) - v[3] - v[4]          # all but idle and iowait
-
-    @staticmethod
-    def _mine(root: int) -> int:
-        parent, ticks = {}, {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d)] = int(st[1])
-            ticks[int(d)] = int(st[11]) + int(st[12])
-        total = 0
-        for pid, t in ticks.items():
-            p = pid
-            while p > 1 and p != root:
-                p = parent.get(p, 0)
-            if p == root:
-                total += t
-        return total
-
-    def _watch(self) -> None:
-        hz = os.sysconf("SC_CLK_TCK")
-        root = os.getpid()
-        t0, b0, m0 = time.perf_counter(), self._busy(), self._mine(root)
-        while not self._stop.wait(self.every_s):
-            pass
-        dt = time.perf_counter() - t0
-        # children that ended during the block count as foreign (their
-        # ticks left with them); a benchmark run keeps its processes alive
-        self.cores = max(0.0, (self._busy() - b0 - (self._mine(root) - m0)) / hz / dt)
-
-
-def wait_for_quiet(below: float, window_s: float = 5.0, timeout_s: float = 900.0) -> float | None:
-    """Wait until other processes use less than `below` cores over a window
-    (at most `timeout_s`); the last window's load (None without /proc)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with ForeignLoad() as load:
-            time.sleep(window_s)
-        if load.cores is None or load.cores < below or time.monotonic() > deadline:
-            return load.cores
 
 
 def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | None = None,
@@ -509,28 +376,6 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
         measured["rounds_beside_copies"] = len(shared)
     return Profile(cost, facts, copy_bandwidth(model.device), measured, slowdown), \
         rounds + shared, report
-
-
-def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset,
-                    slowdown: float = 0.0, neighbours=None) -> dict:
-    """|relative error| p50, p90 and max over held-out rounds, overall and by
-    kind (`slowdown`, `neighbours`: as `errors` takes them)."""
-    from pdserve.cluster.sim_report import percentile
-
-    n = neighbours or [0] * len(held)
-
-    def stats(pairs):
-        e = [abs(x) for x in errors(cost, [r for r, _ in pairs], model, slowdown,
-                                    [k for _, k in pairs])]
-        return {"rounds": len(e), "p50": round(percentile(e, 0.5), 4),
-                "p90": round(percentile(e, 0.9), 4), "max": round(max(e), 4)} if e else {}
-    pairs = list(zip(held, n))
-    out = {"all": stats(pairs)}
-    for kind in ("prefill", "decode", "mixed"):
-        s = stats([(r, k) for r, k in pairs if r.kind == kind])
-        if s:
-            out[kind] = s
-    return out
 
 
 FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\n"

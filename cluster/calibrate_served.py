@@ -63,36 +63,14 @@ def served_rounds(dep, loads, seed: int, say) -> tuple[list[Round], list[int]]:
     return rounds, beside
 
 
-def fit_serving(cost, pairs, facts, step: float = 0.0125, top: float = 0.5):
-    """(scale, neighbour_slowdown): the served rounds' level against the
-    sweep's form `cost`, fitted with the slowdown per engine beside a round
-    on (round, engines beside it) pairs. For each slowdown k on a grid of
-    `step` up to `top`, the scale is the median measured / (form x (1 + k n));
-    the k with the least summed |relative error| wins. The form's shape
-    comes from the sweep's grid, which varies one feature at a time; served
-    loads alone would leave its batched terms to chance."""
-    import statistics
-
-    from pdserve.cluster.calibrate import errors
-
-    rounds, beside = [r for r, _ in pairs], [k for _, k in pairs]
-    best = None
-    for i in range(int(round(top / step)) + 1):
-        k = i * step
-        ratios = [1 / (1 + e) for e in errors(cost, rounds, facts, k, beside)]
-        scale = statistics.median(ratios)
-        err = sum(abs(scale / r - 1) for r in ratios)
-        if best is None or err < best[0]:
-            best = (err, scale, k)
-    return best[1], best[2]
-
-
 def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: bool = True,
                      grid_args: dict | None = None):
     """(profile, every round, the held-out report): the sweep's form
     (`calibrate` on `grid_args`, the host to itself), scaled to the rounds
     the deployment `cfg` describes times while serving `loads`."""
-    from pdserve.cluster.calibrate import HOLD_OUT_EVERY, ForeignLoad, calibrate, held_out_report
+    from pdserve.cluster.calibrate import calibrate
+    from pdserve.cluster.host_load import ForeignLoad
+    from pdserve.cluster.profile_fit import HOLD_OUT_EVERY, fit_serving, held_out_report
     from pdserve.cluster.deploy import Deployment
 
     started = time.perf_counter()

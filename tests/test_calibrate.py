@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.calibrate import fit
+from pdserve.cluster.profile_fit import fit
 from pdserve.roles.cost_profile import Round
 from pdserve.cluster.cli import main
 from pdserve.cluster.config import ServeConfig, load_config
@@ -349,13 +349,13 @@ def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     # c's: at 0.6 a and b
     assert neighbours([a, b, c]) == [0, 1, 0, 1, 0, 2]
     prof = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
-    from pdserve.cluster.calibrate import errors
+    from pdserve.cluster.profile_fit import errors
     assert errors(prof, [rnd(0, 1.5)], TINY, 0.5, [1]) == pytest.approx([0.0])
     assert errors(prof, [rnd(0, 1.5)], TINY) == pytest.approx([1 / 1.5 - 1])
 
 
 def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
-    from pdserve.cluster.calibrate import neighbour_slowdown
+    from pdserve.cluster.profile_fit import neighbour_slowdown
 
     cost = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
     shared = [Round((), 0, 1, 0, s) for s in (1.1, 1.3, 1.3, 1.4, 9.0)]
@@ -366,7 +366,7 @@ def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
 
 
 def test_served_calibration_fits_a_scale_and_the_slowdown_beside_other_engines():
-    from pdserve.cluster.calibrate_served import fit_serving
+    from pdserve.cluster.profile_fit import fit_serving
 
     cost = RoundCost(0.01, 0.0, 0.0, 0.001, 0.0, 0.002, 0.0)
     rng = random.Random(3)
