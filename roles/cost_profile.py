@@ -30,9 +30,11 @@ round that starts while n other engines of the deployment are computing
 one takes (1 + k n) times its fitted time. `pdserve calibrate --copies 2`
 measures it: it fits the form on a sweep with the host to itself, then
 times the same sweep with a copy sweeping beside it; k is the median
-(measured / fitted - 1) of the second sweep per copy. Calibrating with a
-neighbour running the whole time instead priced a lone engine 13-18% too
-slow and a busy host's rounds 5-10% too fast.
+(measured / fitted - 1) of the second sweep per copy. `calibrate --served`
+fits it on a running deployment's own rounds instead
+(cluster/calibrate_served.py). Calibrating with a neighbour running the
+whole time, as before, priced a lone engine 13-18% too slow and a busy
+host's rounds 5-10% too fast.
 
 The file is YAML (see `Profile.to_dict`); `simulate: {profile: FILE}` in a
 config makes the simulator use it instead of a GPU and model preset. The
