@@ -166,7 +166,7 @@ def planner_peak(model: ModelPreset, split: Split, prompt: int, page_size: int =
             planner.submit(Request(f"q{i}", BlockPrompt([(-1 - i, b) for b in range(blocks)],
                                                         prompt, 512),
                                    SamplingLimits(max_new_tokens=None)))
-    except RejectedRequest as e:
+    except RejectedRequest:
         return 0, [0] * len(pools), "rejected"
     patience = 2 * -(-prompt // chunk) + 8
     peak, used, still, waiting, note = 0, [0] * len(pools), 0, len(planner.waiting), ""

@@ -43,11 +43,10 @@ import time
 from dataclasses import dataclass
 
 from pdserve.cluster.config import ServeConfig, engine_for_model
-from pdserve.roles.cost_model import ModelPreset
 from pdserve.cluster.host_load import ForeignLoad
-from pdserve.cluster.profile_fit import (
-    HOLD_OUT_EVERY, errors, fit, held_out_report, neighbour_slowdown)
-from pdserve.roles.cost_profile import TERMS, Profile, Round, features
+from pdserve.cluster.profile_fit import HOLD_OUT_EVERY, fit, held_out_report, neighbour_slowdown
+from pdserve.roles.cost_model import ModelPreset
+from pdserve.roles.cost_profile import TERMS, Profile, Round, round_of
 
 
 
@@ -257,8 +256,6 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
     profile's neighbour_slowdown. `as_load`: be such a copy (sweep from a
     line on stdin until killed; returns nothing)."""
     import torch
-
-    from pdserve.kernels.loader import load_model
 
     device = cfg.model.device_for(device)
     if threads is None:
