@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta, KVCache
 from pdserve.kernels.gated_delta import depthwise_conv
-from pdserve.kernels.model import PagedDecoder, rms_norm
+from pdserve.kernels.model import HybridLayer, PagedDecoder, rms_norm
 from pdserve.kernels.model_config import ModelConfig
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import StateBatch, StateRound
@@ -99,15 +99,6 @@ class _Attention:
     out_proj: torch.Tensor
 
 
-@dataclass
-class _Layer:
-    operator_norm: torch.Tensor
-    mixer: object                 # _Attention, or _Conv with its state layer
-    state_layer: int | None
-    ffn_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
 
 class Lfm2Model(PagedDecoder):
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
@@ -134,10 +125,10 @@ class Lfm2Model(PagedDecoder):
                                    w[a + "q_layernorm.weight"], w[a + "k_layernorm.weight"],
                                    w[a + "out_proj.weight"])
             ff = p + "feed_forward."
-            self.layers.append(_Layer(w[p + "operator_norm.weight"], mixer, state_index.get(i),
-                                      w[p + "ffn_norm.weight"],
-                                      torch.cat([w[ff + "w1.weight"], w[ff + "w3.weight"]]),
-                                      w[ff + "w2.weight"]))
+            self.layers.append(HybridLayer(w[p + "operator_norm.weight"], mixer,
+                                           state_index.get(i), w[p + "ffn_norm.weight"],
+                                           torch.cat([w[ff + "w1.weight"], w[ff + "w3.weight"]]),
+                                           w[ff + "w2.weight"]))
         self.rotary = Rotary(cfg, dtype, dev)
 
     @torch.inference_mode()
@@ -147,24 +138,7 @@ class Lfm2Model(PagedDecoder):
         `cache`: the attention layers' one cache group. `states`: where each
         sequence's conv state comes from and goes (None: whole fresh prompts
         whose state is not kept)."""
-        c = self.cfg
-        metas, caches = self.per_group(meta, cache)
-        m = metas[0]
-        rnd = self.state_round(states, m.seqs)
-        h = self.embed[input_ids]
-        rope = self.rotary.at(m.positions)
-        for layer in self.layers:
-            x = rms_norm(h, layer.operator_norm, c.rms_norm_eps)
-            if layer.state_layer is None:
-                h = h + self._attend(layer.mixer, x, metas, caches, rope)
-            else:
-                h = h + layer.mixer.forward(x, m, rnd, layer.state_layer)
-            x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
-            gu = F.linear(x, layer.gate_up)
-            inter = gu.shape[-1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
-        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.hybrid_forward(input_ids, meta, cache, logits_indices, states, rms_norm)
 
     def _attend(self, a: _Attention, x, metas, caches, rope) -> torch.Tensor:
         c = self.cfg

@@ -10,6 +10,8 @@ holding only its layers, and a round's forward takes one BatchMeta per group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -67,6 +69,19 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
             shape = shapes[key]
         out[name] = (torch.randn(shape, generator=g) * 0.5 / shape[-1] ** 0.5).to(dtype)
     return out
+
+
+@dataclass
+class HybridLayer:
+    """One layer of a model with state layers (Qwen3.5, LFM2): a norm, the
+    mixer (attention, or a state mixer at `state_layer`), a norm, and a
+    gated SiLU MLP."""
+    ln_in: torch.Tensor
+    mixer: object                 # the family's attention, or its state mixer
+    state_layer: int | None
+    ln_post: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class PagedDecoder:
@@ -128,6 +143,30 @@ class PagedDecoder:
             raise ValueError(f"the StateCache holds {states.cache.layers} state layers; this "
                              f"model has {layers} (use new_state_cache)")
         return StateRound(states, seqs)
+
+    def hybrid_forward(self, input_ids, meta, cache, logits_indices, states, norm):
+        """The forward of a model of HybridLayers: `norm(x, weight, eps)` is
+        the family's RMS norm, `self._attend` its attention, a state layer's
+        mixer runs on the round's StateRound. Logits (float32) for the rows
+        in `logits_indices`."""
+        c = self.cfg
+        metas, caches = self.per_group(meta, cache)
+        m = metas[0]
+        rnd = self.state_round(states, m.seqs)
+        h = self.embed[input_ids]
+        rope = self.rotary.at(m.positions)
+        for layer in self.layers:
+            x = norm(h, layer.ln_in, c.rms_norm_eps)
+            if layer.state_layer is None:
+                h = h + self._attend(layer.mixer, x, metas, caches, rope)
+            else:
+                h = h + layer.mixer.forward(x, m, rnd, layer.state_layer)
+            x = norm(h, layer.ln_post, c.rms_norm_eps)
+            gu = F.linear(x, layer.gate_up)
+            inter = gu.shape[-1] // 2
+            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
+        h = norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
 
     def per_group(self, meta, cache) -> tuple[list, list]:
         """(metas, caches), one per cache group; a lone BatchMeta and KVCache

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pdserve.kernels.attention import BatchMeta, KVCache
 from pdserve.kernels.gated_delta import GatedDeltaNet
 from pdserve.kernels.gemma3 import gemma_norm
-from pdserve.kernels.model import PagedDecoder
+from pdserve.kernels.model import HybridLayer, PagedDecoder
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import StateBatch
@@ -61,15 +61,6 @@ class _Attention:
     o_proj: torch.Tensor
 
 
-@dataclass
-class _Layer:
-    ln_in: torch.Tensor         # 1 + weight, float32
-    mixer: object               # _Attention, or GatedDeltaNet with its state layer
-    state_layer: int | None
-    ln_post: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
 
 class Qwen3_5Model(PagedDecoder):
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
@@ -96,10 +87,10 @@ class Qwen3_5Model(PagedDecoder):
             else:
                 mixer = self._attention_weights(w, p + "self_attn.", scale, *self.slots[i])
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            self.layers.append(_Layer(scale(p + "input_layernorm.weight"), mixer,
-                                      state_index.get(i),
-                                      scale(p + "post_attention_layernorm.weight"), gate_up,
-                                      w[p + "mlp.down_proj.weight"]))
+            self.layers.append(HybridLayer(scale(p + "input_layernorm.weight"), mixer,
+                                           state_index.get(i),
+                                           scale(p + "post_attention_layernorm.weight"), gate_up,
+                                           w[p + "mlp.down_proj.weight"]))
         self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = Rotary(dataclasses.replace(cfg, head_dim=self.rotary_dim), dtype, dev)
 
@@ -119,24 +110,7 @@ class Qwen3_5Model(PagedDecoder):
         `cache`: the attention layers' one cache group. `states`: where each
         sequence's DeltaNet state comes from and goes (None: whole fresh
         prompts whose state is not kept)."""
-        c = self.cfg
-        metas, caches = self.per_group(meta, cache)
-        m = metas[0]
-        rnd = self.state_round(states, m.seqs)
-        h = self.embed[input_ids]
-        rope = self.rotary.at(m.positions)
-        for layer in self.layers:
-            x = gemma_norm(h, layer.ln_in, c.rms_norm_eps)
-            if layer.state_layer is None:
-                h = h + self._attend(layer.mixer, x, metas, caches, rope)
-            else:
-                h = h + layer.mixer.forward(x, m, rnd, layer.state_layer)
-            x = gemma_norm(h, layer.ln_post, c.rms_norm_eps)
-            gu = F.linear(x, layer.gate_up)
-            inter = gu.shape[-1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
-        h = gemma_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.hybrid_forward(input_ids, meta, cache, logits_indices, states, gemma_norm)
 
     def _attend(self, a: _Attention, x, metas, caches, rope) -> torch.Tensor:
         """Gated full attention: o_proj(attention * sigmoid(gate))."""

@@ -46,3 +46,17 @@ def run_to_completion(p: Planner, max_rounds: int = 100_000) -> list:
         assert not plan.is_empty(), f"stalled with {len(p.requests)} live requests"
         finished.extend(done)
     raise AssertionError("did not finish")
+
+
+def save_with_noisy_norms(model, d):
+    """Perturb a random transformers model's norm weights (so a mix-up
+    between them, or a wrong state, shows), then save_pretrained it to `d`.
+    Returns (model, d)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d

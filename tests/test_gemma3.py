@@ -25,6 +25,7 @@ from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.fsm import Decoding, Prefilling, Resources
 from pdserve.scheduler.plan import LoadOp, Plan, PrefillOp, StoreOp
 from pdserve.scheduler.request import Request
+from support import save_with_noisy_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +33,6 @@ PS = 4                    # page size: windows and chunks cross many pages
 WINDOW = 8
 ENGINE = EngineConfig(page_size=PS, total_pages=160, sliding_pages=160, max_batch_size=4)
 TOL = 1e-4
-
-
-def _noisy_norms(model):
-    """Non-trivial norm weights, so a mix-up between them would show."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
 
 
 def gemma3_checkpoint(tmp_path, **overrides):
@@ -58,10 +51,7 @@ def gemma3_checkpoint(tmp_path, **overrides):
     conf.update(overrides)
     model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**conf))
     model = model.float().eval()
-    _noisy_norms(model)
-    d = tmp_path / "gemma3"
-    model.save_pretrained(d, safe_serialization=True)
-    return model, d
+    return save_with_noisy_norms(model, tmp_path / "gemma3")
 
 
 def hf_checkpoint(tmp_path, arch: str, **overrides):
@@ -73,11 +63,7 @@ def hf_checkpoint(tmp_path, arch: str, **overrides):
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    model = model.float().eval()
-    _noisy_norms(model)
-    d = tmp_path / arch
-    model.save_pretrained(d, safe_serialization=True)
-    return model, d
+    return save_with_noisy_norms(model.float().eval(), tmp_path / arch)
 
 
 def executor(d, groups=None, engine=ENGINE, attention="torch"):

@@ -11,6 +11,7 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.model_config import read_config
 from pdserve.kernels.state_cache import SeqState, StateBatch
+from support import save_with_noisy_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,12 +31,7 @@ def lfm2_checkpoint(d, **overrides):
                 conv_bias=True, block_multiple_of=16, initializer_range=0.1)
     conf.update(overrides)
     model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**conf)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(d, safe_serialization=True)
-    return model, d
+    return save_with_noisy_norms(model, d)
 
 
 @pytest.fixture(scope="module")

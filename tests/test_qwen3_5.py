@@ -22,6 +22,7 @@ from pdserve.kernels.gated_delta import chunked_delta_rule, delta_rule_step
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.model_config import ModelError, read_config
 from pdserve.kernels.state_cache import SeqState, StateBatch
+from support import save_with_noisy_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,12 +44,7 @@ def qwen3_5_checkpoint(d, **overrides):
         linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.1)
     conf.update(overrides)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**conf)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(d, safe_serialization=True)
-    return model, d
+    return save_with_noisy_norms(model, d)
 
 
 @pytest.fixture(scope="module")
