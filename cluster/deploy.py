@@ -20,6 +20,7 @@ import ray
 from pdserve.cluster.actors import (
     NAMESPACE, AutoscalerActor, RouterActor, actor_name, start_engines)
 from pdserve.cluster.config import ServeConfig, engine_for_model, engine_gpus
+from pdserve.cluster.local_ray import init_local
 from pdserve.cluster.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
                                     Security)
 from pdserve.kernels.loader import load_tokenizer, model_config_for
@@ -60,8 +61,8 @@ class Deployment:
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
-                ray.init(num_cpus=self.num_cpus, namespace=NAMESPACE, include_dashboard=False,
-                         log_to_driver=False, _node_ip_address="127.0.0.1")
+                init_local(num_cpus=self.num_cpus, namespace=NAMESPACE, include_dashboard=False,
+                           log_to_driver=False, _node_ip_address="127.0.0.1")
             self._started_ray = True
         local = self.loopback
         self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,

@@ -95,13 +95,16 @@ class RayPool:
 
         import ray
 
+        from pdserve.cluster.local_ray import init_local
+
         self._ray = ray
         self._owned = not ray.is_initialized()
         if self._owned:
             try:
                 # "local": a Ray of our own, never one another command started here
-                ray.init(address=address or "local", num_cpus=None if address else cpus,
-                         include_dashboard=False, logging_level=logging.WARNING)
+                start = ray.init if address else init_local
+                start(address=address or "local", num_cpus=None if address else cpus,
+                      include_dashboard=False, logging_level=logging.WARNING)
             except ConnectionError as e:
                 raise ConfigError(f"--address {address}: no Ray cluster answered ({e}); "
                                   "give the head's address (ray status shows it) or "

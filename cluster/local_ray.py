@@ -1,0 +1,53 @@
+"""Start a Ray of our own on this machine.
+
+Ray gives a new node 30 s to register with its GCS and then gives up
+("The current node timed out during startup"), leaving the processes it
+started behind. On a small, busy host (two cores, a test suite) that
+happens now and then with nothing wrong. `init_local` kills what the failed
+start left and tries once more; a second failure is the caller's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import psutil
+import ray
+
+STARTUP_TRIES = 2
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_new(before: set[int]) -> None:
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def timed_out_at_startup(e: BaseException) -> bool:
+    return "timed out during startup" in str(e)
+
+
+def init_local(**kwargs) -> None:
+    """`ray.init(**kwargs)` for a local Ray, tried again (after killing the
+    processes the failed start left) if the node times out at startup."""
+    for attempt in range(1, STARTUP_TRIES + 1):
+        before = _children()
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:
+            if not timed_out_at_startup(e) or attempt == STARTUP_TRIES:
+                raise
+            print(f"pdserve: Ray's node timed out at startup ({e}); "
+                  "starting it once more", file=sys.stderr, flush=True)
+            if ray.is_initialized():
+                ray.shutdown()
+            _kill_new(before)

@@ -1,0 +1,54 @@
+"""init_local: a local Ray whose node times out at startup is started once
+more, after the processes the failed start left are killed."""
+
+import subprocess
+import sys
+
+import psutil
+import pytest
+import ray
+
+from pdserve.cluster import local_ray
+
+TIMEOUT = Exception("The current node timed out during startup. This could happen because "
+                    "some of the raylet failed to startup or the GCS has become overloaded.")
+
+
+def test_a_startup_timeout_kills_what_the_try_left_and_tries_once_more(monkeypatch, capsys):
+    left: list[subprocess.Popen] = []
+    calls: list[dict] = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:      # a failed start leaves a process of its own behind
+            left.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            raise TIMEOUT
+
+    monkeypatch.setattr(ray, "init", init)
+    local_ray.init_local(num_cpus=2, include_dashboard=False)
+    assert calls == [{"num_cpus": 2, "include_dashboard": False}] * 2
+    assert not psutil.pid_exists(left[0].pid)       # killed and reaped, not left its minute
+    assert "timed out at startup" in capsys.readouterr().err
+
+
+def test_a_second_timeout_and_any_other_error_reach_the_caller(monkeypatch):
+    calls = []
+
+    def timing_out(**kwargs):
+        calls.append(kwargs)
+        raise TIMEOUT
+
+    monkeypatch.setattr(ray, "init", timing_out)
+    with pytest.raises(Exception, match="timed out during startup"):
+        local_ray.init_local(num_cpus=1)
+    assert len(calls) == local_ray.STARTUP_TRIES
+
+    def refusing(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("num_cpus must be positive")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", refusing)
+    with pytest.raises(ValueError, match="num_cpus"):
+        local_ray.init_local(num_cpus=-1)
+    assert len(calls) == 1
