@@ -108,6 +108,11 @@ def _cmd_up(args) -> int:
     cfg = load_config(args.config)
     device = cfg.model.device_for(args.device)
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
+    from pdserve.kernels.loader import resolve_model_path
+
+    # a preset unknown or not installed: refused here, not in each engine's actor
+    # (the router reads the model's tokenizer on this machine in any case)
+    resolve_model_path(cfg.model.path, cfg.model.preset)
     from pdserve.cluster.deploy import Deployment
     from pdserve.cluster.router import Security
 

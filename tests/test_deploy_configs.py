@@ -136,6 +136,18 @@ def test_up_on_cuda_refuses_zero_gpus_per_engine_before_starting_anything(tmp_pa
            "(cuda:0)" in capsys.readouterr().err
 
 
+def test_up_refuses_an_unknown_preset_before_starting_ray(tmp_path, capsys, monkeypatch):
+    from pdserve.cluster import deploy
+    from pdserve.cluster.cli import main
+
+    monkeypatch.setattr(deploy, "Deployment", None)      # never reached
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {preset: smollm-135m}\ncluster: {fused: 1}\n")
+    assert main(["up", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model preset 'smollm-135m'; use preset: tiny or smollm2-135m" in err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_llm_and_offline_generate_read_model_device(tmp_path, capsys):
     from pdserve import LLM
