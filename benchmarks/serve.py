@@ -17,23 +17,23 @@ Reports TTFT, TPOT, ITL and E2E percentiles, the queueing delay and
 throughput, prints a table and saves JSON.
 
 The load generator should cost as little CPU as it can, since on a small
-host it shares the cores with what it measures: the gRPC load is one
-asyncio loop (`AsyncClient`) over a few connections; the HTTP load uses a
-thread and a keep-alive connection per concurrent stream.
+host it shares the cores with what it measures: both loads are one asyncio
+loop, the gRPC load through `AsyncClient` over a few connections, the HTTP
+load through aiohttp with a keep-alive connection per concurrent stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import socket
 import random
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdserve.benchmarks.args import positive, usage_error, workload_arguments
+from pdserve.benchmarks.up_process import served
+from pdserve.cluster import event_loop
 from pdserve.cluster.sim_report import percentile
 
 
@@ -104,17 +104,70 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
 CHANNELS = 8      # gRPC connections an async client spreads its streams over
 
 
-async def _drive_grpc(address: str, samples: list[Sample], due, timings: list[Timing],
-                      concurrency: int, done) -> float:
-    """The gRPC load: `concurrency` streams on one event loop (no thread per
-    stream, as vLLM's and SGLang's benchmark clients), over a few
-    connections, so that with router replicas they spread over them.
-    Returns the wall time."""
-    import asyncio
+class _GrpcLoad:
+    """Streams through `pdserve.client.AsyncClient`, spread over a few
+    connections so that with router replicas they spread over those too."""
 
-    from pdserve.client import AsyncClient
+    def __init__(self, address: str, concurrency: int):
+        from pdserve.client import AsyncClient
 
-    clients = [AsyncClient(address, timeout=600) for _ in range(min(CHANNELS, concurrency))]
+        self.clients = [AsyncClient(address, timeout=600)
+                        for _ in range(min(CHANNELS, concurrency))]
+
+    async def stream(self, worker: int, s: Sample):
+        """Yields the number of tokens each chunk carries."""
+        client = self.clients[worker % len(self.clients)]
+        async for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens,
+                                                  ignore_eos=True):
+            yield len(chunk.token_ids)
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
+
+
+class _HttpLoad:
+    """Streamed /v1/completions through aiohttp (as vLLM's benchmark client):
+    a keep-alive connection per concurrent stream, server-sent events parsed
+    as they come."""
+
+    def __init__(self, base_url: str, concurrency: int):
+        import aiohttp
+
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency),
+            timeout=aiohttp.ClientTimeout(total=600))
+
+    async def stream(self, worker: int, s: Sample):
+        """Yields the tokens each event carries; the last count comes from
+        `usage` (text held back across events hides tokens from the count)."""
+        body = {"prompt": s.prompt, "max_tokens": s.max_tokens, "ignore_eos": True,
+                "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+        async with self.session.post(self.url, json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+            seen = 0
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    yield event["usage"]["completion_tokens"] - seen
+                elif event["choices"] and (event["choices"][0]["text"] or
+                                           event["choices"][0]["finish_reason"] is None):
+                    seen += 1
+                    yield 1
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def _drive(load, samples: list[Sample], due, timings: list[Timing], concurrency: int,
+                 done) -> float:
+    """`concurrency` workers on one event loop (no thread per stream, as
+    vLLM's and SGLang's benchmark clients) send the samples through `load`;
+    returns the wall time."""
     order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
         else list(range(len(samples)))
     todo = asyncio.Queue()
@@ -123,7 +176,6 @@ async def _drive_grpc(address: str, samples: list[Sample], due, timings: list[Ti
     start = time.perf_counter()
 
     async def worker(w: int) -> None:
-        client = clients[w % len(clients)]
         while not todo.empty():
             i = todo.get_nowait()
             if due is not None:
@@ -135,96 +187,18 @@ async def _drive_grpc(address: str, samples: list[Sample], due, timings: list[Ti
             t0 = start + due[i] if due is not None else picked
             t.queued = picked - t0
             try:
-                async for chunk in client.generate_stream(s.prompt, max_tokens=s.max_tokens,
-                                                          ignore_eos=True):
-                    last = t.seen(len(chunk.token_ids), t0, last)
+                async for n in load.stream(w, s):
+                    last = t.seen(n, t0, last)
                 t.e2e = time.perf_counter() - t0
                 t.ok = True
             except Exception as e:            # counted, reported
-                t.error = str(e)
+                t.error = str(e) or type(e).__name__
             done()
     try:
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     finally:
-        for c in clients:
-            await c.close()
+        await load.close()
     return time.perf_counter() - start
-
-
-def _http_stream(base_url: str):
-    """Streamed /v1/completions over one keep-alive connection per worker
-    thread (the standard library's client: no dependency of our own); yields
-    the tokens each event carries, the last count from `usage`."""
-    import http.client
-    import urllib.parse
-
-    url = urllib.parse.urlparse(base_url)
-    local = threading.local()
-
-    def stream(s: Sample):
-        conn = getattr(local, "conn", None)
-        if conn is None:
-            conn = local.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-            conn.connect()
-            # http.client sends the headers and the body in two writes; without
-            # TCP_NODELAY the body waits for the server's delayed ACK (~40 ms)
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        body = json.dumps({"prompt": s.prompt, "max_tokens": s.max_tokens, "ignore_eos": True,
-                           "temperature": 1.0, "stream": True,
-                           "stream_options": {"include_usage": True}})
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        seen = 0
-        for line in resp:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                yield event["usage"]["completion_tokens"] - seen    # what held-back text hid
-            elif event["choices"] and (event["choices"][0]["text"] or
-                                       event["choices"][0]["finish_reason"] is None):
-                seen += 1
-                yield 1
-    return stream, lambda: None
-
-
-def _drive_threads(stream_and_close, samples: list[Sample], due, timings: list[Timing],
-                   concurrency: int, done) -> float:
-    """The HTTP load: one worker thread (and keep-alive connection) per
-    concurrent stream. Returns the wall time."""
-    stream, close = stream_and_close
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        s, t = samples[i], timings[i]
-        picked = last = time.perf_counter()
-        t0 = start + due[i] if due is not None else picked
-        t.queued = picked - t0
-        try:
-            for n in stream(s):
-                last = t.seen(n, t0, last)
-            t.e2e = time.perf_counter() - t0
-            t.ok = True
-        except Exception as e:            # counted, reported
-            t.error = str(e)
-        with lock:
-            done()
-
-    order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
-        else range(len(samples))
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for i in order:
-            if due is not None:
-                wait = start + due[i] - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)          # pacing arrivals, not waiting on a race
-            pool.submit(one, i)
-    wall = time.perf_counter() - start
-    close()
-    return wall
 
 
 def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
@@ -236,14 +210,11 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
     timings = [Timing() for _ in samples]
     bar = tqdm(total=len(samples), disable=not progress, unit="req", desc=f"bench serve {api}")
     due = arrivals(samples, rate, seed)
-    if api == "grpc":
-        import asyncio
 
-        wall = asyncio.run(_drive_grpc(address, samples, due, timings, concurrency,
-                                       lambda: bar.update(1)))
-    else:
-        wall = _drive_threads(_http_stream(address), samples, due, timings, concurrency,
-                              lambda: bar.update(1))
+    async def run() -> float:                 # the loads' sessions belong to this loop
+        load = (_GrpcLoad if api == "grpc" else _HttpLoad)(address, concurrency)
+        return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
+    wall = event_loop.run(run())
     bar.close()
     ok = [t for t in timings if t.ok]
     tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]
@@ -294,19 +265,12 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,
                             repeats)
     for path in configs:
-        from pdserve.cluster.config import load_config
-        from pdserve.cluster.deploy import Deployment
-
-        dep = Deployment(load_config(path))
-        try:
-            addr = dep.start(http_port=0 if "http" in apis else None)
-            addrs = {a: (dep.http_address if a == "http" else addr) for a in apis}
+        with served(path, http="http" in apis) as (addr, http_url):
+            addrs = {a: (http_url if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
                 drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
                                   seed + 1), concurrency, None, seed, progress=False, api=api)
             results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
-        finally:
-            dep.stop()
         if offline:
             results.append((f"{path} [offline LLM]", run_offline(path, samples, seed)))
     mode = arrivals(samples, rate, seed)

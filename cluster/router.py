@@ -31,6 +31,7 @@ import pdserve
 from pdserve.cluster import membership
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.engine_link import EngineLink
+from pdserve.cluster.event_loop import new_event_loop
 from pdserve.cluster.metrics import RouterMetrics
 from pdserve.cluster.pairing import ROUTES, EngineRef, Pairing
 from pdserve.cluster.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
@@ -293,7 +294,7 @@ class Router:
         failure: list[BaseException] = []
 
         def run() -> None:
-            loop = asyncio.new_event_loop()
+            loop = new_event_loop()
             self.loop = loop
             try:
                 loop.run_until_complete(self._serve(host, port, http_port, watch_s, started))

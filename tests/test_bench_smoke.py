@@ -70,11 +70,27 @@ def test_bench_transfer(capsys, monkeypatch):
 
 
 def test_bench_serve(capsys, tmp_path):
+    """Both client APIs against `pdserve up` in a child process: every
+    request streams all its tokens."""
     res = tmp_path / "serve.json"
-    bench(capsys, "serve", "--config", TINY_CFG, "--requests", "4", "--concurrency", "2",
-          "--max-tokens", "4", "--prompt-len", "8", "--out", str(res))
-    (row,) = json.loads(res.read_text()).values()
-    assert row["ok"] == 4 and row["failed"] == 0 and row["errors"] == []
+    bench(capsys, "serve", "--config", TINY_CFG, "--api", "grpc", "http", "--requests", "4",
+          "--concurrency", "2", "--max-tokens", "4", "--prompt-len", "8", "--out", str(res))
+    rows = json.loads(res.read_text())
+    assert sorted(rows) == [f"{TINY_CFG} [grpc]", f"{TINY_CFG} [http]"]
+    for row in rows.values():
+        assert row["ok"] == 4 and row["failed"] == 0 and row["errors"] == []
+        assert row["output_tok_per_s"] * row["wall_s"] == pytest.approx(16)
+
+
+def test_bench_serve_says_why_a_deployment_did_not_start(tmp_path):
+    from pdserve.benchmarks.up_process import served
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: {fused: 1}\nmodel: {preset: no-such-model}\n")
+    with pytest.raises(RuntimeError, match="exited with 2") as e:
+        with served(str(bad)):
+            pass
+    assert "no-such-model" in str(e.value)
 
 
 def test_bench_cache_groups(capsys):

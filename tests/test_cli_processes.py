@@ -5,15 +5,15 @@ cleanly; `generate` and `stats` talk to it from processes of their own."""
 import os
 import queue
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from pdserve.benchmarks.up_process import pdserve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 START_BOUND_S = 180.0          # Ray and the engines starting on a loaded 2-core machine
@@ -22,10 +22,7 @@ DRAINED_TOKENS = 1000          # a few seconds of the tiny model: still streamin
 
 
 def pdserve(*args) -> list[str]:
-    """The installed console script, or the module where it is not installed."""
-    script = Path(sys.executable).parent / "pdserve"
-    exe = str(script) if script.exists() else shutil.which("pdserve")
-    return [exe, *args] if exe else [sys.executable, "-m", "pdserve.cluster.cli", *args]
+    return [*pdserve_command(), *args]
 
 
 class Output:
