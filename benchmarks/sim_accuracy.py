@@ -92,7 +92,7 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
         if not rounds:
             return {"count": 0, "err_p50": None, "busy_err": None}
         errs = errors(prof.round, rounds, prof.model, prof.neighbour_slowdown,
-                      neighbours(per_engine))
+                      neighbours(per_engine), prof.served_factors)
         busy = sum(r.seconds for r in rounds)
         return {"count": len(rounds), "busy_s": busy, "err_p50": statistics.median(errs),
                 "busy_err": sum((1 + e) * r.seconds for e, r in zip(errs, rounds)) / busy - 1}

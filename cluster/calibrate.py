@@ -424,6 +424,9 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
         print(f"  neighbour_slowdown {profile.neighbour_slowdown:.4g}; the sweep's form x "
               f"{sv['scale']:.3f} (fitted on {sv['rounds'] - sv['held_out']} served rounds, "
               f"{sv['alone']} of all {sv['rounds']} began with no other engine computing)")
+        print("  served factors (measured / that form; kind, decode batch from, beside others):")
+        for (kind, b, beside), f in sorted(profile.served_factors.items()):
+            print(f"    {kind:<8} {b:>3} {'beside' if beside else 'alone':<7} {f:.3f}")
     if copies > 1:
         print(f"  neighbour_slowdown {profile.neighbour_slowdown:.3f} (a round beside "
               f"{copies - 1} cop{'y' if copies == 2 else 'ies'}: "
@@ -433,4 +436,8 @@ def main(config: str, out: str, device: str | None, threads: int | None, chunks,
     for kind, s in report.items():
         print(f"  {kind:<8} {s['rounds']:>4} rounds  p50 {s['p50']:.1%}  p90 {s['p90']:.1%}  "
               f"max {s['max']:.1%}")
+    if served:
+        s = ms["served"]["held_out_error_scale_only"]["all"]
+        print(f"  (the scale and neighbour_slowdown alone, no served factors: p50 {s['p50']:.1%}  "
+              f"p90 {s['p90']:.1%})")
     return 0

@@ -15,7 +15,11 @@ with the same features and clock, plus each round's wall-clock start, from
 which it counts the other engines computing as each round began (n). Two
 numbers are fitted on them (`fit_serving`): a scale for the whole form and
 `neighbour_slowdown` k, so a served round costs scale x form x (1 + k n).
-Every 4th served round is held out. The loads differ from `bench
+Then, per round kind, decode-batch bucket and alone/beside others, the
+median served round against that scaled form (`fit_factors`): the
+profile's `served_factors`, which the simulator applies where a cell had
+enough rounds. Every 4th served round is held out, and its error is
+reported with the table and with the scale and k alone. The loads differ from `bench
 sim-accuracy`'s (their prompt and output lengths), so that benchmark checks
 the profile on requests it was not fitted to.
 """
@@ -70,7 +74,8 @@ def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: boo
     the deployment `cfg` describes times while serving `loads`."""
     from pdserve.cluster.calibrate import calibrate
     from pdserve.cluster.host_load import ForeignLoad
-    from pdserve.cluster.profile_fit import HOLD_OUT_EVERY, fit_serving, held_out_report
+    from pdserve.cluster.profile_fit import (HOLD_OUT_EVERY, fit_factors, fit_serving,
+                                             held_out_report)
     from pdserve.cluster.deploy import Deployment
 
     started = time.perf_counter()
@@ -97,14 +102,18 @@ def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: boo
     held = [(r, k) for (r, k), t in zip(zip(rounds, beside), keep) if not t]
     scale, slowdown = fit_serving(swept.round, train, facts)
     cost = RoundCost(*(c * scale for c in swept.round.coefficients()))
-    report = held_out_report(cost, [r for r, _ in held], facts, slowdown, [k for _, k in held])
+    table = fit_factors(cost, train, facts, slowdown)
+    held_rounds, held_beside = [r for r, _ in held], [k for _, k in held]
+    report = held_out_report(cost, held_rounds, facts, slowdown, held_beside, table)
+    untabled = held_out_report(cost, held_rounds, facts, slowdown, held_beside)
     measured = dict(swept.measured)
     measured.update({
         "served": {"loads": [list(x) for x in loads], "rounds": len(rounds),
                    "alone": sum(1 for k in beside if k == 0), "scale": round(scale, 4),
                    "held_out": len(held), "held_out_error": report,
+                   "held_out_error_scale_only": untabled,
                    "foreign_cores": None if load.cores is None else round(load.cores, 2)},
         "seconds": round(time.perf_counter() - started, 1),
     })
-    return dataclasses.replace(swept, round=cost, measured=measured,
-                               neighbour_slowdown=slowdown), swept_rounds + rounds, report
+    return dataclasses.replace(swept, round=cost, measured=measured, neighbour_slowdown=slowdown,
+                               served_factors=table), swept_rounds + rounds, report

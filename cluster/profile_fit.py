@@ -5,7 +5,8 @@ relative, so a 5 ms round counts as much as a 2 s one; absolute, not
 squared, so it fits the median and rounds another process slowed do not
 drag it. Every coefficient is kept >= 0. `neighbour_slowdown` and
 `fit_serving` add the shared host: how much longer a round runs while other
-engines compute (`pdserve calibrate --copies`, `--served`).
+engines compute (`pdserve calibrate --copies`, `--served`); `fit_factors`
+corrects the form per round kind and decode batch on served rounds.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import statistics
 
 from pdserve.roles.cost_model import ModelPreset
-from pdserve.roles.cost_profile import Round, RoundCost, features
+from pdserve.roles.cost_profile import Round, RoundCost, batch_bucket, features, served_factor
 
 HOLD_OUT_EVERY = 4       # every 4th round is held out of a fit and its error reported
+MIN_CELL = 8             # training rounds a served-factor cell needs to be kept
 
 
 def fit(rounds: list[Round], model: ModelPreset, iterations: int = 30) -> RoundCost:
@@ -57,15 +59,38 @@ def _nonnegative_lstsq(x, y, w):
     return coef
 
 
+def _form(cost: RoundCost, r: Round, model: ModelPreset) -> float:
+    return cost.seconds(features(model, r.prefills, r.decode_contexts, r.num_decodes,
+                                 r.window_contexts))
+
+
 def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
-           slowdown: float = 0.0, neighbours=None) -> list[float]:
+           slowdown: float = 0.0, neighbours=None, table=None) -> list[float]:
     """Relative error of each round's prediction: (predicted - measured) /
     measured; with `neighbours` (per round, the other engines computing as
-    it began) each prediction is (1 + slowdown x n) times the form."""
+    it began) each prediction is the form times `served_factor` of
+    `table` (none: 1 + slowdown x n)."""
     n = neighbours or [0] * len(rounds)
-    return [cost.seconds(features(model, r.prefills, r.decode_contexts, r.num_decodes,
-                                  r.window_contexts)) * (1 + slowdown * k) / r.seconds - 1
-            for r, k in zip(rounds, n)]
+    table = table or {}
+    return [_form(cost, r, model) * served_factor(table, slowdown, r.kind, r.num_decodes, k)
+            / r.seconds - 1 for r, k in zip(rounds, n)]
+
+
+def fit_factors(cost: RoundCost, pairs, model: ModelPreset, slowdown: float,
+                min_rounds: int = MIN_CELL) -> dict:
+    """The served-factor table (roles/cost_profile.py): for each round kind,
+    decode-batch bucket and alone/beside others, the median measured / form
+    of the (round, engines beside it) `pairs` that fall there (a neighbour
+    past the first counted at (1 + slowdown) each); cells with fewer than
+    `min_rounds` rounds are left out, and fall back to (1 + slowdown n).
+    One linear form cannot follow a shared host: served decodes of 2-7 beside
+    a neighbour ran 1.27x the form, decodes of 16-63 0.82x."""
+    cells: dict = {}
+    for r, n in pairs:
+        key = (r.kind, batch_bucket(r.num_decodes), min(n, 1))
+        extra = 1 + slowdown * max(n - 1, 0)
+        cells.setdefault(key, []).append(r.seconds / (_form(cost, r, model) * extra))
+    return {key: statistics.median(v) for key, v in cells.items() if len(v) >= min_rounds}
 
 
 def neighbour_slowdown(cost: RoundCost, shared: list[Round], model: ModelPreset,
@@ -97,16 +122,16 @@ def fit_serving(cost, pairs, facts, step: float = 0.0125, top: float = 0.5):
 
 
 def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset,
-                    slowdown: float = 0.0, neighbours=None) -> dict:
+                    slowdown: float = 0.0, neighbours=None, table=None) -> dict:
     """|relative error| p50, p90 and max over held-out rounds, overall and by
-    kind (`slowdown`, `neighbours`: as `errors` takes them)."""
+    kind (`slowdown`, `neighbours`, `table`: as `errors` takes them)."""
     from pdserve.cluster.sim_report import percentile
 
     n = neighbours or [0] * len(held)
 
     def stats(pairs):
         e = [abs(x) for x in errors(cost, [r for r, _ in pairs], model, slowdown,
-                                    [k for _, k in pairs])]
+                                    [k for _, k in pairs], table)]
         return {"rounds": len(e), "p50": round(percentile(e, 0.5), 4),
                 "p90": round(percentile(e, 0.9), 4), "max": round(max(e), 4)} if e else {}
     pairs = list(zip(held, n))

@@ -251,7 +251,11 @@ class CostModel:
         self._kvb_full = model.kv_layer_bytes * model.full_layers
         self._kvb_w = model.kv_layer_bytes * model.sliding_layers
         self.window = model.window
-        self.neighbour_slowdown = 0.0       # one GPU per engine: no shared compute
+
+    def round_factor(self, kind: str, num_decodes: int, neighbours: int) -> float:
+        """A measured profile's correction to a round (roles/cost_profile.py);
+        the GPU presets' form needs none (each engine has its own GPU)."""
+        return 1.0
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:

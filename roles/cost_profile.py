@@ -36,6 +36,14 @@ fits it on a running deployment's own rounds instead
 whole time, as before, priced a lone engine 13-18% too slow and a busy
 host's rounds 5-10% too fast.
 
+On a shared host one linear form and one k do not follow the served
+rounds: beside a neighbour, SmolLM2's decodes of 2-7 requests ran 1.27x the
+form and decodes of 16-63 ran 0.82x. `served_factors`, which `calibrate
+--served` fits, is a table of measured / form by round kind (prefill,
+decode, mixed), decode-batch bucket (`BATCH_FROM`) and whether others were
+computing; a round whose cell is in the table costs form x the cell (and
+(1 + k) more per neighbour past the first), any other (1 + k n) x form.
+
 The file is YAML (see `Profile.to_dict`); `simulate: {profile: FILE}` in a
 config makes the simulator use it instead of a GPU and model preset. The
 profile carries the model's KV shape, so pages and transfers are sized as
@@ -77,6 +85,35 @@ class RoundCost:
         return tuple(getattr(self, t) for t in TERMS)
 
 
+BATCH_FROM = (0, 1, 2, 8, 16, 64)   # decode-batch buckets: none, 1, 2-7, 8-15, 16-63, 64+
+KINDS = ("prefill", "decode", "mixed")
+
+
+def batch_bucket(num_decodes: int) -> int:
+    """The first decode batch of `num_decodes`' bucket (BATCH_FROM)."""
+    for b in reversed(BATCH_FROM):
+        if num_decodes >= b:
+            return b
+    return 0
+
+
+def round_kind(has_prefill: bool, num_decodes: int) -> str:
+    if has_prefill:
+        return "mixed" if num_decodes else "prefill"
+    return "decode"
+
+
+def served_factor(table: dict, slowdown: float, kind: str, num_decodes: int, n: int) -> float:
+    """What a round of `kind` with `num_decodes` decodes, begun while `n`
+    other engines compute, costs against the form: the served table's cell
+    where it has one (times (1 + k) per neighbour past the first), else
+    (1 + k n), k the neighbour slowdown."""
+    cell = table.get((kind, batch_bucket(num_decodes), min(n, 1)))
+    if cell is None:
+        return 1 + slowdown * n
+    return cell * (1 + slowdown * (n - 1)) if n > 1 else cell
+
+
 @dataclass(frozen=True)
 class Profile:
     round: RoundCost
@@ -84,6 +121,11 @@ class Profile:
     copy_bytes_per_s: float               # host <-> device copies (L2 stores and loads)
     measured: dict = field(default_factory=dict)   # where and how well; informational
     neighbour_slowdown: float = 0.0       # per other engine computing beside a round
+    # (kind, batch bucket, beside: 0 alone or 1 with others computing) -> measured / form
+    served_factors: dict = field(default_factory=dict)
+
+    def factor(self, kind: str, num_decodes: int, n: int) -> float:
+        return served_factor(self.served_factors, self.neighbour_slowdown, kind, num_decodes, n)
 
     def to_dict(self) -> dict:
         m = self.model
@@ -96,6 +138,10 @@ class Profile:
                       "kv_heads": m.kv_heads, "head_dim": m.head_dim, "context": m.context,
                       "kv_dtype_bytes": m.dtype_bytes, "sliding_layers": m.sliding_layers,
                       "window": m.window, "params": float(m.params)},
+            **({"served_factors": [
+                {"kind": kind, "batch_from": b, "beside": beside, "factor": float(f)}
+                for (kind, b, beside), f in sorted(self.served_factors.items())]}
+               if self.served_factors else {}),
             "measured": dict(self.measured),
         }
 
@@ -172,7 +218,7 @@ class ProfiledCostModel:
         self.profile = profile
         self.model = profile.model
         self.window = profile.model.window
-        self.neighbour_slowdown = profile.neighbour_slowdown
+        self.round_factor = profile.factor
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:
@@ -217,7 +263,7 @@ def _count(v, where: str, minimum: int) -> int:
 def profile_from_dict(data, source: str = "cost profile") -> Profile:
     """A validated Profile; a ConfigError names the field and what to fix."""
     data = check_keys(data, "profile", {"kind", "version", "round", "copy_bytes_per_s", "model",
-                                        "measured", "neighbour_slowdown"})
+                                        "measured", "neighbour_slowdown", "served_factors"})
     if not data:
         raise ConfigError("profile is empty; write one with `pdserve calibrate --config FILE "
                           "--out PROFILE.yaml`")
@@ -262,7 +308,32 @@ def profile_from_dict(data, source: str = "cost profile") -> Profile:
         raise ConfigError(f"profile.measured must be a mapping, got {type(measured).__name__}")
     copy = _number(data["copy_bytes_per_s"], "profile.copy_bytes_per_s", positive=True)
     slowdown = _number(data.get("neighbour_slowdown", 0.0), "profile.neighbour_slowdown")
-    return Profile(coef, model, copy, measured, slowdown)
+    return Profile(coef, model, copy, measured, slowdown,
+                   _served_factors(data.get("served_factors") or []))
+
+
+def _served_factors(rows) -> dict:
+    where = "profile.served_factors"
+    if not isinstance(rows, list):
+        raise ConfigError(f"{where} must be a list of {{kind, batch_from, beside, factor}}, "
+                          f"got {type(rows).__name__}")
+    out = {}
+    for i, row in enumerate(rows):
+        row = check_keys(row, f"{where}[{i}]", {"kind", "batch_from", "beside", "factor"})
+        kind, b, beside = row.get("kind"), row.get("batch_from"), row.get("beside")
+        if kind not in KINDS:
+            raise ConfigError(f"{where}[{i}].kind is {kind!r}; use one of {', '.join(KINDS)}")
+        if b not in BATCH_FROM:
+            raise ConfigError(f"{where}[{i}].batch_from is {b!r}; use one of "
+                              f"{', '.join(map(str, BATCH_FROM))}")
+        if beside not in (0, 1):
+            raise ConfigError(f"{where}[{i}].beside is {beside!r}; use 0 (the round ran "
+                              "alone) or 1 (other engines computed beside it)")
+        key = (kind, b, beside)
+        if key in out:
+            raise ConfigError(f"{where}[{i}] repeats {kind} from batch {b}, beside {beside}")
+        out[key] = _number(row.get("factor"), f"{where}[{i}].factor", positive=True)
+    return out
 
 
 def load_profile(path) -> Profile:

@@ -7,9 +7,9 @@ within the round: stream-ordered snapshot stores and loads sit on the
 forward's critical path and cost PCIe time; pinned publication stores run
 on their own stream and cost the forward nothing. A copied page costs the
 bytes of its cache group's page (`group_page_bytes`; a state group's page
-is one state slot). A profile measured on a shared host slows a round by
-its `neighbour_slowdown` per other engine computing when it starts
-(`neighbours`, which the simulation sets).
+is one state slot). A profile measured on a shared host corrects each
+round by its kind, decode batch and the other engines computing when it
+starts (`neighbours`, which the simulation sets): `Profile.factor`.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class SimExecutor:
         compute = self.cost.round_seconds(
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
             ctx, len(plan.decodes), wctx)
-        if self.neighbours:
-            compute *= 1 + self.cost.neighbour_slowdown * self.neighbours
+        n = len(plan.decodes)
+        kind = "mixed" if plan.prefills and n else "prefill" if plan.prefills else "decode"
+        compute *= self.cost.round_factor(kind, n, self.neighbours)
         self.now += compute + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size

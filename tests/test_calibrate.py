@@ -56,7 +56,9 @@ def write_profile(tmp_path, data, name="p.yaml") -> Path:
 
 def test_a_saved_profile_loads_back_equal(tmp_path):
     p = Profile(RoundCost(0.001, 0.003, 0.0002, 1e-5, 1e-8, 0.002, 1e-7), TINY, 5e9,
-                {"device": "cpu"}, neighbour_slowdown=0.15)
+                {"device": "cpu"}, neighbour_slowdown=0.15,
+                served_factors={("decode", 2, 1): 1.27, ("decode", 16, 1): 0.82,
+                                ("prefill", 0, 0): 1.05})
     save_profile(p, tmp_path / "p.yaml", header="# a comment\n")
     assert load_profile(tmp_path / "p.yaml") == p
 
@@ -79,6 +81,21 @@ def test_a_saved_profile_loads_back_equal(tmp_path):
     (lambda d: d.update(gpu="h100"), "unknown key profile.gpu"),
     (lambda d: d.update(neighbour_slowdown=-0.1), "profile.neighbour_slowdown must be a "
                                                   "finite number >= 0"),
+    (lambda d: d.update(served_factors={"decode": 1.2}), "profile.served_factors must be a list"),
+    (lambda d: d.update(served_factors=[{"kind": "batch", "batch_from": 1, "beside": 0,
+                                         "factor": 1.0}]),
+     "profile.served_factors[0].kind is 'batch'; use one of prefill, decode, mixed"),
+    (lambda d: d.update(served_factors=[{"kind": "decode", "batch_from": 3, "beside": 0,
+                                         "factor": 1.0}]),
+     "profile.served_factors[0].batch_from is 3; use one of 0, 1, 2, 8, 16, 64"),
+    (lambda d: d.update(served_factors=[{"kind": "decode", "batch_from": 2, "beside": 2,
+                                         "factor": 1.0}]), "beside is 2; use 0"),
+    (lambda d: d.update(served_factors=[{"kind": "decode", "batch_from": 2, "beside": 1,
+                                         "factor": 0}]),
+     "profile.served_factors[0].factor must be a finite number > 0"),
+    (lambda d: d.update(served_factors=[{"kind": "decode", "batch_from": 2, "beside": 1,
+                                         "factor": 1.1}] * 2),
+     "profile.served_factors[1] repeats decode from batch 2, beside 1"),
 ])
 def test_a_bad_profile_is_refused_naming_the_field(tmp_path, mutate, message):
     data = profile_dict()
@@ -188,6 +205,53 @@ def test_a_round_beside_a_computing_neighbour_costs_the_profiles_slowdown_more(t
     # the first engine to step finds the other idle; the second finds it computing
     assert sorted(r["ttft_s"] for r in pair) == pytest.approx([prefill, 1.5 * prefill])
     assert max(r["tpot_s"] for r in pair) > 1.2 * alone["tpot_s"]
+
+
+def test_served_factors_price_a_round_by_its_kind_batch_and_neighbours(tmp_path):
+    """A profile with a served-factor table: a lone prefill costs its cell's
+    factor of the form; a decode cell missing from the table falls back to
+    (1 + slowdown n); beside two others, a cell counts one neighbour and
+    (1 + slowdown) for the second."""
+    terms = dict(overhead_s=0.002, prefill_token_s=0.0001, decode_s=0.004)
+    data = profile_dict(**terms)
+    data["neighbour_slowdown"] = 0.5
+    data["served_factors"] = [{"kind": "prefill", "batch_from": 0, "beside": 0, "factor": 1.25},
+                              {"kind": "decode", "batch_from": 1, "beside": 1, "factor": 2.0}]
+    prof = load_profile(write_profile(tmp_path, data))
+    assert prof.factor("prefill", 0, 0) == 1.25
+    assert prof.factor("decode", 1, 0) == 1.0                 # no cell: 1 + 0.5 x 0
+    assert prof.factor("decode", 1, 1) == 2.0
+    assert prof.factor("decode", 1, 2) == pytest.approx(2.0 * 1.5)
+    assert prof.factor("decode", 4, 1) == pytest.approx(1.5)  # bucket 2-7 has no cell
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "simulate": {"profile": str(
+        write_profile(tmp_path, data, "q.yaml"))}, "engine": {"max_scheduled_tokens": 256}})
+    trace = [TraceRequest("r", 0.0, TokenPrompt([1] * 100), 3, 3)]
+    res = Simulation(cfg, trace, progress=False).run()["requests"][0]
+    c = RoundCost(**{t: terms.get(t, 0.0) for t in TERMS})
+    assert res["ttft_s"] == pytest.approx(1.25 * c.seconds(features(TINY, [(0, 100)], 0, 0)))
+
+
+def test_served_factors_are_the_median_of_each_cell_with_enough_rounds():
+    from pdserve.cluster.profile_fit import errors, fit_factors
+
+    cost = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0)      # a decode costs 10 ms
+    rng = random.Random(5)
+    truth = {(2, 1): 1.27, (16, 1): 0.82, (1, 0): 0.93}
+    pairs = []
+    for (b, beside), f in truth.items():
+        for _ in range(30):
+            batch = rng.randrange(b, 2 * b) if b > 1 else 1
+            noise = 1 + rng.uniform(-0.05, 0.05)
+            pairs.append((Round((), 0, batch, 0, 0.01 * batch * f * noise), beside))
+    few = [(Round((), 0, 64, 0, 0.64 * 3), 1)] * 3          # too few to make a cell
+    table = fit_factors(cost, pairs + few, TINY, slowdown=0.2, min_rounds=8)
+    assert set(table) == {("decode", b, beside) for b, beside in truth}
+    for (b, beside), f in truth.items():
+        assert table[("decode", b, beside)] == pytest.approx(f, rel=0.03)
+    rounds, beside = [r for r, _ in pairs], [n for _, n in pairs]
+    with_table = statistics.median(abs(e) for e in errors(cost, rounds, TINY, 0.2, beside, table))
+    without = statistics.median(abs(e) for e in errors(cost, rounds, TINY, 0.2, beside))
+    assert with_table < 0.05 < without
 
 
 def test_profiled_copies_cost_bytes_over_the_measured_bandwidth(tmp_path):
@@ -407,4 +471,6 @@ def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
     assert len(rounds) == prof.measured["rounds"] + served["rounds"]
     assert all(r.start is not None for r in rounds[-served["rounds"]:])
     assert served["scale"] > 0 and prof.neighbour_slowdown >= 0
+    assert prof.served_factors and all(f > 0 for f in prof.served_factors.values())
+    assert served["held_out_error_scale_only"]["all"]["rounds"] == served["held_out"]
     assert report["all"]["rounds"] == served["held_out"]
