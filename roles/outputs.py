@@ -27,6 +27,19 @@ from pdserve.proto import router_pb2 as rpb
 log = logging.getLogger("pdserve.engine")
 
 
+def _at_interpreter_exit(fn) -> None:
+    """Run `fn` as the interpreter begins to exit, before it joins the gRPC
+    server's pool threads. A Subscribe stream waits on its queue in such a
+    thread: Ray ends a killed actor's worker with a normal exit, and one
+    open stream kept the process (and its polling loop thread) alive long
+    after its actor was gone. `threading._register_atexit` is the hook
+    concurrent.futures itself uses for the same join (CPython 3.9+);
+    hooks run newest first, so this one runs before that join."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(fn)
+
+
 class _Live:
     __slots__ = ("subscriber", "detok", "min_tokens", "tokens")
 
@@ -51,6 +64,7 @@ class Outputs:
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name=f"{name}-outputs", daemon=True)
         self._thread.start()
+        _at_interpreter_exit(self.end_streams)
 
     # ---- the loop thread ------------------------------------------------------
     def open(self, req_id: str, subscriber: str, prompt, stop=(), min_tokens: int = 0) -> None:
@@ -88,6 +102,10 @@ class Outputs:
     def close(self) -> None:
         self._in.put(None)
         self._thread.join(5)
+        self.end_streams()
+
+    def end_streams(self) -> None:
+        """Every Subscribe stream ends (its queue gets None)."""
         with self._lock:
             subs, self._subs = list(self._subs.values()), {}
         for q in subs:
