@@ -49,6 +49,11 @@ TRANSFER_TIMEOUT_S = 30.0
 ROUNDS_KEPT = 20_000      # timed rounds kept for `take_rounds` (the oldest go first)
 LEASE_S = 10.0
 HEARTBEAT_S = 2.0
+# how long a pass waits for a job: while requests or transfers are live, briefly
+# (transfer events and timers are polled between waits); with nothing live, longer
+# (a job still wakes it at once; only timers wait, at most this long)
+POLL_S = 0.002
+IDLE_WAIT_S = 0.02
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -262,10 +267,12 @@ class EngineServer:
         """One pass: jobs, transfer events, timers, a round. True when the
         engine drains and this pass was idle with nothing live: time to stop
         (a pass that did work is not idle; the next one decides)."""
-        busy = self.engine.has_work() and not self._only_waiting_on_peer()
+        live = self.engine.has_work()
+        busy = live and not self._only_waiting_on_peer()
         ran = False
         try:
-            job = self._inbox.get(timeout=0 if busy else 0.002)
+            wait = 0 if busy else POLL_S if live or not self.peer.idle() else IDLE_WAIT_S
+            job = self._inbox.get(timeout=wait)
             ran = True
             job()
             while True:
