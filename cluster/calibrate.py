@@ -381,7 +381,10 @@ FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\
         "# tokens they compute; Q: their query x key pairs (a chunk of n tokens from\n"
         "# position b: n * (b + (n + 1) / 2)); D: decoding requests; K: the sum of their\n"
         "# context lengths. neighbour_slowdown: a round takes (1 + it x n) times as long\n"
-        "# while n other engines compute. Use it with `simulate: {profile: THIS_FILE}`.\n")
+        "# while n other engines compute. served_factors (calibrate --served): measured /\n"
+        "# form by round kind, decode batch and alone (0) or beside others (1), used in\n"
+        "# place of (1 + it x n) where a round has a cell. Use it with\n"
+        "# `simulate: {profile: THIS_FILE}`.\n")
 
 
 def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,

@@ -179,9 +179,7 @@ class Round:
 
     @property
     def kind(self) -> str:
-        if self.prefills and self.num_decodes:
-            return "mixed"
-        return "prefill" if self.prefills else "decode"
+        return round_kind(bool(self.prefills), self.num_decodes)
 
 
 def round_of(plan, seconds: float, window: int, start: float | None = None) -> Round:

@@ -15,6 +15,7 @@ starts (`neighbours`, which the simulation sets): `Profile.factor`.
 from __future__ import annotations
 
 from pdserve.roles.cost_model import CostModel
+from pdserve.roles.cost_profile import round_kind
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -74,8 +75,7 @@ class SimExecutor:
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
             ctx, len(plan.decodes), wctx)
         n = len(plan.decodes)
-        kind = "mixed" if plan.prefills and n else "prefill" if plan.prefills else "decode"
-        compute *= self.cost.round_factor(kind, n, self.neighbours)
+        compute *= self.cost.round_factor(round_kind(bool(plan.prefills), n), n, self.neighbours)
         self.now += compute + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size
