@@ -19,9 +19,9 @@ Then, per round kind, decode-batch bucket and alone/beside others, the
 median served round against that scaled form (`fit_factors`): the
 profile's `served_factors`, which the simulator applies where a cell had
 enough rounds. Every 4th served round is held out, and its error is
-reported with the table and with the scale and k alone. The loads differ from `bench
-sim-accuracy`'s (their prompt and output lengths), so that benchmark checks
-the profile on requests it was not fitted to.
+reported with the table and with the scale and k alone. The loads differ
+from `bench sim-accuracy`'s (their prompt and output lengths), so that
+benchmark checks the profile on requests it was not fitted to.
 """
 
 from __future__ import annotations
