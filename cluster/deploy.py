@@ -61,8 +61,10 @@ class Deployment:
             if self.ray_address:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
-                init_local(num_cpus=self.num_cpus, namespace=NAMESPACE, include_dashboard=False,
-                           log_to_driver=False, _node_ip_address="127.0.0.1")
+                # "local": a Ray of our own, never one found running on this machine
+                init_local(address="local", num_cpus=self.num_cpus, namespace=NAMESPACE,
+                           include_dashboard=False, log_to_driver=False,
+                           _node_ip_address="127.0.0.1")
             self._started_ray = True
         local = self.loopback
         self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,

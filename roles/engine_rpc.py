@@ -51,6 +51,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
                 self._streams_cv.notify_all()
             if self.s.outputs.unsubscribe(sub, q):
                 self.s.subscriber_gone(sub)
+            q.put(None)                         # a handler waiting on q returns its thread
         if not context.add_callback(gone):
             gone()                              # it terminated already
         yield pb.EngineEvents()
