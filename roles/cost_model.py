@@ -252,7 +252,7 @@ class CostModel:
         self._kvb_w = model.kv_layer_bytes * model.sliding_layers
         self.window = model.window
 
-    def round_factor(self, kind: str, num_decodes: int, neighbours: int) -> float:
+    def round_factor(self, has_prefill: bool, num_decodes: int, neighbours: int) -> float:
         """A measured profile's correction to a round (roles/cost_profile.py);
         the GPU presets' form needs none (each engine has its own GPU)."""
         return 1.0

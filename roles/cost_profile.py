@@ -209,14 +209,13 @@ def neighbours(per_engine: list[list]) -> list[int]:
 
 
 class ProfiledCostModel:
-    """`CostModel`'s interface (round_seconds, copy_seconds, model, window)
+    """`CostModel`'s interface (round_seconds, round_factor, copy_seconds, model, window)
     over a measured profile."""
 
     def __init__(self, profile: Profile):
         self.profile = profile
         self.model = profile.model
         self.window = profile.model.window
-        self.round_factor = profile.factor
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:
@@ -230,6 +229,9 @@ class ProfiledCostModel:
             return 0.0
         return tokens * (bytes_per_token or self.model.kv_bytes_per_token) \
             / self.profile.copy_bytes_per_s
+
+    def round_factor(self, has_prefill: bool, num_decodes: int, neighbours: int) -> float:
+        return self.profile.factor(round_kind(has_prefill, num_decodes), num_decodes, neighbours)
 
 
 def simulated_cost(gpu: str, model: str, profile: str | None):

@@ -15,7 +15,6 @@ starts (`neighbours`, which the simulation sets): `Profile.factor`.
 from __future__ import annotations
 
 from pdserve.roles.cost_model import CostModel
-from pdserve.roles.cost_profile import round_kind
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -74,8 +73,8 @@ class SimExecutor:
         compute = self.cost.round_seconds(
             [(op.begin - op.replay, op.tokens + op.replay) for op in plan.prefills],
             ctx, len(plan.decodes), wctx)
-        n = len(plan.decodes)
-        compute *= self.cost.round_factor(round_kind(bool(plan.prefills), n), n, self.neighbours)
+        compute *= self.cost.round_factor(bool(plan.prefills), len(plan.decodes),
+                                          self.neighbours)
         self.now += compute + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size
