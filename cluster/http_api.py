@@ -257,42 +257,48 @@ class HttpFront:
             "usage": _usage(prompt_tokens, completion_tokens)})
 
     async def _sse(self, body, streams, rid, created, prompt_tokens, chat: bool):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        usage = body.include_usage
-        head = {"id": rid, "object": obj, "created": created, "model": self.r.model_name}
+        ev = SseEvents({"id": rid, "object": "chat.completion.chunk" if chat
+                        else "text_completion", "created": created,
+                        "model": self.r.model_name}, chat, body.include_usage)
         completion_tokens = 0
         offsets = [0] * len(streams)
         want_lps = streams[0].sp.logprobs is not None
 
-        def event(choice) -> str:
-            return "data: " + json.dumps({**head, "choices": [choice],
-                                          **({"usage": None} if usage else {})}) + "\n\n"
+        def render(i, d) -> bytes:
+            nonlocal completion_tokens
+            completion_tokens += len(d.token_ids)
+            # one event a delta, even while its text is held back (part of a
+            # character, or of a possible stop string): streams stay token by token
+            if not want_lps and not d.finish_reason:
+                offsets[i] += len(d.text)
+                return ev.text(i, d.text)
+            lps = None
+            if want_lps and d.logprobs:
+                lps = self._logprobs(d.logprobs, chat, offsets[i])
+            offsets[i] += len(d.text)
+            finish = d.finish_reason or None
+            if chat:
+                return ev.choice({"index": i, "delta": {"content": d.text} if d.text else {},
+                                  "logprobs": lps, "finish_reason": finish})
+            return ev.choice({"index": i, "text": d.text, "logprobs": lps,
+                              "finish_reason": finish})
         try:
             if chat:
                 for i in range(len(streams)):
-                    yield event({"index": i, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None})
-            async for i, d in _merged(streams):
-                completion_tokens += len(d.token_ids)
-                lps = None
-                if want_lps and d.logprobs:
-                    lps = self._logprobs(d.logprobs, chat, offsets[i])
-                offsets[i] += len(d.text)
-                # one event a delta, even while its text is held back (part of a
-                # character, or of a possible stop string): streams stay token by token
-                finish = d.finish_reason or None
-                if chat:
-                    yield event({"index": i, "delta": {"content": d.text} if d.text else {},
-                                 "logprobs": lps, "finish_reason": finish})
-                else:
-                    yield event({"index": i, "text": d.text, "logprobs": lps,
-                                 "finish_reason": finish})
-            if usage:
-                yield "data: " + json.dumps({**head, "choices": [], "usage": _usage(
-                    prompt_tokens, completion_tokens)}) + "\n\n"
+                    yield ev.choice({"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None})
+            if len(streams) == 1:                 # no merging layer: this runs every token
+                async with contextlib.aclosing(streams[0].events()) as deltas:
+                    async for d in deltas:
+                        yield render(0, d)
+            else:
+                async for i, d in _merged(streams):
+                    yield render(i, d)
+            if body.include_usage:
+                yield ev.usage(_usage(prompt_tokens, completion_tokens))
         except RequestError as e:
-            yield "data: " + json.dumps(json.loads(_from_request_error(e).body)) + "\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + _from_request_error(e).body + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     def _logprobs(self, entries, chat: bool, offset: int):
         """OpenAI's logprobs object for these TokenLogprob entries: chat's
@@ -316,6 +322,40 @@ class HttpFront:
             top.append({self._tok_str(x.token_id): x.logprob for x in e.top})
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
+
+
+class SseEvents:
+    """The server-sent events of one streamed answer, as bytes. The common
+    event (a delta's text, no logprobs, not the last) is spliced from a
+    prefix and a suffix rendered once around the JSON-escaped text: dumping
+    the whole chunk object for every token was a tenth of the router's time
+    under load. Every other event is dumped whole (`choice`)."""
+
+    __slots__ = ("head", "usage_field", "_chat", "_pre", "_mid", "_end")
+
+    def __init__(self, head: dict, chat: bool, include_usage: bool):
+        self.head = head
+        self.usage_field = {"usage": None} if include_usage else {}
+        self._pre = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": [{"index": '
+        self._mid = b', "delta": {"content": ' if chat else b', "text": '
+        self._end = ((b"}" if chat else b"") + b', "logprobs": null, "finish_reason": null}]'
+                     + (b', "usage": null' if include_usage else b"") + b"}\n\n")
+        self._chat = chat
+
+    def text(self, index: int, text: str) -> bytes:
+        if not text and self._chat:               # an empty chat delta is {}
+            return self.choice({"index": index, "delta": {}, "logprobs": None,
+                                "finish_reason": None})
+        return b"".join((self._pre, b"%d" % index, self._mid, json.dumps(text).encode(),
+                         self._end))
+
+    def choice(self, choice: dict) -> bytes:
+        return b"data: " + json.dumps({**self.head, "choices": [choice],
+                                       **self.usage_field}).encode() + b"\n\n"
+
+    def usage(self, usage: dict) -> bytes:
+        return b"data: " + json.dumps({**self.head, "choices": [], "usage": usage}).encode() \
+            + b"\n\n"
 
 
 def _with_seed(sp, seed):

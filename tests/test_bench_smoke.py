@@ -116,3 +116,29 @@ def test_bench_loop(capsys):
 def test_bench_soak(capsys):
     out = bench(capsys, "soak", "--seconds", "8", "--concurrency", "4", "--seed", "1")
     assert "soak: PASS" in out
+
+
+def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
+    """`bench serve --offline` runs the same requests through pdserve.LLM
+    with at most --concurrency at once (the served closed loop's cap)."""
+    from pdserve import llm
+    from pdserve.benchmarks import serve
+
+    batches = []
+
+    class Recorded(llm.LLM):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            step = self.engine.step
+
+            def counted():
+                out = step()
+                if out is not None:
+                    batches.append(len(out.plan.decodes))
+                return out
+            self.engine.step = counted
+    monkeypatch.setattr(llm, "LLM", Recorded)
+    samples = serve.workload(6, 8, 5, None, None, 1024, 0)
+    r = serve.run_offline(TINY_CFG, samples, 0, concurrency=2)
+    assert r["ok"] == 6 and r["output_tok_per_s"] * r["wall_s"] == pytest.approx(30)
+    assert max(batches) == 2

@@ -345,3 +345,22 @@ def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
             httpx.get(r.http_address.replace("https", "http") + "/health", timeout=5)
     finally:
         r.stop()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), index=st.integers(0, 99), chat=st.booleans(), usage=st.booleans())
+def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
+    """The per-token event spliced around the escaped text is the same JSON
+    as the whole chunk object dumped, for any text (quotes, control
+    characters, surrogates' neighbours, non-ASCII)."""
+    from pdserve.cluster.http_api import SseEvents
+
+    ev = SseEvents({"id": "cmpl-1", "object": "o", "created": 7, "model": 'm"x'}, chat, usage)
+    if chat:
+        choice = {"index": index, "delta": {"content": text} if text else {},
+                  "logprobs": None, "finish_reason": None}
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    spliced, dumped = ev.text(index, text), ev.choice(choice)
+    assert spliced.startswith(b"data: ") and spliced.endswith(b"\n\n")
+    assert json.loads(spliced[6:]) == json.loads(dumped[6:])
