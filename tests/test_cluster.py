@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client
@@ -92,6 +93,13 @@ def test_disaggregated_equals_fused_equals_offline(client):
                                                      ignore_eos=True), PROMPTS)
         assert [g.token_ids for g in got] == want, route
         assert {g.engine for g in got} == {engine}
+
+
+def test_a_local_ray_runs_the_engines_at_nice_0(deployment):
+    """Not Ray's worker default of 15: an engine's loop thread must not wait
+    for a core behind the router and the clients on its host."""
+    infos = ray.get([a.info.remote() for _, _, a in deployment.engines])
+    assert [i["niceness"] for i in infos] == [0, 0, 0]
 
 
 def test_tokens_stream_in_order_and_only_the_last_chunk_finishes(client):

@@ -27,6 +27,9 @@ def test_the_ray_up_yaml_starts_pdserve_on_the_head_with_gpu_engines():
         assert key in spec, key
     workers = spec["available_node_types"]["gpu_worker"]["resources"]
     assert workers["GPU"] >= 1
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in spec[key] if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith("RAY_worker_niceness=0 ") for c in starts)
     cmd = next(c for c in spec["head_start_ray_commands"] if "pdserve up" in c).split()
     args = build_parser().parse_args(cmd[cmd.index("pdserve") + 1:cmd.index(">")])
     assert args.address == "auto" and args.device == "cuda" and args.gpus_per_engine == 1
