@@ -120,7 +120,8 @@ def test_bench_soak(capsys):
 
 def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
     """`bench serve --offline` runs the same requests through pdserve.LLM
-    with at most --concurrency at once (the served closed loop's cap)."""
+    with at most --concurrency at once (the served closed loop's cap),
+    --repeats times; the median run stands for it."""
     from pdserve import llm
     from pdserve.benchmarks import serve
 
@@ -139,6 +140,8 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
             self.engine.step = counted
     monkeypatch.setattr(llm, "LLM", Recorded)
     samples = serve.workload(6, 8, 5, None, None, 1024, 0)
-    r = serve.run_offline(TINY_CFG, samples, 0, concurrency=2)
+    r = serve.run_offline(TINY_CFG, samples, 0, concurrency=2, repeats=3)
     assert r["ok"] == 6 and r["output_tok_per_s"] * r["wall_s"] == pytest.approx(30)
     assert max(batches) == 2
+    runs = r["tok_per_s_runs"]
+    assert len(runs) == 3 and runs == sorted(runs) and r["output_tok_per_s"] == runs[1]
