@@ -269,13 +269,10 @@ class HttpFront:
             completion_tokens += len(d.token_ids)
             # one event a delta, even while its text is held back (part of a
             # character, or of a possible stop string): streams stay token by token
+            at, offsets[i] = offsets[i], offsets[i] + len(d.text)
             if not want_lps and not d.finish_reason:
-                offsets[i] += len(d.text)
                 return ev.text(i, d.text)
-            lps = None
-            if want_lps and d.logprobs:
-                lps = self._logprobs(d.logprobs, chat, offsets[i])
-            offsets[i] += len(d.text)
+            lps = self._logprobs(d.logprobs, chat, at) if want_lps and d.logprobs else None
             finish = d.finish_reason or None
             if chat:
                 return ev.choice({"index": i, "delta": {"content": d.text} if d.text else {},
