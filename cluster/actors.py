@@ -7,7 +7,6 @@ router notices and introduces it to its peers again).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import ray
@@ -17,7 +16,6 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.roles.engine_server import EngineServer
 
 NAMESPACE = "pdserve"
-log = logging.getLogger("pdserve.engine")
 
 
 class EngineHost:
@@ -27,11 +25,7 @@ class EngineHost:
                  host: str | None):
         host = host or ray.util.get_node_ip_address()
         self.server = EngineServer(cfg, role, index, host=host, device=device, **options)
-        self.niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        if self.niceness > 0:
-            log.warning("%s runs at nice %d (Ray's worker default), below the router and "
-                        "clients on its host, and its rounds wait for a core under load: "
-                        "start Ray with RAY_worker_niceness=0", self.server.name, self.niceness)
+        self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:
         return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id(),

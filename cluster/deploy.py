@@ -14,6 +14,7 @@ its devices (RDMA where there is some).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import ray
 
@@ -25,6 +26,8 @@ from pdserve.cluster.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestErro
                                     Security)
 from pdserve.kernels.loader import load_tokenizer, model_config_for
 
+
+log = logging.getLogger("pdserve.deploy")
 
 LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
 # Ray starts its workers at nice 15, below the router and any client on the
@@ -79,6 +82,8 @@ class Deployment:
                                      host="127.0.0.1" if local else None,
                                      env=LOCAL_ENV if local else None)
         infos = ray.get([a.info.remote() for _, _, a in self.engines])
+        for line in niceness_warnings(infos):
+            log.warning("%s", line)
         m = self.cfg.model
         tok = load_tokenizer(m.path, m.preset)
         model_cfg = model_config_for(m.path, m.preset)
@@ -221,3 +226,12 @@ class Deployment:
         self.engines = []
         if self._started_ray:
             ray.shutdown()
+
+
+def niceness_warnings(infos: list[dict]) -> list[str]:
+    """A line for each engine that runs below normal priority (a joined
+    Ray started without RAY_worker_niceness=0)."""
+    return [f"{i['engine']} runs at nice {i['niceness']} (Ray's worker default is 15), below "
+            "the router and the clients on its host, so its rounds wait for a core under "
+            "load: start Ray with RAY_worker_niceness=0 on every node"
+            for i in infos if i.get("niceness", 0) > 0]

@@ -12,7 +12,7 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
+from pdserve.cluster.deploy import Deployment, niceness_warnings
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}
@@ -100,6 +100,10 @@ def test_a_local_ray_runs_the_engines_at_nice_0(deployment):
     for a core behind the router and the clients on its host."""
     infos = ray.get([a.info.remote() for _, _, a in deployment.engines])
     assert [i["niceness"] for i in infos] == [0, 0, 0]
+    assert niceness_warnings(infos) == []
+    lines = niceness_warnings([{**infos[0], "niceness": 15}, infos[1]])
+    assert len(lines) == 1 and infos[0]["engine"] in lines[0] and "nice 15" in lines[0] \
+        and "RAY_worker_niceness=0" in lines[0]
 
 
 def test_tokens_stream_in_order_and_only_the_last_chunk_finishes(client):
