@@ -234,4 +234,4 @@ def niceness_warnings(infos: list[dict]) -> list[str]:
     return [f"{i['engine']} runs at nice {i['niceness']} (Ray's worker default is 15), below "
             "the router and the clients on its host, so its rounds wait for a core under "
             "load: start Ray with RAY_worker_niceness=0 on every node"
-            for i in infos if i.get("niceness", 0) > 0]
+            for i in infos if i["niceness"] > 0]
