@@ -2,7 +2,8 @@
 
 Ray gives a new node 30 s to register with its GCS and then gives up
 ("The current node timed out during startup"), leaving the processes it
-started behind. On a small, busy host (two cores, a test suite) that
+started behind; the GCS itself can be as late writing its port ("Timed out
+waiting for file .../gcs_server_port_..."). On a small, busy host (two cores, a test suite) that
 happens now and then with nothing wrong. `init_local` kills what the failed
 start left and tries once more; a second failure is the caller's.
 """
@@ -32,7 +33,9 @@ def _kill_new(before: set[int]) -> None:
 
 
 def timed_out_at_startup(e: BaseException) -> bool:
-    return "timed out during startup" in str(e)
+    text = str(e)
+    return "timed out during startup" in text or (
+        "Timed out waiting for file" in text and "gcs_server_port" in text)
 
 
 def init_local(**kwargs) -> None:

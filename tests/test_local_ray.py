@@ -31,6 +31,15 @@ def test_a_startup_timeout_kills_what_the_try_left_and_tries_once_more(monkeypat
     assert "timed out at startup" in capsys.readouterr().err
 
 
+def test_a_gcs_late_with_its_port_is_a_startup_timeout_too():
+    """CI saw the GCS miss Ray's wait for its port file on a busy host."""
+    assert local_ray.timed_out_at_startup(RuntimeError(
+        "Timed out waiting for file /tmp/ray/session_2026-12-01_12-39-43_057779_12568/"
+        "gcs_server_port_19f77e9096d3b5f4"))
+    assert not local_ray.timed_out_at_startup(RuntimeError("Timed out waiting for file x.log"))
+    assert not local_ray.timed_out_at_startup(ValueError("num_cpus must be positive"))
+
+
 def test_a_second_timeout_and_any_other_error_reach_the_caller(monkeypatch):
     calls = []
 
