@@ -11,6 +11,14 @@ served from the prefix cache an earlier one filled. Reports TTFT and TPOT
 p50 and p90 of both, medians over the runs with their spread, and the
 error (median sim / median real - 1).
 
+Each run is also simulated at its engines' own speed: the profile's round
+costs divided by (1 + the run's busy-time error), i.e. scaled so that the
+profile prices the rounds the engines ran in that run at what they took.
+On a host whose speed drifts between runs (this 2-core VM moved 30% within
+an hour), that separates the two sources of error: the host's speed at the
+time (which a profile measured earlier cannot know) and the simulator's
+scheduling and queueing (the rest).
+
 Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
 workload's load shows up as a slower real run, not as a simulator error.
@@ -26,12 +34,14 @@ import dataclasses
 import json
 import os
 import statistics
+import tempfile
 
 from pdserve.benchmarks.args import positive, usage_error, workload_arguments
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
 from pdserve.cluster.host_load import ForeignLoad, wait_for_quiet
 from pdserve.cluster.profile_fit import errors
-from pdserve.roles.cost_profile import load_profile, neighbours
+from pdserve.roles.cost_profile import (Profile, RoundCost, load_profile, neighbours,
+                                        save_profile)
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
 
@@ -137,16 +147,35 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
 
 
 def resimulate(res: dict, profile: str) -> None:
-    """Simulate each recorded real run: the same requests at the same times."""
+    """Simulate each recorded real run: the same requests at the same times,
+    with `profile` ("sim") and, where the run timed its engines' rounds,
+    with the profile at their speed ("sim_own_speed")."""
     from pdserve.cluster.config import load_config
 
     cfg, w = load_config(res["config"]), res["workload"]
-    for r in res["runs"]:
-        samples = workload(w["alone"] if r["rate"] is None else w["requests"], w["prompt_len"],
-                           w["max_tokens"], None, None, w["prompt_len"], r["seed"])
-        due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
-        r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
+    prof = load_profile(profile)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(res["runs"]):
+            samples = workload(w["alone"] if r["rate"] is None else w["requests"],
+                               w["prompt_len"], w["max_tokens"], None, None, w["prompt_len"],
+                               r["seed"])
+            due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
+            r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
+            busy_err = (r.get("rounds") or {}).get("busy_err")
+            r.pop("sim_own_speed", None)
+            if busy_err is not None:
+                scaled = os.path.join(tmp, f"run{i}.yaml")
+                save_profile(at_speed(prof, 1 + busy_err), scaled)
+                r["sim_own_speed"] = simulate(cfg, scaled, samples, due, w["max_tokens"])
     res["profile"] = profile
+
+
+def at_speed(prof: Profile, predicted_over_real: float) -> Profile:
+    """`prof` with its round costs divided by `predicted_over_real` (what
+    it predicted for a run's rounds over what they took): the same profile
+    on an engine that ran that much faster or slower."""
+    cost = RoundCost(*(c / predicted_over_real for c in prof.round.coefficients()))
+    return dataclasses.replace(prof, round=cost)
 
 
 def _ms(v) -> str:
@@ -170,27 +199,49 @@ def _median_cell(values) -> tuple:
     return mid, _ms(mid) + spread
 
 
-def table(results: list[dict]) -> list[str]:
+def table(results: list[dict], sim: str = "sim") -> list[str]:
     """Markdown rows: per config and level, the median over runs (min-max)
-    of the real deployment and of the simulator on each run's requests,
-    TTFT and TPOT at p50 and p90; the error is median sim / median real - 1."""
+    of the real deployment and of the simulator on each run's requests
+    (`sim`: the result key, "sim" or "sim_own_speed"), TTFT and TPOT at p50
+    and p90; the error is median sim / median real - 1."""
     lines = ["| config | level | rate req/s | metric | real p50 (runs) | sim p50 (runs) | "
              "err p50 | real p90 (runs) | sim p90 (runs) | err p90 |",
              "| --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
     for res in results:
         for lv in res["levels"]:
-            runs = [r for r in res["runs"] if r["level"] == lv["level"]]
+            runs = [r for r in res["runs"] if r["level"] == lv["level"] and sim in r]
+            if not runs:
+                continue
             rate = f"{lv['rate']:.2f}" if lv["rate"] else "closed, c=1"
             for metric in ("ttft_s", "tpot_s"):
                 cells = []
                 for q in ("p50", "p90"):
-                    real, real_cell = _median_cell([r[metric][q] for r in runs])
-                    sim, sim_cell = _median_cell([r["sim"][metric][q] for r in runs])
-                    err = f"{sim / real - 1:+.0%}" if real and sim is not None else "-"
+                    err = cell_error(runs, sim, metric, q)
+                    _, real_cell = _median_cell([r[metric][q] for r in runs])
+                    _, sim_cell = _median_cell([r[sim][metric][q] for r in runs])
+                    err = f"{err:+.0%}" if err is not None else "-"
                     cells += [real_cell, sim_cell, err]
                 lines.append(f"| {res['config']} | {lv['level']} | {rate} | "
                              f"{metric[:-2].upper()} | " + " | ".join(cells) + " |")
     return lines
+
+
+def cell_error(runs: list[dict], sim: str, metric: str, q: str) -> float | None:
+    """Median of the simulated runs over median of the real ones, minus 1."""
+    real, _ = _median_cell([r[metric][q] for r in runs])
+    simulated, _ = _median_cell([r[sim][metric][q] for r in runs])
+    return simulated / real - 1 if real and simulated is not None else None
+
+
+def within(results: list[dict], sim: str = "sim", tolerance: float = 0.10,
+           q: str = "p50") -> tuple[int, int]:
+    """(cells whose error at `q` is within `tolerance`, cells), a cell being
+    one metric (TTFT, TPOT) of one level of one config."""
+    errs = [cell_error([r for r in res["runs"] if r["level"] == lv["level"] and sim in r],
+                       sim, metric, q)
+            for res in results for lv in res["levels"] for metric in ("ttft_s", "tpot_s")]
+    errs = [e for e in errs if e is not None]
+    return sum(abs(e) <= tolerance for e in errs), len(errs)
 
 
 def rounds_table(results: list[dict]) -> list[str]:
@@ -244,6 +295,15 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     print(f"profile {profile}" + (f"; real runs replayed from {replay}" if replay else ""))
     for line in table(results):
         print(line)
+    hit, cells = within(results)
+    print(f"{hit} of {cells} cells within 10% at p50")
+    hit, cells = within(results, "sim_own_speed")
+    if cells:
+        print("the same runs, each simulated at its engines' own speed (the profile's round "
+              "costs scaled by the run's busy-time error below):")
+        for line in table(results, "sim_own_speed"):
+            print(line)
+        print(f"{hit} of {cells} cells within 10% at p50 at the engines' own speed")
     rows = rounds_table(results)
     if len(rows) > 2:
         print("the profile against the rounds the engines ran (their own timings):")

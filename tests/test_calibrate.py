@@ -400,6 +400,41 @@ def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys
     assert again["tpot_s"]["p50"] == pytest.approx(0.003)
 
 
+def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path, capsys):
+    """A run whose rounds the profile priced at twice what they took is
+    simulated again with the round costs halved; a run that timed no rounds
+    is not, and the cells within 10% are counted for both views."""
+    import json
+
+    from pdserve.benchmarks.sim_accuracy import within
+
+    prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
+                                                decode_s=0.002))
+    c1 = {"p50": 0.0042, "p90": 0.0042}          # what the profile predicts at c=1
+    runs = [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
+             "tpot_s": {"p50": 0.003, "p90": 0.003}, "foreign_cores": 0.0,
+             "rounds": {"count": 9, "busy_s": 1.0, "err_p50": 1.0, "busy_err": 1.0}},
+            {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1,
+             "tpot_s": c1, "foreign_cores": 0.0}]
+    recorded = [{"config": str(ROOT / "deploy/local-tiny.yaml"), "runs": runs,
+                 "saturation_req_per_s": 4.0,
+                 "levels": [{"level": "c1", "rate": None}, {"level": "0.5x", "rate": 2.0}],
+                 "workload": {"requests": 4, "alone": 2, "prompt_len": 32, "max_tokens": 4}}]
+    src = tmp_path / "runs.json"
+    src.write_text(json.dumps(recorded))
+    assert main(["bench", "sim-accuracy", "--replay", str(src), "--profile", str(prof),
+                 "--out", str(tmp_path / "again.json")]) == 0
+    out = capsys.readouterr().out
+    again = json.loads((tmp_path / "again.json").read_text())
+    c1_run, loaded = again[0]["runs"]
+    assert c1_run["sim_own_speed"]["ttft_s"]["p50"] == pytest.approx((0.001 + 32e-4) / 2)
+    assert c1_run["sim_own_speed"]["tpot_s"]["p50"] == pytest.approx(0.003 / 2)
+    assert "sim_own_speed" not in loaded
+    assert within(again) == (3, 4)                       # 0.5x TPOT is 29% under
+    assert within(again, "sim_own_speed") == (0, 2)     # both c1 cells now 50% under
+    assert "0 of 2 cells within 10% at p50 at the engines' own speed" in out
+
+
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     from pdserve.roles.cost_profile import neighbours
 
