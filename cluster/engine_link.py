@@ -1,13 +1,13 @@
 """The router's link to one engine: a long-lived Subscribe stream that
 carries, batched per engine round, the events of every request this router
-submitted there, dispatched to each request's queue. When the stream breaks
-(the engine died or restarted), every request waiting on it is told
-(`LOST`) and the link reconnects, following the stub membership keeps
-current."""
+submitted there, dispatched to each request's `Mailbox`. When the stream breaks (the engine
+died or restarted), every request waiting on it is told (`LOST`) and the
+link reconnects, following the stub membership keeps current."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 
@@ -18,8 +18,37 @@ from pdserve.proto import control_pb2 as cpb
 
 log = logging.getLogger("pdserve.router")
 
-LOST = object()          # put on a request's queue when its engine's stream broke
+LOST = object()          # put in a request's mailbox when its engine's stream broke
 RECONNECT_S = 0.2
+
+
+class Mailbox:
+    """One request's events from its engine link, in order. The link puts
+    and never waits; the request's task takes all that came at once.
+    asyncio.Queue did the same in pure Python and asked for the running
+    loop (a getpid system call) on each wait, once per token of every
+    stream."""
+
+    __slots__ = ("_loop", "_items", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, ev) -> None:
+        self._items.append(ev)
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self) -> collections.deque:
+        """The events waiting, oldest first; waits for one if there is none."""
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        items, self._items = self._items, collections.deque()
+        return items
 
 
 class EngineLink:
@@ -29,7 +58,7 @@ class EngineLink:
         self.subscriber = ""                      # the live subscription's id
         self.ready = asyncio.Event()
         self.ended = asyncio.Event()              # the last live stream ended (all read)
-        self.requests: dict[str, asyncio.Queue] = {}
+        self.requests: dict[str, Mailbox] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
 
@@ -53,16 +82,16 @@ class EngineLink:
                         self.ended.clear()
                         self.ready.set()
                     for ev in msg.events:
-                        q = self.requests.get(ev.request_id)
-                        if q is not None:
-                            q.put_nowait(ev)
+                        box = self.requests.get(ev.request_id)
+                        if box is not None:
+                            box.put(ev)
             except grpc.aio.AioRpcError:
                 pass                              # the engine is gone: tell, then retry
             if self.ready.is_set():               # it was up: down until membership sees it
                 self.ref.alive = False
                 self.ended.set()
             self.ready.clear()
-            for q in self.requests.values():
-                q.put_nowait(LOST)
+            for box in self.requests.values():
+                box.put(LOST)
             self.requests.clear()
             await asyncio.sleep(RECONNECT_S)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.cluster.engine_link import LOST
+from pdserve.cluster.engine_link import LOST, Mailbox
 from pdserve.cluster.pairing import EngineRef
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
@@ -138,7 +138,7 @@ class Stream:
         if sp.logprobs is not None:
             sub.logprobs = sp.logprobs
         link = r.links[target.name]
-        q: asyncio.Queue = asyncio.Queue()
+        box = Mailbox(asyncio.get_running_loop())
         ended = submitted = False
         try:
             try:
@@ -146,7 +146,7 @@ class Stream:
             except asyncio.TimeoutError:
                 target.alive = False              # until membership sees it again
                 raise _EngineLost(f"{target.name} has no live event stream") from None
-            link.requests[self.id] = q
+            link.requests[self.id] = box
             sub.subscriber = link.subscriber
             try:
                 await target.stub.Submit(sub, timeout=30)
@@ -162,10 +162,8 @@ class Stream:
             submitted = True
             backlog: collections.deque = collections.deque()
             while not ended:
-                if not backlog:
-                    backlog.append(await q.get())
-                    while not q.empty():          # what came while the client was busy
-                        backlog.append(q.get_nowait())
+                if not backlog:                   # all that came while the client was busy
+                    backlog = await box.take()
                 ev = backlog.popleft()
                 if ev is LOST:
                     ended = True                  # nothing left on that engine to abort
@@ -182,7 +180,7 @@ class Stream:
                 streamed.extend(d.token_ids)
                 yield d
         finally:
-            if link.requests.get(self.id) is q:
+            if link.requests.get(self.id) is box:
                 del link.requests[self.id]
             if submitted and not ended:           # the client left: the engine aborts it
                 r.background(_abort(target, self.id, "client went away"))

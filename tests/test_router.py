@@ -115,7 +115,7 @@ def test_a_request_refused_by_a_draining_engine_is_submitted_to_another():
     class Serving:
         async def Submit(self, sub, timeout):
             tried.append("fused-1")
-            r.links["fused-1"].requests[sub.request_id].put_nowait(cpb.RequestEvent(
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
                 request_id=sub.request_id, token_ids=[7, 8], text="ab", finish_reason="length"))
 
     async def go():
@@ -154,7 +154,7 @@ def test_events_that_pile_up_behind_a_slow_reader_go_out_as_one_delta_in_order()
         async def Submit(self, sub, timeout):
             q = r.links["fused-0"].requests[sub.request_id]
             for i, t in enumerate((5, 6, 7)):
-                q.put_nowait(event(sub.request_id, [t], "abc"[i]))
+                q.put(event(sub.request_id, [t], "abc"[i]))
 
         async def Abort(self, req, timeout):
             return None
@@ -168,13 +168,13 @@ def test_events_that_pile_up_behind_a_slow_reader_go_out_as_one_delta_in_order()
         async for d in stream.events():
             deltas.append(d)
             if len(deltas) == 1:                 # caught up: the last token comes alone
-                link.requests[stream.id].put_nowait(event(stream.id, [8], "d", "length"))
+                link.requests[stream.id].put(event(stream.id, [8], "d", "length"))
         broken = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
         got = []
         with pytest.raises(RequestError, match="engine error: boom"):
             async for d in broken.events():
                 got.append(d)
-                link.requests[broken.id].put_nowait(
+                link.requests[broken.id].put(
                     cpb.RequestEvent(request_id=broken.id, error="engine error: boom"))
         return deltas, got
     deltas, got = asyncio.run(go())
@@ -206,7 +206,7 @@ def test_stream_interval_sends_k_tokens_a_message_and_the_rest_last():
         def send(self):
             t = tokens[self.next]
             self.next += 1
-            r.links["fused-0"].requests[self.rid].put_nowait(cpb.RequestEvent(
+            r.links["fused-0"].requests[self.rid].put(cpb.RequestEvent(
                 request_id=self.rid, token_ids=[t], text=chr(ord("a") + t),
                 finish_reason="length" if self.next == len(tokens) else ""))
 
@@ -247,3 +247,33 @@ def test_the_prompt_bound_is_the_context_when_every_layer_slides():
     sliding = Router(cfg, PrintableTokenizer(), 98, engines, full_history=False)
     assert full.max_prompt_tokens < 64 * 4
     assert sliding.max_prompt_tokens == 4096 - cfg.engine.decode_input_tokens
+
+
+def test_a_mailbox_hands_over_everything_that_came_in_order_and_wakes_its_reader():
+    """The reader waiting on an empty mailbox wakes on the first put; puts
+    made while it was busy come out together, oldest first; a reader that
+    was cancelled while waiting leaves the mailbox usable."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import LOST, Mailbox
+
+    async def go():
+        box = Mailbox(asyncio.get_running_loop())
+        reader = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)                       # the reader now waits
+        assert not reader.done()
+        box.put(1)
+        first = list(await reader)
+        for x in (2, 3, LOST):
+            box.put(x)
+        rest = list(await box.take())
+        gone = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)
+        gone.cancel()
+        box.put(4)                                   # no one waits: kept for the next take
+        after = list(await box.take())
+        return first, rest, after
+    first, rest, after = asyncio.run(go())
+    assert first == [1]
+    assert rest == [2, 3, LOST]
+    assert after == [4]
