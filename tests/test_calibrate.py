@@ -12,6 +12,7 @@ somewhere).
 """
 
 import dataclasses
+import json
 import random
 import statistics
 import time
@@ -372,18 +373,11 @@ def test_copies_time_one_engine_while_others_sweep_the_same_grid(tmp_path):
     assert 0 <= prof.neighbour_slowdown < 10
 
 
-def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys):
-    """The table compares each recorded real run with the simulator on the
-    same requests; --replay needs no deployment."""
-    import json
-
+def _replay(tmp_path, runs) -> None:
+    """`bench sim-accuracy --replay` of `runs` (a c1 and a 0.5x level of the
+    tiny config) with a small profile; the results land in again.json."""
     prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
                                                 decode_s=0.002))
-    real = {"p50": 0.05, "p90": 0.06, "p99": 0.07}
-    runs = [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": real,
-             "tpot_s": real, "foreign_cores": 0.0},
-            {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": real,
-             "tpot_s": real, "foreign_cores": 0.1}]
     recorded = [{"config": str(ROOT / "deploy/local-tiny.yaml"), "runs": runs,
                  "saturation_req_per_s": 4.0,
                  "levels": [{"level": "c1", "rate": None}, {"level": "0.5x", "rate": 2.0}],
@@ -392,6 +386,16 @@ def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys
     src.write_text(json.dumps(recorded))
     assert main(["bench", "sim-accuracy", "--replay", str(src), "--profile", str(prof),
                  "--out", str(tmp_path / "again.json")]) == 0
+
+
+def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys):
+    """The table compares each recorded real run with the simulator on the
+    same requests; --replay needs no deployment."""
+    real = {"p50": 0.05, "p90": 0.06, "p99": 0.07}
+    _replay(tmp_path, [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": real,
+                        "tpot_s": real, "foreign_cores": 0.0},
+                       {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": real,
+                        "tpot_s": real, "foreign_cores": 0.1}])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + 2 * 2          # header, rule, TTFT and TPOT per level
     # c1: one 32-token prefill round, then 1-token decodes over 33..35 tokens
@@ -404,26 +408,15 @@ def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path,
     """A run whose rounds the profile priced at twice what they took is
     simulated again with the round costs halved; a run that timed no rounds
     is not, and the cells within 10% are counted for both views."""
-    import json
-
     from pdserve.benchmarks.sim_accuracy import within
 
-    prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
-                                                decode_s=0.002))
     c1 = {"p50": 0.0042, "p90": 0.0042}          # what the profile predicts at c=1
-    runs = [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
-             "tpot_s": {"p50": 0.003, "p90": 0.003}, "foreign_cores": 0.0,
-             "rounds": {"count": 9, "busy_s": 1.0, "err_p50": 1.0, "busy_err": 1.0}},
-            {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1,
-             "tpot_s": c1, "foreign_cores": 0.0}]
-    recorded = [{"config": str(ROOT / "deploy/local-tiny.yaml"), "runs": runs,
-                 "saturation_req_per_s": 4.0,
-                 "levels": [{"level": "c1", "rate": None}, {"level": "0.5x", "rate": 2.0}],
-                 "workload": {"requests": 4, "alone": 2, "prompt_len": 32, "max_tokens": 4}}]
-    src = tmp_path / "runs.json"
-    src.write_text(json.dumps(recorded))
-    assert main(["bench", "sim-accuracy", "--replay", str(src), "--profile", str(prof),
-                 "--out", str(tmp_path / "again.json")]) == 0
+    _replay(tmp_path, [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
+                        "tpot_s": {"p50": 0.003, "p90": 0.003}, "foreign_cores": 0.0,
+                        "rounds": {"count": 9, "busy_s": 1.0, "err_p50": 1.0,
+                                   "busy_err": 1.0}},
+                       {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1,
+                        "tpot_s": c1, "foreign_cores": 0.0}])
     out = capsys.readouterr().out
     again = json.loads((tmp_path / "again.json").read_text())
     c1_run, loaded = again[0]["runs"]
