@@ -8,8 +8,9 @@ short-conv layers keep a conv state there) from a Hugging Face checkpoint direct
 a GGUF file (`gguf.py`), or a preset (`tiny`, embedded; `smollm2-135m`, a
 GGUF a pip package ships), with its tokenizer and chat template
 (`chat.py`). The model runs one flat batch a round: every scheduled token
-of every request concatenated, writing K/V into paged caches and reading
-them back through block tables (`attention.py`), one cache and one table
+of every request concatenated, writing K/V into paged caches (`kv_cache.py`)
+and reading them back through block tables (`attention.py`; on CUDA
+`flashinfer_attention.py`), one cache and one table
 per request for each cache group (the layers sharing a window,
 `ModelConfig.cache_groups`). `sampling.py` turns the logits of the rows
 that sample into tokens (and logprobs); `detokenize.py` turns tokens into

@@ -19,7 +19,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.attention import BatchMeta
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.model import PagedDecoder
 from pdserve.kernels.model_config import ModelConfig
 from pdserve.kernels.rope import Rotary

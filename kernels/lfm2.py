@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.gated_delta import depthwise_conv
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.model import HybridLayer, PagedDecoder, rms_norm
 from pdserve.kernels.model_config import ModelConfig
 from pdserve.kernels.rope import Rotary

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.attention import BatchMeta
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import BatchMeta, KVCache
+from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.gated_delta import GatedDeltaNet
 from pdserve.kernels.gemma3 import gemma_norm
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.model import HybridLayer, PagedDecoder
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta
+from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
-from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
+from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.attention import BatchMeta, FlashInferAttention, SeqMeta, TorchAttention
+from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+from pdserve.kernels.flashinfer_attention import FlashInferAttention
 from pdserve.kernels.model import DecoderModel, random_weights
 from pdserve.kernels.model_config import ModelConfig
 

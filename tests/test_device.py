@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from pdserve.kernels.attention import FlashInferAttention
+from pdserve.kernels.flashinfer_attention import FlashInferAttention
 from pdserve.kernels.model_config import ModelError
 from tests import flashinfer_fake
 from tests import teacher_forced as tf

@@ -283,7 +283,8 @@ def test_attention_softcap_is_transformers_eager_softcap():
 
     from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
-    from pdserve.kernels.attention import BatchMeta, KVCache, SeqMeta, TorchAttention
+    from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+    from pdserve.kernels.kv_cache import KVCache
 
     torch.manual_seed(0)
     T, h, kvh, dh = 21, 4, 2, 16
@@ -485,7 +486,7 @@ def test_flashinfer_gets_each_group_s_window_and_pages(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_fake)
     monkeypatch.setattr(flashinfer_fake, "DTYPES", [torch.float32])
-    from pdserve.kernels.attention import FlashInferAttention
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
 
     _, d = gemma3_checkpoint(tmp_path)
     ref = executor(d)

@@ -199,7 +199,7 @@ def test_token_ids_outside_the_vocabulary_are_refused():
 
 
 def test_page_copies_move_whole_runs_and_scattered_pages_between_caches():
-    from pdserve.kernels.attention import KVCache
+    from pdserve.kernels.kv_cache import KVCache
 
     dev = KVCache(2, 12, 4, 2, 8, torch.float32, "cpu")
     dev.data.copy_(torch.randn(dev.data.shape))
@@ -290,7 +290,7 @@ def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, fak
     for exactness (the stand-in is told to allow it; real flashinfer has no
     float32 kernels, which the test below checks pdserve knows). The real
     kernels are the device test's."""
-    from pdserve.kernels.attention import FlashInferAttention
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
 
     monkeypatch.setattr(fake_flashinfer, "DTYPES", [torch.float32])
     _, d = hf_model(tmp_path, arch)

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         from tests import flashinfer_fake
 
         sys.modules["flashinfer"] = flashinfer_fake
-    from pdserve.kernels.attention import FlashInferAttention
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
     from tests import teacher_forced as tf
 
     cases = tf.DEVICE_CASES[::8] if args.quick else tf.DEVICE_CASES

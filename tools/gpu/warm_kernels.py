@@ -47,7 +47,7 @@ def warm_one(dtype: str, head_dim: int, window: int | None, device: str, fake: b
         from tests import flashinfer_fake
 
         sys.modules["flashinfer"] = flashinfer_fake
-    from pdserve.kernels.attention import FlashInferAttention
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
 
     ran = []
     for group in (1, 8):

@@ -1,0 +1,217 @@
+"""flashinfer's paged attention (CUDA): the `attention: flashinfer` backend,
+and what it has kernels for. `choose_backend` (attention.py) decides when a
+model gets it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.model_config import ModelError
+
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+class FlashInferAttention(TorchAttention):
+    """flashinfer's paged prefill and decode wrappers (CUDA). K/V writes are
+    the reference backend's; attention reads the pages in place through
+    CSR page tables, planned once a round per cache group and reused by each
+    of the group's layers. A layer's K and V are strided views of the
+    page-major pool (the page stride spans every layer); flashinfer reads
+    caches by their strides since its non-contiguous KV cache support
+    (flashinfer PR #513, 0.2).
+
+    A sliding group's sequences hand flashinfer their pages from kv_start's
+    on, with window_left = W - 1: flashinfer aligns the queries to the end
+    of the keys it is given, so dropping whole pages from the front changes
+    no relative position. It has no lower bound other than the window, so a
+    kv_start inside the window (a replayed window) must fall on a page
+    boundary; elsewhere `attention: torch` serves it."""
+
+    name = "flashinfer"
+    WORKSPACE_BYTES = 128 * 1024 * 1024
+    # The prefill wrapper is pinned to fa2 rather than "auto". On Hopper,
+    # auto re-picks the kernel family at every plan: fa3 when the round's
+    # longest chunk has more than 64 rows, else fa2; on Blackwell it may pick
+    # cuDNN, which needs packages we do not install. flashinfer compiles each
+    # family on first use, fa3's SM90 CUTLASS units for minutes, so under auto
+    # a compile lands mid-serving the first time a long prompt is chunked, and
+    # a request's kernel (and its rounding) depends on its neighbours'
+    # lengths. With fa2 one prefill module serves every chunk (and the
+    # tensor-core decode, whose auto resolves to fa2 for half precision), and
+    # `warm_up` compiles it at load. fa3 is faster on long chunks on H100/H200;
+    # to take it set this to "auto": warm_up's >64-row chunk compiles it too.
+    BACKEND = "fa2"
+    WARM_ROWS = 65                      # one row more than auto's fa2 limit
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window=None, scale=None,
+                 softcap=None):
+        import flashinfer  # raises ImportError where it is absent
+
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale, softcap)
+        self._fi = flashinfer
+        self._ws = None
+        # per window (None: full history): the group's wrappers and the round
+        # they are planned for; groups differ in window, so it names the group
+        self._groups: dict = {}
+
+    def _wrappers(self, window, device) -> "_Planned":
+        st = self._groups.get(window)
+        if st is None:
+            if self._ws is None:
+                # zeroed: the decode wrapper asks for a zeroed workspace on first use.
+                # One float workspace for every wrapper: their runs are stream-ordered,
+                # and each keeps its plan in its own int workspace.
+                self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            # tensor cores past group 4, as SGLang and vLLM choose; flashinfer
+            # has CUDA-core decode kernels for groups 1, 2, 3, 4, 6, 8 and 16
+            st = self._groups[window] = _Planned(
+                self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD",
+                                                             backend=self.BACKEND),
+                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD",
+                                                            use_tensor_cores=self.group > 4))
+        return st
+
+    @staticmethod
+    def _csr(seqs, ps: int, window):
+        """Host tensors: plan() reads indptr and last_page_len on the host and
+        copies what the kernels need to the device itself, so tables built on
+        the GPU would cost a device-to-host sync every round."""
+        indptr, indices, last = [0], [], []
+        for s in seqs:
+            lo, n = s.kv_start // ps, -(-s.ctx_len // ps)
+            if s.kv_start % ps and (window is None or
+                                    s.kv_start > s.ctx_len - s.q_len - window + 1):
+                raise ModelError(
+                    f"flashinfer cannot start a sequence's keys mid-page (position "
+                    f"{s.kv_start}, page size {ps}) inside its window: a replay that "
+                    "re-feeds a window not aligned to pages; use attention: torch, or a "
+                    "window and replay that are multiples of the page size")
+            indices.extend(s.block_table[lo:n])
+            indptr.append(len(indices))
+            last.append(s.ctx_len - (n - 1) * ps)
+        i32 = dict(dtype=torch.int32)
+        return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)
+
+    def _window_left(self, meta: BatchMeta) -> int:
+        """flashinfer's window: keys to the left of the query (-1: all)."""
+        return meta.window - 1 if meta.window is not None else -1
+
+    def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> "_Planned":
+        st = self._wrappers(meta.window, device)
+        n_pre = len(meta.seqs) - meta.num_decodes
+        kw = dict(window_left=self._window_left(meta), sm_scale=self.scale,
+                  q_data_type=dtype, kv_data_type=dtype)
+        if self.softcap is not None:       # passed only when set: a stand-in need not know it
+            kw["logits_soft_cap"] = self.softcap
+        if n_pre:
+            pre = meta.seqs[:n_pre]
+            qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32)
+            indptr, indices, last = self._csr(pre, ps, meta.window)
+            st.prefill.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
+                            causal=True, **kw)
+        if meta.num_decodes:
+            indptr, indices, last = self._csr(meta.seqs[n_pre:], ps, meta.window)
+            st.decode.plan(indptr, indices, last, self.h, self.kvh, self.d, ps, **kw)
+        slots, rows = meta.slot_mapping, meta.write_rows
+        if rows is not None:
+            slots = slots[rows]
+        st.slots = (slots // ps, slots % ps, rows)
+        st.meta = meta
+        return st
+
+    def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
+        """Plan the group's round now (its first layer does it otherwise)."""
+        self._plan(meta, k_pages.shape[1], dtype, k_pages.device)
+
+    def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
+        st = self._groups.get(meta.window)
+        if st is None or st.meta is not meta:
+            st = self._plan(meta, k_pages.shape[1], q.dtype, q.device)
+        self._write(k, v, k_pages, v_pages, *st.slots)
+        q = q.contiguous()                 # a slice of the fused q/k rotation
+        out = torch.empty_like(q)
+        n_pre = len(meta.seqs) - meta.num_decodes
+        split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]
+        if n_pre:
+            st.prefill.run(q[:split], (k_pages, v_pages), out=out[:split])
+        if meta.num_decodes:
+            st.decode.run(q[split:], (k_pages, v_pages), out=out[split:])
+        return out
+
+    # the full-history group's wrappers (the only group of most models)
+    @property
+    def _prefill_w(self):
+        return self._groups[None].prefill
+
+    @property
+    def _decode_w(self):
+        return self._groups[None].decode
+
+    @property
+    def _planned(self):
+        """The BatchMeta some group is planned for (None: none is)."""
+        return next((st.meta for st in self._groups.values() if st.meta is not None), None)
+
+    def warm_up(self, dtype: torch.dtype, device, page_size: int = 16) -> list[str]:
+        """Plan and run every kernel the engine will use, on a scratch cache:
+        a 1-row prefill, a WARM_ROWS-row prefill, a decode, and a round with
+        both; without a window, and with the model's sliding window if it
+        has one (a separate module). flashinfer compiles each module the
+        first time it is planned (minutes on a fresh host, then cached on
+        disk), so this moves the compile to load time, before the engine
+        registers, instead of into the engine loop where P's lease and
+        transfer timeouts run. Returns what ran, for the log."""
+        device = torch.device(device)
+        rows = self.WARM_ROWS
+        pages = 2 * (-(-(rows + 1) // page_size))
+        cache = KVCache(1, pages, page_size, self.kvh, self.d, dtype, device)
+        k_pages, v_pages = cache.layer(0)
+        table = list(range(pages))
+
+        def one(seqs, num_decodes, window):
+            n = sum(s.q_len for s in seqs)
+            slots, pos = [], []
+            for s in seqs:
+                span = range(s.ctx_len - s.q_len, s.ctx_len)
+                pos.extend(span)
+                slots.extend(s.block_table[p // page_size] * page_size + p % page_size
+                             for p in span)
+            meta = BatchMeta(seqs, torch.tensor(slots, device=device),
+                             torch.tensor(pos, device=device), num_decodes=num_decodes,
+                             window=window)
+            q = torch.zeros(n, self.h, self.d, dtype=dtype, device=device)
+            kv = torch.zeros(n, self.kvh, self.d, dtype=dtype, device=device)
+            self.forward(q, kv, kv, k_pages, v_pages, meta)
+
+        second = table[pages // 2:]
+        shapes = {
+            "prefill 1 row": ([SeqMeta(0, 1, 1, table)], 0),
+            f"prefill {rows} rows": ([SeqMeta(0, rows, rows, table)], 0),
+            "decode": ([SeqMeta(0, 1, rows + 1, table)], 1),
+            "prefill + decode": ([SeqMeta(0, 2, 2, second), SeqMeta(2, 1, rows + 1, table)], 1),
+        }
+        ran = []
+        for window in (None, self.window) if self.window else (None,):
+            for what, (seqs, num_decodes) in shapes.items():
+                one(seqs, num_decodes, window)
+                ran.append(what if window is None else f"{what}, window {window}")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for st in self._groups.values():
+            st.meta = st.slots = None       # the next round plans afresh
+        return ran
+
+
+@dataclass
+class _Planned:
+    """One cache group's flashinfer wrappers, and the round they hold."""
+    prefill: object
+    decode: object
+    meta: BatchMeta | None = None
+    slots: tuple | None = None          # its written rows' (page, offset, rows)
+
