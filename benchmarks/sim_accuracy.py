@@ -216,11 +216,10 @@ def table(results: list[dict], sim: str = "sim") -> list[str]:
             for metric in ("ttft_s", "tpot_s"):
                 cells = []
                 for q in ("p50", "p90"):
-                    err = cell_error(runs, sim, metric, q)
                     _, real_cell = _median_cell([r[metric][q] for r in runs])
                     _, sim_cell = _median_cell([r[sim][metric][q] for r in runs])
-                    err = f"{err:+.0%}" if err is not None else "-"
-                    cells += [real_cell, sim_cell, err]
+                    err = cell_error(runs, sim, metric, q)
+                    cells += [real_cell, sim_cell, f"{err:+.0%}" if err is not None else "-"]
                 lines.append(f"| {res['config']} | {lv['level']} | {rate} | "
                              f"{metric[:-2].upper()} | " + " | ".join(cells) + " |")
     return lines

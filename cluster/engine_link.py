@@ -1,8 +1,9 @@
 """The router's link to one engine: a long-lived Subscribe stream that
 carries, batched per engine round, the events of every request this router
-submitted there, dispatched to each request's `Mailbox`. When the stream breaks (the engine
-died or restarted), every request waiting on it is told (`LOST`) and the
-link reconnects, following the stub membership keeps current."""
+submitted there, dispatched to each request's `Mailbox`. When the stream
+breaks (the engine died or restarted), every request waiting on it is told
+(`LOST`) and the link reconnects, following the stub membership keeps
+current."""
 
 from __future__ import annotations
 
