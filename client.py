@@ -77,7 +77,8 @@ def _stats(resp) -> list[dict]:
     keys = ("name", "role", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
             "finished", "aborted", "retractions", "readmissions", "transfers",
             "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
-            "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens")
+            "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens",
+            "rounds", "round_seconds", "round_cpu_seconds", "round_tokens")
     out = []
     for e in resp.engines:
         row = {k: getattr(e, k) for k in keys}

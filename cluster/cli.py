@@ -208,6 +208,11 @@ def _cmd_stats(args) -> int:
                     (f"window {g['window']}" if g["window"] else "full history") +
                     f" {g['used_pages']}/{g['total_pages']} pages" for g in groups))
         for r in rows:
+            if r["rounds"]:
+                print(f"  {r['name']} ran {r['rounds']:,} rounds in {r['round_seconds']:.1f} s "
+                      f"({r['round_cpu_seconds'] / r['round_seconds']:.0%} of it on a core), "
+                      f"{r['round_tokens'] / r['rounds']:.1f} tokens a round")
+        for r in rows:
             for w in r["waiting_requests"]:
                 print(f"  {r['name']} waits {w['request_id']}: {w['reason']} ({w['detail']})")
         return 0

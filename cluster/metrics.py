@@ -139,6 +139,13 @@ _COUNTERS = (
     ("liveness_stalls", "Rounds the liveness last resort ran", "stalls"),
     ("requests_aborted", "Requests aborted on the engine (client or peer)", "aborted"),
     ("requests_finished", "Requests finished on the engine", "finished"),
+    ("engine_rounds", "Rounds the engine ran", "rounds"),
+    ("engine_round_seconds", "Wall time of the engine's rounds (its rate: the share of time "
+     "the engine computes)", "round_seconds"),
+    ("engine_round_cpu_seconds", "CPU time of the engine's loop thread in its rounds (below "
+     "round_seconds: it waited for a core or for the GIL)", "round_cpu_seconds"),
+    ("engine_round_tokens", "Tokens the engine's rounds computed, prefill and decode (over "
+     "rounds: the mean batch)", "round_tokens"),
 )
 
 

@@ -291,11 +291,13 @@ class EngineServer:
             ran = True
         if self.engine.has_work():
             ran = True
-            start, t0 = time.time(), time.perf_counter()
+            start, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
             out = self.engine.step()
             if out is not None:
-                self.rounds.append(round_of(out.plan, time.perf_counter() - t0, self._window,
-                                            start))
+                timed = round_of(out.plan, time.perf_counter() - t0, self._window, start)
+                self.rounds.append(timed)
+                self.counts.round_done(timed.seconds, time.thread_time() - cpu0,
+                                       sum(n for _, n in timed.prefills) + timed.num_decodes)
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
             self._stalls_logged = len(self.planner.stalls)

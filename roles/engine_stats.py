@@ -1,5 +1,6 @@
 """What an engine counts for operators: request and transfer counters, a
-transfer-time histogram, and prefix-cache queries and hits; and the Stats
+transfer-time histogram, prefix-cache queries and hits, and its rounds
+(how many, their wall and loop-thread CPU time, their tokens); and the Stats
 RPC's answer built from them and the planner (`stats_pb`). Plain numbers,
 turned into Prometheus metrics by the router (cluster/metrics.py)."""
 
@@ -41,7 +42,8 @@ class EngineCounters:
 
     NAMES = ("finished", "aborted", "retractions", "readmissions", "transfers",
              "transfer_failures", "transfer_bytes", "lease_expiries", "fences",
-             "prefix_queries", "prefix_hits")
+             "prefix_queries", "prefix_hits", "rounds", "round_seconds", "round_cpu_seconds",
+             "round_tokens")
 
     def __init__(self):
         for name in self.NAMES:
@@ -49,6 +51,15 @@ class EngineCounters:
         self.failures_by_stage: dict[str, int] = {}
         self.transfer_seconds = Histogram()
         self._prefix_seen: set[str] = set()
+
+    def round_done(self, seconds: float, cpu_seconds: float, tokens: int) -> None:
+        """A round took `seconds` of wall time, `cpu_seconds` of the loop
+        thread's CPU (the rest it waited: for a core, or for the GIL that the
+        engine's other threads hold) and computed `tokens`."""
+        self.rounds += 1
+        self.round_seconds += seconds
+        self.round_cpu_seconds += cpu_seconds
+        self.round_tokens += tokens
 
     def transfer_failed(self, stage: str) -> None:
         self.transfer_failures += 1

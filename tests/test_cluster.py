@@ -171,6 +171,26 @@ def test_stats_and_server_info_describe_every_engine(client):
     assert p_bytes[1] > p_bytes[0]
 
 
+def test_each_engine_counts_its_rounds_their_tokens_and_time(client, deployment, capsys):
+    """A fused request of a 9-token prompt and 5 tokens out: one round
+    prefills (its first token comes from it), four decode; the counters
+    grow by at least that, and the loop thread's CPU in them is positive
+    and no more than their wall time. `pdserve stats` says it."""
+    from pdserve.cluster.cli import main
+
+    before = counters(client)["pdserve:fused-0"]
+    client.generate([7, 3, 9, 4, 11, 5, 8, 6, 12], max_tokens=5, ignore_eos=True, route="fused")
+    after = counters(client)["pdserve:fused-0"]
+    rounds = after["rounds"] - before["rounds"]
+    tokens = after["round_tokens"] - before["round_tokens"]
+    wall = after["round_seconds"] - before["round_seconds"]
+    cpu = after["round_cpu_seconds"] - before["round_cpu_seconds"]
+    assert rounds >= 5 and tokens >= 9 + 4
+    assert 0 < cpu <= wall * 1.05 + 0.001
+    assert main(["stats", "--address", deployment.address]) == 0
+    assert "pdserve:fused-0 ran" in capsys.readouterr().out
+
+
 def test_health_checking_and_reflection_are_served(deployment):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

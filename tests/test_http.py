@@ -241,7 +241,9 @@ def test_metrics_name_what_happened(oai, model, dep):
                    'pdserve:generation_tokens_total{engine="decode-0"}',
                    'pdserve:request_success_total{engine="decode-0",finished_reason="length"}',
                    'pdserve:kv_transfer_seconds_count{engine="prefill-0",role="prefill"}',
-                   'pdserve:prefix_cache_queries_total{engine="prefill-0",role="prefill"}'):
+                   'pdserve:prefix_cache_queries_total{engine="prefill-0",role="prefill"}',
+                   'pdserve:engine_rounds_total{engine="decode-0",role="decode"}',
+                   'pdserve:engine_round_cpu_seconds_total{engine="prefill-0",role="prefill"}'):
         assert series in text, series
     transfers = [ln for ln in text.splitlines()
                  if ln.startswith('pdserve:kv_transfers_total{engine="prefill-0"')]
