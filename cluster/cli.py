@@ -37,7 +37,7 @@ BENCHMARKS = [
      "(the Mooncake conversation trace, simulated)"),
     ("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
      "the simulator with a calibrated profile against the real deployment at concurrency 1 "
-     "and fractions of saturation"),
+     "and fractions of saturation, also at the engines' own speed in each run"),
     ("autoscale", "pdserve.benchmarks.autoscale",
      "a sine load against 1P+1D fixed and autoscaled"),
     ("loop", "pdserve.benchmarks.loop",
