@@ -9,8 +9,8 @@ import time
 import pytest
 
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
+
+from deployed import deployed
 
 # small decode pools so that load fills them (a D is asked for), and a
 # TTFT target that a backlog breaches (a P is asked for)
@@ -26,14 +26,10 @@ USERS, NEW = 6, 80     # enough to fill 48 pages of D; few enough for 2 cores to
 
 @pytest.fixture(scope="module")
 def deployment():
-    cfg = ServeConfig.from_dict({"engine": ENGINE, "cluster": {"prefill": 1, "decode": 1},
-                                 "autoscale": AUTOSCALE})
-    dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 30.0})
-    dep.start()
-    yield dep
-    errors = dep.errors()
-    dep.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"engine": ENGINE, "cluster": {"prefill": 1, "decode": 1},
+           "autoscale": AUTOSCALE}
+    with deployed(cfg, engine_options={"transfer_timeout_s": 30.0}) as dep:
+        yield dep
 
 
 def serving(c: Client) -> list[str]:

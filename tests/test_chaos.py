@@ -17,8 +17,8 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
+
+from deployed import deployed
 
 pytestmark = pytest.mark.chaos
 
@@ -38,14 +38,10 @@ ABORT_BOUND_S = 5.0
 
 @pytest.fixture(scope="module")
 def dep():
-    cfg = ServeConfig.from_dict({"engine": ENGINE,
-                                 "cluster": {"prefill": 2, "decode": 2, "fused": 0}})
-    d = Deployment(cfg, num_cpus=2, engine_options=OPTIONS)
-    d.start()
-    yield d
-    errors = d.errors()
-    d.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"engine": ENGINE,
+           "cluster": {"prefill": 2, "decode": 2, "fused": 0}}
+    with deployed(cfg, engine_options=OPTIONS) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment, niceness_warnings
+from pdserve.cluster.deploy import niceness_warnings
+
+from deployed import deployed
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}
@@ -28,14 +29,10 @@ ABORT_BOUND_S = 3.0
 
 @pytest.fixture(scope="module")
 def deployment():
-    cfg = ServeConfig.from_dict({"engine": ENGINE,
-                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
-    dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 20.0})
-    dep.start()
-    yield dep
-    errors = dep.errors()
-    dep.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"engine": ENGINE,
+           "cluster": {"prefill": 1, "decode": 1, "fused": 1}}
+    with deployed(cfg, engine_options={"transfer_timeout_s": 20.0}) as dep:
+        yield dep
 
 
 @pytest.fixture

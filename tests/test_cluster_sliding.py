@@ -11,11 +11,10 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.config import EngineConfig
 
+from deployed import deployed
 from test_checkpoint_text import build_tokenizer
 from test_gemma3 import WINDOW, gemma3_checkpoint
 
@@ -40,15 +39,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(checkpoint):
-    cfg = ServeConfig.from_dict({"model": {"path": str(checkpoint), "dtype": "float32"},
-                                 "engine": ENGINE,
-                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
-    dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 20.0})
-    dep.start()
-    yield dep
-    errors = dep.errors()
-    dep.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"model": {"path": str(checkpoint), "dtype": "float32"},
+           "engine": ENGINE,
+           "cluster": {"prefill": 1, "decode": 1, "fused": 1}}
+    with deployed(cfg, engine_options={"transfer_timeout_s": 20.0}) as dep:
+        yield dep
 
 
 @pytest.fixture

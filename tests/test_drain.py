@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
 from pdserve.roles.drain import DEADLINE_ABORT, Drain, EngineDraining
+
+from deployed import deployed
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}
@@ -26,14 +26,10 @@ NEVER = 4000            # a generation no drain deadline here lets finish (test_
 
 @pytest.fixture(scope="module")
 def deployment():
-    cfg = ServeConfig.from_dict({"engine": ENGINE,
-                                 "cluster": {"prefill": 1, "decode": 2, "fused": 2}})
-    dep = Deployment(cfg, num_cpus=2, engine_options={"transfer_timeout_s": 20.0})
-    dep.start()
-    yield dep
-    errors = dep.errors()
-    dep.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"engine": ENGINE,
+           "cluster": {"prefill": 1, "decode": 2, "fused": 2}}
+    with deployed(cfg, engine_options={"transfer_timeout_s": 20.0}) as dep:
+        yield dep
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
 from pdserve.cluster.router import Security
+
+from deployed import deployed
 
 KEY = "sk-test-key"
 ENGINE = {"page_size": 16, "total_pages": 256, "max_scheduled_tokens": 256,
@@ -28,15 +28,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def dep():
-    cfg = ServeConfig.from_dict({"model": {"preset": "smollm2-135m"}, "engine": ENGINE,
-                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
-    d = Deployment(cfg, num_cpus=2, security=Security(api_key=KEY),
-                   engine_options={"transfer_timeout_s": 30.0})
-    d.start(http_port=0)
-    yield d
-    errors = d.errors()
-    d.stop()
-    assert not errors, f"engines served on after failing rounds: {errors}"
+    cfg = {"model": {"preset": "smollm2-135m"}, "engine": ENGINE,
+           "cluster": {"prefill": 1, "decode": 1, "fused": 1}}
+    with deployed(cfg, security=Security(api_key=KEY),
+                  engine_options={"transfer_timeout_s": 30.0}, http_port=0) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,18 @@ import pytest
 import ray
 
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.deploy import Deployment
+
+from deployed import deployed
 
 ENGINE = {"page_size": 16, "total_pages": 256, "max_scheduled_tokens": 64}
 
 
 @pytest.fixture(scope="module")
 def dep():
-    cfg = ServeConfig.from_dict({"engine": ENGINE, "cluster": {"fused": 1},
-                                 "router": {"replicas": 2}})
-    d = Deployment(cfg, num_cpus=2)
-    d.start(http_port=0)
-    yield d
-    errors = d.errors()
-    d.stop()
-    assert not errors, errors
+    cfg = {"engine": ENGINE, "cluster": {"fused": 1},
+           "router": {"replicas": 2}}
+    with deployed(cfg, http_port=0) as d:
+        yield d
 
 
 def router_of(address: str) -> tuple[Client, str]:

@@ -1,0 +1,22 @@
+"""One started deployment for a test module: each module that needs a
+cluster shares one, started once (Ray's start is the slow part)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.deploy import Deployment
+
+
+@contextlib.contextmanager
+def deployed(cfg: dict, http_port: int | None = None, **options):
+    """`cfg` (a config dict) started as a Deployment on 2 CPUs, `options`
+    going to Deployment; stopped on exit. An engine that served on after a
+    round it failed fails the module."""
+    dep = Deployment(ServeConfig.from_dict(cfg), num_cpus=2, **options)
+    dep.start(http_port=http_port)
+    yield dep
+    errors = dep.errors()
+    dep.stop()
+    assert not errors, f"engines served on after failing rounds: {errors}"
