@@ -20,3 +20,8 @@ def deployed(cfg: dict, http_port: int | None = None, **options):
     errors = dep.errors()
     dep.stop()
     assert not errors, f"engines served on after failing rounds: {errors}"
+
+
+def by_name(client) -> dict[str, dict]:
+    """Each engine's stats (`Client.stats()`) by its name, without "pdserve:"."""
+    return {s["name"].removeprefix("pdserve:"): s for s in client.stats()}

@@ -35,13 +35,18 @@ def build_tokenizer():
     return tok
 
 
+def save_tokenizer(tok, d) -> None:
+    """`tok` in checkpoint directory `d`, as a fast tokenizer with <s> and </s>."""
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("bpe-llama")
     tok = build_tokenizer()
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    save_tokenizer(tok, d)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,

@@ -4,7 +4,6 @@ engine's greedy tokens, P moves only the sliding group's last window, and
 the stats report each cache group, with the pages a long request holds on
 the sliding group bounded by window + chunk while its history grows."""
 
-import json
 import time
 
 import pytest
@@ -14,8 +13,8 @@ from pdserve.client import Client
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.config import EngineConfig
 
-from deployed import deployed
-from test_checkpoint_text import build_tokenizer
+from deployed import by_name, deployed
+from test_checkpoint_text import build_tokenizer, save_tokenizer
 from test_gemma3 import WINDOW, gemma3_checkpoint
 
 ENGINE = {"page_size": 4, "total_pages": 160, "sliding_pages": 48,
@@ -31,9 +30,7 @@ def checkpoint(tmp_path_factory):
     tok = build_tokenizer()
     _, d = gemma3_checkpoint(tmp_path_factory.mktemp("gemma-cluster"),
                              vocab_size=tok.get_vocab_size())
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    save_tokenizer(tok, d)
     return d
 
 
@@ -51,10 +48,6 @@ def client(deployment):
     c = Client(deployment.address, timeout=120)
     yield c
     c.close()
-
-
-def by_name(c):
-    return {s["name"].removeprefix("pdserve:"): s for s in c.stats()}
 
 
 def test_pd_and_fused_give_the_offline_engine_s_greedy_tokens(checkpoint, client):

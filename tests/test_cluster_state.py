@@ -5,15 +5,13 @@ as one slot beside the K/V pages (spec §1.2: an endpoint-only landing),
 and D's prefix cache serves the next turn of a conversation in P/D as the
 fused engine's does."""
 
-import json
-
 import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import Client
 
-from deployed import deployed
-from test_checkpoint_text import build_tokenizer
+from deployed import by_name, deployed
+from test_checkpoint_text import build_tokenizer, save_tokenizer
 from test_qwen3_5 import qwen3_5_checkpoint
 
 pytest.importorskip("transformers")
@@ -31,9 +29,7 @@ def checkpoint(tmp_path_factory):
     tok = build_tokenizer()
     d = tmp_path_factory.mktemp("qwen-cluster")
     qwen3_5_checkpoint(d, vocab_size=tok.get_vocab_size())
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    save_tokenizer(tok, d)
     return d
 
 
@@ -51,10 +47,6 @@ def client(deployment):
     c = Client(deployment.address, timeout=120)
     yield c
     c.close()
-
-
-def by_name(c):
-    return {s["name"].removeprefix("pdserve:"): s for s in c.stats()}
 
 
 def test_pd_and_fused_give_the_offline_engine_s_greedy_tokens(checkpoint, client):
