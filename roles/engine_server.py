@@ -293,10 +293,11 @@ class EngineServer:
             ran = True
             start, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
             out = self.engine.step()
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             if out is not None:
-                timed = round_of(out.plan, time.perf_counter() - t0, self._window, start)
+                timed = round_of(out.plan, wall, self._window, start)
                 self.rounds.append(timed)
-                self.counts.round_done(timed.seconds, time.thread_time() - cpu0,
+                self.counts.round_done(wall, cpu,
                                        sum(n for _, n in timed.prefills) + timed.num_decodes)
             for msg in self.planner.stalls[self._stalls_logged:]:
                 log.warning("%s: liveness last resort: %s", self.name, msg)
