@@ -5,14 +5,22 @@
     print(c.generate("Hello", max_tokens=32).text)
     for chunk in c.generate_stream("Hello", max_tokens=32):
         print(chunk.text, end="", flush=True)
+
+`AsyncClient(address, multiplex=True)` sends its concurrent requests over
+one `GenerateMany` stream: the router answers each engine round with one
+message for all of them, where `Generate` costs a message per token of
+every stream (the client's and the router's CPU, at high concurrency).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
 
@@ -35,6 +43,25 @@ class GenerateResult:
     finish_reason: str = ""
     engine: str = ""
     logprobs: list = field(default_factory=list)
+
+
+class RequestFailed(grpc.RpcError):
+    """A multiplexed request that ended with an error: `code()` and
+    `details()` as a failed `Generate` call has them."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
@@ -193,16 +220,98 @@ class Client:
         self.close()
 
 
+class _Multiplexed:
+    """One GenerateMany call that an AsyncClient's requests share, opened
+    on first use and again after it ended (the router went away). Each
+    request has a tag and a mailbox the call's reader fills."""
+
+    def __init__(self, stub: pbg.RouterStub, metadata):
+        self._stub = stub
+        self._md = metadata
+        self._sends: asyncio.Queue | None = None
+        self._reader: asyncio.Task | None = None
+        self._boxes: dict[int, Mailbox] = {}
+        self._tags = itertools.count(1)
+
+    def _open(self) -> asyncio.Queue:
+        if self._reader is None or self._reader.done():
+            sends = self._sends = asyncio.Queue()
+
+            async def calls():
+                while (call := await sends.get()) is not None:
+                    yield call
+            self._reader = asyncio.ensure_future(
+                self._read(self._stub.GenerateMany(calls(), metadata=self._md)))
+        return self._sends
+
+    async def _read(self, call) -> None:
+        ended = RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                              "the router closed the GenerateMany stream before the "
+                              "request finished")
+        try:
+            async for batch in call:
+                for r in batch.responses:
+                    box = self._boxes.get(r.tag)
+                    if box is not None:
+                        box.put(r)
+        except grpc.aio.AioRpcError as e:
+            ended = RequestFailed(e.code(), e.details() or "")
+        boxes, self._boxes = self._boxes, {}
+        for box in boxes.values():                # whoever still waits hears why
+            box.put(ended)
+
+    async def stream(self, req: pb.GenerateRequest, timeout: float | None):
+        sends = self._open()
+        loop = asyncio.get_running_loop()
+        tag = next(self._tags)
+        box = self._boxes[tag] = Mailbox(loop)
+        sends.put_nowait(pb.GenerateCall(tag=tag, request=req))
+        timer = None if timeout is None else loop.call_later(
+            timeout, box.put, RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"no full answer within {timeout} s, the "
+                                            "client's timeout"))
+        finished = False
+        try:
+            while not finished:
+                for r in await box.take():
+                    if isinstance(r, RequestFailed):
+                        raise r
+                    if r.error_code:
+                        finished = True
+                        raise RequestFailed(_CODES.get(r.error_code, grpc.StatusCode.UNKNOWN),
+                                            r.error)
+                    finished = bool(r.response.finish_reason)
+                    yield _chunk(r.response)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._boxes.pop(tag, None)
+            if not finished and sends is self._sends:     # left early: the router aborts it
+                sends.put_nowait(pb.GenerateCall(tag=tag, cancel=True))
+
+    async def close(self) -> None:
+        """Half-close the call; with nothing in flight, wait for it to end
+        (what is still in flight ends when the channel closes)."""
+        if self._reader is not None and not self._reader.done():
+            self._sends.put_nowait(None)
+            if not self._boxes:
+                await self._reader
+
+
 class AsyncClient:
-    """The same calls on grpc.aio."""
+    """The same calls on grpc.aio. `multiplex=True`: generate_stream's
+    requests share one GenerateMany stream (their errors are
+    `RequestFailed`, with the same `code()` and `details()`)."""
 
     def __init__(self, address: str, timeout: float | None = None, *,
-                 api_key: str | None = None, tls_ca: str | None = None):
+                 api_key: str | None = None, tls_ca: str | None = None,
+                 multiplex: bool = False):
         self.address = address
         self.timeout = timeout
         self._channel = _channel(address, tls_ca, aio=True)
         self._md = _metadata(api_key)
         self._stub = pbg.RouterStub(self._channel)
+        self._many = _Multiplexed(self._stub, self._md) if multiplex else None
 
     async def generate_stream(self, prompt, *, request_id=None, route="", max_tokens=16,
                               temperature=0.0, top_p=None, top_k=None, seed=None, stop=None,
@@ -212,6 +321,10 @@ class AsyncClient:
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                        min_tokens=min_tokens, logprobs=logprobs)
+        if self._many is not None:
+            async for c in self._many.stream(req, self.timeout):
+                yield c
+            return
         async for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 
@@ -226,4 +339,6 @@ class AsyncClient:
         return _stats(await self._stub.Stats(pb.StatsRequest(), timeout=30, metadata=self._md))
 
     async def close(self) -> None:
+        if self._many is not None:
+            await self._many.close()
         await self._channel.close()

@@ -1,7 +1,9 @@
 """`pdserve bench serve`: load a running deployment (or start one per
 --config, side by side in one run) through the gRPC client library and/or
-the OpenAI HTTP API (`--api grpc http`: both on the same deployment, the
-two interleaved `--repeats` times, so a drift of the machine hits both).
+the OpenAI HTTP API (`--api grpc grpc-many http`: all on the same
+deployment, interleaved `--repeats` times, so a drift of the machine hits
+each). `grpc` is a `Generate` stream per request; `grpc-many` multiplexes
+the requests over `GenerateMany` streams (`AsyncClient(multiplex=True)`).
 
 Workload: N synthetic prompts, or a replayed trace (Mooncake JSONL or Azure
 CSV from shared/data/traces, lengths capped to what the model can take).
@@ -106,12 +108,13 @@ CHANNELS = 8      # gRPC connections an async client spreads its streams over
 
 class _GrpcLoad:
     """Streams through `pdserve.client.AsyncClient`, spread over a few
-    connections so that with router replicas they spread over those too."""
+    connections so that with router replicas they spread over those too;
+    `multiplex`: each connection's requests share one GenerateMany stream."""
 
-    def __init__(self, address: str, concurrency: int):
+    def __init__(self, address: str, concurrency: int, multiplex: bool = False):
         from pdserve.client import AsyncClient
 
-        self.clients = [AsyncClient(address, timeout=600)
+        self.clients = [AsyncClient(address, timeout=600, multiplex=multiplex)
                         for _ in range(min(CHANNELS, concurrency))]
 
     async def stream(self, worker: int, s: Sample):
@@ -220,7 +223,8 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
     due = arrivals(samples, rate, seed)
 
     async def run() -> float:                 # the loads' sessions belong to this loop
-        load = (_GrpcLoad if api == "grpc" else _HttpLoad)(address, concurrency)
+        load = _HttpLoad(address, concurrency) if api == "http" else \
+            _GrpcLoad(address, concurrency, multiplex=api == "grpc-many")
         return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
     wall = event_loop.run(run())
     bar.close()
@@ -328,8 +332,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="a running deployment's router")
     p.add_argument("--http-address", help="a running deployment's HTTP API, "
                                           "e.g. http://127.0.0.1:8000")
-    p.add_argument("--api", nargs="+", choices=["grpc", "http"], default=["grpc"],
-                   help="the client APIs to load (both: side by side, interleaved)")
+    p.add_argument("--api", nargs="+", choices=["grpc", "grpc-many", "http"], default=["grpc"],
+                   help="the client APIs to load (several: side by side, interleaved); "
+                        "grpc-many: requests multiplexed over GenerateMany streams")
     p.add_argument("--offline", action="store_true",
                    help="also run the same requests through pdserve.LLM in-process (each "
                         "--config), the engine's own rate: at most --concurrency at once, "

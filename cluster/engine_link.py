@@ -8,48 +8,19 @@ current."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 
 import grpc
 
 from pdserve.cluster.pairing import EngineRef
+from pdserve.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 
 log = logging.getLogger("pdserve.router")
 
 LOST = object()          # put in a request's mailbox when its engine's stream broke
 RECONNECT_S = 0.2
-
-
-class Mailbox:
-    """One request's events from its engine link, in order. The link puts
-    and never waits; the request's task takes all that came at once.
-    asyncio.Queue did the same in pure Python and asked for the running
-    loop (a getpid system call) on each wait, once per token of every
-    stream."""
-
-    __slots__ = ("_loop", "_items", "_waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._items: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, ev) -> None:
-        self._items.append(ev)
-        w, self._waiter = self._waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def take(self) -> collections.deque:
-        """The events waiting, oldest first; waits for one if there is none."""
-        while not self._items:
-            self._waiter = self._loop.create_future()
-            await self._waiter
-        items, self._items = self._items, collections.deque()
-        return items
 
 
 class EngineLink:

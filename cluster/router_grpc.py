@@ -1,12 +1,16 @@
 """The gRPC front of the router (pdserve.v1.Router) on grpc.aio: the same
-event loop as the HTTP front, no thread per stream. With an API key every
+event loop as the HTTP front, no thread per stream. `Generate` is a stream
+per request; `GenerateMany` carries many requests over one stream, the
+responses of a round in one message. With an API key every
 call but the health check needs `authorization: Bearer KEY` in its metadata
 (the health check too with router.protect_metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import logging
 from pathlib import Path
 
 import grpc
@@ -14,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.router import DRAIN_DEADLINE_S, RequestError, Router
+from pdserve.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
 
@@ -28,6 +33,8 @@ CODES = {
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 HEALTH_METHOD = "/grpc.health.v1.Health/"
+
+log = logging.getLogger("pdserve.router")
 
 
 def key_matches(header: str | None, key: str) -> bool:
@@ -61,9 +68,10 @@ class _ApiKey(grpc.aio.ServerInterceptor):
             async def refuse_stream(request, context):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
                 yield  # pragma: no cover - abort raises
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+            make = grpc.stream_stream_rpc_method_handler if handler.request_streaming \
+                else grpc.unary_stream_rpc_method_handler
+            return make(refuse_stream, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
             refuse, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
@@ -73,21 +81,95 @@ class RouterServicer(pbg.RouterServicer):
     def __init__(self, router: Router):
         self.r = router
 
+    async def _responses(self, request: pb.GenerateRequest):
+        """The request's GenerateResponses; a RequestError if it fails."""
+        ids, sp = self.r.validate(request)
+        stream = self.r.open(ids, sp, request.route, request.request_id or None)
+        async with contextlib.aclosing(stream.events()) as deltas:
+            async for d in deltas:
+                yield pb.GenerateResponse(
+                    request_id=stream.id, token_ids=d.token_ids, text=d.text,
+                    finish_reason=d.finish_reason, engine=d.engine, logprobs=d.logprobs,
+                    prompt_tokens=len(ids) if d.finish_reason else 0)
+
     async def Generate(self, request, context):
         try:
-            ids, sp = self.r.validate(request)
-            stream = self.r.open(ids, sp, request.route, request.request_id or None)
+            async with contextlib.aclosing(self._responses(request)) as responses:
+                async for m in responses:
+                    yield m
         except RequestError as e:
             await context.abort(CODES[e.kind], e.message)
+
+    async def GenerateMany(self, request_iterator, context):
+        """Each tagged request runs as a task that puts its responses in one
+        outbox; each write takes everything the outbox holds, so the
+        responses of one engine round go out together. A cancel (or the
+        client leaving) cancels the request's task, which aborts it on its
+        engine as a closed Generate stream does."""
+        loop = asyncio.get_running_loop()
+        outbox = Mailbox(loop)
+        tasks: dict[int, asyncio.Task] = {}
+        closed = False                            # the client sent all it will send
+        ending = False                            # nothing more will come: write and return
+
+        def end() -> None:
+            nonlocal ending
+            ending = True
+            outbox.put(None)                      # wakes the writer
+
+        async def run(tag: int, request: pb.GenerateRequest) -> None:
+            try:
+                async with contextlib.aclosing(self._responses(request)) as responses:
+                    async for m in responses:
+                        outbox.put(pb.TaggedResponse(tag=tag, response=m))
+            except RequestError as e:
+                outbox.put(pb.TaggedResponse(tag=tag, error_code=CODES[e.kind].value[0],
+                                             error=e.message))
+            except Exception as e:                # a bug: the client still hears of it
+                log.exception("GenerateMany request %d failed", tag)
+                outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
+                                             error=f"{type(e).__name__}: {e}"))
+
+        def forget(tag: int) -> None:             # also for a task cancelled before it ran
+            del tasks[tag]
+            if closed and not tasks:
+                end()
+
+        async def read() -> None:
+            nonlocal closed
+            async for call in request_iterator:
+                if call.cancel:
+                    task = tasks.get(call.tag)
+                    if task is not None:
+                        task.cancel()
+                elif call.tag in tasks:
+                    outbox.put(pb.TaggedResponse(
+                        tag=call.tag, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        error=f"tag {call.tag} is in use by a live request; give each "
+                              "live request a tag of its own"))
+                else:
+                    task = tasks[call.tag] = loop.create_task(run(call.tag, call.request))
+                    task.add_done_callback(lambda _, tag=call.tag: forget(tag))
+            closed = True
+            if not tasks:
+                end()
+
+        reader = loop.create_task(read())
+        # a broken request stream ends the call (and with it every request)
+        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or end())
         try:
-            async with contextlib.aclosing(stream.events()) as deltas:
-                async for d in deltas:
-                    yield pb.GenerateResponse(
-                        request_id=stream.id, token_ids=d.token_ids, text=d.text,
-                        finish_reason=d.finish_reason, engine=d.engine, logprobs=d.logprobs,
-                        prompt_tokens=len(ids) if d.finish_reason else 0)
-        except RequestError as e:
-            await context.abort(CODES[e.kind], e.message)
+            while True:
+                items = await outbox.take()
+                if ending:
+                    items = [m for m in items if m is not None]
+                if items:
+                    await context.write(pb.GenerateBatch(responses=items))
+                if ending:
+                    return
+        finally:
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
 
     async def Abort(self, request, context):
         if not await self.r.abort(request.request_id):

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.cluster.engine_link import LOST, Mailbox
+from pdserve.cluster.engine_link import LOST
 from pdserve.cluster.pairing import EngineRef
 from pdserve.kernels.sampling import SamplingParams
+from pdserve.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 
 if TYPE_CHECKING:

@@ -39,6 +39,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_proto_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pdserve.v1.Router/GenerateMany',
+                request_serializer=pdserve_dot_proto_dot_router__pb2.GenerateCall.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_router__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Router/Abort',
                 request_serializer=pdserve_dot_proto_dot_router__pb2.AbortRequest.SerializeToString,
@@ -73,6 +78,19 @@ class RouterServicer:
         """Generate streams tokens as they are produced; the last message carries
         finish_reason. Errors: INVALID_ARGUMENT (bad input; the message says what
         to change), UNAVAILABLE (no engine can serve), ABORTED (aborted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one stream: the client sends each request (or a
+        cancel) with a tag of its own; the router answers with batches of tagged
+        responses, as many as piled up since its last write, so that a client
+        with many streams in flight costs one message a round, not one a token
+        per stream. A request that fails ends with its tag and an error (the
+        status Generate would end with); the others go on. The call ends once
+        the client has closed its side and every request has finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +139,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_proto_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=pdserve_dot_proto_dot_router__pb2.GenerateCall.FromString,
+                    response_serializer=pdserve_dot_proto_dot_router__pb2.GenerateBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -175,6 +198,33 @@ class Router:
             '/pdserve.v1.Router/Generate',
             pdserve_dot_proto_dot_router__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_proto_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Router/GenerateMany',
+            pdserve_dot_proto_dot_router__pb2.GenerateCall.SerializeToString,
+            pdserve_dot_proto_dot_router__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

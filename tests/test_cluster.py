@@ -279,3 +279,130 @@ def test_engines_time_their_rounds_as_calibrate_does(deployment, client):
     assert not any(r.num_decodes for r in rounds["prefill-0"])   # P never decodes
     assert sum(r.num_decodes for r in rounds["decode-0"]) == 4
     assert all(ray.get(a.take_rounds.remote()) == [] for a in actors.values())
+
+
+# ---- GenerateMany: many requests over one stream -------------------------------------
+
+def many_call(address: str):
+    """A raw GenerateMany call fed from a queue (None closes our side)."""
+    import queue
+
+    from pdserve.proto import router_pb2_grpc as pbg
+
+    sends: queue.Queue = queue.Queue()
+    ch = grpc.insecure_channel(address)
+    call = pbg.RouterStub(ch).GenerateMany(iter(sends.get, None))
+    return ch, sends, call
+
+
+def tagged(tag: int, prompt: str, max_tokens: int, route: str = "fused", **kw):
+    from pdserve.proto import router_pb2 as pb
+
+    return pb.GenerateCall(tag=tag, request=pb.GenerateRequest(
+        text=prompt, route=route, sampling=pb.SamplingOptions(max_tokens=max_tokens, **kw)))
+
+
+def test_multiplexed_requests_answer_as_their_own_streams_do(client, deployment):
+    """Over one GenerateMany stream, concurrent requests on both routes get
+    the tokens a Generate stream each gets; a bad one fails alone, with the
+    status and words Generate gives it."""
+    from pdserve.client import RequestFailed
+
+    want = {(p, r): client.generate(p, max_tokens=12, route=r, ignore_eos=True)
+            for p in PROMPTS for r in ("fused", "disaggregated")}
+
+    async def go():
+        c = AsyncClient(deployment.address, timeout=60, multiplex=True)
+        got = await asyncio.gather(
+            *(c.generate(p, max_tokens=12, route=r, ignore_eos=True) for p, r in want),
+            c.generate("hello", max_tokens=0), return_exceptions=True)
+        await c.close()
+        return got
+    *got, bad = asyncio.run(go())
+    for (key, w), g in zip(want.items(), got):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, "length"), key
+        assert g.engine == w.engine
+    assert isinstance(bad, RequestFailed) and isinstance(bad, grpc.RpcError)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens must be at least 1" in bad.details()
+
+
+def test_one_message_carries_a_rounds_tokens_of_every_request(deployment):
+    """The router writes what piled up since its last write: requests
+    decoded in the same rounds share messages. The call ends once our side
+    is closed and every request has finished."""
+    ch, sends, call = many_call(deployment.address)
+    for tag in range(1, 9):
+        sends.put(tagged(tag, PROMPTS[tag % len(PROMPTS)], 16, ignore_eos=True))
+    sends.put(None)
+    batches = list(call)
+    ch.close()
+    responses = [r for b in batches for r in b.responses]
+    by_tag: dict[int, list] = {}
+    for r in responses:
+        assert not r.error_code, r.error
+        by_tag.setdefault(r.tag, []).extend(r.response.token_ids)
+    assert {t: len(ids) for t, ids in by_tag.items()} == {t: 16 for t in range(1, 9)}
+    assert sum(1 for r in responses if r.response.finish_reason) == 8
+    assert max(len(b.responses) for b in batches) > 1
+    assert len(batches) < len(responses)
+
+
+def test_a_cancelled_tag_is_aborted_and_a_reused_live_tag_refused(client, deployment):
+    before = counters(client)["pdserve:fused-0"]
+    ch, sends, call = many_call(deployment.address)
+    from pdserve.proto import router_pb2 as pb
+
+    sends.put(tagged(1, "long", LONG, ignore_eos=True))
+    first = next(call).responses[0]
+    assert first.tag == 1 and not first.error_code
+    sends.put(tagged(1, "again", 4))
+    refused = next(r for b in call for r in b.responses if r.error_code)
+    assert refused.tag == 1 and refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "tag 1 is in use" in refused.error
+    sends.put(pb.GenerateCall(tag=1, cancel=True))
+    sends.put(tagged(2, "after", 4, ignore_eos=True))
+    sends.put(None)
+    rest = [r for b in call for r in b.responses if r.tag == 2]
+    ch.close()
+    assert sum(len(r.response.token_ids) for r in rest) == 4
+    assert rest[-1].response.finish_reason == "length"
+    wait_idle(client, ABORT_BOUND_S)
+    after = counters(client)["pdserve:fused-0"]
+    assert after["aborted"] == before["aborted"] + 1
+
+
+def test_a_client_that_leaves_a_multiplexed_stream_aborts_all_of_it(client, deployment):
+    before = counters(client)
+    ch, sends, call = many_call(deployment.address)
+    sends.put(tagged(1, "one", LONG, ignore_eos=True))
+    sends.put(tagged(2, "two", LONG, ignore_eos=True))
+    seen = set()
+    for batch in call:
+        seen |= {r.tag for r in batch.responses}
+        if seen == {1, 2}:
+            break
+    call.cancel()
+    ch.close()
+    wait_idle(client, ABORT_BOUND_S)
+    after = counters(client)
+    assert sum(s["aborted"] for s in after.values()) == \
+        sum(s["aborted"] for s in before.values()) + 2
+    assert sum(s["finished"] for s in after.values()) == \
+        sum(s["finished"] for s in before.values())
+
+
+def test_the_async_clients_timeout_ends_a_multiplexed_request(client, deployment):
+    from pdserve.client import RequestFailed
+
+    async def go():
+        c = AsyncClient(deployment.address, timeout=0.5, multiplex=True)
+        try:
+            with pytest.raises(RequestFailed) as e:
+                await c.generate("slow", max_tokens=LONG, ignore_eos=True)
+            return e.value
+        finally:
+            await c.close()
+    err = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.5 s" in err.details()
+    wait_idle(client, ABORT_BOUND_S)

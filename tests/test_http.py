@@ -3,6 +3,7 @@ against one live local deployment (shared by the module) of the real
 SmolLM2-135M-Instruct: a fused engine and a P+D pair behind one router,
 reached by the `route` extension, with an API key."""
 
+import asyncio
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.client import Client
+from pdserve.client import AsyncClient, Client, RequestFailed
 from pdserve.cluster.router import Security
 
 from deployed import deployed
@@ -208,6 +209,17 @@ def test_the_api_key_is_required_on_both_fronts_but_not_for_health(dep, model):
     with pytest.raises(grpc.RpcError) as e:
         Client(dep.address, timeout=30).generate("Hello", max_tokens=2)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def many(key):                          # the multiplexed stream is guarded too
+        c = AsyncClient(dep.address, timeout=60, api_key=key, multiplex=True)
+        try:
+            return await c.generate("Hello", max_tokens=2)
+        finally:
+            await c.close()
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(many(None))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+    assert len(asyncio.run(many(KEY)).token_ids) == 2
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_the_request(dep, model, grpc_client):

@@ -255,7 +255,8 @@ def test_a_mailbox_hands_over_everything_that_came_in_order_and_wakes_its_reader
     was cancelled while waiting leaves the mailbox usable."""
     import asyncio
 
-    from pdserve.cluster.engine_link import LOST, Mailbox
+    from pdserve.cluster.engine_link import LOST
+    from pdserve.mailbox import Mailbox
 
     async def go():
         box = Mailbox(asyncio.get_running_loop())
