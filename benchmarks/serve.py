@@ -19,8 +19,8 @@ Reports TTFT, TPOT, ITL and E2E percentiles, the queueing delay and
 throughput, prints a table and saves JSON.
 
 The load generator should cost as little CPU as it can, since on a small
-host it shares the cores with what it measures: both loads are one asyncio
-loop, the gRPC load through `AsyncClient` over a few connections, the HTTP
+host it shares the cores with what it measures: every load is one asyncio
+loop, the gRPC loads through `AsyncClient` over a few connections, the HTTP
 load through aiohttp with a keep-alive connection per concurrent stream.
 """
 
@@ -311,10 +311,12 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                    if r.get("ttft_p50_runs") else ""))
     by_name = dict(results)
     for name, r in results:
-        if name.endswith("[http]") and name[:-6] + "[grpc]" in by_name:
-            g = by_name[name[:-6] + "[grpc]"]
-            ratio = r["output_tok_per_s"] / g["output_tok_per_s"]
-            print(f"{name[:-7]}: HTTP/gRPC throughput {ratio:.3f}, TTFT p50 "
+        target, _, api = name[:-1].rpartition(" [")
+        g = by_name.get(f"{target} [grpc]")
+        if api in ("http", "grpc-many") and g is not None:
+            label = "HTTP" if api == "http" else "GenerateMany"
+            print(f"{target}: {label}/gRPC throughput "
+                  f"{r['output_tok_per_s'] / g['output_tok_per_s']:.3f}, TTFT p50 "
                   f"{(r['ttft_s']['p50'] - g['ttft_s']['p50']) * 1000:+.2f} ms")
         base = name.rsplit(" [", 1)[0] + " [offline LLM]"
         if base in by_name and name != base:
