@@ -220,10 +220,12 @@ class Client:
         self.close()
 
 
-class _Multiplexed:
+class Multiplexed:
     """One GenerateMany call that an AsyncClient's requests share, opened
     on first use and again after it ended (the router went away). Each
-    request has a tag and a mailbox the call's reader fills."""
+    request has a tag and a mailbox the call's reader fills. `stub` is
+    anything with GenerateMany (a RouterStub, or a scripted one in tests);
+    `stream(request, timeout)` yields the request's Chunks."""
 
     def __init__(self, stub: pbg.RouterStub, metadata):
         self._stub = stub
@@ -311,7 +313,7 @@ class AsyncClient:
         self._channel = _channel(address, tls_ca, aio=True)
         self._md = _metadata(api_key)
         self._stub = pbg.RouterStub(self._channel)
-        self._many = _Multiplexed(self._stub, self._md) if multiplex else None
+        self._many = Multiplexed(self._stub, self._md) if multiplex else None
 
     async def generate_stream(self, prompt, *, request_id=None, route="", max_tokens=16,
                               temperature=0.0, top_p=None, top_k=None, seed=None, stop=None,

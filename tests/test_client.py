@@ -1,13 +1,14 @@
-"""The async client's multiplexed mode against a scripted GenerateMany
-(no router): a call that breaks fails what was in flight and the next
-request opens a new one; a request left early is cancelled on its call."""
+"""The async client's multiplexed mode (`pdserve.client.Multiplexed`, what
+`AsyncClient(multiplex=True)` runs) against a scripted GenerateMany, no
+router: a call that breaks fails what was in flight and the next request
+opens a new one; a request left early is cancelled on its call."""
 
 import asyncio
 
 import grpc
 import pytest
 
-from pdserve.client import AsyncClient, RequestFailed
+from pdserve.client import Multiplexed, RequestFailed
 from pdserve.proto import router_pb2 as pb
 
 
@@ -47,28 +48,30 @@ class ScriptedRouter:
         return responses()
 
 
-def _client(router: ScriptedRouter) -> AsyncClient:
-    c = AsyncClient("127.0.0.1:1", multiplex=True)      # never dialled: the stub is scripted
-    c._many._stub = router
-    return c
+def _request(max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=[1, 2], sampling=pb.SamplingOptions(max_tokens=max_tokens))
+
+
+async def _generate(many: Multiplexed, max_tokens: int, timeout=None) -> list:
+    return [c async for c in many.stream(_request(max_tokens), timeout)]
 
 
 def test_a_broken_call_fails_what_was_in_flight_and_the_next_request_reopens():
     router = ScriptedRouter(break_after=True)
 
     async def go():
-        c = _client(router)
+        many = Multiplexed(router, None)
         chunks = []
         with pytest.raises(RequestFailed) as e:
-            async for chunk in c.generate_stream([1, 2], max_tokens=2):
+            async for chunk in many.stream(_request(2), None):
                 chunks.append(chunk)
-        again = await asyncio.wait_for(c.generate([1, 2], max_tokens=2), 10)
-        await c.close()
+        again = await asyncio.wait_for(_generate(many, 2), 10)
+        await many.close()
         return chunks, e.value, again
     chunks, err, again = asyncio.run(go())
     assert [ch.token_ids for ch in chunks] == [[7]]          # what came before the break
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "went away" in err.details()
-    assert again.token_ids == [7, 7] and again.finish_reason == "length"
+    assert [ch.token_ids for ch in again] == [[7], [7]] and again[-1].finish_reason == "length"
     assert len(router.calls) == 2                             # a new call for the new request
 
 
@@ -76,29 +79,28 @@ def test_a_request_left_early_is_cancelled_by_its_tag_and_the_call_goes_on():
     router = ScriptedRouter()
 
     async def go():
-        c = _client(router)
-        async for _ in c.generate_stream([1], max_tokens=100):
+        many = Multiplexed(router, None)
+        async for _ in many.stream(_request(100), None):
             break                                             # leave after the first token
         await asyncio.wait_for(router.cancelled.wait(), 10)
-        done = await asyncio.wait_for(c.generate([3], max_tokens=2), 10)
-        await c.close()
+        done = await asyncio.wait_for(_generate(many, 2), 10)
+        await many.close()
         return done
     done = asyncio.run(go())
     calls = router.calls[0]
     assert [(m.tag, m.cancel) for m in calls] == [(1, False), (1, True), (2, False)]
-    assert done.token_ids == [7, 7] and len(router.calls) == 1
+    assert len(done) == 2 and len(router.calls) == 1
 
 
 def test_the_client_timeout_ends_a_request_with_deadline_exceeded_and_cancels_it():
     router = ScriptedRouter()
 
     async def go():
-        c = AsyncClient("127.0.0.1:1", timeout=0.2, multiplex=True)
-        c._many._stub = router
+        many = Multiplexed(router, None)
         with pytest.raises(RequestFailed) as e:
-            await c.generate([1], max_tokens=100)             # never finishes
+            await _generate(many, 100, timeout=0.2)           # never finishes
         await asyncio.wait_for(router.cancelled.wait(), 10)
-        await c.close()
+        await many.close()
         return e.value
     err = asyncio.run(go())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.2 s" in err.details()
