@@ -33,6 +33,7 @@ CODES = {
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 HEALTH_METHOD = "/grpc.health.v1.Health/"
+FIRST_MESSAGE_S = 5.0    # how long a refused streaming call may take to send its first message
 
 log = logging.getLogger("pdserve.router")
 
@@ -64,14 +65,25 @@ class _ApiKey(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        if handler.request_streaming:
+            async def refuse_calls(requests, context):
+                # take the first message before refusing: a status sent while
+                # the client still writes it reached grpc.aio clients as
+                # INTERNAL ("Internal error from Core") in 8 of 100 tries
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(anext(aiter(requests), None), FIRST_MESSAGE_S)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                yield  # pragma: no cover - abort raises
+            return grpc.stream_stream_rpc_method_handler(
+                refuse_calls, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
         if handler.response_streaming:
             async def refuse_stream(request, context):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
                 yield  # pragma: no cover - abort raises
-            make = grpc.stream_stream_rpc_method_handler if handler.request_streaming \
-                else grpc.unary_stream_rpc_method_handler
-            return make(refuse_stream, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
             refuse, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
