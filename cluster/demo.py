@@ -65,14 +65,16 @@ def main(config: str | None = None) -> int:
         for i in sorted(answers):
             print(f"  [{i}] {answers[i]}")
         print("\nthe same server over OpenAI HTTP (POST /v1/chat/completions):")
+        question = "What is 2 + 2?"
         body = {"model": cfg.model.served_name, "max_tokens": 32, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of Italy?"}]}
+                "messages": [{"role": "user", "content": question}]}
         req = urllib.request.Request(dep.http_address + "/v1/chat/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as resp:
             out = json.loads(resp.read())
-        print(f"  {out['choices'][0]['message']['content']!r}  usage {out['usage']}")
+        print(f"  {question!r} -> {out['choices'][0]['message']['content']!r}  "
+              f"usage {out['usage']}")
         print("\nengines:")
         for s in client.stats():
             print(f"  {s['name']:<18} {s['role']:<8} pages used {s['used_pages']}/"
