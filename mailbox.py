@@ -22,6 +22,10 @@ class Mailbox:
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
 
+    def __len__(self) -> int:
+        """Items put and not yet taken."""
+        return len(self._items)
+
     def put(self, ev) -> None:
         self._items.append(ev)
         w, self._waiter = self._waiter, None

@@ -21,6 +21,7 @@ log = logging.getLogger("pdserve.router")
 
 LOST = object()          # put in a request's mailbox when its engine's stream broke
 RECONNECT_S = 0.2
+SUBMITS_IN_FLIGHT = 128  # Submit calls at once (the engine takes them on 32 threads)
 
 
 class EngineLink:
@@ -31,6 +32,7 @@ class EngineLink:
         self.ready = asyncio.Event()
         self.ended = asyncio.Event()              # the last live stream ended (all read)
         self.requests: dict[str, Mailbox] = {}
+        self.submits = asyncio.Semaphore(SUBMITS_IN_FLIGHT)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
 

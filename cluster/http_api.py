@@ -69,10 +69,13 @@ def _from_validation(e: pydantic.ValidationError) -> JSONResponse:
                    if not (isinstance(x, str) and ("[" in x or x in _TYPE_NAMES)))
     got = first.get("input")
     shown = json.dumps(got)[:80] if isinstance(got, (int, float, str, bool)) or got is None \
-        else type(got).__name__
+        else f"a list of {len(got)}" if isinstance(got, list) else type(got).__name__
     if first["type"] == "missing":
         return error(400, f"{loc} is required", loc or None)
-    return error(400, f"{loc}: {first['msg']} (got {shown})", loc or None)
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:                     # a check across fields: its message names them
+        return error(400, msg)
+    return error(400, f"{loc}: {msg} (got {shown})", loc)
 
 
 class HttpFront:
@@ -121,23 +124,25 @@ class HttpFront:
         except Unsupported as e:
             return None, error(400, str(e), e.param)
         if body.model is not None and body.model != self.r.model_name:
-            return None, error(400, f"model {body.model!r} is not served here; this deployment "
+            return None, error(404, f"model {body.model!r} is not served here; this deployment "
                                f"serves {self.r.model_name!r} (GET /v1/models)", "model",
                                "model_not_found")
         return body, None
 
     def _open(self, prompts: list[list[int]], body, max_tokens, logprobs, rid: str, route):
-        """One stream per (prompt, choice); all or none are opened."""
+        """One stream per (prompt, choice): every prompt checked and the
+        router's room for all of them taken first, so all or none open."""
+        sp = body.sampling(max_tokens, logprobs)
+        field = "prompt" if isinstance(body, CompletionRequest) else "messages"
+        for p, ids in enumerate(prompts):
+            self.r.check_prompt(ids, sp, f"{field}[{p}]" if len(prompts) > 1 else field)
+        self.r.admit(len(prompts) * body.n, route)
         streams = []
         try:
             for p, ids in enumerate(prompts):
                 for j in range(body.n):
-                    sp = body.sampling(max_tokens, logprobs)
-                    if sp.seed is not None and j:
-                        sp = _with_seed(sp, sp.seed + j)
-                    self.r.check_prompt(ids, sp, "prompt" if isinstance(body, CompletionRequest)
-                                        else "messages")
-                    streams.append(self.r.open(ids, sp, route, f"{rid}-{p * body.n + j}"))
+                    choice = _with_seed(sp, sp.seed + j) if sp.seed is not None and j else sp
+                    streams.append(self.r.stream(ids, choice, route, f"{rid}-{p * body.n + j}"))
         except BaseException:
             for s in streams:
                 self.r.active.pop(s.id, None)
@@ -205,7 +210,8 @@ class HttpFront:
                         for m in body.messages]
             text = render_chat(template, messages, body.add_generation_prompt,
                                bos_token=getattr(self.r.tokenizer, "bos_token", None),
-                               eos_token=getattr(self.r.tokenizer, "eos_token", None))
+                               eos_token=getattr(self.r.tokenizer, "eos_token", None),
+                               continue_final_message=body.continue_final_message)
             ids = self.r.encode(text, "messages", add_special_tokens=False)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._open([ids], body, body.token_limit, body.logprobs_k, rid,
@@ -221,7 +227,7 @@ class HttpFront:
     # ---- answers -----------------------------------------------------------------
     async def _respond(self, request, body, streams, rid, prompts, chat: bool):
         created = int(time.time())
-        prompt_tokens = sum(len(p) for p in prompts) * body.n
+        prompt_tokens = sum(len(p) for p in prompts)      # once a prompt, whatever n is
         if body.stream:
             gen = self._sse(body, streams, rid, created, prompt_tokens, chat)
             return StreamingResponse(gen, media_type="text/event-stream",
@@ -316,7 +322,8 @@ class HttpFront:
             tokens.append(s)
             offsets.append(offset)
             offset += len(s)
-            top.append({self._tok_str(x.token_id): x.logprob for x in e.top})
+            # the sampled token is always among them (OpenAI: up to logprobs + 1)
+            top.append({**{self._tok_str(x.token_id): x.logprob for x in e.top}, s: e.logprob})
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      field_validator, model_validator)
 
 from pdserve.cluster.pairing import ROUTES
 from pdserve.kernels.sampling import MAX_LOGPROBS, SamplingParams
@@ -32,10 +33,10 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt | None = Field(None, ge=-1)
-    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
+    seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)   # any 64-bit integer
     stop: Union[str, list[str], None] = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
@@ -48,6 +49,16 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
+    # vLLM's extensions that change the answer: refused unless at their no-op value
+    min_p: float | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    structured_outputs: object = None
     user: str | None = None
     route: str = ""                     # pdserve's routing hint: "", fused, disaggregated
 
@@ -63,10 +74,20 @@ class _Common(BaseModel):
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only for streamed answers: set stream: true, "
+                             "or leave stream_options out")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens="
+                             f"{self.max_tokens}; lower min_tokens or raise max_tokens")
+        return self
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -82,6 +103,23 @@ class _Common(BaseModel):
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of", "best_of is not supported by pdserve apart from "
                               "best_of == n; use n")
+        if self.min_p not in (None, 0, 0.0):
+            raise Unsupported("min_p", "min_p is not supported by pdserve; leave it unset or 0 "
+                              "(top_p and top_k are)")
+        if self.include_stop_str_in_output:
+            raise Unsupported("include_stop_str_in_output", "include_stop_str_in_output is not "
+                              "supported by pdserve: answers end before the stop string")
+        if not self.skip_special_tokens:
+            raise Unsupported("skip_special_tokens", "skip_special_tokens: false is not "
+                              "supported by pdserve: special tokens are left out of the text")
+        if self.prompt_logprobs is not None:
+            raise Unsupported("prompt_logprobs", "prompt_logprobs is not supported by pdserve; "
+                              "logprobs covers the generated tokens")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise Unsupported(name, f"{name}: structured output is not supported by "
+                                  "pdserve; leave it unset")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for one choice (seed i of n is seed + i, so the n
@@ -90,7 +128,8 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0), seed=self.seed, stop=tuple(self.stop or ()),
+            top_k=max(self.top_k or 0, 0), stop=tuple(self.stop or ()),
+            seed=self.seed % (1 << 63) if self.seed is not None else None,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
             logprobs=logprobs)
@@ -101,10 +140,23 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    prompt: object
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
+    response_format: dict | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in x)
+        if isinstance(v, str) or (isinstance(v, list) and (
+                all(isinstance(x, str) for x in v) or ids(v) or all(ids(x) for x in v))):
+            return v
+        raise ValueError("give a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists (one kind, not mixed)")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -112,6 +164,9 @@ class CompletionRequest(_Common):
             raise Unsupported("echo", "echo is not supported by pdserve; leave it false")
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported by pdserve; leave it unset")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise Unsupported("response_format", "only response_format {type: text} is "
+                              "supported by pdserve")
 
     def prompts(self) -> list:
         """The prompts: strings or token-id lists."""
@@ -155,13 +210,31 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
+    functions: list | None = None
+    function_call: Union[str, dict, None] = None
     response_format: dict | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _continues(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message continues the last assistant "
+                                 "message, add_generation_prompt starts a new one: set "
+                                 "add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the "
+                                 f"assistant's, not {self.messages[-1].role!r}")
+        return self
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.tools:
             raise Unsupported("tools", "tool calling is not supported by pdserve; send no tools")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise Unsupported("functions" if self.functions else "function_call",
+                              "function calling is not supported by pdserve; send no functions")
         if self.tool_choice not in (None, "none", "auto"):
             raise Unsupported("tool_choice", "tool calling is not supported by pdserve")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

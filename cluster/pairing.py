@@ -9,6 +9,7 @@ import collections
 import dataclasses
 
 ROUTES = ("", "fused", "disaggregated")
+ROUTE_ROLES = {"fused": {"fused"}, "disaggregated": {"prefill", "decode"}}   # what a route needs
 AFFINITY_SLACK_TOKENS = 4096   # how much more load a warm prefix cache is worth
 AFFINITY_ENTRIES = 65536       # first pages remembered (LRU)
 

@@ -33,7 +33,7 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.engine_link import EngineLink
 from pdserve.cluster.event_loop import new_event_loop
 from pdserve.cluster.metrics import RouterMetrics
-from pdserve.cluster.pairing import ROUTES, EngineRef, Pairing
+from pdserve.cluster.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
 from pdserve.cluster.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
@@ -147,13 +147,29 @@ class Router:
              request_id: str | None = None) -> "Stream":
         """Admit a validated request (the in-flight limit, a live route, a
         fresh id); its tokens come from `Stream.events()`."""
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.active:
-            raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
-                               "request_id")
+        self.admit(1, route)
+        return self.stream(ids, sp, route, request_id)
+
+    def admit(self, streams: int, route: str = "") -> None:
+        """Count `streams` arrivals and refuse them together, before any is
+        opened, if they cannot all run. Never (a 400, not an arrival): more
+        than router.max_requests, or a route none of this deployment's
+        engines serve. Not now: too many in flight (429), no live engine for
+        the route (503)."""
         limit = self.cfg.router.max_requests
-        self.metrics.arrivals.inc()
-        if len(self.active) >= limit:
+        if streams > limit:
+            self.metrics.rejected.labels(reason="invalid").inc()
+            raise RequestError("invalid", f"{streams} choices (prompts x n) exceed this "
+                               f"deployment's router.max_requests of {limit}, so they could "
+                               "never run at once; send fewer prompts or a lower n", "n")
+        needs = ROUTE_ROLES.get(route, set())
+        if not needs <= {e.role for e in self.engines.values()}:
+            self.metrics.rejected.labels(reason="invalid").inc()
+            raise RequestError("invalid", f"route {route!r} needs {' and '.join(sorted(needs))} "
+                               "engines, and this deployment has none; send route '' (any "
+                               "engine)", "route")
+        self.metrics.arrivals.inc(streams)
+        if len(self.active) + streams > limit:
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise RequestError("overloaded", f"{limit} requests are in flight, this "
                                "deployment's router.max_requests; retry later or raise it")
@@ -161,6 +177,14 @@ class Router:
             self.pairing.candidates(route)
         except LookupError as e:
             raise RequestError("unavailable", str(e)) from None
+
+    def stream(self, ids: list[int], sp: SamplingParams, route: str = "",
+               request_id: str | None = None) -> "Stream":
+        """A request `admit` let in: a fresh id, then its Stream."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
+                               "request_id")
         self.active[rid] = None
         return Stream(self, rid, ids, sp, route)
 

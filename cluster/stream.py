@@ -149,17 +149,30 @@ class Stream:
                 raise _EngineLost(f"{target.name} has no live event stream") from None
             link.requests[self.id] = box
             sub.subscriber = link.subscriber
+            submit = asyncio.ensure_future(_submit(link, sub))
             try:
-                await target.stub.Submit(sub, timeout=30)
+                await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                # the client left while the engine was taking the request: abort
+                # it there once it has it (an Abort sent now could overtake it)
+                r.background(_abort_once_taken(submit, target, self.id, "client went away"))
+                raise
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RequestError("invalid", e.details()) from None
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
                     target.draining = True        # it drains: picked no more
                     raise _EngineDraining(e.details()) from None
-                target.alive = False
+                if code == grpc.StatusCode.CANCELLED:
+                    # the call broke, not the engine (gRPC cancels some of a burst
+                    # of calls on one connection): it may have taken the request,
+                    # so it is aborted there before another attempt reuses the id
+                    await _abort(target, self.id, "its submission broke off")
+                else:
+                    target.alive = False
                 raise _EngineLost(f"{target.name} did not take the request: "
-                                  f"{e.code().name}") from None
+                                  f"{code.name}") from None
             submitted = True
             backlog: collections.deque = collections.deque()
             while not ended:
@@ -220,6 +233,24 @@ async def _every(deltas, k: int):
                 held = None
     if held is not None:
         yield held
+
+
+async def _submit(link, sub: cpb.SubmitRequest):
+    """One Submit to the link's engine, at most SUBMITS_IN_FLIGHT at once:
+    gRPC cancels calls of a burst of a thousand or more on one connection."""
+    async with link.submits:
+        return await link.ref.stub.Submit(sub, timeout=30)
+
+
+async def _abort_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str,
+                            reason: str) -> None:
+    """Abort `rid` on `ref` once its Submit (still in flight) returns; a
+    Submit that failed left nothing there."""
+    try:
+        await submit
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        return
+    await _abort(ref, rid, reason)
 
 
 async def _abort(ref: EngineRef, rid: str, reason: str) -> None:

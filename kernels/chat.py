@@ -32,18 +32,29 @@ def _compile(template: str):
 
 
 def render_chat(template: str | None, messages: list, add_generation_prompt: bool = True,
-                bos_token: str | None = None, eos_token: str | None = None, **extra) -> str:
+                bos_token: str | None = None, eos_token: str | None = None,
+                continue_final_message: bool = False, **extra) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
-    A missing template, or one that fails on these messages, is a ValueError
-    that says which."""
+    With `continue_final_message` the text stops right after the last
+    message's content, so the model carries that message on instead of
+    closing its turn (what transformers and vLLM do). A missing template, or
+    one that fails on these messages, is a ValueError that says which."""
     if not template:
         raise ValueError("this model has no chat template; send a plain prompt instead of "
                          "chat messages")
     import jinja2
 
     try:
-        return _compile(template).render(messages=messages,
+        text = _compile(template).render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)
     except jinja2.TemplateError as e:
         raise ValueError(f"the model's chat template failed on these messages: {e}") from None
+    if continue_final_message:
+        final = (messages[-1].get("content") or "").rstrip()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ValueError("continue_final_message: the last message's content is empty, or "
+                             "the chat template does not write it out as given")
+        text = text[:end + len(final)]
+    return text

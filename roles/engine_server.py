@@ -54,6 +54,10 @@ HEARTBEAT_S = 2.0
 # (a job still wakes it at once; only timers wait, at most this long)
 POLL_S = 0.002
 IDLE_WAIT_S = 0.02
+# calls waiting for a handler thread: past gRPC's default of 1,000 it resets the
+# newest (CANCELLED); routers hold their Submits to 128 each, peers send a few
+PENDING_CALLS = [("grpc.server.max_pending_requests", 10_000),
+                 ("grpc.server.max_pending_requests_hard_limit", 30_000)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,7 +110,8 @@ class EngineServer:
         self._shut = False
         self.loop_errors: list[str] = []        # what `round failed` logged (tests assert none)
         self._stalls_logged = 0
-        self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name))
+        self.server = grpc.server(cf.ThreadPoolExecutor(32, thread_name_prefix=self.name),
+                                  options=PENDING_CALLS)
         pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self.server)
         port = self.server.add_insecure_port(f"{host}:0")
         self.address = f"{host}:{port}"

@@ -22,9 +22,11 @@ def max_single_request_tokens(cfg: EngineConfig, full_history: bool = True) -> i
     model's context. Without a full-history group (every layer sliding) the
     working set does not grow with the prompt: the context is the bound
     (the planner checks at start that each sliding pool holds one request)."""
+    # the decode slot behind the prompt needs its positions within the context too
+    ctx = cfg.max_context_tokens - cfg.decode_input_tokens
     if not full_history:
-        return cfg.max_context_tokens - cfg.decode_input_tokens
-    lo, hi = 0, cfg.max_context_tokens
+        return ctx
+    lo, hi = 0, ctx
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if single_request_pages(cfg, mid) <= cfg.total_pages:

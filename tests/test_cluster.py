@@ -157,7 +157,7 @@ def test_stats_and_server_info_describe_every_engine(client):
     assert {e["name"] for e in info["engines"]} == {"pdserve:fused-0", "pdserve:prefill-0",
                                                    "pdserve:decode-0"}
     assert all(e["alive"] and e["address"].startswith("127.0.0.1:") for e in info["engines"])
-    assert info["max_prompt_tokens"] == 4096           # the tiny model's context
+    assert info["max_prompt_tokens"] == 4095           # the tiny model's context, less the decode slot
     before = counters(client)
     assert before["pdserve:prefill-0"]["total_pages"] == 512
     client.generate(PROMPTS[2], max_tokens=2, route="disaggregated")

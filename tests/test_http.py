@@ -161,6 +161,41 @@ def test_logprobs_give_the_chosen_token_and_the_top_ones(oai, model, route):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.choices[0].text
+    # the sampled token is always in its top_logprobs (OpenAI: up to logprobs + 1 entries)
+    c = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                               temperature=1.0, seed=3, logprobs=0, extra_body={"route": route})
+    lp = c.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert [top[t] for t, top in zip(lp.tokens, lp.top_logprobs)] == lp.token_logprobs
+
+
+def test_usage_counts_each_prompt_once_whatever_n(oai, model):
+    one = oai.completions.create(model=model, prompt=["Hello there", "The sky is"],
+                                 max_tokens=2, temperature=0)
+    three = oai.completions.create(model=model, prompt=["Hello there", "The sky is"],
+                                   max_tokens=2, temperature=0, n=3)
+    assert len(three.choices) == 6
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    chat = [oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, n=n)
+            for n in (1, 2)]
+    assert chat[1].usage.prompt_tokens == chat[0].usage.prompt_tokens
+
+
+def test_continue_final_message_carries_the_assistant_message_on(oai, model):
+    """vLLM's extension: the template's text stops after the last (assistant)
+    message, so the model continues it rather than closing the turn."""
+    started = "The capital of France is"
+    r = oai.chat.completions.create(
+        model=model, max_tokens=8, temperature=0,
+        messages=[*QUESTION, {"role": "assistant", "content": started}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = r.choices[0].message.content
+    assert "Paris" in text and not text.lstrip().startswith(started), text
+    closed = oai.chat.completions.create(
+        model=model, max_tokens=8, temperature=0,
+        messages=[*QUESTION, {"role": "assistant", "content": started}],
+        extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens > r.usage.prompt_tokens     # the turn's end is left out
 
 
 def test_ignore_eos_and_min_tokens_hold_the_answer_open(oai, model):
@@ -177,7 +212,10 @@ def test_ignore_eos_and_min_tokens_hold_the_answer_open(oai, model):
 
 
 def test_bad_input_is_a_400_naming_the_field(oai, model, dep):
-    cases = [({"model": "gpt-9"}, "model"), ({"temperature": -1}, "temperature"),
+    with pytest.raises(openai.NotFoundError) as e:       # as OpenAI answers another model
+        oai.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=4)
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    cases = [({"temperature": -1}, "temperature"),
              ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"top_p": 1.5}, "top_p"),
              ({"presence_penalty": 0.5}, "presence_penalty"),
              ({"max_tokens": 10 ** 6}, "max_tokens")]

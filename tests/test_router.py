@@ -228,8 +228,9 @@ def test_stream_interval_sends_k_tokens_a_message_and_the_rest_last():
                 except StopAsyncIteration:
                     return out
                 pending = asyncio.ensure_future(agen.__anext__())
-            elif engine.rid and engine.next < len(tokens):
-                engine.send()                      # one event at a time
+            elif engine.rid and engine.next < len(tokens) and \
+                    not len(r.links["fused-0"].requests.get(engine.rid, ())):
+                engine.send()                      # one event at a time, once the last is taken
     deltas = asyncio.run(asyncio.wait_for(go(), 10))
     assert [(list(d.token_ids), d.text, d.finish_reason) for d in deltas] == \
         [([5, 6], "fg", ""), ([7, 8], "hi", ""), ([9], "j", "length")]
@@ -278,3 +279,237 @@ def test_a_mailbox_hands_over_everything_that_came_in_order_and_wakes_its_reader
     assert first == [1]
     assert rest == [2, 3, LOST]
     assert after == [4]
+
+
+def test_a_client_that_leaves_while_its_submit_is_in_flight_is_aborted_once_taken():
+    """The client goes while the engine is still taking the request: the
+    Submit is not cut short, and once it returns (the engine has the
+    request) the router aborts it there, not before (an Abort sent first
+    could overtake the Submit and leave the request running)."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import EngineLink
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    calls = []
+
+    class Engine:
+        def __init__(self):
+            self.entered = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def Submit(self, sub, timeout):
+            calls.append(("submit", sub.request_id))
+            self.entered.set()
+            await self.release.wait()
+            calls.append(("taken", sub.request_id))
+
+        async def Abort(self, req, timeout):
+            calls.append(("abort", req.request_id))
+
+    async def go():
+        engine = r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+
+        async def client():
+            async for _ in stream.events():
+                pass
+        task = asyncio.ensure_future(client())
+        await asyncio.wait_for(engine.entered.wait(), 5)
+        task.cancel()                           # the client disconnects mid-Submit
+        await asyncio.gather(task, return_exceptions=True)
+        assert ("abort", stream.id) not in calls
+        engine.release.set()                    # the engine takes it now
+        for _ in range(100):
+            if ("abort", stream.id) in calls:
+                break
+            await asyncio.sleep(0)
+        return stream.id
+    rid = asyncio.run(asyncio.wait_for(go(), 10))
+    assert calls == [("submit", rid), ("taken", rid), ("abort", rid)]
+    assert r.engines["fused-0"].alive and r.engines["fused-0"].load == 0
+
+
+def test_a_submit_the_transport_cancelled_is_aborted_and_tried_again_on_a_live_engine():
+    """gRPC cancels some calls of a large burst on one connection: the engine
+    is not dead for it. The router aborts the request there (the engine may
+    have taken it) and submits it again; the client sees its tokens."""
+    import asyncio
+
+    import grpc
+
+    from pdserve.cluster.engine_link import EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    calls = []
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            calls.append("submit")
+            if calls.count("submit") == 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), details="CANCELLED")
+            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[7], text="a", finish_reason="length"))
+
+        async def Abort(self, req, timeout):
+            calls.append("abort")
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=1))
+        return [d async for d in stream.events()]
+    deltas = asyncio.run(asyncio.wait_for(go(), 10))
+    assert calls == ["submit", "abort", "submit"]
+    assert [t for d in deltas for t in d.token_ids] == [7]
+    assert r.engines["fused-0"].alive
+
+
+def test_the_router_holds_its_submits_to_one_engine_to_a_bound():
+    """A burst of requests is submitted SUBMITS_IN_FLIGHT at a time (more on
+    one connection and gRPC cancels some); every one still gets in."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import SUBMITS_IN_FLIGHT, EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "engine": {"page_size": 4}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    n = SUBMITS_IN_FLIGHT * 2 + 5
+    state = {"now": 0, "most": 0}
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            await asyncio.sleep(0.001)
+            state["now"] -= 1
+            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[7], text="a", finish_reason="length"))
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+
+        async def one():
+            stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=1))
+            return [d async for d in stream.events()]
+        return await asyncio.gather(*(one() for _ in range(n)))
+    results = asyncio.run(asyncio.wait_for(go(), 30))
+    assert len(results) == n and all(d[-1].finish_reason == "length" for d in results)
+    assert state["most"] == SUBMITS_IN_FLIGHT
+
+
+def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_asked():
+    """Each body is refused with a 400 (or a 404 for another model) whose
+    param and message say what to change; none reaches an engine (this
+    router has no live link), and a request that could never run is not
+    counted as an arrival."""
+    from starlette.testclient import TestClient
+
+    from pdserve.cluster.http_api import build_app
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 8},
+                                 "engine": {"total_pages": 64, "page_size": 4,
+                                            "max_context_tokens": 64}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    http = TestClient(build_app(r))
+    cases = [
+        ({"prompt": ["ab", "cd", "ef"], "n": 3}, 400, "n", "9 choices (prompts x n) exceed"),
+        ({"prompt": "ab", "route": "disaggregated"}, 400, "route", "needs decode and prefill"),
+        ({"prompt": "ab", "model": "gpt-9"}, 404, "model", "is not served here"),
+        ({"prompt": ["ab", 1]}, 400, "prompt", "one kind, not mixed"),
+        ({"prompt": ["ab", ""]}, 400, "prompt[1]", "the prompt is empty"),
+        ({"prompt": "ab", "stop": ["x"] * 17}, 400, "stop", "at most 16 stop strings, got 17"),
+        ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, None,
+         "stream_options is only for streamed answers"),
+        ({"prompt": "ab", "max_tokens": 2, "min_tokens": 5}, 400, None,
+         "min_tokens=5 exceeds max_tokens=2"),
+        ({"prompt": "ab", "min_p": 0.1}, 400, "min_p", "min_p is not supported"),
+        ({"prompt": "ab", "guided_choice": ["yes", "no"]}, 400, "guided_choice",
+         "structured output is not supported"),
+        ({"prompt": "ab", "response_format": {"type": "json_object"}}, 400, "response_format",
+         "only response_format {type: text}"),
+        ({"prompt": "ab", "include_stop_str_in_output": True}, 400,
+         "include_stop_str_in_output", "not supported"),
+        ({"prompt": "ab", "temperature": True}, 400, "temperature", "valid number"),
+        ({"prompt": "x" * 64, "max_tokens": 1}, 400, "prompt", "exceeds this deployment's bound"),
+    ]
+    for body, status, param, words in cases:
+        resp = http.post("/v1/completions", json=body)
+        err = resp.json()["error"]
+        assert resp.status_code == status and err["param"] == param, (body, err)
+        assert words in err["message"] and not err["message"].startswith("Value error"), \
+            (body, err)
+    assert r.metrics.arrivals._value.get() == 0
+    assert not r.active
+    chat = [({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+              "add_generation_prompt": False}, "the last message to be the assistant's"),
+            ({"messages": [{"role": "assistant", "content": "hi"}],
+              "continue_final_message": True}, "set add_generation_prompt: false"),
+            ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+             "function calling is not supported")]
+    for body, words in chat:
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.json()
+
+
+def test_a_prompt_of_the_whole_context_is_refused_naming_the_prompt_not_max_tokens():
+    """The decode slot needs a position in the context: the longest prompt
+    is the context minus it, and one that long may still ask for a token."""
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1},
+                                 "engine": {"total_pages": 64, "page_size": 4,
+                                            "max_context_tokens": 64}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    sp = __import__("pdserve").SamplingParams(max_tokens=1)
+    r.check_prompt([5] * 63, sp)
+    import pytest
+
+    with pytest.raises(RequestError, match="shorten the prompt") as e:
+        r.check_prompt([5] * 64, sp)
+    assert e.value.param == "prompt"
+
+
+def test_any_64_bit_seed_is_taken_and_stays_reproducible():
+    from pdserve.cluster.openai_protocol import CompletionRequest
+
+    for seed in (-1, -(1 << 63), (1 << 64) - 1, 7):
+        sp = CompletionRequest(prompt="ab", seed=seed).sampling(4, None)
+        assert 0 <= sp.seed < 1 << 63
+        assert sp == CompletionRequest(prompt="ab", seed=seed).sampling(4, None)
+    assert CompletionRequest(prompt="ab", seed=7).sampling(4, None).seed == 7
+
+
+def test_two_thousand_calls_at_once_all_get_answered():
+    """gRPC's server resets calls no handler has taken yet past 1,000 of them
+    (a client saw CANCELLED): the router's server takes as many as
+    router.max_requests allows in flight, and more."""
+    import asyncio
+    import collections
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.cluster.router_grpc import grpc_server
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+
+    async def go():
+        server, port = await grpc_server(r, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                res = await asyncio.gather(*(stub.Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=60) for _ in range(2048)),
+                                           return_exceptions=True)
+        finally:
+            await server.stop(0)
+        return collections.Counter(type(x).__name__ if isinstance(x, Exception) else "ok"
+                                   for x in res)
+    assert asyncio.run(go()) == {"ok": 2048}

@@ -5,7 +5,7 @@ import pytest
 
 from pdserve.scheduler import ConfigError, EngineConfig, Planner, RejectedRequest
 from pdserve.scheduler import fsm
-from pdserve.scheduler.capacity import max_single_request_tokens, single_request_pages
+from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens, single_request_pages
 
 from support import config, req, run_to_completion
 
@@ -18,7 +18,11 @@ def test_bound_is_the_largest_prompt_whose_working_set_fits():
 
 
 def test_bound_respects_the_model_context():
-    assert max_single_request_tokens(config(max_context_tokens=1000)) == 1000
+    """The decode slot behind the prompt needs its positions within the
+    context too: a prompt of the whole context could generate nothing."""
+    cfg = config(max_context_tokens=1000)
+    assert max_single_request_tokens(cfg) == 1000 - cfg.decode_input_tokens
+    assert ingest_error(cfg, max_single_request_tokens(cfg), 1) is None
 
 
 def test_a_request_at_the_bound_is_served():
