@@ -46,6 +46,7 @@ ADD_ENGINE_WAIT_S = 60.0     # how long a new engine has to answer and subscribe
 DRAIN_DEADLINE_S = 60.0      # a drain's default deadline; then what is left is aborted
 DRAIN_SLACK_S = 60.0         # past the deadline, for the engine's aborts and its stop
 DRAIN_STREAM_END_S = 10.0    # a drained engine's event stream ends this soon after its report
+ENGINE_MESSAGE_BYTES = 256 << 20  # what the router takes in one message from an engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +343,9 @@ class Router:
         from pdserve.cluster.router_grpc import grpc_server
 
         self._stopping = asyncio.Event()
-        options = [("grpc.max_receive_message_length", self.cfg.router.max_body_bytes)]
+        # the engines' messages (a round's events, GetInfo's NIXL metadata) are
+        # trusted traffic: router.max_body_bytes bounds what clients send only
+        options = [("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES)]
         self._options = options
         for ref in self.engines.values():
             membership.connect(ref, ref.address, options)

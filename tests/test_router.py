@@ -513,3 +513,29 @@ def test_two_thousand_calls_at_once_all_get_answered():
         return collections.Counter(type(x).__name__ if isinstance(x, Exception) else "ok"
                                    for x in res)
     assert asyncio.run(go()) == {"ok": 2048}
+
+
+def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router():
+    """router.max_body_bytes bounds clients' messages. A P or D engine's
+    GetInfo (its NIXL metadata) is larger than 2,000 bytes: with the limit
+    on the router's own channels, every engine looked dead and every request
+    got 503. A P, a D and a router in this process, no Ray."""
+    from pdserve.client import Client
+    from pdserve.kernels.loader import load_tokenizer
+    from pdserve.roles.engine_server import EngineServer
+
+    cfg = ServeConfig.from_dict({"cluster": {"prefill": 1, "decode": 1},
+                                 "router": {"max_body_bytes": 2000}})
+    engines = [EngineServer(cfg, role, 0) for role in ("prefill", "decode")]
+    r = Router(cfg, load_tokenizer(None, "tiny"), 98,
+               [(e.name, e.role.value, e.address) for e in engines])
+    try:
+        address = r.start()
+        with Client(address, timeout=60) as c:
+            assert [e["alive"] for e in c.server_info()["engines"]] == [True, True]
+            out = c.generate("Hello", max_tokens=40, ignore_eos=True)
+        assert len(out.token_ids) == 40
+    finally:
+        r.stop()
+        for e in engines:
+            e.shutdown()
