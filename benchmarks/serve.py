@@ -111,10 +111,11 @@ class _GrpcLoad:
     connections so that with router replicas they spread over those too;
     `multiplex`: each connection's requests share one GenerateMany stream."""
 
-    def __init__(self, address: str, concurrency: int, multiplex: bool = False):
+    def __init__(self, address: str, concurrency: int, multiplex: bool = False,
+                 api_key: str | None = None):
         from pdserve.client import AsyncClient
 
-        self.clients = [AsyncClient(address, timeout=600, multiplex=multiplex)
+        self.clients = [AsyncClient(address, timeout=600, multiplex=multiplex, api_key=api_key)
                         for _ in range(min(CHANNELS, concurrency))]
 
     async def stream(self, worker: int, s: Sample):
@@ -134,13 +135,14 @@ class _HttpLoad:
     a keep-alive connection per concurrent stream, server-sent events parsed
     as they come."""
 
-    def __init__(self, base_url: str, concurrency: int):
+    def __init__(self, base_url: str, concurrency: int, api_key: str | None = None):
         import aiohttp
 
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=concurrency),
-            timeout=aiohttp.ClientTimeout(total=600))
+            timeout=aiohttp.ClientTimeout(total=600),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def stream(self, worker: int, s: Sample):
         """Yields the tokens each read from the socket brought (one per text
@@ -213,7 +215,8 @@ async def _drive(load, samples: list[Sample], due, timings: list[Timing], concur
 
 
 def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
-          seed: int, progress: bool = True, api: str = "grpc") -> dict:
+          seed: int, progress: bool = True, api: str = "grpc",
+          api_key: str | None = None) -> dict:
     """Send `samples` to `address` and time each: the gRPC HOST:PORT, or with
     api="http" the HTTP base URL."""
     from tqdm import tqdm
@@ -223,8 +226,8 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
     due = arrivals(samples, rate, seed)
 
     async def run() -> float:                 # the loads' sessions belong to this loop
-        load = _HttpLoad(address, concurrency) if api == "http" else \
-            _GrpcLoad(address, concurrency, multiplex=api == "grpc-many")
+        load = _HttpLoad(address, concurrency, api_key) if api == "http" else \
+            _GrpcLoad(address, concurrency, multiplex=api == "grpc-many", api_key=api_key)
         return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
     wall = event_loop.run(run())
     bar.close()
@@ -245,13 +248,15 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
             "errors": sorted({t.error for t in timings if t.error})[:5]}
 
 
-def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repeats: int):
+def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repeats: int,
+             api_key: str | None = None):
     """Each API on the same deployment, interleaved `repeats` times; the
     run with the median throughput of each stands for it."""
     runs: dict[str, list] = {api: [] for api in addresses}
     for _ in range(repeats):
         for api, addr in addresses.items():
-            runs[api].append(drive(addr, samples, concurrency, rate, seed, api=api))
+            runs[api].append(drive(addr, samples, concurrency, rate, seed, api=api,
+                                   api_key=api_key))
     out = []
     for api, rs in runs.items():
         rs = sorted(rs, key=lambda r: r["output_tok_per_s"])
@@ -265,9 +270,12 @@ def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repea
 def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_tokens: int,
          concurrency: int, rate: float | None, trace: str | None, limit: int | None,
          max_prompt: int, out: str | None, seed: int = 0, apis=("grpc",),
-         http_address: str | None = None, repeats: int = 1, offline: bool = False) -> int:
+         http_address: str | None = None, repeats: int = 1, offline: bool = False,
+         api_key: str | None = None) -> int:
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
     results = []
+    if http_address and "://" not in http_address:
+        http_address = "http://" + http_address
     if address or http_address:
         addrs = {a: (http_address if a == "http" else address) for a in apis}
         missing = [a for a, v in addrs.items() if not v]
@@ -275,7 +283,7 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
             raise ValueError(f"bench serve --api {' '.join(apis)} against a running deployment "
                              "needs --address (gRPC) and --http-address (HTTP)")
         results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,
-                            repeats)
+                            repeats, api_key)
     for path in configs:
         with served(path, http="http" in apis) as (addr, http_url):
             addrs = {a: (http_url if a == "http" else addr) for a in apis}
@@ -334,6 +342,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="a running deployment's router")
     p.add_argument("--http-address", help="a running deployment's HTTP API, "
                                           "e.g. http://127.0.0.1:8000")
+    from pdserve.cluster.cli import client_key_argument
+
+    client_key_argument(p)
     p.add_argument("--api", nargs="+", choices=["grpc", "grpc-many", "http"], default=["grpc"],
                    help="the client APIs to load (several: side by side, interleaved); "
                         "grpc-many: requests multiplexed over GenerateMany streams")
@@ -356,13 +367,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from pdserve.cluster.cli import client_key
+
     if not args.address and not args.config and not args.http_address:
         return usage_error("bench serve needs --address HOST:PORT or --config FILE "
                            "(repeat --config to compare deployments)")
     return main(args.address, args.config or [], args.requests, args.prompt_len,
                 args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
                 args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
-                repeats=args.repeats, offline=args.offline)
+                repeats=args.repeats, offline=args.offline, api_key=client_key(args))
 
 
 def run_offline(config: str, samples: list[Sample], seed: int,

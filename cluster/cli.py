@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,18 +102,26 @@ def _cmd_up(args) -> int:
     import signal
     import threading
 
-    import os
-
     from pdserve.cluster.config import engine_gpus, load_config
 
     cfg = load_config(args.config)
     device = cfg.model.device_for(args.device)
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
-    from pdserve.kernels.loader import resolve_model_path
+    from pdserve.kernels.loader import model_config_for
 
-    # a preset unknown or not installed: refused here, not in each engine's actor
+    # a preset unknown or not installed, a path that holds no checkpoint, a port
+    # in use: refused here, not in each engine's actor or after Ray has started
     # (the router reads the model's tokenizer on this machine in any case)
-    resolve_model_path(cfg.model.path, cfg.model.preset)
+    model_config_for(cfg.model.path, cfg.model.preset)
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port and not _port_free(args.host, port):
+            print(f"pdserve: error: port {port} ({flag}) on {args.host} is in use; stop what "
+                  "holds it or pick another", file=sys.stderr)
+            return 2
+    if cfg.model.preset == "tiny" and cfg.model.path is None and not cfg.model_given:
+        print(f"pdserve: warning: {args.config or 'the config'} names no model: serving the "
+              "tiny preset (random weights, its text is noise); set model: {preset: "
+              "smollm2-135m} or model: {path: ...}", file=sys.stderr, flush=True)
     from pdserve.cluster.deploy import Deployment
     from pdserve.cluster.router import Security
 
@@ -129,6 +138,10 @@ def _cmd_up(args) -> int:
                      security=Security(key, args.tls_cert, args.tls_key))
     addr = dep.start(host=args.host, port=args.port, http_port=args.http_port)
     http = f", OpenAI HTTP on {dep.http_address}" if dep.http_address else ""
+    for info in dep.infos:
+        print(f"pdserve: {info['engine']} ({info['role']}) at {info['address']}: "
+              f"{info['dtype']}, {info['attention']} attention, KV cache holds "
+              f"{info['kv_capacity_tokens']:,} tokens", flush=True)
     print(f"pdserve: serving gRPC on {addr}{http} ({cfg.cluster.prefill} prefill, "
           f"{cfg.cluster.decode} decode, {cfg.cluster.fused} fused; model "
           f"{cfg.model.served_name}); Ctrl-C stops", flush=True)
@@ -164,7 +177,7 @@ def _cmd_drain(args) -> int:
     from pdserve.client import Client
 
     def go():
-        r = Client(args.address).drain(args.engine, args.deadline)
+        r = Client(args.address, api_key=client_key(args)).drain(args.engine, args.deadline)
         how = (f"the deadline passed: {r['aborted']} request(s) aborted ('engine drained: "
                "deadline passed')" if r["deadline_passed"] else "every request finished")
         print(f"pdserve: {r['engine']} drained and stopped in {r['seconds']:.1f} s: "
@@ -195,7 +208,7 @@ def _cmd_stats(args) -> int:
     from pdserve.client import Client
 
     def go():
-        rows = Client(args.address).stats()
+        rows = Client(args.address, api_key=client_key(args)).stats()
         print(f"{'engine':<20} {'role':<8} {'used':>6} {'pinned':>6} {'total':>6} "
               f"{'running':>7} {'waiting':>7} {'finished':>8}")
         for r in rows:
@@ -237,8 +250,10 @@ def _cmd_generate(args) -> int:
             return 2
 
         def go():
-            c = Client(args.address)
-            for text in args.text:
+            c = Client(args.address, api_key=client_key(args))
+            for i, text in enumerate(args.text):
+                if len(args.text) > 1:
+                    print(f"[{i}] {text!r} ->", end=" ", flush=True)
                 for chunk in c.generate_stream(text, max_tokens=args.max_tokens,
                                                temperature=args.temperature, top_p=args.top_p,
                                                top_k=args.top_k, seed=args.seed):
@@ -255,9 +270,31 @@ def _cmd_generate(args) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     llm = LLM(args.config, device=args.device, dtype=args.dtype)
-    for out in llm.generate(args.text, sp, use_tqdm=False):
-        print(out.text)
+    for i, (text, out) in enumerate(zip(args.text, llm.generate(args.text, sp, use_tqdm=False))):
+        print(f"[{i}] {text!r} -> {out.text}" if len(args.text) > 1 else out.text)
     return 0
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def client_key_argument(p: argparse.ArgumentParser) -> None:
+    """--api-key for a command that calls a running deployment's router."""
+    p.add_argument("--api-key", default=None,
+                   help="the deployment's API key, if it was started with one (default "
+                        "$PDSERVE_API_KEY)")
+
+
+def client_key(args) -> str | None:
+    return args.api_key or os.environ.get("PDSERVE_API_KEY") or None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,10 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--address", required=True, help="the router, HOST:PORT")
     drain.add_argument("--deadline", type=float,
                        help="seconds to wait before aborting what is left (default 60)")
+    client_key_argument(drain)
     drain.set_defaults(func=_cmd_drain)
 
     stats = sub.add_parser("stats", help="per-engine pages and requests of a deployment")
     stats.add_argument("--address", required=True, help="the router, HOST:PORT")
+    client_key_argument(stats)
     stats.set_defaults(func=_cmd_stats)
 
     plan = sub.add_parser("plan", help="search P:D splits and chunk budgets by simulation for "
@@ -391,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "model.device; auto is cpu)")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                      help="offline: overrides the config's model.dtype")
+    client_key_argument(gen)
     gen.add_argument("text", nargs="+", help="one or more prompts")
     gen.set_defaults(func=_cmd_generate)
 

@@ -168,6 +168,7 @@ class ServeConfig:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     autoscale: object = None                    # AutoscaleConfig, or None: a fixed shape
     engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
+    model_given: bool = False                   # the file has a model: section
 
     @classmethod
     def from_dict(cls, data) -> "ServeConfig":
@@ -198,6 +199,7 @@ class ServeConfig:
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             autoscale=autoscale,
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
+            model_given=data.get("model") is not None,
         )
 
 

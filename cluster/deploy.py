@@ -58,6 +58,7 @@ class Deployment:
         # keep engine traffic on 127.0.0.1: by default only when Ray is local
         self.loopback = (address is None) if loopback is None else loopback
         self.engines: list = []
+        self.infos: list[dict] = []             # each engine's info() as it started
         self.router: Router | None = None
         self.replicas: list = []                # router actors beside self.router
         self.autoscaler = None                  # its actor, with an autoscale: section
@@ -76,12 +77,13 @@ class Deployment:
                            _node_ip_address="127.0.0.1",
                            _system_config={"worker_niceness": ENGINE_NICENESS})
             self._started_ray = True
+        self._check_gpus()
         local = self.loopback
         self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,
                                      self.engine_options, self.placement,
                                      host="127.0.0.1" if local else None,
                                      env=LOCAL_ENV if local else None)
-        infos = ray.get([a.info.remote() for _, _, a in self.engines])
+        infos = self.infos = ray.get([a.info.remote() for _, _, a in self.engines])
         for line in niceness_warnings(infos):
             log.warning("%s", line)
         m = self.cfg.model
@@ -108,6 +110,23 @@ class Deployment:
                 address, cfg, self.device, self.gpus_per_engine, self.engine_options,
                 "127.0.0.1" if local else None, self.security.api_key)
         return address
+
+    def _check_gpus(self) -> None:
+        """Engines that need more GPUs than Ray has would wait for them
+        without a word: refused on a Ray of our own (nothing will add any),
+        said on a joined one (its autoscaler may add nodes)."""
+        c = self.cfg.cluster
+        need = (c.fused + c.prefill + c.decode) * self.gpus_per_engine
+        have = ray.cluster_resources().get("GPU", 0)
+        if need <= have:
+            return
+        what = (f"{c.fused + c.prefill + c.decode} engines at {self.gpus_per_engine:g} GPU "
+                f"each need {need:g} GPUs and Ray has {have:g}")
+        if self._started_ray and not self.ray_address:
+            self.stop()
+            raise ValueError(f"{what} on this machine; run on CPU (--device cpu, or "
+                             "model.device: cpu) or on a machine with the GPUs")
+        log.warning("%s now: the engines wait until Ray's autoscaler adds GPU nodes", what)
 
     @property
     def address(self) -> str:

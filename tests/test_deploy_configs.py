@@ -189,3 +189,67 @@ def test_a_context_beyond_the_models_is_refused_at_load_not_in_every_round():
     with pytest.raises(ConfigError, match="exceeds the model's context of 4,096 tokens"):
         LLM({"engine": {"max_context_tokens": 5000}})
     assert LLM({"engine": {"max_context_tokens": 1000}}).engine_config.max_context_tokens == 1000
+
+
+def test_up_refuses_a_model_path_or_a_port_it_cannot_use_before_starting_ray(
+        tmp_path, capsys, monkeypatch):
+    import socket
+
+    from pdserve.cluster import deploy
+    from pdserve.cluster.cli import main
+
+    monkeypatch.setattr(deploy, "Deployment", None)      # never reached
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'nothing'}}}\ncluster: {{fused: 1}}\n")
+    assert main(["up", "--config", str(cfg)]) == 2
+    assert "does not exist; set model.path" in capsys.readouterr().err
+    cfg.write_text("model: {preset: tiny}\ncluster: {fused: 1}\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for flag in ("--port", "--http-port"):
+            assert main(["up", "--config", str(cfg), flag, str(port)]) == 2
+            assert f"port {port} ({flag}) on 127.0.0.1 is in use" in capsys.readouterr().err
+
+
+def test_up_says_when_a_config_names_no_model(tmp_path, capsys, monkeypatch):
+    from pdserve.cluster import deploy
+    from pdserve.cluster.cli import main
+
+    class Stop(Exception):
+        pass
+
+    def fake(cfg, **kw):
+        raise Stop
+    monkeypatch.setattr(deploy, "Deployment", fake)
+    cfg = tmp_path / "c.yaml"
+    for text, warned in (("engine: {page_size: 16}\n", True),
+                         ("model: {preset: tiny}\n", False)):
+        cfg.write_text(text)
+        with pytest.raises(Stop):
+            main(["up", "--config", str(cfg)])
+        err = capsys.readouterr().err
+        assert ("names no model: serving the tiny preset (random weights" in err) == warned
+
+
+def test_engines_that_need_gpus_ray_lacks_are_refused_on_our_ray_and_said_on_a_joined_one(
+        monkeypatch, caplog):
+    import ray
+
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.deploy import Deployment
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    cfg = ServeConfig.from_dict({"cluster": {"prefill": 1, "decode": 1}})
+    ours = Deployment(cfg, device="cuda", gpus_per_engine=1)
+    ours._started_ray = True
+    monkeypatch.setattr(ours, "stop", lambda: None)
+    with pytest.raises(ValueError, match="2 engines at 1 GPU each need 2 GPUs and Ray has 0 "
+                                         "on this machine"):
+        ours._check_gpus()
+    joined = Deployment(cfg, address="ray://head:10001", device="cuda", gpus_per_engine=1)
+    with caplog.at_level("WARNING"):
+        joined._check_gpus()
+    assert "the engines wait until Ray's autoscaler adds GPU nodes" in caplog.text
+    Deployment(cfg, device="cpu", gpus_per_engine=0)._check_gpus()      # none needed

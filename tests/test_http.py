@@ -412,3 +412,23 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
     spliced, dumped = ev.text(index, text), ev.choice(choice)
     assert spliced.startswith(b"data: ") and spliced.endswith(b"\n\n")
     assert json.loads(spliced[6:]) == json.loads(dumped[6:])
+
+
+def test_the_command_line_clients_send_the_api_key(dep, capsys, monkeypatch):
+    from pdserve.cluster.cli import main
+
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert main(["stats", "--address", dep.address]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(["stats", "--address", dep.address, "--api-key", KEY]) == 0
+    assert "decode-0" in capsys.readouterr().out
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    assert main(["generate", "--address", dep.address, "--max-tokens", "3", "Hello"]) == 0
+    assert capsys.readouterr().out.strip()
+    # both loads of bench serve; an HTTP address given without its scheme
+    bare = dep.http_address.removeprefix("http://")
+    assert main(["bench", "serve", "--address", dep.address, "--http-address", bare,
+                 "--api", "grpc", "http", "--requests", "2", "--concurrency", "1",
+                 "--prompt-len", "4", "--max-tokens", "2"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if "[grpc]" in ln or "[http]" in ln]
+    assert len(rows) == 2 and all(ln.split()[2] == "2" for ln in rows), rows     # 2 ok each
