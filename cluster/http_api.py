@@ -78,6 +78,21 @@ def _from_validation(e: pydantic.ValidationError) -> JSONResponse:
     return error(400, f"{loc}: {msg} (got {shown})", loc)
 
 
+def _misspelt(data: dict, fields) -> tuple[str, str] | None:
+    """(key, the field it is a near miss of) for the first unknown key that
+    reads like a typo of a field (max_token, temprature). Other unknown keys
+    are ignored, as OpenAI clients send many; a typo would silently fall back
+    to the field's default."""
+    import difflib
+
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+            if close:
+                return key, close[0]
+    return None
+
+
 class HttpFront:
     def __init__(self, router: Router):
         self.r = router
@@ -116,6 +131,11 @@ class HttpFront:
             return None, error(400, f"the request body is not valid JSON: {e}")
         if not isinstance(data, dict):
             return None, error(400, "the request body must be a JSON object")
+        typo = _misspelt(data, model_cls.model_fields)
+        if typo is not None:
+            key, known = typo
+            return None, error(400, f"unknown field {key!r}; did you mean {known!r}? (fields "
+                               "pdserve does not know are otherwise ignored)", key)
         try:
             body = model_cls.model_validate(data)
             body.check_unsupported()

@@ -1,7 +1,8 @@
 """The OpenAI request bodies pdserve accepts, as pydantic models, and their
-translation to SamplingParams. Unknown fields are ignored (clients send many);
-fields pdserve does not implement are refused when set to anything but their
-no-op value, naming the field, rather than silently ignored."""
+translation to SamplingParams. Unknown fields are ignored (clients send many;
+http_api.py refuses one that is a near miss of a field here); fields pdserve
+does not implement are refused when set to anything but their no-op value,
+naming the field, rather than silently ignored."""
 
 from __future__ import annotations
 

@@ -60,10 +60,19 @@ class Pairing:
             dec = []                      # a D engine with no P would prefill everything itself
         cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
         if not cands:
-            draining = sorted(e.name for e in self.engines.values() if e.alive and e.draining)
-            why = f" ({', '.join(draining)} draining)" if draining else ""
-            raise LookupError(f"no live engine can serve route {route or 'any'!r}{why}")
+            shown = repr(route) if route else "any ('')"
+            raise LookupError(f"no live engine can serve route {shown}: {self._why_none()}")
         return cands, pre
+
+    def _why_none(self) -> str:
+        """What each engine is doing instead of serving, for the refusal."""
+        states = [f"{e.name} {'is draining' if e.draining else 'is down'}"
+                  for e in sorted(self.engines.values(), key=lambda e: e.name)
+                  if e.draining or not e.alive]
+        roles = {e.role for e in self.engines.values() if e.alive and not e.draining}
+        if "decode" in roles and "prefill" not in roles:
+            states.append("a decode engine needs a live prefill engine beside it")
+        return "; ".join(states) or "this deployment has no engine of the roles it needs"
 
     def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
         cands, pre = self.candidates(route)

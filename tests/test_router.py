@@ -42,7 +42,9 @@ def test_a_dead_engine_is_never_picked_and_no_engine_is_a_clear_error():
     r.engines["prefill-0"].alive = False
     import pytest
 
-    with pytest.raises(LookupError, match="no live engine can serve route 'disaggregated'"):
+    with pytest.raises(LookupError, match="no live engine can serve route 'disaggregated': "
+                                          "fused-0 is down; prefill-0 is down; a decode "
+                                          "engine needs a live prefill engine beside it"):
         r.pick("disaggregated")
 
 
@@ -90,8 +92,11 @@ def test_a_draining_engine_is_never_picked_and_the_refusal_says_why():
     r.engines["prefill-0"].draining = True       # a D with no P left is no candidate either
     assert {r.pick("")[0].name for _ in range(4)} == {"fused-1"}
     r.engines["fused-1"].draining = True
-    with pytest.raises(LookupError, match=r"\(fused-0, fused-1, prefill-0 draining\)"):
+    with pytest.raises(LookupError) as e:
         r.pick("")
+    assert str(e.value) == (
+        "no live engine can serve route any (''): fused-0 is draining; fused-1 is draining; "
+        "prefill-0 is draining; a decode engine needs a live prefill engine beside it")
 
 
 def test_a_request_refused_by_a_draining_engine_is_submitted_to_another():
@@ -440,6 +445,7 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
          "include_stop_str_in_output", "not supported"),
         ({"prompt": "ab", "temperature": True}, 400, "temperature", "valid number"),
         ({"prompt": "x" * 64, "max_tokens": 1}, 400, "prompt", "exceeds this deployment's bound"),
+        ({"prompt": "ab", "max_token": 4}, 400, "max_token", "did you mean 'max_tokens'?"),
     ]
     for body, status, param, words in cases:
         resp = http.post("/v1/completions", json=body)
@@ -539,3 +545,19 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
         r.stop()
         for e in engines:
             e.shutdown()
+
+
+def test_only_near_misses_of_known_fields_are_refused_other_unknown_fields_are_ignored():
+    from pdserve.cluster.http_api import _misspelt
+    from pdserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    fields = CompletionRequest.model_fields
+    assert _misspelt({"prompt": "a", "temprature": 1}, fields) == ("temprature", "temperature")
+    assert _misspelt({"prompt": "a", "stop_tokens_ids": [1]}, fields) == \
+        ("stop_tokens_ids", "stop_token_ids")
+    sent_by_clients = {"metadata": {}, "store": False, "parallel_tool_calls": True,
+                       "service_tier": "auto", "reasoning_effort": "low", "modalities": [],
+                       "prediction": None, "audio": None, "max_completion_tokens": 4,
+                       "top_logprobs": 2, "priority": 0, "request_id": "x"}
+    assert _misspelt(sent_by_clients, fields) is None
+    assert _misspelt(sent_by_clients, ChatCompletionRequest.model_fields) is None
