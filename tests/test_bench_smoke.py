@@ -111,6 +111,27 @@ def test_bench_loop(capsys):
     assert "2" in rows
 
 
+def test_bench_tokens(capsys):
+    out = bench(capsys, "tokens", "--lengths", "16", "48", "--model", "tiny")
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["16"], ["48"])]
+    assert [r[0] for r in rows] == ["16", "48"]
+    # loop now, output thread, loop before, before/now, router gRPC, router HTTP
+    assert all(len(r) == 7 and r[-1].endswith("us") and r[-2].endswith("us") for r in rows)
+    assert all(float(r[-1][:-2]) > 0 and float(r[-2][:-2]) > 0 for r in rows)
+
+
+def test_router_cost_streams_every_token_through_a_real_router():
+    """The router rows time a real Router's stream and front: each token an
+    event, each event a message out (it raises if a token went missing)."""
+    from pdserve.benchmarks.tokens import _router_now
+    from pdserve.kernels.tokenizer import PrintableTokenizer
+
+    tok = PrintableTokenizer()
+    ids = tok.encode("disaggregated serving", add_special_tokens=False)
+    for front in ("grpc", "http"):
+        assert _router_now(tok, ids, front) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_bench_soak(capsys):
