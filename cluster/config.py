@@ -235,7 +235,11 @@ def engine_for_model(engine: EngineConfig, set_keys, max_position: int) -> Engin
 def load_config(path) -> ServeConfig:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a YAML file")
+        what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
+        shipped = Path(__file__).resolve().parents[1] / "deploy"
+        where = f" (a relative path is read from {Path.cwd()})" if not p.is_absolute() else ""
+        raise ConfigError(f"config file {str(p)!r} {what}{where}; give a config YAML file, "
+                          f"such as one of those pdserve ships in {shipped}")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:

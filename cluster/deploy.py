@@ -38,6 +38,23 @@ LOCAL_ENV = {"UCX_NET_DEVICES": "lo"}
 ENGINE_NICENESS = 0
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT Ray address that nothing answers at is an error now: Ray
+    would retry it for minutes, warning all the while. ("auto" and ray://
+    addresses are Ray's to resolve.)"""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"no Ray cluster answers at {address} ({e.strerror or e}): start one "
+                         "with `ray start --head` there, or give --address the head's GCS "
+                         "address (HOST:6379 by default)") from None
+
+
 class Deployment:
     def __init__(self, cfg: ServeConfig, address: str | None = None, device: str | None = None,
                  num_cpus: int | None = None, gpus_per_engine: float | None = None,
@@ -69,6 +86,7 @@ class Deployment:
         router's gRPC address (`http_address` too with `http_port`)."""
         if not ray.is_initialized():
             if self.ray_address:
+                _check_reachable(self.ray_address)
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
             else:
                 # "local": a Ray of our own, never one found running on this machine

@@ -253,3 +253,29 @@ def test_engines_that_need_gpus_ray_lacks_are_refused_on_our_ray_and_said_on_a_j
         joined._check_gpus()
     assert "the engines wait until Ray's autoscaler adds GPU nodes" in caplog.text
     Deployment(cfg, device="cpu", gpus_per_engine=0)._check_gpus()      # none needed
+
+
+def test_a_ray_address_nothing_answers_at_is_an_error_at_once(capsys):
+    import socket
+
+    from pdserve.cluster.cli import main
+
+    with socket.socket() as s:                  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = DEPLOY / "local-tiny.yaml"
+    assert main(["up", "--config", str(cfg), "--port", "0",
+                 "--address", f"127.0.0.1:{port}"]) == 2
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_missing_config_says_where_a_relative_path_was_read_and_where_configs_ship(
+        tmp_path, monkeypatch):
+    from pdserve.scheduler.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"does not exist \\(a relative path is read from "
+                                          f"{tmp_path}\\).* ships in {DEPLOY}"):
+        load_config("deploy/local-fused.yaml")
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_config(tmp_path)
