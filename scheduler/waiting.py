@@ -179,7 +179,7 @@ def _readmission_reason(req, stop: Stop) -> WaitReason:
 
 def _not_planned(req) -> WaitReason:
     return WaitReason(req.id, Hold.NOT_YET_PLANNED,
-                      "arrived after the last round was built; the next build() considers it")
+                      "arrived after the last round was planned; the next round considers it")
 
 
 def wait_reasons(p, last) -> list[WaitReason]:

@@ -24,7 +24,7 @@ def _fake_stream(monkeypatch, service_s: float, picked: list):
     from types import SimpleNamespace
 
     class FakeClient:
-        def __init__(self, address, timeout=None, multiplex=False):
+        def __init__(self, address, timeout=None, multiplex=False, api_key=None):
             pass
 
         async def generate_stream(self, prompt, **kw):
