@@ -17,6 +17,16 @@ def positive(text: str) -> int:
     return n
 
 
+def non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return n
+
+
 def workload_arguments(p: argparse.ArgumentParser) -> None:
     """Synthetic requests sent to a deployment (serve, sim-accuracy)."""
     p.add_argument("--requests", type=int, default=64, help="how many (64)")

@@ -17,7 +17,11 @@ profile prices the rounds the engines ran in that run at what they took.
 On a host whose speed drifts between runs (this 2-core VM moved 30% within
 an hour), that separates the two sources of error: the host's speed at the
 time (which a profile measured earlier cannot know) and the simulator's
-scheduling and queueing (the rest).
+scheduling and queueing (the rest). That view uses the run's own rounds;
+a third one predicts: before each real run `--probe` requests run alone
+(as at concurrency 1, fresh prompts), and the run is simulated with the
+profile scaled to the speed those rounds showed, as a recalibration a
+minute before the run would.
 
 Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
@@ -36,7 +40,7 @@ import os
 import statistics
 import tempfile
 
-from pdserve.benchmarks.args import positive, usage_error, workload_arguments
+from pdserve.benchmarks.args import non_negative, positive, usage_error, workload_arguments
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
 from pdserve.cluster.host_load import ForeignLoad, wait_for_quiet
 from pdserve.cluster.profile_fit import errors
@@ -44,6 +48,7 @@ from pdserve.roles.cost_profile import (Profile, RoundCost, load_profile, neighb
                                         save_profile)
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
+PROBE_SEED = 50       # a probe's prompts: seeds no run of the level uses
 
 
 def sim_trace(samples: list[Sample], due: list[float] | None, max_tokens: int):
@@ -74,7 +79,7 @@ def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
 
 def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
             fractions, repeats: int, saturation: float | None, sat_concurrency: int,
-            seed: int, quiet: float | None = None) -> dict:
+            seed: int, quiet: float | None = None, probe: int = 0) -> dict:
     """Every run draws fresh prompts (its own seed): a prompt the deployment
     has seen would be served from its prefix cache, and the simulator, which
     starts empty each run, would compute it whole."""
@@ -128,11 +133,18 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                 if quiet is not None:
                     wait_for_quiet(quiet)
                 engine_rounds()                    # what ran before this run
+                probed = None
+                if probe:                          # the host's speed just before the run
+                    drive(addr, batch(run_seed + PROBE_SEED, None)[:probe], 1, None, run_seed,
+                          progress=False)
+                    probed = engine_rounds()
                 with ForeignLoad() as load:
                     r = drive(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
                               run_seed, progress=False)
                 r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
                          foreign_cores=load.cores, rounds=engine_rounds())
+                if probed is not None:
+                    r["probe"] = probed
                 out["runs"].append(r)
                 rd = r["rounds"]
                 print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
@@ -148,8 +160,9 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
 
 def resimulate(res: dict, profile: str) -> None:
     """Simulate each recorded real run: the same requests at the same times,
-    with `profile` ("sim") and, where the run timed its engines' rounds,
-    with the profile at their speed ("sim_own_speed")."""
+    with `profile` ("sim"); where the run timed its engines' rounds, with
+    the profile at their speed ("sim_own_speed"); where a probe ran before
+    it, at the speed the probe's rounds showed ("sim_probed")."""
     from pdserve.cluster.config import load_config
 
     cfg, w = load_config(res["config"]), res["workload"]
@@ -161,12 +174,13 @@ def resimulate(res: dict, profile: str) -> None:
                                r["seed"])
             due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
             r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
-            busy_err = (r.get("rounds") or {}).get("busy_err")
-            r.pop("sim_own_speed", None)
-            if busy_err is not None:
-                scaled = os.path.join(tmp, f"run{i}.yaml")
-                save_profile(at_speed(prof, 1 + busy_err), scaled)
-                r["sim_own_speed"] = simulate(cfg, scaled, samples, due, w["max_tokens"])
+            for view, source in (("sim_own_speed", "rounds"), ("sim_probed", "probe")):
+                busy_err = (r.get(source) or {}).get("busy_err")
+                r.pop(view, None)
+                if busy_err is not None:
+                    scaled = os.path.join(tmp, f"run{i}-{view}.yaml")
+                    save_profile(at_speed(prof, 1 + busy_err), scaled)
+                    r[view] = simulate(cfg, scaled, samples, due, w["max_tokens"])
     res["profile"] = profile
 
 
@@ -267,9 +281,10 @@ def rounds_table(results: list[dict]) -> list[str]:
 def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
          fractions, repeats: int, saturation: float | None, out: str | None,
          n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
-         quiet: float | None = None, replay: str | None = None) -> int:
+         quiet: float | None = None, replay: str | None = None, probe: int = 0) -> int:
     """`replay`: a JSON this wrote; its real runs are simulated again with
-    `profile`, nothing is started (to compare profiles on one set of runs)."""
+    `profile`, nothing is started (to compare profiles on one set of runs).
+    `probe`: requests run alone before each real run, to probe its speed."""
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
@@ -282,7 +297,8 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         results = []
         for path in configs:
             results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
-                                   fractions, repeats, saturation, sat_concurrency, seed, quiet))
+                                   fractions, repeats, saturation, sat_concurrency, seed, quiet,
+                                   probe))
             print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
                   flush=True)
     for res in results:
@@ -303,6 +319,13 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         for line in table(results, "sim_own_speed"):
             print(line)
         print(f"{hit} of {cells} cells within 10% at p50 at the engines' own speed")
+    hit, cells = within(results, "sim_probed")
+    if cells:
+        print("the same runs, each simulated at the speed probed just before it (the "
+              "profile's round costs scaled by the probe's busy-time error):")
+        for line in table(results, "sim_probed"):
+            print(line)
+        print(f"{hit} of {cells} cells within 10% at p50 at the probed speed")
     rows = rounds_table(results)
     if len(rows) > 2:
         print("the profile against the rounds the engines ran (their own timings):")
@@ -335,6 +358,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before each real run, wait until processes outside the benchmark use "
                         "under this many cores")
     p.add_argument("--out", help="save the results as JSON here")
+    p.add_argument("--probe", type=non_negative, default=2,
+                   help="requests run alone before each real run, whose rounds say the "
+                        "host's speed just then (2; 0: no probe)")
     p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
                                     "--profile; start nothing")
 
@@ -345,4 +371,4 @@ def run(args) -> int:
                            "and --profile (from pdserve calibrate)")
     return main(args.config or [], args.profile, args.requests, args.prompt_len,
                 args.max_tokens, args.fractions, args.repeats, args.saturation, args.out,
-                n_alone=args.alone, quiet=args.quiet, replay=args.replay)
+                n_alone=args.alone, quiet=args.quiet, replay=args.replay, probe=args.probe)

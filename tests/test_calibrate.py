@@ -428,6 +428,29 @@ def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path,
     assert "0 of 2 cells within 10% at p50 at the engines' own speed" in out
 
 
+def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_path, capsys):
+    """A probe whose rounds the profile priced at twice what they took has
+    the run after it simulated with the round costs halved, whatever the
+    run's own rounds said; a run with no probe gets no probed view."""
+    from pdserve.benchmarks.sim_accuracy import within
+
+    c1 = {"p50": 0.0042, "p90": 0.0042}
+    rounds = {"count": 9, "busy_s": 1.0, "err_p50": 0.0, "busy_err": 0.0}
+    _replay(tmp_path, [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
+                        "tpot_s": {"p50": 0.003, "p90": 0.003}, "foreign_cores": 0.0,
+                        "rounds": rounds, "probe": {**rounds, "busy_err": 1.0}},
+                       {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1,
+                        "tpot_s": c1, "foreign_cores": 0.0, "rounds": rounds}])
+    out = capsys.readouterr().out
+    again = json.loads((tmp_path / "again.json").read_text())
+    c1_run, loaded = again[0]["runs"]
+    assert c1_run["sim_probed"]["ttft_s"]["p50"] == pytest.approx((0.001 + 32e-4) / 2)
+    assert c1_run["sim_own_speed"]["ttft_s"]["p50"] == pytest.approx(0.001 + 32e-4)
+    assert "sim_probed" not in loaded and "sim_own_speed" in loaded
+    assert within(again, "sim_probed") == (0, 2)        # both c1 cells now 50% under
+    assert "0 of 2 cells within 10% at p50 at the probed speed" in out
+
+
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     from pdserve.roles.cost_profile import neighbours
 
@@ -502,3 +525,21 @@ def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
     assert prof.served_factors and all(f > 0 for f in prof.served_factors.values())
     assert served["held_out_error_scale_only"]["all"]["rounds"] == served["held_out"]
     assert report["all"]["rounds"] == served["held_out"]
+
+
+def test_sim_accuracy_probes_each_real_run_and_simulates_it_three_ways(tmp_path):
+    """Live on the tiny model, one level besides concurrency 1: before each
+    run its probe's requests run alone and their rounds are timed; each run
+    is simulated with the profile, at its own speed and at the probed one."""
+    from pdserve.benchmarks.sim_accuracy import measure
+
+    prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
+                                                decode_s=0.002))
+    res = measure(str(ROOT / "deploy/local-tiny.yaml"), str(prof), n=4, n_alone=2,
+                  prompt_len=16, max_tokens=4, fractions=[0.5], repeats=1, saturation=8.0,
+                  sat_concurrency=2, seed=0, probe=1)
+    assert [r["level"] for r in res["runs"]] == ["c1", "0.5x"]
+    for r in res["runs"]:
+        assert r["ok"] == r["requests"] and r["probe"]["count"] >= 4   # 1 prefill + 3 decodes
+        assert r["probe"]["busy_err"] is not None
+        assert {"sim", "sim_own_speed", "sim_probed"} <= set(r)
