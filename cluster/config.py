@@ -238,7 +238,7 @@ def load_config(path) -> ServeConfig:
         what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
         shipped = Path(__file__).resolve().parents[1] / "deploy"
         where = f" (a relative path is read from {Path.cwd()})" if not p.is_absolute() else ""
-        raise ConfigError(f"config file {str(p)!r} {what}{where}; give a config YAML file, "
+        raise ConfigError(f"config file {str(p)!r} {what}{where}; give --config a YAML file, "
                           f"such as one of those pdserve ships in {shipped}")
     try:
         data = yaml.safe_load(p.read_text())
