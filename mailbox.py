@@ -22,7 +22,7 @@ class Mailbox:
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
 
-    def __len__(self) -> int:
+    def pending(self) -> int:
         """Items put and not yet taken."""
         return len(self._items)
 

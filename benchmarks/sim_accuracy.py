@@ -135,7 +135,8 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                 engine_rounds()                    # what ran before this run
                 probed = None
                 if probe:                          # the host's speed just before the run
-                    drive(addr, batch(run_seed + PROBE_SEED, None)[:probe], 1, None, run_seed,
+                    drive(addr, workload(probe, prompt_len, max_tokens, None, None, prompt_len,
+                                         run_seed + PROBE_SEED), 1, None, run_seed,
                           progress=False)
                     probed = engine_rounds()
                 with ForeignLoad() as load:

@@ -158,17 +158,21 @@ def _router_now(tok, ids, front: str) -> float:
                     got += 1
         reader = asyncio.ensure_future(read())
         for _ in range(1000):                    # until the stream has submitted
-            if link.requests:
+            if link.requests or reader.done():
                 break
             await asyncio.sleep(0)
-        else:
+        if reader.done():                        # it failed: say why
+            reader.result()
+        if not link.requests:
             raise RuntimeError("the router's stream never submitted its request")
         (rid, box), = link.requests.items()
         t0 = time.process_time()
         for ev in events:
             ev.request_id = rid
             box.put(ev)
-            while len(box):                      # one round: the stream takes its event
+            while box.pending():                 # one round: the stream takes its event
+                if reader.done():
+                    break
                 await asyncio.sleep(0)
         await asyncio.wait_for(reader, 60)
         took = time.process_time() - t0

@@ -133,7 +133,7 @@ def _cmd_up(args) -> int:
         if path and not Path(path).is_file():
             print(f"pdserve: error: TLS file {path!r} does not exist", file=sys.stderr)
             return 2
-    key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    key = client_key(args)
     dep = Deployment(cfg, address=args.address, device=device, gpus_per_engine=gpus,
                      security=Security(key, args.tls_cert, args.tls_key))
     addr = dep.start(host=args.host, port=args.port, http_port=args.http_port)
@@ -276,13 +276,22 @@ def _cmd_generate(args) -> int:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """False only when something holds the port (as the servers bind it: with
+    SO_REUSEADDR, so a port a stopped deployment left in TIME_WAIT is free);
+    any other trouble with the address is the server's to report."""
+    import errno
     import socket
 
-    with socket.socket() as sock:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return True
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
     return True
 
 

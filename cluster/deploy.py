@@ -45,6 +45,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     import socket
 
     host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")       # [::1]:6379
     if "://" in address or not host or not port.isdigit():
         return
     try:

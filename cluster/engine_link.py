@@ -21,7 +21,7 @@ log = logging.getLogger("pdserve.router")
 
 LOST = object()          # put in a request's mailbox when its engine's stream broke
 RECONNECT_S = 0.2
-SUBMITS_IN_FLIGHT = 128  # Submit calls at once (the engine takes them on 32 threads)
+SUBMITS_IN_FLIGHT = 128  # Submit calls at once to one engine (it takes them on 32 threads)
 
 
 class EngineLink:

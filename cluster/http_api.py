@@ -161,7 +161,9 @@ class HttpFront:
         try:
             for p, ids in enumerate(prompts):
                 for j in range(body.n):
-                    choice = _with_seed(sp, sp.seed + j) if sp.seed is not None and j else sp
+                    # choice j of n draws with seed + j: the choices differ, each reproducible
+                    choice = _with_seed(sp, (sp.seed + j) % (1 << 64)) \
+                        if sp.seed is not None and j else sp
                     streams.append(self.r.stream(ids, choice, route, f"{rid}-{p * body.n + j}"))
         except BaseException:
             for s in streams:

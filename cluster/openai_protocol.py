@@ -85,9 +85,6 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only for streamed answers: set stream: true, "
                              "or leave stream_options out")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens="
-                             f"{self.max_tokens}; lower min_tokens or raise max_tokens")
         return self
 
     def check_unsupported(self) -> None:
@@ -123,16 +120,21 @@ class _Common(BaseModel):
                                   "pdserve; leave it unset")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one choice (seed i of n is seed + i, so the n
-        choices differ and each is reproducible)."""
+        """SamplingParams for the request's choices (`max_tokens`: the limit
+        in force, the endpoint's default or max_completion_tokens included).
+        A seed is taken as 64 bits (-1 and 2**64 - 1 are one seed)."""
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise Unsupported("min_tokens", f"min_tokens={self.min_tokens} exceeds the "
+                              f"{max_tokens} tokens this request may generate; lower min_tokens "
+                              "or raise max_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0), stop=tuple(self.stop or ()),
-            seed=self.seed % (1 << 63) if self.seed is not None else None,
+            seed=self.seed % (1 << 64) if self.seed is not None else None,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
+            min_tokens=self.min_tokens,
             logprobs=logprobs)
 
     @property

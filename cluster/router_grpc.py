@@ -219,8 +219,8 @@ async def grpc_server(router: Router, host: str, port: int):
         ("grpc.max_receive_message_length", rc.max_body_bytes),
         # calls not yet taken by a handler: past gRPC's default of 1,000 it resets
         # the newest, which a client saw as CANCELLED with 2,048 streams at once
-        ("grpc.server.max_pending_requests", 2 * rc.max_requests),
-        ("grpc.server.max_pending_requests_hard_limit", 4 * rc.max_requests),
+        ("grpc.server.max_pending_requests", max(1000, 2 * rc.max_requests)),
+        ("grpc.server.max_pending_requests_hard_limit", max(3000, 4 * rc.max_requests)),
         # replicas share the port; a lone router must own it (a clash is an error)
         ("grpc.so_reuseport", 1 if rc.replicas > 1 else 0)])
     pbg.add_RouterServicer_to_server(RouterServicer(router), server)

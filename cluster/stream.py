@@ -148,8 +148,15 @@ class Stream:
                 target.alive = False              # until membership sees it again
                 raise _EngineLost(f"{target.name} has no live event stream") from None
             link.requests[self.id] = box
+            # a slot first (a client gone while queued costs the engine nothing),
+            # then the Submit, shielded: once sent, the engine may take it
+            await link.submits.acquire()
+            if not link.ready.is_set():           # it re-subscribes: its id is changing
+                link.submits.release()
+                raise _EngineLost(f"{target.name}'s event stream is reconnecting")
             sub.subscriber = link.subscriber
-            submit = asyncio.ensure_future(_submit(link, sub))
+            submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
+            submit.add_done_callback(lambda _: link.submits.release())
             try:
                 await asyncio.shield(submit)
             except asyncio.CancelledError:
@@ -165,12 +172,13 @@ class Stream:
                     target.draining = True        # it drains: picked no more
                     raise _EngineDraining(e.details()) from None
                 if code == grpc.StatusCode.CANCELLED:
-                    # the call broke, not the engine (gRPC cancels some of a burst
-                    # of calls on one connection): it may have taken the request,
-                    # so it is aborted there before another attempt reuses the id
-                    await _abort(target, self.id, "its submission broke off")
-                else:
-                    target.alive = False
+                    # the call broke, not the engine (gRPC resets calls a server
+                    # has no room for): the engine stays live, anything it took
+                    # is aborted, and the client hears it may retry
+                    r.background(_abort(target, self.id, "its submission broke off"))
+                    raise RequestError("unavailable", f"the router's Submit to {target.name} "
+                                       "was cancelled by gRPC; retry the request") from None
+                target.alive = False
                 raise _EngineLost(f"{target.name} did not take the request: "
                                   f"{code.name}") from None
             submitted = True
@@ -235,21 +243,17 @@ async def _every(deltas, k: int):
         yield held
 
 
-async def _submit(link, sub: cpb.SubmitRequest):
-    """One Submit to the link's engine, at most SUBMITS_IN_FLIGHT at once:
-    gRPC cancels calls of a burst of a thousand or more on one connection."""
-    async with link.submits:
-        return await link.ref.stub.Submit(sub, timeout=30)
-
-
 async def _abort_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str,
                             reason: str) -> None:
-    """Abort `rid` on `ref` once its Submit (still in flight) returns; a
-    Submit that failed left nothing there."""
+    """Abort `rid` on `ref` once its Submit (still in flight) returns. Only
+    a refusal left nothing there; a call that broke may have delivered it."""
     try:
         await submit
-    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         return
+    except grpc.aio.AioRpcError as e:
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return
     await _abort(ref, rid, reason)
 
 

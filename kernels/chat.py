@@ -31,6 +31,9 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+CONTINUE_MARK = "\x00pdserve: the final message ends here\x00"
+
+
 def render_chat(template: str | None, messages: list, add_generation_prompt: bool = True,
                 bos_token: str | None = None, eos_token: str | None = None,
                 continue_final_message: bool = False, **extra) -> str:
@@ -44,6 +47,9 @@ def render_chat(template: str | None, messages: list, add_generation_prompt: boo
                          "chat messages")
     import jinja2
 
+    if continue_final_message:       # where the content ends: a mark no template writes
+        content = messages[-1].get("content") or ""
+        messages = [*messages[:-1], {**messages[-1], "content": content + CONTINUE_MARK}]
     try:
         text = _compile(template).render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
@@ -51,10 +57,9 @@ def render_chat(template: str | None, messages: list, add_generation_prompt: boo
     except jinja2.TemplateError as e:
         raise ValueError(f"the model's chat template failed on these messages: {e}") from None
     if continue_final_message:
-        final = (messages[-1].get("content") or "").rstrip()
-        end = text.rfind(final) if final else -1
+        end = text.rfind(CONTINUE_MARK)
         if end < 0:
-            raise ValueError("continue_final_message: the last message's content is empty, or "
-                             "the chat template does not write it out as given")
-        text = text[:end + len(final)]
+            raise ValueError("continue_final_message: the chat template does not write the "
+                             "last message's content out as given")
+        text = text[:end]
     return text

@@ -228,7 +228,7 @@ def test_up_says_when_a_config_names_no_model(tmp_path, capsys, monkeypatch):
                          ("model: {preset: tiny}\n", False)):
         cfg.write_text(text)
         with pytest.raises(Stop):
-            main(["up", "--config", str(cfg)])
+            main(["up", "--config", str(cfg), "--port", "0"])
         err = capsys.readouterr().err
         assert ("names no model: serving the tiny preset (random weights" in err) == warned
 

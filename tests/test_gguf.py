@@ -101,6 +101,23 @@ def test_chat_prompts_render_and_encode_as_transformers_does(llm, hf_tokenizer):
         assert tok.encode(render(tok, chat)) == want
 
 
+def test_continue_final_message_renders_as_transformers_does(llm, hf_tokenizer):
+    """The prompt stops after the last (assistant) message's content, as
+    transformers' continue_final_message; a content that also occurs in the
+    template's own markers ("end" in <|im_end|>) is found where it is."""
+    tok = llm.tokenizer
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    want = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False,
+                                            continue_final_message=True)
+    got = render_chat(tok.chat_template, chat, False, bos_token=tok.bos_token,
+                      eos_token=tok.eos_token, continue_final_message=True)
+    assert got == want and got.endswith("assistant\nThe capital of France is")
+    chat[-1]["content"] = "end"
+    assert render_chat(tok.chat_template, chat, False, continue_final_message=True) \
+        .endswith("<|im_start|>assistant\nend")
+
+
 def test_greedy_chat_matches_transformers(llm, hf_tokenizer, hf_model):
     texts = [render(llm.tokenizer, chat) for chat in CHATS]
     outs = llm.generate(texts, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)

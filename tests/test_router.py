@@ -1,6 +1,8 @@
 """Router pairing without a cluster: least outstanding tokens, prefix
 affinity within a slack, and no engine that is down."""
 
+import pytest
+
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.pairing import AFFINITY_SLACK_TOKENS
 from pdserve.cluster.router import RequestError, Router
@@ -234,7 +236,8 @@ def test_stream_interval_sends_k_tokens_a_message_and_the_rest_last():
                     return out
                 pending = asyncio.ensure_future(agen.__anext__())
             elif engine.rid and engine.next < len(tokens) and \
-                    not len(r.links["fused-0"].requests.get(engine.rid, ())):
+                    engine.rid in r.links["fused-0"].requests and \
+                    not r.links["fused-0"].requests[engine.rid].pending():
                 engine.send()                      # one event at a time, once the last is taken
     deltas = asyncio.run(asyncio.wait_for(go(), 10))
     assert [(list(d.token_ids), d.text, d.finish_reason) for d in deltas] == \
@@ -337,16 +340,16 @@ def test_a_client_that_leaves_while_its_submit_is_in_flight_is_aborted_once_take
     assert r.engines["fused-0"].alive and r.engines["fused-0"].load == 0
 
 
-def test_a_submit_the_transport_cancelled_is_aborted_and_tried_again_on_a_live_engine():
-    """gRPC cancels some calls of a large burst on one connection: the engine
-    is not dead for it. The router aborts the request there (the engine may
-    have taken it) and submits it again; the client sees its tokens."""
+def test_a_submit_grpc_cancelled_leaves_the_engine_live_aborts_the_request_and_says_retry():
+    """gRPC resets calls a server has no room for (CANCELLED): the engine is
+    not dead for it. The router aborts the request there (it may have taken
+    it) and the client hears UNAVAILABLE, which it may retry."""
     import asyncio
 
     import grpc
+    import pytest
 
     from pdserve.cluster.engine_link import EngineLink
-    from pdserve.proto import control_pb2 as cpb
 
     r = router({"fused": 1, "prefill": 0, "decode": 0})
     calls = []
@@ -354,11 +357,8 @@ def test_a_submit_the_transport_cancelled_is_aborted_and_tried_again_on_a_live_e
     class Engine:
         async def Submit(self, sub, timeout):
             calls.append("submit")
-            if calls.count("submit") == 1:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), details="CANCELLED")
-            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
-                request_id=sub.request_id, token_ids=[7], text="a", finish_reason="length"))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), details="CANCELLED")
 
         async def Abort(self, req, timeout):
             calls.append("abort")
@@ -368,11 +368,101 @@ def test_a_submit_the_transport_cancelled_is_aborted_and_tried_again_on_a_live_e
         r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
         link.ready.set()
         stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=1))
-        return [d async for d in stream.events()]
-    deltas = asyncio.run(asyncio.wait_for(go(), 10))
-    assert calls == ["submit", "abort", "submit"]
-    assert [t for d in deltas for t in d.token_ids] == [7]
-    assert r.engines["fused-0"].alive
+        with pytest.raises(RequestError, match="was cancelled by gRPC; retry") as e:
+            async for _ in stream.events():
+                pass
+        await asyncio.gather(*r._background)
+        return e.value
+    err = asyncio.run(asyncio.wait_for(go(), 10))
+    assert err.kind == "unavailable" and calls == ["submit", "abort"]
+    assert r.engines["fused-0"].alive and r.engines["fused-0"].load == 0
+    assert r.counters["resubmitted"] == 0
+
+
+@pytest.mark.parametrize("code,aborted", [("CANCELLED", True), ("DEADLINE_EXCEEDED", True),
+                                          ("INVALID_ARGUMENT", False)])
+def test_a_client_gone_mid_submit_is_aborted_unless_the_engine_refused_it(code, aborted):
+    """The Submit the client left behind fails: only a refusal certainly left
+    nothing on the engine; a call that broke may have delivered it."""
+    import asyncio
+
+    import grpc
+
+    from pdserve.cluster.engine_link import EngineLink
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    calls = []
+
+    class Engine:
+        def __init__(self):
+            self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+        async def Submit(self, sub, timeout):
+            self.entered.set()
+            await self.release.wait()
+            raise grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), details=code)
+
+        async def Abort(self, req, timeout):
+            calls.append("abort")
+
+    async def go():
+        engine = r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+
+        async def client():
+            async for _ in stream.events():
+                pass
+        task = asyncio.ensure_future(client())
+        await asyncio.wait_for(engine.entered.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.release.set()
+        await asyncio.gather(*r._background)
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert calls == (["abort"] if aborted else [])
+
+
+def test_a_client_gone_while_its_submit_waits_for_a_slot_costs_the_engine_nothing():
+    """Past SUBMITS_IN_FLIGHT a Submit waits its turn in the router; a client
+    that leaves meanwhile never reaches the engine."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import EngineLink
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    submitted = []
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            submitted.append(sub.request_id)
+
+        async def Abort(self, req, timeout):
+            raise AssertionError("nothing to abort")
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        r.links["fused-0"] = link = EngineLink(r.engines["fused-0"], r.id)
+        link.ready.set()
+        link.submits = asyncio.Semaphore(0)          # every slot taken
+        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+
+        async def client():
+            async for _ in stream.events():
+                pass
+        task = asyncio.ensure_future(client())
+        for _ in range(20):
+            await asyncio.sleep(0)                   # it queues for a slot
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        link.submits.release()                       # a slot frees: nobody takes it for it
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return stream.id, link.submits.locked()
+    rid, locked = asyncio.run(asyncio.wait_for(go(), 10))
+    assert submitted == [] and not locked and rid not in r.active
 
 
 def test_the_router_holds_its_submits_to_one_engine_to_a_bound():
@@ -434,8 +524,10 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
         ({"prompt": "ab", "stop": ["x"] * 17}, 400, "stop", "at most 16 stop strings, got 17"),
         ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, None,
          "stream_options is only for streamed answers"),
-        ({"prompt": "ab", "max_tokens": 2, "min_tokens": 5}, 400, None,
-         "min_tokens=5 exceeds max_tokens=2"),
+        ({"prompt": "ab", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens",
+         "min_tokens=5 exceeds the 2 tokens this request may generate"),
+        ({"prompt": "ab", "min_tokens": 17}, 400, "min_tokens",    # completions' default: 16
+         "min_tokens=17 exceeds the 16 tokens"),
         ({"prompt": "ab", "min_p": 0.1}, 400, "min_p", "min_p is not supported"),
         ({"prompt": "ab", "guided_choice": ["yes", "no"]}, 400, "guided_choice",
          "structured output is not supported"),
@@ -485,11 +577,10 @@ def test_a_prompt_of_the_whole_context_is_refused_naming_the_prompt_not_max_toke
 def test_any_64_bit_seed_is_taken_and_stays_reproducible():
     from pdserve.cluster.openai_protocol import CompletionRequest
 
-    for seed in (-1, -(1 << 63), (1 << 64) - 1, 7):
-        sp = CompletionRequest(prompt="ab", seed=seed).sampling(4, None)
-        assert 0 <= sp.seed < 1 << 63
-        assert sp == CompletionRequest(prompt="ab", seed=seed).sampling(4, None)
-    assert CompletionRequest(prompt="ab", seed=7).sampling(4, None).seed == 7
+    seeds = (-1, -(1 << 63), (1 << 63) - 1, (1 << 63) + 1, (1 << 64) - 2, 0, 7)
+    taken = [CompletionRequest(prompt="ab", seed=s).sampling(4, None).seed for s in seeds]
+    assert all(0 <= t < 1 << 64 for t in taken) and len(set(taken)) == len(seeds)
+    assert taken[-1] == 7 and taken[0] == (1 << 64) - 1          # -1 as 64 bits
 
 
 def test_two_thousand_calls_at_once_all_get_answered():
