@@ -210,10 +210,11 @@ def _cmd_stats(args) -> int:
     def go():
         rows = Client(args.address, api_key=client_key(args)).stats()
         print(f"{'engine':<20} {'role':<8} {'used':>6} {'pinned':>6} {'total':>6} "
-              f"{'running':>7} {'waiting':>7} {'finished':>8}")
+              f"{'running':>7} {'waiting':>7} {'transfers':>9} {'finished':>8}")
         for r in rows:
             print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
-                  f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} {r['finished']:>8}")
+                  f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} "
+                  f"{r['transfers']:>9} {r['finished']:>8}")
         for r in rows:
             groups = r["cache_groups"]
             if len(groups) > 1:

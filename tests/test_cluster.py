@@ -245,6 +245,13 @@ def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys)
     assert main(["stats", "--address", deployment.address]) == 0
     out = capsys.readouterr().out
     assert "pdserve:decode-0" in out and "pdserve:prefill-0" in out
+    lines = out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("engine "))
+    head, *rows = [ln.split() for ln in lines[at:at + 4]]
+    assert head[-2:] == ["transfers", "finished"]
+    by_name = {r[0]: dict(zip(head[1:], r[1:])) for r in rows}
+    # P's work shows as transfers (its requests end at D's ack, not as finished)
+    assert int(by_name["pdserve:prefill-0"]["transfers"]) >= 1
 
 
 def test_cpu_engines_keep_freed_memory_in_the_heap(deployment):
