@@ -171,11 +171,11 @@ class Stream:
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     target.draining = True        # it drains: picked no more
                     raise _EngineDraining(e.details()) from None
+                # the call broke: whatever the engine took of it is aborted there
+                r.background(_abort(target, self.id, "its submission broke off"))
                 if code == grpc.StatusCode.CANCELLED:
-                    # the call broke, not the engine (gRPC resets calls a server
-                    # has no room for): the engine stays live, anything it took
-                    # is aborted, and the client hears it may retry
-                    r.background(_abort(target, self.id, "its submission broke off"))
+                    # not the engine (gRPC resets calls a server has no room for):
+                    # it stays live, and the client hears it may retry
                     raise RequestError("unavailable", f"the router's Submit to {target.name} "
                                        "was cancelled by gRPC; retry the request") from None
                 target.alive = False
