@@ -1,0 +1,88 @@
+"""The OpenAI HTTP front's refusals before any engine is asked (a router
+with no live link): each one names the field and what to change."""
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.router import Router
+from pdserve.kernels.tokenizer import PrintableTokenizer
+
+
+def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_asked():
+    """Each body is refused with a 400 (or a 404 for another model) whose
+    param and message say what to change; none reaches an engine (this
+    router has no live link), and a request that could never run is not
+    counted as an arrival."""
+    from starlette.testclient import TestClient
+
+    from pdserve.cluster.http_api import build_app
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 8},
+                                 "engine": {"total_pages": 64, "page_size": 4,
+                                            "max_context_tokens": 64}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9")])
+    http = TestClient(build_app(r))
+    cases = [
+        ({"prompt": ["ab", "cd", "ef"], "n": 3}, 400, "n", "9 choices (prompts x n) exceed"),
+        ({"prompt": "ab", "route": "disaggregated"}, 400, "route", "needs decode and prefill"),
+        ({"prompt": "ab", "model": "gpt-9"}, 404, "model", "is not served here"),
+        ({"prompt": ["ab", 1]}, 400, "prompt", "one kind, not mixed"),
+        ({"prompt": ["ab", ""]}, 400, "prompt[1]", "the prompt is empty"),
+        ({"prompt": "ab", "stop": ["x"] * 17}, 400, "stop", "at most 16 stop strings, got 17"),
+        ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, None,
+         "stream_options is only for streamed answers"),
+        ({"prompt": "ab", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens",
+         "min_tokens=5 exceeds the 2 tokens this request may generate"),
+        ({"prompt": "ab", "min_tokens": 17}, 400, "min_tokens",    # completions' default: 16
+         "min_tokens=17 exceeds the 16 tokens"),
+        ({"prompt": "ab", "min_p": 0.1}, 400, "min_p", "min_p is not supported"),
+        ({"prompt": "ab", "guided_choice": ["yes", "no"]}, 400, "guided_choice",
+         "structured output is not supported"),
+        ({"prompt": "ab", "response_format": {"type": "json_object"}}, 400, "response_format",
+         "only response_format {type: text}"),
+        ({"prompt": "ab", "include_stop_str_in_output": True}, 400,
+         "include_stop_str_in_output", "not supported"),
+        ({"prompt": "ab", "temperature": True}, 400, "temperature", "valid number"),
+        ({"prompt": "x" * 64, "max_tokens": 1}, 400, "prompt", "exceeds this deployment's bound"),
+        ({"prompt": "ab", "max_token": 4}, 400, "max_token", "did you mean 'max_tokens'?"),
+    ]
+    for body, status, param, words in cases:
+        resp = http.post("/v1/completions", json=body)
+        err = resp.json()["error"]
+        assert resp.status_code == status and err["param"] == param, (body, err)
+        assert words in err["message"] and not err["message"].startswith("Value error"), \
+            (body, err)
+    assert r.metrics.arrivals._value.get() == 0
+    assert not r.active
+    chat = [({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+              "add_generation_prompt": False}, "the last message to be the assistant's"),
+            ({"messages": [{"role": "assistant", "content": "hi"}],
+              "continue_final_message": True}, "set add_generation_prompt: false"),
+            ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+             "function calling is not supported")]
+    for body, words in chat:
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.json()
+
+
+def test_any_64_bit_seed_is_taken_and_stays_reproducible():
+    from pdserve.cluster.openai_protocol import CompletionRequest
+
+    seeds = (-1, -(1 << 63), (1 << 63) - 1, (1 << 63) + 1, (1 << 64) - 2, 0, 7)
+    taken = [CompletionRequest(prompt="ab", seed=s).sampling(4, None).seed for s in seeds]
+    assert all(0 <= t < 1 << 64 for t in taken) and len(set(taken)) == len(seeds)
+    assert taken[-1] == 7 and taken[0] == (1 << 64) - 1          # -1 as 64 bits
+
+
+def test_only_near_misses_of_known_fields_are_refused_other_unknown_fields_are_ignored():
+    from pdserve.cluster.http_api import _misspelt
+    from pdserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    fields = CompletionRequest.model_fields
+    assert _misspelt({"prompt": "a", "temprature": 1}, fields) == ("temprature", "temperature")
+    assert _misspelt({"prompt": "a", "stop_tokens_ids": [1]}, fields) == \
+        ("stop_tokens_ids", "stop_token_ids")
+    sent_by_clients = {"metadata": {}, "store": False, "parallel_tool_calls": True,
+                       "service_tier": "auto", "reasoning_effort": "low", "modalities": [],
+                       "prediction": None, "audio": None, "max_completion_tokens": 4,
+                       "top_logprobs": 2, "priority": 0, "request_id": "x"}
+    assert _misspelt(sent_by_clients, fields) is None
+    assert _misspelt(sent_by_clients, ChatCompletionRequest.model_fields) is None
