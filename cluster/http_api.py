@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.cluster.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, Unsupported)
+    ChatCompletionRequest, CompletionRequest, SseEvents, Unsupported, usage as _usage)
 from pdserve.cluster.router import RequestError, Router
 from pdserve.cluster.router_grpc import key_matches
 
@@ -350,49 +350,10 @@ class HttpFront:
                 "top_logprobs": top, "text_offset": offsets}
 
 
-class SseEvents:
-    """The server-sent events of one streamed answer, as bytes. The common
-    event (a delta's text, no logprobs, not the last) is spliced from a
-    prefix and a suffix rendered once around the JSON-escaped text: dumping
-    the whole chunk object for every token was a tenth of the router's time
-    under load. Every other event is dumped whole (`choice`)."""
-
-    __slots__ = ("head", "usage_field", "_chat", "_pre", "_mid", "_end")
-
-    def __init__(self, head: dict, chat: bool, include_usage: bool):
-        self.head = head
-        self.usage_field = {"usage": None} if include_usage else {}
-        self._pre = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": [{"index": '
-        self._mid = b', "delta": {"content": ' if chat else b', "text": '
-        self._end = ((b"}" if chat else b"") + b', "logprobs": null, "finish_reason": null}]'
-                     + (b', "usage": null' if include_usage else b"") + b"}\n\n")
-        self._chat = chat
-
-    def text(self, index: int, text: str) -> bytes:
-        if not text and self._chat:               # an empty chat delta is {}
-            return self.choice({"index": index, "delta": {}, "logprobs": None,
-                                "finish_reason": None})
-        return b"".join((self._pre, b"%d" % index, self._mid, json.dumps(text).encode(),
-                         self._end))
-
-    def choice(self, choice: dict) -> bytes:
-        return b"data: " + json.dumps({**self.head, "choices": [choice],
-                                       **self.usage_field}).encode() + b"\n\n"
-
-    def usage(self, usage: dict) -> bytes:
-        return b"data: " + json.dumps({**self.head, "choices": [], "usage": usage}).encode() \
-            + b"\n\n"
-
-
 def _with_seed(sp, seed):
     import dataclasses
 
     return dataclasses.replace(sp, seed=seed)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _merged(streams):

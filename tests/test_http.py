@@ -401,7 +401,7 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
     """The per-token event spliced around the escaped text is the same JSON
     as the whole chunk object dumped, for any text (quotes, control
     characters, surrogates' neighbours, non-ASCII)."""
-    from pdserve.cluster.http_api import SseEvents
+    from pdserve.cluster.openai_protocol import SseEvents
 
     ev = SseEvents({"id": "cmpl-1", "object": "o", "created": 7, "model": 'm"x'}, chat, usage)
     if chat:
