@@ -313,20 +313,16 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         print(line)
     hit, cells = within(results)
     print(f"{hit} of {cells} cells within 10% at p50")
-    hit, cells = within(results, "sim_own_speed")
-    if cells:
-        print("the same runs, each simulated at its engines' own speed (the profile's round "
-              "costs scaled by the run's busy-time error below):")
-        for line in table(results, "sim_own_speed"):
-            print(line)
-        print(f"{hit} of {cells} cells within 10% at p50 at the engines' own speed")
-    hit, cells = within(results, "sim_probed")
-    if cells:
-        print("the same runs, each simulated at the speed probed just before it (the "
-              "profile's round costs scaled by the probe's busy-time error):")
-        for line in table(results, "sim_probed"):
-            print(line)
-        print(f"{hit} of {cells} cells within 10% at p50 at the probed speed")
+    for view, speed, how in (
+            ("sim_own_speed", "at the engines' own speed", "the run's busy-time error below"),
+            ("sim_probed", "at the probed speed", "the busy-time error of a probe just before")):
+        hit, cells = within(results, view)
+        if cells:
+            print(f"the same runs, each simulated {speed} (the profile's round costs scaled "
+                  f"by {how}):")
+            for line in table(results, view):
+                print(line)
+            print(f"{hit} of {cells} cells within 10% at p50 {speed}")
     rows = rounds_table(results)
     if len(rows) > 2:
         print("the profile against the rounds the engines ran (their own timings):")

@@ -22,3 +22,22 @@ def linked(r: Router, name: str):
     link = r.links[name] = EngineLink(r.engines[name], r.id)
     link.ready.set()
     return link
+
+
+async def leave_during_submit(r: Router, name: str = "fused-0"):
+    """Open a request on `r` and cancel its client while the engine's Submit
+    is in flight (the stub sets `entered` once called and holds the call);
+    returns the request's Stream."""
+    import asyncio
+
+    engine = r.engines[name].stub
+    stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
+
+    async def client():
+        async for _ in stream.events():
+            pass
+    task = asyncio.ensure_future(client())
+    await asyncio.wait_for(engine.entered.wait(), 5)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return stream

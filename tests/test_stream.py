@@ -8,7 +8,7 @@ from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.router import RequestError, Router
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
-from router_fakes import linked, router
+from router_fakes import leave_during_submit, linked, router
 
 
 def test_a_request_refused_by_a_draining_engine_is_submitted_to_another():
@@ -203,15 +203,7 @@ def test_a_client_that_leaves_while_its_submit_is_in_flight_is_aborted_once_take
     async def go():
         engine = r.engines["fused-0"].stub = Engine()
         linked(r, "fused-0")
-        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
-
-        async def client():
-            async for _ in stream.events():
-                pass
-        task = asyncio.ensure_future(client())
-        await asyncio.wait_for(engine.entered.wait(), 5)
-        task.cancel()                           # the client disconnects mid-Submit
-        await asyncio.gather(task, return_exceptions=True)
+        stream = await leave_during_submit(r)        # the client disconnects mid-Submit
         assert ("abort", stream.id) not in calls
         engine.release.set()                    # the engine takes it now
         for _ in range(100):
@@ -288,15 +280,7 @@ def test_a_client_gone_mid_submit_is_aborted_unless_the_engine_refused_it(code, 
     async def go():
         engine = r.engines["fused-0"].stub = Engine()
         linked(r, "fused-0")
-        stream = r.open([1, 2, 3], __import__("pdserve").SamplingParams(max_tokens=4))
-
-        async def client():
-            async for _ in stream.events():
-                pass
-        task = asyncio.ensure_future(client())
-        await asyncio.wait_for(engine.entered.wait(), 5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await leave_during_submit(r)
         engine.release.set()
         await asyncio.gather(*r._background)
     asyncio.run(asyncio.wait_for(go(), 10))
