@@ -104,6 +104,7 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
 
 
 CHANNELS = 8      # gRPC connections an async client spreads its streams over
+OFFLINE_QUIET_CORES = 0.2   # other processes' load the offline row waits to fall under
 
 
 class _GrpcLoad:
@@ -292,6 +293,11 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                                   seed + 1), concurrency, None, seed, progress=False, api=api)
             results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
         if offline:
+            from pdserve.cluster.host_load import wait_for_quiet
+
+            # the deployment's processes take seconds to go: the engine's own
+            # rate is measured once they are gone, as the served rows ran alone
+            wait_for_quiet(OFFLINE_QUIET_CORES, window_s=2.0, timeout_s=60.0)
             results.append((f"{path} [offline LLM]",
                             run_offline(path, samples, seed, concurrency, repeats)))
     mode = arrivals(samples, rate, seed)
