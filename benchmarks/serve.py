@@ -103,21 +103,24 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
     return out
 
 
-CHANNELS = 8      # gRPC connections an async client spreads its streams over
 OFFLINE_QUIET_CORES = 0.2   # other processes' load the offline row waits to fall under
 
 
 class _GrpcLoad:
-    """Streams through `pdserve.client.AsyncClient`, spread over a few
-    connections so that with router replicas they spread over those too;
-    `multiplex`: each connection's requests share one GenerateMany stream."""
+    """Streams through `pdserve.client.AsyncClient`, spread over
+    `connections` of its own (one per router replica: the kernel spreads
+    connections over replicas that share a port); `multiplex`: each
+    connection's requests share one GenerateMany stream. More connections
+    than routers only cost: with 8 instead of 1 to one router, a
+    GenerateMany write carried 8 responses instead of 63, and the router
+    and the client each spent about 10 us more per token."""
 
     def __init__(self, address: str, concurrency: int, multiplex: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, connections: int = 1):
         from pdserve.client import AsyncClient
 
         self.clients = [AsyncClient(address, timeout=600, multiplex=multiplex, api_key=api_key)
-                        for _ in range(min(CHANNELS, concurrency))]
+                        for _ in range(max(1, min(connections, concurrency)))]
 
     async def stream(self, worker: int, s: Sample):
         """Yields the number of tokens each chunk carries."""
@@ -217,9 +220,9 @@ async def _drive(load, samples: list[Sample], due, timings: list[Timing], concur
 
 def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
           seed: int, progress: bool = True, api: str = "grpc",
-          api_key: str | None = None) -> dict:
-    """Send `samples` to `address` and time each: the gRPC HOST:PORT, or with
-    api="http" the HTTP base URL."""
+          api_key: str | None = None, connections: int = 1) -> dict:
+    """Send `samples` to `address` and time each: the gRPC HOST:PORT (over
+    `connections`), or with api="http" the HTTP base URL."""
     from tqdm import tqdm
 
     timings = [Timing() for _ in samples]
@@ -228,7 +231,8 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
 
     async def run() -> float:                 # the loads' sessions belong to this loop
         load = _HttpLoad(address, concurrency, api_key) if api == "http" else \
-            _GrpcLoad(address, concurrency, multiplex=api == "grpc-many", api_key=api_key)
+            _GrpcLoad(address, concurrency, multiplex=api == "grpc-many", api_key=api_key,
+                      connections=connections)
         return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
     wall = event_loop.run(run())
     bar.close()
@@ -250,14 +254,14 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
 
 
 def _compare(name: str, addresses: dict, samples, concurrency, rate, seed, repeats: int,
-             api_key: str | None = None):
+             api_key: str | None = None, connections: int = 1):
     """Each API on the same deployment, interleaved `repeats` times; the
     run with the median throughput of each stands for it."""
     runs: dict[str, list] = {api: [] for api in addresses}
     for _ in range(repeats):
         for api, addr in addresses.items():
             runs[api].append(drive(addr, samples, concurrency, rate, seed, api=api,
-                                   api_key=api_key))
+                                   api_key=api_key, connections=connections))
     out = []
     for api, rs in runs.items():
         rs = sorted(rs, key=lambda r: r["output_tok_per_s"])
@@ -272,7 +276,9 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
          concurrency: int, rate: float | None, trace: str | None, limit: int | None,
          max_prompt: int, out: str | None, seed: int = 0, apis=("grpc",),
          http_address: str | None = None, repeats: int = 1, offline: bool = False,
-         api_key: str | None = None) -> int:
+         api_key: str | None = None, connections: int | None = None) -> int:
+    """`connections`: gRPC connections each load opens (default: the
+    config's router.replicas; 1 against --address)."""
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
     results = []
     if http_address and "://" not in http_address:
@@ -284,14 +290,19 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
             raise ValueError(f"bench serve --api {' '.join(apis)} against a running deployment "
                              "needs --address (gRPC) and --http-address (HTTP)")
         results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,
-                            repeats, api_key)
+                            repeats, api_key, connections or 1)
+    from pdserve.cluster.config import load_config
+
     for path in configs:
+        conns = connections or load_config(path).router.replicas
         with served(path, http="http" in apis) as (addr, http_url):
             addrs = {a: (http_url if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
                 drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
-                                  seed + 1), concurrency, None, seed, progress=False, api=api)
-            results += _compare(path, addrs, samples, concurrency, rate, seed, repeats)
+                                  seed + 1), concurrency, None, seed, progress=False, api=api,
+                      connections=conns)
+            results += _compare(path, addrs, samples, concurrency, rate, seed, repeats,
+                                connections=conns)
         if offline:
             from pdserve.cluster.host_load import wait_for_quiet
 
@@ -358,6 +369,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the same requests through pdserve.LLM in-process (each "
                         "--config), the engine's own rate: at most --concurrency at once, "
                         "--repeats times")
+    p.add_argument("--connections", type=positive,
+                   help="gRPC connections each gRPC load spreads its streams over (default: "
+                        "the config's router.replicas, 1 against --address)")
     p.add_argument("--repeats", type=positive, default=1,
                    help="runs of each API; the median is reported with the spread")
     workload_arguments(p)
@@ -381,7 +395,8 @@ def run(args) -> int:
     return main(args.address, args.config or [], args.requests, args.prompt_len,
                 args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
                 args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
-                repeats=args.repeats, offline=args.offline, api_key=client_key(args))
+                repeats=args.repeats, offline=args.offline, api_key=client_key(args),
+                connections=args.connections)
 
 
 def run_offline(config: str, samples: list[Sample], seed: int,

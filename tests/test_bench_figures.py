@@ -16,10 +16,11 @@ from pdserve.transfer.transport import TransferEvent
 SERVICE_S = 0.05
 
 
-def _fake_stream(monkeypatch, service_s: float, picked: list):
+def _fake_stream(monkeypatch, service_s: float, picked: list, clients: list | None = None):
     """A server that serves one request at a time per stream: each request
     waits `service_s`, then streams two tokens; `picked` records when each
-    one was picked up and which it was."""
+    one was picked up and which it was; `clients`, which client (each a
+    connection of its own) sent each request."""
     import asyncio
     from types import SimpleNamespace
 
@@ -29,6 +30,8 @@ def _fake_stream(monkeypatch, service_s: float, picked: list):
 
         async def generate_stream(self, prompt, **kw):
             picked.append((time.perf_counter(), prompt[0]))
+            if clients is not None:
+                clients.append(id(self))
             await asyncio.sleep(service_s)
             for _ in range(2):
                 yield SimpleNamespace(token_ids=[1])
@@ -61,6 +64,20 @@ def test_an_open_loop_past_capacity_counts_queueing_in_ttft(monkeypatch):
     closed = serve.drive("fake", _samples(n), concurrency=1, rate=None, seed=0, progress=False)
     assert closed["arrivals"] == "closed loop"
     assert closed["ttft_s"]["p50"] < opened["ttft_s"]["p50"] / 3      # ~1 service, not ~10
+
+
+def test_the_grpc_load_opens_the_connections_asked_for(monkeypatch):
+    """One connection by default (more to one router only split its batched
+    writes); --connections N spreads the streams over N, never more than
+    there are streams."""
+    for asked, concurrency, expected in ((None, 8, 1), (3, 8, 3), (5, 2, 2)):
+        clients = []
+        _fake_stream(monkeypatch, 0.001, [], clients)
+        kw = {} if asked is None else {"connections": asked}
+        r = serve.drive("fake", _samples(12), concurrency=concurrency, rate=None, seed=0,
+                        progress=False, **kw)
+        assert r["ok"] == 12
+        assert len(set(clients)) == expected, (asked, concurrency)
 
 
 def test_a_trace_is_replayed_at_its_own_arrival_times(monkeypatch):
