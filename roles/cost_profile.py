@@ -181,6 +181,13 @@ class Round:
     def kind(self) -> str:
         return round_kind(bool(self.prefills), self.num_decodes)
 
+    @property
+    def computed(self) -> bool:
+        """Whether it ran a forward: what a profile prices. The simulator
+        charges a round without one nothing (P's round that only ships a
+        finished prompt takes 0.2 ms; priced as a decode it read +62,400%)."""
+        return self.num_decodes > 0 or any(n for _, n in self.prefills)
+
 
 def round_of(plan, seconds: float, window: int, start: float | None = None) -> Round:
     """A plan's features as the simulated executor hands them to the cost

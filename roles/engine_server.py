@@ -242,8 +242,9 @@ class EngineServer:
         return self.call(run)
 
     def take_rounds(self) -> list[Round]:
-        """The rounds timed since the last call (at most ROUNDS_KEPT): what
-        `pdserve bench sim-accuracy` holds a cost profile against."""
+        """The rounds that ran a forward since the last call (at most
+        ROUNDS_KEPT): what `pdserve bench sim-accuracy` and `calibrate
+        --served` hold a cost profile against."""
         out = []
         while self.rounds:
             out.append(self.rounds.popleft())
@@ -301,7 +302,8 @@ class EngineServer:
             wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             if out is not None:
                 timed = round_of(out.plan, wall, self._window, start)
-                self.rounds.append(timed)
+                if timed.computed:                # what a cost profile is held against
+                    self.rounds.append(timed)
                 self.counts.round_done(wall, cpu,
                                        sum(n for _, n in timed.prefills) + timed.num_decodes)
             for msg in self.planner.stalls[self._stalls_logged:]:

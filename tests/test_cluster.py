@@ -270,7 +270,9 @@ def test_cpu_engines_keep_freed_memory_in_the_heap(deployment):
 
 def test_engines_time_their_rounds_as_calibrate_does(deployment, client):
     """Each engine keeps its rounds' features and times (what bench
-    sim-accuracy holds a cost profile against); taking them empties them."""
+    sim-accuracy holds a cost profile against); taking them empties them.
+    Only rounds that ran a forward are kept: P ships a finished prompt in a
+    round of its own, which the simulator charges nothing."""
     import ray
 
     actors = {name: a for name, _, a in deployment.engines}
@@ -280,7 +282,8 @@ def test_engines_time_their_rounds_as_calibrate_does(deployment, client):
     client.generate(PROMPTS[1], max_tokens=5, route="disaggregated")
     rounds = {n: ray.get(a.take_rounds.remote()) for n, a in actors.items()}
     for name, rs in rounds.items():
-        assert rs and all(r.seconds > 0 for r in rs), name
+        assert rs and all(r.seconds > 0 and r.computed for r in rs), name
+    assert [r.kind for r in rounds["prefill-0"]] == ["prefill"]     # one prompt, one round
     prompt = sum(n for r in rounds["fused-0"] for _, n in r.prefills)
     assert prompt >= 9 and sum(r.num_decodes for r in rounds["fused-0"]) == 4
     assert not any(r.num_decodes for r in rounds["prefill-0"])   # P never decodes
