@@ -451,6 +451,24 @@ def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_
     assert "0 of 2 cells within 10% at p50 at the probed speed" in out
 
 
+def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
+    """Prefill rounds priced right and decode rounds priced at twice what
+    they took: by kind 0% and +100%, over all of them weighted by time."""
+    from pdserve.benchmarks.sim_accuracy import round_errors
+    from pdserve.roles.cost_profile import Profile
+
+    cost = RoundCost(0.0, 0.0, 0.0, 0.01, 0.0, 1.0, 0.0)   # 10 ms a prefill token, 1 s a decode
+    prof = Profile(cost, TINY, 1e9)
+    prefill = [Round(((0, 100),), 0, 0, 0, 1.0, start=0.0),
+               Round(((0, 50),), 0, 0, 0, 0.5, start=2.0)]
+    decode = [Round((), 10, 1, 0, 0.5, start=t) for t in (1.0, 3.0, 4.0)]
+    got = round_errors(prof, [prefill, decode])
+    assert got["count"] == 5
+    assert got["by_kind"] == pytest.approx({"prefill": 0.0, "decode": 1.0})
+    assert got["busy_err"] == pytest.approx((1.5 + 3.0) / 3.0 - 1)
+    assert round_errors(prof, [[], []])["by_kind"] == {}
+
+
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     from pdserve.roles.cost_profile import neighbours
 
@@ -542,4 +560,5 @@ def test_sim_accuracy_probes_each_real_run_and_simulates_it_three_ways(tmp_path)
     for r in res["runs"]:
         assert r["ok"] == r["requests"] and r["probe"]["count"] >= 4   # 1 prefill + 3 decodes
         assert r["probe"]["busy_err"] is not None
+        assert "decode" in r["rounds"]["by_kind"]         # and the error by round kind
         assert {"sim", "sim_own_speed", "sim_probed"} <= set(r)
