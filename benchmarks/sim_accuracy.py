@@ -11,17 +11,20 @@ served from the prefix cache an earlier one filled. Reports TTFT and TPOT
 p50 and p90 of both, medians over the runs with their spread, and the
 error (median sim / median real - 1).
 
-Each run is also simulated at its engines' own speed: the profile's round
-costs divided by (1 + the run's busy-time error), i.e. scaled so that the
-profile prices the rounds the engines ran in that run at what they took.
+Each run is also simulated at its engines' own speed: the profile's rounds
+of each kind (prefill, decode, mixed) divided by (1 + the run's busy-time
+error on that kind), i.e. scaled so that the profile prices the rounds the
+engines ran in that run at what they took (`--one-speed`: one factor for
+every kind, the whole busy-time error, as before 2026-12-02).
 On a host whose speed drifts between runs (this 2-core VM moved 30% within
 an hour), that separates the two sources of error: the host's speed at the
 time (which a profile measured earlier cannot know) and the simulator's
 scheduling and queueing (the rest). That view uses the run's own rounds;
 a third one predicts: before each real run `--probe` requests run alone
 (as at concurrency 1, fresh prompts), and the run is simulated with the
-profile scaled to the speed those rounds showed, as a recalibration a
-minute before the run would.
+profile scaled to the speed those rounds showed (per kind likewise; a kind
+the probe did not run, e.g. mixed, at the probe's whole busy-time error),
+as a recalibration a minute before the run would.
 
 Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
@@ -44,8 +47,7 @@ from pdserve.benchmarks.args import non_negative, positive, usage_error, workloa
 from pdserve.benchmarks.serve import Sample, arrivals, drive, workload
 from pdserve.cluster.host_load import ForeignLoad, wait_for_quiet
 from pdserve.cluster.profile_fit import errors
-from pdserve.roles.cost_profile import (Profile, RoundCost, load_profile, neighbours,
-                                        save_profile)
+from pdserve.roles.cost_profile import KINDS, Profile, load_profile, neighbours, save_profile
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
 PROBE_SEED = 50       # a probe's prompts: seeds no run of the level uses
@@ -79,7 +81,8 @@ def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
 
 def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
             fractions, repeats: int, saturation: float | None, sat_concurrency: int,
-            seed: int, quiet: float | None = None, probe: int = 0) -> dict:
+            seed: int, quiet: float | None = None, probe: int = 0,
+            one_speed: bool = False) -> dict:
     """Every run draws fresh prompts (its own seed): a prompt the deployment
     has seen would be served from its prefix cache, and the simulator, which
     starts empty each run, would compute it whole."""
@@ -148,7 +151,7 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                       flush=True)
     finally:
         dep.stop()
-    resimulate(out, profile)
+    resimulate(out, profile, one_speed)
     return out
 
 
@@ -164,6 +167,7 @@ def round_errors(prof: Profile, per_engine: list[list]) -> dict:
         return {"count": 0, "err_p50": None, "busy_err": None, "by_kind": {}}
     errs = errors(prof.round, rounds, prof.model, prof.neighbour_slowdown,
                   neighbours(per_engine), prof.served_factors)
+    errs = [(1 + e) * prof.speed.get(r.kind, 1.0) - 1 for e, r in zip(errs, rounds)]
 
     def busy_err(pairs) -> float:
         busy = sum(r.seconds for _, r in pairs)
@@ -176,11 +180,12 @@ def round_errors(prof: Profile, per_engine: list[list]) -> dict:
             "by_kind": {k: busy_err(v) for k, v in sorted(kinds.items())}}
 
 
-def resimulate(res: dict, profile: str) -> None:
+def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
     """Simulate each recorded real run: the same requests at the same times,
     with `profile` ("sim"); where the run timed its engines' rounds, with
     the profile at their speed ("sim_own_speed"); where a probe ran before
-    it, at the speed the probe's rounds showed ("sim_probed")."""
+    it, at the speed the probe's rounds showed ("sim_probed"). Speeds are
+    per round kind where the runs recorded them, unless `one_speed`."""
     from pdserve.cluster.config import load_config
 
     cfg, w = load_config(res["config"]), res["workload"]
@@ -193,21 +198,25 @@ def resimulate(res: dict, profile: str) -> None:
             due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
             r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
             for view, source in (("sim_own_speed", "rounds"), ("sim_probed", "probe")):
-                busy_err = (r.get(source) or {}).get("busy_err")
+                rounds = r.get(source) or {}
                 r.pop(view, None)
-                if busy_err is not None:
+                if rounds.get("busy_err") is not None:
                     scaled = os.path.join(tmp, f"run{i}-{view}.yaml")
-                    save_profile(at_speed(prof, 1 + busy_err), scaled)
+                    by_kind = {} if one_speed else rounds.get("by_kind", {})
+                    save_profile(at_speed(prof, rounds["busy_err"], by_kind), scaled)
                     r[view] = simulate(cfg, scaled, samples, due, w["max_tokens"])
     res["profile"] = profile
+    res["one_speed"] = one_speed
 
 
-def at_speed(prof: Profile, predicted_over_real: float) -> Profile:
-    """`prof` with its round costs divided by `predicted_over_real` (what
-    it predicted for a run's rounds over what they took): the same profile
-    on an engine that ran that much faster or slower."""
-    cost = RoundCost(*(c / predicted_over_real for c in prof.round.coefficients()))
-    return dataclasses.replace(prof, round=cost)
+def at_speed(prof: Profile, busy_err: float, by_kind: dict | None = None) -> Profile:
+    """`prof` on an engine that ran faster or slower than it prices: each
+    round kind's cost divided by (1 + its error in `by_kind`), what the
+    profile predicted for a run's rounds of that kind over what they took,
+    less 1; a kind not there by (1 + `busy_err`), the error on all of them."""
+    by_kind = by_kind or {}
+    speed = {k: prof.speed.get(k, 1.0) / (1 + by_kind.get(k, busy_err)) for k in KINDS}
+    return dataclasses.replace(prof, speed=speed)
 
 
 def _ms(v) -> str:
@@ -299,10 +308,12 @@ def rounds_table(results: list[dict]) -> list[str]:
 def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
          fractions, repeats: int, saturation: float | None, out: str | None,
          n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
-         quiet: float | None = None, replay: str | None = None, probe: int = 0) -> int:
+         quiet: float | None = None, replay: str | None = None, probe: int = 0,
+         one_speed: bool = False) -> int:
     """`replay`: a JSON this wrote; its real runs are simulated again with
     `profile`, nothing is started (to compare profiles on one set of runs).
-    `probe`: requests run alone before each real run, to probe its speed."""
+    `probe`: requests run alone before each real run, to probe its speed.
+    `one_speed`: the own-speed and probed views scale every round kind alike."""
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
@@ -310,13 +321,13 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         with open(replay) as f:
             results = json.load(f)
         for res in results:
-            resimulate(res, profile)
+            resimulate(res, profile, one_speed)
     else:
         results = []
         for path in configs:
             results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
                                    fractions, repeats, saturation, sat_concurrency, seed, quiet,
-                                   probe))
+                                   probe, one_speed))
             print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
                   flush=True)
     for res in results:
@@ -330,9 +341,11 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
         print(line)
     hit, cells = within(results)
     print(f"{hit} of {cells} cells within 10% at p50")
+    kinds = "" if one_speed else ", per round kind"
     for view, speed, how in (
-            ("sim_own_speed", "at the engines' own speed", "the run's busy-time error below"),
-            ("sim_probed", "at the probed speed", "the busy-time error of a probe just before")):
+            ("sim_own_speed", "at the engines' own speed", f"the run's busy-time error{kinds}"),
+            ("sim_probed", "at the probed speed",
+             f"the busy-time error of a probe just before{kinds}")):
         hit, cells = within(results, view)
         if cells:
             print(f"the same runs, each simulated {speed} (the profile's round costs scaled "
@@ -377,6 +390,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "host's speed just then (2; 0: no probe)")
     p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
                                     "--profile; start nothing")
+    p.add_argument("--one-speed", action="store_true",
+                   help="scale the own-speed and probed views by one factor for every round "
+                        "kind, not one per kind")
 
 
 def run(args) -> int:
@@ -385,4 +401,5 @@ def run(args) -> int:
                            "and --profile (from pdserve calibrate)")
     return main(args.config or [], args.profile, args.requests, args.prompt_len,
                 args.max_tokens, args.fractions, args.repeats, args.saturation, args.out,
-                n_alone=args.alone, quiet=args.quiet, replay=args.replay, probe=args.probe)
+                n_alone=args.alone, quiet=args.quiet, replay=args.replay, probe=args.probe,
+                one_speed=args.one_speed)

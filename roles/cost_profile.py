@@ -44,6 +44,13 @@ decode, mixed), decode-batch bucket (`BATCH_FROM`) and whether others were
 computing; a round whose cell is in the table costs form x the cell (and
 (1 + k) more per neighbour past the first), any other (1 + k n) x form.
 
+`speed` (kind -> factor, default 1) multiplies every round of a kind on
+top of that: the same profile on a host that runs that kind faster (< 1)
+or slower. No calibration writes it; `bench sim-accuracy` sets it to put a
+profile at the speed a run's own rounds showed, per kind, since a host's
+drift need not move prefill and decode rounds alike (on 2026-12-02 decode
+rounds ran 19% under the price while prefill rounds ran at it).
+
 The file is YAML (see `Profile.to_dict`); `simulate: {profile: FILE}` in a
 config makes the simulator use it instead of a GPU and model preset. The
 profile carries the model's KV shape, so pages and transfers are sized as
@@ -123,9 +130,11 @@ class Profile:
     neighbour_slowdown: float = 0.0       # per other engine computing beside a round
     # (kind, batch bucket, beside: 0 alone or 1 with others computing) -> measured / form
     served_factors: dict = field(default_factory=dict)
+    speed: dict = field(default_factory=dict)     # kind -> factor on all its rounds
 
     def factor(self, kind: str, num_decodes: int, n: int) -> float:
-        return served_factor(self.served_factors, self.neighbour_slowdown, kind, num_decodes, n)
+        return served_factor(self.served_factors, self.neighbour_slowdown, kind, num_decodes,
+                             n) * self.speed.get(kind, 1.0)
 
     def to_dict(self) -> dict:
         m = self.model
@@ -142,6 +151,8 @@ class Profile:
                 {"kind": kind, "batch_from": b, "beside": beside, "factor": float(f)}
                 for (kind, b, beside), f in sorted(self.served_factors.items())]}
                if self.served_factors else {}),
+            **({"speed": {k: float(f) for k, f in sorted(self.speed.items())}}
+               if self.speed else {}),
             "measured": dict(self.measured),
         }
 
@@ -270,7 +281,8 @@ def _count(v, where: str, minimum: int) -> int:
 def profile_from_dict(data, source: str = "cost profile") -> Profile:
     """A validated Profile; a ConfigError names the field and what to fix."""
     data = check_keys(data, "profile", {"kind", "version", "round", "copy_bytes_per_s", "model",
-                                        "measured", "neighbour_slowdown", "served_factors"})
+                                        "measured", "neighbour_slowdown", "served_factors",
+                                        "speed"})
     if not data:
         raise ConfigError("profile is empty; write one with `pdserve calibrate --config FILE "
                           "--out PROFILE.yaml`")
@@ -316,7 +328,19 @@ def profile_from_dict(data, source: str = "cost profile") -> Profile:
     copy = _number(data["copy_bytes_per_s"], "profile.copy_bytes_per_s", positive=True)
     slowdown = _number(data.get("neighbour_slowdown", 0.0), "profile.neighbour_slowdown")
     return Profile(coef, model, copy, measured, slowdown,
-                   _served_factors(data.get("served_factors") or []))
+                   _served_factors(data.get("served_factors") or []),
+                   _speed(data.get("speed") or {}))
+
+
+def _speed(data) -> dict:
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile.speed must be a mapping of round kind to factor, "
+                          f"got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in KINDS)
+    if unknown:
+        raise ConfigError(f"profile.speed has {', '.join(unknown)}; its keys are round kinds: "
+                          f"{', '.join(KINDS)}")
+    return {k: _number(f, f"profile.speed.{k}", positive=True) for k, f in data.items()}
 
 
 def _served_factors(rows) -> dict:

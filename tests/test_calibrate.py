@@ -59,7 +59,8 @@ def test_a_saved_profile_loads_back_equal(tmp_path):
     p = Profile(RoundCost(0.001, 0.003, 0.0002, 1e-5, 1e-8, 0.002, 1e-7), TINY, 5e9,
                 {"device": "cpu"}, neighbour_slowdown=0.15,
                 served_factors={("decode", 2, 1): 1.27, ("decode", 16, 1): 0.82,
-                                ("prefill", 0, 0): 1.05})
+                                ("prefill", 0, 0): 1.05},
+                speed={"decode": 0.84, "prefill": 1.0})
     save_profile(p, tmp_path / "p.yaml", header="# a comment\n")
     assert load_profile(tmp_path / "p.yaml") == p
 
@@ -97,6 +98,10 @@ def test_a_saved_profile_loads_back_equal(tmp_path):
     (lambda d: d.update(served_factors=[{"kind": "decode", "batch_from": 2, "beside": 1,
                                          "factor": 1.1}] * 2),
      "profile.served_factors[1] repeats decode from batch 2, beside 1"),
+    (lambda d: d.update(speed=[0.9]), "profile.speed must be a mapping of round kind"),
+    (lambda d: d.update(speed={"batch": 0.9}), "profile.speed has batch; its keys are round "
+                                              "kinds: prefill, decode, mixed"),
+    (lambda d: d.update(speed={"decode": 0}), "profile.speed.decode must be a finite number > 0"),
 ])
 def test_a_bad_profile_is_refused_naming_the_field(tmp_path, mutate, message):
     data = profile_dict()
@@ -224,6 +229,11 @@ def test_served_factors_price_a_round_by_its_kind_batch_and_neighbours(tmp_path)
     assert prof.factor("decode", 1, 1) == 2.0
     assert prof.factor("decode", 1, 2) == pytest.approx(2.0 * 1.5)
     assert prof.factor("decode", 4, 1) == pytest.approx(1.5)  # bucket 2-7 has no cell
+    data["speed"] = {"decode": 0.5}                # on top of the table, for its kind only
+    faster = load_profile(write_profile(tmp_path, data, "fast.yaml"))
+    assert faster.factor("decode", 1, 1) == pytest.approx(1.0)
+    assert faster.factor("decode", 4, 1) == pytest.approx(0.75)
+    assert faster.factor("prefill", 0, 0) == 1.25
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "simulate": {"profile": str(
         write_profile(tmp_path, data, "q.yaml"))}, "engine": {"max_scheduled_tokens": 256}})
     trace = [TraceRequest("r", 0.0, TokenPrompt([1] * 100), 3, 3)]
@@ -373,7 +383,7 @@ def test_copies_time_one_engine_while_others_sweep_the_same_grid(tmp_path):
     assert 0 <= prof.neighbour_slowdown < 10
 
 
-def _replay(tmp_path, runs) -> None:
+def _replay(tmp_path, runs, *flags) -> None:
     """`bench sim-accuracy --replay` of `runs` (a c1 and a 0.5x level of the
     tiny config) with a small profile; the results land in again.json."""
     prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
@@ -385,7 +395,7 @@ def _replay(tmp_path, runs) -> None:
     src = tmp_path / "runs.json"
     src.write_text(json.dumps(recorded))
     assert main(["bench", "sim-accuracy", "--replay", str(src), "--profile", str(prof),
-                 "--out", str(tmp_path / "again.json")]) == 0
+                 "--out", str(tmp_path / "again.json"), *flags]) == 0
 
 
 def test_sim_accuracy_replays_recorded_real_runs_with_a_profile(tmp_path, capsys):
@@ -428,6 +438,29 @@ def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path,
     assert "0 of 2 cells within 10% at p50 at the engines' own speed" in out
 
 
+def test_the_own_speed_view_scales_each_round_kind_by_its_own_error(tmp_path, capsys):
+    """A c=1 run whose prefill rounds took what the profile priced and whose
+    decode rounds took half: its own-speed view keeps the prefill (TTFT)
+    and halves the decodes (TPOT). With --one-speed both scale by the whole
+    busy-time error."""
+    c1 = {"p50": 0.0042, "p90": 0.0042}
+    rounds = {"count": 9, "busy_s": 1.0, "err_p50": 1.0, "busy_err": 0.5,
+              "by_kind": {"prefill": 0.0, "decode": 1.0}}
+    runs = [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
+             "tpot_s": {"p50": 0.003, "p90": 0.003}, "foreign_cores": 0.0, "rounds": rounds},
+            {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1,
+             "tpot_s": c1, "foreign_cores": 0.0}]
+    _replay(tmp_path, runs)
+    per_kind = json.loads((tmp_path / "again.json").read_text())[0]["runs"][0]
+    assert per_kind["sim_own_speed"]["ttft_s"]["p50"] == pytest.approx(0.001 + 32e-4)
+    assert per_kind["sim_own_speed"]["tpot_s"]["p50"] == pytest.approx(0.003 / 2)
+    assert "the run's busy-time error, per round kind" in capsys.readouterr().out
+    _replay(tmp_path, runs, "--one-speed")
+    one = json.loads((tmp_path / "again.json").read_text())[0]["runs"][0]
+    assert one["sim_own_speed"]["ttft_s"]["p50"] == pytest.approx((0.001 + 32e-4) / 1.5)
+    assert one["sim_own_speed"]["tpot_s"]["p50"] == pytest.approx(0.003 / 1.5)
+
+
 def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_path, capsys):
     """A probe whose rounds the profile priced at twice what they took has
     the run after it simulated with the round costs halved, whatever the
@@ -467,6 +500,9 @@ def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
     assert got["by_kind"] == pytest.approx({"prefill": 0.0, "decode": 1.0})
     assert got["busy_err"] == pytest.approx((1.5 + 3.0) / 3.0 - 1)
     assert round_errors(prof, [[], []])["by_kind"] == {}
+    # a profile already at a decode speed of one half prices them right
+    at_half = round_errors(dataclasses.replace(prof, speed={"decode": 0.5}), [prefill, decode])
+    assert at_half["by_kind"] == pytest.approx({"prefill": 0.0, "decode": 0.0})
 
 
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
