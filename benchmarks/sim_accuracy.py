@@ -24,7 +24,11 @@ a third one predicts: before each real run `--probe` requests run alone
 (as at concurrency 1, fresh prompts), and the run is simulated with the
 profile scaled to the speed those rounds showed (per kind likewise; a kind
 the probe did not run, e.g. mixed, at the probe's whole busy-time error),
-as a recalibration a minute before the run would.
+as a recalibration a minute before the run would. A fourth also predicts:
+from its second run on, each level is simulated at the speed its previous
+run showed (per kind): the profile corrected by the last window measured at
+that load, as NVIDIA Dynamo's planner corrects its profile by what it
+observes.
 
 Every run also records the CPU that processes outside this benchmark's
 process tree used meanwhile (`foreign_cores`): on a shared machine another
@@ -184,12 +188,15 @@ def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
     """Simulate each recorded real run: the same requests at the same times,
     with `profile` ("sim"); where the run timed its engines' rounds, with
     the profile at their speed ("sim_own_speed"); where a probe ran before
-    it, at the speed the probe's rounds showed ("sim_probed"). Speeds are
-    per round kind where the runs recorded them, unless `one_speed`."""
+    it, at the speed the probe's rounds showed ("sim_probed"); after the
+    first run of a level, at the speed the level's previous run showed
+    ("sim_previous"). Speeds are per round kind where the runs recorded
+    them, unless `one_speed`."""
     from pdserve.cluster.config import load_config
 
     cfg, w = load_config(res["config"]), res["workload"]
     prof = load_profile(profile)
+    previous: dict = {}                 # level -> the rounds its last run so far timed
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate(res["runs"]):
             samples = workload(w["alone"] if r["rate"] is None else w["requests"],
@@ -197,14 +204,18 @@ def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
                                r["seed"])
             due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
             r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
-            for view, source in (("sim_own_speed", "rounds"), ("sim_probed", "probe")):
-                rounds = r.get(source) or {}
+            speeds = {"sim_own_speed": r.get("rounds"), "sim_probed": r.get("probe"),
+                      "sim_previous": previous.get(r["level"])}
+            for view, rounds in speeds.items():
+                rounds = rounds or {}
                 r.pop(view, None)
                 if rounds.get("busy_err") is not None:
                     scaled = os.path.join(tmp, f"run{i}-{view}.yaml")
                     by_kind = {} if one_speed else rounds.get("by_kind", {})
                     save_profile(at_speed(prof, rounds["busy_err"], by_kind), scaled)
                     r[view] = simulate(cfg, scaled, samples, due, w["max_tokens"])
+            if (r.get("rounds") or {}).get("busy_err") is not None:
+                previous[r["level"]] = r["rounds"]
     res["profile"] = profile
     res["one_speed"] = one_speed
 
@@ -345,7 +356,10 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     for view, speed, how in (
             ("sim_own_speed", "at the engines' own speed", f"the run's busy-time error{kinds}"),
             ("sim_probed", "at the probed speed",
-             f"the busy-time error of a probe just before{kinds}")):
+             f"the busy-time error of a probe just before{kinds}"),
+            ("sim_previous", "at the previous run's speed",
+             f"the busy-time error of the level's previous run{kinds}; a level's first run "
+             "has none")):
         hit, cells = within(results, view)
         if cells:
             print(f"the same runs, each simulated {speed} (the profile's round costs scaled "

@@ -484,6 +484,28 @@ def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_
     assert "0 of 2 cells within 10% at p50 at the probed speed" in out
 
 
+def test_a_levels_later_runs_are_also_simulated_at_the_speed_of_its_previous_run(tmp_path,
+                                                                             capsys):
+    """The first c=1 run's rounds ran at half their price: the second c=1
+    run (rounds at their price) is simulated at that speed too; the first,
+    and the 0.5x level's only run, have no previous run to go by."""
+    c1 = {"p50": 0.0042, "p90": 0.0042}
+    tpot = {"p50": 0.003, "p90": 0.003}
+    rounds = {"count": 9, "busy_s": 1.0, "err_p50": 0.0, "busy_err": 0.0}
+    _replay(tmp_path, [
+        {"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1, "tpot_s": tpot,
+         "foreign_cores": 0.0, "rounds": {**rounds, "busy_err": 1.0}},
+        {"level": "0.5x", "repeat": 0, "seed": 6, "rate": 2.0, "ttft_s": c1, "tpot_s": c1,
+         "foreign_cores": 0.0, "rounds": rounds},
+        {"level": "c1", "repeat": 1, "seed": 7, "rate": None, "ttft_s": c1, "tpot_s": tpot,
+         "foreign_cores": 0.0, "rounds": rounds}])
+    first, loaded, second = json.loads((tmp_path / "again.json").read_text())[0]["runs"]
+    assert "sim_previous" not in first and "sim_previous" not in loaded
+    assert second["sim_previous"]["ttft_s"]["p50"] == pytest.approx((0.001 + 32e-4) / 2)
+    assert second["sim_own_speed"]["ttft_s"]["p50"] == pytest.approx(0.001 + 32e-4)
+    assert "0 of 2 cells within 10% at p50 at the previous run's speed" in capsys.readouterr().out
+
+
 def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
     """Prefill rounds priced right and decode rounds priced at twice what
     they took: by kind 0% and +100%, over all of them weighted by time."""
