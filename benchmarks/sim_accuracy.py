@@ -324,7 +324,7 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     """`replay`: a JSON this wrote; its real runs are simulated again with
     `profile`, nothing is started (to compare profiles on one set of runs).
     `probe`: requests run alone before each real run, to probe its speed.
-    `one_speed`: the own-speed and probed views scale every round kind alike."""
+    `one_speed`: the views at a measured speed scale every round kind alike."""
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
@@ -405,8 +405,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
                                     "--profile; start nothing")
     p.add_argument("--one-speed", action="store_true",
-                   help="scale the own-speed and probed views by one factor for every round "
-                        "kind, not one per kind")
+                   help="scale the own-speed, probed and previous-run views by one factor "
+                        "for every round kind, not one per kind")
 
 
 def run(args) -> int:
