@@ -170,8 +170,7 @@ def round_errors(prof: Profile, per_engine: list[list]) -> dict:
     if not rounds:
         return {"count": 0, "err_p50": None, "busy_err": None, "by_kind": {}}
     errs = errors(prof.round, rounds, prof.model, prof.neighbour_slowdown,
-                  neighbours(per_engine), prof.served_factors)
-    errs = [(1 + e) * prof.speed.get(r.kind, 1.0) - 1 for e, r in zip(errs, rounds)]
+                  neighbours(per_engine), prof.served_factors, prof.speed)
 
     def busy_err(pairs) -> float:
         busy = sum(r.seconds for _, r in pairs)
@@ -207,17 +206,21 @@ def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
             speeds = {"sim_own_speed": r.get("rounds"), "sim_probed": r.get("probe"),
                       "sim_previous": previous.get(r["level"])}
             for view, rounds in speeds.items():
-                rounds = rounds or {}
                 r.pop(view, None)
-                if rounds.get("busy_err") is not None:
+                if _timed(rounds):
                     scaled = os.path.join(tmp, f"run{i}-{view}.yaml")
                     by_kind = {} if one_speed else rounds.get("by_kind", {})
                     save_profile(at_speed(prof, rounds["busy_err"], by_kind), scaled)
                     r[view] = simulate(cfg, scaled, samples, due, w["max_tokens"])
-            if (r.get("rounds") or {}).get("busy_err") is not None:
+            if _timed(r.get("rounds")):
                 previous[r["level"]] = r["rounds"]
     res["profile"] = profile
     res["one_speed"] = one_speed
+
+
+def _timed(rounds: dict | None) -> bool:
+    """Whether a run's (or probe's) `round_errors` priced any round."""
+    return (rounds or {}).get("busy_err") is not None
 
 
 def at_speed(prof: Profile, busy_err: float, by_kind: dict | None = None) -> Profile:

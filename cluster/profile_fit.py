@@ -65,15 +65,16 @@ def _form(cost: RoundCost, r: Round, model: ModelPreset) -> float:
 
 
 def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
-           slowdown: float = 0.0, neighbours=None, table=None) -> list[float]:
+           slowdown: float = 0.0, neighbours=None, table=None, speed=None) -> list[float]:
     """Relative error of each round's prediction: (predicted - measured) /
     measured; with `neighbours` (per round, the other engines computing as
     it began) each prediction is the form times `served_factor` of
-    `table` (none: 1 + slowdown x n)."""
+    `table` (none: 1 + slowdown x n), and times a profile's `speed` for the
+    round's kind."""
     n = neighbours or [0] * len(rounds)
-    table = table or {}
+    table, speed = table or {}, speed or {}
     return [_form(cost, r, model) * served_factor(table, slowdown, r.kind, r.num_decodes, k)
-            / r.seconds - 1 for r, k in zip(rounds, n)]
+            * speed.get(r.kind, 1.0) / r.seconds - 1 for r, k in zip(rounds, n)]
 
 
 def fit_factors(cost: RoundCost, pairs, model: ModelPreset, slowdown: float,

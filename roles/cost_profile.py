@@ -104,6 +104,11 @@ def batch_bucket(num_decodes: int) -> int:
     return 0
 
 
+def computes(prefills, num_decodes: int) -> bool:
+    """Whether a round with these prefill chunks and decodes runs a forward."""
+    return num_decodes > 0 or any(n for _, n in prefills)
+
+
 def round_kind(has_prefill: bool, num_decodes: int) -> str:
     if has_prefill:
         return "mixed" if num_decodes else "prefill"
@@ -197,7 +202,7 @@ class Round:
         """Whether it ran a forward: what a profile prices. The simulator
         charges a round without one nothing (P's round that only ships a
         finished prompt takes 0.2 ms; priced as a decode it read +62,400%)."""
-        return self.num_decodes > 0 or any(n for _, n in self.prefills)
+        return computes(self.prefills, self.num_decodes)
 
 
 def round_of(plan, seconds: float, window: int, start: float | None = None) -> Round:
@@ -237,7 +242,7 @@ class ProfiledCostModel:
 
     def round_seconds(self, prefills, decode_contexts: int, num_decodes: int,
                       window_contexts: int | None = None) -> float:
-        if not num_decodes and not any(n for _, n in prefills):
+        if not computes(prefills, num_decodes):
             return 0.0
         return self.profile.round.seconds(
             features(self.model, prefills, decode_contexts, num_decodes, window_contexts))
