@@ -41,6 +41,8 @@ BENCHMARKS = [
      "and fractions of saturation, also at the engines' own speed in each run"),
     ("autoscale", "pdserve.benchmarks.autoscale",
      "a sine load against 1P+1D fixed and autoscaled"),
+    ("sampling", "pdserve.benchmarks.sampling",
+     "a round's logits to tokens on a real model's vocabulary, against the sampler before"),
     ("loop", "pdserve.benchmarks.loop",
      "where a fused engine's round goes (planner, forward, sampling), and what overlapping "
      "the planner with the forward could save"),

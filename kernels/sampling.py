@@ -5,13 +5,23 @@ happen to be batched, so a seeded request gives the same tokens whatever
 the schedule, retractions included.
 
 The whole batch samples at once, with no per-row kernels and one
-device-to-host copy a round (the tokens, and the logprobs asked for):
-temperature, top-k and top-p are masks over the batch, and each sampling
-row draws by inverse CDF with one uniform number. That number is made on
-the host from (seed, step) by a counter-based hash (splitmix64), so it
-depends on nothing else; the CDF is summed in float64, so the summation
-order (which CUDA's scan picks by the batch's shape) cannot move a token's
-boundary, and a row gets the same token alone or in any batch.
+device-to-host copy a round (the tokens, and the logprobs asked for).
+Each sampling row turns its logits into weights once (temperature, then
+softmax); top-k and top-p zero weights, and the row draws by inverse CDF
+with one uniform number. That number is made on the
+host from (seed, step) by a counter-based hash (splitmix64), so it depends
+on nothing else.
+
+The work is a few passes over the vocabulary and no more: at 49,152 tokens
+(SmolLM2) and 64 rows a full sort or a float64 cumulative sum of every row
+cost more than the model's forward on a CPU. The inverse CDF runs in two
+levels: the mass of each block of BLOCK tokens, then a cumulative sum
+inside the one block the draw lands in. Top-p looks for its cut among the
+row's 256 most likely tokens, then its 4,096 (TOP_P_CANDIDATES), and sorts
+the whole row only when they hold less than top_p (on CUDA, where a sort is cheap and a host branch
+is a sync, it always sorts). Every sum runs over a fixed-length block or
+in order along a row (float64 on CUDA, whose reduction order follows the
+launch shape), so a row gets the same token alone or in any batch.
 """
 
 from __future__ import annotations
@@ -108,6 +118,10 @@ def row_uniform(seed: int, step: int) -> float:
     return (x >> 11) * 2.0 ** -53
 
 
+BLOCK = 256                  # tokens summed together by the inverse CDF's first level
+TOP_P_CANDIDATES = (256, 4096)   # where top-p looks for its cut, in turn (CPU)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
            fallback_seeds: list[int], stop_ids: frozenset = frozenset()):
     """One token per row, and a Logprob for rows that asked (else None).
@@ -126,13 +140,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         r, c = stage_rows([mask_rows, mask_ids], dev)
         logits = logits.clone()
         logits[r, c] = float("-inf")
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, sp in enumerate(params) if not sp.greedy]
-    if rows:
-        seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i]
-                 for i in rows]
-        drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
-                                  [row_uniform(s, steps[i]) for s, i in zip(seeds, rows)])
+    if not rows:
+        return _fetch(raw, params, logits.argmax(dim=-1))
+    seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i] for i in rows]
+    drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
+                              [row_uniform(s, steps[i]) for s, i in zip(seeds, rows)])
+    if len(rows) == len(params):
+        tokens = drawn
+    else:                            # greedy rows beside sampling ones
+        tokens = logits.argmax(dim=-1)
         tokens.index_copy_(0, idx, drawn)
     return _fetch(raw, params, tokens)
 
@@ -149,24 +166,92 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
         [[float(sp.temperature) for sp in sps], [float(sp.top_p) for sp in sps], draws,
          rows, [ks[j] for j in by_k], by_k, by_p], logits.device, torch.float64)
     idx = idx.long()
-    x = logits.index_select(0, idx) / temp.to(logits.dtype)[:, None]
+    x = logits if n == logits.shape[0] else logits.index_select(0, idx)
+    if any(sp.temperature != 1.0 for sp in sps):
+        x = x / temp.to(logits.dtype)[:, None]
+    w = torch.softmax(x, dim=-1)      # a tensor of its own: the raw logits give logprobs
     if by_k:
         sub = sub_k.long()
-        xs = x.index_select(0, sub)
-        kth = xs.topk(max(ks), dim=-1).values.gather(1, kk.long()[:, None] - 1)
-        x.index_copy_(0, sub, xs.masked_fill(xs < kth, float("-inf")))
+        ws = w if len(by_k) == n else w.index_select(0, sub)
+        kth = ws.topk(max(ks), dim=-1).values.gather(1, kk.long()[:, None] - 1)
+        _put_rows(w, sub, ws.masked_fill_(ws < kth, 0.0))
     if by_p:
         sub = sub_p.long()
-        xs = x.index_select(0, sub)
-        desc = xs.sort(dim=-1, descending=True, stable=True).values
-        p = torch.softmax(desc, dim=-1).double()
-        keep = (p.cumsum(-1) - p) < top_p.index_select(0, sub)[:, None]  # a prefix, never empty
-        cut = desc.gather(1, keep.sum(-1, keepdim=True) - 1)
-        x.index_copy_(0, sub, xs.masked_fill(xs < cut, float("-inf")))
-    weights = torch.exp(x - x.max(dim=-1, keepdim=True).values)          # masked: 0
-    cdf = weights.double().cumsum(-1)
-    drawn = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).view(-1)
-    return drawn.clamp_(max=vocab - 1), idx
+        ws, tp = (w, top_p) if len(by_p) == n else (w.index_select(0, sub),
+                                                    top_p.index_select(0, sub))
+        _put_rows(w, sub, ws.masked_fill_(ws < _top_p_cut(ws, tp), 0.0))
+    return _inverse_cdf(w, u), idx
+
+
+def _put_rows(w, sub, rows) -> None:
+    """Rows `sub` of `w` become `rows` (nothing to do when they are w itself)."""
+    if rows is not w:
+        w.index_copy_(0, sub, rows)
+
+
+def _block_cdf(w: torch.Tensor):
+    """(Each row's mass per block of BLOCK tokens, the last block short,
+    and its running sum over the blocks, float64.)"""
+    full = w.shape[-1] // BLOCK
+    acc = torch.float64 if w.is_cuda else torch.float32
+    parts = [w.unfold(-1, BLOCK, BLOCK).sum(-1, dtype=acc)] if full else []
+    if w.shape[-1] % BLOCK:
+        parts.append(w[:, full * BLOCK:].sum(-1, keepdim=True, dtype=acc))
+    mass = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).double()
+    return mass, mass.cumsum(-1)
+
+
+def _top_p_cut(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest weight top-p keeps ([rows, 1]): tokens are kept,
+    the most likely first, while the mass before them is under top_p. On
+    CPU the cut is looked for among each row's TOP_P_CANDIDATES largest
+    weights, tier by tier, and a row is sorted whole only past the last."""
+    vocab = w.shape[-1]
+    tiers = [] if w.is_cuda else [k for k in TOP_P_CANDIDATES if k < vocab]
+    return _cut_in_tiers(w, _block_cdf(w)[1][:, -1:], top_p, tiers + [vocab])
+
+
+def _cut_in_tiers(w, total, top_p, tiers: list[int]) -> torch.Tensor:
+    cut, covered = _cut_among(w, total, top_p, tiers[0])
+    if len(tiers) > 1:
+        short = (~covered).nonzero().view(-1)
+        if len(short):              # their cut lies beyond this tier's candidates
+            pick = lambda t: t.index_select(0, short)        # noqa: E731
+            cut.index_copy_(0, short, _cut_in_tiers(pick(w), pick(total), pick(top_p),
+                                                    tiers[1:]))
+    return cut
+
+
+def _cut_among(w, total, top_p, k: int):
+    """The cut among each row's k largest weights, and whether they hold top_p."""
+    top = w.topk(k, dim=-1).values if k < w.shape[-1] else \
+        w.sort(dim=-1, descending=True).values
+    p = top.double() / total
+    seen = p.cumsum(-1)
+    keep = (seen - p) < top_p[:, None]                        # a prefix, never empty
+    return top.gather(1, keep.sum(-1, keepdim=True) - 1), seen[:, -1] >= top_p
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the running weight first exceeds u times
+    the row's mass: the block it lands in, then the token in that block (a
+    vocabulary of one block: the token at once). A token of weight 0 is
+    never drawn: the running weight does not rise at it."""
+    vocab = w.shape[-1]
+    if vocab <= BLOCK:
+        cdf = w.double().cumsum(-1)
+        return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).view(-1)
+    mass, cdf = _block_cdf(w)
+    target = (u * cdf[:, -1])[:, None]
+    b = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    m = mass.gather(1, b)
+    into = ((target - cdf.gather(1, b) + m) / m).clamp_(0.0, 1.0 - 2.0 ** -53)
+    cols = b * BLOCK + torch.arange(BLOCK, device=w.device)
+    wb = w.gather(1, cols.clamp(max=vocab - 1))
+    if vocab % BLOCK:
+        wb.masked_fill_(cols >= vocab, 0.0)
+    inner = wb.double().cumsum(-1)
+    return (cols.gather(1, torch.searchsorted(inner, into * inner[:, -1:], right=True))).view(-1)
 
 
 def _fetch(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor):

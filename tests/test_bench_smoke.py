@@ -111,6 +111,19 @@ def test_bench_loop(capsys):
     assert "2" in rows
 
 
+def test_bench_sampling(capsys):
+    from pdserve.benchmarks.sampling import KINDS
+
+    out = bench(capsys, "sampling", "--batches", "3", "--repeats", "1")
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()
+            if ln.startswith("| ") and ln.split("|")[2].strip() == "3"]
+    # SmolLM2's real logits and the tiny preset's, every kind, both samplers timed
+    assert [r[0] for r in rows] == ["smollm2-135m (49,152)"] * len(KINDS) + \
+        ["tiny (98)"] * len(KINDS)
+    assert [r[2] for r in rows] == list(KINDS) * 2
+    assert all(r[5].endswith("x") and float(r[5][:-1]) > 0 for r in rows)
+
+
 def test_bench_tokens(capsys):
     out = bench(capsys, "tokens", "--lengths", "16", "48", "--model", "tiny")
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["16"], ["48"])]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pdserve.kernels.sampling import SamplingParams, row_uniform, sample
+from pdserve.kernels.sampling import BLOCK, TOP_P_CANDIDATES, SamplingParams, row_uniform, sample
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 4000
@@ -111,3 +111,53 @@ def test_logprobs_are_of_the_model_s_own_distribution():
     top_v, top_i = ref[0].topk(3)
     assert [t for t, _ in lps[0].top] == top_i.tolist()
     assert all(math.isclose(v, float(w), rel_tol=1e-6) for (_, v), w in zip(lps[0].top, top_v))
+
+
+def test_a_vocabulary_of_many_blocks_draws_in_proportion_and_never_past_its_end():
+    # the inverse CDF finds a block, then the token in it: mass on block edges,
+    # on the short last block's last token, and nothing anywhere else
+    vocab = 3 * BLOCK + 17
+    want = {0: 0.1, BLOCK - 1: 0.2, BLOCK: 0.3, 2 * BLOCK + 5: 0.15, vocab - 1: 0.25}
+    probs = [want.get(t, 0.0) for t in range(vocab)]
+    freqs = draws(dict(temperature=1.0), probs)
+    assert all(f == 0 for t, f in enumerate(freqs) if t not in want)
+    assert close([freqs[t] for t in want], list(want.values()))
+
+
+def _nucleus(row: torch.Tensor, top_p: float) -> set:
+    """The tokens top-p keeps, by a full sort: the most likely first while
+    the mass before them is under top_p (ties at the cut kept)."""
+    p = torch.softmax(row.double(), dim=-1)
+    desc, order = p.sort(descending=True)
+    kept = int(((desc.cumsum(0) - desc) < top_p).sum())
+    return set(torch.nonzero(p >= desc[kept - 1]).view(-1).tolist())
+
+
+def test_top_p_finds_its_cut_however_wide_the_nucleus():
+    # rows whose nucleus is within the first candidates, within the second,
+    # and past both (sorted whole): each draw lies in its row's nucleus, a row
+    # draws the same alone and in the batch, and the draws are the previous
+    # sampler's (a full sort of every row) but where rounding differs
+    from pdserve.benchmarks.sampling import sample_before
+
+    vocab, top_p, per_row = 6000, 0.9, 100
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for slope in (0.05, 0.002, 0.0001):          # geometric weights, shuffled over the vocab
+        rows.append((-slope * torch.arange(vocab, dtype=torch.float32))[
+            torch.randperm(vocab, generator=g)])
+    nuclei = [_nucleus(r, top_p) for r in rows]
+    first, second = TOP_P_CANDIDATES
+    assert [len(n) < first for n in nuclei] == [True, False, False]
+    assert [len(n) < second for n in nuclei] == [True, True, False]
+    logits = torch.stack(rows).repeat_interleave(per_row, dim=0)
+    n = len(logits)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in range(n)]
+    tokens, _ = sample(logits, params, [7] * n, [0] * n)
+    for i, tok in enumerate(tokens):
+        assert tok in nuclei[i // per_row], (i, tok)
+    for i in (0, per_row + 1, 2 * per_row + 2):
+        assert sample(logits[i:i + 1], params[i:i + 1], [7], [0])[0] == [tokens[i]]
+    before = sample_before(logits, params, [7] * n, [0] * n)
+    assert sum(a == b for a, b in zip(tokens, before)) >= 0.98 * n
+    assert len({t for t in tokens[2 * per_row:]}) > 50           # a wide nucleus stays wide
