@@ -21,8 +21,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from pdserve.benchmarks.args import positive
 
 KINDS = {
@@ -45,6 +43,8 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 def sample_before(logits, params, steps, fallback_seeds):
     """The sampler before 2026-12-02 (no min_tokens masks, no logprobs): the
     baseline the table compares with."""
+    import torch
+
     from pdserve.kernels.sampling import row_uniform
 
     tokens = logits.argmax(dim=-1)
@@ -85,8 +85,10 @@ def sample_before(logits, params, steps, fallback_seeds):
     return tokens.tolist()
 
 
-def real_logits(positions: int) -> torch.Tensor:
+def real_logits(positions: int):
     """SmolLM2's logits at the first `positions` positions of TEXT (repeated)."""
+    import torch
+
     from pdserve.kernels.attention import BatchMeta, SeqMeta
     from pdserve.kernels.loader import load_model
 
@@ -115,6 +117,8 @@ def _time(fn, repeats: int) -> list[float]:
 
 def _beyond(logits, sp) -> float | None:
     """Share of rows whose top-p cut lies beyond the first candidates."""
+    import torch
+
     from pdserve.kernels.sampling import TOP_P_CANDIDATES
 
     k = TOP_P_CANDIDATES[0]
@@ -125,6 +129,8 @@ def _beyond(logits, sp) -> float | None:
 
 
 def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True) -> int:
+    import torch
+
     from pdserve.kernels.sampling import SamplingParams, sample
 
     torch.set_num_threads(threads)
