@@ -5,23 +5,24 @@ happen to be batched, so a seeded request gives the same tokens whatever
 the schedule, retractions included.
 
 The whole batch samples at once, with no per-row kernels and one
-device-to-host copy a round (the tokens, and the logprobs asked for).
-Each sampling row turns its logits into weights once (temperature, then
+device-to-host copy a round (the tokens, and the logprobs asked for). Each
+sampling row turns its logits into weights once (temperature, then
 softmax); top-k and top-p zero weights, and the row draws by inverse CDF
-with one uniform number. That number is made on the
-host from (seed, step) by a counter-based hash (splitmix64), so it depends
-on nothing else.
+with one uniform number. That number is made on the host from (seed, step)
+by a counter-based hash (splitmix64), so it depends on nothing else.
 
 The work is a few passes over the vocabulary and no more: at 49,152 tokens
-(SmolLM2) and 64 rows a full sort or a float64 cumulative sum of every row
-cost more than the model's forward on a CPU. The inverse CDF runs in two
+(SmolLM2) and 64 rows on a CPU, sorting every row for top-p took as long as
+the model's forward, and a float64 running sum of every row a tenth of it
+(docs/benchmarks.md, "Sampling a round's tokens"). The inverse CDF runs in two
 levels: the mass of each block of BLOCK tokens, then a cumulative sum
 inside the one block the draw lands in. Top-p looks for its cut among the
 row's 256 most likely tokens, then its 4,096 (TOP_P_CANDIDATES), and sorts
-the whole row only when they hold less than top_p (on CUDA, where a sort is cheap and a host branch
-is a sync, it always sorts). Every sum runs over a fixed-length block or
-in order along a row (float64 on CUDA, whose reduction order follows the
-launch shape), so a row gets the same token alone or in any batch.
+the whole row only when those hold less than top_p; on CUDA, where a sort
+is cheap and a host branch is a sync, it always sorts. Every sum runs over
+a fixed-length block or in order along a row (float64 on CUDA, whose
+reduction order follows the launch shape), so a row gets the same token
+alone or in any batch.
 """
 
 from __future__ import annotations
