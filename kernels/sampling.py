@@ -241,7 +241,8 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     vocab = w.shape[-1]
     if vocab <= BLOCK:
         cdf = w.double().cumsum(-1)
-        return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).view(-1)
+        drawn = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+        return drawn.clamp_(max=vocab - 1).view(-1)     # in range even if a logit was NaN
     mass, cdf = _block_cdf(w)
     target = (u * cdf[:, -1])[:, None]
     b = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
@@ -252,7 +253,8 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if vocab % BLOCK:
         wb.masked_fill_(cols >= vocab, 0.0)
     inner = wb.double().cumsum(-1)
-    return (cols.gather(1, torch.searchsorted(inner, into * inner[:, -1:], right=True))).view(-1)
+    j = torch.searchsorted(inner, into * inner[:, -1:], right=True).clamp_(max=BLOCK - 1)
+    return cols.gather(1, j).clamp_(max=vocab - 1).view(-1)
 
 
 def _fetch(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor):
