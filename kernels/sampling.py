@@ -191,8 +191,8 @@ def _put_rows(w, sub, rows) -> None:
 
 
 def _block_cdf(w: torch.Tensor):
-    """(Each row's mass per block of BLOCK tokens, the last block short,
-    and its running sum over the blocks, float64.)"""
+    """Each row's mass per block of BLOCK tokens (the last block may be
+    short) and its running sum over the blocks, both float64."""
     full = w.shape[-1] // BLOCK
     acc = torch.float64 if w.is_cuda else torch.float32
     parts = [w.unfold(-1, BLOCK, BLOCK).sum(-1, dtype=acc)] if full else []
@@ -213,6 +213,8 @@ def _top_p_cut(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def _cut_in_tiers(w, total, top_p, tiers: list[int]) -> torch.Tensor:
+    """The cut among the first tier's candidates; rows they do not cover
+    look again in the next tier (the last tier is the whole vocabulary)."""
     cut, covered = _cut_among(w, total, top_p, tiers[0])
     if len(tiers) > 1:
         short = (~covered).nonzero().view(-1)

@@ -128,7 +128,7 @@ def _nucleus(row: torch.Tensor, top_p: float) -> set:
     """The tokens top-p keeps, by a full sort: the most likely first while
     the mass before them is under top_p (ties at the cut kept)."""
     p = torch.softmax(row.double(), dim=-1)
-    desc, order = p.sort(descending=True)
+    desc = p.sort(descending=True).values
     kept = int(((desc.cumsum(0) - desc) < top_p).sum())
     return set(torch.nonzero(p >= desc[kept - 1]).view(-1).tolist())
 
