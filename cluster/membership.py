@@ -21,9 +21,23 @@ log = logging.getLogger("pdserve.router")
 MISSES_DOWN = 3
 
 
-def connect(ref: EngineRef, address: str, options=()) -> None:
+def connect(ref: EngineRef, address: str, options=()):
+    """Point `ref` at `address` on a fresh channel (on the running loop);
+    returns the channel it used before, if any, for the caller to close."""
+    old = ref.channel
     ref.address = address
-    ref.stub = cpbg.EngineControlStub(grpc.aio.insecure_channel(address, options=list(options)))
+    ref.channel = grpc.aio.insecure_channel(address, options=list(options))
+    ref.stub = cpbg.EngineControlStub(ref.channel)
+    return old
+
+
+async def disconnect(ref: EngineRef) -> None:
+    """Close `ref`'s channel, cancelling what is still in flight on it: a
+    channel left open past its loop delivers its last completions to a
+    closed loop."""
+    channel, ref.channel = ref.channel, None
+    if channel is not None:
+        await channel.close()
 
 
 async def _info(ref: EngineRef, resolver, options):
@@ -39,7 +53,9 @@ async def _info(ref: EngineRef, resolver, options):
             address = None
     if address is None or address == ref.address:
         return None
-    connect(ref, address, options)
+    moved_from = connect(ref, address, options)
+    if moved_from is not None:              # the old address serves nothing now
+        await moved_from.close()
     try:
         return await ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
     except grpc.aio.AioRpcError:

@@ -20,6 +20,7 @@ class EngineRef:
     role: str
     address: str
     stub: object = None           # the EngineControl stub, made on the router's loop
+    channel: object = None        # the grpc.aio channel the stub is on
     incarnation: int = 0
     alive: bool = True
     draining: bool = False        # told to drain: takes no new request, never picked

@@ -296,6 +296,7 @@ class Router:
             link.stop()                           # never picked: forgotten whole
             del self.links[name]
             del self.engines[name]
+            await membership.disconnect(ref)
             raise RequestError("unavailable", f"engine {name} at {address} did not answer "
                                f"within {ADD_ENGINE_WAIT_S:.0f} s")
         log.info("serving %s (%s) at %s", name, role, address)
@@ -374,6 +375,8 @@ class Router:
         await server.stop(grace=1.0)
         if self._background:                  # aborts the closing streams sent: let them go out
             await asyncio.wait(list(self._background), timeout=5)
+        await asyncio.gather(*(membership.disconnect(r) for r in self.engines.values()),
+                             return_exceptions=True)
 
     async def _watch(self, period: float, options) -> None:
         while True:

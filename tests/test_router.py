@@ -171,3 +171,38 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
         r.stop()
         for e in engines:
             e.shutdown()
+
+
+def test_membership_closes_an_engines_channel_when_it_moves_and_on_disconnect():
+    # a channel left open past its loop delivers its last completions to a
+    # closed loop (grpc.aio's "Event loop is closed" from the next loop)
+    import asyncio
+
+    import grpc
+
+    from pdserve.cluster import membership
+    from pdserve.cluster.pairing import EngineRef
+    from pdserve.proto import control_pb2 as cpb
+
+    async def closed(stub) -> bool:
+        try:
+            await stub.GetInfo(cpb.InfoRequest(), timeout=1)
+        except grpc.aio.UsageError:
+            return True
+        except grpc.aio.AioRpcError:          # open: nothing answers there
+            return False
+        return False
+
+    async def run():
+        ref = EngineRef("decode-0", "decode", "")
+        assert membership.connect(ref, "127.0.0.1:1") is None
+        first = ref.stub
+        # nothing answers at the old address; Ray's resolver says it moved
+        await membership.refresh({ref.name: ref}, resolver=lambda name: "127.0.0.1:2")
+        assert ref.address == "127.0.0.1:2" and ref.stub is not first
+        assert await closed(first) and not await closed(ref.stub)
+        current = ref.stub
+        await membership.disconnect(ref)
+        assert ref.channel is None and await closed(current)
+        await membership.disconnect(ref)       # twice is harmless
+    asyncio.run(run())
