@@ -76,6 +76,8 @@ def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
             continue
         if key in ("stop", "stop_token_ids"):
             getattr(s, key).extend([value] if isinstance(value, (str, int)) else value)
+        elif key == "logit_bias":
+            s.logit_bias.update(dict(value))
         else:
             setattr(s, key, value)
     return req
@@ -157,13 +159,19 @@ class Client:
                         top_p: float | None = None, top_k: int | None = None,
                         seed: int | None = None, stop=None, stop_token_ids=None,
                         ignore_eos: bool | None = None, min_tokens: int | None = None,
-                        logprobs: int | None = None):
+                        logprobs: int | None = None, presence_penalty: float | None = None,
+                        frequency_penalty: float | None = None,
+                        repetition_penalty: float | None = None, min_p: float | None = None,
+                        logit_bias: dict | None = None):
         """Yield Chunks (new token ids and their text) as they are produced.
-        `logprobs=k`: each token's logprob and the k most likely."""
+        `logprobs=k`: each token's logprob and the k most likely. The
+        penalties, min_p and logit_bias ({token id: bias}) are SamplingParams'."""
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                       min_tokens=min_tokens, logprobs=logprobs)
+                       min_tokens=min_tokens, logprobs=logprobs,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias)
         for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 
@@ -318,11 +326,14 @@ class AsyncClient:
     async def generate_stream(self, prompt, *, request_id=None, route="", max_tokens=16,
                               temperature=0.0, top_p=None, top_k=None, seed=None, stop=None,
                               stop_token_ids=None, ignore_eos=None, min_tokens=None,
-                              logprobs=None):
+                              logprobs=None, presence_penalty=None, frequency_penalty=None,
+                              repetition_penalty=None, min_p=None, logit_bias=None):
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                       min_tokens=min_tokens, logprobs=logprobs)
+                       min_tokens=min_tokens, logprobs=logprobs,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias)
         if self._many is not None:
             async for c in self._many.stream(req, self.timeout):
                 yield c

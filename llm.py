@@ -91,6 +91,10 @@ class LLM:
                                self.engine.planner.coord.full is not None)
             if err:
                 raise ValueError(f"prompt {i}: {err}")
+            bad = [t for t, _ in sp.logit_bias if t >= self.model.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i}: logit_bias names token id {bad[0]}, outside the "
+                                 f"model's vocabulary [0, {self.model.cfg.vocab_size})")
         reqs = []
         for (_, ids), sp in zip(encoded, params):
             rid = f"llm-{self._next}"

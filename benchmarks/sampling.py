@@ -13,6 +13,9 @@ look again among more).
 The baseline (`sample_before` below) is the previous implementation: the
 selected rows copied, temperature, top-k and top-p on the logits, a full
 sort of every top-p row, and a float64 cumulative sum over each whole row.
+
+A second table times what the penalties, logit bias and min-p add to a t=1
+round (`penalties`), every row penalized with a history of random tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ KINDS = {
     "t=1 top-p 0.95": dict(temperature=1.0, top_p=0.95),
     "t=0.8 top-k 50": dict(temperature=0.8, top_k=50),
 }
+
+# what penalties add to a t=1 row: (kind, params, prompt tokens, output tokens)
+PENALTIES = [
+    ("frequency + presence", dict(frequency_penalty=0.5, presence_penalty=0.5), 1000, 256),
+    ("repetition", dict(repetition_penalty=1.2), 1000, 256),
+    ("all three", dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.2),
+     1000, 256),
+    ("logit_bias, 16 tokens", dict(logit_bias={t: 2.0 for t in range(16)}), 1000, 256),
+    ("min_p 0.05", dict(min_p=0.05), 0, 0),
+]
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. "
@@ -161,7 +174,41 @@ def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True
                 print(f"| {name} ({logits.shape[-1]:,}) | {b} | {kind} | {_fmt(t0)} | "
                       f"{_fmt(t1)} | {t0 / t1:.1f}x | "
                       f"{'-' if share is None else f'{share:.0%}'} |", flush=True)
+    penalties(pool, batches, repeats)
     return 0
+
+
+def penalties(pool, batches, repeats: int) -> None:
+    """What each penalty adds to a t=1 round on SmolLM2's rows, the plain
+    and the penalized sampler alternating; every row penalized, with a
+    history of the given length (random tokens)."""
+    import random
+
+    from pdserve.kernels.sampling import SamplingParams, sample
+
+    rng = random.Random(0)
+    vocab = pool.shape[-1]
+    print(f"\npenalties at t=1, SmolLM2 ({vocab:,}), every row penalized, median of {repeats}")
+    print("| batch | kind | history (prompt + output) | t=1 | with it | added |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for b in batches:
+        logits = pool[:b].contiguous()
+        steps, seeds = list(range(b)), [0] * b
+        plain = [SamplingParams(seed=i) for i in range(b)]
+        for kind, kw, n_prompt, n_out in PENALTIES:
+            params = [SamplingParams(seed=i, **kw) for i in range(b)]
+            hist = [([rng.randrange(vocab) for _ in range(n_prompt)],
+                     [rng.randrange(vocab) for _ in range(n_out)]) for _ in range(b)]
+            base = lambda: sample(logits, plain, steps, seeds)                     # noqa: E731
+            pen = lambda: sample(logits, params, steps, seeds, histories=hist)     # noqa: E731
+            base(), pen()
+            t0, t1 = [], []
+            for _ in range(repeats):
+                t0 += _time(base, 1)
+                t1 += _time(pen, 1)
+            a, c = statistics.median(t0), statistics.median(t1)
+            print(f"| {b} | {kind} | {n_prompt} + {n_out} | {_fmt(a)} | {_fmt(c)} | "
+                  f"{_fmt(max(c - a, 0.0))} |", flush=True)
 
 
 def _fmt(s: float) -> str:

@@ -47,13 +47,14 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict | None = None
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, StrictFloat] | None = None        # token id (as a string) -> bias
     best_of: StrictInt | None = None
+    # vLLM's extensions
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=10.0, allow_inf_nan=False)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # vLLM's extensions that change the answer: refused unless at their no-op value
-    min_p: float | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     prompt_logprobs: StrictInt | None = None
@@ -82,6 +83,20 @@ class _Common(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if not v:
+            return v
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a string of "
+                                 "digits, as OpenAI's API sends them)")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias of token {key} is {bias}: give a number in "
+                                 "[-100, 100]")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.stream_options is not None and not self.stream:
@@ -90,22 +105,9 @@ class _Common(BaseModel):
         return self
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise Unsupported(name, f"{name} is not supported by pdserve; leave it unset "
-                                  "or 0")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise Unsupported("repetition_penalty", "repetition_penalty is not supported by "
-                              "pdserve; leave it unset or 1")
-        if self.logit_bias:
-            raise Unsupported("logit_bias", "logit_bias is not supported by pdserve; leave it "
-                              "unset")
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of", "best_of is not supported by pdserve apart from "
                               "best_of == n; use n")
-        if self.min_p not in (None, 0, 0.0):
-            raise Unsupported("min_p", "min_p is not supported by pdserve; leave it unset or 0 "
-                              "(top_p and top_k are)")
         if self.include_stop_str_in_output:
             raise Unsupported("include_stop_str_in_output", "include_stop_str_in_output is not "
                               "supported by pdserve: answers end before the stop string")
@@ -137,7 +139,11 @@ class _Common(BaseModel):
             seed=self.seed % (1 << 64) if self.seed is not None else None,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            logprobs=logprobs)
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
 
     @property
     def include_usage(self) -> bool:

@@ -38,6 +38,7 @@ from pdserve.cluster.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
+from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 
 log = logging.getLogger("pdserve.router")
@@ -113,6 +114,10 @@ class Router:
         if bad is not None:
             raise RequestError("invalid", f"token id {bad} is outside the vocabulary "
                                f"[0, {self.vocab_size})", param)
+        bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("invalid", f"logit_bias names token id {bad}, outside the "
+                               f"vocabulary [0, {self.vocab_size})", "logit_bias")
         err = ingest_error(self.cfg.engine, len(ids), sp.max_tokens)
         if err:
             param = "max_tokens" if "max_new_tokens" in err and len(ids) <= \
@@ -131,12 +136,7 @@ class Router:
             raise RequestError("invalid", "sampling.max_tokens must be at least 1 (or unset: "
                                "until the context limit)", "max_tokens")
         try:
-            sp = SamplingParams(max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-                                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
-                                stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                                min_tokens=s.min_tokens,
-                                logprobs=s.logprobs if s.HasField("logprobs") else None)
+            sp = from_options(s)
         except ValueError as e:
             raise RequestError("invalid", str(e)) from None
         ids = list(r.token_ids) if r.token_ids else (self.encode(r.text) if r.text else [])

@@ -23,6 +23,7 @@ from pdserve.cluster.pairing import EngineRef
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
+from pdserve.proto.sampling import to_options
 
 if TYPE_CHECKING:
     from pdserve.cluster.router import Router
@@ -127,17 +128,10 @@ class Stream:
         if peer is not None:
             peer.load += len(ids)
         r.active[self.id] = (target, peer)
-        sub = cpb.SubmitRequest(
-            request_id=self.id, token_ids=ids, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos, prefill_peer=peer.name if peer else "",
-            min_tokens=max(sp.min_tokens - done, 0))
-        if sp.max_tokens is not None:
-            sub.max_tokens = sp.max_tokens - done
-        if sp.seed is not None:
-            sub.seed = sp.seed
-        if sp.logprobs is not None:
-            sub.logprobs = sp.logprobs
+        left = to_options(sp, min_tokens=max(sp.min_tokens - done, 0),
+                          max_tokens=None if sp.max_tokens is None else sp.max_tokens - done)
+        sub = cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
+                                prefill_peer=peer.name if peer else "", prior_output=done)
         link = r.links[target.name]
         box = Mailbox(asyncio.get_running_loop())
         ended = submitted = False

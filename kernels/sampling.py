@@ -23,13 +23,19 @@ is cheap and a host branch is a sync, it always sorts. Every sum runs over
 a fixed-length block or in order along a row (float64 on CUDA, whose
 reduction order follows the launch shape), so a row gets the same token
 alone or in any batch.
+
+Logit bias and the repetition, frequency and presence penalties change only
+the cells of the rows that ask, the (row, token) pairs their histories
+name, before any of that; min-p cuts the weights in one pass.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.kernels.staging import stage, stage_rows
@@ -48,6 +54,12 @@ class SamplingParams:
     strict: bool = False               # reserve the whole generation at admission
     min_tokens: int = 0                # EOS and stop ids are masked, stop strings unseen, until
     logprobs: int | None = None        # None: no logprobs; k: the chosen token's and the top k
+    # what OpenAI's and vLLM's APIs call them, applied in vLLM's order (see `_penalize`)
+    presence_penalty: float = 0.0      # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0     # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0    # tokens of prompt or output: logit / p if > 0, else * p
+    min_p: float = 0.0                 # drop tokens below min_p times the likeliest's probability
+    logit_bias: tuple = field(default_factory=tuple)    # (token id, bias) pairs; a dict is taken
 
     def __post_init__(self):
         def bad(name, value, want):
@@ -75,6 +87,31 @@ class SamplingParams:
                                           not isinstance(self.logprobs, int) or
                                           not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"give an integer in [0, {MAX_LOGPROBS}], or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2 <= v <= 2:
+                bad(name, v, "give a number in [-2, 2] (0 turns it off)")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", self.repetition_penalty,
+                "give a number in (0, 10] (1 turns it off; above 1 discourages repeats)")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "give a number in [0, 1] (0 turns it off)")
+        bias = self.logit_bias
+        try:
+            pairs = sorted((bias.items() if isinstance(bias, dict) else bias))
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or any(len(p) != 2 for p in pairs):
+            bad("logit_bias", bias, "give {token id: bias} or (token id, bias) pairs")
+        for t, v in pairs:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                bad("logit_bias", bias, f"token id {t!r} is not an integer >= 0")
+            if not _number(v) or not -100 <= v <= 100:
+                bad("logit_bias", bias, f"the bias {v!r} of token {t} is not a number in "
+                    "[-100, 100]")
+        if len({t for t, _ in pairs}) != len(pairs):
+            bad("logit_bias", bias, "name each token id once")
+        object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in pairs))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -86,6 +123,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether the logits change with this request's tokens or a bias:
+        sampling then needs its prompt and output (`sample`'s histories)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
 
 MAX_LOGPROBS = 20
 
@@ -93,8 +141,8 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class Logprob:
     """A sampled token's log-probability under the model's own distribution
-    (before temperature, top-k and top-p), and the `top` most likely tokens
-    as (token, logprob), most likely first."""
+    (before logit bias, penalties, temperature, min-p, top-k and top-p), and
+    the `top` most likely tokens as (token, logprob), most likely first."""
     token: int
     logprob: float
     top: tuple = ()
@@ -124,11 +172,13 @@ TOP_P_CANDIDATES = (256, 4096)   # where top-p looks for its cut, in turn (CPU)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           fallback_seeds: list[int], stop_ids: frozenset = frozenset()):
+           fallback_seeds: list[int], stop_ids: frozenset = frozenset(), histories=None):
     """One token per row, and a Logprob for rows that asked (else None).
     `steps[i]` is how many tokens row i's request has generated so far;
     `fallback_seeds[i]` seeds an unseeded request; `stop_ids` (EOS) are masked,
-    with each row's stop_token_ids, while the row is short of min_tokens."""
+    with each row's stop_token_ids, while the row is short of min_tokens.
+    `histories[i]`: row i's (prompt tokens, output tokens), needed only for
+    rows whose params penalize (else None, or the list may be None)."""
     raw, dev, vocab = logits, logits.device, logits.shape[-1]
     mask_rows, mask_ids = [], []
     for i, sp in enumerate(params):
@@ -141,6 +191,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         r, c = stage_rows([mask_rows, mask_ids], dev)
         logits = logits.clone()
         logits[r, c] = float("-inf")
+    logits = _penalize(logits, params, histories)
     rows = [i for i, sp in enumerate(params) if not sp.greedy]
     if not rows:
         return _fetch(raw, params, logits.argmax(dim=-1))
@@ -155,22 +206,104 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     return _fetch(raw, params, tokens)
 
 
+def _penalize(logits, params: list[SamplingParams], histories):
+    """The logits of the rows that penalize, changed in vLLM's order: the
+    logit bias; the repetition penalty on every token of prompt and output
+    (a positive logit divided by it, a negative one multiplied); the
+    frequency penalty times each token's count in the output and the
+    presence penalty once per token the output holds, subtracted. A new
+    tensor if any row changes (`logits` itself may be the raw one, whose
+    rows give logprobs). A bias on a token past the vocabulary is skipped:
+    the router and `LLM` refuse one before it gets here."""
+    rows = [i for i, sp in enumerate(params) if sp.penalizes]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("sample: rows with penalties or a logit_bias need histories, "
+                         "each row's (prompt tokens, output tokens)")
+    vocab = logits.shape[-1]
+    b_r, b_c, b_v = [], [], []
+    seen_n, seen, held_n, held = [], [], [], []
+    for j, i in enumerate(rows):
+        sp = params[i]
+        prompt, output = histories[i]
+        bias = [(t, v) for t, v in sp.logit_bias if t < vocab]
+        b_r += [j] * len(bias)
+        b_c += [t for t, _ in bias]
+        b_v += [v for _, v in bias]
+        rep = sp.repetition_penalty != 1.0
+        seen_n.append(len(prompt) + len(output) if rep else 0)
+        seen += (prompt, output) if rep else ()
+        pen = bool(sp.presence_penalty or sp.frequency_penalty)
+        held_n.append(len(output) if pen else 0)
+        held += (output,) if pen else ()
+    sps = [params[i] for i in rows]
+    idx, b_r, b_c, b_v, rep, freq, pres = stage_rows(
+        [rows, b_r, b_c, b_v, [sp.repetition_penalty for sp in sps],
+         [sp.frequency_penalty for sp in sps], [sp.presence_penalty for sp in sps]],
+        logits.device, torch.float64)
+    idx = idx.long()
+    x = logits.index_select(0, idx)             # the rows, copied
+    flat, dt = x.view(-1), x.dtype
+    # only the (row, token) cells a history names are touched, never a whole row: a
+    # cell named twice is gathered once and written twice with the same value
+    if len(b_r):
+        flat.index_put_((b_r.long() * vocab + b_c.long(),), b_v.to(dt), accumulate=True)
+    cells = _cells(seen_n, seen, vocab, logits.device)
+    if cells is not None:
+        v, p = flat[cells], rep.to(dt)[cells // vocab]
+        flat[cells] = torch.where(v > 0, v / p, v * p)
+    cells = _cells(held_n, held, vocab, logits.device)
+    if cells is not None:
+        r = cells // vocab
+        flat[cells] = flat[cells] - pres.to(dt)[r]                  # once per token held
+        flat.index_put_((cells,), -freq.to(dt)[r], accumulate=True)  # once per occurrence
+    if len(rows) == logits.shape[0]:
+        return x
+    out = logits.clone()
+    out.index_copy_(0, idx.long(), x)
+    return out
+
+
+def _cells(lengths: list[int], parts: list, vocab: int, device):
+    """Row j's next lengths[j] tokens of `parts` (concatenated), as flat
+    indices row * vocab + token on `device`; None if there are none. Long
+    histories go through numpy: torch.tensor on a list of ints is 4x slower."""
+    total = sum(lengths)
+    if not total:
+        return None
+    tokens = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=total)
+    tokens += np.repeat(np.arange(len(lengths), dtype=np.int64) * vocab, lengths)
+    return stage(torch.from_numpy(tokens), device)
+
+
 def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list[float]):
     """Tokens for the sampling rows `rows` (and those rows' index on the
-    device): temperature, then top-k, then top-p, then inverse CDF."""
+    device): temperature, then min-p, then top-k, then top-p, then inverse
+    CDF."""
     vocab, n = logits.shape[-1], len(rows)
     ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in sps]
     by_k = [j for j in range(n) if ks[j]]
     by_p = [j for j in range(n) if sps[j].top_p < 1.0]
+    by_m = [j for j in range(n) if sps[j].min_p > 0]
     # every parameter of the round in one host tensor, one copy (ints are exact in float64)
-    temp, top_p, u, idx, kk, sub_k, sub_p = stage_rows(
+    temp, top_p, u, idx, kk, sub_k, sub_p, min_p, sub_m = stage_rows(
         [[float(sp.temperature) for sp in sps], [float(sp.top_p) for sp in sps], draws,
-         rows, [ks[j] for j in by_k], by_k, by_p], logits.device, torch.float64)
+         rows, [ks[j] for j in by_k], by_k, by_p, [sps[j].min_p for j in by_m], by_m],
+        logits.device, torch.float64)
     idx = idx.long()
     x = logits if n == logits.shape[0] else logits.index_select(0, idx)
     if any(sp.temperature != 1.0 for sp in sps):
         x = x / temp.to(logits.dtype)[:, None]
     w = torch.softmax(x, dim=-1)      # a tensor of its own: the raw logits give logprobs
+    if by_m:
+        # each row scaled so that its floor is 1, then cut there in one pass (a
+        # compare and a masked fill took 3x as long); nothing after depends on a
+        # row's scale, and the likeliest token, at 1 / min_p >= 1, always stays
+        sub = sub_m.long()
+        ws = w if len(by_m) == n else w.index_select(0, sub)
+        ws.mul_((ws.amax(dim=-1, keepdim=True) * min_p.to(w.dtype)[:, None]).reciprocal_())
+        _put_rows(w, sub, torch.nn.functional.threshold_(ws, 1.0 - 2.0 ** -20, 0.0))
     if by_k:
         sub = sub_k.long()
         ws = w if len(by_k) == n else w.index_select(0, sub)

@@ -26,9 +26,9 @@ import grpc
 
 from pdserve.cluster.config import ServeConfig, engine_for_model
 from pdserve.kernels.loader import load_model
-from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.proto.sampling import from_options
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine_stats import EngineCounters, stats_pb
 from pdserve.roles.engine_rpc import EngineControlServicer
@@ -394,12 +394,13 @@ class EngineServer:
     def submit(self, r: pb.SubmitRequest) -> None:
         """Loop thread: admit a request; its events go to `r.subscriber`."""
         self.drain.refuse("request")
-        sp = SamplingParams(max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
-                            temperature=r.temperature, top_p=r.top_p or 1.0, top_k=r.top_k,
-                            seed=r.seed if r.HasField("seed") else None, stop=tuple(r.stop),
-                            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos,
-                            min_tokens=r.min_tokens,
-                            logprobs=r.logprobs if r.HasField("logprobs") else None)
+        try:
+            sp = from_options(r.sampling)
+        except ValueError as e:
+            raise RejectedRequest(str(e)) from None
+        if r.prior_output > len(r.token_ids):
+            raise RejectedRequest(f"prior_output={r.prior_output} exceeds the request's "
+                                  f"{len(r.token_ids)} tokens")
         if not self.outputs.has(r.subscriber):
             raise RejectedRequest(f"{self.name} has no subscription {r.subscriber!r}: "
                                   "subscribe first, then submit")
@@ -413,7 +414,7 @@ class EngineServer:
                                       f"{r.prefill_peer!r}")
             req.peer = r.prefill_peer
         self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF,
-                               prompt=req.prompt.tokens)
+                               prompt=req.prompt.tokens, prior_output=r.prior_output)
         try:
             self.planner.submit(req)
         except RejectedRequest:

@@ -29,6 +29,7 @@ from pdserve.kernels.sampling import Logprob, SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
+from pdserve.proto.sampling import from_options, to_options
 from pdserve.roles.outputs import logprob_pb
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import RejectedRequest
@@ -128,7 +129,7 @@ class PeerProtocol:
         landing = self.transport.page_ids(self.s.executor.transfer_lists(op.landing))
         epoch = self.landing.expect(req.id, landing, time.monotonic())
         self.epochs[req.id] = epoch
-        sp = self.s.executor.params(req.id)
+        sp, prior = self.s.executor.params(req.id), self.s.executor.prior_output(req.id)
         peer = req.peer
 
         def failed(code) -> None:                          # the RPC's thread
@@ -136,9 +137,8 @@ class PeerProtocol:
         self.send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
             landing_pages=landing, epoch=epoch, target_engine=self.s.name,
-            target_incarnation=self.s.incarnation, temperature=sp.temperature,
-            top_p=sp.top_p, top_k=sp.top_k, **({"seed": sp.seed} if sp.seed is not None else {}),
-            **({"logprobs": sp.logprobs} if sp.logprobs is not None else {})), on_error=failed)
+            target_incarnation=self.s.incarnation, sampling=to_options(sp, max_tokens=1),
+            prior_output=prior), on_error=failed)
 
     def _prefill_not_taken(self, req_id: str, epoch: int, peer: str, code) -> None:
         """P refused the RemotePrefill (it drains) or could not be reached:
@@ -258,10 +258,16 @@ class PeerProtocol:
             raise RejectedRequest(f"{s.name} does not know decode engine {r.target_engine!r}")
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
         twin.first_page = r.first_page
-        sp = SamplingParams(max_tokens=1, temperature=r.temperature, top_p=r.top_p or 1.0,
-                            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
-                            logprobs=r.logprobs if r.HasField("logprobs") else None)
-        s.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF)
+        try:            # the first token only: EOS and stop ids masked as on D
+            sp = from_options(r.sampling, max_tokens=1, min_tokens=min(r.sampling.min_tokens, 1),
+                              stop=())
+        except ValueError as e:
+            raise RejectedRequest(str(e)) from None
+        if r.prior_output > len(r.token_ids):
+            raise RejectedRequest(f"prior_output={r.prior_output} exceeds the request's "
+                                  f"{len(r.token_ids)} tokens")
+        s.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF,
+                            prior_output=r.prior_output)
         s.planner.submit(twin)
         self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
                                 r.epoch)

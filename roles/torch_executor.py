@@ -45,6 +45,7 @@ class Tracked:
     detok: Detokenizer | None       # None: text is made elsewhere (an engine's output thread)
     logprobs: list = field(default_factory=list)
     tokens: int = 0                 # tokens taken (on_token calls)
+    prior: int = 0                  # the prompt's last tokens that were output (a resubmission)
 
 
 class TorchExecutor:
@@ -103,12 +104,17 @@ class TorchExecutor:
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
-                 prompt=()) -> None:
+                 prompt=(), prior_output: int = 0) -> None:
+        """`prior_output`: how many of the prompt's last tokens the request
+        generated before it was resubmitted; penalties count them as output."""
         detok = Detokenizer(self.tokenizer, prompt, params.stop) if self.detokenize else None
-        self.tracked[req_id] = Tracked(params, fallback_seed, detok)
+        self.tracked[req_id] = Tracked(params, fallback_seed, detok, prior=prior_output)
 
     def params(self, req_id: str) -> SamplingParams:
         return self.tracked[req_id].params
+
+    def prior_output(self, req_id: str) -> int:
+        return self.tracked[req_id].prior
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
@@ -159,9 +165,12 @@ class TorchExecutor:
         tokens = []
         if rows:
             tracked = [self.tracked[r.id] for r in rows]
+            histories = [_history(r, t) if t.params.penalizes else None
+                         for r, t in zip(rows, tracked)] \
+                if any(t.params.penalizes for t in tracked) else None
             tokens, logprobs = sample(logits, [t.params for t in tracked],
                                       [len(r.output) for r in rows], [t.seed for t in tracked],
-                                      self._eos_ids)
+                                      self._eos_ids, histories)
         else:
             logprobs = []
         it = iter(zip(rows, tokens, logprobs))
@@ -294,6 +303,16 @@ class TorchExecutor:
         """Bytes of one page (a state group: one slot) of each group."""
         return [c.slot_bytes() if g == self.state else c.data[0].nbytes
                 for g, c in enumerate(self.caches)]
+
+
+def _history(req, t: Tracked) -> tuple:
+    """(prompt, output) as penalties see them: a resubmitted request's
+    earlier output is the tail of its prompt here, and counts as output."""
+    prompt = req.prompt.tokens
+    if not t.prior:
+        return prompt, req.output
+    cut = len(prompt) - t.prior
+    return prompt[:cut], prompt[cut:] + req.output
 
 
 def _check_groups(groups, model) -> None:

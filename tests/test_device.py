@@ -269,6 +269,23 @@ def test_sampling_on_cuda_gives_a_row_its_token_whatever_the_batch_in_one_sync()
 
 
 @cuda
+def test_penalties_on_cuda_change_the_logits_as_on_cpu_without_a_sync_a_row():
+    from pdserve.kernels.sampling import SamplingParams, _penalize
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 32000) * 3
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                             repetition_penalty=1.3, logit_bias={7: 5.0}) if i % 2
+              else SamplingParams() for i in range(16)]
+    hist = [(list(range(i, 300 + i)), [i % 5] * 40 + list(range(50))) for i in range(16)]
+    want = _penalize(logits, params, hist)
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    got, n = _syncs(lambda: _penalize(on_gpu, params, hist))
+    assert torch.allclose(got.cpu(), want) and n == 0
+
+
+@cuda
 def test_a_round_stages_its_host_lists_without_a_sync():
     from pdserve.kernels.staging import stage_rows
 

@@ -198,6 +198,7 @@ def test_a_prefill_engine_drained_mid_transfer_waits_for_the_ack(client, deploym
 
     from pdserve.proto import control_pb2 as cpb
     from pdserve.proto import control_pb2_grpc as cpbg
+    from pdserve.proto import router_pb2 as rpb
 
     info = client.server_info()["engines"]
     d = next(e for e in info if e["role"] == "decode" and e["alive"])
@@ -225,8 +226,9 @@ def test_a_prefill_engine_drained_mid_transfer_waits_for_the_ack(client, deploym
         next(events)                                            # live
         started = time.monotonic()
         stub.Submit(cpb.SubmitRequest(request_id="held-for-p", token_ids=list(range(10, 60)),
-                                      max_tokens=6, ignore_eos=True, prefill_peer="prefill-0",
-                                      subscriber="drain-test"), timeout=10)
+                                      sampling=rpb.SamplingOptions(max_tokens=6, ignore_eos=True),
+                                      prefill_peer="prefill-0", subscriber="drain-test"),
+                    timeout=10)
         tokens, last = [], None
         for msg in events:
             for ev in msg.events:

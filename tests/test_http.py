@@ -217,7 +217,8 @@ def test_bad_input_is_a_400_naming_the_field(oai, model, dep):
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
     cases = [({"temperature": -1}, "temperature"),
              ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"top_p": 1.5}, "top_p"),
-             ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"presence_penalty": 2.5}, "presence_penalty"),
+             ({"logit_bias": {"1": 1, "100000": 1}}, "logit_bias"),
              ({"max_tokens": 10 ** 6}, "max_tokens")]
     for extra, param in cases:
         body = {"model": model, "messages": QUESTION, "max_tokens": 4, **extra}
@@ -301,6 +302,45 @@ def test_grpc_returns_logprobs_and_min_tokens_too(grpc_client):
                              route="disaggregated")
     assert len(r.logprobs) == len(r.token_ids) == 5
     assert all(len(top) == 2 and tok == top[0][0] for tok, _, top in r.logprobs)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from pdserve import LLM
+    return LLM({"model": {"preset": "smollm2-135m"}}, **ENGINE)
+
+
+def test_penalties_and_a_logit_bias_give_the_offline_engine_s_tokens(grpc_client, offline):
+    """On P/D the first token is P's: it takes the penalties too."""
+    from pdserve import SamplingParams
+
+    ids = offline.tokenizer.encode("Write a list of the colors of the rainbow, one per line:")
+    kw = {"max_tokens": 20, "frequency_penalty": 0.5, "presence_penalty": 0.25,
+          "repetition_penalty": 1.25, "logit_bias": {28: 3.5}}
+    want = offline.generate(ids, SamplingParams(temperature=0, **kw),
+                            use_tqdm=False)[0].token_ids
+    plain = offline.generate(ids, SamplingParams(temperature=0, max_tokens=20),
+                             use_tqdm=False)[0].token_ids
+    assert want != plain
+    for route in ROUTES:
+        assert grpc_client.generate(ids, route=route, **kw).token_ids == want, route
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_min_tokens_holds_off_a_biased_eos_on_every_engine_that_samples(oai, model, offline,
+                                                                      route, grpc_client):
+    """EOS biased to certainty: the answer is exactly min_tokens long, over
+    HTTP and gRPC, and on P/D P's first token does not end it."""
+    bias = {str(t): 100 for t in offline.executor.eos}
+    r = oai.completions.create(model=model, prompt="Once upon a time", max_tokens=8,
+                               temperature=0, logit_bias=bias,
+                               extra_body={"min_tokens": 3, "route": route})
+    # three tokens, then the EOS, which usage counts (as vLLM's does)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    g = grpc_client.generate("Once upon a time", max_tokens=8, min_tokens=3, route=route,
+                             logit_bias={int(t): 100.0 for t in bias})
+    assert len(g.token_ids) == 4 and g.token_ids[3] in offline.executor.eos
+    assert not set(g.token_ids[:3]) & offline.executor.eos and g.finish_reason == "stop"
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) |

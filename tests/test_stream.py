@@ -357,3 +357,49 @@ def test_the_router_holds_its_submits_to_one_engine_to_a_bound():
     results = asyncio.run(asyncio.wait_for(go(), 30))
     assert len(results) == n and all(d[-1].finish_reason == "length" for d in results)
     assert state["most"] == SUBMITS_IN_FLIGHT
+
+
+def test_a_resubmission_carries_the_sampling_and_says_how_much_is_output_already():
+    """The engine fails after streaming two tokens: the router resubmits the
+    prompt plus those two, says they are output (prior_output, so penalties
+    count them), and keeps every sampling field, with max_tokens and
+    min_tokens reduced by what was streamed."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.cluster.engine_link import LOST
+    from pdserve.proto import control_pb2 as cpb
+    from pdserve.proto.sampling import from_options
+
+    r = router({"fused": 2, "prefill": 0, "decode": 0})
+    subs = []
+
+    class Failing:
+        async def Submit(self, sub, timeout):
+            subs.append(sub)
+            q = r.links["fused-0"].requests[sub.request_id]
+            q.put(cpb.RequestEvent(request_id=sub.request_id, token_ids=[7, 8], text="ab"))
+            q.put(LOST)
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            subs.append(sub)
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[9], text="c", finish_reason="length"))
+
+    sp = SamplingParams(max_tokens=3, min_tokens=3, temperature=0.5, seed=4,
+                        frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.5,
+                        min_p=0.125, logit_bias={3: 2.5})
+
+    async def go():
+        for name, stub in (("fused-0", Failing()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            linked(r, name)
+        return [t for d in [d async for d in r.open([1, 2], sp).events()] for t in d.token_ids]
+    assert asyncio.run(go()) == [7, 8, 9]
+    first, again = subs
+    assert list(first.token_ids) == [1, 2] and first.prior_output == 0
+    assert list(again.token_ids) == [1, 2, 7, 8] and again.prior_output == 2
+    assert from_options(first.sampling) == sp
+    assert from_options(again.sampling) == SamplingParams(**{**sp.__dict__, "max_tokens": 1,
+                                                             "min_tokens": 1})
