@@ -83,8 +83,9 @@ class Stream:
         """Stream the request from its engine. If the engine dies mid-stream,
         resubmit (at most MAX_RESUBMITS times) to a live engine with the
         prompt plus the tokens already streamed, and continue where it
-        stopped: under greedy decoding the client sees exactly the tokens an
-        undisturbed run produces."""
+        stopped: under greedy decoding, or sampling with a seed (the engine
+        is told how many tokens are output already: `prior_output`), the
+        client sees exactly the tokens an undisturbed run produces."""
         r = self.router
         streamed: list[int] = []
         timing = r.metrics.request(len(self.ids), self.arrived)

@@ -172,13 +172,17 @@ TOP_P_CANDIDATES = (256, 4096)   # where top-p looks for its cut, in turn (CPU)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           fallback_seeds: list[int], stop_ids: frozenset = frozenset(), histories=None):
+           fallback_seeds: list[int], stop_ids: frozenset = frozenset(), histories=None,
+           earlier: list[int] | None = None):
     """One token per row, and a Logprob for rows that asked (else None).
     `steps[i]` is how many tokens row i's request has generated so far;
     `fallback_seeds[i]` seeds an unseeded request; `stop_ids` (EOS) are masked,
     with each row's stop_token_ids, while the row is short of min_tokens.
     `histories[i]`: row i's (prompt tokens, output tokens), needed only for
-    rows whose params penalize (else None, or the list may be None)."""
+    rows whose params penalize (else None, or the list may be None).
+    `earlier[i]`: tokens row i's request generated before it was resubmitted
+    (its draw is then that of token earlier[i] + steps[i], as if it had not
+    been; None: none anywhere)."""
     raw, dev, vocab = logits, logits.device, logits.shape[-1]
     mask_rows, mask_ids = [], []
     for i, sp in enumerate(params):
@@ -197,7 +201,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         return _fetch(raw, params, logits.argmax(dim=-1))
     seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i] for i in rows]
     drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
-                              [row_uniform(s, steps[i]) for s, i in zip(seeds, rows)])
+                              [row_uniform(s, steps[i] + (earlier[i] if earlier else 0))
+                               for s, i in zip(seeds, rows)])
     if len(rows) == len(params):
         tokens = drawn
     else:                            # greedy rows beside sampling ones

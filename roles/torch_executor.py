@@ -106,7 +106,8 @@ class TorchExecutor:
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
                  prompt=(), prior_output: int = 0) -> None:
         """`prior_output`: how many of the prompt's last tokens the request
-        generated before it was resubmitted; penalties count them as output."""
+        generated before it was resubmitted; penalties count them as output,
+        and a seeded request draws on where it left off."""
         detok = Detokenizer(self.tokenizer, prompt, params.stop) if self.detokenize else None
         self.tracked[req_id] = Tracked(params, fallback_seed, detok, prior=prior_output)
 
@@ -168,9 +169,10 @@ class TorchExecutor:
             histories = [_history(r, t) if t.params.penalizes else None
                          for r, t in zip(rows, tracked)] \
                 if any(t.params.penalizes for t in tracked) else None
+            earlier = [t.prior for t in tracked] if any(t.prior for t in tracked) else None
             tokens, logprobs = sample(logits, [t.params for t in tracked],
                                       [len(r.output) for r in rows], [t.seed for t in tracked],
-                                      self._eos_ids, histories)
+                                      self._eos_ids, histories, earlier)
         else:
             logprobs = []
         it = iter(zip(rows, tokens, logprobs))

@@ -142,3 +142,27 @@ def test_the_offline_engine_generates_with_penalties_and_refuses_a_bias_past_the
     vocab = llm.model.cfg.vocab_size
     with pytest.raises(ValueError, match=f"token id {vocab}, outside the model's vocabulary"):
         llm.generate(prompt, SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+
+
+def test_a_resubmitted_seeded_request_goes_on_as_if_it_had_not_been():
+    """What the router does when an engine is lost mid-stream: the prompt
+    plus the tokens streamed, `prior_output` saying how many those are. A
+    seeded, penalized request then continues with the tokens the
+    uninterrupted run gave (its draws and its penalties pick up where they
+    left off)."""
+    from pdserve import LLM
+
+    llm = LLM({"model": {"preset": "tiny"}})
+    prompt, k = [5, 6, 7, 8], 5
+    kw = dict(temperature=1.0, seed=11, ignore_eos=True, frequency_penalty=1.0,
+              presence_penalty=0.5, repetition_penalty=1.3)
+    whole = llm.generate(prompt, SamplingParams(max_tokens=12, **kw),
+                         use_tqdm=False)[0].token_ids
+    register = llm.executor.register
+
+    def resubmitted(req_id, params, fallback_seed, prompt=()):
+        register(req_id, params, fallback_seed, prompt, prior_output=k)
+    llm.executor.register = resubmitted
+    rest = llm.generate(prompt + whole[:k], SamplingParams(max_tokens=12 - k, **kw),
+                        use_tqdm=False)[0].token_ids
+    assert rest == whole[k:]
