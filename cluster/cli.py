@@ -259,7 +259,8 @@ def _cmd_generate(args) -> int:
                     print(f"[{i}] {text!r} ->", end=" ", flush=True)
                 for chunk in c.generate_stream(text, max_tokens=args.max_tokens,
                                                temperature=args.temperature, top_p=args.top_p,
-                                               top_k=args.top_k, seed=args.seed):
+                                               top_k=args.top_k, seed=args.seed,
+                                               **_penalties(args)):
                     print(chunk.text, end="", flush=True)
                 print()
             return 0
@@ -271,11 +272,17 @@ def _cmd_generate(args) -> int:
               "or --config FILE (offline, in-process)", file=sys.stderr)
         return 2
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, **_penalties(args))
     llm = LLM(args.config, device=args.device, dtype=args.dtype)
     for i, (text, out) in enumerate(zip(args.text, llm.generate(args.text, sp, use_tqdm=False))):
         print(f"[{i}] {text!r} -> {out.text}" if len(args.text) > 1 else out.text)
     return 0
+
+
+def _penalties(args) -> dict:
+    return {"presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty,
+            "repetition_penalty": args.repetition_penalty, "min_p": args.min_p}
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -438,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--device", help="offline: cpu, cuda or cuda:N (default: the config's "
                                       "model.device; auto is cpu)")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],

@@ -52,7 +52,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, StrictFloat] | None = None        # token id (as a string) -> bias
     best_of: StrictInt | None = None
     # vLLM's extensions
-    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=10.0, allow_inf_nan=False)
+    repetition_penalty: StrictFloat | None = Field(None, ge=0.01, le=10.0, allow_inf_nan=False)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     # vLLM's extensions that change the answer: refused unless at their no-op value
     include_stop_str_in_output: StrictBool = False
@@ -89,7 +89,7 @@ class _Common(BaseModel):
         if not v:
             return v
         for key, bias in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise ValueError(f"logit_bias key {key!r} is not a token id (a string of "
                                  "digits, as OpenAI's API sends them)")
             if not -100 <= bias <= 100:

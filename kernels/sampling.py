@@ -91,9 +91,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _number(v) or not -2 <= v <= 2:
                 bad(name, v, "give a number in [-2, 2] (0 turns it off)")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+        if not _number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 10:
             bad("repetition_penalty", self.repetition_penalty,
-                "give a number in (0, 10] (1 turns it off; above 1 discourages repeats)")
+                "give a number in [0.01, 10] (1 turns it off; above 1 discourages repeats)")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "give a number in [0, 1] (0 turns it off)")
         bias = self.logit_bias
@@ -101,7 +101,7 @@ class SamplingParams:
             pairs = sorted((bias.items() if isinstance(bias, dict) else bias))
         except (TypeError, ValueError):
             pairs = None
-        if pairs is None or any(len(p) != 2 for p in pairs):
+        if pairs is None or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
             bad("logit_bias", bias, "give {token id: bias} or (token id, bias) pairs")
         for t, v in pairs:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
@@ -307,7 +307,8 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
         # row's scale, and the likeliest token, at 1 / min_p >= 1, always stays
         sub = sub_m.long()
         ws = w if len(by_m) == n else w.index_select(0, sub)
-        ws.mul_((ws.amax(dim=-1, keepdim=True) * min_p.to(w.dtype)[:, None]).reciprocal_())
+        scale = (ws.amax(dim=-1, keepdim=True) * min_p.to(w.dtype)[:, None]).reciprocal_()
+        ws.mul_(scale.clamp_(max=torch.finfo(w.dtype).max))   # a floor under float32's: no inf
         _put_rows(w, sub, torch.nn.functional.threshold_(ws, 1.0 - 2.0 ** -20, 0.0))
     if by_k:
         sub = sub_k.long()

@@ -254,6 +254,22 @@ def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys)
     assert int(by_name["pdserve:prefill-0"]["transfers"]) >= 1
 
 
+def test_cli_generate_sends_the_penalties(deployment, client, capsys):
+    from pdserve.cluster.cli import main
+
+    flags = ["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty",
+             "1.25", "--min-p", "0.5", "--temperature", "1", "--seed", "3"]
+    assert main(["generate", "--address", deployment.address, "--max-tokens", "8", *flags,
+                 "hello"]) == 0
+    want = client.generate("hello", max_tokens=8, frequency_penalty=1.5, presence_penalty=0.5,
+                           repetition_penalty=1.25, min_p=0.5, temperature=1.0, seed=3).text
+    plain = client.generate("hello", max_tokens=8, temperature=1.0, seed=3).text
+    assert capsys.readouterr().out == want + "\n" and want != plain
+    assert main(["generate", "--address", deployment.address, "--repetition-penalty", "20",
+                 "hello"]) == 1
+    assert "repetition_penalty=20.0 is invalid" in capsys.readouterr().err
+
+
 def test_cpu_engines_keep_freed_memory_in_the_heap(deployment):
     import os
 

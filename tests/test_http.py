@@ -315,13 +315,13 @@ def test_penalties_and_a_logit_bias_give_the_offline_engine_s_tokens(grpc_client
     from pdserve import SamplingParams
 
     ids = offline.tokenizer.encode("Write a list of the colors of the rainbow, one per line:")
-    kw = {"max_tokens": 20, "frequency_penalty": 0.5, "presence_penalty": 0.25,
-          "repetition_penalty": 1.25, "logit_bias": {28: 3.5}}
-    want = offline.generate(ids, SamplingParams(temperature=0, **kw),
-                            use_tqdm=False)[0].token_ids
     plain = offline.generate(ids, SamplingParams(temperature=0, max_tokens=20),
                              use_tqdm=False)[0].token_ids
-    assert want != plain
+    kw = {"max_tokens": 20, "frequency_penalty": 0.5, "presence_penalty": 0.25,
+          "repetition_penalty": 1.25, "logit_bias": {plain[0]: -100.0, 28: 3.5}}
+    want = offline.generate(ids, SamplingParams(temperature=0, **kw),
+                            use_tqdm=False)[0].token_ids
+    assert want[0] != plain[0]                  # the first token is P's on P/D
     for route in ROUTES:
         assert grpc_client.generate(ids, route=route, **kw).token_ids == want, route
 

@@ -34,7 +34,9 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
         ({"prompt": "ab", "min_tokens": 17}, 400, "min_tokens",    # completions' default: 16
          "min_tokens=17 exceeds the 16 tokens"),
         ({"prompt": "ab", "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
-        ({"prompt": "ab", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+        ({"prompt": "ab", "repetition_penalty": 0}, 400, "repetition_penalty",
+         "greater than or equal to 0.01"),
+        ({"prompt": "ab", "logit_bias": {"²": 1}}, 400, "logit_bias", "'²' is not a token id"),
         ({"prompt": "ab", "presence_penalty": -2.5}, 400, "presence_penalty",
          "greater than or equal to -2"),
         ({"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias", "'x' is not a token id"),

@@ -91,6 +91,14 @@ def test_min_p_drops_what_transformers_drops_and_keeps_the_likeliest():
             assert drawn == {(i, int(x[i].argmax())) for i in range(4)}
 
 
+def test_a_min_p_below_float32_s_range_keeps_every_token_and_draws_no_nan():
+    x = torch.full((1, 600), -1e4)
+    x[0, :3] = torch.tensor([2.0, 1.0, 0.0])       # the rest underflows to weight 0
+    drawn = {sample(x, [SamplingParams(seed=s, min_p=1e-40)], [0], [0])[0][0]
+             for s in range(200)}
+    assert drawn == {0, 1, 2}
+
+
 def test_a_penalized_row_without_its_history_is_refused():
     with pytest.raises(ValueError, match="histories"):
         sample(rows(1), [SamplingParams(presence_penalty=1.0)], [0], [0])
@@ -99,8 +107,9 @@ def test_a_penalized_row_without_its_history_is_refused():
 @pytest.mark.parametrize("kw, words", [
     ({"presence_penalty": 2.5}, "presence_penalty=2.5 is invalid: give a number in [-2, 2]"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty=0 is invalid"),
+    ({"repetition_penalty": 0.001}, "repetition_penalty=0.001 is invalid"),
     ({"min_p": 1.5}, "min_p=1.5 is invalid"),
+    ({"logit_bias": (5,)}, "give {token id: bias}"),
     ({"logit_bias": {-1: 1.0}}, "token id -1 is not an integer >= 0"),
     ({"logit_bias": {5: 101}}, "the bias 101 of token 5"),
     ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "name each token id once"),
