@@ -4,6 +4,10 @@ sharing the router's event loop with the gRPC front:
     GET  /v1/models            the served model
     POST /v1/completions       a prompt string, a list of them, or token ids
     POST /v1/chat/completions  messages rendered with the model's chat template
+    GET  /v1/models/{model}    that model, or a 404 naming the one served
+    POST /tokenize             a prompt or chat messages as token ids (vLLM's)
+    POST /detokenize           token ids as text (vLLM's)
+    GET  /version              pdserve's version
     GET  /health               200 while some engine can serve, else 503
     GET  /metrics              Prometheus text (cluster/metrics.py)
 
@@ -35,7 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.cluster.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, SseEvents, Unsupported, usage as _usage)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SseEvents, TokenizeRequest,
+    Unsupported, usage as _usage)
 from pdserve.cluster.router import RequestError, Router
 from pdserve.cluster.router_grpc import key_matches
 
@@ -175,12 +180,63 @@ class HttpFront:
         return self.r.tokenizer.decode([token_id])
 
     # ---- endpoints ---------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.r.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "max_model_len": self.r.cfg.engine.max_context_tokens}
+
     async def models(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.r.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pdserve", "max_model_len": self.r.cfg.engine.max_context_tokens}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        name = request.path_params["model"]
+        if name != self.r.model_name:
+            return error(404, f"model {name!r} is not served here; this deployment serves "
+                         f"{self.r.model_name!r}", "model", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def version(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        import pdserve
+
+        return JSONResponse({"version": pdserve.__version__})
+
+    async def tokenize(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body, err = await self._body(request, TokenizeRequest)
+        if err is not None:
+            return err
+        try:
+            if body.messages is not None:
+                ids = self._chat_ids(body, add_special_tokens=bool(body.add_special_tokens))
+            else:
+                special = body.add_special_tokens is not False
+                ids = self.r.encode(body.prompt, "prompt", add_special_tokens=special)
+        except Unsupported as e:
+            return error(400, str(e), e.param)
+        except ValueError as e:                      # the template failed on these messages
+            return error(400, f"messages: {e}", "messages")
+        except RequestError as e:
+            return _from_request_error(e)
+        return JSONResponse({"count": len(ids), "max_model_len":
+                             self.r.cfg.engine.max_context_tokens, "tokens": ids})
+
+    async def detokenize(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body, err = await self._body(request, DetokenizeRequest)
+        if err is not None:
+            return err
+        bad = next((t for t in body.tokens if not 0 <= t < self.r.vocab_size), None)
+        if bad is not None:
+            return error(400, f"token id {bad} is outside the vocabulary "
+                         f"[0, {self.r.vocab_size})", "tokens")
+        return JSONResponse({"prompt": self.r.tokenizer.decode(body.tokens)})
 
     async def health(self, request: Request):
         if (denied := self._auth(request)) is not None:
@@ -221,20 +277,8 @@ class HttpFront:
         body, err = await self._body(request, ChatCompletionRequest)
         if err is not None:
             return err
-        template = getattr(self.r.tokenizer, "chat_template", None)
-        if not template:
-            return error(400, f"model {self.r.model_name!r} has no chat template; use "
-                         "/v1/completions with a prompt", "messages")
         try:
-            from pdserve.kernels.chat import render_chat
-
-            messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
-                        for m in body.messages]
-            text = render_chat(template, messages, body.add_generation_prompt,
-                               bos_token=getattr(self.r.tokenizer, "bos_token", None),
-                               eos_token=getattr(self.r.tokenizer, "eos_token", None),
-                               continue_final_message=body.continue_final_message)
-            ids = self.r.encode(text, "messages", add_special_tokens=False)
+            ids = self._chat_ids(body)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._open([ids], body, body.token_limit, body.logprobs_k, rid,
                                  body.route)
@@ -245,6 +289,23 @@ class HttpFront:
         except RequestError as e:
             return _from_request_error(e)
         return await self._respond(request, body, streams, rid, [ids], chat=True)
+
+    def _chat_ids(self, body, add_special_tokens: bool = False) -> list[int]:
+        """The body's messages rendered with the model's chat template, as
+        token ids (the template writes its own BOS: none is added)."""
+        template = getattr(self.r.tokenizer, "chat_template", None)
+        if not template:
+            raise Unsupported("messages", f"model {self.r.model_name!r} has no chat template; "
+                              "use /v1/completions with a prompt")
+        from pdserve.kernels.chat import render_chat
+
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                    for m in body.messages]
+        text = render_chat(template, messages, body.add_generation_prompt,
+                           bos_token=getattr(self.r.tokenizer, "bos_token", None),
+                           eos_token=getattr(self.r.tokenizer, "eos_token", None),
+                           continue_final_message=body.continue_final_message)
+        return self.r.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     # ---- answers -----------------------------------------------------------------
     async def _respond(self, request, body, streams, rid, prompts, chat: bool):
@@ -418,6 +479,10 @@ def build_app(router: Router) -> Starlette:
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
     return Starlette(routes=[
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.model, methods=["GET"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/version", front.version, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/health", front.health, methods=["GET"]),

@@ -264,6 +264,37 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or messages rendered with the chat
+    template as /v1/chat/completions renders them."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool | None = None   # default: true for a prompt, false for messages
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+    def check_unsupported(self) -> None:
+        return None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids to text."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+    def check_unsupported(self) -> None:
+        return None
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

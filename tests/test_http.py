@@ -304,6 +304,20 @@ def test_grpc_returns_logprobs_and_min_tokens_too(grpc_client):
     assert all(len(top) == 2 and tok == top[0][0] for tok, _, top in r.logprobs)
 
 
+def test_tokenize_counts_the_prompt_chat_bills_and_detokenize_reads_it_back(dep, oai, model):
+    h = {"Authorization": f"Bearer {KEY}"}
+    t = httpx.post(dep.http_address + "/tokenize", headers=h,
+                   json={"model": model, "messages": QUESTION}).json()
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=1,
+                                    temperature=0)
+    assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens
+    back = httpx.post(dep.http_address + "/detokenize", headers=h,
+                      json={"tokens": t["tokens"]}).json()["prompt"]
+    assert QUESTION[0]["content"] in back
+    assert oai.models.retrieve(model).id == model
+    assert httpx.post(dep.http_address + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 @pytest.fixture(scope="module")
 def offline():
     from pdserve import LLM

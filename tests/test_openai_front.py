@@ -96,3 +96,43 @@ def test_only_near_misses_of_known_fields_are_refused_other_unknown_fields_are_i
                        "top_logprobs": 2, "priority": 0, "request_id": "x"}
     assert _misspelt(sent_by_clients, fields) is None
     assert _misspelt(sent_by_clients, ChatCompletionRequest.model_fields) is None
+
+
+def test_tokenize_detokenize_version_and_one_model_answer_without_an_engine():
+    """vLLM's /tokenize and /detokenize and OpenAI's GET /v1/models/{id},
+    on a router with no live engine: they need only the tokenizer."""
+    from starlette.testclient import TestClient
+
+    import pdserve
+    from pdserve.cluster.http_api import build_app
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "model": {"name": "toy"},
+                                 "engine": {"total_pages": 64, "page_size": 4,
+                                            "max_context_tokens": 64}})
+    tok = PrintableTokenizer()
+    http = TestClient(build_app(Router(cfg, tok, 98, [("fused-0", "fused", "127.0.0.1:9")])))
+    r = http.post("/tokenize", json={"model": "toy", "prompt": "ab c"})
+    assert r.json() == {"count": 4, "max_model_len": 64, "tokens": tok.encode("ab c")}
+    assert http.post("/detokenize", json={"tokens": tok.encode("ab c")}).json() == \
+        {"prompt": "ab c"}
+    assert http.get("/version").json() == {"version": pdserve.__version__}
+    card = http.get("/v1/models/toy").json()
+    assert card["id"] == "toy" and card["max_model_len"] == 64
+    refused = [
+        (http.get("/v1/models/gpt-9"), 404, "model", "'gpt-9' is not served here"),
+        (http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user",
+                                                                    "content": "a"}]}),
+         400, None, "send either prompt or messages"),
+        (http.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]}),
+         400, "messages", "has no chat template"),
+        (http.post("/tokenize", json={"model": "gpt-9", "prompt": "a"}), 404, "model",
+         "is not served here"),
+        (http.post("/detokenize", json={"tokens": [1, 98]}), 400, "tokens",
+         "token id 98 is outside the vocabulary [0, 98)"),
+        (http.post("/detokenize", json={"tokens": ["a"]}), 400, "tokens.0",
+         "valid integer"),
+    ]
+    for resp, status, param, words in refused:
+        err = resp.json()["error"]
+        assert resp.status_code == status and err["param"] == param, err
+        assert words in err["message"], err
