@@ -78,6 +78,8 @@ def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
             getattr(s, key).extend([value] if isinstance(value, (str, int)) else value)
         elif key == "logit_bias":
             s.logit_bias.update(dict(value))
+        elif key == "skip_special_tokens":
+            s.keep_special_tokens = not value
         else:
             setattr(s, key, value)
     return req
@@ -162,16 +164,21 @@ class Client:
                         logprobs: int | None = None, presence_penalty: float | None = None,
                         frequency_penalty: float | None = None,
                         repetition_penalty: float | None = None, min_p: float | None = None,
-                        logit_bias: dict | None = None):
+                        logit_bias: dict | None = None,
+                        include_stop_str_in_output: bool | None = None,
+                        skip_special_tokens: bool | None = None):
         """Yield Chunks (new token ids and their text) as they are produced.
         `logprobs=k`: each token's logprob and the k most likely. The
-        penalties, min_p and logit_bias ({token id: bias}) are SamplingParams'."""
+        penalties, min_p, logit_bias ({token id: bias}) and the text options
+        are SamplingParams'."""
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                        min_tokens=min_tokens, logprobs=logprobs,
                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias)
+                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias,
+                       include_stop_str_in_output=include_stop_str_in_output,
+                       skip_special_tokens=skip_special_tokens)
         for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 
@@ -327,13 +334,16 @@ class AsyncClient:
                               temperature=0.0, top_p=None, top_k=None, seed=None, stop=None,
                               stop_token_ids=None, ignore_eos=None, min_tokens=None,
                               logprobs=None, presence_penalty=None, frequency_penalty=None,
-                              repetition_penalty=None, min_p=None, logit_bias=None):
+                              repetition_penalty=None, min_p=None, logit_bias=None,
+                              include_stop_str_in_output=None, skip_special_tokens=None):
         req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                        min_tokens=min_tokens, logprobs=logprobs,
                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias)
+                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias,
+                       include_stop_str_in_output=include_stop_str_in_output,
+                       skip_special_tokens=skip_special_tokens)
         if self._many is not None:
             async for c in self._many.stream(req, self.timeout):
                 yield c

@@ -54,7 +54,7 @@ def _loop_now(tok, ids) -> float:
     ex.register("r", SamplingParams(max_tokens=None, stop=("never seen",)), 0)
     out = Outputs(tok, lambda rid: None)
     out.subscribe("s")
-    out.open("r", "s", [1, 2, 3], ("never seen",))
+    out.open("r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)))
     req, sent = _Req("r"), 0
     # this thread's CPU: the output thread runs beside it, as in an engine, and
     # the wall clock would count the waits for its GIL as the loop's cost

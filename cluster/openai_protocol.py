@@ -54,9 +54,9 @@ class _Common(BaseModel):
     # vLLM's extensions
     repetition_penalty: StrictFloat | None = Field(None, ge=0.01, le=10.0, allow_inf_nan=False)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    # vLLM's extensions that change the answer: refused unless at their no-op value
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # vLLM's extensions that change the answer: refused unless at their no-op value
     prompt_logprobs: StrictInt | None = None
     guided_json: object = None
     guided_regex: object = None
@@ -108,12 +108,6 @@ class _Common(BaseModel):
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of", "best_of is not supported by pdserve apart from "
                               "best_of == n; use n")
-        if self.include_stop_str_in_output:
-            raise Unsupported("include_stop_str_in_output", "include_stop_str_in_output is not "
-                              "supported by pdserve: answers end before the stop string")
-        if not self.skip_special_tokens:
-            raise Unsupported("skip_special_tokens", "skip_special_tokens: false is not "
-                              "supported by pdserve: special tokens are left out of the text")
         if self.prompt_logprobs is not None:
             raise Unsupported("prompt_logprobs", "prompt_logprobs is not supported by pdserve; "
                               "logprobs covers the generated tokens")
@@ -143,7 +137,9 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
-            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
 
     @property
     def include_usage(self) -> bool:

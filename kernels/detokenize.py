@@ -16,11 +16,18 @@ CONTEXT_TOKENS = 6      # prompt tokens that give the first output token its con
 
 
 class Detokenizer:
-    __slots__ = ("_step", "stop", "longest_stop", "stopped", "_out", "_pending", "_recent")
+    __slots__ = ("_step", "stop", "include_stop", "longest_stop", "stopped", "_out",
+                 "_pending", "_recent")
 
-    def __init__(self, tokenizer, prompt_tail=(), stop=()):
-        self._step = tokenizer.decode_stream(list(prompt_tail[-CONTEXT_TOKENS:])).step
+    def __init__(self, tokenizer, prompt_tail=(), stop=(), include_stop: bool = False,
+                 skip_special: bool = True):
+        """`include_stop`: the text ends after the stop string found, not
+        before it (vLLM's include_stop_str_in_output). `skip_special`: special
+        tokens add no text (False: their own text, e.g. <|im_start|>)."""
+        self._step = tokenizer.decode_stream(list(prompt_tail[-CONTEXT_TOKENS:]),
+                                             skip_special_tokens=skip_special).step
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.stopped = False        # a stop string was found; the text ends before it
         self._out: list[str] = []   # text handed out by ready()
@@ -46,12 +53,15 @@ class Detokenizer:
         # a stop string that ends in this piece starts at most longest-1 chars before it
         before = self._recent
         window = before + piece
-        cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut < 0:
+        found = [(i, -len(s)) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
+        if not found:
             self._add(piece)
             return False
         self.stopped = True
-        keep = cut - len(before)    # chars of `piece` before the stop string (may be < 0)
+        cut, minus_len = min(found)  # the first to start (the longest of those)
+        if self.include_stop:
+            cut -= minus_len        # the text ends with the stop string
+        keep = cut - len(before)    # chars of `piece` the text keeps (may be < 0)
         if keep >= 0:
             self._pending += piece[:keep]
         else:                       # it began in text not handed out yet, or in text out

@@ -60,6 +60,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0    # tokens of prompt or output: logit / p if > 0, else * p
     min_p: float = 0.0                 # drop tokens below min_p times the likeliest's probability
     logit_bias: tuple = field(default_factory=tuple)    # (token id, bias) pairs; a dict is taken
+    include_stop_str_in_output: bool = False   # the text ends after a stop string, not before
+    skip_special_tokens: bool = True   # False: special tokens' own text is in the output
 
     def __post_init__(self):
         def bad(name, value, want):
@@ -87,6 +89,9 @@ class SamplingParams:
                                           not isinstance(self.logprobs, int) or
                                           not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"give an integer in [0, {MAX_LOGPROBS}], or None")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, getattr(self, name), "give true or false")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _number(v) or not -2 <= v <= 2:

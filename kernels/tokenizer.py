@@ -30,8 +30,8 @@ class PrintableTokenizer:
     def decode(self, ids) -> str:
         return "".join("\n" if i == 95 else chr(i + 32) for i in ids if 0 <= i <= 95)
 
-    def decode_stream(self, context=()):
-        return _PrintableStream()
+    def decode_stream(self, context=(), skip_special_tokens: bool = True):
+        return _PrintableStream()          # BOS and EOS have no text either way
 
 
 class _PrintableStream:
@@ -117,7 +117,7 @@ class HFTokenizer:
             return " ".join(str(i) for i in ids)
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def decode_stream(self, context=()):
+    def decode_stream(self, context=(), skip_special_tokens: bool = True):
         """An incremental decoder (`step(id) -> str | None`): tokenizers'
         DecodeStream, which holds back a character until its bytes are all
         in; `context` (the prompt's last tokens) gives the first output token
@@ -126,7 +126,8 @@ class HFTokenizer:
             return _JoinedIds()
         from tokenizers.decoders import DecodeStream
 
-        return _BoundStream(DecodeStream(ids=list(context), skip_special_tokens=True), self._tok)
+        return _BoundStream(DecodeStream(ids=list(context),
+                                         skip_special_tokens=skip_special_tokens), self._tok)
 
 
 class _BoundStream:

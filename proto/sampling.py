@@ -18,7 +18,9 @@ def to_options(sp: SamplingParams, **override) -> pb.SamplingOptions:
               "min_tokens": sp.min_tokens, "logprobs": sp.logprobs,
               "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty,
               "repetition_penalty": sp.repetition_penalty, "min_p": sp.min_p,
-              "logit_bias": dict(sp.logit_bias)}
+              "logit_bias": dict(sp.logit_bias),
+              "include_stop_str_in_output": sp.include_stop_str_in_output,
+              "keep_special_tokens": not sp.skip_special_tokens}
     fields.update(override)
     return pb.SamplingOptions(**{k: v for k, v in fields.items() if v is not None})
 
@@ -34,6 +36,8 @@ def from_options(s: pb.SamplingOptions, **override) -> SamplingParams:
               "logprobs": s.logprobs if s.HasField("logprobs") else None,
               "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
               "repetition_penalty": s.repetition_penalty or 1.0, "min_p": s.min_p,
-              "logit_bias": dict(s.logit_bias)}
+              "logit_bias": dict(s.logit_bias),
+              "include_stop_str_in_output": s.include_stop_str_in_output,
+              "skip_special_tokens": not s.keep_special_tokens}
     fields.update(override)
     return SamplingParams(**fields)

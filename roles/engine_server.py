@@ -421,7 +421,7 @@ class EngineServer:
             self.executor.forget(req.id)
             raise
         self.owner[req.id] = r.subscriber
-        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp.stop, sp.min_tokens)
+        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp)
 
     def abort(self, req_id: str, reason: str) -> bool:
         p = self.planner

@@ -21,6 +21,7 @@ import queue
 import threading
 
 from pdserve.kernels.detokenize import Detokenizer
+from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
 
@@ -67,8 +68,10 @@ class Outputs:
         _at_interpreter_exit(self.end_streams)
 
     # ---- the loop thread ------------------------------------------------------
-    def open(self, req_id: str, subscriber: str, prompt, stop=(), min_tokens: int = 0) -> None:
-        self._in.put([("open", req_id, subscriber, prompt[-8:], stop, min_tokens)])
+    def open(self, req_id: str, subscriber: str, prompt, sp=None) -> None:
+        """Start a request's text; `sp` (SamplingParams): its stop strings,
+        min_tokens and text options."""
+        self._in.put([("open", req_id, subscriber, prompt[-8:], sp or SamplingParams())])
 
     def post(self, items: list) -> None:
         """A round's results: (req id, new token ids, logprobs, final, error),
@@ -128,8 +131,10 @@ class Outputs:
         out: dict[str, list] = {}
         for item in batch:
             if item[0] == "open":
-                _, rid, sub, tail, stop, min_tokens = item
-                self._live[rid] = _Live(sub, Detokenizer(self.tok, tail, stop), min_tokens)
+                _, rid, sub, tail, sp = item
+                detok = Detokenizer(self.tok, tail, sp.stop, sp.include_stop_str_in_output,
+                                    sp.skip_special_tokens)
+                self._live[rid] = _Live(sub, detok, sp.min_tokens)
                 continue
             ev = self._event(*item)
             if ev is not None:

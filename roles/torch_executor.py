@@ -108,7 +108,9 @@ class TorchExecutor:
         """`prior_output`: how many of the prompt's last tokens the request
         generated before it was resubmitted; penalties count them as output,
         and a seeded request draws on where it left off."""
-        detok = Detokenizer(self.tokenizer, prompt, params.stop) if self.detokenize else None
+        detok = Detokenizer(self.tokenizer, prompt, params.stop,
+                            params.include_stop_str_in_output,
+                            params.skip_special_tokens) if self.detokenize else None
         self.tracked[req_id] = Tracked(params, fallback_seed, detok, prior=prior_output)
 
     def params(self, req_id: str) -> SamplingParams:

@@ -67,10 +67,10 @@ def test_a_stop_string_cuts_the_text_and_no_piece_shows_part_of_it(smol, text):
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="abc \n", max_size=40),
        stops=st.lists(st.text(alphabet="abc \n", min_size=1, max_size=4), min_size=1, max_size=3),
-       min_tokens=st.integers(0, 5))
-def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens):
+       min_tokens=st.integers(0, 5), include=st.booleans())
+def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens, include):
     tok = PrintableTokenizer()
-    d = Detokenizer(tok, (), stops)
+    d = Detokenizer(tok, (), stops, include_stop=include)
     pieces, n = [], 0
     for t in tok.encode(text):
         n += 1
@@ -81,7 +81,7 @@ def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens)
     pieces.append(d.ready(final=True))
     got = "".join(pieces)
     if min_tokens == 0:
-        assert got == reference_cut(text, stops)
+        assert got == reference_cut(text, stops, include)
     else:
         assert text.startswith(got)
     streamed = ""
@@ -90,11 +90,28 @@ def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens)
         assert got.startswith(streamed)       # nothing shown is ever taken back
 
 
-def reference_cut(text: str, stops) -> str:
+def reference_cut(text: str, stops, include: bool = False) -> str:
     """Generation stops at the first token after which some stop string is
-    in the text; the text ends where the leftmost of those begins."""
+    in the text; the text ends where the leftmost of those begins (with
+    `include`: where it ends, the longest if several begin there)."""
     for i in range(1, len(text) + 1):
-        hits = [text[:i].find(s) for s in stops if s in text[:i]]
+        hits = [(text[:i].find(s), len(s)) for s in stops if s in text[:i]]
         if hits:
-            return text[:min(hits)]
+            at = min(a for a, _ in hits)
+            return text[:at + max(n for a, n in hits if a == at)] if include else text[:at]
     return text
+
+
+def test_the_stop_string_can_end_the_text_and_special_tokens_can_show(smol):
+    ids = smol.encode("The capital of France is Paris. It is", add_special_tokens=False)
+    d, pieces = stream(smol, ids, stop=("Paris",))
+    assert d.text == "The capital of France is "
+    d = Detokenizer(smol, (), ("Paris",), include_stop=True)
+    pieces = [d.ready() for t in ids if not d.push(t)] + [d.ready(final=True)]
+    assert "".join(pieces) == d.text == "The capital of France is Paris"
+    marked = smol.encode("<|im_start|>user", add_special_tokens=False)
+    assert smol.decode(marked) == "user"               # special tokens skipped by default
+    shown = Detokenizer(smol, (), skip_special=False)
+    for t in marked:
+        shown.push(t)
+    assert shown.text == "<|im_start|>user"

@@ -318,6 +318,27 @@ def test_tokenize_counts_the_prompt_chat_bills_and_detokenize_reads_it_back(dep,
     assert httpx.post(dep.http_address + "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_stop_string_and_special_tokens_can_be_kept_in_the_text(oai, model, route,
+                                                                    grpc_client):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=24,
+                                    temperature=0, stop=["Paris"],
+                                    extra_body={"route": route,
+                                                "include_stop_str_in_output": True})
+    text = r.choices[0].message.content
+    assert text.endswith("Paris") and text.count("Paris") == 1, text
+    assert r.choices[0].finish_reason == "stop"
+    forced = {"max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}}   # <|im_start|>
+    shown = oai.completions.create(model=model, prompt="Hi", **forced,
+                                   extra_body={"route": route, "skip_special_tokens": False})
+    hidden = oai.completions.create(model=model, prompt="Hi", **forced,
+                                    extra_body={"route": route})
+    assert shown.choices[0].text == "<|im_start|>" * 3 and hidden.choices[0].text == ""
+    g = grpc_client.generate("Hi", max_tokens=3, temperature=0, logit_bias={1: 100.0},
+                             skip_special_tokens=False, route=route)
+    assert g.text == "<|im_start|>" * 3
+
+
 @pytest.fixture(scope="module")
 def offline():
     from pdserve import LLM
