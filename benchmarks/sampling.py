@@ -181,8 +181,11 @@ def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True
 def penalties(pool, batches, repeats: int) -> None:
     """What each penalty adds to a t=1 round on SmolLM2's rows, the plain
     and the penalized sampler alternating; every row penalized, with a
-    history of the given length (random tokens)."""
+    history of the given length (random tokens; the prompt's distinct ones
+    as the executor keeps them)."""
     import random
+
+    import numpy as np
 
     from pdserve.kernels.sampling import SamplingParams, sample
 
@@ -197,7 +200,7 @@ def penalties(pool, batches, repeats: int) -> None:
         plain = [SamplingParams(seed=i) for i in range(b)]
         for kind, kw, n_prompt, n_out in PENALTIES:
             params = [SamplingParams(seed=i, **kw) for i in range(b)]
-            hist = [([rng.randrange(vocab) for _ in range(n_prompt)],
+            hist = [(np.unique([rng.randrange(vocab) for _ in range(n_prompt)]),
                      [rng.randrange(vocab) for _ in range(n_out)]) for _ in range(b)]
             base = lambda: sample(logits, plain, steps, seeds)                     # noqa: E731
             pen = lambda: sample(logits, params, steps, seeds, histories=hist)     # noqa: E731

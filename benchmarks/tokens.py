@@ -72,12 +72,13 @@ def _loop_now(tok, ids) -> float:
 
 def _outputs_now(tok, ids) -> float:
     """Seconds per token in the output thread: text, stop strings, message."""
+    from pdserve.kernels.sampling import SamplingParams
     from pdserve.roles.outputs import Outputs
 
     out = Outputs(tok, lambda rid: None)
     out.close()                                      # drive it here, in this thread
     q = out.subscribe("s")
-    out._batch([("open", "r", "s", [1, 2, 3], ("never seen",), 0)])
+    out._batch([("open", "r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)))])
     t0 = time.perf_counter()
     for t in ids:
         out._batch([("r", [t], (), None, None)])

@@ -31,7 +31,6 @@ name, before any of that; min-p cuts the weights in one pass.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -184,7 +183,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     `fallback_seeds[i]` seeds an unseeded request; `stop_ids` (EOS) are masked,
     with each row's stop_token_ids, while the row is short of min_tokens.
     `histories[i]`: row i's (prompt tokens, output tokens), needed only for
-    rows whose params penalize (else None, or the list may be None).
+    rows whose params penalize (else None, or the list may be None); lists
+    or numpy arrays, and the prompt's distinct tokens are enough.
     `earlier[i]`: tokens row i's request generated before it was resubmitted
     (its draw is then that of token earlier[i] + steps[i], as if it had not
     been; None: none anywhere)."""
@@ -271,18 +271,18 @@ def _penalize(logits, params: list[SamplingParams], histories):
     if len(rows) == logits.shape[0]:
         return x
     out = logits.clone()
-    out.index_copy_(0, idx.long(), x)
+    out.index_copy_(0, idx, x)
     return out
 
 
 def _cells(lengths: list[int], parts: list, vocab: int, device):
-    """Row j's next lengths[j] tokens of `parts` (concatenated), as flat
-    indices row * vocab + token on `device`; None if there are none. Long
-    histories go through numpy: torch.tensor on a list of ints is 4x slower."""
-    total = sum(lengths)
-    if not total:
+    """Row j's next lengths[j] tokens of `parts` (lists or numpy arrays,
+    concatenated), as flat indices row * vocab + token on `device`; None if
+    there are none. They go through numpy: torch.tensor on a list of ints
+    is 4x slower."""
+    if not sum(lengths):
         return None
-    tokens = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=total)
+    tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
     tokens += np.repeat(np.arange(len(lengths), dtype=np.int64) * vocab, lengths)
     return stage(torch.from_numpy(tokens), device)
 

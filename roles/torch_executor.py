@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta
@@ -46,6 +47,7 @@ class Tracked:
     logprobs: list = field(default_factory=list)
     tokens: int = 0                 # tokens taken (on_token calls)
     prior: int = 0                  # the prompt's last tokens that were output (a resubmission)
+    prompt_seen: object = None      # the prompt's distinct tokens (numpy), once a penalty asks
 
 
 class TorchExecutor:
@@ -311,12 +313,18 @@ class TorchExecutor:
 
 def _history(req, t: Tracked) -> tuple:
     """(prompt, output) as penalties see them: a resubmitted request's
-    earlier output is the tail of its prompt here, and counts as output."""
-    prompt = req.prompt.tokens
-    if not t.prior:
-        return prompt, req.output
+    earlier output is the tail of its prompt here, and counts as output.
+    Only the repetition penalty reads the prompt, and only its set of
+    tokens: that is made once (numpy, distinct ids), not every round."""
+    prompt, output = req.prompt.tokens, req.output
     cut = len(prompt) - t.prior
-    return prompt[:cut], prompt[cut:] + req.output
+    if t.prior:
+        output = prompt[cut:] + output
+    if t.params.repetition_penalty == 1.0:
+        return (), output
+    if t.prompt_seen is None:
+        t.prompt_seen = np.unique(np.asarray(prompt[:cut], dtype=np.int64))
+    return t.prompt_seen, output
 
 
 def _check_groups(groups, model) -> None:

@@ -130,7 +130,10 @@ def test_a_resubmitted_request_s_earlier_output_counts_as_output():
     sp = SamplingParams(frequency_penalty=1.0)
     fresh = _history(Req([1, 2, 3], [4, 4, 5]), Tracked(sp, 0, None))
     again = _history(Req([1, 2, 3, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
-    assert fresh == again == ([1, 2, 3], [4, 4, 5])
+    assert fresh == again == ((), [4, 4, 5])        # only the repetition penalty reads the prompt
+    sp = SamplingParams(repetition_penalty=1.5)
+    again = _history(Req([3, 1, 3, 2, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
+    assert again[0].tolist() == [1, 2, 3] and again[1] == [4, 4, 5]
 
 
 def test_the_offline_engine_generates_with_penalties_and_refuses_a_bias_past_the_vocab():
