@@ -269,7 +269,11 @@ class HttpFront:
             return error(400, str(e), e.param)
         except RequestError as e:
             return _from_request_error(e)
-        return await self._respond(request, body, streams, rid, prompts, chat=False)
+        # echo: each choice's text starts with its prompt's (token ids: decoded)
+        echo = [p if isinstance(p, str) else self.r.tokenizer.decode(ids)
+                for p, ids in zip(body.prompts(), prompts)] if body.echo else None
+        return await self._respond(request, body, streams, rid, prompts, chat=False,
+                                   echo=echo)
 
     async def chat(self, request: Request):
         if (denied := self._auth(request)) is not None:
@@ -308,11 +312,12 @@ class HttpFront:
         return self.r.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     # ---- answers -----------------------------------------------------------------
-    async def _respond(self, request, body, streams, rid, prompts, chat: bool):
+    async def _respond(self, request, body, streams, rid, prompts, chat: bool, echo=None):
+        """`echo`: per prompt, the text each of its choices starts with."""
         created = int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)      # once a prompt, whatever n is
         if body.stream:
-            gen = self._sse(body, streams, rid, created, prompt_tokens, chat)
+            gen = self._sse(body, streams, rid, created, prompt_tokens, chat, echo)
             return StreamingResponse(gen, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(_collect(streams))
@@ -338,14 +343,15 @@ class HttpFront:
                                                          "content": res["text"]},
                                 "logprobs": lps, "finish_reason": res["finish_reason"]})
             else:
-                choices.append({"index": i, "text": res["text"], "logprobs": lps,
+                text = echo[i // body.n] + res["text"] if echo else res["text"]
+                choices.append({"index": i, "text": text, "logprobs": lps,
                                 "finish_reason": res["finish_reason"]})
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": self.r.model_name, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens)})
 
-    async def _sse(self, body, streams, rid, created, prompt_tokens, chat: bool):
+    async def _sse(self, body, streams, rid, created, prompt_tokens, chat: bool, echo=None):
         ev = SseEvents({"id": rid, "object": "chat.completion.chunk" if chat
                         else "text_completion", "created": created,
                         "model": self.r.model_name}, chat, body.include_usage)
@@ -373,6 +379,8 @@ class HttpFront:
                 for i in range(len(streams)):
                     yield ev.choice({"index": i, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None})
+            for i in range(len(streams) if echo else 0):     # the prompt first
+                yield ev.text(i, echo[i // body.n])
             if len(streams) == 1:                 # no merging layer: this runs every token
                 async with contextlib.aclosing(streams[0].events()) as deltas:
                     async for d in deltas:

@@ -167,8 +167,9 @@ class CompletionRequest(_Common):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise Unsupported("echo", "echo is not supported by pdserve; leave it false")
+        if self.echo and self.logprobs is not None:
+            raise Unsupported("echo", "echo with logprobs would need the prompt's logprobs, "
+                              "which pdserve does not compute; drop one of them")
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported by pdserve; leave it unset")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

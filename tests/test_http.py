@@ -339,6 +339,23 @@ def test_the_stop_string_and_special_tokens_can_be_kept_in_the_text(oai, model, 
     assert g.text == "<|im_start|>" * 3
 
 
+def test_echo_puts_each_prompt_before_its_completion_streamed_or_not(oai, model):
+    prompts = ["The sky is", "Two plus two is"]
+    plain = oai.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    tails = [c.text for c in sorted(plain.choices, key=lambda c: c.index)]
+    echoed = oai.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0,
+                                    echo=True, n=2)
+    assert [c.text for c in sorted(echoed.choices, key=lambda c: c.index)] == \
+        [p + t for p, t in zip(prompts, tails) for _ in range(2)]
+    assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    chunks = oai.completions.create(model=model, prompt=prompts[0], max_tokens=4,
+                                    temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompts[0] + tails[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="x", max_tokens=2, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo" and "prompt's logprobs" in e.value.message
+
+
 @pytest.fixture(scope="module")
 def offline():
     from pdserve import LLM
