@@ -117,7 +117,10 @@ class HttpFront:
                      "the deployment was started with (--api-key or PDSERVE_API_KEY)")
 
     async def _body(self, request: Request, model_cls):
-        """The request body as `model_cls`, or an error response."""
+        """The request body as `model_cls`, or an error response (the API
+        key checked first)."""
+        if (denied := self._auth(request)) is not None:
+            return None, denied
         limit = self.r.cfg.router.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -206,8 +209,6 @@ class HttpFront:
         return JSONResponse({"version": pdserve.__version__})
 
     async def tokenize(self, request: Request):
-        if (denied := self._auth(request)) is not None:
-            return denied
         body, err = await self._body(request, TokenizeRequest)
         if err is not None:
             return err
@@ -227,8 +228,6 @@ class HttpFront:
                              self.r.cfg.engine.max_context_tokens, "tokens": ids})
 
     async def detokenize(self, request: Request):
-        if (denied := self._auth(request)) is not None:
-            return denied
         body, err = await self._body(request, DetokenizeRequest)
         if err is not None:
             return err
@@ -254,8 +253,6 @@ class HttpFront:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request):
-        if (denied := self._auth(request)) is not None:
-            return denied
         body, err = await self._body(request, CompletionRequest)
         if err is not None:
             return err
@@ -276,8 +273,6 @@ class HttpFront:
                                    echo=echo)
 
     async def chat(self, request: Request):
-        if (denied := self._auth(request)) is not None:
-            return denied
         body, err = await self._body(request, ChatCompletionRequest)
         if err is not None:
             return err
