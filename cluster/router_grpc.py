@@ -172,11 +172,14 @@ class RouterServicer(pbg.RouterServicer):
         try:
             while True:
                 items = await outbox.take()
-                if ending:
+                # read before the write: a request that ends while the write
+                # is awaited queues its last responses behind this batch
+                last = ending
+                if last:
                     items = [m for m in items if m is not None]
                 if items:
                     await context.write(pb.GenerateBatch(responses=items))
-                if ending:
+                if last:
                     return
         finally:
             reader.cancel()

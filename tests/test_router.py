@@ -206,3 +206,57 @@ def test_membership_closes_an_engines_channel_when_it_moves_and_on_disconnect():
         assert ref.channel is None and await closed(current)
         await membership.disconnect(ref)       # twice is harmless
     asyncio.run(run())
+
+
+def test_a_generate_many_call_that_ends_during_a_write_still_sends_the_last_responses():
+    """The client has sent its last request; while the call writes the
+    request's first token, the request finishes and the call learns it is
+    ending. The tokens and the finish queued meanwhile still go out before
+    the call returns (the writer returned at once, and a request's last
+    message was lost: CI saw 3 of 4 tokens)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.cluster.router_grpc import RouterServicer
+    from pdserve.proto import router_pb2 as pb
+
+    class Stream:
+        id = "r1"
+        task = None
+        writing = None
+
+        async def events(self):
+            self.task = asyncio.current_task()     # the call's task for this request
+            self.writing = asyncio.Event()
+            for i in range(4):
+                yield SimpleNamespace(token_ids=[i], text=str(i), engine="fused-0", logprobs=[],
+                                      finish_reason="length" if i == 3 else "")
+                if i == 0:                          # the rest once the first is being written
+                    await self.writing.wait()
+
+    stream = Stream()
+    front = SimpleNamespace(validate=lambda request: ([1, 2], None),
+                            open=lambda ids, sp, route, rid: stream)
+
+    class Context:
+        def __init__(self):
+            self.sent = []
+
+        async def write(self, batch):
+            if not self.sent:
+                # hold the first write until the request has ended and the
+                # call has heard of it (its done-callbacks run first)
+                stream.writing.set()
+                await asyncio.wait({stream.task})
+            self.sent.append(batch)
+
+    async def calls():
+        yield pb.GenerateCall(tag=1, request=pb.GenerateRequest(token_ids=[1, 2]))
+
+    async def go():
+        ctx = Context()
+        await asyncio.wait_for(RouterServicer(front).GenerateMany(calls(), ctx), 10)
+        return [r for b in ctx.sent for r in b.responses]
+    got = asyncio.run(go())
+    assert [t for r in got for t in r.response.token_ids] == [0, 1, 2, 3]
+    assert got[-1].response.finish_reason == "length"
