@@ -421,9 +421,10 @@ def _with_seed(sp, seed):
 
 
 async def _merged(streams):
-    """(choice index, Delta) from every stream as they come; a RequestError
-    from any stream ends the whole answer, and every stream is closed however
-    the iteration ends (the engines abort what is left)."""
+    """(choice index, Delta) from every stream as they come; an error from
+    any stream (a RequestError, or a bug) ends the whole answer, as it does
+    with one stream, and every stream is closed however the iteration ends
+    (the engines abort what is left)."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0].events()) as deltas:
             async for d in deltas:
@@ -436,7 +437,7 @@ async def _merged(streams):
             async with contextlib.aclosing(s.events()) as deltas:
                 async for d in deltas:
                     q.put_nowait((i, d, None))
-        except RequestError as e:
+        except Exception as e:                # raised where the answer is read
             q.put_nowait((i, None, e))
             return
         q.put_nowait((i, None, None))

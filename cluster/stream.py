@@ -97,6 +97,10 @@ class Stream:
                         attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
                     async with contextlib.aclosing(attempt_deltas) as deltas:
                         async for d in deltas:
+                            # what the client has: tokens an engine made and
+                            # stream_interval still held are made again after a
+                            # resubmission, not skipped
+                            streamed.extend(d.token_ids)
                             timing.tokens(d.engine, len(d.token_ids))
                             if d.finish_reason:
                                 timing.finished(d.engine, d.finish_reason)
@@ -142,13 +146,15 @@ class Stream:
             except asyncio.TimeoutError:
                 target.alive = False              # until membership sees it again
                 raise _EngineLost(f"{target.name} has no live event stream") from None
-            link.requests[self.id] = box
             # a slot first (a client gone while queued costs the engine nothing),
             # then the Submit, shielded: once sent, the engine may take it
             await link.submits.acquire()
             if not link.ready.is_set():           # it re-subscribes: its id is changing
                 link.submits.release()
                 raise _EngineLost(f"{target.name}'s event stream is reconnecting")
+            # the box joins the subscription the Submit names, not one that
+            # broke (and put LOST in it) while this waited for a slot
+            link.requests[self.id] = box
             sub.subscriber = link.subscriber
             submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
             submit.add_done_callback(lambda _: link.submits.release())
@@ -194,7 +200,6 @@ class Stream:
                 while not d.finish_reason and backlog and _plain(backlog[0]):
                     d = _joined(d, _delta(backlog.popleft(), target.name))
                 ended = bool(d.finish_reason)
-                streamed.extend(d.token_ids)
                 yield d
         finally:
             if link.requests.get(self.id) is box:

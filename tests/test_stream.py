@@ -403,3 +403,146 @@ def test_a_resubmission_carries_the_sampling_and_says_how_much_is_output_already
     assert from_options(first.sampling) == sp
     assert from_options(again.sampling) == SamplingParams(**{**sp.__dict__, "max_tokens": 1,
                                                              "min_tokens": 1})
+
+
+def test_a_resubmission_under_stream_interval_carries_what_the_client_got_and_no_more():
+    """With router.stream_interval 3, an engine streams three tokens (sent
+    as one delta), then one more (held: fewer than 3), then dies. The new
+    engine's prompt ends with the three the client has; the held one is
+    made again there, not dropped (it went into the prompt and never to
+    the client, and the answer lost it)."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.cluster.engine_link import LOST
+    from pdserve.proto import control_pb2 as cpb
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 2}, "router": {"stream_interval": 3}})
+    r = Router(cfg, PrintableTokenizer(), 98, [("fused-0", "fused", "127.0.0.1:9"),
+                                              ("fused-1", "fused", "127.0.0.1:10")])
+    subs = []
+
+    class Failing:
+        async def Submit(self, sub, timeout):
+            subs.append(sub)
+            r.links["fused-0"].requests[sub.request_id].put(
+                cpb.RequestEvent(request_id=sub.request_id, token_ids=[7, 8, 9], text="abc"))
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            subs.append(sub)
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[10, 11], text="de",
+                finish_reason="length"))
+
+    async def go():
+        for name, stub in (("fused-0", Failing()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            linked(r, name)
+        got = []
+        async for d in r.open([1, 2], SamplingParams(max_tokens=5)).events():
+            got += d.token_ids
+            if got == [7, 8, 9]:                  # the client has these: one more, then death
+                q = r.links["fused-0"].requests[subs[0].request_id]
+                q.put(cpb.RequestEvent(request_id=subs[0].request_id, token_ids=[10], text="d"))
+                q.put(LOST)
+        return got
+    assert asyncio.run(go()) == [7, 8, 9, 10, 11]
+    first, again = subs
+    assert list(again.token_ids) == [1, 2, 7, 8, 9] and again.prior_output == 3
+    assert again.sampling.max_tokens == 2
+
+
+def test_a_request_waiting_for_a_slot_while_its_engine_resubscribes_joins_the_new_stream():
+    """All of an engine's Submit slots are taken; while a request waits for
+    one, the engine's event stream breaks (its requests hear LOST) and
+    reconnects under a new subscription. The request is then submitted
+    under the new one and reads its events there: it does not take the
+    old stream's LOST for its own, mark a live engine dead and leave an
+    orphan running on it."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.cluster.engine_link import LOST
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    calls = []
+
+    class Slots:                                  # all taken: the request waits for one
+        def __init__(self):
+            self.entered, self.free = asyncio.Event(), asyncio.Event()
+
+        async def acquire(self):
+            self.entered.set()
+            await self.free.wait()
+
+        def release(self):
+            pass
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            calls.append(("submit", sub.subscriber))
+            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[9], text="c", finish_reason="length"))
+
+        async def Abort(self, req, timeout):
+            calls.append(("abort", req.request_id))
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        link = linked(r, "fused-0")
+        link.subscriber = "router/1"
+        slots = link.submits = Slots()
+        stream = r.open([1, 2], SamplingParams(max_tokens=1))
+        task = asyncio.ensure_future(
+            asyncio.wait_for(_tokens(stream), 10))
+        await slots.entered.wait()
+        # what the link does when its stream breaks, then when it is back
+        link.ready.clear()
+        for box in link.requests.values():
+            box.put(LOST)
+        link.requests.clear()
+        link.subscriber = "router/2"
+        link.ready.set()
+        slots.free.set()
+        return await task
+    assert asyncio.run(go()) == [9]
+    assert calls == [("submit", "router/2")]
+    assert r.engines["fused-0"].alive and r.counters["resubmitted"] == 0
+
+
+async def _tokens(stream) -> list:
+    return [t for d in [d async for d in stream.events()] for t in d.token_ids]
+
+
+def test_an_answer_of_several_choices_ends_with_an_error_any_of_its_streams_raises():
+    """n > 1 over HTTP reads every choice's stream at once: a stream that
+    fails with anything, not only a refusal, ends the answer with that
+    error, as one stream's would, and the other stream is closed (a bug in
+    one stream left the whole answer waiting until its client gave up)."""
+    import asyncio
+
+    from pdserve.cluster.http_api import _merged
+
+    closed = []
+
+    class Broken:
+        async def events(self):
+            raise RuntimeError("a bug")
+            yield                                  # an async generator
+
+    class Endless:
+        async def events(self):
+            try:
+                await asyncio.Event().wait()
+                yield
+            finally:
+                closed.append("endless")
+
+    async def go():
+        async for _ in _merged([Endless(), Broken()]):
+            pass
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(asyncio.wait_for(go(), 10))
+    assert closed == ["endless"]
