@@ -299,6 +299,8 @@ class Multiplexed:
                                             r.error)
                     finished = bool(r.response.finish_reason)
                     yield _chunk(r.response)
+                    if finished:      # a timeout or the call's end behind it is stale
+                        break
         finally:
             if timer is not None:
                 timer.cancel()

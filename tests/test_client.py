@@ -104,3 +104,25 @@ def test_the_client_timeout_ends_a_request_with_deadline_exceeded_and_cancels_it
         return e.value
     err = asyncio.run(go())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.2 s" in err.details()
+
+
+def test_a_request_whose_answer_came_whole_does_not_fail_on_what_queued_behind_it():
+    """The router writes a request's last response and ends the call at
+    once: the call's end reaches the request's mailbox behind its final
+    response, before the request reads either. The request ends with its
+    answer; the call's end behind it is stale (it raised UNAVAILABLE after
+    the final chunk, and generate() threw the whole answer away). A
+    timeout firing in that moment is stale the same way."""
+
+    class EndsAtOnce:
+        def GenerateMany(self, requests, metadata=None):
+            async def responses():
+                call = await anext(requests)
+                yield _token(call.tag, "length")
+            return responses()
+
+    async def go():
+        many = Multiplexed(EndsAtOnce(), None)
+        return await asyncio.wait_for(_generate(many, 1), 10)
+    chunks = asyncio.run(go())
+    assert [(ch.token_ids, ch.finish_reason) for ch in chunks] == [([7], "length")]
