@@ -322,7 +322,11 @@ class EngineServer:
         if out.error:
             log.error("%s: round %d failed: %s", self.name, plan.round, out.error)
             for req in out.failed:
+                if self.role is Role.PREFILL:      # D hears it now and prefills itself
+                    self.peer.give_up(req.id, out.error)
+                    self.peer.release_twin(req.id)
                 self._fail(req.id, out.error)
+            self._peer_work(plan)
             return
         c = self.counts
         c.retractions += len(plan.retracts)
@@ -340,10 +344,20 @@ class EngineServer:
             self.outputs.post(items)
         for req in out.finished:
             self.request_finished(req)
+        self._peer_work(plan)
+
+    def _peer_work(self, plan) -> None:
+        """The round's asks and ships, whether or not its forward ran: a
+        remote admission's pages are reserved and a shipped prompt's KV was
+        computed in an earlier round (left undone, each waited for a peer
+        that was never asked, with no timeout)."""
+        p = self.planner
         for op in plan.remote_prefills:
-            self.peer.ask_prefill(op)
+            if op.req.id in p.landing:
+                self.peer.ask_prefill(op)
         for op in plan.remote_decodes:
-            self.peer.ship(op)
+            if op.req.id in p.transferring:
+                self.peer.ship(op)
 
     # ---- outputs ---------------------------------------------------------------
     def output_item(self, req, final: bool = False) -> tuple:
