@@ -60,6 +60,11 @@ def error(status: int, message: str, param: str | None = None, code=None) -> JSO
                         status_code=status)
 
 
+# what render_chat sets itself: chat_template_kwargs may not set these
+_TEMPLATE_ARGS = {"template", "messages", "add_generation_prompt", "bos_token", "eos_token",
+                  "continue_final_message"}
+
+
 def _from_request_error(e: RequestError) -> JSONResponse:
     return error(STATUS[e.kind], e.message, e.param)
 
@@ -180,7 +185,8 @@ class HttpFront:
         return streams
 
     def _tok_str(self, token_id: int) -> str:
-        return self.r.tokenizer.decode([token_id])
+        # a logprob names the token it scores: an end of turn is '<|im_end|>', not ''
+        return self.r.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- endpoints ---------------------------------------------------------------
     def _model_card(self) -> dict:
@@ -300,10 +306,14 @@ class HttpFront:
 
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
                     for m in body.messages]
+        extra = body.chat_template_kwargs or {}
+        if clash := sorted(set(extra) & _TEMPLATE_ARGS):
+            raise Unsupported("chat_template_kwargs", f"chat_template_kwargs sets {clash}, "
+                              "which the request itself sets; use the request's own fields")
         text = render_chat(template, messages, body.add_generation_prompt,
                            bos_token=getattr(self.r.tokenizer, "bos_token", None),
                            eos_token=getattr(self.r.tokenizer, "eos_token", None),
-                           continue_final_message=body.continue_final_message)
+                           continue_final_message=body.continue_final_message, **extra)
         return self.r.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     # ---- answers -----------------------------------------------------------------

@@ -26,9 +26,24 @@ class Unsupported(ValueError):
         self.param = param
 
 
+def _null_is_default(model: type[BaseModel], data):
+    """A field sent as null takes its default, as OpenAI and vLLM read it
+    (the openai client sends `n: null` when a caller passes n=None)."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items()
+                if not (v is None and k in model.model_fields
+                        and model.model_fields[k].default is not None)}
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return _null_is_default(cls, data)
 
 
 class _Common(BaseModel):
@@ -65,6 +80,11 @@ class _Common(BaseModel):
     structured_outputs: object = None
     user: str | None = None
     route: str = ""                     # pdserve's routing hint: "", fused, disaggregated
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return _null_is_default(cls, data)
 
     @field_validator("route")
     @classmethod
@@ -208,7 +228,7 @@ class Message(BaseModel):
         if bad is not None:
             raise Unsupported("messages", f"content part of type {bad!r} is not supported; "
                               "pdserve serves text models: send text parts")
-        return "".join(p.text or "" for p in self.content)
+        return "\n".join(p.text or "" for p in self.content)     # as vLLM joins them
 
 
 class ChatCompletionRequest(_Common):
@@ -223,6 +243,7 @@ class ChatCompletionRequest(_Common):
     response_format: dict | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None    # vLLM's: more variables for the template
 
     @model_validator(mode="after")
     def _continues(self):
@@ -271,6 +292,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = None   # default: true for a prompt, false for messages
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _one(self):

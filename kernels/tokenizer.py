@@ -27,7 +27,7 @@ class PrintableTokenizer:
             out.append(95 if ch == "\n" else (o - 32 if 32 <= o <= 126 else ord("?") - 32))
         return out
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join("\n" if i == 95 else chr(i + 32) for i in ids if 0 <= i <= 95)
 
     def decode_stream(self, context=(), skip_special_tokens: bool = True):
@@ -112,10 +112,12 @@ class HFTokenizer:
             raise ValueError(self._missing)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """`skip_special_tokens=False`: special tokens keep their text
+        (`<|im_end|>`), as a logprob entry names the token it scores."""
         if self._tok is None:
             return " ".join(str(i) for i in ids)
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, context=(), skip_special_tokens: bool = True):
         """An incremental decoder (`step(id) -> str | None`): tokenizers'

@@ -136,3 +136,73 @@ def test_tokenize_detokenize_version_and_one_model_answer_without_an_engine():
         err = resp.json()["error"]
         assert resp.status_code == status and err["param"] == param, err
         assert words in err["message"], err
+
+
+def test_fields_sent_as_null_take_their_defaults():
+    """The openai client sends `n: null` when a caller passes n=None, as
+    wrappers that forward their own defaults do; OpenAI and vLLM read null
+    as the default, so we do too (it was a 400)."""
+    from pdserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "a"}], "n": None, "stream": None,
+         "logprobs": None, "max_tokens": None, "ignore_eos": None})
+    assert (chat.n, chat.stream, chat.logprobs, chat.max_tokens) == (1, False, False, None)
+    done = CompletionRequest.model_validate(
+        {"prompt": "a", "echo": None, "stream": True,
+         "stream_options": {"include_usage": None}})
+    assert done.echo is False and done.include_usage is False
+    import pydantic
+    import pytest
+
+    with pytest.raises(pydantic.ValidationError, match="messages"):
+        ChatCompletionRequest.model_validate({"messages": None})   # required stays required
+
+
+def test_chat_text_parts_join_by_lines_and_template_kwargs_reach_the_template():
+    """A message's text parts are joined with newlines, as vLLM joins them
+    (the same request gets the same prompt); chat_template_kwargs are the
+    template's variables (Qwen3's enable_thinking), and one that would set
+    what the request sets itself is refused by name."""
+    from starlette.testclient import TestClient
+
+    from pdserve.cluster.http_api import build_app
+
+    class Templated(PrintableTokenizer):
+        chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}"
+                         "/no_think{% endif %}")
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "model": {"name": "toy"},
+                                 "engine": {"total_pages": 64, "page_size": 4,
+                                            "max_context_tokens": 64}})
+    tok = Templated()
+    http = TestClient(build_app(Router(cfg, tok, 98, [("fused-0", "fused", "127.0.0.1:9")])))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Q:"},
+                                          {"type": "text", "text": "2+2?"}]}]
+    got = http.post("/tokenize", json={"messages": parts}).json()
+    assert tok.decode(got["tokens"]) == "<user>Q:\n2+2?\n"
+    got = http.post("/tokenize", json={"messages": parts,
+                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert tok.decode(got.json()["tokens"]) == "<user>Q:\n2+2?\n/no_think"
+    refused = http.post("/tokenize", json={"messages": parts,
+                                           "chat_template_kwargs": {"messages": []}})
+    err = refused.json()["error"]
+    assert refused.status_code == 400 and err["param"] == "chat_template_kwargs"
+    assert "messages" in err["message"]
+
+
+def test_a_logprob_names_a_special_token_by_its_text():
+    """An end of turn scored in logprobs is '<|im_end|>', not '' (decoding
+    it as answer text drops it, and two special tokens then shared one key
+    in a completion's top_logprobs)."""
+    from pdserve.kernels.loader import load_tokenizer
+
+    from pdserve.cluster.http_api import HttpFront
+
+    tok = load_tokenizer(None, "smollm2-135m")
+    end = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(end) == 1
+    assert tok.decode(end) == ""                                  # answer text
+    cfg = ServeConfig.from_dict({"cluster": {"fused": 1}})
+    front = HttpFront(Router(cfg, tok, 49152, [("fused-0", "fused", "127.0.0.1:9")]))
+    assert front._tok_str(end[0]) == "<|im_end|>"
