@@ -24,6 +24,7 @@ from pdserve.kernels.sampling import SamplingParams
 from pdserve.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto.sampling import to_options
+from pdserve.roles.drain import DEADLINE_ABORT
 
 if TYPE_CHECKING:
     from pdserve.cluster.router import Router
@@ -194,8 +195,7 @@ class Stream:
                     raise _EngineLost(f"{target.name} failed mid-stream")
                 if ev.error:
                     ended = True
-                    kind = "aborted" if ev.error.startswith("aborted") else "internal"
-                    raise RequestError(kind, ev.error)
+                    raise RequestError(_error_kind(ev.error), ev.error)
                 d = _delta(ev, target.name)
                 while not d.finish_reason and backlog and _plain(backlog[0]):
                     d = _joined(d, _delta(backlog.popleft(), target.name))
@@ -209,6 +209,15 @@ class Stream:
             target.load -= load
             if peer is not None:
                 peer.load -= len(ids)
+
+
+def _error_kind(error: str) -> str:
+    """How a front reports an engine's error event: a drain's deadline is
+    the server going away (503 / UNAVAILABLE: clients retry it), not a
+    client's abort (499 / ABORTED, which none retries)."""
+    if DEADLINE_ABORT in error:
+        return "unavailable"
+    return "aborted" if error.startswith("aborted") else "internal"
 
 
 def _plain(ev) -> bool:

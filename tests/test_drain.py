@@ -261,7 +261,8 @@ def test_past_the_deadline_what_is_left_is_aborted_and_the_client_told(client):
     report = client.drain(name, deadline_s=1.0)
     with pytest.raises(grpc.RpcError) as e:
         bg.join()
-    assert e.value.code() == grpc.StatusCode.ABORTED
+    # the server went away, not the client: UNAVAILABLE, which clients retry
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert DEADLINE_ABORT in e.value.details()
     assert report["deadline_passed"] and report["aborted"] == 1
     assert report["used_pages"] == 0            # nothing left held
