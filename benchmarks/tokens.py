@@ -52,7 +52,7 @@ def _loop_now(tok, ids) -> float:
     ex = TorchExecutor.__new__(TorchExecutor)         # the per-token state only, no model
     ex.detokenize, ex.tokenizer, ex.eos, ex.tracked = False, tok, {tok.eos_token_id}, {}
     ex.register("r", SamplingParams(max_tokens=None, stop=("never seen",)), 0)
-    out = Outputs(tok, lambda rid: None)
+    out = Outputs(tok, lambda rid, key: None)
     out.subscribe("s")
     out.open("r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)))
     req, sent = _Req("r"), 0
@@ -75,10 +75,10 @@ def _outputs_now(tok, ids) -> float:
     from pdserve.kernels.sampling import SamplingParams
     from pdserve.roles.outputs import Outputs
 
-    out = Outputs(tok, lambda rid: None)
+    out = Outputs(tok, lambda rid, key: None)
     out.close()                                      # drive it here, in this thread
     q = out.subscribe("s")
-    out._batch([("open", "r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)))])
+    out._batch([("open", "r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)), None)])
     t0 = time.perf_counter()
     for t in ids:
         out._batch([("r", [t], (), None, None)])

@@ -387,11 +387,12 @@ class EngineServer:
             self.outputs.post([(req_id, (), (), None, error)])
         self._close(req_id)
 
-    def _stop_string_hit(self, req_id: str) -> None:
-        """Output thread: `req_id` produced a stop string; its last event is
-        out. The loop lets the request go (it may have finished meanwhile)."""
+    def _stop_string_hit(self, req_id: str, req) -> None:
+        """Output thread: `req` (the Request submitted as `req_id`) produced a
+        stop string; its last event is out. The loop lets it go, unless it
+        finished meanwhile: a new request under the same id is not it."""
         def release():
-            if req_id in self.planner.requests and req_id in self.owner:
+            if self.planner.requests.get(req_id) is req and req_id in self.owner:
                 self.planner.abort(req_id, "stop string")
                 self.counts.finished += 1
                 self._close(req_id)
@@ -435,7 +436,7 @@ class EngineServer:
             self.executor.forget(req.id)
             raise
         self.owner[req.id] = r.subscriber
-        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp)
+        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp, key=req)
 
     def abort(self, req_id: str, reason: str) -> bool:
         p = self.planner

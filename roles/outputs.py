@@ -42,11 +42,11 @@ def _at_interpreter_exit(fn) -> None:
 
 
 class _Live:
-    __slots__ = ("subscriber", "detok", "min_tokens", "tokens")
+    __slots__ = ("subscriber", "detok", "min_tokens", "tokens", "key")
 
-    def __init__(self, subscriber, detok, min_tokens):
-        self.subscriber, self.detok, self.min_tokens, self.tokens = \
-            subscriber, detok, min_tokens, 0
+    def __init__(self, subscriber, detok, min_tokens, key):
+        self.subscriber, self.detok, self.min_tokens, self.tokens, self.key = \
+            subscriber, detok, min_tokens, 0, key
 
 
 def logprob_pb(lp) -> rpb.TokenLogprob:
@@ -57,7 +57,7 @@ def logprob_pb(lp) -> rpb.TokenLogprob:
 class Outputs:
     def __init__(self, tokenizer, on_stop, name: str = "engine"):
         self.tok = tokenizer
-        self.on_stop = on_stop              # called (output thread) with a request id
+        self.on_stop = on_stop              # called (output thread) with (request id, key)
         self._in: queue.Queue = queue.Queue()
         self._subs: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
@@ -68,10 +68,11 @@ class Outputs:
         _at_interpreter_exit(self.end_streams)
 
     # ---- the loop thread ------------------------------------------------------
-    def open(self, req_id: str, subscriber: str, prompt, sp=None) -> None:
+    def open(self, req_id: str, subscriber: str, prompt, sp=None, key=None) -> None:
         """Start a request's text; `sp` (SamplingParams): its stop strings,
-        min_tokens and text options."""
-        self._in.put([("open", req_id, subscriber, prompt[-8:], sp or SamplingParams())])
+        min_tokens and text options. `key` comes back with its stop string
+        (`on_stop`): which submission of the id it was found for."""
+        self._in.put([("open", req_id, subscriber, prompt[-8:], sp or SamplingParams(), key)])
 
     def post(self, items: list) -> None:
         """A round's results: (req id, new token ids, logprobs, final, error),
@@ -131,10 +132,10 @@ class Outputs:
         out: dict[str, list] = {}
         for item in batch:
             if item[0] == "open":
-                _, rid, sub, tail, sp = item
+                _, rid, sub, tail, sp, key = item
                 detok = Detokenizer(self.tok, tail, sp.stop, sp.include_stop_str_in_output,
                                     sp.skip_special_tokens)
-                self._live[rid] = _Live(sub, detok, sp.min_tokens)
+                self._live[rid] = _Live(sub, detok, sp.min_tokens, key)
                 continue
             ev = self._event(*item)
             if ev is not None:
@@ -172,5 +173,5 @@ class Outputs:
         if final:
             del self._live[rid]
         if stopped:
-            self.on_stop(rid)
+            self.on_stop(rid, st.key)
         return st.subscriber, ev
