@@ -141,16 +141,19 @@ class PeerProtocol:
             prior_output=prior), on_error=failed)
 
     def _prefill_not_taken(self, req_id: str, epoch: int, peer: str, code) -> None:
-        """P refused the RemotePrefill (it drains) or could not be reached:
-        prefill locally now rather than wait out the landing timeout. A
-        refusal posted nothing; an unreachable P might still, so those pages
-        are fenced."""
+        """P refused the RemotePrefill (it drains, or it still holds an
+        earlier copy of the id) or could not be reached: prefill locally now
+        rather than wait out the landing timeout. A refusal posted nothing;
+        an unreachable P might still, so those pages are fenced."""
         if self.epochs.get(req_id) != epoch:
             return                                         # that landing already ended
-        if code == grpc.StatusCode.FAILED_PRECONDITION:
+        refused = {grpc.StatusCode.FAILED_PRECONDITION: ("is draining", "prefill_draining"),
+                   grpc.StatusCode.INVALID_ARGUMENT: ("refused it", "prefill_refused")}
+        if code in refused:
+            why, stage = refused[code]
             if self.landing.forget(req_id, epoch):
-                self.recover_locally(req_id, epoch, f"prefill engine {peer} is draining",
-                                     fence=False, stage="prefill_draining")
+                self.recover_locally(req_id, epoch, f"prefill engine {peer} {why}",
+                                     fence=False, stage=stage)
         elif code == grpc.StatusCode.UNAVAILABLE:
             self.recover_locally(req_id, epoch, f"prefill engine {peer} is unreachable",
                                  fence=True, stage="prefill_unreachable")

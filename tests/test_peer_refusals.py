@@ -1,0 +1,38 @@
+"""D asks P to prefill and P refuses: D prefills the request itself at once,
+with nothing fenced (a refusal posted no write), rather than wait out the
+landing timeout and then fence pages nothing writes."""
+
+import time
+
+import grpc
+import pytest
+
+from pdserve.scheduler import Request, SamplingLimits
+
+from engine_fakes import one_round, server
+
+
+@pytest.mark.parametrize("code, stage", [(grpc.StatusCode.FAILED_PRECONDITION, "prefill_draining"),
+                                         (grpc.StatusCode.INVALID_ARGUMENT, "prefill_refused")])
+def test_a_refused_remote_prefill_is_prefilled_on_d_at_once_and_fences_nothing(code, stage):
+    """FAILED_PRECONDITION: P drains. INVALID_ARGUMENT: P refused the request,
+    e.g. it still holds an earlier copy of the id (a router resubmission to
+    a new D while P keeps the old D's twin)."""
+    d = server("decode", "decode-0", "prefill-0")
+    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
+    r.peer = "prefill-0"
+    d.planner.submit(r)
+    d.owner["x"] = "router"
+    one_round(d)
+    (_, method, ask), = d.sent
+    assert method == "RemotePrefill"
+    d.peer._prefill_not_taken("x", ask.epoch, "prefill-0", code)
+    assert "x" not in d.planner.landing
+    assert d.counts.fences == 0 and d.counts.failures_by_stage == {stage: 1}
+    d.peer.timers(time.monotonic() + 31)                   # no timeout left to fire
+    assert d.counts.failures_by_stage == {stage: 1}
+    for _ in range(50):
+        if not one_round(d):
+            break
+    assert "x" not in d.planner.requests
+    d.planner.assert_idle()
