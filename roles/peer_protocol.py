@@ -158,6 +158,10 @@ class PeerProtocol:
             self.recover_locally(req_id, epoch, f"prefill engine {peer} is unreachable",
                                  fence=True, stage="prefill_unreachable")
 
+    def _ack(self, req_id: str, epoch: int, release_only: bool = False):
+        return pb.TransferAckRequest(request_id=req_id, release_only=release_only,
+                                     engine=self.s.name, epoch=epoch)
+
     def recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool,
                         stage: str) -> None:
         if req_id not in self.s.planner.landing:
@@ -179,8 +183,7 @@ class PeerProtocol:
         self.s.counts.fences += fenced
         self.s.planner.transfer_failed(req.id, reason,
                                        fence_key=(req.id, epoch) if fenced else None)
-        self.send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=req.id,
-                                                                 release_only=True))
+        self.send(req.peer, "TransferAck", self._ack(req.id, epoch or 0, release_only=True))
 
     def on_transfer_event(self, ev) -> None:
         s = self.s
@@ -202,7 +205,7 @@ class PeerProtocol:
                 s.outputs.post([s.output_item(req, bool(finished))])
                 for r in finished:
                     s.request_finished(r)
-                self.send(req.peer, "TransferAck", pb.TransferAckRequest(request_id=ev.req_id))
+                self.send(req.peer, "TransferAck", self._ack(ev.req_id, ev.epoch))
         elif ev.kind == "done":                    # P: our write completed
             s.counts.transfer_seconds.observe(ev.seconds)
         elif ev.kind == "failed":                  # P: our write will not land
@@ -220,8 +223,8 @@ class PeerProtocol:
                 self.recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True,
                                      stage="timeout")
                 if req is not None and req.peer:
-                    self.send(req.peer, "TransferAck", pb.TransferAckRequest(
-                        request_id=ld.req_id, release_only=True))
+                    self.send(req.peer, "TransferAck",
+                              self._ack(ld.req_id, ld.epoch, release_only=True))
             for ld in self.landing.expired_fences(now):
                 s.planner.release_fence((ld.req_id, ld.epoch))
             if now - self._last_heartbeat >= self.heartbeat_s:
@@ -248,8 +251,8 @@ class PeerProtocol:
             self.recover_locally(r.request_id, r.epoch, r.reason, fence=False,
                                  stage="reported_by_prefill")
             if req is not None:
-                self.send(req.peer, "TransferAck", pb.TransferAckRequest(
-                    request_id=r.request_id, release_only=True))
+                self.send(req.peer, "TransferAck",
+                          self._ack(r.request_id, r.epoch, release_only=True))
 
     # ---- P: prefilling for D, shipping, acks ------------------------------------
     def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
@@ -301,6 +304,10 @@ class PeerProtocol:
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
         s = self.s
+        info = self.remote.get(r.request_id)
+        if r.engine and info is not None and \
+                (info[0] != r.engine or (r.epoch and info[3] != r.epoch)):
+            return          # for an earlier attempt at this id, from another D or landing
         self.transport.cancel(r.request_id)
         if r.request_id in s.planner.requests:
             s.planner.peer_ack(r.request_id)

@@ -36,3 +36,23 @@ def test_a_refused_remote_prefill_is_prefilled_on_d_at_once_and_fences_nothing(c
             break
     assert "x" not in d.planner.requests
     d.planner.assert_idle()
+
+
+def test_a_late_ack_for_an_earlier_attempt_leaves_the_live_copy_alone():
+    """P prefills x for decode-1 (a resubmission) when decode-0's release
+    ack for its own, earlier attempt at x arrives: P keeps decode-1's copy
+    (it dropped it and told no one, so decode-1 waited out its timeout). The
+    ack from decode-1 itself releases it."""
+    from pdserve.proto import control_pb2 as pb
+
+    p = server("prefill", "prefill-0", "decode-1")
+    p.peer.remote_prefill(pb.RemotePrefillRequest(
+        request_id="x", token_ids=list(range(1, 18)), landing_pages=list(range(5)), epoch=7,
+        target_engine="decode-1", target_incarnation=1))
+    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
+                                              engine="decode-0", epoch=3))
+    assert "x" in p.planner.requests and "x" in p.peer.remote
+    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
+                                              engine="decode-1", epoch=7))
+    assert "x" not in p.planner.requests and not p.peer.remote
+    p.planner.assert_idle()
