@@ -89,11 +89,12 @@ class Stream:
         client sees exactly the tokens an undisturbed run produces."""
         r = self.router
         streamed: list[int] = []
+        chars = 0                         # of their text, what the client has
         timing = r.metrics.request(len(self.ids), self.arrived)
         try:
             for attempt in range(MAX_RESUBMITS + 1):
                 try:
-                    attempt_deltas = self._attempt(streamed)
+                    attempt_deltas = self._attempt(streamed, chars)
                     if r.cfg.router.stream_interval > 1:
                         attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
                     async with contextlib.aclosing(attempt_deltas) as deltas:
@@ -102,6 +103,7 @@ class Stream:
                             # stream_interval still held are made again after a
                             # resubmission, not skipped
                             streamed.extend(d.token_ids)
+                            chars += len(d.text)
                             timing.tokens(d.engine, len(d.token_ids))
                             if d.finish_reason:
                                 timing.finished(d.engine, d.finish_reason)
@@ -122,7 +124,7 @@ class Stream:
         finally:
             r.active.pop(self.id, None)
 
-    async def _attempt(self, streamed: list[int]):
+    async def _attempt(self, streamed: list[int], chars: int):
         r, sp, done = self.router, self.sp, len(streamed)
         ids = self.ids + streamed
         try:
@@ -136,8 +138,12 @@ class Stream:
         r.active[self.id] = (target, peer)
         left = to_options(sp, min_tokens=max(sp.min_tokens - done, 0),
                           max_tokens=None if sp.max_tokens is None else sp.max_tokens - done)
+        # the engine goes on with the text where the client's ends: what the
+        # last engine held back (a possible stop string, half a character) is
+        # made again there
         sub = cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
-                                prefill_peer=peer.name if peer else "", prior_output=done)
+                                prefill_peer=peer.name if peer else "", prior_output=done,
+                                prior_text_chars=chars)
         link = r.links[target.name]
         box = Mailbox(asyncio.get_running_loop())
         ended = submitted = False

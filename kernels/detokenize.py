@@ -50,10 +50,13 @@ class Detokenizer:
         if not (self.stop and check_stop):
             self._add(piece)
             return False
-        # a stop string that ends in this piece starts at most longest-1 chars before it
+        # a stop string that ends in this piece starts at most longest-1 chars before
+        # it; one that ended before it (before min_tokens: not looked for) does not count
         before = self._recent
         window = before + piece
-        found = [(i, -len(s)) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
+        found = [(i, -len(s)) for i, s in
+                 ((window.find(s, max(len(before) - len(s) + 1, 0)), s) for s in self.stop)
+                 if i >= 0]
         if not found:
             self._add(piece)
             return False
@@ -69,6 +72,11 @@ class Detokenizer:
             held = len(self._pending)
             self._pending = self._pending[:held - min(drop, held)]
         return True
+
+    def skip(self, chars: int) -> None:
+        """The first `chars` characters of the text not handed out yet are
+        out already (sent by the engine a resubmitted request came from)."""
+        self._pending = self._pending[chars:]
 
     def _add(self, piece: str) -> None:
         self._pending += piece

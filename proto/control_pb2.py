@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import router_pb2 as pdserve_dot_proto_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/control.proto\x12\npdserve.v1\x1a\x1apdserve/proto/router.proto\"(\n\x12\x44rainEngineRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"\xb7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cprefill_peer\x18\x0b \x01(\t\x12\x12\n\nsubscriber\x18\x0e \x01(\t\x12-\n\x08sampling\x18\x0f \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x14\n\x0cprior_output\x18\x10 \x01(\rJ\x04\x08\x03\x10\x0bJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"8\n\x0c\x45ngineEvents\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RequestEvent\"\x95\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"8\n\x12\x41\x62ortEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xf5\x01\n\x14RemotePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x15\n\rlanding_pages\x18\x04 \x03(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rtarget_engine\x18\x06 \x01(\t\x12\x1a\n\x12target_incarnation\x18\x07 \x01(\x04\x12-\n\x08sampling\x18\r \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x14\n\x0cprior_output\x18\x0e \x01(\rJ\x04\x08\x08\x10\r\"]\n\x12TransferAckRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0crelease_only\x18\x02 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"J\n\x15TransferFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x10HeartbeatRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"\r\n\x0bInfoRequest\"\x97\x01\n\x0cInfoResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"]\n\x0e\x41\x64\x64PeerRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"\xff\x06\n\x13\x45ngineStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\r\x12\x12\n\nused_pages\x18\x02 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x04\x12\x13\n\x0bretractions\x18\x07 \x01(\x04\x12\x11\n\ttransfers\x18\x08 \x01(\x04\x12\x19\n\x11transfer_failures\x18\t \x01(\x04\x12\x16\n\x0elease_expiries\x18\n \x01(\x04\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x16\n\x0eprefix_queries\x18\x0c \x01(\x04\x12\x13\n\x0bprefix_hits\x18\r \x01(\x04\x12\x0e\n\x06\x66\x65nces\x18\x0e \x01(\x04\x12\x14\n\x0creadmissions\x18\x0f \x01(\x04\x12\x0e\n\x06stalls\x18\x10 \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x11 \x01(\x04\x12`\n\x1atransfer_failures_by_stage\x18\x12 \x03(\x0b\x32<.pdserve.v1.EngineStatsResponse.TransferFailuresByStageEntry\x12 \n\x18transfer_seconds_buckets\x18\x13 \x03(\x01\x12\x1f\n\x17transfer_seconds_counts\x18\x14 \x03(\x04\x12\x1c\n\x14transfer_seconds_sum\x18\x15 \x01(\x01\x12\x34\n\x10waiting_requests\x18\x16 \x03(\x0b\x32\x1a.pdserve.v1.WaitingRequest\x12\x0f\n\x07\x61\x62orted\x18\x17 \x01(\x04\x12\r\n\x05\x64type\x18\x18 \x01(\t\x12\x11\n\tattention\x18\x19 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x1a \x01(\x04\x12\x31\n\x0c\x63\x61\x63he_groups\x18\x1b \x03(\x0b\x32\x1b.pdserve.v1.CacheGroupUsage\x12\x0e\n\x06rounds\x18\x1c \x01(\x04\x12\x15\n\rround_seconds\x18\x1d \x01(\x01\x12\x19\n\x11round_cpu_seconds\x18\x1e \x01(\x01\x12\x14\n\x0cround_tokens\x18\x1f \x01(\x04\x1a>\n\x1cTransferFailuresByStageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xce\x05\n\rEngineControl\x12\x45\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x18.pdserve.v1.EngineEvents0\x01\x12\x34\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x0f.pdserve.v1.Ack\x12\x38\n\x05\x41\x62ort\x12\x1e.pdserve.v1.AbortEngineRequest\x1a\x0f.pdserve.v1.Ack\x12\x42\n\rRemotePrefill\x12 .pdserve.v1.RemotePrefillRequest\x1a\x0f.pdserve.v1.Ack\x12>\n\x0bTransferAck\x12\x1e.pdserve.v1.TransferAckRequest\x1a\x0f.pdserve.v1.Ack\x12\x44\n\x0eTransferFailed\x12!.pdserve.v1.TransferFailedRequest\x1a\x0f.pdserve.v1.Ack\x12?\n\x0eLeaseHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x0f.pdserve.v1.Ack\x12<\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12\x36\n\x07\x41\x64\x64Peer\x12\x1a.pdserve.v1.AddPeerRequest\x1a\x0f.pdserve.v1.Ack\x12\x41\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x1f.pdserve.v1.EngineStatsResponse\x12\x42\n\x05\x44rain\x12\x1e.pdserve.v1.DrainEngineRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/control.proto\x12\npdserve.v1\x1a\x1apdserve/proto/router.proto\"(\n\x12\x44rainEngineRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\"\xd1\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cprefill_peer\x18\x0b \x01(\t\x12\x12\n\nsubscriber\x18\x0e \x01(\t\x12-\n\x08sampling\x18\x0f \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x14\n\x0cprior_output\x18\x10 \x01(\r\x12\x18\n\x10prior_text_chars\x18\x11 \x01(\rJ\x04\x08\x03\x10\x0bJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"8\n\x0c\x45ngineEvents\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RequestEvent\"\x95\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"8\n\x12\x41\x62ortEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xf5\x01\n\x14RemotePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x15\n\rlanding_pages\x18\x04 \x03(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rtarget_engine\x18\x06 \x01(\t\x12\x1a\n\x12target_incarnation\x18\x07 \x01(\x04\x12-\n\x08sampling\x18\r \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x14\n\x0cprior_output\x18\x0e \x01(\rJ\x04\x08\x08\x10\r\"]\n\x12TransferAckRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0crelease_only\x18\x02 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"J\n\x15TransferFailedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x10HeartbeatRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"\r\n\x0bInfoRequest\"\x97\x01\n\x0cInfoResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"]\n\x0e\x41\x64\x64PeerRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"\xff\x06\n\x13\x45ngineStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\r\x12\x12\n\nused_pages\x18\x02 \x01(\r\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x04\x12\x13\n\x0bretractions\x18\x07 \x01(\x04\x12\x11\n\ttransfers\x18\x08 \x01(\x04\x12\x19\n\x11transfer_failures\x18\t \x01(\x04\x12\x16\n\x0elease_expiries\x18\n \x01(\x04\x12\x0c\n\x04role\x18\x0b \x01(\t\x12\x16\n\x0eprefix_queries\x18\x0c \x01(\x04\x12\x13\n\x0bprefix_hits\x18\r \x01(\x04\x12\x0e\n\x06\x66\x65nces\x18\x0e \x01(\x04\x12\x14\n\x0creadmissions\x18\x0f \x01(\x04\x12\x0e\n\x06stalls\x18\x10 \x01(\x04\x12\x16\n\x0etransfer_bytes\x18\x11 \x01(\x04\x12`\n\x1atransfer_failures_by_stage\x18\x12 \x03(\x0b\x32<.pdserve.v1.EngineStatsResponse.TransferFailuresByStageEntry\x12 \n\x18transfer_seconds_buckets\x18\x13 \x03(\x01\x12\x1f\n\x17transfer_seconds_counts\x18\x14 \x03(\x04\x12\x1c\n\x14transfer_seconds_sum\x18\x15 \x01(\x01\x12\x34\n\x10waiting_requests\x18\x16 \x03(\x0b\x32\x1a.pdserve.v1.WaitingRequest\x12\x0f\n\x07\x61\x62orted\x18\x17 \x01(\x04\x12\r\n\x05\x64type\x18\x18 \x01(\t\x12\x11\n\tattention\x18\x19 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x1a \x01(\x04\x12\x31\n\x0c\x63\x61\x63he_groups\x18\x1b \x03(\x0b\x32\x1b.pdserve.v1.CacheGroupUsage\x12\x0e\n\x06rounds\x18\x1c \x01(\x04\x12\x15\n\rround_seconds\x18\x1d \x01(\x01\x12\x19\n\x11round_cpu_seconds\x18\x1e \x01(\x01\x12\x14\n\x0cround_tokens\x18\x1f \x01(\x04\x1a>\n\x1cTransferFailuresByStageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xce\x05\n\rEngineControl\x12\x45\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x18.pdserve.v1.EngineEvents0\x01\x12\x34\n\x06Submit\x12\x19.pdserve.v1.SubmitRequest\x1a\x0f.pdserve.v1.Ack\x12\x38\n\x05\x41\x62ort\x12\x1e.pdserve.v1.AbortEngineRequest\x1a\x0f.pdserve.v1.Ack\x12\x42\n\rRemotePrefill\x12 .pdserve.v1.RemotePrefillRequest\x1a\x0f.pdserve.v1.Ack\x12>\n\x0bTransferAck\x12\x1e.pdserve.v1.TransferAckRequest\x1a\x0f.pdserve.v1.Ack\x12\x44\n\x0eTransferFailed\x12!.pdserve.v1.TransferFailedRequest\x1a\x0f.pdserve.v1.Ack\x12?\n\x0eLeaseHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x0f.pdserve.v1.Ack\x12<\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponse\x12\x36\n\x07\x41\x64\x64Peer\x12\x1a.pdserve.v1.AddPeerRequest\x1a\x0f.pdserve.v1.Ack\x12\x41\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x1f.pdserve.v1.EngineStatsResponse\x12\x42\n\x05\x44rain\x12\x1e.pdserve.v1.DrainEngineRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINENGINEREQUEST']._serialized_start=71
   _globals['_DRAINENGINEREQUEST']._serialized_end=111
   _globals['_SUBMITREQUEST']._serialized_start=114
-  _globals['_SUBMITREQUEST']._serialized_end=297
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=299
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=337
-  _globals['_ENGINEEVENTS']._serialized_start=339
-  _globals['_ENGINEEVENTS']._serialized_end=395
-  _globals['_REQUESTEVENT']._serialized_start=398
-  _globals['_REQUESTEVENT']._serialized_end=547
-  _globals['_ABORTENGINEREQUEST']._serialized_start=549
-  _globals['_ABORTENGINEREQUEST']._serialized_end=605
-  _globals['_ACK']._serialized_start=607
-  _globals['_ACK']._serialized_end=639
-  _globals['_REMOTEPREFILLREQUEST']._serialized_start=642
-  _globals['_REMOTEPREFILLREQUEST']._serialized_end=887
-  _globals['_TRANSFERACKREQUEST']._serialized_start=889
-  _globals['_TRANSFERACKREQUEST']._serialized_end=982
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=984
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=1058
-  _globals['_HEARTBEATREQUEST']._serialized_start=1060
-  _globals['_HEARTBEATREQUEST']._serialized_end=1136
-  _globals['_INFOREQUEST']._serialized_start=1138
-  _globals['_INFOREQUEST']._serialized_end=1151
-  _globals['_INFORESPONSE']._serialized_start=1154
-  _globals['_INFORESPONSE']._serialized_end=1305
-  _globals['_ADDPEERREQUEST']._serialized_start=1307
-  _globals['_ADDPEERREQUEST']._serialized_end=1400
-  _globals['_ENGINESTATSRESPONSE']._serialized_start=1403
-  _globals['_ENGINESTATSRESPONSE']._serialized_end=2298
-  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_start=2236
-  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_end=2298
-  _globals['_ENGINECONTROL']._serialized_start=2301
-  _globals['_ENGINECONTROL']._serialized_end=3019
+  _globals['_SUBMITREQUEST']._serialized_end=323
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=325
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=363
+  _globals['_ENGINEEVENTS']._serialized_start=365
+  _globals['_ENGINEEVENTS']._serialized_end=421
+  _globals['_REQUESTEVENT']._serialized_start=424
+  _globals['_REQUESTEVENT']._serialized_end=573
+  _globals['_ABORTENGINEREQUEST']._serialized_start=575
+  _globals['_ABORTENGINEREQUEST']._serialized_end=631
+  _globals['_ACK']._serialized_start=633
+  _globals['_ACK']._serialized_end=665
+  _globals['_REMOTEPREFILLREQUEST']._serialized_start=668
+  _globals['_REMOTEPREFILLREQUEST']._serialized_end=913
+  _globals['_TRANSFERACKREQUEST']._serialized_start=915
+  _globals['_TRANSFERACKREQUEST']._serialized_end=1008
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=1010
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=1084
+  _globals['_HEARTBEATREQUEST']._serialized_start=1086
+  _globals['_HEARTBEATREQUEST']._serialized_end=1162
+  _globals['_INFOREQUEST']._serialized_start=1164
+  _globals['_INFOREQUEST']._serialized_end=1177
+  _globals['_INFORESPONSE']._serialized_start=1180
+  _globals['_INFORESPONSE']._serialized_end=1331
+  _globals['_ADDPEERREQUEST']._serialized_start=1333
+  _globals['_ADDPEERREQUEST']._serialized_end=1426
+  _globals['_ENGINESTATSRESPONSE']._serialized_start=1429
+  _globals['_ENGINESTATSRESPONSE']._serialized_end=2324
+  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_start=2262
+  _globals['_ENGINESTATSRESPONSE_TRANSFERFAILURESBYSTAGEENTRY']._serialized_end=2324
+  _globals['_ENGINECONTROL']._serialized_start=2327
+  _globals['_ENGINECONTROL']._serialized_end=3045
 # @@protoc_insertion_point(module_scope)

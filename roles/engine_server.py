@@ -436,7 +436,8 @@ class EngineServer:
             self.executor.forget(req.id)
             raise
         self.owner[req.id] = r.subscriber
-        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp, key=req)
+        self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp, key=req,
+                          prior=(r.prior_output, r.prior_text_chars))
 
     def abort(self, req_id: str, reason: str) -> bool:
         p = self.planner

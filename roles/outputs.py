@@ -68,11 +68,19 @@ class Outputs:
         _at_interpreter_exit(self.end_streams)
 
     # ---- the loop thread ------------------------------------------------------
-    def open(self, req_id: str, subscriber: str, prompt, sp=None, key=None) -> None:
+    def open(self, req_id: str, subscriber: str, prompt, sp=None, key=None,
+             prior: tuple[int, int] = (0, 0)) -> None:
         """Start a request's text; `sp` (SamplingParams): its stop strings,
         min_tokens and text options. `key` comes back with its stop string
-        (`on_stop`): which submission of the id it was found for."""
-        self._in.put([("open", req_id, subscriber, prompt[-8:], sp or SamplingParams(), key)])
+        (`on_stop`): which submission of the id it was found for. `prior`: a
+        resubmission's (tokens, chars): the prompt's last tokens are output
+        already, and the client has that many characters of their text (the
+        rest, held back as a possible stop string or half a character, is
+        still to come)."""
+        tokens, chars = prior
+        cut = len(prompt) - tokens
+        self._in.put([("open", req_id, subscriber, prompt[max(cut - 8, 0):cut],
+                       sp or SamplingParams(), key, prompt[cut:], chars)])
 
     def post(self, items: list) -> None:
         """A round's results: (req id, new token ids, logprobs, final, error),
@@ -132,9 +140,12 @@ class Outputs:
         out: dict[str, list] = {}
         for item in batch:
             if item[0] == "open":
-                _, rid, sub, tail, sp, key = item
+                _, rid, sub, tail, sp, key, prior, chars = item
                 detok = Detokenizer(self.tok, tail, sp.stop, sp.include_stop_str_in_output,
                                     sp.skip_special_tokens)
+                for t in prior:               # checked for stop strings where they were made
+                    detok.push(t, check_stop=False)
+                detok.skip(chars)
                 self._live[rid] = _Live(sub, detok, sp.min_tokens, key)
                 continue
             ev = self._event(*item)

@@ -59,7 +59,7 @@ class Outputs:
     def post(self, items):
         self.items += items
 
-    def open(self, req_id, subscriber, prompt, sp=None, key=None):
+    def open(self, req_id, subscriber, prompt, sp=None, key=None, prior=(0, 0)):
         self.opened.append((req_id, key))
 
     def has(self, subscriber):

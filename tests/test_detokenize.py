@@ -80,22 +80,21 @@ def test_random_texts_and_stops_match_the_reference_cut(text, stops, min_tokens,
             break
     pieces.append(d.ready(final=True))
     got = "".join(pieces)
-    if min_tokens == 0:
-        assert got == reference_cut(text, stops, include)
-    else:
-        assert text.startswith(got)
+    assert got == reference_cut(text, stops, include, min_tokens)
     streamed = ""
     for p in pieces:
         streamed += p
         assert got.startswith(streamed)       # nothing shown is ever taken back
 
 
-def reference_cut(text: str, stops, include: bool = False) -> str:
-    """Generation stops at the first token after which some stop string is
-    in the text; the text ends where the leftmost of those begins (with
-    `include`: where it ends, the longest if several begin there)."""
-    for i in range(1, len(text) + 1):
-        hits = [(text[:i].find(s), len(s)) for s in stops if s in text[:i]]
+def reference_cut(text: str, stops, include: bool = False, min_tokens: int = 0) -> str:
+    """Generation stops at the first token, from the min_tokens-th on, at
+    which some stop string ends (one char a token here; one that ended
+    earlier was not looked for and does not count, as in vLLM); the text
+    ends where the leftmost of those begins (with `include`: where it ends,
+    the longest if several begin there)."""
+    for i in range(max(min_tokens, 1), len(text) + 1):
+        hits = [(i - len(s), len(s)) for s in stops if text[:i].endswith(s)]
         if hits:
             at = min(a for a, _ in hits)
             return text[:at + max(n for a, n in hits if a == at)] if include else text[:at]
@@ -115,3 +114,47 @@ def test_the_stop_string_can_end_the_text_and_special_tokens_can_show(smol):
     for t in marked:
         shown.push(t)
     assert shown.text == "<|im_start|>user"
+
+
+def test_a_resubmitted_request_gets_the_text_one_engine_would_have_sent(smol):
+    """An engine streams some tokens and dies; the router resubmits the
+    prompt plus those tokens, saying how many characters of their text the
+    client has. The second engine's output thread goes on where the
+    client's text ends: text the first engine held back (the start of a
+    possible stop string, half of a character) comes, once. At every cut
+    the client's text equals one engine's (it lost the held text, or
+    repeated some)."""
+    printable = PrintableTokenizer()
+    cases = [(printable, printable.encode("Q: "), printable.encode("Hello world. Bye."),
+              ("world!",)),                                           # 'wo' held back
+             (smol, smol.encode("Price:", add_special_tokens=False),
+              smol.encode(" 5€ and 日本語 ok", add_special_tokens=False), ())]   # half of 日
+    for tok, prompt, ids, stop in cases:
+        whole = _engine_text(tok, prompt, ids, stop, final=True)
+        assert whole == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+        for cut in range(1, len(ids)):
+            first = _engine_text(tok, prompt, ids[:cut], stop)
+            second = _engine_text(tok, prompt + ids[:cut], ids[cut:], stop,
+                                  prior=(cut, len(first)), final=True)
+            assert first + second == whole, (cut, first, second)
+
+
+def _engine_text(tok, prompt, tokens, stop, prior=(0, 0), final=False) -> str:
+    """The text an engine's output thread sends for request r: opened as
+    an engine opens it (`prior`: a resubmission's tokens and characters
+    out already), then `tokens` one round each (the last one final)."""
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.roles.outputs import Outputs
+
+    out = Outputs(tok, lambda rid, key: None)
+    q = out.subscribe("s")
+    try:
+        out.open("r", "s", prompt, SamplingParams(stop=stop), prior=prior)
+        text = ""
+        for i, t in enumerate(tokens):
+            last = final and i == len(tokens) - 1
+            out.post([("r", [t], [], "length" if last else None, None)])
+            text += "".join(ev.text for ev in q.get(timeout=10))
+        return text
+    finally:
+        out.close()

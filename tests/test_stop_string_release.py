@@ -15,12 +15,15 @@ from engine_fakes import one_round, run_jobs, server
 def test_the_output_thread_names_the_submission_it_found_a_stop_string_for():
     stops = []
     out = Outputs(PrintableTokenizer(), lambda rid, key: stops.append((rid, key)))
+    q = out.subscribe("router")
     try:
         key = object()
-        out._batch([("open", "r", "router", [1, 2], SamplingParams(stop=("b",)), key)])
-        out._batch([("r", [65, 66], [], None, None)])          # 'a', 'b'
+        out.open("r", "router", [1, 2], SamplingParams(stop=("b",)), key=key)
+        out.post([("r", [65, 66], [], None, None)])             # 'a', 'b'
+        (event,) = q.get(timeout=10)                             # sent after on_stop
     finally:
         out.close()
+    assert event.finish_reason == "stop" and event.text == "a"
     assert stops == [("r", key)]
 
 

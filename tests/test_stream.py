@@ -362,7 +362,8 @@ def test_the_router_holds_its_submits_to_one_engine_to_a_bound():
 def test_a_resubmission_carries_the_sampling_and_says_how_much_is_output_already():
     """The engine fails after streaming two tokens: the router resubmits the
     prompt plus those two, says they are output (prior_output, so penalties
-    count them), and keeps every sampling field, with max_tokens and
+    count them) and how much of their text the client has (the new engine
+    sends the rest), and keeps every sampling field, with max_tokens and
     min_tokens reduced by what was streamed."""
     import asyncio
 
@@ -400,6 +401,7 @@ def test_a_resubmission_carries_the_sampling_and_says_how_much_is_output_already
     first, again = subs
     assert list(first.token_ids) == [1, 2] and first.prior_output == 0
     assert list(again.token_ids) == [1, 2, 7, 8] and again.prior_output == 2
+    assert (first.prior_text_chars, again.prior_text_chars) == (0, 2)   # 'ab' is out
     assert from_options(first.sampling) == sp
     assert from_options(again.sampling) == SamplingParams(**{**sp.__dict__, "max_tokens": 1,
                                                              "min_tokens": 1})
