@@ -11,7 +11,8 @@ TTFT counts queue wait (arrival to first token), so a backlog shows before
 the first token is late, unlike a planner that reads only the time a
 prefill takes (Dynamo's issue #10528). One step at a time: nothing while an
 engine is starting or draining, nothing within the cooldown of the last
-action. An engine comes off only when every signal has been calm for
+action's end. A role under its minimum (its last engine drained by hand)
+gets an engine back first: with none, no request reaches it to breach. An engine comes off only when every signal has been calm for
 `scale_down_after_s` and the survivors would carry its load: what it holds
 spread over them stays under `low_water` of their pool.
 """
@@ -75,6 +76,9 @@ class AutoscaleConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"autoscale.{k} must be a number > 0, got {v!r}")
+        v = self.queue_high
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"autoscale.queue_high must be an integer >= 1, got {v!r}")
         for k in ("kv_high", "low_water"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -129,8 +133,18 @@ def decide(cfg: AutoscaleConfig, obs: Observation, state: PolicyState) -> Action
         state.calm_since = None
     elif state.calm_since is None:
         state.calm_since = obs.now
-    if obs.pending or obs.now - state.last_action_at < cfg.cooldown_s:
+    if obs.pending:
+        # the cooldown runs from when the action is done: a backlog that built
+        # up while an engine started is not a second breach
+        state.last_action_at = obs.now
         return None
+    if obs.now - state.last_action_at < cfg.cooldown_s:
+        return None
+    for role in ("prefill", "decode"):            # below the floor (drained by hand, lost)
+        if len(by_role[role]) < cfg.bounds(role).min:
+            state.last_action_at = obs.now
+            return Action("add", role, why=f"{len(by_role[role])} {role} engines, under "
+                                           f"the minimum of {cfg.bounds(role).min}")
     for role, why in short:                       # worst breach first
         if len(by_role[role]) < cfg.bounds(role).max:
             state.last_action_at = obs.now

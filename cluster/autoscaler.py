@@ -79,6 +79,9 @@ class Autoscaler:
         client.close()
 
     def observe(self, client, now: float) -> Observation:
+        # an action that ends while this look reads the router counts as
+        # pending: the engines read before it ended do not show its engine
+        pending = self.busy()
         info = client.server_info()
         self._seen.update(e["name"].removeprefix("pdserve:") for e in info["engines"])
         resp = client.stats_response()
@@ -104,8 +107,7 @@ class Autoscaler:
         ttft = p95_since(load.ttft_bounds, load.ttft_counts, last.ttft_counts if last else [])
         itl = p95_since(load.itl_bounds, load.itl_counts, last.itl_counts if last else [])
         arrivals = (load.arrivals - last.arrivals) / self.policy.interval_s if last else 0.0
-        pending = self._pending is not None and self._pending.is_alive()
-        return Observation(now, views, ttft, itl, arrivals, pending)
+        return Observation(now, views, ttft, itl, arrivals, pending or self.busy())
 
     def act(self, client, action, obs: Observation) -> None:
         self.events.append({"t": round(obs.now, 2), "kind": action.kind, "role": action.role,

@@ -196,7 +196,13 @@ class Deployment:
     def drain(self, deadline_s: float = DRAIN_DEADLINE_S) -> dict[str, str]:
         """Drain every engine at once: no new request is taken, each finishes
         what it holds, what is left at the deadline is aborted. Returns a
-        line per engine saying how it ended."""
+        line per engine saying how it ended. The autoscaler looks no more
+        first: it would add engines the drain does not cover."""
+        if self.autoscaler is not None:
+            try:
+                ray.get(self.autoscaler.stop.remote(), timeout=60)
+            except Exception:                   # already gone
+                pass
         results = self.router.run_sync(self.router.drain_all(deadline_s),
                                        timeout=deadline_s + DRAIN_SLACK_S + 10)
         out = {}

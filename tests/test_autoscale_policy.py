@@ -50,6 +50,59 @@ def test_one_step_at_a_time_cooldown_pending_and_max():
     assert decide(CFG, Observation(20, engines(p=2), **hot), state) is None    # at max
 
 
+def test_the_cooldown_runs_from_when_an_action_is_done_not_when_it_was_decided():
+    """An engine that takes longer to start than the cooldown (weights, a
+    new node): the backlog that built up meanwhile is not a second breach
+    the look after it joins (that added two engines for one breach)."""
+    state = PolicyState()
+    cfg = AutoscaleConfig(prefill=RoleBounds(1, 4), decode=RoleBounds(1, 4), ttft_s=1.0,
+                          cooldown_s=10)
+    hot = dict(ttft_p95=3.0)
+    assert decide(cfg, Observation(0, engines(), **hot), state).kind == "add"
+    for t in range(5, 95, 5):                                          # still starting
+        assert decide(cfg, Observation(t, engines(), pending=True, **hot), state) is None
+    assert decide(cfg, Observation(95, engines(p=2), **hot), state) is None
+    assert decide(cfg, Observation(105, engines(p=2), **hot), state).kind == "add"
+
+
+def test_a_role_under_its_minimum_gets_an_engine_back():
+    """The last P drained by hand: no request reaches a prefill, so nothing
+    breaches, and the deployment stayed down."""
+    state = PolicyState()
+    a = decide(CFG, Observation(0, engines(p=0)), state)
+    assert (a.kind, a.role) == ("add", "prefill") and "minimum" in a.why
+    assert decide(CFG, Observation(5, engines(p=0), pending=True), state) is None
+
+
+def test_an_add_that_ends_during_a_look_counts_as_pending():
+    """The look reads the engines, then the add finishes while it reads
+    their stats: the engines it read lack the new one, so the look must
+    not act on them (it added one past max)."""
+    import threading
+    from types import SimpleNamespace
+
+    from pdserve.cluster.autoscaler import Autoscaler
+
+    done = threading.Event()
+    scaler = Autoscaler.__new__(Autoscaler)            # the look alone: no loop, no Ray
+    scaler.policy, scaler._seen, scaler._last_load = CFG, set(), None
+    scaler._pending = threading.Thread(target=done.wait)
+    scaler._pending.start()
+
+    class Router:
+        def server_info(self):
+            return {"engines": [{"name": "pdserve:prefill-0", "role": "prefill",
+                                 "alive": True}]}
+
+        def stats_response(self):
+            done.set()                                 # the add ends mid-look
+            scaler._pending.join()
+            load = SimpleNamespace(ttft_bounds=[], ttft_counts=[], itl_bounds=[],
+                                   itl_counts=[], arrivals=0)
+            return SimpleNamespace(engines=[], load=load)
+    assert scaler.observe(Router(), 0).pending
+
+
 def test_an_engine_comes_off_only_after_a_calm_spell_and_when_the_rest_carry_it():
     state = PolicyState()
     calm = dict(ttft_p95=0.2, itl_p95=0.02)
@@ -84,6 +137,8 @@ def test_a_breach_resets_the_calm_clock():
     ({"decode": {"min": 0, "max": 2}}, "autoscale.decode.min"),
     ({"ttft_s": 0}, "autoscale.ttft_s"),
     ({"kv_high": 1.5}, "autoscale.kv_high"),
+    ({"queue_high": 0}, "autoscale.queue_high must be an integer >= 1"),
+    ({"queue_high": -3}, "autoscale.queue_high"),
     ({"ttft": 1}, "unknown key autoscale.ttft"),
 ])
 def test_bad_config_names_the_key_and_the_fix(data, msg):
