@@ -61,6 +61,11 @@ class EngineLink:
                             box.put(ev)
             except grpc.aio.AioRpcError:
                 pass                              # the engine is gone: tell, then retry
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise                         # stop(): the link itself ends
+                # the call was cancelled under it: membership closed its channel
+                # (the engine moved); a broken stream like any other
             if self.ready.is_set():               # it was up: down until membership sees it
                 self.ref.alive = False
                 self.ended.set()

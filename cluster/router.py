@@ -283,7 +283,10 @@ class Router:
         old = self.engines.get(name)
         if old is not None and old.alive:
             raise RequestError("exists", f"engine {name} is already served", "engine")
-        ref = EngineRef(name, role, address)
+        # picked once its events are subscribed and its peers know it, not
+        # when it first answers (a request then found no link, or a D that
+        # had not met the new P)
+        ref = EngineRef(name, role, address, joining=True)
         membership.connect(ref, address, self._options)
         ref.alive = False                         # not picked until it answered and subscribed
         self.engines[name] = ref
@@ -299,6 +302,7 @@ class Router:
             await membership.disconnect(ref)
             raise RequestError("unavailable", f"engine {name} at {address} did not answer "
                                f"within {ADD_ENGINE_WAIT_S:.0f} s")
+        ref.joining = False
         log.info("serving %s (%s) at %s", name, role, address)
 
     async def drain_all(self, deadline_s: float = DRAIN_DEADLINE_S) -> dict:

@@ -54,7 +54,13 @@ class _EngineLost(RuntimeError):
     pass
 
 
-class _EngineDraining(_EngineLost):
+class _NotTaken(_EngineLost):
+    """The engine did not take the request and nothing was streamed: try
+    again (its view of this router was out of date: a subscription that
+    ended, a prefill peer it had not met yet)."""
+
+
+class _EngineDraining(_NotTaken):
     """The engine refused the request because it drains: try another."""
 
 
@@ -112,7 +118,7 @@ class Stream:
                 except _EngineLost as lost:
                     if attempt == MAX_RESUBMITS:
                         raise RequestError("unavailable", str(lost)) from None
-                    if isinstance(lost, _EngineDraining):
+                    if isinstance(lost, _NotTaken):
                         continue                  # nothing streamed: not a resubmission
                     r.counters["resubmitted"] += 1
                     r.metrics.resubmitted.inc()
@@ -179,6 +185,8 @@ class Stream:
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     target.draining = True        # it drains: picked no more
                     raise _EngineDraining(e.details()) from None
+                if code == grpc.StatusCode.ABORTED:
+                    raise _NotTaken(e.details()) from None
                 # the call broke: whatever the engine took of it is aborted there
                 r.background(_abort(target, self.id, "its submission broke off"))
                 if code == grpc.StatusCode.CANCELLED:

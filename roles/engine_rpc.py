@@ -17,6 +17,12 @@ from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
 
+class StaleView(Exception):
+    """A Submit made on a view of this engine the router must update first
+    (a subscription that ended, a prefill peer not introduced yet): the
+    request itself is fine; the router tries again (gRPC ABORTED)."""
+
+
 class EngineControlServicer(pbg.EngineControlServicer):
     def __init__(self, server):
         self.s = server
@@ -75,6 +81,8 @@ class EngineControlServicer(pbg.EngineControlServicer):
             self.s.call(lambda: self.s.submit(request))
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StaleView as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
         except EngineDraining as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except EngineStopped as e:

@@ -31,7 +31,7 @@ from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto.sampling import from_options
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine_stats import EngineCounters, stats_pb
-from pdserve.roles.engine_rpc import EngineControlServicer
+from pdserve.roles.engine_rpc import EngineControlServicer, StaleView
 from pdserve.roles.cost_profile import Round, round_of
 from pdserve.roles.engine import Engine
 from pdserve.roles.outputs import Outputs
@@ -417,15 +417,15 @@ class EngineServer:
             raise RejectedRequest(f"prior_output={r.prior_output} exceeds the request's "
                                   f"{len(r.token_ids)} tokens")
         if not self.outputs.has(r.subscriber):
-            raise RejectedRequest(f"{self.name} has no subscription {r.subscriber!r}: "
-                                  "subscribe first, then submit")
+            raise StaleView(f"{self.name} has no subscription {r.subscriber!r}: "
+                            "subscribe first, then submit")
         if r.request_id in self.planner.requests or r.request_id in self.owner:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
                                   "use a fresh id")
         req = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=sp.max_tokens))
         if r.prefill_peer and self.role is Role.DECODE:
             if r.prefill_peer not in self.peer.peers:
-                raise RejectedRequest(f"{self.name} does not know prefill engine "
+                raise StaleView(f"{self.name} does not know prefill engine "
                                       f"{r.prefill_peer!r}")
             req.peer = r.prefill_peer
         self.executor.register(req.id, sp, fallback_seed=hash(req.id) & 0xFFFFFFF,

@@ -260,3 +260,65 @@ def test_a_generate_many_call_that_ends_during_a_write_still_sends_the_last_resp
     got = asyncio.run(go())
     assert [t for r in got for t in r.response.token_ids] == [0, 1, 2, 3]
     assert got[-1].response.finish_reason == "length"
+
+
+def test_a_subscribe_stream_cancelled_under_the_link_is_a_broken_stream_not_its_end():
+    """Membership closes an engine's channel when the engine moves (Ray
+    restarted it elsewhere); grpc.aio then cancels the Subscribe call on it.
+    The link takes that as a broken stream: its requests hear LOST and it
+    subscribes again (the link's task died: requests hung, and the new
+    incarnation was never subscribed). stop() still ends the link."""
+    import asyncio
+
+    from pdserve.cluster.engine_link import LOST, EngineLink
+    from pdserve.cluster.pairing import EngineRef
+    from pdserve.mailbox import Mailbox
+    from pdserve.proto import control_pb2 as cpb
+
+    async def go():
+        broke, again = asyncio.Event(), asyncio.Event()
+        subs = []
+
+        class Engine:
+            def Subscribe(self, req):
+                subs.append(req.subscriber)
+                first = len(subs) == 1
+
+                async def events():
+                    if not first:
+                        again.set()
+                    yield cpb.EngineEvents()
+                    if first:
+                        await broke.wait()
+                        raise asyncio.CancelledError()   # the call, cancelled as its channel closes
+                    await asyncio.Event().wait()
+                return events()
+        link = EngineLink(EngineRef("fused-0", "fused", "here", stub=Engine()), "router")
+        link.start()
+        await asyncio.wait_for(link.ready.wait(), 5)
+        box = link.requests["r"] = Mailbox(asyncio.get_running_loop())
+        broke.set()
+        assert list(await asyncio.wait_for(box.take(), 5)) == [LOST]
+        await asyncio.wait_for(again.wait(), 5)
+        assert not link._task.done() and subs[0] != subs[1]
+        link.stop()
+        await asyncio.gather(link._task, return_exceptions=True)
+        return link._task.cancelled()
+    assert asyncio.run(go())
+
+
+def test_an_added_engine_is_picked_only_once_it_is_subscribed_and_introduced():
+    """The autoscaler adds an engine: it answers GetInfo (alive) before its
+    events are subscribed and its peers told of it. Meanwhile it is not
+    picked: a request then found no link for it (a 500 that left its load
+    counted for good), or a D that had not met the new P refused it."""
+    from pdserve.cluster.pairing import EngineRef
+
+    r = router({"fused": 0, "prefill": 1, "decode": 1})
+    r.engines["decode-1"] = EngineRef("decode-1", "decode", "there", joining=True)
+    r.engines["decode-1"].load = -10**9                 # the least loaded by far
+    for _ in range(5):
+        target, peer = r.pairing.pick("")
+        assert target.name == "decode-0"
+    r.engines["decode-1"].joining = False
+    assert r.pairing.pick("")[0].name == "decode-1"

@@ -548,3 +548,63 @@ def test_an_answer_of_several_choices_ends_with_an_error_any_of_its_streams_rais
     with pytest.raises(RuntimeError, match="a bug"):
         asyncio.run(asyncio.wait_for(go(), 10))
     assert closed == ["endless"]
+
+
+def test_a_submit_the_engine_aborts_for_a_stale_view_is_tried_again_not_refused():
+    """An engine refuses a Submit made on an out-of-date view of it (a
+    subscription that just ended, a prefill peer it has not met yet) with
+    ABORTED: the router tries again, the engine stays live and picked, and
+    the client never hears of it (it got a 400 as if its request were
+    wrong)."""
+    import asyncio
+
+    import grpc
+    from pdserve import SamplingParams
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    tries = []
+
+    class Engine:
+        async def Submit(self, sub, timeout):
+            tries.append(sub.subscriber)
+            if len(tries) == 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.ABORTED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(),
+                                           details="fused-0 has no subscription 'router/1'")
+            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[7], text="a", finish_reason="length"))
+
+    async def go():
+        r.engines["fused-0"].stub = Engine()
+        linked(r, "fused-0")
+        return [t async for d in r.open([1, 2], SamplingParams(max_tokens=1)).events()
+                for t in d.token_ids]
+    assert asyncio.run(go()) == [7]
+    assert len(tries) == 2 and r.counters["resubmitted"] == 0
+    ref = r.engines["fused-0"]
+    assert ref.alive and not ref.draining
+
+
+def test_an_engine_refuses_a_submit_for_a_subscription_it_does_not_have_as_stale():
+    """The engine's side: a Submit naming no live subscription, or a prefill
+    peer it was never introduced to, is a StaleView (ABORTED: try again),
+    not a bad request."""
+    import pytest
+
+    from pdserve.proto import control_pb2 as cpb
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.roles.engine_rpc import StaleView
+
+    from engine_fakes import server
+
+    s = server("decode", "decode-0", "prefill-0")
+    s.outputs.has = lambda sub: sub == "router/2"
+    sampling = rpb.SamplingOptions(max_tokens=2)
+    with pytest.raises(StaleView, match="no subscription 'router/1'"):
+        s.submit(cpb.SubmitRequest(request_id="x", token_ids=[1, 2], subscriber="router/1",
+                                   sampling=sampling))
+    with pytest.raises(StaleView, match="does not know prefill engine 'prefill-9'"):
+        s.submit(cpb.SubmitRequest(request_id="x", token_ids=[1, 2], subscriber="router/2",
+                                   sampling=sampling, prefill_peer="prefill-9"))
+    assert not s.planner.requests
