@@ -12,7 +12,8 @@ the first token is late, unlike a planner that reads only the time a
 prefill takes (Dynamo's issue #10528). One step at a time: nothing while an
 engine is starting or draining, nothing within the cooldown of the last
 action's end. A role under its minimum (its last engine drained by hand)
-gets an engine back first: with none, no request reaches it to breach. An engine comes off only when every signal has been calm for
+gets an engine back first: with none, no request reaches it to breach.
+An engine comes off only when every signal has been calm for
 `scale_down_after_s` and the survivors would carry its load: what it holds
 spread over them stays under `low_water` of their pool.
 """

@@ -25,6 +25,11 @@ class EngineRef:
     alive: bool = True
     draining: bool = False        # told to drain: takes no new request, never picked
     joining: bool = False         # added, not yet subscribed and introduced: never picked
+
+    @property
+    def serving(self) -> bool:
+        """A candidate for new requests."""
+        return self.alive and not self.draining and not self.joining
     load: int = 0                 # outstanding tokens the router sent it
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
@@ -54,7 +59,7 @@ class Pairing:
     def candidates(self, route: str) -> tuple[list, list]:
         """(engines that could decode the request, prefill engines for a D).
         A draining engine is never a candidate."""
-        live = [e for e in self.engines.values() if e.alive and not e.draining and not e.joining]
+        live = [e for e in self.engines.values() if e.serving]
         fused = [e for e in live if e.role == "fused"]
         dec = [e for e in live if e.role == "decode"]
         pre = [e for e in live if e.role == "prefill"]
@@ -70,10 +75,9 @@ class Pairing:
         """What each engine is doing instead of serving, for the refusal."""
         def state(e):
             return "is draining" if e.draining else "is down" if not e.alive else "is starting"
-        states = [f"{e.name} {state(e)}" for e in sorted(self.engines.values(), key=lambda e: e.name)
-                  if e.draining or not e.alive or e.joining]
-        roles = {e.role for e in self.engines.values()
-                 if e.alive and not e.draining and not e.joining}
+        states = [f"{e.name} {state(e)}"
+                  for e in sorted(self.engines.values(), key=lambda e: e.name) if not e.serving]
+        roles = {e.role for e in self.engines.values() if e.serving}
         if "decode" in roles and "prefill" not in roles:
             states.append("a decode engine needs a live prefill engine beside it")
         return "; ".join(states) or "this deployment has no engine of the roles it needs"
