@@ -78,7 +78,8 @@ def _outputs_now(tok, ids) -> float:
     out = Outputs(tok, lambda rid, key: None)
     out.close()                                      # drive it here, in this thread
     q = out.subscribe("s")
-    out._batch([("open", "r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)), None, [], 0)])
+    out.open("r", "s", [1, 2, 3], SamplingParams(stop=("never seen",)))
+    out._batch(out._in.get_nowait())                 # the open, as open() queued it
     t0 = time.perf_counter()
     for t in ids:
         out._batch([("r", [t], (), None, None)])
