@@ -30,15 +30,10 @@ def _start_two_nodes():
 @pytest.fixture(scope="module")
 def two_nodes():
     """A node that times out at startup (Ray's fixed 30 s, on a loaded host)
-    gets one more try, as `init_local` gives a local Ray."""
-    from pdserve.cluster.local_ray import timed_out_at_startup
+    is started again after what it left is killed, as `init_local` does."""
+    from pdserve.cluster.local_ray import start_retrying
 
-    try:
-        cluster = _start_two_nodes()
-    except Exception as e:
-        if not timed_out_at_startup(e):
-            raise
-        cluster = _start_two_nodes()
+    cluster = start_retrying(_start_two_nodes)
     yield cluster
     cluster.shutdown()
 

@@ -1,5 +1,6 @@
-"""init_local: a local Ray whose node times out at startup is started once
-more, after the processes the failed start left are killed."""
+"""init_local: a local Ray whose node times out at startup is started
+again (up to STARTUP_TRIES starts), after the processes the failed start
+left are killed."""
 
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def test_a_gcs_late_with_its_port_is_a_startup_timeout_too():
     assert not local_ray.timed_out_at_startup(ValueError("num_cpus must be positive"))
 
 
-def test_a_second_timeout_and_any_other_error_reach_the_caller(monkeypatch):
+def test_the_last_timeout_and_any_other_error_reach_the_caller(monkeypatch):
     calls = []
 
     def timing_out(**kwargs):
