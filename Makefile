@@ -32,7 +32,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m 'not device'
 
 proto: $(STAMP)
-	$(PY) proto/generate.py
+	$(PY) tools/generate_proto.py
 
 bench: $(STAMP)
 	$(VENV)/bin/pdserve bench planner

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from pdserve.cluster.config import ServeConfig
+from pdserve.config import ServeConfig
 from pdserve.cluster.deploy import Deployment
 
 

@@ -1,7 +1,7 @@
 """A router over stand-in engines, for tests that need no cluster."""
 
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.router import Router
+from pdserve.config import ServeConfig
+from pdserve.router.router import Router
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
 
@@ -17,7 +17,7 @@ def linked(r: Router, name: str):
     """`r`'s link to engine `name`, ready as if its Subscribe stream were
     open (the engine is whatever `r.engines[name].stub` is); call it on the
     loop the test runs."""
-    from pdserve.cluster.engine_link import EngineLink
+    from pdserve.router.engine_link import EngineLink
 
     link = r.links[name] = EngineLink(r.engines[name], r.id)
     link.ready.set()

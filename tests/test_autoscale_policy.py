@@ -1,8 +1,8 @@
-"""The autoscaler's policy (cluster/autoscale.py), one observation at a time."""
+"""The autoscaler's policy (cluster/autoscale_policy.py), one observation at a time."""
 
 import pytest
 
-from pdserve.cluster.autoscale import (
+from pdserve.cluster.autoscale_policy import (
     AutoscaleConfig, EngineView, Observation, PolicyState, RoleBounds, decide)
 from pdserve.scheduler.config import ConfigError
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks import serve, transfer
+from pdserve.benchmarks import transfer
+from pdserve.benchmarks.traces import AZURE_CONV
+from pdserve.sim import load
 from pdserve.transfer import Incarnation, KvWrite
 from pdserve.transfer.transport import TransferEvent
 
@@ -42,7 +44,7 @@ def _fake_stream(monkeypatch, service_s: float, picked: list, clients: list | No
 
 
 def _samples(n, arrivals=None):
-    return [serve.Sample([i], 2, None if arrivals is None else arrivals[i]) for i in range(n)]
+    return [load.Sample([i], 2, None if arrivals is None else arrivals[i]) for i in range(n)]
 
 
 def test_an_open_loop_past_capacity_counts_queueing_in_ttft(monkeypatch):
@@ -52,16 +54,16 @@ def test_an_open_loop_past_capacity_counts_queueing_in_ttft(monkeypatch):
     in a closed loop are timed from the pick-up and show only the service."""
     _fake_stream(monkeypatch, SERVICE_S, [])
     n = 20
-    opened = serve.drive("fake", _samples(n), concurrency=1, rate=1000.0, seed=0,
+    opened = load.drive("fake", _samples(n), concurrency=1, rate=1000.0, seed=0,
                          progress=False)
-    due = serve.arrivals(_samples(n), 1000.0, 0)
+    due = load.arrivals(_samples(n), 1000.0, 0)
     assert opened["ok"] == n and opened["arrivals"] == "rate"
     # the median request is about the 10th served: it waited ~9 services
     assert opened["ttft_s"]["p50"] >= 10 * SERVICE_S - max(due)
     assert opened["queued_s"]["p50"] >= 9 * SERVICE_S - max(due)
     assert opened["e2e_s"]["p99"] >= (n - 1) * SERVICE_S - max(due)
 
-    closed = serve.drive("fake", _samples(n), concurrency=1, rate=None, seed=0, progress=False)
+    closed = load.drive("fake", _samples(n), concurrency=1, rate=None, seed=0, progress=False)
     assert closed["arrivals"] == "closed loop"
     assert closed["ttft_s"]["p50"] < opened["ttft_s"]["p50"] / 3      # ~1 service, not ~10
 
@@ -74,7 +76,7 @@ def test_the_grpc_load_opens_the_connections_asked_for(monkeypatch):
         clients = []
         _fake_stream(monkeypatch, 0.001, [], clients)
         kw = {} if asked is None else {"connections": asked}
-        r = serve.drive("fake", _samples(12), concurrency=concurrency, rate=None, seed=0,
+        r = load.drive("fake", _samples(12), concurrency=concurrency, rate=None, seed=0,
                         progress=False, **kw)
         assert r["ok"] == 12
         assert len(set(clients)) == expected, (asked, concurrency)
@@ -87,7 +89,7 @@ def test_a_trace_is_replayed_at_its_own_arrival_times(monkeypatch):
     picked = []
     _fake_stream(monkeypatch, 0.001, picked)
     arrivals = [100.0, 101.0, 100.5]
-    r = serve.drive("fake", _samples(3, arrivals), concurrency=3, rate=None, seed=0,
+    r = load.drive("fake", _samples(3, arrivals), concurrency=3, rate=None, seed=0,
                     progress=False)
     assert r["ok"] == 3 and r["arrivals"] == "trace"
     assert [which for _, which in picked] == [0, 2, 1]           # in arrival order
@@ -101,17 +103,17 @@ def test_arrivals_poisson_is_seeded_and_replaces_a_trace():
     """--rate gives the same Poisson schedule for the same seed, over
     synthetic or trace samples; synthetic samples without a rate have none."""
     traced = _samples(5, [0.0, 1.0, 2.0, 3.0, 4.0])
-    a = serve.arrivals(traced, 2.0, seed=3)
-    assert a == serve.arrivals(_samples(5), 2.0, seed=3) != serve.arrivals(traced, 2.0, seed=4)
+    a = load.arrivals(traced, 2.0, seed=3)
+    assert a == load.arrivals(_samples(5), 2.0, seed=3) != load.arrivals(traced, 2.0, seed=4)
     assert all(x < y for x, y in zip(a, a[1:]))
-    assert serve.arrivals(traced, None, seed=3) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert serve.arrivals(_samples(5), None, seed=3) is None
+    assert load.arrivals(traced, None, seed=3) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert load.arrivals(_samples(5), None, seed=3) is None
 
 
 def test_the_warm_up_never_runs_a_measured_prompt():
     """main() warms each deployment on workload(seed + 1): other prompts."""
-    measured = serve.workload(8, 32, 4, None, None, 1024, seed=0)
-    warm = serve.workload(4, 32, 4, None, None, 1024, seed=1)
+    measured = load.workload(8, 32, 4, None, None, 1024, seed=0)
+    warm = load.workload(4, 32, 4, None, None, 1024, seed=1)
     assert not {tuple(s.prompt) for s in warm} & {tuple(s.prompt) for s in measured}
 
 
@@ -187,11 +189,11 @@ def test_spread_gives_median_quartiles_and_range():
 def test_llm_warms_up_on_the_rows_shape_with_other_prompts(kind):
     from pdserve.benchmarks import llm
 
-    if kind == "trace" and not Path(llm.AZURE_CONV).exists():
+    if kind == "trace" and not Path(AZURE_CONV).exists():
         pytest.skip("the Azure trace is not in ../shared/data")
     for batch in (1, 8):
-        row = llm.workload(kind, batch, 98, llm.AZURE_CONV, 8)
-        warm = llm.workload(kind, batch, 98, llm.AZURE_CONV, 8, warm=True)
+        row = llm.workload(kind, batch, 98, AZURE_CONV, 8)
+        warm = llm.workload(kind, batch, 98, AZURE_CONV, 8, warm=True)
         assert [(len(p), n) for p, n in warm] == [(len(p), n) for p, n in row[:batch]]
         pages = {tuple(p[:16]) for p, _ in row if len(p) >= 16}      # a page can be reused
         assert not {tuple(p[:16]) for p, _ in warm if len(p) >= 16} & pages

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM_CFG = str(ROOT / "deploy" / "sim-demo.yaml")          # two fused engines, simulated
@@ -173,7 +173,9 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
                 return out
             self.engine.step = counted
     monkeypatch.setattr(llm, "LLM", Recorded)
-    samples = serve.workload(6, 8, 5, None, None, 1024, 0)
+    from pdserve.sim.load import workload
+
+    samples = workload(6, 8, 5, None, None, 1024, 0)
     r = serve.run_offline(TINY_CFG, samples, 0, concurrency=2, repeats=3)
     assert r["ok"] == 6 and r["output_tok_per_s"] * r["wall_s"] == pytest.approx(30)
     assert max(batches) == 2

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pdserve.cluster.cli import BENCHMARKS, build_parser, main
+from pdserve.cli.main import BENCHMARKS, build_parser, main
 
 
 def test_an_option_of_another_benchmark_is_refused(capsys):
@@ -48,7 +48,7 @@ def test_options_argparse_cannot_check_are_named_before_anything_runs(capsys, ar
 def test_building_the_parser_loads_no_torch_or_ray():
     """Every benchmark module is imported to define its options: `pdserve
     --help` must not pay for torch or Ray."""
-    code = ("import sys; from pdserve.cluster.cli import build_parser; build_parser(); "
+    code = ("import sys; from pdserve.cli.main import build_parser; build_parser(); "
             "print(sorted({'torch', 'ray', 'grpc'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -173,7 +173,7 @@ def test_each_engine_counts_its_rounds_their_tokens_and_time(client, deployment,
     prefills (its first token comes from it), four decode; the counters
     grow by at least that, and the loop thread's CPU in them is positive
     and no more than their wall time. `pdserve stats` says it."""
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     before = counters(client)["pdserve:fused-0"]
     client.generate([7, 3, 9, 4, 11, 5, 8, 6, 12], max_tokens=5, ignore_eos=True, route="fused")
@@ -238,7 +238,7 @@ def test_abort_of_an_unknown_request_is_not_found(client):
 
 
 def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     assert main(["generate", "--address", deployment.address, "--max-tokens", "4",
                  "hello"]) == 0
@@ -255,7 +255,7 @@ def test_cli_generate_and_stats_talk_to_a_running_deployment(deployment, capsys)
 
 
 def test_cli_generate_sends_the_penalties(deployment, client, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     flags = ["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty",
              "1.25", "--min-p", "0.5", "--temperature", "1", "--seed", "3"]

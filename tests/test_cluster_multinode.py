@@ -5,7 +5,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import Client
-from pdserve.cluster.config import ServeConfig
+from pdserve.config import ServeConfig
 from pdserve.cluster.deploy import Deployment
 
 ENGINE = {"page_size": 16, "total_pages": 256, "max_scheduled_tokens": 64}

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.cli import build_parser
-from pdserve.cluster.config import load_config
+from pdserve.cli.main import build_parser
+from pdserve.config import load_config
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[1] / "src" / "pdserve" / "deploy"
 CONFIGS = sorted(p for p in DEPLOY.glob("*.yaml") if p.name != "ray-cluster.yaml")
 
 
@@ -41,9 +41,11 @@ def test_generated_grpc_code_is_reproducible(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1] / "proto"
+    repo = Path(__file__).resolve().parents[1]
+    root = repo / "src" / "pdserve" / "proto"
     # in its own process: protoc's bundled libraries must not share one with NIXL's
-    out = subprocess.run([sys.executable, str(root / "generate.py"), str(tmp_path)],
+    out = subprocess.run([sys.executable, str(repo / "tools" / "generate_proto.py"),
+                          str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout.split()
     assert len(out) == 4
     for path in map(Path, out):
@@ -52,7 +54,7 @@ def test_generated_grpc_code_is_reproducible(tmp_path):
 
 
 def test_a_given_cluster_mapping_names_every_engine_and_no_section_means_1p1d():
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.config import ServeConfig
 
     assert ServeConfig.from_dict({"cluster": {"fused": 2}}).cluster.__dict__ == \
         {"prefill": 0, "decode": 0, "fused": 2}
@@ -71,7 +73,7 @@ def test_the_grafana_dashboard_plots_only_series_the_router_exports():
     import json
     import re
 
-    from pdserve.cluster.metrics import _COUNTERS, _GAUGES, RouterMetrics
+    from pdserve.router.metrics import _COUNTERS, _GAUGES, RouterMetrics
 
     dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     used = {m for p in dash["panels"] for t in p["targets"]
@@ -87,7 +89,7 @@ def test_the_grafana_dashboard_plots_only_series_the_router_exports():
 
 
 def test_the_gpu_cluster_runs_its_engines_on_cuda_a_gpu_each_in_bfloat16():
-    from pdserve.cluster.config import engine_gpus
+    from pdserve.config import engine_gpus
 
     m = load_config(DEPLOY / "gpu-cluster.yaml").model
     assert m.device == "cuda" and m.device_for(None) == "cuda" and m.dtype == "bfloat16"
@@ -95,7 +97,7 @@ def test_the_gpu_cluster_runs_its_engines_on_cuda_a_gpu_each_in_bfloat16():
 
 
 def test_model_device_auto_means_cpu_and_the_command_line_wins():
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.config import ServeConfig
     from pdserve.scheduler.config import ConfigError
 
     assert ServeConfig.from_dict({}).model.device_for(None) == "cpu"
@@ -109,7 +111,7 @@ def test_model_device_auto_means_cpu_and_the_command_line_wins():
     ("cuda", None, 1), ("cuda", "0.5", 0.5), ("cpu", None, 0), ("auto", None, 0)])
 def test_up_gives_each_cuda_engine_its_own_gpu(tmp_path, monkeypatch, device, flag, want):
     import pdserve.cluster.deploy as deploy
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     seen = {}
 
@@ -130,7 +132,7 @@ def test_up_gives_each_cuda_engine_its_own_gpu(tmp_path, monkeypatch, device, fl
 
 
 def test_up_on_cuda_refuses_zero_gpus_per_engine_before_starting_anything(tmp_path, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {preset: tiny}\ncluster: {fused: 2}\n")
@@ -141,7 +143,7 @@ def test_up_on_cuda_refuses_zero_gpus_per_engine_before_starting_anything(tmp_pa
 
 def test_up_refuses_an_unknown_preset_before_starting_ray(tmp_path, capsys, monkeypatch):
     from pdserve.cluster import deploy
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     monkeypatch.setattr(deploy, "Deployment", None)      # never reached
     cfg = tmp_path / "c.yaml"
@@ -154,7 +156,7 @@ def test_up_refuses_an_unknown_preset_before_starting_ray(tmp_path, capsys, monk
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_llm_and_offline_generate_read_model_device(tmp_path, capsys):
     from pdserve import LLM
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
     from pdserve.kernels.model_config import ModelError
 
     conf = {"model": {"preset": "tiny", "device": "cuda"}}
@@ -173,7 +175,7 @@ def test_llm_and_offline_generate_read_model_device(tmp_path, capsys):
 def test_a_cuda_benchmark_on_a_machine_without_one_is_a_one_line_error(what, capsys):
     import torch
 
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -196,7 +198,7 @@ def test_up_refuses_a_model_path_or_a_port_it_cannot_use_before_starting_ray(
     import socket
 
     from pdserve.cluster import deploy
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     monkeypatch.setattr(deploy, "Deployment", None)      # never reached
     cfg = tmp_path / "c.yaml"
@@ -215,7 +217,7 @@ def test_up_refuses_a_model_path_or_a_port_it_cannot_use_before_starting_ray(
 
 def test_up_says_when_a_config_names_no_model(tmp_path, capsys, monkeypatch):
     from pdserve.cluster import deploy
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     class Stop(Exception):
         pass
@@ -237,7 +239,7 @@ def test_engines_that_need_gpus_ray_lacks_are_refused_on_our_ray_and_said_on_a_j
         monkeypatch, caplog):
     import ray
 
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.config import ServeConfig
     from pdserve.cluster.deploy import Deployment
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
@@ -258,7 +260,7 @@ def test_engines_that_need_gpus_ray_lacks_are_refused_on_our_ray_and_said_on_a_j
 def test_a_ray_address_nothing_answers_at_is_an_error_at_once(capsys):
     import socket
 
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     with socket.socket() as s:                  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -269,13 +271,23 @@ def test_a_ray_address_nothing_answers_at_is_an_error_at_once(capsys):
     assert f"no Ray cluster answers at 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_a_missing_config_says_where_a_relative_path_was_read_and_where_configs_ship(
+def test_a_missing_config_says_where_a_relative_path_was_read_and_which_configs_ship(
         tmp_path, monkeypatch):
     from pdserve.scheduler.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=f"does not exist \\(a relative path is read from "
-                                          f"{tmp_path}\\).* ships in {DEPLOY}"):
-        load_config("deploy/local-fused.yaml")
+                                          f"{tmp_path}\\).* ships: .*local-fused.yaml"):
+        load_config("deploy/no-such.yaml")
     with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
         load_config(tmp_path)
+
+
+def test_a_shipped_config_loads_by_name_from_anywhere(tmp_path, monkeypatch):
+    """`deploy/NAME.yaml` or `NAME.yaml` with no such file here is the config
+    pdserve ships under that name, read from the installed package."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(DEPLOY / "local-fused.yaml")
+    assert load_config("deploy/local-fused.yaml") == shipped == load_config("local-fused.yaml")
+    (tmp_path / "local-fused.yaml").write_text("cluster: {fused: 3}\n")
+    assert load_config("local-fused.yaml").cluster.fused == 3       # a file here comes first

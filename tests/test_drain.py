@@ -132,7 +132,7 @@ def test_a_draining_engine_refuses_new_work_and_counts_it():
 # ---- on the cluster ------------------------------------------------------------------
 
 def test_drain_of_an_unknown_engine_is_a_clear_error(client, deployment, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     with pytest.raises(grpc.RpcError) as e:
         client.drain("decode-7")

@@ -19,7 +19,7 @@ EXIT_BOUND_S = 60.0        # from "exit now" to the process gone
 
 ENGINE = textwrap.dedent("""
     import sys
-    from pdserve.cluster.config import ServeConfig
+    from pdserve.config import ServeConfig
     from pdserve.roles.engine_server import EngineServer
 
     engine = EngineServer(ServeConfig.from_dict({"cluster": {"fused": 1}}), "fused", 0)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import AsyncClient, Client, RequestFailed
-from pdserve.cluster.router import Security
+from pdserve.router.router import Security
 
 from deployed import deployed
 
@@ -461,7 +461,7 @@ def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
     import ssl
     import subprocess
 
-    from pdserve.cluster.router import Router
+    from pdserve.router.router import Router
 
     if shutil.which("openssl") is None:
         pytest.fail("openssl is needed to make the test certificate")
@@ -493,7 +493,7 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
     """The per-token event spliced around the escaped text is the same JSON
     as the whole chunk object dumped, for any text (quotes, control
     characters, surrogates' neighbours, non-ASCII)."""
-    from pdserve.cluster.openai_protocol import SseEvents
+    from pdserve.router.openai_protocol import SseEvents
 
     ev = SseEvents({"id": "cmpl-1", "object": "o", "created": 7, "model": 'm"x'}, chat, usage)
     if chat:
@@ -507,7 +507,7 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
 
 
 def test_the_command_line_clients_send_the_api_key(dep, capsys, monkeypatch):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     assert main(["stats", "--address", dep.address]) == 1

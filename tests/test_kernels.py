@@ -348,7 +348,7 @@ def test_a_device_that_cannot_be_used_is_a_clear_error(device, words):
 
 
 def test_bench_and_generate_flags_are_checked(capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["bench", "llm", "--scale", "0"])
@@ -370,7 +370,7 @@ def test_flashinfer_without_the_gpu_extra_is_a_clear_error(monkeypatch):
 
 
 def test_offline_generate_cli_takes_a_dtype(tmp_path, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text("model: {preset: tiny}\n")

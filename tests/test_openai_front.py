@@ -1,8 +1,8 @@
 """The OpenAI HTTP front's refusals before any engine is asked (a router
 with no live link): each one names the field and what to change."""
 
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.router import Router
+from pdserve.config import ServeConfig
+from pdserve.router.router import Router
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
 
@@ -13,7 +13,7 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
     counted as an arrival."""
     from starlette.testclient import TestClient
 
-    from pdserve.cluster.http_api import build_app
+    from pdserve.router.http_api import build_app
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 8},
                                  "engine": {"total_pages": 64, "page_size": 4,
@@ -74,7 +74,7 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
 
 
 def test_any_64_bit_seed_is_taken_and_stays_reproducible():
-    from pdserve.cluster.openai_protocol import CompletionRequest
+    from pdserve.router.openai_protocol import CompletionRequest
 
     seeds = (-1, -(1 << 63), (1 << 63) - 1, (1 << 63) + 1, (1 << 64) - 2, 0, 7)
     taken = [CompletionRequest(prompt="ab", seed=s).sampling(4, None).seed for s in seeds]
@@ -83,8 +83,8 @@ def test_any_64_bit_seed_is_taken_and_stays_reproducible():
 
 
 def test_only_near_misses_of_known_fields_are_refused_other_unknown_fields_are_ignored():
-    from pdserve.cluster.http_api import _misspelt
-    from pdserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.router.http_api import _misspelt
+    from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     fields = CompletionRequest.model_fields
     assert _misspelt({"prompt": "a", "temprature": 1}, fields) == ("temprature", "temperature")
@@ -104,7 +104,7 @@ def test_tokenize_detokenize_version_and_one_model_answer_without_an_engine():
     from starlette.testclient import TestClient
 
     import pdserve
-    from pdserve.cluster.http_api import build_app
+    from pdserve.router.http_api import build_app
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "model": {"name": "toy"},
                                  "engine": {"total_pages": 64, "page_size": 4,
@@ -142,7 +142,7 @@ def test_fields_sent_as_null_take_their_defaults():
     """The openai client sends `n: null` when a caller passes n=None, as
     wrappers that forward their own defaults do; OpenAI and vLLM read null
     as the default, so we do too (it was a 400)."""
-    from pdserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     chat = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "a"}], "n": None, "stream": None,
@@ -166,7 +166,7 @@ def test_chat_text_parts_join_by_lines_and_template_kwargs_reach_the_template():
     what the request sets itself is refused by name."""
     from starlette.testclient import TestClient
 
-    from pdserve.cluster.http_api import build_app
+    from pdserve.router.http_api import build_app
 
     class Templated(PrintableTokenizer):
         chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -197,7 +197,7 @@ def test_a_logprob_names_a_special_token_by_its_text():
     in a completion's top_logprobs)."""
     from pdserve.kernels.loader import load_tokenizer
 
-    from pdserve.cluster.http_api import HttpFront
+    from pdserve.router.http_api import HttpFront
 
     tok = load_tokenizer(None, "smollm2-135m")
     end = tok.encode("<|im_end|>", add_special_tokens=False)

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.config import load_config
-from pdserve.cluster.plan import Bracket, Candidate, Settings, Status, candidates, make_plan, search
-from pdserve.cluster.plan_probe import InProcess, Probe
-from pdserve.cluster.sim import Simulation
-from pdserve.cluster.sim_report import Slo, SloWatch
-from pdserve.cluster.trace import read_trace, scale_arrivals
+from pdserve.cli.main import main
+from pdserve.config import load_config
+from pdserve.sim.plan_search import Bracket, Candidate, Settings, Status, candidates, make_plan, search
+from pdserve.sim.plan_probe import InProcess, Probe
+from pdserve.sim.simulation import Simulation
+from pdserve.sim.report import Slo, SloWatch
+from pdserve.sim.trace import read_trace, scale_arrivals
 
 TTFT, TPOT = 0.3, 0.05
 BASE = """\

@@ -4,9 +4,9 @@ the prompt bound, its gRPC server and its channels to the engines."""
 
 import pytest
 
-from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.pairing import AFFINITY_SLACK_TOKENS
-from pdserve.cluster.router import RequestError, Router
+from pdserve.config import ServeConfig
+from pdserve.router.pairing import AFFINITY_SLACK_TOKENS
+from pdserve.router.router import RequestError, Router
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
 from router_fakes import router
@@ -57,7 +57,7 @@ def test_past_the_in_flight_limit_a_request_is_refused_not_queued_without_bound(
 def test_the_http_front_maps_router_refusals_to_openai_errors():
     from starlette.testclient import TestClient
 
-    from pdserve.cluster.http_api import build_app
+    from pdserve.router.http_api import build_app
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "router": {"max_requests": 1},
                                  "engine": {"total_pages": 8, "page_size": 4}})
@@ -128,7 +128,7 @@ def test_two_thousand_calls_at_once_all_get_answered():
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pdserve.cluster.router_grpc import grpc_server
+    from pdserve.router.grpc_api import grpc_server
 
     r = router({"fused": 1, "prefill": 0, "decode": 0})
 
@@ -180,8 +180,8 @@ def test_membership_closes_an_engines_channel_when_it_moves_and_on_disconnect():
 
     import grpc
 
-    from pdserve.cluster import membership
-    from pdserve.cluster.pairing import EngineRef
+    from pdserve.router import membership
+    from pdserve.router.pairing import EngineRef
     from pdserve.proto import control_pb2 as cpb
 
     async def closed(stub) -> bool:
@@ -217,7 +217,7 @@ def test_a_generate_many_call_that_ends_during_a_write_still_sends_the_last_resp
     import asyncio
     from types import SimpleNamespace
 
-    from pdserve.cluster.router_grpc import RouterServicer
+    from pdserve.router.grpc_api import RouterServicer
     from pdserve.proto import router_pb2 as pb
 
     class Stream:
@@ -270,9 +270,9 @@ def test_a_subscribe_stream_cancelled_under_the_link_is_a_broken_stream_not_its_
     incarnation was never subscribed). stop() still ends the link."""
     import asyncio
 
-    from pdserve.cluster.engine_link import LOST, EngineLink
-    from pdserve.cluster.pairing import EngineRef
-    from pdserve.mailbox import Mailbox
+    from pdserve.router.engine_link import LOST, EngineLink
+    from pdserve.router.pairing import EngineRef
+    from pdserve.router.mailbox import Mailbox
     from pdserve.proto import control_pb2 as cpb
 
     async def go():
@@ -312,7 +312,7 @@ def test_an_added_engine_is_picked_only_once_it_is_subscribed_and_introduced():
     events are subscribed and its peers told of it. Meanwhile it is not
     picked: a request then found no link for it (a 500 that left its load
     counted for good), or a D that had not met the new P refused it."""
-    from pdserve.cluster.pairing import EngineRef
+    from pdserve.router.pairing import EngineRef
 
     r = router({"fused": 0, "prefill": 1, "decode": 1})
     r.engines["decode-1"] = EngineRef("decode-1", "decode", "there", joining=True)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.cli import main
-from pdserve.cluster.config import ServeConfig, load_config
-from pdserve.cluster.sim import Simulation
-from pdserve.cluster.trace import TraceError, read_trace
-from pdserve.roles.cost_model import GPUS, MODELS, CostModel
+from pdserve.cli.main import main
+from pdserve.config import ServeConfig, load_config
+from pdserve.sim.simulation import Simulation
+from pdserve.sim.trace import TraceError, read_trace
+from pdserve.sim.cost_model import GPUS, MODELS, CostModel
 from pdserve.scheduler import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,8 +233,8 @@ PD_CFG = ("engine: {page_size: 16, total_pages: 2048, max_scheduled_tokens: 2048
 
 def run_pd(tmp_path, faults=None, cfg_text=PD_CFG):
     cfg = load_config(write(tmp_path, "pd.yaml", cfg_text))
-    from pdserve.cluster.faults import load_faults
-    from pdserve.cluster.sim import build_engines
+    from pdserve.sim.fault_plan import load_faults
+    from pdserve.sim.simulation import build_engines
 
     fl = []
     if faults is not None:
@@ -316,7 +316,7 @@ def test_a_decode_engine_that_dies_before_its_prompt_reaches_p_leaks_nothing_on_
     cfg = load_config(write(tmp_path, "c.yaml", PD_CFG.replace(
         "cluster: {prefill: 2, decode: 2, fused: 0}", "cluster: {prefill: 1, decode: 1, fused: 0}")
         .replace("lease_s: 2.0", "lease_s: 2.0, link_latency_s: 0.5")))
-    from pdserve.cluster.faults import Fault
+    from pdserve.sim.fault_plan import Fault
 
     trace = write(tmp_path, "t.jsonl", '{"id": "a", "arrival_s": 1.0, "prompt_tokens": 100, '
                                        '"max_new_tokens": 4}\n')

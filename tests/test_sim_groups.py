@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.benchmarks import cache_groups as bench
-from pdserve.cluster.cli import main
-from pdserve.cluster.config import ClusterShape, ServeConfig, SimulateConfig, load_config
-from pdserve.cluster.sim import Simulation
-from pdserve.cluster.trace import TraceRequest
-from pdserve.roles.cost_model import GPUS, MODELS, CostModel, window_pairs
+from pdserve.cli.main import main
+from pdserve.config import ClusterShape, ServeConfig, SimulateConfig, load_config
+from pdserve.sim.simulation import Simulation
+from pdserve.sim.trace import TraceRequest
+from pdserve.sim.cost_model import GPUS, MODELS, CostModel, window_pairs
 from pdserve.scheduler import ConfigError, EngineConfig
 from pdserve.scheduler.cache_groups import FULL
 from pdserve.scheduler.capacity import sliding_request_pages

@@ -119,7 +119,7 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         --out "$OUT/per_row.json"
     for what in llm transfer; do
         step "bench-$what" 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_$what.txt" \
-            "$PY" -m pdserve.cluster.cli bench "$what" --device cuda
+            "$PY" -m pdserve.cli.main bench "$what" --device cuda
     done
 else
     SITE=${PDSERVE_SITE:-/tmp/site}
@@ -147,10 +147,10 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
     step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/test_device.py -rA \
         --junitxml="$OUT/device-tests.xml"
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
-    step bench-llm 90 bash -c "'$PY' -m pdserve.cluster.cli bench llm --device cuda \
+    step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \
         2>&1 | tee '$OUT/bench_llm.txt'"
-    step bench-transfer 60 bash -c "'$PY' -m pdserve.cluster.cli bench transfer --device cuda \
+    step bench-transfer 60 bash -c "'$PY' -m pdserve.cli.main bench transfer --device cuda \
         2>&1 | tee '$OUT/bench_transfer.txt'"
     step keep 30 bash -c "cd '$FLASHINFER_WORKSPACE_BASE' && find . -name '*.so' -printf '%s %p\n' &&
         find . -name '*.so' -print0 | tar -cf - --null -T - | xz -T0 -6 > '$OUT/flashinfer-jit.tar.xz' &&

@@ -1,0 +1,422 @@
+"""`pdserve bench sim-accuracy`: the simulator against the real deployment.
+
+For each --config: start the deployment (as `bench serve` does), find its
+saturation (closed loop at `--sat-concurrency`, req/s), then load it at
+concurrency 1 (closed loop) and with Poisson arrivals at each of
+`--fractions` x saturation, `--repeats` times. The simulator runs the same
+requests (the same prompt tokens, output lengths and arrival times; at
+concurrency 1 each request alone) on the config with `simulate.profile` set
+to `--profile`. Each run draws fresh prompts (its own seed), so no run is
+served from the prefix cache an earlier one filled. Reports TTFT and TPOT
+p50 and p90 of both, medians over the runs with their spread, and the
+error (median sim / median real - 1).
+
+Each run is also simulated at its engines' own speed: the profile's rounds
+of each kind (prefill, decode, mixed) divided by (1 + the run's busy-time
+error on that kind), i.e. scaled so that the profile prices the rounds the
+engines ran in that run at what they took (`--one-speed`: one factor for
+every kind, the whole busy-time error, as before 2026-12-02).
+On a host whose speed drifts between runs (this 2-core VM moved 30% within
+an hour), that separates the two sources of error: the host's speed at the
+time (which a profile measured earlier cannot know) and the simulator's
+scheduling and queueing (the rest). That view uses the run's own rounds;
+a third one predicts: before each real run `--probe` requests run alone
+(as at concurrency 1, fresh prompts), and the run is simulated with the
+profile scaled to the speed those rounds showed (per kind likewise; a kind
+the probe did not run, e.g. mixed, at the probe's whole busy-time error),
+as a recalibration a minute before the run would. A fourth also predicts:
+from its second run on, each level is simulated at the speed its previous
+run showed (per kind): the profile corrected by the last window measured at
+that load, as NVIDIA Dynamo's planner corrects its profile by what it
+observes.
+
+Every run also records the CPU that processes outside this benchmark's
+process tree used meanwhile (`foreign_cores`): on a shared machine another
+workload's load shows up as a slower real run, not as a simulator error.
+With `--quiet C` each real run first waits (up to 15 minutes) until they
+use under C cores. `--replay FILE` simulates the real runs a previous
+`--out FILE` recorded again, with another `--profile`, starting nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+
+from pdserve.benchmarks.args import non_negative, positive, usage_error, workload_arguments
+from pdserve.sim.load import Sample, arrivals, drive, workload
+from pdserve.sim.host_load import ForeignLoad, wait_for_quiet
+from pdserve.sim.profile_fit import errors
+from pdserve.sim.cost_profile import KINDS, Profile, load_profile, neighbours, save_profile
+
+ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
+PROBE_SEED = 50       # a probe's prompts: seeds no run of the level uses
+
+
+def sim_trace(samples: list[Sample], due: list[float] | None, max_tokens: int):
+    from pdserve.sim.trace import TraceRequest
+    from pdserve.scheduler.request import TokenPrompt
+
+    times = due if due is not None else [i * ALONE_GAP_S for i in range(len(samples))]
+    return [TraceRequest(f"r{i}", t, TokenPrompt(list(s.prompt)), s.max_tokens, s.max_tokens)
+            for i, (s, t) in enumerate(zip(samples, times))]
+
+
+def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
+    from pdserve.sim.simulation import Simulation
+    from pdserve.sim.report import percentile
+
+    sim_cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(cfg.simulate,
+                                                                    profile=profile))
+    sim = Simulation(sim_cfg, sim_trace(samples, due, max_tokens), progress=False)
+    res = sim.run()
+    fin = [r for r in res["requests"] if r["status"] == "finished"]
+
+    def pct(key):
+        xs = [r[key] for r in fin if r[key] is not None]
+        return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9)}
+    return {"ok": len(fin), "ttft_s": pct("ttft_s"), "tpot_s": pct("tpot_s"),
+            "rounds": sim.rounds}
+
+
+def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
+            fractions, repeats: int, saturation: float | None, sat_concurrency: int,
+            seed: int, quiet: float | None = None, probe: int = 0,
+            one_speed: bool = False) -> dict:
+    """Every run draws fresh prompts (its own seed): a prompt the deployment
+    has seen would be served from its prefix cache, and the simulator, which
+    starts empty each run, would compute it whole."""
+    from pdserve.config import load_config
+    from pdserve.cluster.deploy import Deployment
+
+    cfg = load_config(path)
+
+    def batch(run_seed: int, rate):
+        return workload(n_alone if rate is None else n, prompt_len, max_tokens, None, None,
+                        prompt_len, run_seed)
+    out = {"config": path, "runs": [], "workload": {"requests": n, "alone": n_alone,
+                                                   "prompt_len": prompt_len,
+                                                   "max_tokens": max_tokens}}
+    dep = Deployment(cfg)
+    prof = load_profile(profile)
+
+    def engine_rounds() -> dict:
+        """The profile against the rounds the engines timed since the last call."""
+        import ray
+
+        return round_errors(prof, [ray.get(a.take_rounds.remote()) for _, _, a in dep.engines])
+    if quiet is not None:
+        wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
+    try:
+        addr = dep.start()
+        drive(addr, batch(seed + 1, None), 4, None, seed, progress=False)    # warm-up
+        if saturation is None:
+            if quiet is not None:
+                wait_for_quiet(quiet)
+            with ForeignLoad() as load:
+                r = drive(addr, batch(seed + 2, 0), sat_concurrency, None, seed,
+                          progress=False)
+            saturation = r["req_per_s"]
+            out["saturation_run"] = {**r, "foreign_cores": load.cores}
+        out["saturation_req_per_s"] = saturation
+        levels = [("c1", None)] + [(f"{f:g}x", f * saturation) for f in fractions]
+        out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]
+        for rep in range(repeats):
+            for i, (name, rate) in enumerate(levels):
+                run_seed = seed + 100 * (rep + 1) + i
+                if quiet is not None:
+                    wait_for_quiet(quiet)
+                engine_rounds()                    # what ran before this run
+                probed = None
+                if probe:                          # the host's speed just before the run
+                    drive(addr, workload(probe, prompt_len, max_tokens, None, None, prompt_len,
+                                         run_seed + PROBE_SEED), 1, None, run_seed,
+                          progress=False)
+                    probed = engine_rounds()
+                with ForeignLoad() as load:
+                    r = drive(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
+                              run_seed, progress=False)
+                r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
+                         foreign_cores=load.cores, rounds=engine_rounds())
+                if probed is not None:
+                    r["probe"] = probed
+                out["runs"].append(r)
+                rd = r["rounds"]
+                print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
+                      f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
+                      f"foreign load {_cores(load.cores)}; {rd['count']} engine rounds, "
+                      f"profile vs each {_pct(rd['err_p50'])} p50, vs busy time "
+                      f"{_pct(rd['busy_err'])} ("
+                      + ", ".join(f"{k} {_pct(v)}" for k, v in rd["by_kind"].items()) + ")",
+                      flush=True)
+    finally:
+        dep.stop()
+    resimulate(out, profile, one_speed)
+    return out
+
+
+def round_errors(prof: Profile, per_engine: list[list]) -> dict:
+    """The profile against real rounds (per engine, in order): the
+    simulator's cost of each round, apart from its scheduling. `busy_err`:
+    what it predicts for all of them over what they took, less 1; `by_kind`,
+    the same for prefill, decode and mixed rounds apart (a host's speed need
+    not move them alike: on the 2026-12-02 check decode rounds ran 19%
+    faster than priced while prefill rounds ran as priced)."""
+    rounds = [r for rs in per_engine for r in rs]
+    if not rounds:
+        return {"count": 0, "err_p50": None, "busy_err": None, "by_kind": {}}
+    errs = errors(prof.round, rounds, prof.model, prof.neighbour_slowdown,
+                  neighbours(per_engine), prof.served_factors, prof.speed)
+
+    def busy_err(pairs) -> float:
+        busy = sum(r.seconds for _, r in pairs)
+        return sum((1 + e) * r.seconds for e, r in pairs) / busy - 1
+    kinds: dict[str, list] = {}
+    for e, r in zip(errs, rounds):
+        kinds.setdefault(r.kind, []).append((e, r))
+    return {"count": len(rounds), "busy_s": sum(r.seconds for r in rounds),
+            "err_p50": statistics.median(errs), "busy_err": busy_err(list(zip(errs, rounds))),
+            "by_kind": {k: busy_err(v) for k, v in sorted(kinds.items())}}
+
+
+def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
+    """Simulate each recorded real run: the same requests at the same times,
+    with `profile` ("sim"); where the run timed its engines' rounds, with
+    the profile at their speed ("sim_own_speed"); where a probe ran before
+    it, at the speed the probe's rounds showed ("sim_probed"); after the
+    first run of a level, at the speed the level's previous run showed
+    ("sim_previous"). Speeds are per round kind where the runs recorded
+    them, unless `one_speed`."""
+    from pdserve.config import load_config
+
+    cfg, w = load_config(res["config"]), res["workload"]
+    prof = load_profile(profile)
+    previous: dict = {}                 # level -> the rounds its last run so far timed
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(res["runs"]):
+            samples = workload(w["alone"] if r["rate"] is None else w["requests"],
+                               w["prompt_len"], w["max_tokens"], None, None, w["prompt_len"],
+                               r["seed"])
+            due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
+            r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
+            speeds = {"sim_own_speed": r.get("rounds"), "sim_probed": r.get("probe"),
+                      "sim_previous": previous.get(r["level"])}
+            for view, rounds in speeds.items():
+                r.pop(view, None)
+                if _timed(rounds):
+                    scaled = os.path.join(tmp, f"run{i}-{view}.yaml")
+                    by_kind = {} if one_speed else rounds.get("by_kind", {})
+                    save_profile(at_speed(prof, rounds["busy_err"], by_kind), scaled)
+                    r[view] = simulate(cfg, scaled, samples, due, w["max_tokens"])
+            if _timed(r.get("rounds")):
+                previous[r["level"]] = r["rounds"]
+    res["profile"] = profile
+    res["one_speed"] = one_speed
+
+
+def _timed(rounds: dict | None) -> bool:
+    """Whether a run's (or probe's) `round_errors` priced any round."""
+    return (rounds or {}).get("busy_err") is not None
+
+
+def at_speed(prof: Profile, busy_err: float, by_kind: dict | None = None) -> Profile:
+    """`prof` on an engine that ran faster or slower than it prices: each
+    round kind's cost divided by (1 + its error in `by_kind`), what the
+    profile predicted for a run's rounds of that kind over what they took,
+    less 1; a kind not there by (1 + `busy_err`), the error on all of them."""
+    by_kind = by_kind or {}
+    speed = {k: prof.speed.get(k, 1.0) / (1 + by_kind.get(k, busy_err)) for k in KINDS}
+    return dataclasses.replace(prof, speed=speed)
+
+
+def _ms(v) -> str:
+    return f"{v * 1000:.0f} ms" if v is not None else "-"
+
+
+def _pct(v) -> str:
+    return f"{v:+.0%}" if v is not None else "-"
+
+
+def _cores(v) -> str:
+    return f"{v:.2f} cores" if v is not None else "unknown"
+
+
+def _median_cell(values) -> tuple:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None, "-"
+    mid = statistics.median(xs)
+    spread = f" ({xs[0] * 1000:.0f}-{xs[-1] * 1000:.0f})" if len(xs) > 1 else ""
+    return mid, _ms(mid) + spread
+
+
+def table(results: list[dict], sim: str = "sim") -> list[str]:
+    """Markdown rows: per config and level, the median over runs (min-max)
+    of the real deployment and of the simulator on each run's requests
+    (`sim`: the result key, "sim" or "sim_own_speed"), TTFT and TPOT at p50
+    and p90; the error is median sim / median real - 1."""
+    lines = ["| config | level | rate req/s | metric | real p50 (runs) | sim p50 (runs) | "
+             "err p50 | real p90 (runs) | sim p90 (runs) | err p90 |",
+             "| --- | --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    for res in results:
+        for lv in res["levels"]:
+            runs = [r for r in res["runs"] if r["level"] == lv["level"] and sim in r]
+            if not runs:
+                continue
+            rate = f"{lv['rate']:.2f}" if lv["rate"] else "closed, c=1"
+            for metric in ("ttft_s", "tpot_s"):
+                cells = []
+                for q in ("p50", "p90"):
+                    _, real_cell = _median_cell([r[metric][q] for r in runs])
+                    _, sim_cell = _median_cell([r[sim][metric][q] for r in runs])
+                    err = cell_error(runs, sim, metric, q)
+                    cells += [real_cell, sim_cell, f"{err:+.0%}" if err is not None else "-"]
+                lines.append(f"| {res['config']} | {lv['level']} | {rate} | "
+                             f"{metric[:-2].upper()} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cell_error(runs: list[dict], sim: str, metric: str, q: str) -> float | None:
+    """Median of the simulated runs over median of the real ones, minus 1."""
+    real, _ = _median_cell([r[metric][q] for r in runs])
+    simulated, _ = _median_cell([r[sim][metric][q] for r in runs])
+    return simulated / real - 1 if real and simulated is not None else None
+
+
+def within(results: list[dict], sim: str = "sim", tolerance: float = 0.10,
+           q: str = "p50") -> tuple[int, int]:
+    """(cells whose error at `q` is within `tolerance`, cells), a cell being
+    one metric (TTFT, TPOT) of one level of one config."""
+    errs = [cell_error([r for r in res["runs"] if r["level"] == lv["level"] and sim in r],
+                       sim, metric, q)
+            for res in results for lv in res["levels"] for metric in ("ttft_s", "tpot_s")]
+    errs = [e for e in errs if e is not None]
+    return sum(abs(e) <= tolerance for e in errs), len(errs)
+
+
+def rounds_table(results: list[dict]) -> list[str]:
+    """Markdown rows: per config and level, how the profile predicts the
+    rounds the real engines ran (median over runs): its error per round at
+    the median, and on their summed (busy) time."""
+    lines = ["| config | level | engine rounds | simulated rounds | profile error per round "
+             "(p50) | on busy time |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for res in results:
+        for lv in res["levels"]:
+            runs = [r for r in res["runs"]
+                    if r["level"] == lv["level"] and r.get("rounds", {}).get("count")]
+            if not runs:
+                continue
+            rds = [r["rounds"] for r in runs]
+            med = {k: statistics.median(r[k] for r in rds) for k in ("err_p50", "busy_err")}
+            sim = sum(r["sim"].get("rounds", 0) for r in runs)
+            lines.append(f"| {res['config']} | {lv['level']} | "
+                         f"{sum(r['count'] for r in rds)} | {sim or '-'} | "
+                         f"{_pct(med['err_p50'])} | {_pct(med['busy_err'])} |")
+    return lines
+
+
+def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
+         fractions, repeats: int, saturation: float | None, out: str | None,
+         n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
+         quiet: float | None = None, replay: str | None = None, probe: int = 0,
+         one_speed: bool = False) -> int:
+    """`replay`: a JSON this wrote; its real runs are simulated again with
+    `profile`, nothing is started (to compare profiles on one set of runs).
+    `probe`: requests run alone before each real run, to probe its speed.
+    `one_speed`: the views at a measured speed scale every round kind alike."""
+
+    load_profile(profile)              # a bad profile fails before any deployment starts
+    profile = os.path.abspath(profile)
+    if replay:
+        with open(replay) as f:
+            results = json.load(f)
+        for res in results:
+            resimulate(res, profile, one_speed)
+    else:
+        results = []
+        for path in configs:
+            results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
+                                   fractions, repeats, saturation, sat_concurrency, seed, quiet,
+                                   probe, one_speed))
+            print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
+                  flush=True)
+    for res in results:
+        w = res["workload"]
+        print(f"{res['config']}: {w['requests']} requests of {w['prompt_len']} prompt tokens "
+              f"and {w['max_tokens']} output tokens (concurrency 1: {w['alone']}); "
+              f"{max(r['repeat'] for r in res['runs']) + 1} real run(s) a level; saturation "
+              f"{res['saturation_req_per_s']:.2f} req/s")
+    print(f"profile {profile}" + (f"; real runs replayed from {replay}" if replay else ""))
+    for line in table(results):
+        print(line)
+    hit, cells = within(results)
+    print(f"{hit} of {cells} cells within 10% at p50")
+    kinds = "" if one_speed else ", per round kind"
+    for view, speed, how in (
+            ("sim_own_speed", "at the engines' own speed", f"the run's busy-time error{kinds}"),
+            ("sim_probed", "at the probed speed",
+             f"the busy-time error of a probe just before{kinds}"),
+            ("sim_previous", "at the previous run's speed",
+             f"the busy-time error of the level's previous run{kinds}; a level's first run "
+             "has none")):
+        hit, cells = within(results, view)
+        if cells:
+            print(f"the same runs, each simulated {speed} (the profile's round costs scaled "
+                  f"by {how}):")
+            for line in table(results, view):
+                print(line)
+            print(f"{hit} of {cells} cells within 10% at p50 {speed}")
+    rows = rounds_table(results)
+    if len(rows) > 2:
+        print("the profile against the rounds the engines ran (their own timings):")
+        for line in rows:
+            print(line)
+    loads = [r["foreign_cores"] for res in results for r in res["runs"]
+             if r["foreign_cores"] is not None]
+    if loads:
+        print(f"CPU used outside this benchmark during the real runs: median "
+              f"{statistics.median(loads):.2f} cores, max {max(loads):.2f}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append",
+                   help="config YAML: start this deployment (repeat to compare)")
+    p.add_argument("--profile", help="the cost profile the simulator uses (pdserve calibrate)")
+    workload_arguments(p)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 1.1],
+                   help="Poisson rates as fractions of the measured saturation (0.5 0.9 1.1)")
+    p.add_argument("--saturation", type=float,
+                   help="saturation in req/s (default: measured closed-loop at concurrency 16)")
+    p.add_argument("--alone", type=positive, default=8,
+                   help="requests run at concurrency 1 (8)")
+    p.add_argument("--repeats", type=positive, default=1, help="real runs of each level (1)")
+    p.add_argument("--quiet", type=float,
+                   help="before each real run, wait until processes outside the benchmark use "
+                        "under this many cores")
+    p.add_argument("--out", help="save the results as JSON here")
+    p.add_argument("--probe", type=non_negative, default=2,
+                   help="requests run alone before each real run, whose rounds say the "
+                        "host's speed just then (2; 0: no probe)")
+    p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
+                                    "--profile; start nothing")
+    p.add_argument("--one-speed", action="store_true",
+                   help="scale the own-speed, probed and previous-run views by one factor "
+                        "for every round kind, not one per kind")
+
+
+def run(args) -> int:
+    if not (args.config or args.replay) or not args.profile:
+        return usage_error("bench sim-accuracy needs --config (repeatable) or --replay, "
+                           "and --profile (from pdserve calibrate)")
+    return main(args.config or [], args.profile, args.requests, args.prompt_len,
+                args.max_tokens, args.fractions, args.repeats, args.saturation, args.out,
+                n_alone=args.alone, quiet=args.quiet, replay=args.replay, probe=args.probe,
+                one_speed=args.one_speed)

@@ -1,0 +1,334 @@
+"""The config YAML: one schema for serving and simulation.
+
+    model: {path: DIR | FILE.gguf | preset: NAME, name: ..., dtype: auto, attention: auto,
+            device: auto}
+    engine: {...}                 # scheduler.EngineConfig fields
+    cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0
+    router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false,
+             stream_interval: 1, replicas: 1}
+    simulate: {gpu: h100, model: llama-3-8b}   # or {profile: PROFILE.yaml} (pdserve calibrate)
+
+Unknown keys are an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from pdserve.scheduler.config import ConfigError, EngineConfig, check_keys
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("auto", "torch", "flashinfer")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    preset: str | None = "tiny"
+    dtype: str = "auto"          # auto: the checkpoint's (float16 runs as bfloat16 on CPU)
+    attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
+    name: str | None = None      # the served model name (the API's "model"); see served_name
+    device: str = "auto"         # auto: cpu, unless the command line says otherwise
+
+    @classmethod
+    def from_dict(cls, data) -> "ModelConfig":
+        data = check_keys(data, "model",
+                          {"path", "preset", "dtype", "attention", "name", "device"})
+        if "path" in data and "preset" in data:
+            raise ConfigError("model takes either path or preset, not both; remove one")
+        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION), ("device", DEVICES)):
+            if key in data and data[key] not in allowed:
+                raise ConfigError(f"model.{key} is {data[key]!r}; use one of "
+                                  f"{', '.join(allowed)}")
+        if "name" in data and (not isinstance(data["name"], str) or not data["name"].strip()):
+            raise ConfigError(f"model.name is {data['name']!r}; give a non-empty string")
+        extra = {k: data[k] for k in ("dtype", "attention", "name", "device") if k in data}
+        if "path" in data:
+            return cls(path=str(data["path"]), preset=None, **extra)
+        return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)
+
+    def device_for(self, flag: str | None = None) -> str:
+        """Where the model runs: the command line's --device (or an API's
+        device=) over model.device, and auto as cpu."""
+        if flag is not None:
+            return flag
+        return "cpu" if self.device == "auto" else self.device
+
+    @property
+    def served_name(self) -> str:
+        """What clients call the model: model.name, else the preset, else the
+        checkpoint's file or folder name without .gguf."""
+        if self.name:
+            return self.name
+        if self.path is None:
+            return self.preset
+        return Path(self.path.rstrip("/")).name.removesuffix(".gguf")
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    prefill: int = 1
+    decode: int = 1
+    fused: int = 0
+
+    @classmethod
+    def from_dict(cls, data) -> "ClusterShape":
+        """No `cluster:` section: 1P+1D. A given mapping names every engine
+        there is: `{fused: 2}` is two fused engines and nothing else."""
+        if data is None:
+            return cls()
+        data = check_keys(data, "cluster", {"prefill", "decode", "fused"})
+        shape = cls(**{"prefill": 0, "decode": 0, "fused": 0, **data})
+        for name in ("prefill", "decode", "fused"):
+            v = getattr(shape, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"cluster.{name} must be an integer >= 0, got {v!r}")
+        if shape.fused == 0 and (shape.prefill == 0 or shape.decode == 0):
+            raise ConfigError(
+                f"cluster has prefill={shape.prefill}, decode={shape.decode}, fused=0: "
+                "nothing could serve a request end to end; give at least one fused "
+                "engine, or at least one prefill and one decode engine")
+        return shape
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_requests: int = 4096         # in flight at once; past it: HTTP 429 / RESOURCE_EXHAUSTED
+    max_body_bytes: int = 8 << 20    # an HTTP body or gRPC message; past it: 413
+    protect_metrics: bool = False    # with an API key, /health and /metrics need it too
+    stream_interval: int = 1         # send a stream's tokens every k (1: token by token)
+    replicas: int = 1                # router processes sharing the ports (SO_REUSEPORT)
+
+    @classmethod
+    def from_dict(cls, data) -> "RouterConfig":
+        data = check_keys(data, "router", {f.name for f in dataclasses.fields(cls)})
+        cfg = cls(**data)
+        for name in ("max_requests", "max_body_bytes", "stream_interval", "replicas"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"router.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(cfg.protect_metrics, bool):
+            raise ConfigError(f"router.protect_metrics must be true or false, "
+                              f"got {cfg.protect_metrics!r}")
+        return cfg
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    gpu: str = "h100"
+    model: str = "llama-3-8b"
+    link_gbps: float = 400.0         # P -> D KV link, per prefill engine
+    link_latency_s: float = 0.0002   # one control message or RDMA completion
+    lease_s: float = 10.0            # how long a silent peer can keep P's pages pinned
+    # A model with sliding-window layers keeps only their window, in cache
+    # groups of their own (pools: engine.total_pages, engine.sliding_pages);
+    # false keeps every layer's whole history in one pool, as with a hybrid
+    # allocator turned off. Attention reads only the window either way.
+    sliding_groups: bool = True
+    # a cost profile `pdserve calibrate` wrote, in place of gpu and model (a
+    # relative path is read from the config file's folder)
+    profile: str | None = None
+
+    @classmethod
+    def from_dict(cls, data) -> "SimulateConfig":
+        data = check_keys(data, "simulate", {f.name for f in dataclasses.fields(cls)})
+        if data.get("profile") is not None:
+            p = data["profile"]
+            if not isinstance(p, str) or not p.strip():
+                raise ConfigError(f"simulate.profile is {p!r}; give the path of a profile "
+                                  "that `pdserve calibrate` wrote")
+            both = [k for k in ("gpu", "model") if k in data]
+            if both:
+                raise ConfigError(f"simulate.profile replaces simulate.gpu and simulate.model "
+                                  f"(the profile measured both); remove {' and '.join(both)}")
+        cfg = cls(**data)
+        if not isinstance(cfg.sliding_groups, bool):
+            raise ConfigError(f"simulate.sliding_groups must be true or false, got "
+                              f"{cfg.sliding_groups!r}")
+        for name in ("link_gbps", "link_latency_s", "lease_s"):
+            v = getattr(cfg, name)
+            low = 0 < v if name == "link_gbps" else 0 <= v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low:
+                bound = "> 0" if name == "link_gbps" else ">= 0"
+                raise ConfigError(f"simulate.{name} must be a number {bound}, got {v!r}")
+        return cfg
+
+
+# the autoscaler's settings (cluster/autoscale_policy.py reads them)
+@dataclass(frozen=True)
+class RoleBounds:
+    min: int = 1
+    max: int = 1
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    prefill: RoleBounds = RoleBounds()
+    decode: RoleBounds = RoleBounds()
+    ttft_s: float = 2.0              # TTFT p95 target
+    itl_s: float = 0.2               # inter-token latency p95 target
+    interval_s: float = 5.0          # how often the actor looks
+    cooldown_s: float = 30.0         # after an action, before the next
+    scale_down_after_s: float = 60.0  # calm this long before an engine comes off
+    kv_high: float = 0.85            # D's pages used that asks for another D
+    low_water: float = 0.5           # survivors' pool share a removal may leave them at
+    queue_high: int = 4              # requests queued for a role that ask for another
+    drain_deadline_s: float = 120.0  # an engine coming off finishes its work within this
+
+    @classmethod
+    def from_dict(cls, data) -> "AutoscaleConfig":
+        data = dict(check_keys(data, "autoscale", {f.name for f in dataclasses.fields(cls)}))
+        for role in ("prefill", "decode"):
+            if role in data:
+                b = check_keys(data[role], f"autoscale.{role}", {"min", "max"})
+                data[role] = RoleBounds(**b)
+        cfg = cls(**data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for role in ("prefill", "decode"):
+            b = getattr(self, role)
+            for k in ("min", "max"):
+                v = getattr(b, k)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"autoscale.{role}.{k} must be an integer >= 1, got {v!r}")
+            if b.min > b.max:
+                raise ConfigError(f"autoscale.{role}: min {b.min} is above max {b.max}; "
+                                  "make min <= max")
+        for k in ("ttft_s", "itl_s", "interval_s", "cooldown_s", "scale_down_after_s",
+                  "drain_deadline_s"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"autoscale.{k} must be a number > 0, got {v!r}")
+        v = self.queue_high
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"autoscale.queue_high must be an integer >= 1, got {v!r}")
+        for k in ("kv_high", "low_water"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ConfigError(f"autoscale.{k} must be in (0, 1], got {v!r}")
+
+    def bounds(self, role: str) -> RoleBounds:
+        return getattr(self, role)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterShape = field(default_factory=ClusterShape)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    autoscale: object = None                    # AutoscaleConfig, or None: a fixed shape
+    engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
+    model_given: bool = False                   # the file has a model: section
+
+    @classmethod
+    def from_dict(cls, data) -> "ServeConfig":
+        data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate",
+                                           "autoscale"})
+        engine = data.get("engine") or {}
+        autoscale = None
+        if data.get("autoscale") is not None:
+            autoscale = AutoscaleConfig.from_dict(data["autoscale"])
+            shape = ClusterShape.from_dict(data.get("cluster"))
+            for role in ("prefill", "decode"):
+                n, b = getattr(shape, role), autoscale.bounds(role)
+                if not b.min <= n <= b.max:
+                    raise ConfigError(f"cluster.{role}: {n} engines to start with, outside "
+                                      f"autoscale.{role} [{b.min}, {b.max}]; start within "
+                                      "the bounds the autoscaler keeps")
+            replicas = (data.get("router") or {}).get("replicas", 1)
+            if replicas != 1:
+                raise ConfigError(f"autoscale with router.replicas={replicas}: the autoscaler "
+                                  "adds engines through one router; use one replica")
+        return cls(
+            model=ModelConfig.from_dict(data.get("model")),
+            engine=EngineConfig.from_dict(engine),
+            cluster=ClusterShape.from_dict(data.get("cluster")),
+            router=RouterConfig.from_dict(data.get("router")),
+            simulate=SimulateConfig.from_dict(data.get("simulate")),
+            autoscale=autoscale,
+            engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
+            model_given=data.get("model") is not None,
+        )
+
+
+def engine_gpus(device: str, gpus_per_engine: float | None) -> float:
+    """Ray GPUs per engine: 1 on CUDA unless given. 0 on CUDA is refused:
+    Ray then sets no CUDA_VISIBLE_DEVICES and every engine lands on cuda:0."""
+    on_cuda = device.startswith("cuda")
+    if gpus_per_engine is None:
+        return 1 if on_cuda else 0
+    if on_cuda and gpus_per_engine <= 0:
+        raise ValueError(
+            f"--gpus-per-engine {gpus_per_engine:g} with device cuda would put every engine "
+            "on the same GPU (cuda:0); give 1 for a GPU each (the default on cuda), or a "
+            "fraction such as 0.5 to share GPUs knowingly")
+    if gpus_per_engine < 0:
+        raise ValueError(f"--gpus-per-engine must be >= 0, got {gpus_per_engine:g}")
+    return gpus_per_engine
+
+
+def engine_for_model(engine: EngineConfig, set_keys, max_position: int) -> EngineConfig:
+    """The engine config a model runs with: max_context_tokens is the
+    model's context unless the config set it, and never beyond it (RoPE
+    tables and the model's training end there)."""
+    if "max_context_tokens" not in set_keys:
+        return dataclasses.replace(engine, max_context_tokens=max_position)
+    if engine.max_context_tokens > max_position:
+        raise ConfigError(f"engine.max_context_tokens={engine.max_context_tokens:,} exceeds the "
+                          f"model's context of {max_position:,} tokens; lower it or leave it "
+                          "unset (the model's context is the default)")
+    return engine
+
+
+def shipped(name: str) -> Path:
+    """A file pdserve ships in its `deploy/` folder (configs, the demo trace,
+    the Prometheus and Grafana files), read from the installed package."""
+    path = Path(str(importlib.resources.files("pdserve") / "deploy" / name))
+    if not path.exists():
+        raise ConfigError(f"pdserve ships no {name!r}; shipped: {', '.join(shipped_names())}")
+    return path
+
+
+def shipped_names() -> list[str]:
+    folder = importlib.resources.files("pdserve") / "deploy"
+    return sorted(f.name for f in folder.iterdir() if f.name.endswith((".yaml", ".yml")))
+
+
+def load_config(path) -> ServeConfig:
+    """Load a config file. A path that names no file but a shipped config
+    (`local-pd.yaml` or `deploy/local-pd.yaml`) loads the shipped one, so the
+    README's commands work from an installed package as from the checkout."""
+    p = Path(path)
+    if not p.is_file() and not p.is_absolute() and p.parent in (Path("."), Path("deploy")) \
+            and p.name in shipped_names():
+        p = shipped(p.name)
+    if not p.is_file():
+        what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
+        where = f" (a relative path is read from {Path.cwd()})" if not p.is_absolute() else ""
+        raise ConfigError(f"config file {str(p)!r} {what}{where}; give --config a YAML file, "
+                          f"such as one pdserve ships: {', '.join(shipped_names())}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    try:
+        cfg = ServeConfig.from_dict(data)
+    except TypeError as e:       # a field of the wrong shape
+        raise ConfigError(f"{p}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    prof = cfg.simulate.profile
+    if prof and not Path(prof).is_absolute():    # beside the config, wherever it runs from
+        cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(
+            cfg.simulate, profile=str(p.parent / prof)))
+    return cfg

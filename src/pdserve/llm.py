@@ -1,0 +1,132 @@
+"""`pdserve.LLM`: the offline API, one fused engine in-process.
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM()                                   # the embedded tiny model
+    llm = LLM("deploy/local-fused.yaml")          # or a config YAML
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+from pdserve.config import ServeConfig, engine_for_model, load_config
+from pdserve.kernels.loader import load_model
+from pdserve.kernels.sampling import SamplingParams
+from pdserve.roles.engine import Engine
+from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.scheduler.capacity import ingest_error
+from pdserve.scheduler.planner import Planner
+from pdserve.scheduler.request import Request, SamplingLimits
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list
+    text: str
+    token_ids: list
+    finish_reason: str
+    logprobs: list | None = None       # a sampling.Logprob per token, if asked for
+
+
+class LLM:
+    def __init__(self, config=None, *, dtype: str | None = None, device: str | None = None,
+                 attention: str | None = None, **engine_overrides):
+        """`dtype`, `device` and `attention` override the config's model.dtype,
+        model.device and model.attention (all 'auto' by default; a device of
+        auto is cpu)."""
+        if config is None:
+            cfg = ServeConfig()
+        elif isinstance(config, ServeConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = ServeConfig.from_dict(config)
+        else:
+            cfg = load_config(config)
+        self.model, self.tokenizer = load_model(
+            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
+            device=cfg.model.device_for(device), attention=attention or cfg.model.attention)
+        engine = cfg.engine
+        if engine_overrides:
+            engine = dataclasses.replace(engine, **engine_overrides)
+        engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
+                                  self.model.cfg.max_position)
+        self.engine_config = engine
+        self.executor = TorchExecutor(self.model, self.tokenizer, engine)
+        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups),
+                             self.executor, forget_finished=False)
+        self._next = 0
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary "
+                             f"[0, {vocab}); pass text or valid ids")
+        return None, ids
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True):
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        if single:
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        encoded = [self._encode(p) for p in prompts]
+        # refuse the whole batch before anything runs: nothing half-done
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+            err = ingest_error(self.engine_config, len(ids), sp.max_tokens,
+                               self.engine.planner.coord.full is not None)
+            if err:
+                raise ValueError(f"prompt {i}: {err}")
+            bad = [t for t, _ in sp.logit_bias if t >= self.model.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i}: logit_bias names token id {bad[0]}, outside the "
+                                 f"model's vocabulary [0, {self.model.cfg.vocab_size})")
+        reqs = []
+        for (_, ids), sp in zip(encoded, params):
+            rid = f"llm-{self._next}"
+            self._next += 1
+            req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict))
+            self.executor.register(rid, sp, fallback_seed=self._next, prompt=ids)
+            self.engine.submit(req)
+            reqs.append(req)
+        self._run(len(reqs), use_tqdm)
+        return [self._output(r, text, sp) for r, (text, _), sp in zip(reqs, encoded, params)]
+
+    def _run(self, n: int, use_tqdm: bool) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, disable=not use_tqdm or n < 2, unit="req", file=sys.stderr,
+                   desc="generate")
+        while self.engine.has_work():
+            out = self.engine.step()
+            if out is None:
+                raise RuntimeError("the engine built an empty round with work left; "
+                                   f"stalls: {self.engine.planner.stalls}")
+            bar.update(len(out.finished))
+            for req in out.failed:
+                self.executor.forget(req.id)
+            if out.failed:
+                raise RuntimeError(f"{out.error}; {len(out.failed)} requests failed")
+        bar.close()
+
+    def _output(self, req, prompt_text, sp: SamplingParams) -> RequestOutput:
+        t = self.executor.tracked.pop(req.id)
+        # a stop string, even on the last allowed token, ends with "stop"
+        reason = "stop" if t.detok.stopped else req.finish_reason
+        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,
+                             list(req.output), reason,
+                             t.logprobs if sp.logprobs is not None else None)

@@ -1,0 +1,118 @@
+"""What an engine counts for operators: request and transfer counters, a
+transfer-time histogram, prefix-cache queries and hits, and its rounds
+(how many, their wall and loop-thread CPU time, their tokens); and the Stats
+RPC's answer built from them and the planner (`stats_pb`). Plain numbers,
+turned into Prometheus metrics by the router (router/metrics.py)."""
+
+from __future__ import annotations
+
+import bisect
+
+from pdserve.proto import control_pb2 as cpb
+from pdserve.proto import router_pb2 as pb
+from pdserve.scheduler.grammar import Role
+
+# seconds: a local NIXL write takes about a millisecond, a cross-node one of a
+# long prompt up to seconds
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+
+
+class Histogram:
+    def __init__(self, bounds=TRANSFER_BUCKETS):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)     # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[int]:
+        out, total = [], 0
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return out
+
+
+class EngineCounters:
+    """Monotonic counts since the engine started (a restart starts over, as
+    Prometheus counters may)."""
+
+    NAMES = ("finished", "aborted", "retractions", "readmissions", "transfers",
+             "transfer_failures", "transfer_bytes", "lease_expiries", "fences",
+             "prefix_queries", "prefix_hits", "rounds", "round_seconds", "round_cpu_seconds",
+             "round_tokens")
+
+    def __init__(self):
+        for name in self.NAMES:
+            setattr(self, name, 0)
+        self.failures_by_stage: dict[str, int] = {}
+        self.transfer_seconds = Histogram()
+        self._prefix_seen: set[str] = set()
+
+    def round_done(self, seconds: float, cpu_seconds: float, tokens: int) -> None:
+        """A round took `seconds` of wall time, `cpu_seconds` of the loop
+        thread's CPU (the rest it waited: for a core, or for the GIL that the
+        engine's other threads hold) and computed `tokens`."""
+        self.rounds += 1
+        self.round_seconds += seconds
+        self.round_cpu_seconds += cpu_seconds
+        self.round_tokens += tokens
+
+    def transfer_failed(self, stage: str) -> None:
+        self.transfer_failures += 1
+        self.failures_by_stage[stage] = self.failures_by_stage.get(stage, 0) + 1
+
+    def prefix_lookup(self, req_id: str, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count a request's prompt once, at its first admission."""
+        if req_id in self._prefix_seen:
+            return
+        self._prefix_seen.add(req_id)
+        self.prefix_queries += prompt_tokens
+        self.prefix_hits += hit_tokens
+
+    def forget(self, req_id: str) -> None:
+        self._prefix_seen.discard(req_id)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+
+def waiting_requests_pb(planner) -> list:
+    """Each request that is not running, with the rule that held it in the
+    planner's last round (scheduler/waiting.py), as the Stats message has it."""
+    return [pb.WaitingRequest(request_id=w.req_id, reason=str(w.reason), detail=w.detail,
+                              pages_needed=w.pages_needed or 0, pages_free=w.pages_free or 0)
+            for w in planner.waiting_reasons()]
+
+
+def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
+             attention: str) -> cpb.EngineStatsResponse:
+    """The Stats RPC's answer: pages used and pinned, requests running and
+    waiting (and why), the counters, and each cache group's use."""
+    p = planner
+    total = p.total_pages
+    used = total - p.free_pages()
+    if role is Role.PREFILL:
+        pinned = used
+    else:
+        pinned = sum(len(r.state.res.tables[0]) for r in p.landing.values()) + \
+            p.held_by_fences()
+    hist = counts.transfer_seconds
+    coord = p.coord
+    groups = [pb.CacheGroupUsage(retention=e["retention"], window=e["window"],
+                                 layers=e["layers"], total_pages=e["pages"],
+                                 used_pages=e["pages"] - coord.available_pages(g),
+                                 page_bytes=e["page_bytes"])
+              for g, e in enumerate(capacity["groups"])]
+    return cpb.EngineStatsResponse(
+        total_pages=total, used_pages=used, pinned_pages=pinned,
+        running=len(p.prefilling) + len(p.running) + len(p.landing) + len(p.transferring),
+        waiting=len(p.waiting) + len(p.retracted), role=role.value,
+        stalls=len(p.stalls), transfer_failures_by_stage=counts.failures_by_stage,
+        transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
+        transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
+        dtype=dtype, attention=attention, kv_capacity_tokens=capacity["tokens"],
+        cache_groups=groups, **counts.as_dict())

@@ -1,0 +1,539 @@
+"""The OpenAI-compatible HTTP front of the router, on Starlette and uvicorn,
+sharing the router's event loop with the gRPC front:
+
+    GET  /v1/models            the served model
+    POST /v1/completions       a prompt string, a list of them, or token ids
+    POST /v1/chat/completions  messages rendered with the model's chat template
+    GET  /v1/models/{model}    that model, or a 404 naming the one served
+    POST /tokenize             a prompt or chat messages as token ids (vLLM's)
+    POST /detokenize           token ids as text (vLLM's)
+    GET  /version              pdserve's version
+    GET  /health               200 while some engine can serve, else 503
+    GET  /metrics              Prometheus text (router/metrics.py)
+
+Errors are OpenAI's error body, {"error": {"message", "type", "param",
+"code"}}; bad input is a 400 that names the field, never a 500. A client
+that disconnects mid-request (streamed or not) aborts its request on the
+engines. Why Starlette and not FastAPI: FastAPI's additions are automatic
+validation and generated docs; the OpenAI error bodies need our own
+validation step anyway (pydantic, openai_protocol.py), so FastAPI would only
+add work to every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+
+import pydantic
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pdserve.router.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SseEvents, TokenizeRequest,
+    Unsupported, usage as _usage)
+from pdserve.router.router import RequestError, Router
+from pdserve.router.grpc_api import key_matches
+
+STATUS = {"invalid": 400, "exists": 409, "overloaded": 429, "unavailable": 503,
+          "aborted": 499, "internal": 500, "not_found": 404, "precondition": 409}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 409: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 499: "aborted",
+         500: "server_error", 503: "service_unavailable"}
+OPEN_PATHS = ("/health", "/metrics")
+COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+
+
+def error(status: int, message: str, param: str | None = None, code=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": TYPES.get(status, "error"),
+                                   "param": param, "code": code if code is not None else status}},
+                        status_code=status)
+
+
+# what render_chat sets itself: chat_template_kwargs may not set these
+_TEMPLATE_ARGS = {"template", "messages", "add_generation_prompt", "bos_token", "eos_token",
+                  "continue_final_message"}
+
+
+def _from_request_error(e: RequestError) -> JSONResponse:
+    return error(STATUS[e.kind], e.message, e.param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _from_validation(e: pydantic.ValidationError) -> JSONResponse:
+    first = e.errors()[0]
+    # a union's member types show in the location (prompt.list[int]): keep field names
+    loc = ".".join(str(x) for x in first["loc"]
+                   if not (isinstance(x, str) and ("[" in x or x in _TYPE_NAMES)))
+    got = first.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, (int, float, str, bool)) or got is None \
+        else f"a list of {len(got)}" if isinstance(got, list) else type(got).__name__
+    if first["type"] == "missing":
+        return error(400, f"{loc} is required", loc or None)
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:                     # a check across fields: its message names them
+        return error(400, msg)
+    return error(400, f"{loc}: {msg} (got {shown})", loc)
+
+
+def _misspelt(data: dict, fields) -> tuple[str, str] | None:
+    """(key, the field it is a near miss of) for the first unknown key that
+    reads like a typo of a field (max_token, temprature). Other unknown keys
+    are ignored, as OpenAI clients send many; a typo would silently fall back
+    to the field's default."""
+    import difflib
+
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+            if close:
+                return key, close[0]
+    return None
+
+
+class HttpFront:
+    def __init__(self, router: Router):
+        self.r = router
+
+    # ---- plumbing ------------------------------------------------------------
+    def _auth(self, request: Request) -> JSONResponse | None:
+        key = self.r.security.api_key
+        if not key:
+            return None
+        if request.url.path in OPEN_PATHS and not self.r.cfg.router.protect_metrics:
+            return None
+        header = request.headers.get("authorization")
+        if key_matches(header, key):
+            return None
+        why = "no API key given" if not header else "the API key is wrong"
+        return error(401, f"{why}: send the header 'Authorization: Bearer <key>' with the key "
+                     "the deployment was started with (--api-key or PDSERVE_API_KEY)")
+
+    async def _body(self, request: Request, model_cls):
+        """The request body as `model_cls`, or an error response (the API
+        key checked first)."""
+        if (denied := self._auth(request)) is not None:
+            return None, denied
+        limit = self.r.cfg.router.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return None, error(413, f"the request body of {int(declared):,} bytes exceeds this "
+                               f"deployment's limit of {limit:,} (router.max_body_bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None, error(413, f"the request body exceeds this deployment's limit of "
+                                   f"{limit:,} bytes (router.max_body_bytes)")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, error(400, f"the request body is not valid JSON: {e}")
+        if not isinstance(data, dict):
+            return None, error(400, "the request body must be a JSON object")
+        typo = _misspelt(data, model_cls.model_fields)
+        if typo is not None:
+            key, known = typo
+            return None, error(400, f"unknown field {key!r}; did you mean {known!r}? (fields "
+                               "pdserve does not know are otherwise ignored)", key)
+        try:
+            body = model_cls.model_validate(data)
+            body.check_unsupported()
+        except pydantic.ValidationError as e:
+            return None, _from_validation(e)
+        except Unsupported as e:
+            return None, error(400, str(e), e.param)
+        if body.model is not None and body.model != self.r.model_name:
+            return None, error(404, f"model {body.model!r} is not served here; this deployment "
+                               f"serves {self.r.model_name!r} (GET /v1/models)", "model",
+                               "model_not_found")
+        return body, None
+
+    def _open(self, prompts: list[list[int]], body, max_tokens, logprobs, rid: str, route):
+        """One stream per (prompt, choice): every prompt checked and the
+        router's room for all of them taken first, so all or none open."""
+        sp = body.sampling(max_tokens, logprobs)
+        field = "prompt" if isinstance(body, CompletionRequest) else "messages"
+        for p, ids in enumerate(prompts):
+            self.r.check_prompt(ids, sp, f"{field}[{p}]" if len(prompts) > 1 else field)
+        self.r.admit(len(prompts) * body.n, route)
+        streams = []
+        try:
+            for p, ids in enumerate(prompts):
+                for j in range(body.n):
+                    # choice j of n draws with seed + j: the choices differ, each reproducible
+                    choice = _with_seed(sp, (sp.seed + j) % (1 << 64)) \
+                        if sp.seed is not None and j else sp
+                    streams.append(self.r.stream(ids, choice, route, f"{rid}-{p * body.n + j}"))
+        except BaseException:
+            for s in streams:
+                self.r.active.pop(s.id, None)
+            raise
+        return streams
+
+    def _tok_str(self, token_id: int) -> str:
+        # a logprob names the token it scores: an end of turn is '<|im_end|>', not ''
+        return self.r.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- endpoints ---------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.r.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "max_model_len": self.r.cfg.engine.max_context_tokens}
+
+    async def models(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        name = request.path_params["model"]
+        if name != self.r.model_name:
+            return error(404, f"model {name!r} is not served here; this deployment serves "
+                         f"{self.r.model_name!r}", "model", "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def version(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        import pdserve
+
+        return JSONResponse({"version": pdserve.__version__})
+
+    async def tokenize(self, request: Request):
+        body, err = await self._body(request, TokenizeRequest)
+        if err is not None:
+            return err
+        try:
+            if body.messages is not None:
+                ids = self._chat_ids(body, add_special_tokens=bool(body.add_special_tokens))
+            else:
+                special = body.add_special_tokens is not False
+                ids = self.r.encode(body.prompt, "prompt", add_special_tokens=special)
+        except Unsupported as e:
+            return error(400, str(e), e.param)
+        except ValueError as e:                      # the template failed on these messages
+            return error(400, f"messages: {e}", "messages")
+        except RequestError as e:
+            return _from_request_error(e)
+        return JSONResponse({"count": len(ids), "max_model_len":
+                             self.r.cfg.engine.max_context_tokens, "tokens": ids})
+
+    async def detokenize(self, request: Request):
+        body, err = await self._body(request, DetokenizeRequest)
+        if err is not None:
+            return err
+        bad = next((t for t in body.tokens if not 0 <= t < self.r.vocab_size), None)
+        if bad is not None:
+            return error(400, f"token id {bad} is outside the vocabulary "
+                         f"[0, {self.r.vocab_size})", "tokens")
+        return JSONResponse({"prompt": self.r.tokenizer.decode(body.tokens)})
+
+    async def health(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        try:
+            self.r.pairing.candidates("")
+        except LookupError as e:
+            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        text = self.r.metrics.render(await self.r.engine_stats())
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: Request):
+        body, err = await self._body(request, CompletionRequest)
+        if err is not None:
+            return err
+        try:
+            prompts = [self.r.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+            max_tokens = body.max_tokens if body.max_tokens is not None \
+                else COMPLETION_DEFAULT_MAX_TOKENS
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            streams = self._open(prompts, body, max_tokens, body.logprobs, rid, body.route)
+        except Unsupported as e:
+            return error(400, str(e), e.param)
+        except RequestError as e:
+            return _from_request_error(e)
+        # echo: each choice's text starts with its prompt's (token ids: decoded)
+        echo = [p if isinstance(p, str) else self.r.tokenizer.decode(ids)
+                for p, ids in zip(body.prompts(), prompts)] if body.echo else None
+        return await self._respond(request, body, streams, rid, prompts, chat=False,
+                                   echo=echo)
+
+    async def chat(self, request: Request):
+        body, err = await self._body(request, ChatCompletionRequest)
+        if err is not None:
+            return err
+        try:
+            ids = self._chat_ids(body)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = self._open([ids], body, body.token_limit, body.logprobs_k, rid,
+                                 body.route)
+        except Unsupported as e:
+            return error(400, str(e), e.param)
+        except ValueError as e:                      # the template failed on these messages
+            return error(400, f"messages: {e}", "messages")
+        except RequestError as e:
+            return _from_request_error(e)
+        return await self._respond(request, body, streams, rid, [ids], chat=True)
+
+    def _chat_ids(self, body, add_special_tokens: bool = False) -> list[int]:
+        """The body's messages rendered with the model's chat template, as
+        token ids (the template writes its own BOS: none is added)."""
+        template = getattr(self.r.tokenizer, "chat_template", None)
+        if not template:
+            raise Unsupported("messages", f"model {self.r.model_name!r} has no chat template; "
+                              "use /v1/completions with a prompt")
+        from pdserve.kernels.chat import render_chat
+
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
+                    for m in body.messages]
+        extra = body.chat_template_kwargs or {}
+        if clash := sorted(set(extra) & _TEMPLATE_ARGS):
+            raise Unsupported("chat_template_kwargs", f"chat_template_kwargs sets {clash}, "
+                              "which the request itself sets; use the request's own fields")
+        text = render_chat(template, messages, body.add_generation_prompt,
+                           bos_token=getattr(self.r.tokenizer, "bos_token", None),
+                           eos_token=getattr(self.r.tokenizer, "eos_token", None),
+                           continue_final_message=body.continue_final_message, **extra)
+        return self.r.encode(text, "messages", add_special_tokens=add_special_tokens)
+
+    # ---- answers -----------------------------------------------------------------
+    async def _respond(self, request, body, streams, rid, prompts, chat: bool, echo=None):
+        """`echo`: per prompt, the text each of its choices starts with."""
+        created = int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)      # once a prompt, whatever n is
+        if body.stream:
+            gen = self._sse(body, streams, rid, created, prompt_tokens, chat, echo)
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_collect(streams))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():                       # the client left: abort on the engines
+            collect.cancel()
+            with contextlib.suppress(BaseException):
+                await collect
+            return Response(status_code=499)
+        gone.cancel()
+        try:
+            results = collect.result()
+        except RequestError as e:
+            return _from_request_error(e)
+        choices, completion_tokens = [], 0
+        for i, res in enumerate(results):
+            completion_tokens += len(res["token_ids"])
+            lps = self._logprobs(res["logprobs"], chat, 0) if res["logprobs"] is not None \
+                else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant",
+                                                         "content": res["text"]},
+                                "logprobs": lps, "finish_reason": res["finish_reason"]})
+            else:
+                text = echo[i // body.n] + res["text"] if echo else res["text"]
+                choices.append({"index": i, "text": text, "logprobs": lps,
+                                "finish_reason": res["finish_reason"]})
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": self.r.model_name, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens)})
+
+    async def _sse(self, body, streams, rid, created, prompt_tokens, chat: bool, echo=None):
+        ev = SseEvents({"id": rid, "object": "chat.completion.chunk" if chat
+                        else "text_completion", "created": created,
+                        "model": self.r.model_name}, chat, body.include_usage)
+        completion_tokens = 0
+        offsets = [0] * len(streams)
+        want_lps = streams[0].sp.logprobs is not None
+
+        def render(i, d) -> bytes:
+            nonlocal completion_tokens
+            completion_tokens += len(d.token_ids)
+            # one event a delta, even while its text is held back (part of a
+            # character, or of a possible stop string): streams stay token by token
+            at, offsets[i] = offsets[i], offsets[i] + len(d.text)
+            if not want_lps and not d.finish_reason:
+                return ev.text(i, d.text)
+            lps = self._logprobs(d.logprobs, chat, at) if want_lps and d.logprobs else None
+            finish = d.finish_reason or None
+            if chat:
+                return ev.choice({"index": i, "delta": {"content": d.text} if d.text else {},
+                                  "logprobs": lps, "finish_reason": finish})
+            return ev.choice({"index": i, "text": d.text, "logprobs": lps,
+                              "finish_reason": finish})
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    yield ev.choice({"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None})
+            for i in range(len(streams) if echo else 0):     # the prompt first
+                yield ev.text(i, echo[i // body.n])
+            if len(streams) == 1:                 # no merging layer: this runs every token
+                async with contextlib.aclosing(streams[0].events()) as deltas:
+                    async for d in deltas:
+                        yield render(0, d)
+            else:
+                async for i, d in _merged(streams):
+                    yield render(i, d)
+            if body.include_usage:
+                yield ev.usage(_usage(prompt_tokens, completion_tokens))
+        except RequestError as e:
+            yield b"data: " + _from_request_error(e).body + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _logprobs(self, entries, chat: bool, offset: int):
+        """OpenAI's logprobs object for these TokenLogprob entries: chat's
+        {"content": [...]} or the completions API's parallel lists."""
+        if chat:
+            content = []
+            for e in entries:
+                s = self._tok_str(e.token_id)
+                content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
+                                "top_logprobs": [
+                                    {"token": (t := self._tok_str(x.token_id)),
+                                     "logprob": x.logprob, "bytes": list(t.encode())}
+                                    for x in e.top]})
+            return {"content": content}
+        tokens, offsets, top = [], [], []
+        for e in entries:
+            s = self._tok_str(e.token_id)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            # the sampled token is always among them (OpenAI: up to logprobs + 1)
+            top.append({**{self._tok_str(x.token_id): x.logprob for x in e.top}, s: e.logprob})
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+def _with_seed(sp, seed):
+    import dataclasses
+
+    return dataclasses.replace(sp, seed=seed)
+
+
+async def _merged(streams):
+    """(choice index, Delta) from every stream as they come; an error from
+    any stream (a RequestError, or a bug) ends the whole answer, as it does
+    with one stream, and every stream is closed however the iteration ends
+    (the engines abort what is left)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0].events()) as deltas:
+            async for d in deltas:
+                yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async with contextlib.aclosing(s.events()) as deltas:
+                async for d in deltas:
+                    q.put_nowait((i, d, None))
+        except Exception as e:                # raised where the answer is read
+            q.put_nowait((i, None, e))
+            return
+        q.put_nowait((i, None, None))
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, d, err = await q.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(streams) -> list[dict]:
+    out = [{"text": "", "token_ids": [], "logprobs": None, "finish_reason": None}
+           for _ in streams]
+    async for i, d in _merged(streams):
+        o = out[i]
+        o["text"] += d.text
+        o["token_ids"] += d.token_ids
+        if streams[i].sp.logprobs is not None:
+            o["logprobs"] = (o["logprobs"] or []) + d.logprobs
+        o["finish_reason"] = d.finish_reason or o["finish_reason"]
+    return out
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(router: Router) -> Starlette:
+    front = HttpFront(router)
+
+    async def http_error(request, exc: HTTPException):
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return Starlette(routes=[
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.model, methods=["GET"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/version", front.version, methods=["GET"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.metrics, methods=["GET"]),
+    ], exception_handlers={HTTPException: http_error})
+
+
+class HttpServer:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task):
+        self.server, self.task = server, task
+
+    async def close(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10)
+
+
+async def http_server(router: Router, host: str, port: int) -> tuple[HttpServer, str]:
+    """Serve the HTTP front on the running loop; returns it and its address."""
+    sec = router.security
+    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
+                            access_log=False, lifespan="off", ssl_certfile=sec.tls_cert,
+                            ssl_keyfile=sec.tls_key, timeout_graceful_shutdown=2)
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
+    # without it a stream's first event waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if router.cfg.router.replicas > 1:          # the replicas share the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()                           # raises what stopped it
+            raise RuntimeError("the HTTP server stopped before it started")
+        await asyncio.sleep(0.01)
+    scheme = "https" if sec.tls_cert else "http"
+    return HttpServer(server, task), f"{scheme}://{host}:{sock.getsockname()[1]}"

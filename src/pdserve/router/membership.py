@@ -1,0 +1,103 @@
+"""Membership: which engines are alive, at which incarnation, and each P
+and D told about the others (address and NIXL metadata), again whenever one
+restarts. Runs on the router's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.router.pairing import EngineRef
+from pdserve.proto import control_pb2 as cpb
+from pdserve.proto import control_pb2_grpc as cpbg
+
+log = logging.getLogger("pdserve.router")
+
+# an engine that misses this many GetInfo rounds in a row is taken as down; a
+# broken event stream (engine_link.py) says so at once. A loaded machine can
+# delay one answer past its timeout without the engine being gone.
+MISSES_DOWN = 3
+
+
+def connect(ref: EngineRef, address: str, options=()):
+    """Point `ref` at `address` on a fresh channel (on the running loop);
+    returns the channel it used before, if any, for the caller to close."""
+    old = ref.channel
+    ref.address = address
+    ref.channel = grpc.aio.insecure_channel(address, options=list(options))
+    ref.stub = cpbg.EngineControlStub(ref.channel)
+    return old
+
+
+async def disconnect(ref: EngineRef) -> None:
+    """Close `ref`'s channel, cancelling what is still in flight on it: a
+    channel left open past its loop delivers its last completions to a
+    closed loop."""
+    channel, ref.channel = ref.channel, None
+    if channel is not None:
+        await channel.close()
+
+
+async def _info(ref: EngineRef, resolver, options):
+    try:
+        return await ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
+    except grpc.aio.AioRpcError:
+        pass
+    address = None
+    if resolver is not None:
+        try:          # Ray's restart may have moved it: ask where it is now
+            address = await asyncio.get_running_loop().run_in_executor(None, resolver, ref.name)
+        except Exception:                     # not back yet: try again next round
+            address = None
+    if address is None or address == ref.address:
+        return None
+    moved_from = connect(ref, address, options)
+    if moved_from is not None:              # the old address serves nothing now
+        await moved_from.close()
+    try:
+        return await ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
+    except grpc.aio.AioRpcError:
+        return None
+
+
+async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> bool:
+    """Ask every engine who it is; introduce P and D peers to each other
+    whenever an incarnation is new. Returns whether anything changed."""
+    refs = list(engines.values())
+    got = await asyncio.gather(*(_info(r, resolver, options) for r in refs))
+    changed, infos = False, {}
+    for ref, info in zip(refs, got):
+        if info is None:
+            ref.misses += 1
+            if ref.misses >= MISSES_DOWN:
+                changed |= ref.alive
+                ref.alive = False
+            continue
+        ref.misses = 0
+        ref.alive = True
+        ref.kv_capacity_tokens = info.kv_capacity_tokens
+        infos[ref.name] = info
+        if info.incarnation != ref.incarnation:
+            ref.incarnation = info.incarnation
+            ref.draining = info.draining          # a new incarnation serves afresh
+            changed = True
+        else:       # never undone by an answer sent before the engine heard the drain
+            ref.draining |= info.draining
+    if changed:
+        calls, told = [], []
+        for a in refs:
+            for b in refs:
+                if a is b or not (a.alive and b.alive) or {a.role, b.role} != {"prefill", "decode"}:
+                    continue
+                i = infos[b.name]
+                told.append(a)
+                calls.append(a.stub.AddPeer(cpb.AddPeerRequest(
+                    engine=b.name, incarnation=i.incarnation, nixl_metadata=i.nixl_metadata,
+                    address=i.address), timeout=30))
+        for a, res in zip(told, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(res, Exception):
+                log.warning("telling %s about its peers failed: %s; retrying", a.name, res)
+                a.incarnation = 0             # seen as new next round: introduced again
+    return changed

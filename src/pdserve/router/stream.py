@@ -1,0 +1,287 @@
+"""One admitted request on the router: `Stream.events()` pairs it
+(pairing.py), submits it to the engine that decodes it, and yields its
+tokens as `Delta`s from that engine's event stream (engine_link.py). Events
+that pile up while the client is still reading go out as one delta. If the
+engine dies mid-stream, the request is resubmitted to a live one with the
+tokens already streamed; if the client leaves, the engine is told to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.router.engine_link import LOST
+from pdserve.router.pairing import EngineRef
+from pdserve.kernels.sampling import SamplingParams
+from pdserve.router.mailbox import Mailbox
+from pdserve.proto import control_pb2 as cpb
+from pdserve.proto.sampling import to_options
+from pdserve.roles.drain import DEADLINE_ABORT
+
+if TYPE_CHECKING:
+    from pdserve.router.router import Router
+
+log = logging.getLogger("pdserve.router")
+
+MAX_RESUBMITS = 3
+SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
+
+
+class RequestError(Exception):
+    """A request the router will not or cannot carry out. `kind` maps to a
+    status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
+    ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
+    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL),
+    not_found (404 / NOT_FOUND), precondition (409 / FAILED_PRECONDITION).
+    `param` names the request field at fault, where there is one."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+
+class _EngineLost(RuntimeError):
+    pass
+
+
+class _NotTaken(_EngineLost):
+    """The engine did not take the request and nothing was streamed: try
+    again (its view of this router was out of date: a subscription that
+    ended, a prefill peer it had not met yet)."""
+
+
+class _EngineDraining(_NotTaken):
+    """The engine refused the request because it drains: try another."""
+
+
+@dataclasses.dataclass
+class Delta:
+    token_ids: list              # or the engine event's own sequence of ints
+    text: str
+    logprobs: list               # router_pb2.TokenLogprob, one per token if asked for
+    finish_reason: str           # set on the last delta: length | stop
+    engine: str
+
+
+class Stream:
+    """One admitted request: `events()` yields its Deltas; the router forgets
+    it when the generator ends, however it ends."""
+
+    def __init__(self, router: Router, rid: str, ids: list[int], sp: SamplingParams,
+                 route: str):
+        self.router = router
+        self.id = rid
+        self.ids = ids
+        self.sp = sp
+        self.route = route
+        self.arrived = time.perf_counter()
+
+    async def events(self):
+        """Stream the request from its engine. If the engine dies mid-stream,
+        resubmit (at most MAX_RESUBMITS times) to a live engine with the
+        prompt plus the tokens already streamed, and continue where it
+        stopped: under greedy decoding, or sampling with a seed (the engine
+        is told how many tokens are output already: `prior_output`), the
+        client sees exactly the tokens an undisturbed run produces."""
+        r = self.router
+        streamed: list[int] = []
+        chars = 0                         # of their text, what the client has
+        timing = r.metrics.request(len(self.ids), self.arrived)
+        try:
+            for attempt in range(MAX_RESUBMITS + 1):
+                try:
+                    attempt_deltas = self._attempt(streamed, chars)
+                    if r.cfg.router.stream_interval > 1:
+                        attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
+                    async with contextlib.aclosing(attempt_deltas) as deltas:
+                        async for d in deltas:
+                            # what the client has: tokens an engine made and
+                            # stream_interval still held are made again after a
+                            # resubmission, not skipped
+                            streamed.extend(d.token_ids)
+                            chars += len(d.text)
+                            timing.tokens(d.engine, len(d.token_ids))
+                            if d.finish_reason:
+                                timing.finished(d.engine, d.finish_reason)
+                            yield d
+                    return
+                except _EngineLost as lost:
+                    if attempt == MAX_RESUBMITS:
+                        raise RequestError("unavailable", str(lost)) from None
+                    if isinstance(lost, _NotTaken):
+                        continue                  # nothing streamed: not a resubmission
+                    r.counters["resubmitted"] += 1
+                    r.metrics.resubmitted.inc()
+                    log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
+                                len(streamed))
+        except RequestError as e:
+            r.metrics.rejected.labels(reason=e.kind).inc()
+            raise
+        finally:
+            r.active.pop(self.id, None)
+
+    async def _attempt(self, streamed: list[int], chars: int):
+        r, sp, done = self.router, self.sp, len(streamed)
+        ids = self.ids + streamed
+        try:
+            target, peer = r.pairing.pick(self.route, ids)
+        except LookupError as e:
+            raise RequestError("unavailable", str(e)) from None
+        load = len(ids) + (sp.max_tokens or 256)
+        target.load += load
+        if peer is not None:
+            peer.load += len(ids)
+        r.active[self.id] = (target, peer)
+        left = to_options(sp, min_tokens=max(sp.min_tokens - done, 0),
+                          max_tokens=None if sp.max_tokens is None else sp.max_tokens - done)
+        # the engine goes on with the text where the client's ends: what the
+        # last engine held back (a possible stop string, half a character) is
+        # made again there
+        sub = cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
+                                prefill_peer=peer.name if peer else "", prior_output=done,
+                                prior_text_chars=chars)
+        link = r.links[target.name]
+        box = Mailbox(asyncio.get_running_loop())
+        ended = submitted = False
+        try:
+            try:
+                await asyncio.wait_for(link.ready.wait(), SUBSCRIBE_WAIT_S)
+            except asyncio.TimeoutError:
+                target.alive = False              # until membership sees it again
+                raise _EngineLost(f"{target.name} has no live event stream") from None
+            # a slot first (a client gone while queued costs the engine nothing),
+            # then the Submit, shielded: once sent, the engine may take it
+            await link.submits.acquire()
+            if not link.ready.is_set():           # it re-subscribes: its id is changing
+                link.submits.release()
+                raise _EngineLost(f"{target.name}'s event stream is reconnecting")
+            # the box joins the subscription the Submit names, not one that
+            # broke (and put LOST in it) while this waited for a slot
+            link.requests[self.id] = box
+            sub.subscriber = link.subscriber
+            submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
+            submit.add_done_callback(lambda _: link.submits.release())
+            try:
+                await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                # the client left while the engine was taking the request: abort
+                # it there once it has it (an Abort sent now could overtake it)
+                r.background(_abort_once_taken(submit, target, self.id, "client went away"))
+                raise
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RequestError("invalid", e.details()) from None
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    target.draining = True        # it drains: picked no more
+                    raise _EngineDraining(e.details()) from None
+                if code == grpc.StatusCode.ABORTED:
+                    raise _NotTaken(e.details()) from None
+                # the call broke: whatever the engine took of it is aborted there
+                r.background(_abort(target, self.id, "its submission broke off"))
+                if code == grpc.StatusCode.CANCELLED:
+                    # not the engine (gRPC resets calls a server has no room for):
+                    # it stays live, and the client hears it may retry
+                    raise RequestError("unavailable", f"the router's Submit to {target.name} "
+                                       "was cancelled by gRPC; retry the request") from None
+                target.alive = False
+                raise _EngineLost(f"{target.name} did not take the request: "
+                                  f"{code.name}") from None
+            submitted = True
+            backlog: collections.deque = collections.deque()
+            while not ended:
+                if not backlog:                   # all that came while the client was busy
+                    backlog = await box.take()
+                ev = backlog.popleft()
+                if ev is LOST:
+                    ended = True                  # nothing left on that engine to abort
+                    target.alive = False
+                    raise _EngineLost(f"{target.name} failed mid-stream")
+                if ev.error:
+                    ended = True
+                    raise RequestError(_error_kind(ev.error), ev.error)
+                d = _delta(ev, target.name)
+                while not d.finish_reason and backlog and _plain(backlog[0]):
+                    d = _joined(d, _delta(backlog.popleft(), target.name))
+                ended = bool(d.finish_reason)
+                yield d
+        finally:
+            if link.requests.get(self.id) is box:
+                del link.requests[self.id]
+            if submitted and not ended:           # the client left: the engine aborts it
+                r.background(_abort(target, self.id, "client went away"))
+            target.load -= load
+            if peer is not None:
+                peer.load -= len(ids)
+
+
+def _error_kind(error: str) -> str:
+    """How a front reports an engine's error event: a drain's deadline is
+    the server going away (503 / UNAVAILABLE: clients retry it), not a
+    client's abort (499 / ABORTED, which none retries)."""
+    if DEADLINE_ABORT in error:
+        return "unavailable"
+    return "aborted" if error.startswith("aborted") else "internal"
+
+
+def _plain(ev) -> bool:
+    """An engine event that carries tokens (not a lost stream, not an error)."""
+    return ev is not LOST and not ev.error
+
+
+def _delta(ev, engine: str) -> Delta:
+    """The event's tokens as they came (a protobuf sequence, not copied: this
+    runs once per token of every stream)."""
+    return Delta(ev.token_ids, ev.text, list(ev.logprobs) if ev.logprobs else [],
+                 ev.finish_reason, engine)
+
+
+def _joined(a: Delta, b: Delta) -> Delta:
+    """`a` then `b` as one delta."""
+    return Delta([*a.token_ids, *b.token_ids], a.text + b.text, a.logprobs + b.logprobs,
+                 b.finish_reason, b.engine)
+
+
+async def _every(deltas, k: int):
+    """The deltas, merged so that each carries at least `k` tokens (the
+    last one whatever is left): router.stream_interval."""
+    held = None
+    async with contextlib.aclosing(deltas):
+        async for d in deltas:
+            held = d if held is None else _joined(held, d)
+            if len(held.token_ids) >= k or held.finish_reason:
+                yield held
+                held = None
+    if held is not None:
+        yield held
+
+
+async def _abort_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str,
+                            reason: str) -> None:
+    """Abort `rid` on `ref` once its Submit (still in flight) returns. Only
+    a refusal left nothing there; a call that broke may have delivered it."""
+    try:
+        await submit
+    except asyncio.CancelledError:
+        return
+    except grpc.aio.AioRpcError as e:
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return
+    await _abort(ref, rid, reason)
+
+
+async def _abort(ref: EngineRef, rid: str, reason: str) -> None:
+    try:
+        await ref.stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason=reason), timeout=10)
+    except grpc.aio.AioRpcError as e:               # the engine is gone: nothing left to abort
+        log.info("abort of %s on %s: %s", rid, ref.name, e.code().name)

@@ -1,0 +1,183 @@
+"""What `pdserve plan` prints and writes, and the command itself.
+
+    DIR/plan.yaml   the base config with the winner's cluster: and
+                    engine.max_scheduled_tokens (`pdserve up` and `sim` take it)
+    DIR/plan.json   the settings, the winner, every candidate's probes
+    DIR/plan.png    req/s per GPU within the SLO against offered rate, a line a
+                    candidate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from pdserve.config import ServeConfig, load_config
+from pdserve.sim.plan_search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Bracket, PlanResult,
+                                  Settings, Status, check_settings, make_plan)
+from pdserve.sim.plan_probe import InProcess, RayPool, local_cpus
+from pdserve.sim.report import Slo, plot_lines
+from pdserve.sim.trace import TraceError, read_trace
+from pdserve.scheduler.config import ConfigError
+
+NOTES = {Status.CONVERGED: "", Status.SEARCHING: "",
+         Status.DOMINATED: "dominated",
+         Status.INFEASIBLE: "no rate tried passes",
+         Status.UNBOUNDED: "passes at every rate tried"}
+
+
+def _s(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
+
+
+def format_table(result: PlanResult) -> str:
+    gpus = result.settings.gpus
+    rows = [f"{'#':>2} {'shape':<9} {'chunk':>5} {'goodput':>8} {'/GPU':>6} {'attain':>6} "
+            f"{'TTFT p50':>8} {'TTFT p90':>8} {'TPOT p50':>8} {'TPOT p90':>8} "
+            f"{'fails at':>8} {'sims':>4}  note"]
+    for rank, b in enumerate(result.ranked(), 1):
+        c, lo, hi = b.candidate, b.lo, b.hi
+        if lo is None:
+            head = f"{'-':>8} {'-':>6} {'-':>6} " + " ".join(f"{'-':>8}" for _ in range(4))
+        else:
+            head = (f"{lo.rate_req_s:>8.2f} {lo.rate_req_s / gpus:>6.3f} {lo.attainment:>6.3f} "
+                    f"{_s(lo.ttft_p50_s):>8} {_s(lo.ttft_p90_s):>8} "
+                    f"{_s(lo.tpot_p50_s):>8} {_s(lo.tpot_p90_s):>8}")
+        fails = f"{hi.rate_req_s:.2f}" if hi else "-"
+        rows.append(f"{rank:>2} {c.shape:<9} {c.chunk:>5} {head} {fails:>8} "
+                    f"{len(b.probes):>4}  {NOTES[b.status]}".rstrip())
+    return "\n".join(rows)
+
+
+def _candidate_json(b: Bracket, gpus: int) -> dict:
+    c = b.candidate
+    good = b.lo.rate_req_s if b.lo else 0.0
+    return {"shape": c.shape, "prefill": c.prefill, "decode": c.decode, "fused": c.fused,
+            "chunk": c.chunk, "status": b.status.value, "start_factor": b.start,
+            "goodput_req_s": good, "goodput_per_gpu": good / gpus,
+            "fails_at_req_s": b.hi.rate_req_s if b.hi else None,
+            "probes": [p.to_json() for p in sorted(b.probes, key=lambda p: p.factor)]}
+
+
+def plan_json(result: PlanResult, trace_path: str) -> dict:
+    s = result.settings
+    best = result.best
+    return {"trace": str(trace_path), "requests": result.requests,
+            "native_rate_req_s": result.native_rate,
+            "slo": {"ttft_s": s.slo.ttft_s, "tpot_s": s.slo.tpot_s},
+            "attainment": s.attainment, "gpus": s.gpus, "chunks": list(s.chunks),
+            "tolerance": s.tolerance,
+            "best": ({k: v for k, v in _candidate_json(best, s.gpus).items() if k != "probes"}
+                     if best else None),
+            "candidates": [_candidate_json(b, s.gpus) for b in result.ranked()]}
+
+
+def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:
+    """The base config file's own mapping with the winner's cluster: and
+    chunk budget, checked by the config loader."""
+    best, s = result.best, result.settings
+    c = best.candidate
+    data = yaml.safe_load(base_path.read_text()) or {}
+    data["cluster"] = {"prefill": c.prefill, "decode": c.decode, "fused": c.fused}
+    data["engine"] = {**(data.get("engine") or {}), "max_scheduled_tokens": c.chunk}
+    sim = data.get("simulate") or {}
+    if sim.get("profile") and not Path(sim["profile"]).is_absolute():   # still found from DIR
+        sim["profile"] = str((base_path.parent / sim["profile"]).resolve())
+    try:
+        ServeConfig.from_dict(data)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"the planned config does not load ({e}); the base config "
+                          f"{base_path} cannot take cluster {c.shape}, adjust it "
+                          "(e.g. its autoscale bounds)") from None
+    head = (f"# pdserve plan: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
+            f"({best.lo.rate_req_s / s.gpus:.3f} per GPU) with {s.attainment:.0%} of requests\n"
+            f"# at TTFT <= {s.slo.ttft_s:g} s and TPOT <= {s.slo.tpot_s * 1000:g} ms, on "
+            f"{result.requests} requests of {trace_path}.\n# Base: {base_path}; every "
+            "candidate's probes are in plan.json.\n")
+    return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def plot(result: PlanResult, path: Path) -> bool:
+    """Requests a second per GPU that met the SLO (rate x attainment / GPUs)
+    against offered rate, a line a candidate. Points under the dashed line
+    missed the attainment target; a cross is a run stopped early, plotted
+    with the attainment of the part it simulated."""
+    s = result.settings
+    lines, stopped = {}, ([], [], "stopped early")
+    for b in result.ranked():
+        pts = sorted(b.probes, key=lambda p: p.factor)
+        ys = [p.rate_req_s * p.attainment / s.gpus for p in pts]
+        lines[b.candidate.name] = ([p.rate_req_s for p in pts], ys)
+        for p, y in zip(pts, ys):
+            if p.stopped_early:
+                stopped[0].append(p.rate_req_s)
+                stopped[1].append(y)
+    xs = sorted({x for line in lines.values() for x in line[0]})
+    target = ([xs[0], xs[-1]], [x * s.attainment / s.gpus for x in (xs[0], xs[-1])],
+              f"{s.attainment:.0%} attainment")
+    return plot_lines(path, lines, "offered rate (req/s)",
+                      "req/s per GPU meeting the SLO",
+                      f"pdserve plan: {s.gpus} GPUs, TTFT<={s.slo.ttft_s:g}s, "
+                      f"TPOT<={s.slo.tpot_s * 1000:g}ms", reference=target, marked=stopped)
+
+
+def command(args) -> int:
+    settings = Settings(Slo(args.ttft, args.tpot), args.attainment, args.gpus,
+                        tuple(dict.fromkeys(args.chunks or DEFAULT_CHUNKS)),
+                        DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}: how many requests "
+                          "from the start of the trace to plan for")
+    base_path = Path(args.config)
+    base = load_config(base_path)
+    for note in check_settings(settings, base):
+        print(f"pdserve plan: {note}", file=sys.stderr)
+    if not Path(args.trace).is_file():
+        raise TraceError(f"trace file {args.trace!r} does not exist; pass --trace with a "
+                         "JSONL trace (ours or Mooncake's) or an Azure CSV")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
+                          "and plan.png")
+    trace = read_trace(args.trace, limit=args.limit)
+    if args.in_process:
+        pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
+    else:
+        pool = RayPool(trace, settings.slo, settings.attainment, args.address,
+                       args.cpus or local_cpus())
+    try:
+        result = make_plan(base, trace,
+                           dataclasses.replace(settings, width=args.cpus or pool.width), pool,
+                           progress=not args.no_progress)
+    finally:
+        pool.close()
+    probes = [p for b in result.brackets for p in b.probes]
+    print(f"pdserve plan: {result.requests} requests ({result.native_rate:.2f} req/s as "
+          f"traced), {settings.attainment:.0%} within TTFT <= {settings.slo.ttft_s:g} s and "
+          f"TPOT <= {settings.slo.tpot_s * 1000:g} ms, {settings.gpus} GPUs; {len(probes)} "
+          f"simulations ({sum(p.cpu_s for p in probes):.0f} CPU-s) in {result.wall_s:.0f} s")
+    print(format_table(result))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan_json(result, args.trace), indent=1) + "\n")
+    if plot(result, out / "plan.png"):
+        print(f"plot: {out / 'plan.png'}")
+    best = result.best
+    if best is None:
+        closest = max((p for b in result.brackets for p in b.probes),
+                      key=lambda p: p.attainment)
+        print(f"pdserve plan: error: no candidate met the SLO for {settings.attainment:.0%} "
+              f"of requests at any rate tried (best: {closest.attainment:.1%} at "
+              f"{closest.rate_req_s:.2f} req/s); loosen --ttft/--tpot, lower --attainment, "
+              f"or add --gpus. Probes are in {out / 'plan.json'}", file=sys.stderr)
+        return 1
+    (out / "plan.yaml").write_text(plan_yaml(base_path, result, args.trace))
+    c = best.candidate
+    print(f"best: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
+          f"({best.lo.rate_req_s / settings.gpus:.3f} per GPU); config in {out / 'plan.yaml'}")
+    return 0
