@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from pdserve.cli.main import BENCHMARKS, build_parser, main
+from pdserve.cli.bench import BENCHMARKS
+from pdserve.cli.main import COMMANDS, build_parser, main
 
 
 def test_an_option_of_another_benchmark_is_refused(capsys):
@@ -46,13 +47,49 @@ def test_options_argparse_cannot_check_are_named_before_anything_runs(capsys, ar
 
 
 def test_building_the_parser_loads_no_torch_or_ray():
-    """Every benchmark module is imported to define its options: `pdserve
-    --help` must not pay for torch or Ray."""
+    """`pdserve --help` must not pay for torch or Ray."""
     code = ("import sys; from pdserve.cli.main import build_parser; build_parser(); "
             "print(sorted({'torch', 'ray', 'grpc'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def _modules_after(argvs: list[list[str]]) -> list[str]:
+    """The modules a fresh interpreter holds after parsing each argv (each
+    ends in --help) with one parser: what those commands cost to start."""
+    code = ("import contextlib, io, sys; from pdserve.cli.main import build_parser\n"
+            f"for argv in {argvs!r}:\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        build_parser().parse_args(argv)\n"
+            "print(' '.join(sorted(sys.modules)))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_pdserve_up_imports_no_benchmark():
+    """A command's parser is built from its own module: `pdserve up` does not
+    import the benchmarks to define options it never takes (their shared
+    option helpers in benchmarks/args.py aside)."""
+    loaded = _modules_after([["up", "--help"]])
+    assert "pdserve.cli.up" in loaded
+    assert [m for m in loaded if m.startswith("pdserve.benchmarks.")] == \
+        ["pdserve.benchmarks.args"]
+
+
+def test_bench_name_imports_only_that_benchmark():
+    loaded = set(_modules_after([["bench", "planner", "--help"]]))
+    assert {b.module for b in BENCHMARKS} & loaded == {"pdserve.benchmarks.planner"}
+
+
+def test_every_command_s_and_benchmark_s_help_loads_no_torch_or_ray():
+    """Defining a command's options imports its module and no more: torch,
+    Ray and gRPC wait for the command to run."""
+    argvs = [[c.name, "--help"] for c in COMMANDS if c.name != "bench"]
+    argvs += [["bench", b.name, "--help"] for b in BENCHMARKS]
+    loaded = _modules_after(argvs)
+    assert {"pdserve.cli.up", "pdserve.benchmarks.loop"} <= set(loaded)
+    assert sorted({"torch", "ray", "grpc"} & set(loaded)) == []
 
 
 def test_bench_state_capacity_prints_the_three_ways(capsys):

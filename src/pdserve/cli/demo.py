@@ -10,11 +10,6 @@ import threading
 import time
 import urllib.request
 
-from pdserve.client import Client
-from pdserve.config import load_config
-from pdserve.cluster.deploy import Deployment
-from pdserve.kernels.chat import render_chat
-
 QUESTIONS = [
     "What is the capital of France?",
     "Name the three primary colors.",
@@ -23,7 +18,21 @@ QUESTIONS = [
 ]
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="config YAML (default: deploy/local-pd.yaml)")
+
+
+def run(args) -> int:
+    return main(args.config)
+
+
 def main(config: str | None = None) -> int:
+    # here, not at the top: `pdserve demo --help` imports no Ray, gRPC or torch
+    from pdserve.client import Client
+    from pdserve.cluster.deploy import Deployment
+    from pdserve.config import load_config
+    from pdserve.kernels.chat import render_chat
+
     path = config or "deploy/local-pd.yaml"          # the shipped one unless a file is here
     cfg = load_config(path)
     print(f"starting a local deployment from {path} ...", flush=True)

@@ -387,7 +387,7 @@ FORM = ("# round seconds = overhead_s + multi_token_s * M + prefill_chunk_s * C\
         "# `simulate: {profile: THIS_FILE}`.\n")
 
 
-def main(config: str, out: str, device: str | None, threads: int | None, chunks, batches,
+def main(*, config: str, out: str, device: str | None, threads: int | None, chunks, batches,
          contexts, decode_rounds: int, seed: int = 0, rounds_out: str | None = None,
          clock: str = "wall", copies: int = 1, as_load: bool = False,
          served: bool = False) -> int:

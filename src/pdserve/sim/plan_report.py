@@ -1,4 +1,4 @@
-"""What `pdserve plan` prints and writes, and the command itself.
+"""What `pdserve plan` prints and writes (cli/plan.py is the command).
 
     DIR/plan.yaml   the base config with the winner's cluster: and
                     engine.max_scheduled_tokens (`pdserve up` and `sim` take it)
@@ -9,19 +9,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import sys
 from pathlib import Path
 
 import yaml
 
-from pdserve.config import ServeConfig, load_config
-from pdserve.sim.plan_search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Bracket, PlanResult,
-                                  Settings, Status, check_settings, make_plan)
-from pdserve.sim.plan_probe import InProcess, RayPool, local_cpus
-from pdserve.sim.report import Slo, plot_lines
-from pdserve.sim.trace import TraceError, read_trace
+from pdserve.config import ServeConfig
+from pdserve.sim.plan_search import Bracket, PlanResult, Status
+from pdserve.sim.report import plot_lines
 from pdserve.scheduler.config import ConfigError
 
 NOTES = {Status.CONVERGED: "", Status.SEARCHING: "",
@@ -126,58 +120,3 @@ def plot(result: PlanResult, path: Path) -> bool:
                       f"pdserve plan: {s.gpus} GPUs, TTFT<={s.slo.ttft_s:g}s, "
                       f"TPOT<={s.slo.tpot_s * 1000:g}ms", reference=target, marked=stopped)
 
-
-def command(args) -> int:
-    settings = Settings(Slo(args.ttft, args.tpot), args.attainment, args.gpus,
-                        tuple(dict.fromkeys(args.chunks or DEFAULT_CHUNKS)),
-                        DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit must be at least 1, got {args.limit}: how many requests "
-                          "from the start of the trace to plan for")
-    base_path = Path(args.config)
-    base = load_config(base_path)
-    for note in check_settings(settings, base):
-        print(f"pdserve plan: {note}", file=sys.stderr)
-    if not Path(args.trace).is_file():
-        raise TraceError(f"trace file {args.trace!r} does not exist; pass --trace with a "
-                         "JSONL trace (ours or Mooncake's) or an Azure CSV")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
-                          "and plan.png")
-    trace = read_trace(args.trace, limit=args.limit)
-    if args.in_process:
-        pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
-    else:
-        pool = RayPool(trace, settings.slo, settings.attainment, args.address,
-                       args.cpus or local_cpus())
-    try:
-        result = make_plan(base, trace,
-                           dataclasses.replace(settings, width=args.cpus or pool.width), pool,
-                           progress=not args.no_progress)
-    finally:
-        pool.close()
-    probes = [p for b in result.brackets for p in b.probes]
-    print(f"pdserve plan: {result.requests} requests ({result.native_rate:.2f} req/s as "
-          f"traced), {settings.attainment:.0%} within TTFT <= {settings.slo.ttft_s:g} s and "
-          f"TPOT <= {settings.slo.tpot_s * 1000:g} ms, {settings.gpus} GPUs; {len(probes)} "
-          f"simulations ({sum(p.cpu_s for p in probes):.0f} CPU-s) in {result.wall_s:.0f} s")
-    print(format_table(result))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(plan_json(result, args.trace), indent=1) + "\n")
-    if plot(result, out / "plan.png"):
-        print(f"plot: {out / 'plan.png'}")
-    best = result.best
-    if best is None:
-        closest = max((p for b in result.brackets for p in b.probes),
-                      key=lambda p: p.attainment)
-        print(f"pdserve plan: error: no candidate met the SLO for {settings.attainment:.0%} "
-              f"of requests at any rate tried (best: {closest.attainment:.1%} at "
-              f"{closest.rate_req_s:.2f} req/s); loosen --ttft/--tpot, lower --attainment, "
-              f"or add --gpus. Probes are in {out / 'plan.json'}", file=sys.stderr)
-        return 1
-    (out / "plan.yaml").write_text(plan_yaml(base_path, result, args.trace))
-    c = best.candidate
-    print(f"best: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
-          f"({best.lo.rate_req_s / settings.gpus:.3f} per GPU); config in {out / 'plan.yaml'}")
-    return 0

@@ -1,0 +1,54 @@
+"""`pdserve bench NAME`: the registry of benchmarks. Each module defines its
+options (`add_arguments`) and runs on them (`run`); only the chosen one is
+imported, and `pdserve bench --help` lists them all from here."""
+
+from __future__ import annotations
+
+from pdserve.cli.subcommands import Subcommand, add_subcommands, chosen
+
+ABOUT = "benchmarks that print a table; each has its own options: pdserve bench NAME --help"
+BENCHMARKS = [
+    Subcommand("planner", "pdserve.benchmarks.planner", "plan-build cost per round"),
+    Subcommand("retraction", "pdserve.benchmarks.retraction",
+               "a tight pool with the host cache off and on, and every request strict"),
+    Subcommand("disagg", "pdserve.benchmarks.disagg",
+               "fused against P/D splits across request rates"),
+    Subcommand("llm", "pdserve.benchmarks.llm", "pdserve.LLM against Hugging Face generate"),
+    Subcommand("transfer", "pdserve.benchmarks.transfer",
+               "KV handoff over NIXL against raw NIXL and memcpy"),
+    Subcommand("serve", "pdserve.benchmarks.serve", "load a deployment through the client"),
+    Subcommand("soak", "pdserve.benchmarks.soak",
+               "faults, aborts and a killed engine under load"),
+    Subcommand("tokens", "pdserve.benchmarks.tokens",
+               "what a generated token costs on its way out of an engine"),
+    Subcommand("cache-groups", "pdserve.benchmarks.cache_groups",
+               "Gemma 3 27B's sliding-window groups against every layer full (per-request "
+               "bytes, concurrency, a simulated trace)"),
+    Subcommand("state-capacity", "pdserve.benchmarks.state_capacity",
+               "Qwen3-Next-80B's snapshot-state groups against vLLM-style pages and every "
+               "layer attention (requests of a long prompt one node's pool holds)"),
+    Subcommand("state-reuse", "pdserve.benchmarks.state_reuse",
+               "prefix hits on Qwen3-Next-80B with state checkpoints on and off, fused and P/D "
+               "(the Mooncake conversation trace, simulated)"),
+    Subcommand("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
+               "the simulator with a calibrated profile against the real deployment at "
+               "concurrency 1 and fractions of saturation, also at the engines' own speed in "
+               "each run"),
+    Subcommand("autoscale", "pdserve.benchmarks.autoscale",
+               "a sine load against 1P+1D fixed and autoscaled"),
+    Subcommand("sampling", "pdserve.benchmarks.sampling",
+               "a round's logits to tokens on a real model's vocabulary, against the sampler "
+               "before"),
+    Subcommand("loop", "pdserve.benchmarks.loop",
+               "where a fused engine's round goes (planner, forward, sampling), and what "
+               "overlapping the planner with the forward could save"),
+]
+
+
+def add_arguments(p) -> None:
+    p.description = ABOUT
+    add_subcommands(p, BENCHMARKS, dest="what", metavar="BENCHMARK", describe=True)
+
+
+def run(args) -> int:
+    return chosen(BENCHMARKS, args.what).run(args)

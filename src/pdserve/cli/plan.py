@@ -1,0 +1,106 @@
+"""`pdserve plan`: search P:D splits and chunk budgets by simulation for the
+most goodput per GPU within a latency SLO; the table is printed and plan.yaml,
+plan.json and plan.png written to --out (sim/plan_search.py searches,
+sim/plan_report.py renders)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pdserve.benchmarks.args import positive
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", required=True, help="base config YAML (its simulate: section "
+                                                   "and engine settings)")
+    p.add_argument("--trace", required=True,
+                   help="trace JSONL (ours or Mooncake) or Azure CSV, replayed open loop")
+    p.add_argument("--ttft", type=float, required=True, help="time-to-first-token SLO, s")
+    p.add_argument("--tpot", type=float, required=True, help="time-per-output-token SLO, s")
+    p.add_argument("--gpus", type=int, required=True, help="engines to plan, one GPU each")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet both SLOs (0.9)")
+    p.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    p.add_argument("--chunks", type=int, nargs="+",
+                   help="engine.max_scheduled_tokens values to try (2048 8192)")
+    p.add_argument("--tolerance", type=float,
+                   help="stop a bisection when its failing rate is within this fraction "
+                        "of its passing rate (0.1)")
+    p.add_argument("--address", help="run the simulations on this Ray cluster (default: a "
+                                     "local Ray on every core)")
+    p.add_argument("--cpus", type=positive, help="simulations at once: a local Ray's "
+                                                  "CPUs (default: every core; with "
+                                                  "--address, the cluster's CPUs)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the simulations here, one at a time, without Ray")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help="folder for plan.yaml, plan.json, plan.png")
+
+
+def run(args) -> int:
+    import dataclasses
+    import json
+
+    from pdserve.config import load_config
+    from pdserve.scheduler.config import ConfigError
+    from pdserve.sim.plan_probe import InProcess, RayPool, local_cpus
+    from pdserve.sim.plan_report import format_table, plan_json, plan_yaml, plot
+    from pdserve.sim.plan_search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Settings,
+                                         check_settings, make_plan)
+    from pdserve.sim.report import Slo
+    from pdserve.sim.trace import TraceError, read_trace
+
+    settings = Settings(Slo(args.ttft, args.tpot), args.attainment, args.gpus,
+                        tuple(dict.fromkeys(args.chunks or DEFAULT_CHUNKS)),
+                        DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}: how many requests "
+                          "from the start of the trace to plan for")
+    base_path = Path(args.config)
+    base = load_config(base_path)
+    for note in check_settings(settings, base):
+        print(f"pdserve plan: {note}", file=sys.stderr)
+    if not Path(args.trace).is_file():
+        raise TraceError(f"trace file {args.trace!r} does not exist; pass --trace with a "
+                         "JSONL trace (ours or Mooncake's) or an Azure CSV")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
+                          "and plan.png")
+    trace = read_trace(args.trace, limit=args.limit)
+    if args.in_process:
+        pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
+    else:
+        pool = RayPool(trace, settings.slo, settings.attainment, args.address,
+                       args.cpus or local_cpus())
+    try:
+        result = make_plan(base, trace,
+                           dataclasses.replace(settings, width=args.cpus or pool.width), pool,
+                           progress=not args.no_progress)
+    finally:
+        pool.close()
+    probes = [p for b in result.brackets for p in b.probes]
+    print(f"pdserve plan: {result.requests} requests ({result.native_rate:.2f} req/s as "
+          f"traced), {settings.attainment:.0%} within TTFT <= {settings.slo.ttft_s:g} s and "
+          f"TPOT <= {settings.slo.tpot_s * 1000:g} ms, {settings.gpus} GPUs; {len(probes)} "
+          f"simulations ({sum(p.cpu_s for p in probes):.0f} CPU-s) in {result.wall_s:.0f} s")
+    print(format_table(result))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan_json(result, args.trace), indent=1) + "\n")
+    if plot(result, out / "plan.png"):
+        print(f"plot: {out / 'plan.png'}")
+    best = result.best
+    if best is None:
+        closest = max((p for b in result.brackets for p in b.probes),
+                      key=lambda p: p.attainment)
+        print(f"pdserve plan: error: no candidate met the SLO for {settings.attainment:.0%} "
+              f"of requests at any rate tried (best: {closest.attainment:.1%} at "
+              f"{closest.rate_req_s:.2f} req/s); loosen --ttft/--tpot, lower --attainment, "
+              f"or add --gpus. Probes are in {out / 'plan.json'}", file=sys.stderr)
+        return 1
+    (out / "plan.yaml").write_text(plan_yaml(base_path, result, args.trace))
+    c = best.candidate
+    print(f"best: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
+          f"({best.lo.rate_req_s / settings.gpus:.3f} per GPU); config in {out / 'plan.yaml'}")
+    return 0

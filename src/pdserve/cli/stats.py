@@ -1,0 +1,42 @@
+"""`pdserve stats`: a running deployment's engines, a row each (pages,
+requests, transfers), then what only some engines have: cache groups,
+round timings, why requests wait."""
+
+from __future__ import annotations
+
+from pdserve.benchmarks.args import client_key, client_key_argument
+from pdserve.cli.remote import said
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--address", required=True, help="the router, HOST:PORT")
+    client_key_argument(p)
+
+
+def run(args) -> int:
+    from pdserve.client import Client
+
+    def go():
+        rows = Client(args.address, api_key=client_key(args)).stats()
+        print(f"{'engine':<20} {'role':<8} {'used':>6} {'pinned':>6} {'total':>6} "
+              f"{'running':>7} {'waiting':>7} {'transfers':>9} {'finished':>8}")
+        for r in rows:
+            print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
+                  f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} "
+                  f"{r['transfers']:>9} {r['finished']:>8}")
+        for r in rows:
+            groups = r["cache_groups"]
+            if len(groups) > 1:
+                print(f"  {r['name']} holds {r['kv_capacity_tokens']:,} tokens: " + "; ".join(
+                    (f"window {g['window']}" if g["window"] else "full history") +
+                    f" {g['used_pages']}/{g['total_pages']} pages" for g in groups))
+        for r in rows:
+            if r["rounds"]:
+                print(f"  {r['name']} ran {r['rounds']:,} rounds in {r['round_seconds']:.1f} s "
+                      f"({r['round_cpu_seconds'] / r['round_seconds']:.0%} of it on a core), "
+                      f"{r['round_tokens'] / r['rounds']:.1f} tokens a round")
+        for r in rows:
+            for w in r["waiting_requests"]:
+                print(f"  {r['name']} waits {w['request_id']}: {w['reason']} ({w['detail']})")
+        return 0
+    return said(go)
