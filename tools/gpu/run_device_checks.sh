@@ -134,7 +134,7 @@ else
     step install 60 bash -c "set -e; cd .whl; sha256sum -c SHA256SUMS; mkdir -p '$SITE'
         '$PY' -m pip install -q --no-index --no-deps --no-compile --target '$SITE' *.whl
         for a in *.tar.xz; do tar -xJf \"\$a\" -C '$SITE'; done
-        ln -sfn '$REPO' '$SITE/pdserve'
+        ln -sfn '$REPO/src/pdserve' '$SITE/pdserve'
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
         nvcc --version | tail -2 || true" || { echo "install failed: nothing else can run"; exit 1; }
     step import 60 "$PY" -c 'import sys, torch
