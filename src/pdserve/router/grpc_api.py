@@ -17,20 +17,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.router.router import DRAIN_DEADLINE_S, RequestError, Router
+from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.router.router import DRAIN_DEADLINE_S, Router
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
 
 CODES = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "exists": grpc.StatusCode.ALREADY_EXISTS,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "aborted": grpc.StatusCode.ABORTED,
-    "internal": grpc.StatusCode.INTERNAL,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 HEALTH_METHOD = "/grpc.health.v1.Health/"
 FIRST_MESSAGE_S = 5.0    # how long a refused streaming call may take to send its first message

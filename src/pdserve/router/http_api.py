@@ -41,11 +41,13 @@ from starlette.routing import Route
 from pdserve.router.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SseEvents, TokenizeRequest,
     Unsupported, usage as _usage)
-from pdserve.router.router import RequestError, Router
+from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.router.router import Router
 from pdserve.router.grpc_api import key_matches
 
-STATUS = {"invalid": 400, "exists": 409, "overloaded": 429, "unavailable": 503,
-          "aborted": 499, "internal": 500, "not_found": 404, "precondition": 409}
+STATUS = {ErrorKind.INVALID: 400, ErrorKind.EXISTS: 409, ErrorKind.OVERLOADED: 429,
+          ErrorKind.UNAVAILABLE: 503, ErrorKind.ABORTED: 499, ErrorKind.INTERNAL: 500,
+          ErrorKind.NOT_FOUND: 404, ErrorKind.PRECONDITION: 409}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error", 499: "aborted",

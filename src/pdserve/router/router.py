@@ -34,7 +34,8 @@ from pdserve.router.engine_link import EngineLink
 from pdserve.router.event_loop import new_event_loop
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
-from pdserve.router.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
+from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
@@ -103,42 +104,44 @@ class Router:
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as e:
-            raise RequestError("invalid", str(e), param) from None
+            raise RequestError(ErrorKind.INVALID, str(e), param) from None
 
     def check_prompt(self, ids: list[int], sp: SamplingParams, param: str = "prompt") -> None:
         """The prompt is servable by this deployment, or a RequestError that
         says what to change (§1.4's bound included)."""
         if not ids:
-            raise RequestError("invalid", "the prompt is empty: send text or token ids", param)
+            raise RequestError(ErrorKind.INVALID,
+                               "the prompt is empty: send text or token ids", param)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError("invalid", f"token id {bad} is outside the vocabulary "
+            raise RequestError(ErrorKind.INVALID, f"token id {bad} is outside the vocabulary "
                                f"[0, {self.vocab_size})", param)
         bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
-            raise RequestError("invalid", f"logit_bias names token id {bad}, outside the "
+            raise RequestError(ErrorKind.INVALID, f"logit_bias names token id {bad}, outside the "
                                f"vocabulary [0, {self.vocab_size})", "logit_bias")
         err = ingest_error(self.cfg.engine, len(ids), sp.max_tokens)
         if err:
             param = "max_tokens" if "max_new_tokens" in err and len(ids) <= \
                 self.max_prompt_tokens else param
-            raise RequestError("invalid", err.replace("max_new_tokens", "max_tokens"), param)
+            raise RequestError(ErrorKind.INVALID, err.replace("max_new_tokens", "max_tokens"),
+                               param)
 
     def validate(self, r: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """A gRPC GenerateRequest as (prompt ids, sampling)."""
         if r.text and r.token_ids:
-            raise RequestError("invalid", "send either text or token_ids, not both")
+            raise RequestError(ErrorKind.INVALID, "send either text or token_ids, not both")
         if r.route not in ROUTES:
-            raise RequestError("invalid", f"route {r.route!r} is unknown: use '', 'fused' or "
-                               "'disaggregated'", "route")
+            raise RequestError(ErrorKind.INVALID, f"route {r.route!r} is unknown: use '', "
+                               "'fused' or 'disaggregated'", "route")
         s = r.sampling
         if s.HasField("max_tokens") and s.max_tokens == 0:
-            raise RequestError("invalid", "sampling.max_tokens must be at least 1 (or unset: "
-                               "until the context limit)", "max_tokens")
+            raise RequestError(ErrorKind.INVALID, "sampling.max_tokens must be at least 1 (or "
+                               "unset: until the context limit)", "max_tokens")
         try:
             sp = from_options(s)
         except ValueError as e:
-            raise RequestError("invalid", str(e)) from None
+            raise RequestError(ErrorKind.INVALID, str(e)) from None
         ids = list(r.token_ids) if r.token_ids else (self.encode(r.text) if r.text else [])
         self.check_prompt(ids, sp)
         return ids, sp
@@ -159,32 +162,32 @@ class Router:
         the route (503)."""
         limit = self.cfg.router.max_requests
         if streams > limit:
-            self.metrics.rejected.labels(reason="invalid").inc()
-            raise RequestError("invalid", f"{streams} choices (prompts x n) exceed this "
+            self.metrics.rejected.labels(reason=ErrorKind.INVALID.value).inc()
+            raise RequestError(ErrorKind.INVALID, f"{streams} choices (prompts x n) exceed this "
                                f"deployment's router.max_requests of {limit}, so they could "
                                "never run at once; send fewer prompts or a lower n", "n")
         needs = ROUTE_ROLES.get(route, set())
         if not needs <= {e.role for e in self.engines.values()}:
-            self.metrics.rejected.labels(reason="invalid").inc()
-            raise RequestError("invalid", f"route {route!r} needs {' and '.join(sorted(needs))} "
-                               "engines, and this deployment has none; send route '' (any "
-                               "engine)", "route")
+            self.metrics.rejected.labels(reason=ErrorKind.INVALID.value).inc()
+            raise RequestError(ErrorKind.INVALID, f"route {route!r} needs "
+                               f"{' and '.join(sorted(needs))} engines, and this deployment "
+                               "has none; send route '' (any engine)", "route")
         self.metrics.arrivals.inc(streams)
         if len(self.active) + streams > limit:
-            self.metrics.rejected.labels(reason="overloaded").inc()
-            raise RequestError("overloaded", f"{limit} requests are in flight, this "
+            self.metrics.rejected.labels(reason=ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, f"{limit} requests are in flight, this "
                                "deployment's router.max_requests; retry later or raise it")
         try:
             self.pairing.candidates(route)
         except LookupError as e:
-            raise RequestError("unavailable", str(e)) from None
+            raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
 
     def stream(self, ids: list[int], sp: SamplingParams, route: str = "",
                request_id: str | None = None) -> "Stream":
         """A request `admit` let in: a fresh id, then its Stream."""
         rid = request_id or uuid.uuid4().hex
         if rid in self.active:
-            raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
+            raise RequestError(ErrorKind.EXISTS, f"request id {rid!r} is running; use a fresh id",
                                "request_id")
         self.active[rid] = None
         return Stream(self, rid, ids, sp, route)
@@ -237,7 +240,7 @@ class Router:
         ref = self.engines.get(name.removeprefix("pdserve:"))
         if ref is None:
             known = ", ".join(sorted(self.engines)) or "none"
-            raise RequestError("not_found", f"no engine {name!r} in this deployment; its "
+            raise RequestError(ErrorKind.NOT_FOUND, f"no engine {name!r} in this deployment; its "
                                f"engines are: {known}", "engine")
         return ref
 
@@ -247,17 +250,18 @@ class Router:
         was left). Then the engine is retired."""
         ref = self.engine_named(name)
         if deadline_s < 0:
-            raise RequestError("invalid", f"deadline_s must be >= 0 seconds, got {deadline_s}",
-                               "deadline_s")
+            raise RequestError(ErrorKind.INVALID,
+                               f"deadline_s must be >= 0 seconds, got {deadline_s}", "deadline_s")
         if not ref.alive:
             state = "has drained and stopped" if ref.draining else "is not alive"
-            raise RequestError("precondition", f"engine {ref.name} {state}: nothing to drain")
+            raise RequestError(ErrorKind.PRECONDITION,
+                               f"engine {ref.name} {state}: nothing to drain")
         ref.draining = True                       # picked no more, from now on
         try:
             report = await ref.stub.Drain(cpb.DrainEngineRequest(deadline_s=deadline_s),
                                           timeout=deadline_s + DRAIN_SLACK_S)
         except grpc.aio.AioRpcError as e:
-            raise RequestError("unavailable", f"engine {ref.name} did not finish draining: "
+            raise RequestError(ErrorKind.UNAVAILABLE, f"engine {ref.name} did not finish draining: "
                                f"{e.code().name}: {e.details()}") from None
         ref.alive = False
         link = self.links.get(ref.name)
@@ -278,11 +282,11 @@ class Router:
         events subscribed, its P/D peers introduced, then it is picked."""
         name = name.removeprefix("pdserve:")
         if role not in ("prefill", "decode", "fused"):
-            raise RequestError("invalid", f"role must be prefill, decode or fused, got {role!r}",
-                               "role")
+            raise RequestError(ErrorKind.INVALID,
+                               f"role must be prefill, decode or fused, got {role!r}", "role")
         old = self.engines.get(name)
         if old is not None and old.alive:
-            raise RequestError("exists", f"engine {name} is already served", "engine")
+            raise RequestError(ErrorKind.EXISTS, f"engine {name} is already served", "engine")
         # picked once its events are subscribed and its peers know it, not
         # when it first answers (a request then found no link, or a D that
         # had not met the new P)
@@ -300,7 +304,7 @@ class Router:
             del self.links[name]
             del self.engines[name]
             await membership.disconnect(ref)
-            raise RequestError("unavailable", f"engine {name} at {address} did not answer "
+            raise RequestError(ErrorKind.UNAVAILABLE, f"engine {name} at {address} did not answer "
                                f"within {ADD_ENGINE_WAIT_S:.0f} s")
         ref.joining = False
         log.info("serving %s (%s) at %s", name, role, address)

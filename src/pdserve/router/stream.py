@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.router.engine_link import LOST
+from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.pairing import EngineRef
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.router.mailbox import Mailbox
@@ -33,21 +34,6 @@ log = logging.getLogger("pdserve.router")
 
 MAX_RESUBMITS = 3
 SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
-
-
-class RequestError(Exception):
-    """A request the router will not or cannot carry out. `kind` maps to a
-    status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
-    ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
-    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL),
-    not_found (404 / NOT_FOUND), precondition (409 / FAILED_PRECONDITION).
-    `param` names the request field at fault, where there is one."""
-
-    def __init__(self, kind: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
 
 
 class _EngineLost(RuntimeError):
@@ -117,7 +103,7 @@ class Stream:
                     return
                 except _EngineLost as lost:
                     if attempt == MAX_RESUBMITS:
-                        raise RequestError("unavailable", str(lost)) from None
+                        raise RequestError(ErrorKind.UNAVAILABLE, str(lost)) from None
                     if isinstance(lost, _NotTaken):
                         continue                  # nothing streamed: not a resubmission
                     r.counters["resubmitted"] += 1
@@ -125,7 +111,7 @@ class Stream:
                     log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
                                 len(streamed))
         except RequestError as e:
-            r.metrics.rejected.labels(reason=e.kind).inc()
+            r.metrics.rejected.labels(reason=e.kind.value).inc()
             raise
         finally:
             r.active.pop(self.id, None)
@@ -136,7 +122,7 @@ class Stream:
         try:
             target, peer = r.pairing.pick(self.route, ids)
         except LookupError as e:
-            raise RequestError("unavailable", str(e)) from None
+            raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
         load = len(ids) + (sp.max_tokens or 256)
         target.load += load
         if peer is not None:
@@ -181,7 +167,7 @@ class Stream:
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RequestError("invalid", e.details()) from None
+                    raise RequestError(ErrorKind.INVALID, e.details()) from None
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     target.draining = True        # it drains: picked no more
                     raise _EngineDraining(e.details()) from None
@@ -192,8 +178,9 @@ class Stream:
                 if code == grpc.StatusCode.CANCELLED:
                     # not the engine (gRPC resets calls a server has no room for):
                     # it stays live, and the client hears it may retry
-                    raise RequestError("unavailable", f"the router's Submit to {target.name} "
-                                       "was cancelled by gRPC; retry the request") from None
+                    raise RequestError(ErrorKind.UNAVAILABLE, f"the router's Submit to "
+                                       f"{target.name} was cancelled by gRPC; retry the "
+                                       "request") from None
                 target.alive = False
                 raise _EngineLost(f"{target.name} did not take the request: "
                                   f"{code.name}") from None
