@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.auth import key_matches, refusal
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.router import DRAIN_DEADLINE_S, Router
 from pdserve.router.mailbox import Mailbox
@@ -39,13 +39,6 @@ FIRST_MESSAGE_S = 5.0    # how long a refused streaming call may take to send it
 log = logging.getLogger("pdserve.router")
 
 
-def key_matches(header: str | None, key: str) -> bool:
-    """`header` is 'Bearer KEY' for this key (compared in constant time)."""
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[len("Bearer "):].encode(), key.encode())
-
-
 class _ApiKey(grpc.aio.ServerInterceptor):
     def __init__(self, key: str, protect_health: bool):
         self.key = key
@@ -57,9 +50,7 @@ class _ApiKey(grpc.aio.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get("authorization")
         if key_matches(header, self.key):
             return await continuation(details)
-        why = "no API key given" if not header else "the API key is wrong"
-        message = (f"{why}: send metadata 'authorization: Bearer <key>' with the key the "
-                   "deployment was started with (--api-key or PDSERVE_API_KEY)")
+        message = refusal(header, "metadata 'authorization: Bearer <key>'")
 
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -41,9 +41,9 @@ from starlette.routing import Route
 from pdserve.router.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SseEvents, TokenizeRequest,
     Unsupported, usage as _usage)
+from pdserve.router.auth import key_matches, refusal
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.router import Router
-from pdserve.router.grpc_api import key_matches
 
 STATUS = {ErrorKind.INVALID: 400, ErrorKind.EXISTS: 409, ErrorKind.OVERLOADED: 429,
           ErrorKind.UNAVAILABLE: 503, ErrorKind.ABORTED: 499, ErrorKind.INTERNAL: 500,
@@ -119,9 +119,7 @@ class HttpFront:
         header = request.headers.get("authorization")
         if key_matches(header, key):
             return None
-        why = "no API key given" if not header else "the API key is wrong"
-        return error(401, f"{why}: send the header 'Authorization: Bearer <key>' with the key "
-                     "the deployment was started with (--api-key or PDSERVE_API_KEY)")
+        return error(401, refusal(header, "the header 'Authorization: Bearer <key>'"))
 
     async def _body(self, request: Request, model_cls):
         """The request body as `model_cls`, or an error response (the API
