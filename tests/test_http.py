@@ -493,7 +493,7 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
     """The per-token event spliced around the escaped text is the same JSON
     as the whole chunk object dumped, for any text (quotes, control
     characters, surrogates' neighbours, non-ASCII)."""
-    from pdserve.router.openai_protocol import SseEvents
+    from pdserve.router.openai_answers import SseEvents
 
     ev = SseEvents({"id": "cmpl-1", "object": "o", "created": 7, "model": 'm"x'}, chat, usage)
     if chat:
