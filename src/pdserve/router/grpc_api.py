@@ -235,3 +235,19 @@ async def grpc_server(router: Router, host: str, port: int):
         bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, bound
+
+
+class GrpcServer:
+    """The gRPC front as one of the router's fronts (router.Front)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.address: str | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def open(self, router: Router) -> None:
+        self._server, bound = await grpc_server(router, self.host, self.port)
+        self.address = f"{self.host}:{bound}"
+
+    async def close(self) -> None:
+        await self._server.stop(grace=1.0)

@@ -320,35 +320,40 @@ def build_app(router: Router) -> Starlette:
 
 
 class HttpServer:
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task):
-        self.server, self.task = server, task
+    """The HTTP front on uvicorn, as one of the router's fronts (router.Front)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.address: str | None = None
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def open(self, router: Router) -> None:
+        """Serve on the running loop; returns once bound."""
+        host, sec = self.host, router.security
+        config = uvicorn.Config(build_app(router), host=host, port=self.port,
+                                log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=sec.tls_cert, ssl_keyfile=sec.tls_key,
+                                timeout_graceful_shutdown=2)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
+        # without it a stream's first event waits out the client's delayed ACK (~40 ms)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if router.cfg.router.replicas > 1:          # the replicas share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, self.port))
+        server = self._server = uvicorn.Server(config)
+        task = self._task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()                           # raises what stopped it
+                raise RuntimeError("the HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        scheme = "https" if sec.tls_cert else "http"
+        self.address = f"{scheme}://{host}:{sock.getsockname()[1]}"
 
     async def close(self) -> None:
-        self.server.should_exit = True
+        self._server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, 10)
-
-
-async def http_server(router: Router, host: str, port: int) -> tuple[HttpServer, str]:
-    """Serve the HTTP front on the running loop; returns it and its address."""
-    sec = router.security
-    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
-                            access_log=False, lifespan="off", ssl_certfile=sec.tls_cert,
-                            ssl_keyfile=sec.tls_key, timeout_graceful_shutdown=2)
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
-    # without it a stream's first event waits out the client's delayed ACK (~40 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if router.cfg.router.replicas > 1:          # the replicas share the port
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()                           # raises what stopped it
-            raise RuntimeError("the HTTP server stopped before it started")
-        await asyncio.sleep(0.01)
-    scheme = "https" if sec.tls_cert else "http"
-    return HttpServer(server, task), f"{scheme}://{host}:{sock.getsockname()[1]}"
+            await asyncio.wait_for(self._task, 10)

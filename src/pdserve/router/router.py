@@ -1,7 +1,9 @@
-"""The router: one process in front of every engine, serving the gRPC client
-API (router_grpc.py) and the OpenAI-compatible HTTP API (http_api.py) on one
-asyncio event loop, so neither front pays a network hop or a thread per
-stream to reach the other's logic.
+"""The router: one process in front of every engine. Its fronts, the gRPC
+client API (grpc_api.py) and the OpenAI-compatible HTTP API (http_api.py),
+run on its one asyncio event loop, so neither pays a network hop or a
+thread per stream to reach the router's logic. The fronts import the
+router, never the other way: whoever hosts it hands them to `start`
+(serve.py puts the two together).
 
 A request goes: a front validates it (`validate`, `check_prompt`), opens a
 `Stream` (stream.py; admission: the in-flight limit, a live route), and iterates its
@@ -24,6 +26,8 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
@@ -49,6 +53,19 @@ DRAIN_DEADLINE_S = 60.0      # a drain's default deadline; then what is left is 
 DRAIN_SLACK_S = 60.0         # past the deadline, for the engine's aborts and its stop
 DRAIN_STREAM_END_S = 10.0    # a drained engine's event stream ends this soon after its report
 ENGINE_MESSAGE_BYTES = 256 << 20  # what the router takes in one message from an engine
+
+
+class Front(Protocol):
+    """A server that takes clients' requests to the router (grpc_api's
+    GrpcServer, http_api's HttpServer). The router opens its fronts on its
+    loop once its engines are subscribed, and closes them, the last opened
+    first, when it stops."""
+
+    address: str | None          # where it serves, once open
+
+    async def open(self, router: Router) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +103,7 @@ class Router:
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
         self.metrics = RouterMetrics()
+        # where its fronts serve: set by whoever started them (serve.py)
         self.address: str | None = None
         self.http_address: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -320,10 +338,10 @@ class Router:
         return dict(zip(names, got))
 
     # ---- serving ---------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-              watch_s: float = 1.0) -> str:
-        """Serve gRPC on `port` (and HTTP on `http_port`) from a thread of
-        its own; returns the gRPC address once both are bound."""
+    def start(self, fronts: Sequence[Front] = (), watch_s: float = 1.0) -> None:
+        """Serve from a thread of its own: its engines subscribed, then
+        `fronts` opened on its loop; returns once every front is bound (or
+        raises what stopped one)."""
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -331,7 +349,7 @@ class Router:
             loop = new_event_loop()
             self.loop = loop
             try:
-                loop.run_until_complete(self._serve(host, port, http_port, watch_s, started))
+                loop.run_until_complete(self._run(fronts, watch_s, started))
             except BaseException as e:       # handed to start()'s caller
                 failure.append(e)
                 started.set()
@@ -346,11 +364,8 @@ class Router:
         started.wait()
         if failure:
             raise failure[0]
-        return self.address
 
-    async def _serve(self, host, port, http_port, watch_s, started) -> None:
-        from pdserve.router.grpc_api import grpc_server
-
+    async def _run(self, fronts: Sequence[Front], watch_s: float, started) -> None:
         self._stopping = asyncio.Event()
         # the engines' messages (a round's events, GetInfo's NIXL metadata) are
         # trusted traffic: router.max_body_bytes bounds what clients send only
@@ -365,22 +380,16 @@ class Router:
         live = [self.links[r.name].ready.wait() for r in self.engines.values() if r.alive]
         with contextlib.suppress(asyncio.TimeoutError):   # a slow one joins when it can
             await asyncio.wait_for(asyncio.gather(*live), SUBSCRIBE_WAIT_S)
-        server, bound = await grpc_server(self, host, port)
-        self.address = f"{host}:{bound}"
-        http = None
-        if http_port is not None:
-            from pdserve.router.http_api import http_server
-
-            http, self.http_address = await http_server(self, host, http_port)
+        for front in fronts:
+            await front.open(self)
         watcher = asyncio.ensure_future(self._watch(watch_s, options))
         started.set()
         await self._stopping.wait()
         watcher.cancel()
         for link in self.links.values():
             link.stop()
-        if http is not None:
-            await http.close()
-        await server.stop(grace=1.0)
+        for front in reversed(fronts):
+            await front.close()
         if self._background:                  # aborts the closing streams sent: let them go out
             await asyncio.wait(list(self._background), timeout=5)
         await asyncio.gather(*(membership.disconnect(r) for r in self.engines.values()),
