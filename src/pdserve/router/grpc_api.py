@@ -110,72 +110,15 @@ class RouterServicer(pbg.RouterServicer):
         responses of one engine round go out together. A cancel (or the
         client leaving) cancels the request's task, which aborts it on its
         engine as a closed Generate stream does."""
-        loop = asyncio.get_running_loop()
-        outbox = Mailbox(loop)
-        tasks: dict[int, asyncio.Task] = {}
-        closed = False                            # the client sent all it will send
-        ending = False                            # nothing more will come: write and return
-
-        def end() -> None:
-            nonlocal ending
-            ending = True
-            outbox.put(None)                      # wakes the writer
-
-        async def run(tag: int, request: pb.GenerateRequest) -> None:
-            try:
-                async with contextlib.aclosing(self._responses(request)) as responses:
-                    async for m in responses:
-                        outbox.put(pb.TaggedResponse(tag=tag, response=m))
-            except RequestError as e:
-                outbox.put(pb.TaggedResponse(tag=tag, error_code=CODES[e.kind].value[0],
-                                             error=e.message))
-            except Exception as e:                # a bug: the client still hears of it
-                log.exception("GenerateMany request %d failed", tag)
-                outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
-                                             error=f"{type(e).__name__}: {e}"))
-
-        def forget(tag: int) -> None:             # also for a task cancelled before it ran
-            del tasks[tag]
-            if closed and not tasks:
-                end()
-
-        async def read() -> None:
-            nonlocal closed
-            async for call in request_iterator:
-                if call.cancel:
-                    task = tasks.get(call.tag)
-                    if task is not None:
-                        task.cancel()
-                elif call.tag in tasks:
-                    outbox.put(pb.TaggedResponse(
-                        tag=call.tag, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        error=f"tag {call.tag} is in use by a live request; give each "
-                              "live request a tag of its own"))
-                else:
-                    task = tasks[call.tag] = loop.create_task(run(call.tag, call.request))
-                    task.add_done_callback(lambda _, tag=call.tag: forget(tag))
-            closed = True
-            if not tasks:
-                end()
-
-        reader = loop.create_task(read())
+        call = _ManyCall(self._responses, asyncio.get_running_loop())
+        reader = call.loop.create_task(call.read(request_iterator))
         # a broken request stream ends the call (and with it every request)
-        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or end())
+        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or call.end())
         try:
-            while True:
-                items = await outbox.take()
-                # read before the write: a request that ends while the write
-                # is awaited queues its last responses behind this batch
-                last = ending
-                if last:
-                    items = [m for m in items if m is not None]
-                if items:
-                    await context.write(pb.GenerateBatch(responses=items))
-                if last:
-                    return
+            await call.write(context)
         finally:
             reader.cancel()
-            for task in list(tasks.values()):
+            for task in list(call.tasks.values()):
                 task.cancel()
 
     async def Abort(self, request, context):
@@ -204,6 +147,75 @@ class RouterServicer(pbg.RouterServicer):
             return await self.r.drain(request.engine, deadline)
         except RequestError as e:
             await context.abort(CODES[e.kind], e.message)
+
+
+class _ManyCall:
+    """One GenerateMany call: a task per live tag, and the outbox their
+    responses wait in for the writer."""
+
+    def __init__(self, responses, loop: asyncio.AbstractEventLoop):
+        self.responses = responses                # a request -> its GenerateResponses
+        self.loop = loop
+        self.outbox = Mailbox(loop)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.closed = False                       # the client sent all it will send
+        self.ending = False                       # nothing more will come: write and return
+
+    def end(self) -> None:
+        self.ending = True
+        self.outbox.put(None)                     # wakes the writer
+
+    async def run(self, tag: int, request: pb.GenerateRequest) -> None:
+        outbox = self.outbox
+        try:
+            async with contextlib.aclosing(self.responses(request)) as responses:
+                async for m in responses:
+                    outbox.put(pb.TaggedResponse(tag=tag, response=m))
+        except RequestError as e:
+            outbox.put(pb.TaggedResponse(tag=tag, error_code=CODES[e.kind].value[0],
+                                         error=e.message))
+        except Exception as e:                    # a bug: the client still hears of it
+            log.exception("GenerateMany request %d failed", tag)
+            outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
+                                         error=f"{type(e).__name__}: {e}"))
+
+    def forget(self, tag: int) -> None:           # also for a task cancelled before it ran
+        del self.tasks[tag]
+        if self.closed and not self.tasks:
+            self.end()
+
+    async def read(self, request_iterator) -> None:
+        tasks = self.tasks
+        async for call in request_iterator:
+            if call.cancel:
+                task = tasks.get(call.tag)
+                if task is not None:
+                    task.cancel()
+            elif call.tag in tasks:
+                self.outbox.put(pb.TaggedResponse(
+                    tag=call.tag, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    error=f"tag {call.tag} is in use by a live request; give each "
+                          "live request a tag of its own"))
+            else:
+                task = tasks[call.tag] = self.loop.create_task(self.run(call.tag, call.request))
+                task.add_done_callback(lambda _, tag=call.tag: self.forget(tag))
+        self.closed = True
+        if not tasks:
+            self.end()
+
+    async def write(self, context) -> None:
+        """Write what the outbox holds, a batch at a time, until the call ends."""
+        while True:
+            items = await self.outbox.take()
+            # read before the write: a request that ends while the write
+            # is awaited queues its last responses behind this batch
+            last = self.ending
+            if last:
+                items = [m for m in items if m is not None]
+            if items:
+                await context.write(pb.GenerateBatch(responses=items))
+            if last:
+                return
 
 
 async def grpc_server(router: Router, host: str, port: int):
