@@ -462,6 +462,7 @@ def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
     import subprocess
 
     from pdserve.router.router import Router
+    from pdserve.router.serve import serve
 
     if shutil.which("openssl") is None:
         pytest.fail("openssl is needed to make the test certificate")
@@ -473,7 +474,7 @@ def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
     r = Router(old.cfg, old.tokenizer, old.vocab_size,
                [(e.name, e.role, e.address) for e in old.engines.values()], old.resolver,
                Security(KEY, str(cert), str(key)))
-    r.start("localhost", 0, http_port=0)
+    serve(r, "localhost", 0, http_port=0)
     try:
         c = Client(r.address, timeout=60, api_key=KEY, tls_ca=str(cert))
         assert c.generate("The capital of France is", max_tokens=3).token_ids
@@ -493,7 +494,7 @@ def test_spliced_text_events_equal_the_dumped_chunk(text, index, chat, usage):
     """The per-token event spliced around the escaped text is the same JSON
     as the whole chunk object dumped, for any text (quotes, control
     characters, surrogates' neighbours, non-ASCII)."""
-    from pdserve.router.openai_protocol import SseEvents
+    from pdserve.router.openai_answers import SseEvents
 
     ev = SseEvents({"id": "cmpl-1", "object": "o", "created": 7, "model": 'm"x'}, chat, usage)
     if chat:

@@ -204,5 +204,5 @@ def test_a_logprob_names_a_special_token_by_its_text():
     assert len(end) == 1
     assert tok.decode(end) == ""                                  # answer text
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}})
-    front = HttpFront(Router(cfg, tok, 49152, [("fused-0", "fused", "127.0.0.1:9")]))
+    front = HttpFront(Router(cfg, tok, 49152, [("fused-0", "fused", "127.0.0.1:9")])).answers
     assert front._tok_str(end[0]) == "<|im_end|>"

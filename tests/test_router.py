@@ -155,6 +155,7 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
     from pdserve.client import Client
     from pdserve.kernels.loader import load_tokenizer
     from pdserve.roles.engine_server import EngineServer
+    from pdserve.router.serve import serve
 
     cfg = ServeConfig.from_dict({"cluster": {"prefill": 1, "decode": 1},
                                  "router": {"max_body_bytes": 2000}})
@@ -162,7 +163,7 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
     r = Router(cfg, load_tokenizer(None, "tiny"), 98,
                [(e.name, e.role.value, e.address) for e in engines])
     try:
-        address = r.start()
+        address = serve(r)
         with Client(address, timeout=60) as c:
             assert [e["alive"] for e in c.server_info()["engines"]] == [True, True]
             out = c.generate("Hello", max_tokens=40, ignore_eos=True)

@@ -525,7 +525,7 @@ def test_an_answer_of_several_choices_ends_with_an_error_any_of_its_streams_rais
     one stream left the whole answer waiting until its client gave up)."""
     import asyncio
 
-    from pdserve.router.http_api import _merged
+    from pdserve.router.merge import merged as _merged
 
     closed = []
 

@@ -147,7 +147,7 @@ def _router_now(tok, ids, front: str) -> float:
 
             body = CompletionRequest(prompt=prompt, max_tokens=len(ids), stream=True)
             stream = r.open(prompt, SamplingParams(max_tokens=len(ids)))
-            out = HttpFront(r)._sse(body, [stream], "cmpl", 0, len(prompt), chat=False)
+            out = HttpFront(r).answers.sse(body, [stream], "cmpl", 0, len(prompt), chat=False)
         events = [cpb.RequestEvent(request_id="", token_ids=[t], text=x)
                   for t, x in zip(ids, texts)]
         events[-1].finish_reason = "length"

@@ -58,6 +58,7 @@ class RouterHost:
     def __init__(self, cfg: ServeConfig, engines: list[tuple], security, host: str, port: int,
                  http_port: int | None):
         from pdserve.router.router import Router
+        from pdserve.router.serve import serve
         from pdserve.kernels.loader import load_tokenizer, model_config_for
 
         m = cfg.model
@@ -73,7 +74,7 @@ class RouterHost:
         model_cfg = model_config_for(m.path, m.preset)
         self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, security, retire,
                              full_history=model_cfg.full_history)
-        self.router.start(host, port, http_port)
+        serve(self.router, host, port, http_port)
 
     def info(self) -> dict:
         return {"id": self.router.id, "address": self.router.address,

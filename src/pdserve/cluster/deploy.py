@@ -24,6 +24,7 @@ from pdserve.config import ServeConfig, engine_for_model, engine_gpus
 from pdserve.cluster.local_ray import init_local
 from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
                                     Security)
+from pdserve.router.serve import serve
 from pdserve.kernels.loader import load_tokenizer, model_config_for
 
 
@@ -115,7 +116,7 @@ class Deployment:
         engines = [(i["engine"], i["role"], i["address"]) for i in infos]
         self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security,
                              retire=self._retire, full_history=model_cfg.full_history)
-        address = self.router.start(host, port, http_port)
+        address = serve(self.router, host, port, http_port)
         # the other replicas bind the ports this one got (SO_REUSEPORT)
         bound = int(address.rsplit(":", 1)[1])
         http_bound = int(self.router.http_address.rsplit(":", 1)[1]) \
@@ -173,7 +174,7 @@ class Deployment:
                              [(e.name, e.role, e.address) for e in old.engines.values()],
                              old.resolver, old.security, retire=old.retire,
                              full_history=old.full_history)
-        return self.router.start(host, port, http_port)
+        return serve(self.router, host, port, http_port)
 
     def _autoscaled(self) -> list[str]:
         """Engine actors in the namespace this deployment did not start (the

@@ -8,6 +8,7 @@ current."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 
@@ -19,9 +20,17 @@ from pdserve.proto import control_pb2 as cpb
 
 log = logging.getLogger("pdserve.router")
 
-LOST = object()          # put in a request's mailbox when its engine's stream broke
 RECONNECT_S = 0.2
 SUBMITS_IN_FLIGHT = 128  # Submit calls at once to one engine (it takes them on 32 threads)
+
+
+class LinkSignal(enum.Enum):
+    """What a link puts in a request's mailbox besides the engine's events."""
+
+    LOST = enum.auto()   # the engine's stream broke: nothing of the request is left there
+
+
+LOST = LinkSignal.LOST
 
 
 class EngineLink:

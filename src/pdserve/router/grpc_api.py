@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from pathlib import Path
 
@@ -17,32 +16,27 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.router.router import DRAIN_DEADLINE_S, RequestError, Router
+from pdserve.router.auth import key_matches, refusal
+from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.router.router import DRAIN_DEADLINE_S, Router
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
 
 CODES = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "exists": grpc.StatusCode.ALREADY_EXISTS,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "aborted": grpc.StatusCode.ABORTED,
-    "internal": grpc.StatusCode.INTERNAL,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 HEALTH_METHOD = "/grpc.health.v1.Health/"
 FIRST_MESSAGE_S = 5.0    # how long a refused streaming call may take to send its first message
 
 log = logging.getLogger("pdserve.router")
-
-
-def key_matches(header: str | None, key: str) -> bool:
-    """`header` is 'Bearer KEY' for this key (compared in constant time)."""
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[len("Bearer "):].encode(), key.encode())
 
 
 class _ApiKey(grpc.aio.ServerInterceptor):
@@ -56,9 +50,7 @@ class _ApiKey(grpc.aio.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get("authorization")
         if key_matches(header, self.key):
             return await continuation(details)
-        why = "no API key given" if not header else "the API key is wrong"
-        message = (f"{why}: send metadata 'authorization: Bearer <key>' with the key the "
-                   "deployment was started with (--api-key or PDSERVE_API_KEY)")
+        message = refusal(header, "metadata 'authorization: Bearer <key>'")
 
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -118,72 +110,15 @@ class RouterServicer(pbg.RouterServicer):
         responses of one engine round go out together. A cancel (or the
         client leaving) cancels the request's task, which aborts it on its
         engine as a closed Generate stream does."""
-        loop = asyncio.get_running_loop()
-        outbox = Mailbox(loop)
-        tasks: dict[int, asyncio.Task] = {}
-        closed = False                            # the client sent all it will send
-        ending = False                            # nothing more will come: write and return
-
-        def end() -> None:
-            nonlocal ending
-            ending = True
-            outbox.put(None)                      # wakes the writer
-
-        async def run(tag: int, request: pb.GenerateRequest) -> None:
-            try:
-                async with contextlib.aclosing(self._responses(request)) as responses:
-                    async for m in responses:
-                        outbox.put(pb.TaggedResponse(tag=tag, response=m))
-            except RequestError as e:
-                outbox.put(pb.TaggedResponse(tag=tag, error_code=CODES[e.kind].value[0],
-                                             error=e.message))
-            except Exception as e:                # a bug: the client still hears of it
-                log.exception("GenerateMany request %d failed", tag)
-                outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
-                                             error=f"{type(e).__name__}: {e}"))
-
-        def forget(tag: int) -> None:             # also for a task cancelled before it ran
-            del tasks[tag]
-            if closed and not tasks:
-                end()
-
-        async def read() -> None:
-            nonlocal closed
-            async for call in request_iterator:
-                if call.cancel:
-                    task = tasks.get(call.tag)
-                    if task is not None:
-                        task.cancel()
-                elif call.tag in tasks:
-                    outbox.put(pb.TaggedResponse(
-                        tag=call.tag, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        error=f"tag {call.tag} is in use by a live request; give each "
-                              "live request a tag of its own"))
-                else:
-                    task = tasks[call.tag] = loop.create_task(run(call.tag, call.request))
-                    task.add_done_callback(lambda _, tag=call.tag: forget(tag))
-            closed = True
-            if not tasks:
-                end()
-
-        reader = loop.create_task(read())
+        call = _ManyCall(self._responses, asyncio.get_running_loop())
+        reader = call.loop.create_task(call.read(request_iterator))
         # a broken request stream ends the call (and with it every request)
-        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or end())
+        reader.add_done_callback(lambda t: t.cancelled() or t.exception() is None or call.end())
         try:
-            while True:
-                items = await outbox.take()
-                # read before the write: a request that ends while the write
-                # is awaited queues its last responses behind this batch
-                last = ending
-                if last:
-                    items = [m for m in items if m is not None]
-                if items:
-                    await context.write(pb.GenerateBatch(responses=items))
-                if last:
-                    return
+            await call.write(context)
         finally:
             reader.cancel()
-            for task in list(tasks.values()):
+            for task in list(call.tasks.values()):
                 task.cancel()
 
     async def Abort(self, request, context):
@@ -212,6 +147,75 @@ class RouterServicer(pbg.RouterServicer):
             return await self.r.drain(request.engine, deadline)
         except RequestError as e:
             await context.abort(CODES[e.kind], e.message)
+
+
+class _ManyCall:
+    """One GenerateMany call: a task per live tag, and the outbox their
+    responses wait in for the writer."""
+
+    def __init__(self, responses, loop: asyncio.AbstractEventLoop):
+        self.responses = responses                # a request -> its GenerateResponses
+        self.loop = loop
+        self.outbox = Mailbox(loop)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.closed = False                       # the client sent all it will send
+        self.ending = False                       # nothing more will come: write and return
+
+    def end(self) -> None:
+        self.ending = True
+        self.outbox.put(None)                     # wakes the writer
+
+    async def run(self, tag: int, request: pb.GenerateRequest) -> None:
+        outbox = self.outbox
+        try:
+            async with contextlib.aclosing(self.responses(request)) as responses:
+                async for m in responses:
+                    outbox.put(pb.TaggedResponse(tag=tag, response=m))
+        except RequestError as e:
+            outbox.put(pb.TaggedResponse(tag=tag, error_code=CODES[e.kind].value[0],
+                                         error=e.message))
+        except Exception as e:                    # a bug: the client still hears of it
+            log.exception("GenerateMany request %d failed", tag)
+            outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
+                                         error=f"{type(e).__name__}: {e}"))
+
+    def forget(self, tag: int) -> None:           # also for a task cancelled before it ran
+        del self.tasks[tag]
+        if self.closed and not self.tasks:
+            self.end()
+
+    async def read(self, request_iterator) -> None:
+        tasks = self.tasks
+        async for call in request_iterator:
+            if call.cancel:
+                task = tasks.get(call.tag)
+                if task is not None:
+                    task.cancel()
+            elif call.tag in tasks:
+                self.outbox.put(pb.TaggedResponse(
+                    tag=call.tag, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    error=f"tag {call.tag} is in use by a live request; give each "
+                          "live request a tag of its own"))
+            else:
+                task = tasks[call.tag] = self.loop.create_task(self.run(call.tag, call.request))
+                task.add_done_callback(lambda _, tag=call.tag: self.forget(tag))
+        self.closed = True
+        if not tasks:
+            self.end()
+
+    async def write(self, context) -> None:
+        """Write what the outbox holds, a batch at a time, until the call ends."""
+        while True:
+            items = await self.outbox.take()
+            # read before the write: a request that ends while the write
+            # is awaited queues its last responses behind this batch
+            last = self.ending
+            if last:
+                items = [m for m in items if m is not None]
+            if items:
+                await context.write(pb.GenerateBatch(responses=items))
+            if last:
+                return
 
 
 async def grpc_server(router: Router, host: str, port: int):
@@ -243,3 +247,19 @@ async def grpc_server(router: Router, host: str, port: int):
         bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, bound
+
+
+class GrpcServer:
+    """The gRPC front as one of the router's fronts (router.Front)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.address: str | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def open(self, router: Router) -> None:
+        self._server, bound = await grpc_server(router, self.host, self.port)
+        self.address = f"{self.host}:{bound}"
+
+    async def close(self) -> None:
+        await self._server.stop(grace=1.0)

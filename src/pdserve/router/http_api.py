@@ -11,8 +11,8 @@ sharing the router's event loop with the gRPC front:
     GET  /health               200 while some engine can serve, else 503
     GET  /metrics              Prometheus text (router/metrics.py)
 
-Errors are OpenAI's error body, {"error": {"message", "type", "param",
-"code"}}; bad input is a 400 that names the field, never a 500. A client
+Errors are OpenAI's error body (openai_answers.py, with the answers
+themselves); bad input is a 400 that names the field, never a 500. A client
 that disconnects mid-request (streamed or not) aborts its request on the
 engines. Why Starlette and not FastAPI: FastAPI's additions are automatic
 validation and generated docs; the OpenAI error bodies need our own
@@ -35,38 +35,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.router.auth import key_matches, refusal
+from pdserve.router.errors import RequestError
+from pdserve.router.openai_answers import Answers, error, from_request_error
 from pdserve.router.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SseEvents, TokenizeRequest,
-    Unsupported, usage as _usage)
-from pdserve.router.router import RequestError, Router
-from pdserve.router.grpc_api import key_matches
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Unsupported)
+from pdserve.router.router import Router
 
-STATUS = {"invalid": 400, "exists": 409, "overloaded": 429, "unavailable": 503,
-          "aborted": 499, "internal": 500, "not_found": 404, "precondition": 409}
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 409: "invalid_request_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 499: "aborted",
-         500: "server_error", 503: "service_unavailable"}
 OPEN_PATHS = ("/health", "/metrics")
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
-
-
-def error(status: int, message: str, param: str | None = None, code=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": TYPES.get(status, "error"),
-                                   "param": param, "code": code if code is not None else status}},
-                        status_code=status)
-
 
 # what render_chat sets itself: chat_template_kwargs may not set these
 _TEMPLATE_ARGS = {"template", "messages", "add_generation_prompt", "bos_token", "eos_token",
                   "continue_final_message"}
-
-
-def _from_request_error(e: RequestError) -> JSONResponse:
-    return error(STATUS[e.kind], e.message, e.param)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
@@ -106,6 +90,7 @@ def _misspelt(data: dict, fields) -> tuple[str, str] | None:
 class HttpFront:
     def __init__(self, router: Router):
         self.r = router
+        self.answers = Answers(router.model_name, router.tokenizer)
 
     # ---- plumbing ------------------------------------------------------------
     def _auth(self, request: Request) -> JSONResponse | None:
@@ -117,9 +102,7 @@ class HttpFront:
         header = request.headers.get("authorization")
         if key_matches(header, key):
             return None
-        why = "no API key given" if not header else "the API key is wrong"
-        return error(401, f"{why}: send the header 'Authorization: Bearer <key>' with the key "
-                     "the deployment was started with (--api-key or PDSERVE_API_KEY)")
+        return error(401, refusal(header, "the header 'Authorization: Bearer <key>'"))
 
     async def _body(self, request: Request, model_cls):
         """The request body as `model_cls`, or an error response (the API
@@ -184,10 +167,6 @@ class HttpFront:
             raise
         return streams
 
-    def _tok_str(self, token_id: int) -> str:
-        # a logprob names the token it scores: an end of turn is '<|im_end|>', not ''
-        return self.r.tokenizer.decode([token_id], skip_special_tokens=False)
-
     # ---- endpoints ---------------------------------------------------------------
     def _model_card(self) -> dict:
         return {"id": self.r.model_name, "object": "model", "created": int(time.time()),
@@ -229,7 +208,7 @@ class HttpFront:
         except ValueError as e:                      # the template failed on these messages
             return error(400, f"messages: {e}", "messages")
         except RequestError as e:
-            return _from_request_error(e)
+            return from_request_error(e)
         return JSONResponse({"count": len(ids), "max_model_len":
                              self.r.cfg.engine.max_context_tokens, "tokens": ids})
 
@@ -271,11 +250,11 @@ class HttpFront:
         except Unsupported as e:
             return error(400, str(e), e.param)
         except RequestError as e:
-            return _from_request_error(e)
+            return from_request_error(e)
         # echo: each choice's text starts with its prompt's (token ids: decoded)
         echo = [p if isinstance(p, str) else self.r.tokenizer.decode(ids)
                 for p, ids in zip(body.prompts(), prompts)] if body.echo else None
-        return await self._respond(request, body, streams, rid, prompts, chat=False,
+        return await self.answers.respond(request, body, streams, rid, prompts, chat=False,
                                    echo=echo)
 
     async def chat(self, request: Request):
@@ -292,8 +271,8 @@ class HttpFront:
         except ValueError as e:                      # the template failed on these messages
             return error(400, f"messages: {e}", "messages")
         except RequestError as e:
-            return _from_request_error(e)
-        return await self._respond(request, body, streams, rid, [ids], chat=True)
+            return from_request_error(e)
+        return await self.answers.respond(request, body, streams, rid, [ids], chat=True)
 
     def _chat_ids(self, body, add_special_tokens: bool = False) -> list[int]:
         """The body's messages rendered with the model's chat template, as
@@ -316,174 +295,10 @@ class HttpFront:
                            continue_final_message=body.continue_final_message, **extra)
         return self.r.encode(text, "messages", add_special_tokens=add_special_tokens)
 
-    # ---- answers -----------------------------------------------------------------
-    async def _respond(self, request, body, streams, rid, prompts, chat: bool, echo=None):
-        """`echo`: per prompt, the text each of its choices starts with."""
-        created = int(time.time())
-        prompt_tokens = sum(len(p) for p in prompts)      # once a prompt, whatever n is
-        if body.stream:
-            gen = self._sse(body, streams, rid, created, prompt_tokens, chat, echo)
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(_collect(streams))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():                       # the client left: abort on the engines
-            collect.cancel()
-            with contextlib.suppress(BaseException):
-                await collect
-            return Response(status_code=499)
-        gone.cancel()
-        try:
-            results = collect.result()
-        except RequestError as e:
-            return _from_request_error(e)
-        choices, completion_tokens = [], 0
-        for i, res in enumerate(results):
-            completion_tokens += len(res["token_ids"])
-            lps = self._logprobs(res["logprobs"], chat, 0) if res["logprobs"] is not None \
-                else None
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant",
-                                                         "content": res["text"]},
-                                "logprobs": lps, "finish_reason": res["finish_reason"]})
-            else:
-                text = echo[i // body.n] + res["text"] if echo else res["text"]
-                choices.append({"index": i, "text": text, "logprobs": lps,
-                                "finish_reason": res["finish_reason"]})
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": self.r.model_name, "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens)})
-
-    async def _sse(self, body, streams, rid, created, prompt_tokens, chat: bool, echo=None):
-        ev = SseEvents({"id": rid, "object": "chat.completion.chunk" if chat
-                        else "text_completion", "created": created,
-                        "model": self.r.model_name}, chat, body.include_usage)
-        completion_tokens = 0
-        offsets = [0] * len(streams)
-        want_lps = streams[0].sp.logprobs is not None
-
-        def render(i, d) -> bytes:
-            nonlocal completion_tokens
-            completion_tokens += len(d.token_ids)
-            # one event a delta, even while its text is held back (part of a
-            # character, or of a possible stop string): streams stay token by token
-            at, offsets[i] = offsets[i], offsets[i] + len(d.text)
-            if not want_lps and not d.finish_reason:
-                return ev.text(i, d.text)
-            lps = self._logprobs(d.logprobs, chat, at) if want_lps and d.logprobs else None
-            finish = d.finish_reason or None
-            if chat:
-                return ev.choice({"index": i, "delta": {"content": d.text} if d.text else {},
-                                  "logprobs": lps, "finish_reason": finish})
-            return ev.choice({"index": i, "text": d.text, "logprobs": lps,
-                              "finish_reason": finish})
-        try:
-            if chat:
-                for i in range(len(streams)):
-                    yield ev.choice({"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None})
-            for i in range(len(streams) if echo else 0):     # the prompt first
-                yield ev.text(i, echo[i // body.n])
-            if len(streams) == 1:                 # no merging layer: this runs every token
-                async with contextlib.aclosing(streams[0].events()) as deltas:
-                    async for d in deltas:
-                        yield render(0, d)
-            else:
-                async for i, d in _merged(streams):
-                    yield render(i, d)
-            if body.include_usage:
-                yield ev.usage(_usage(prompt_tokens, completion_tokens))
-        except RequestError as e:
-            yield b"data: " + _from_request_error(e).body + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    def _logprobs(self, entries, chat: bool, offset: int):
-        """OpenAI's logprobs object for these TokenLogprob entries: chat's
-        {"content": [...]} or the completions API's parallel lists."""
-        if chat:
-            content = []
-            for e in entries:
-                s = self._tok_str(e.token_id)
-                content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
-                                "top_logprobs": [
-                                    {"token": (t := self._tok_str(x.token_id)),
-                                     "logprob": x.logprob, "bytes": list(t.encode())}
-                                    for x in e.top]})
-            return {"content": content}
-        tokens, offsets, top = [], [], []
-        for e in entries:
-            s = self._tok_str(e.token_id)
-            tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
-            # the sampled token is always among them (OpenAI: up to logprobs + 1)
-            top.append({**{self._tok_str(x.token_id): x.logprob for x in e.top}, s: e.logprob})
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": top, "text_offset": offsets}
-
-
 def _with_seed(sp, seed):
     import dataclasses
 
     return dataclasses.replace(sp, seed=seed)
-
-
-async def _merged(streams):
-    """(choice index, Delta) from every stream as they come; an error from
-    any stream (a RequestError, or a bug) ends the whole answer, as it does
-    with one stream, and every stream is closed however the iteration ends
-    (the engines abort what is left)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0].events()) as deltas:
-            async for d in deltas:
-                yield 0, d
-        return
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, s):
-        try:
-            async with contextlib.aclosing(s.events()) as deltas:
-                async for d in deltas:
-                    q.put_nowait((i, d, None))
-        except Exception as e:                # raised where the answer is read
-            q.put_nowait((i, None, e))
-            return
-        q.put_nowait((i, None, None))
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, d, err = await q.get()
-            if err is not None:
-                raise err
-            if d is None:
-                left -= 1
-                continue
-            yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(streams) -> list[dict]:
-    out = [{"text": "", "token_ids": [], "logprobs": None, "finish_reason": None}
-           for _ in streams]
-    async for i, d in _merged(streams):
-        o = out[i]
-        o["text"] += d.text
-        o["token_ids"] += d.token_ids
-        if streams[i].sp.logprobs is not None:
-            o["logprobs"] = (o["logprobs"] or []) + d.logprobs
-        o["finish_reason"] = d.finish_reason or o["finish_reason"]
-    return out
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def build_app(router: Router) -> Starlette:
@@ -505,35 +320,40 @@ def build_app(router: Router) -> Starlette:
 
 
 class HttpServer:
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task):
-        self.server, self.task = server, task
+    """The HTTP front on uvicorn, as one of the router's fronts (router.Front)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.address: str | None = None
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def open(self, router: Router) -> None:
+        """Serve on the running loop; returns once bound."""
+        host, sec = self.host, router.security
+        config = uvicorn.Config(build_app(router), host=host, port=self.port,
+                                log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=sec.tls_cert, ssl_keyfile=sec.tls_key,
+                                timeout_graceful_shutdown=2)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
+        # without it a stream's first event waits out the client's delayed ACK (~40 ms)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if router.cfg.router.replicas > 1:          # the replicas share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, self.port))
+        server = self._server = uvicorn.Server(config)
+        task = self._task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()                           # raises what stopped it
+                raise RuntimeError("the HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        scheme = "https" if sec.tls_cert else "http"
+        self.address = f"{scheme}://{host}:{sock.getsockname()[1]}"
 
     async def close(self) -> None:
-        self.server.should_exit = True
+        self._server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, 10)
-
-
-async def http_server(router: Router, host: str, port: int) -> tuple[HttpServer, str]:
-    """Serve the HTTP front on the running loop; returns it and its address."""
-    sec = router.security
-    config = uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
-                            access_log=False, lifespan="off", ssl_certfile=sec.tls_cert,
-                            ssl_keyfile=sec.tls_key, timeout_graceful_shutdown=2)
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such connections, and
-    # without it a stream's first event waits out the client's delayed ACK (~40 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if router.cfg.router.replicas > 1:          # the replicas share the port
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()                           # raises what stopped it
-            raise RuntimeError("the HTTP server stopped before it started")
-        await asyncio.sleep(0.01)
-    scheme = "https" if sec.tls_cert else "http"
-    return HttpServer(server, task), f"{scheme}://{host}:{sock.getsockname()[1]}"
+            await asyncio.wait_for(self._task, 10)

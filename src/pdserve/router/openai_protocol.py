@@ -1,13 +1,12 @@
-"""The OpenAI wire format: the request bodies pdserve accepts, as pydantic
-models, and their translation to SamplingParams; the usage object and the
-server-sent events of a streamed answer. Unknown fields are ignored
+"""The OpenAI wire format of a request: the bodies pdserve accepts, as
+pydantic models, and their translation to SamplingParams (what goes back is
+openai_answers.py's). Unknown fields are ignored
 (clients send many; http_api.py refuses one that is a near miss of a field
 here); fields pdserve does not implement are refused when set to anything
 but their no-op value, naming the field, rather than silently ignored."""
 
 from __future__ import annotations
 
-import json
 from typing import Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
@@ -312,42 +311,3 @@ class DetokenizeRequest(BaseModel):
 
     def check_unsupported(self) -> None:
         return None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class SseEvents:
-    """The server-sent events of one streamed answer, as bytes. The common
-    event (a delta's text, no logprobs, not the last) is spliced from a
-    prefix and a suffix rendered once around the JSON-escaped text: dumping
-    the whole chunk object for every token was a tenth of the router's time
-    under load. Every other event is dumped whole (`choice`)."""
-
-    __slots__ = ("head", "usage_field", "_chat", "_pre", "_mid", "_end")
-
-    def __init__(self, head: dict, chat: bool, include_usage: bool):
-        self.head = head
-        self.usage_field = {"usage": None} if include_usage else {}
-        self._pre = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": [{"index": '
-        self._mid = b', "delta": {"content": ' if chat else b', "text": '
-        self._end = ((b"}" if chat else b"") + b', "logprobs": null, "finish_reason": null}]'
-                     + (b', "usage": null' if include_usage else b"") + b"}\n\n")
-        self._chat = chat
-
-    def text(self, index: int, text: str) -> bytes:
-        if not text and self._chat:               # an empty chat delta is {}
-            return self.choice({"index": index, "delta": {}, "logprobs": None,
-                                "finish_reason": None})
-        return b"".join((self._pre, b"%d" % index, self._mid, json.dumps(text).encode(),
-                         self._end))
-
-    def choice(self, choice: dict) -> bytes:
-        return b"data: " + json.dumps({**self.head, "choices": [choice],
-                                       **self.usage_field}).encode() + b"\n\n"
-
-    def usage(self, usage: dict) -> bytes:
-        return b"data: " + json.dumps({**self.head, "choices": [], "usage": usage}).encode() \
-            + b"\n\n"

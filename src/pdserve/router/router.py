@@ -1,7 +1,9 @@
-"""The router: one process in front of every engine, serving the gRPC client
-API (router_grpc.py) and the OpenAI-compatible HTTP API (http_api.py) on one
-asyncio event loop, so neither front pays a network hop or a thread per
-stream to reach the other's logic.
+"""The router: one process in front of every engine. Its fronts, the gRPC
+client API (grpc_api.py) and the OpenAI-compatible HTTP API (http_api.py),
+run on its one asyncio event loop, so neither pays a network hop or a
+thread per stream to reach the router's logic. The fronts import the
+router, never the other way: whoever hosts it hands them to `start`
+(serve.py puts the two together).
 
 A request goes: a front validates it (`validate`, `check_prompt`), opens a
 `Stream` (stream.py; admission: the in-flight limit, a live route), and iterates its
@@ -24,6 +26,8 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
@@ -34,7 +38,8 @@ from pdserve.router.engine_link import EngineLink
 from pdserve.router.event_loop import new_event_loop
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
-from pdserve.router.stream import SUBSCRIBE_WAIT_S, RequestError, Stream
+from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
@@ -48,6 +53,19 @@ DRAIN_DEADLINE_S = 60.0      # a drain's default deadline; then what is left is 
 DRAIN_SLACK_S = 60.0         # past the deadline, for the engine's aborts and its stop
 DRAIN_STREAM_END_S = 10.0    # a drained engine's event stream ends this soon after its report
 ENGINE_MESSAGE_BYTES = 256 << 20  # what the router takes in one message from an engine
+
+
+class Front(Protocol):
+    """A server that takes clients' requests to the router (grpc_api's
+    GrpcServer, http_api's HttpServer). The router opens its fronts on its
+    loop once its engines are subscribed, and closes them, the last opened
+    first, when it stops."""
+
+    address: str | None          # where it serves, once open
+
+    async def open(self, router: Router) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +103,7 @@ class Router:
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
         self.metrics = RouterMetrics()
+        # where its fronts serve: set by whoever started them (serve.py)
         self.address: str | None = None
         self.http_address: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -103,42 +122,44 @@ class Router:
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as e:
-            raise RequestError("invalid", str(e), param) from None
+            raise RequestError(ErrorKind.INVALID, str(e), param) from None
 
     def check_prompt(self, ids: list[int], sp: SamplingParams, param: str = "prompt") -> None:
         """The prompt is servable by this deployment, or a RequestError that
         says what to change (§1.4's bound included)."""
         if not ids:
-            raise RequestError("invalid", "the prompt is empty: send text or token ids", param)
+            raise RequestError(ErrorKind.INVALID,
+                               "the prompt is empty: send text or token ids", param)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError("invalid", f"token id {bad} is outside the vocabulary "
+            raise RequestError(ErrorKind.INVALID, f"token id {bad} is outside the vocabulary "
                                f"[0, {self.vocab_size})", param)
         bad = next((t for t, _ in sp.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
-            raise RequestError("invalid", f"logit_bias names token id {bad}, outside the "
+            raise RequestError(ErrorKind.INVALID, f"logit_bias names token id {bad}, outside the "
                                f"vocabulary [0, {self.vocab_size})", "logit_bias")
         err = ingest_error(self.cfg.engine, len(ids), sp.max_tokens)
         if err:
             param = "max_tokens" if "max_new_tokens" in err and len(ids) <= \
                 self.max_prompt_tokens else param
-            raise RequestError("invalid", err.replace("max_new_tokens", "max_tokens"), param)
+            raise RequestError(ErrorKind.INVALID, err.replace("max_new_tokens", "max_tokens"),
+                               param)
 
     def validate(self, r: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """A gRPC GenerateRequest as (prompt ids, sampling)."""
         if r.text and r.token_ids:
-            raise RequestError("invalid", "send either text or token_ids, not both")
+            raise RequestError(ErrorKind.INVALID, "send either text or token_ids, not both")
         if r.route not in ROUTES:
-            raise RequestError("invalid", f"route {r.route!r} is unknown: use '', 'fused' or "
-                               "'disaggregated'", "route")
+            raise RequestError(ErrorKind.INVALID, f"route {r.route!r} is unknown: use '', "
+                               "'fused' or 'disaggregated'", "route")
         s = r.sampling
         if s.HasField("max_tokens") and s.max_tokens == 0:
-            raise RequestError("invalid", "sampling.max_tokens must be at least 1 (or unset: "
-                               "until the context limit)", "max_tokens")
+            raise RequestError(ErrorKind.INVALID, "sampling.max_tokens must be at least 1 (or "
+                               "unset: until the context limit)", "max_tokens")
         try:
             sp = from_options(s)
         except ValueError as e:
-            raise RequestError("invalid", str(e)) from None
+            raise RequestError(ErrorKind.INVALID, str(e)) from None
         ids = list(r.token_ids) if r.token_ids else (self.encode(r.text) if r.text else [])
         self.check_prompt(ids, sp)
         return ids, sp
@@ -159,32 +180,32 @@ class Router:
         the route (503)."""
         limit = self.cfg.router.max_requests
         if streams > limit:
-            self.metrics.rejected.labels(reason="invalid").inc()
-            raise RequestError("invalid", f"{streams} choices (prompts x n) exceed this "
+            self.metrics.rejected.labels(reason=ErrorKind.INVALID.value).inc()
+            raise RequestError(ErrorKind.INVALID, f"{streams} choices (prompts x n) exceed this "
                                f"deployment's router.max_requests of {limit}, so they could "
                                "never run at once; send fewer prompts or a lower n", "n")
         needs = ROUTE_ROLES.get(route, set())
         if not needs <= {e.role for e in self.engines.values()}:
-            self.metrics.rejected.labels(reason="invalid").inc()
-            raise RequestError("invalid", f"route {route!r} needs {' and '.join(sorted(needs))} "
-                               "engines, and this deployment has none; send route '' (any "
-                               "engine)", "route")
+            self.metrics.rejected.labels(reason=ErrorKind.INVALID.value).inc()
+            raise RequestError(ErrorKind.INVALID, f"route {route!r} needs "
+                               f"{' and '.join(sorted(needs))} engines, and this deployment "
+                               "has none; send route '' (any engine)", "route")
         self.metrics.arrivals.inc(streams)
         if len(self.active) + streams > limit:
-            self.metrics.rejected.labels(reason="overloaded").inc()
-            raise RequestError("overloaded", f"{limit} requests are in flight, this "
+            self.metrics.rejected.labels(reason=ErrorKind.OVERLOADED.value).inc()
+            raise RequestError(ErrorKind.OVERLOADED, f"{limit} requests are in flight, this "
                                "deployment's router.max_requests; retry later or raise it")
         try:
             self.pairing.candidates(route)
         except LookupError as e:
-            raise RequestError("unavailable", str(e)) from None
+            raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
 
     def stream(self, ids: list[int], sp: SamplingParams, route: str = "",
                request_id: str | None = None) -> "Stream":
         """A request `admit` let in: a fresh id, then its Stream."""
         rid = request_id or uuid.uuid4().hex
         if rid in self.active:
-            raise RequestError("exists", f"request id {rid!r} is running; use a fresh id",
+            raise RequestError(ErrorKind.EXISTS, f"request id {rid!r} is running; use a fresh id",
                                "request_id")
         self.active[rid] = None
         return Stream(self, rid, ids, sp, route)
@@ -237,7 +258,7 @@ class Router:
         ref = self.engines.get(name.removeprefix("pdserve:"))
         if ref is None:
             known = ", ".join(sorted(self.engines)) or "none"
-            raise RequestError("not_found", f"no engine {name!r} in this deployment; its "
+            raise RequestError(ErrorKind.NOT_FOUND, f"no engine {name!r} in this deployment; its "
                                f"engines are: {known}", "engine")
         return ref
 
@@ -247,17 +268,18 @@ class Router:
         was left). Then the engine is retired."""
         ref = self.engine_named(name)
         if deadline_s < 0:
-            raise RequestError("invalid", f"deadline_s must be >= 0 seconds, got {deadline_s}",
-                               "deadline_s")
+            raise RequestError(ErrorKind.INVALID,
+                               f"deadline_s must be >= 0 seconds, got {deadline_s}", "deadline_s")
         if not ref.alive:
             state = "has drained and stopped" if ref.draining else "is not alive"
-            raise RequestError("precondition", f"engine {ref.name} {state}: nothing to drain")
+            raise RequestError(ErrorKind.PRECONDITION,
+                               f"engine {ref.name} {state}: nothing to drain")
         ref.draining = True                       # picked no more, from now on
         try:
             report = await ref.stub.Drain(cpb.DrainEngineRequest(deadline_s=deadline_s),
                                           timeout=deadline_s + DRAIN_SLACK_S)
         except grpc.aio.AioRpcError as e:
-            raise RequestError("unavailable", f"engine {ref.name} did not finish draining: "
+            raise RequestError(ErrorKind.UNAVAILABLE, f"engine {ref.name} did not finish draining: "
                                f"{e.code().name}: {e.details()}") from None
         ref.alive = False
         link = self.links.get(ref.name)
@@ -278,11 +300,11 @@ class Router:
         events subscribed, its P/D peers introduced, then it is picked."""
         name = name.removeprefix("pdserve:")
         if role not in ("prefill", "decode", "fused"):
-            raise RequestError("invalid", f"role must be prefill, decode or fused, got {role!r}",
-                               "role")
+            raise RequestError(ErrorKind.INVALID,
+                               f"role must be prefill, decode or fused, got {role!r}", "role")
         old = self.engines.get(name)
         if old is not None and old.alive:
-            raise RequestError("exists", f"engine {name} is already served", "engine")
+            raise RequestError(ErrorKind.EXISTS, f"engine {name} is already served", "engine")
         # picked once its events are subscribed and its peers know it, not
         # when it first answers (a request then found no link, or a D that
         # had not met the new P)
@@ -300,7 +322,7 @@ class Router:
             del self.links[name]
             del self.engines[name]
             await membership.disconnect(ref)
-            raise RequestError("unavailable", f"engine {name} at {address} did not answer "
+            raise RequestError(ErrorKind.UNAVAILABLE, f"engine {name} at {address} did not answer "
                                f"within {ADD_ENGINE_WAIT_S:.0f} s")
         ref.joining = False
         log.info("serving %s (%s) at %s", name, role, address)
@@ -316,10 +338,10 @@ class Router:
         return dict(zip(names, got))
 
     # ---- serving ---------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-              watch_s: float = 1.0) -> str:
-        """Serve gRPC on `port` (and HTTP on `http_port`) from a thread of
-        its own; returns the gRPC address once both are bound."""
+    def start(self, fronts: Sequence[Front] = (), watch_s: float = 1.0) -> None:
+        """Serve from a thread of its own: its engines subscribed, then
+        `fronts` opened on its loop; returns once every front is bound (or
+        raises what stopped one)."""
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -327,7 +349,7 @@ class Router:
             loop = new_event_loop()
             self.loop = loop
             try:
-                loop.run_until_complete(self._serve(host, port, http_port, watch_s, started))
+                loop.run_until_complete(self._run(fronts, watch_s, started))
             except BaseException as e:       # handed to start()'s caller
                 failure.append(e)
                 started.set()
@@ -342,11 +364,8 @@ class Router:
         started.wait()
         if failure:
             raise failure[0]
-        return self.address
 
-    async def _serve(self, host, port, http_port, watch_s, started) -> None:
-        from pdserve.router.grpc_api import grpc_server
-
+    async def _run(self, fronts: Sequence[Front], watch_s: float, started) -> None:
         self._stopping = asyncio.Event()
         # the engines' messages (a round's events, GetInfo's NIXL metadata) are
         # trusted traffic: router.max_body_bytes bounds what clients send only
@@ -361,22 +380,16 @@ class Router:
         live = [self.links[r.name].ready.wait() for r in self.engines.values() if r.alive]
         with contextlib.suppress(asyncio.TimeoutError):   # a slow one joins when it can
             await asyncio.wait_for(asyncio.gather(*live), SUBSCRIBE_WAIT_S)
-        server, bound = await grpc_server(self, host, port)
-        self.address = f"{host}:{bound}"
-        http = None
-        if http_port is not None:
-            from pdserve.router.http_api import http_server
-
-            http, self.http_address = await http_server(self, host, http_port)
+        for front in fronts:
+            await front.open(self)
         watcher = asyncio.ensure_future(self._watch(watch_s, options))
         started.set()
         await self._stopping.wait()
         watcher.cancel()
         for link in self.links.values():
             link.stop()
-        if http is not None:
-            await http.close()
-        await server.stop(grace=1.0)
+        for front in reversed(fronts):
+            await front.close()
         if self._background:                  # aborts the closing streams sent: let them go out
             await asyncio.wait(list(self._background), timeout=5)
         await asyncio.gather(*(membership.disconnect(r) for r in self.engines.values()),

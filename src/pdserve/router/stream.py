@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.router.engine_link import LOST
+from pdserve.router.engine_link import LOST, EngineLink
+from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.pairing import EngineRef
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.router.mailbox import Mailbox
@@ -33,21 +34,6 @@ log = logging.getLogger("pdserve.router")
 
 MAX_RESUBMITS = 3
 SUBSCRIBE_WAIT_S = 10.0      # how long a request waits for its engine's event stream
-
-
-class RequestError(Exception):
-    """A request the router will not or cannot carry out. `kind` maps to a
-    status on each front: invalid (400 / INVALID_ARGUMENT), exists (409 /
-    ALREADY_EXISTS), overloaded (429 / RESOURCE_EXHAUSTED), unavailable
-    (503 / UNAVAILABLE), aborted (499 / ABORTED), internal (500 / INTERNAL),
-    not_found (404 / NOT_FOUND), precondition (409 / FAILED_PRECONDITION).
-    `param` names the request field at fault, where there is one."""
-
-    def __init__(self, kind: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
 
 
 class _EngineLost(RuntimeError):
@@ -117,7 +103,7 @@ class Stream:
                     return
                 except _EngineLost as lost:
                     if attempt == MAX_RESUBMITS:
-                        raise RequestError("unavailable", str(lost)) from None
+                        raise RequestError(ErrorKind.UNAVAILABLE, str(lost)) from None
                     if isinstance(lost, _NotTaken):
                         continue                  # nothing streamed: not a resubmission
                     r.counters["resubmitted"] += 1
@@ -125,78 +111,32 @@ class Stream:
                     log.warning("%s: %s; resubmitting with %d streamed tokens", self.id, lost,
                                 len(streamed))
         except RequestError as e:
-            r.metrics.rejected.labels(reason=e.kind).inc()
+            r.metrics.rejected.labels(reason=e.kind.value).inc()
             raise
         finally:
             r.active.pop(self.id, None)
 
     async def _attempt(self, streamed: list[int], chars: int):
-        r, sp, done = self.router, self.sp, len(streamed)
+        """One submission, to the engines picked now, and its deltas until
+        it finishes: raises _EngineLost if that engine did not see it
+        through, and aborts it there if the client leaves first."""
+        r, done = self.router, len(streamed)
         ids = self.ids + streamed
         try:
             target, peer = r.pairing.pick(self.route, ids)
         except LookupError as e:
-            raise RequestError("unavailable", str(e)) from None
-        load = len(ids) + (sp.max_tokens or 256)
+            raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
+        load = len(ids) + (self.sp.max_tokens or 256)
         target.load += load
         if peer is not None:
             peer.load += len(ids)
         r.active[self.id] = (target, peer)
-        left = to_options(sp, min_tokens=max(sp.min_tokens - done, 0),
-                          max_tokens=None if sp.max_tokens is None else sp.max_tokens - done)
-        # the engine goes on with the text where the client's ends: what the
-        # last engine held back (a possible stop string, half a character) is
-        # made again there
-        sub = cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
-                                prefill_peer=peer.name if peer else "", prior_output=done,
-                                prior_text_chars=chars)
+        sub = self._submission(ids, peer, done, chars)
         link = r.links[target.name]
         box = Mailbox(asyncio.get_running_loop())
         ended = submitted = False
         try:
-            try:
-                await asyncio.wait_for(link.ready.wait(), SUBSCRIBE_WAIT_S)
-            except asyncio.TimeoutError:
-                target.alive = False              # until membership sees it again
-                raise _EngineLost(f"{target.name} has no live event stream") from None
-            # a slot first (a client gone while queued costs the engine nothing),
-            # then the Submit, shielded: once sent, the engine may take it
-            await link.submits.acquire()
-            if not link.ready.is_set():           # it re-subscribes: its id is changing
-                link.submits.release()
-                raise _EngineLost(f"{target.name}'s event stream is reconnecting")
-            # the box joins the subscription the Submit names, not one that
-            # broke (and put LOST in it) while this waited for a slot
-            link.requests[self.id] = box
-            sub.subscriber = link.subscriber
-            submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
-            submit.add_done_callback(lambda _: link.submits.release())
-            try:
-                await asyncio.shield(submit)
-            except asyncio.CancelledError:
-                # the client left while the engine was taking the request: abort
-                # it there once it has it (an Abort sent now could overtake it)
-                r.background(_abort_once_taken(submit, target, self.id, "client went away"))
-                raise
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RequestError("invalid", e.details()) from None
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
-                    target.draining = True        # it drains: picked no more
-                    raise _EngineDraining(e.details()) from None
-                if code == grpc.StatusCode.ABORTED:
-                    raise _NotTaken(e.details()) from None
-                # the call broke: whatever the engine took of it is aborted there
-                r.background(_abort(target, self.id, "its submission broke off"))
-                if code == grpc.StatusCode.CANCELLED:
-                    # not the engine (gRPC resets calls a server has no room for):
-                    # it stays live, and the client hears it may retry
-                    raise RequestError("unavailable", f"the router's Submit to {target.name} "
-                                       "was cancelled by gRPC; retry the request") from None
-                target.alive = False
-                raise _EngineLost(f"{target.name} did not take the request: "
-                                  f"{code.name}") from None
+            await self._submit(target, link, box, sub)
             submitted = True
             backlog: collections.deque = collections.deque()
             while not ended:
@@ -223,6 +163,75 @@ class Stream:
             target.load -= load
             if peer is not None:
                 peer.load -= len(ids)
+
+    def _submission(self, ids: list[int], peer: EngineRef | None, done: int,
+                    chars: int) -> cpb.SubmitRequest:
+        """The Submit of `ids` (the prompt and the `done` tokens streamed),
+        asking for what is left of the sampling budget."""
+        sp = self.sp
+        left = to_options(sp, min_tokens=max(sp.min_tokens - done, 0),
+                          max_tokens=None if sp.max_tokens is None else sp.max_tokens - done)
+        # the engine goes on with the text where the client's ends: what the
+        # last engine held back (a possible stop string, half a character) is
+        # made again there
+        return cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
+                                 prefill_peer=peer.name if peer else "", prior_output=done,
+                                 prior_text_chars=chars)
+
+    async def _submit(self, target: EngineRef, link: EngineLink, box: Mailbox,
+                      sub: cpb.SubmitRequest) -> None:
+        """Send `sub` to `target` once its event stream is up and a Submit
+        slot is free, `box` joined to the subscription it names. Returns
+        once the engine took the request; else raises _EngineLost (try
+        another engine) or RequestError (the client hears it)."""
+        try:
+            await asyncio.wait_for(link.ready.wait(), SUBSCRIBE_WAIT_S)
+        except asyncio.TimeoutError:
+            target.alive = False              # until membership sees it again
+            raise _EngineLost(f"{target.name} has no live event stream") from None
+        # a slot first (a client gone while queued costs the engine nothing),
+        # then the Submit, shielded: once sent, the engine may take it
+        await link.submits.acquire()
+        if not link.ready.is_set():           # it re-subscribes: its id is changing
+            link.submits.release()
+            raise _EngineLost(f"{target.name}'s event stream is reconnecting")
+        # the box joins the subscription the Submit names, not one that
+        # broke (and put LOST in it) while this waited for a slot
+        link.requests[self.id] = box
+        sub.subscriber = link.subscriber
+        submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
+        submit.add_done_callback(lambda _: link.submits.release())
+        try:
+            await asyncio.shield(submit)
+        except asyncio.CancelledError:
+            # the client left while the engine was taking the request: abort
+            # it there once it has it (an Abort sent now could overtake it)
+            self.router.background(_abort_once_taken(submit, target, self.id,
+                                                     "client went away"))
+            raise
+        except grpc.aio.AioRpcError as e:
+            raise self._submit_failed(target, e) from None
+
+    def _submit_failed(self, target: EngineRef, e: grpc.aio.AioRpcError) -> Exception:
+        """What a failed Submit means, to raise: the engine marked draining
+        or down where it is, and what it may hold of a broken call aborted."""
+        code = e.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestError(ErrorKind.INVALID, e.details())
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            target.draining = True            # it drains: picked no more
+            return _EngineDraining(e.details())
+        if code == grpc.StatusCode.ABORTED:
+            return _NotTaken(e.details())
+        # the call broke: whatever the engine took of it is aborted there
+        self.router.background(_abort(target, self.id, "its submission broke off"))
+        if code == grpc.StatusCode.CANCELLED:
+            # not the engine (gRPC resets calls a server has no room for):
+            # it stays live, and the client hears it may retry
+            return RequestError(ErrorKind.UNAVAILABLE, f"the router's Submit to {target.name} "
+                                "was cancelled by gRPC; retry the request")
+        target.alive = False
+        return _EngineLost(f"{target.name} did not take the request: {code.name}")
 
 
 def _error_kind(error: str) -> str:
