@@ -7,7 +7,7 @@ import time
 from pdserve.proto import control_pb2 as pb
 from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import Incarnation
-from pdserve.transfer.transport import TransferEvent
+from pdserve.transfer.transport import TransferEvent, TransferEventKind
 
 from engine_fakes import one_round, server
 
@@ -27,7 +27,7 @@ def test_a_failed_round_on_d_still_asks_for_its_remote_admission():
     submit("r1")
     one_round(d)
     (_, _, ask), = d.sent
-    d.peer.on_transfer_event(TransferEvent("landed", "r1", ask.epoch,
+    d.peer.on_transfer_event(TransferEvent(TransferEventKind.LANDED, "r1", ask.epoch,
                                            Incarnation("prefill-0", 1), first_token=5))
     d.sent.clear()
     submit("r2")

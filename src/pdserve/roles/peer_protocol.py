@@ -3,10 +3,10 @@
     D                                        P
     ask_prefill: expect a landing  --RemotePrefill-->  remote_prefill: a twin, a lease
                                                         ... prefill chunks ...
-    on_transfer_event("landed") <--NIXL write + notif-- ship
+    on_transfer_event(LANDED)  <--NIXL write + notif-- ship
     ack                            --TransferAck----->  transfer_ack: release the pins
     heartbeats while waiting       --LeaseHeartbeat-->  renew the leases
-    recover locally              <--TransferFailed---  the write failed ("failed")
+    recover locally              <--TransferFailed---  the write failed (FAILED)
 
 Safety: D never reuses landing pages a write might still reach (a timeout,
 an abort or an unreachable P fences them until the lease bounding P's pin
@@ -34,7 +34,8 @@ from pdserve.roles.outputs import logprob_pb
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer import Incarnation, KvWrite, LandingTable, LeaseTable
+from pdserve.transfer import (
+    Incarnation, KvWrite, LandingTable, LandingVerdict, LeaseTable, TransferEventKind)
 
 log = logging.getLogger("pdserve.engine")
 
@@ -187,11 +188,11 @@ class PeerProtocol:
 
     def on_transfer_event(self, ev) -> None:
         s = self.s
-        if ev.kind == "landed":
+        if ev.kind is TransferEventKind.LANDED:
             verdict = self.landing.on_notification(ev.req_id, ev.epoch)
-            if verdict == "drained":
+            if verdict is LandingVerdict.DRAINED:
                 s.planner.release_fence((ev.req_id, ev.epoch))
-            elif verdict == "landed" and ev.req_id in s.planner.landing:
+            elif verdict is LandingVerdict.LANDED and ev.req_id in s.planner.landing:
                 self.epochs.pop(ev.req_id, None)
                 s.counts.transfers += 1
                 req = s.planner.requests[ev.req_id]
@@ -206,9 +207,9 @@ class PeerProtocol:
                 for r in finished:
                     s.request_finished(r)
                 self.send(req.peer, "TransferAck", self._ack(ev.req_id, ev.epoch))
-        elif ev.kind == "done":                    # P: our write completed
+        elif ev.kind is TransferEventKind.DONE:                    # P: our write completed
             s.counts.transfer_seconds.observe(ev.seconds)
-        elif ev.kind == "failed":                  # P: our write will not land
+        elif ev.kind is TransferEventKind.FAILED:                  # P: our write will not land
             info = self.remote.get(ev.req_id)
             s.counts.transfer_failed("write")
             if info is not None:
