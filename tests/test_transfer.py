@@ -248,8 +248,8 @@ def test_a_fenced_landing_keeps_its_pages_until_the_write_drains():
     assert t.fence("r", e1, now=1.5) is not None
     e2 = t.expect("r", [7, 8], now=1.5)                 # the retry is a new epoch
     assert e2 != e1
-    assert t.on_notification("r", e1) is LandingVerdict.DRAINED      # late write: its pages may go now
-    assert t.on_notification("r", e1) is LandingVerdict.STALE        # and it is never read as data
+    assert t.on_notification("r", e1) is LandingVerdict.DRAINED   # late: its pages may go now
+    assert t.on_notification("r", e1) is LandingVerdict.STALE     # and never read as data
     assert t.on_notification("r", e2) is LandingVerdict.LANDED
 
 

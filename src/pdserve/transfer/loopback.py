@@ -62,9 +62,11 @@ class LoopbackTransport(KvTransport):
             live.pools[gd][pd] = self.pools[gs][ps]
         took = time.perf_counter() - t0
         self.metrics.seconds += took
-        self._events.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target, seconds=took))
-        live._events.append(TransferEvent(TransferEventKind.LANDED, w.req_id, w.epoch, self.incarnation,
-                                          first_token=w.first_token, payload=w.payload))
+        self._events.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target,
+                                          seconds=took))
+        live._events.append(TransferEvent(TransferEventKind.LANDED, w.req_id, w.epoch,
+                                          self.incarnation, first_token=w.first_token,
+                                          payload=w.payload))
 
     def _poll_backend(self) -> list[TransferEvent]:
         out, self._events = self._events, []

@@ -176,9 +176,11 @@ class NixlTransport(KvTransport):
                 self.metrics.backend_descriptors += tm.descCount
             self._release(handle)
             if state == "DONE":
-                out.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target, seconds=took))
+                out.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target,
+                                         seconds=took))
             else:
-                out.append(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target, err))
+                out.append(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                         err))
         for agent_name, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
                 parsed = decode_notif(msg)
@@ -186,8 +188,9 @@ class NixlTransport(KvTransport):
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
                 req_id, epoch, _, token, payload = parsed
-                out.append(TransferEvent(TransferEventKind.LANDED, req_id, epoch, Incarnation.parse(agent_name),
-                                         first_token=token, payload=payload))
+                out.append(TransferEvent(TransferEventKind.LANDED, req_id, epoch,
+                                         Incarnation.parse(agent_name), first_token=token,
+                                         payload=payload))
         return out
 
     def _release(self, handle) -> None:
