@@ -1,21 +1,14 @@
 """An EngineServer without a model, gRPC or loop thread, for tests of its
 round glue: the real planner, peer protocol and loopback transport, an
 executor that can be told to raise, outputs that record what was posted,
-and a `send` that records messages. Jobs posted to the loop thread wait in
-its inbox (`run_jobs`)."""
-
-import collections
-import queue
-import threading
+and a peer sender that records the messages it was given (`sent`). Jobs
+posted to the loop thread wait in its inbox (`run_jobs`)."""
 
 import torch
 
 from pdserve.kernels.sampling import SamplingParams
-from pdserve.roles.drain import Drain
-from pdserve.roles.engine import Engine
+from pdserve.proto import control_pb2 as pb
 from pdserve.roles.engine_server import EngineServer
-from pdserve.roles.engine_stats import EngineCounters
-from pdserve.roles.peer_protocol import Peer, PeerProtocol
 from pdserve.scheduler import Planner
 from pdserve.scheduler.grammar import Role
 from pdserve.transfer import Incarnation
@@ -65,40 +58,48 @@ class Outputs:
     def has(self, subscriber):
         return True
 
+    def close(self):
+        pass
+
+
+class Sender:
+    """Records (peer, rpc, message) at once, on the calling thread."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, peer, rpc, request, on_error=None, delay_s=0.0):
+        self.sent.append((peer.name, rpc, request))
+
+    def close(self, wait=False):
+        pass
+
 
 def server(role: str, name: str, peer: str) -> EngineServer:
-    fabric = LoopbackFabric()
-    s = object.__new__(EngineServer)          # no model, no gRPC server, no loop thread
-    s.role, s.name, s.incarnation = Role(role), name, 1
-    s.executor = Executor()
-    s.planner = Planner(config(), s.role)
-    s.engine = Engine(name, s.planner, s.executor, forget_finished=False)
-    s.transport = LoopbackTransport(Incarnation(name, 1), fabric)
-    s.transport.register_pools([torch.zeros(s.planner.cfg.total_pages, 4)])
-    s.peer = PeerProtocol(s, s.transport, transfer_timeout_s=30.0, lease_s=10.0,
-                          heartbeat_s=2.0)
-    s.sent = []
-    s.peer.send = lambda to, method, msg, on_error=None: s.sent.append((to, method, msg))
-    s.peer.peers[peer] = Peer(peer, 1, "nowhere", None)
-    s.transport.add_peer(Incarnation(peer, 1), f"{peer}@1".encode())
-    s.drain, s.owner, s.emitted = Drain(name), {}, {}
-    s.outputs, s.counts = Outputs(), EngineCounters()
-    s.rounds, s._window, s._stalls_logged = collections.deque(), 0, 0
-    s._inbox, s._inbox_lock, s._inbox_closed = queue.Queue(), threading.Lock(), False
-    s.loop_errors = []
+    """Engine `name` of `role`, knowing `peer` (its gRPC stub never called:
+    what it is sent lands in `sent(server)`)."""
+    planner = Planner(config(), Role(role))
+    transport = LoopbackTransport(Incarnation(name, 1), LoopbackFabric())
+    transport.register_pools([torch.zeros(planner.cfg.total_pages, 4)])
+    s = EngineServer(Role(role), name, planner, Executor(), lambda on_stop: Outputs(),
+                     transport, incarnation=1, sender=Sender())
+    s.peer.add_peer(pb.AddPeerRequest(engine=peer, incarnation=1, address="nowhere:0",
+                                      nixl_metadata=f"{peer}@1".encode()))
     return s
+
+
+def sent(s: EngineServer) -> list:
+    """What `s` sent its peers: (peer, PeerRpc, message), oldest first."""
+    return s.peer.sender.sent
 
 
 def one_round(s: EngineServer):
     out = s.engine.step()
     if out is not None:
-        s._after_round(out)
+        s.loop.after_round(out)
     return out
-
-
 
 
 def run_jobs(s: EngineServer) -> None:
     """What the loop thread runs between rounds: every job posted so far."""
-    while not s._inbox.empty():
-        s._inbox.get_nowait()()
+    s.inbox.run_pending()

@@ -10,7 +10,9 @@ from pdserve.benchmarks import transfer
 from pdserve.benchmarks.traces import AZURE_CONV
 from pdserve.sim import load
 from pdserve.transfer import Incarnation, KvWrite
-from pdserve.transfer.transport import TransferEvent
+from pdserve.transfer.transport import TransferEvent, TransferEventKind
+
+DONE, FAILED = TransferEventKind.DONE, TransferEventKind.FAILED
 
 
 # ---- bench serve: where a request's clock starts ------------------------------
@@ -152,10 +154,10 @@ class _Transport:
 
 def test_a_failed_handoff_is_a_failure_and_a_late_event_is_not_its_completion():
     w = KvWrite("now", 0, Incarnation("d", 1), (0,), (0,))
-    assert transfer.time_handoff(_Transport([("failed", "now")]), w) is None
-    assert transfer.time_handoff(_Transport([("done", "now")]), w) > 0
-    t = _Transport([("done", "earlier")])
-    t.write = lambda _: setattr(t, "events", t.events + [("failed", "now")])
+    assert transfer.time_handoff(_Transport([(FAILED, "now")]), w) is None
+    assert transfer.time_handoff(_Transport([(DONE, "now")]), w) > 0
+    t = _Transport([(DONE, "earlier")])
+    t.write = lambda _: setattr(t, "events", t.events + [(FAILED, "now")])
     assert transfer.time_handoff(t, w) is None
 
 

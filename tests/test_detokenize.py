@@ -144,7 +144,7 @@ def _engine_text(tok, prompt, tokens, stop, prior=(0, 0), final=False) -> str:
     an engine opens it (`prior`: a resubmission's tokens and characters
     out already), then `tokens` one round each (the last one final)."""
     from pdserve.kernels.sampling import SamplingParams
-    from pdserve.roles.outputs import Outputs
+    from pdserve.roles.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)
     q = out.subscribe("s")
@@ -153,7 +153,7 @@ def _engine_text(tok, prompt, tokens, stop, prior=(0, 0), final=False) -> str:
         text = ""
         for i, t in enumerate(tokens):
             last = final and i == len(tokens) - 1
-            out.post([("r", [t], [], "length" if last else None, None)])
+            out.post([OutputItem("r", [t], [], "length" if last else None)])
             text += "".join(ev.text for ev in q.get(timeout=10))
         return text
     finally:

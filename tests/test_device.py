@@ -301,7 +301,7 @@ def test_a_round_stages_its_host_lists_without_a_sync():
 @cuda
 def test_a_scattered_write_between_gpu_pools_lands_bit_exact_in_another_process():
     pytest.importorskip("nixl")
-    from pdserve.transfer import Incarnation, KvWrite
+    from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
     from pdserve.transfer.nixl_transport import NixlTransport
     from pdserve.transfer.peer_process import make_pool, spawn
 
@@ -319,9 +319,10 @@ def test_a_scattered_write_between_gpu_pools_lands_bit_exact_in_another_process(
         done = []
         while not done:
             done = p.poll()
-        assert [(e.kind, e.req_id) for e in done] == [("done", "req-7")], done
+        assert [(e.kind, e.req_id) for e in done] == [(TransferEventKind.DONE, "req-7")], done
         conn.send(("wait", 1, 10.0))
-        assert conn.recv() == [("landed", "req-7", 3, "prefill-0@1")]
+        assert conn.recv() == [(TransferEventKind.LANDED, "req-7", 3,
+                               "prefill-0@1")]
         conn.send(("read", dst))
         assert torch.equal(conn.recv(), src_pool[list(src)].cpu())
         p.close()

@@ -20,9 +20,9 @@ EXIT_BOUND_S = 60.0        # from "exit now" to the process gone
 ENGINE = textwrap.dedent("""
     import sys
     from pdserve.config import ServeConfig
-    from pdserve.roles.engine_server import EngineServer
+    from pdserve.cluster.actors import build_engine_server
 
-    engine = EngineServer(ServeConfig.from_dict({"cluster": {"fused": 1}}), "fused", 0)
+    engine = build_engine_server(ServeConfig.from_dict({"cluster": {"fused": 1}}), "fused", 0)
     print(engine.address, flush=True)
     sys.stdin.readline()            # until the test's stream is open; then exit
 """)

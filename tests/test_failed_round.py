@@ -5,11 +5,13 @@ happens, so nothing waits forever."""
 import time
 
 from pdserve.proto import control_pb2 as pb
+from pdserve.roles.outputs import StreamError
+from pdserve.roles.peer_messages import PeerRpc
 from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import Incarnation
-from pdserve.transfer.transport import TransferEvent
+from pdserve.transfer.transport import TransferEvent, TransferEventKind
 
-from engine_fakes import one_round, server
+from engine_fakes import one_round, sent, server
 
 
 def test_a_failed_round_on_d_still_asks_for_its_remote_admission():
@@ -26,20 +28,21 @@ def test_a_failed_round_on_d_still_asks_for_its_remote_admission():
         d.owner[rid] = "router"
     submit("r1")
     one_round(d)
-    (_, _, ask), = d.sent
-    d.peer.on_transfer_event(TransferEvent("landed", "r1", ask.epoch,
+    (_, _, ask), = sent(d)
+    d.peer.on_transfer_event(TransferEvent(TransferEventKind.LANDED, "r1", ask.epoch,
                                            Incarnation("prefill-0", 1), first_token=5))
-    d.sent.clear()
+    sent(d).clear()
     submit("r2")
     d.executor.fail = "CUDA error: an illegal memory access"
     out = one_round(d)
     d.executor.fail = None
     assert [r.id for r in out.failed] == ["r1"]
     assert [op.req.id for op in out.plan.remote_prefills] == ["r2"]
-    errors = [(i[0], "CUDA error" in i[4]) for i in d.outputs.items if i[4]]
+    errors = [(i.req_id, "CUDA error" in i.error) for i in d.outputs.items
+              if isinstance(i, StreamError)]
     assert errors == [("r1", True)]
-    assert [(to, m, msg.request_id) for to, m, msg in d.sent] == \
-        [("prefill-0", "RemotePrefill", "r2")]
+    assert [(to, m, msg.request_id) for to, m, msg in sent(d)] == \
+        [("prefill-0", PeerRpc.REMOTE_PREFILL, "r2")]
     # P never answers: the landing times out and D prefills r2 itself
     d.peer.timers(time.monotonic() + 31)
     assert "r2" not in d.planner.landing and "r2" in d.planner.requests
@@ -61,8 +64,8 @@ def test_a_failed_round_on_p_tells_d_and_lets_its_twin_go():
     p.executor.fail = "CUDA error"
     out = one_round(p)
     assert [r.id for r in out.failed] == ["x"]
-    assert [(to, m, msg.request_id) for to, m, msg in p.sent] == \
-        [("decode-0", "TransferFailed", "x")]
+    assert [(to, m, msg.request_id) for to, m, msg in sent(p)] == \
+        [("decode-0", PeerRpc.TRANSFER_FAILED, "x")]
     assert not p.peer.remote and len(p.peer.leases) == 0
-    assert p._nothing_live()
+    assert p.nothing_live()
     p.planner.assert_idle()

@@ -7,9 +7,10 @@ import time
 import grpc
 import pytest
 
+from pdserve.roles.peer_messages import PeerRpc
 from pdserve.scheduler import Request, SamplingLimits
 
-from engine_fakes import one_round, server
+from engine_fakes import one_round, sent, server
 
 
 @pytest.mark.parametrize("code, stage", [(grpc.StatusCode.FAILED_PRECONDITION, "prefill_draining"),
@@ -24,8 +25,8 @@ def test_a_refused_remote_prefill_is_prefilled_on_d_at_once_and_fences_nothing(c
     d.planner.submit(r)
     d.owner["x"] = "router"
     one_round(d)
-    (_, method, ask), = d.sent
-    assert method == "RemotePrefill"
+    (_, method, ask), = sent(d)
+    assert method is PeerRpc.REMOTE_PREFILL
     d.peer._prefill_not_taken("x", ask.epoch, "prefill-0", code)
     assert "x" not in d.planner.landing
     assert d.counts.fences == 0 and d.counts.failures_by_stage == {stage: 1}

@@ -154,12 +154,12 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
     got 503. A P, a D and a router in this process, no Ray."""
     from pdserve.client import Client
     from pdserve.kernels.loader import load_tokenizer
-    from pdserve.roles.engine_server import EngineServer
+    from pdserve.cluster.actors import build_engine_server
     from pdserve.router.serve import serve
 
     cfg = ServeConfig.from_dict({"cluster": {"prefill": 1, "decode": 1},
                                  "router": {"max_body_bytes": 2000}})
-    engines = [EngineServer(cfg, role, 0) for role in ("prefill", "decode")]
+    engines = [build_engine_server(cfg, role, 0) for role in ("prefill", "decode")]
     r = Router(cfg, load_tokenizer(None, "tiny"), 98,
                [(e.name, e.role.value, e.address) for e in engines])
     try:

@@ -7,7 +7,7 @@ from pdserve.kernels.sampling import SamplingParams
 from pdserve.kernels.tokenizer import PrintableTokenizer
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
-from pdserve.roles.outputs import Outputs
+from pdserve.roles.outputs import OutputItem, Outputs
 
 from engine_fakes import one_round, run_jobs, server
 
@@ -19,7 +19,7 @@ def test_the_output_thread_names_the_submission_it_found_a_stop_string_for():
     try:
         key = object()
         out.open("r", "router", [1, 2], SamplingParams(stop=("b",)), key=key)
-        out.post([("r", [65, 66], [], None, None)])             # 'a', 'b'
+        out.post([OutputItem("r", [65, 66])])                   # 'a', 'b'
         (event,) = q.get(timeout=10)                             # sent after on_stop
     finally:
         out.close()

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from pdserve.transfer import (
-    FaultInjector, FaultRule, Incarnation, KvWrite, LandingTable, LeaseTable, page_runs)
+    FaultInjector, FaultRule, Incarnation, KvWrite, LandingTable, LandingVerdict, LeaseTable,
+    TransferEventKind, page_runs)
 from pdserve.transfer.loopback import LoopbackFabric, LoopbackTransport
 
+DONE, FAILED, LANDED = (
+    TransferEventKind.DONE, TransferEventKind.FAILED, TransferEventKind.LANDED)
 PAGES, PAGE_SHAPE = 32, (2, 2, 4, 2, 8)      # [layers, k/v, page_size, kv_heads, head_dim]
 
 
@@ -76,7 +79,7 @@ def test_a_multi_page_write_lands_bit_exact(backend):
     src, dst = [0, 1, 2, 9, 4, 30], [5, 6, 7, 1, 20, 31]     # runs, scatter, reversal
     pair.write(src, dst)
     p_ev, d_ev = pair.settle()
-    assert [e.kind for e in p_ev] == ["done"] and [e.kind for e in d_ev] == ["landed"]
+    assert [e.kind for e in p_ev] == [DONE] and [e.kind for e in d_ev] == [LANDED]
     assert (d_ev[0].req_id, d_ev[0].epoch, d_ev[0].peer) == ("r1", 1, pair.P.incarnation)
     want = pool()
     for s, d in zip(src, dst):
@@ -94,11 +97,11 @@ def test_nixl_merges_consecutive_pages_into_one_descriptor_each():
     pair = Pair("nixl")
     pair.write([0, 1, 2, 9, 4, 30], [5, 6, 7, 1, 20, 31])
     p_ev, _ = pair.settle()
-    assert [e.kind for e in p_ev] == ["done"]
+    assert [e.kind for e in p_ev] == [DONE]
     assert pair.P.metrics.backend_descriptors == 4
     pair.write([3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7], req="r2")   # one run
     p_ev, _ = pair.settle()
-    assert [e.kind for e in p_ev] == ["done"]
+    assert [e.kind for e in p_ev] == [DONE]
     assert pair.P.metrics.backend_descriptors == 4 + 1
     pair.close()
 
@@ -117,7 +120,7 @@ def test_an_injected_post_failure_reports_why_and_writes_nothing(backend):
     pair = Pair(backend, p_faults=FaultInjector([FaultRule("post", "fail", req_id="r1")]))
     pair.write([0, 1], [0, 1])
     p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
-    assert [(e.kind, e.reason) for e in p_ev] == [("failed", "injected failure at post")]
+    assert [(e.kind, e.reason) for e in p_ev] == [(FAILED, "injected failure at post")]
     assert d_ev == [] and torch.all(pair.D.pool == -1)
     assert pair.P.metrics.failures == 1
     pair.close()
@@ -127,8 +130,8 @@ def test_a_completion_failure_is_reported_even_though_the_data_moved(backend):
     pair = Pair(backend, p_faults=FaultInjector([FaultRule("completion", "fail")]))
     pair.write([0], [0])
     p_ev, d_ev = pair.settle()
-    assert p_ev[0].kind == "failed" and "completion" in p_ev[0].reason
-    assert [e.kind for e in d_ev] == ["landed"]      # D decides what a late landing means
+    assert p_ev[0].kind is FAILED and "completion" in p_ev[0].reason
+    assert [e.kind for e in d_ev] == [LANDED]      # D decides what a late landing means
     pair.close()
 
 
@@ -137,7 +140,7 @@ def test_a_dropped_notification_never_reaches_d(backend):
     pair.write([0], [0])
     p_ev, d_ev = pair.settle(1, 0)                  # the write completed on P ...
     more = pair.settle(0, 1, seconds=0.3)           # ... and D hears nothing of it
-    assert [e.kind for e in p_ev] == ["done"] and d_ev + more[1] == []
+    assert [e.kind for e in p_ev] == [DONE] and d_ev + more[1] == []
     pair.close()
 
 
@@ -153,7 +156,7 @@ def test_a_delayed_notification_arrives_later(backend):
         p_ev += pair.P.poll()
         d_ev += pair.D.poll()
     landed_after = time.monotonic() - t0
-    assert [e.kind for e in d_ev] == ["landed"]
+    assert [e.kind for e in d_ev] == [LANDED]
     assert landed_after >= delay                    # held back, not merely slow to poll
     assert pair.D.faults.fired == [("notification", "delay", "r1")]
     assert torch.equal(pair.D.pool[0], pool()[0])
@@ -179,14 +182,14 @@ def test_a_restarted_peer_receives_nothing_meant_for_its_previous_incarnation(ba
     pair.D.register_pool(pool(-1.0))
     pair.write([0, 1], [0, 1], target=old)                   # P still thinks of decode-0@1
     p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
-    assert [e.kind for e in p_ev] == ["failed"]
+    assert [e.kind for e in p_ev] == [FAILED]
     assert d_ev == [] and torch.all(pair.D.pool == -1)
     # once P learns the new incarnation, writes reach it
     pair.P.add_peer(pair.D.incarnation, pair.D.metadata())
     assert pair.P.peers() == [Incarnation("decode-0", 2)]
     pair.write([4], [4], target=pair.D.incarnation)
     p_ev, d_ev = pair.settle()
-    assert [e.kind for e in d_ev] == ["landed"] and torch.equal(pair.D.pool[4], pool()[4])
+    assert [e.kind for e in d_ev] == [LANDED] and torch.equal(pair.D.pool[4], pool()[4])
     pair.close()
     del old_pool
 
@@ -227,7 +230,7 @@ def test_one_write_moves_pages_of_every_cache_group(backend):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and len(got) < 2:
         got += P.poll() + D.poll()
-    assert sorted(e.kind for e in got) == ["done", "landed"]
+    assert sorted(e.kind.value for e in got) == ["done", "landed"]
     assert torch.equal(full_d[0:2], full_p[3:5]) and torch.all(full_d[2:] == -1)
     assert torch.equal(slide_d[9:12], slide_p[17:20]) and torch.all(slide_d[:9] == -1)
     assert P.metrics.bytes == 2 * full_p[0].nbytes + 3 * slide_p[0].nbytes
@@ -245,9 +248,9 @@ def test_a_fenced_landing_keeps_its_pages_until_the_write_drains():
     assert t.fence("r", e1, now=1.5) is not None
     e2 = t.expect("r", [7, 8], now=1.5)                 # the retry is a new epoch
     assert e2 != e1
-    assert t.on_notification("r", e1) == "drained"      # late write: its pages may go now
-    assert t.on_notification("r", e1) == "stale"        # and it is never read as data
-    assert t.on_notification("r", e2) == "landed"
+    assert t.on_notification("r", e1) is LandingVerdict.DRAINED   # late: its pages may go now
+    assert t.on_notification("r", e1) is LandingVerdict.STALE     # and never read as data
+    assert t.on_notification("r", e2) is LandingVerdict.LANDED
 
 
 def test_a_fence_whose_write_never_drains_is_released_by_the_lease():
@@ -315,24 +318,24 @@ def test_a_large_write_lands_while_the_writer_computes(wake):
     P.add_peer(D.incarnation, D.metadata())
     D.add_peer(P.incarnation, P.metadata())
     P.write(KvWrite("r0", 1, D.incarnation, (0,), (0,)))
-    events = {"done": 0, "landed": 0}
+    events = {DONE: 0, LANDED: 0}
     deadline = time.monotonic() + 10
     while not all(events.values()) and time.monotonic() < deadline:
         for e in P.poll() + D.poll():
             events[e.kind] += 1
-    assert events == {"done": 1, "landed": 1}
+    assert events == {DONE: 1, LANDED: 1}
     P.write(KvWrite("r1", 1, D.incarnation, tuple(range(8)), tuple(range(8))))
     landed = []
     deadline = time.monotonic() + (5 if wake else 1)
     while not landed and time.monotonic() < deadline:
         landed += D.poll()                        # P never polls: its loop is "in a round"
     if wake:
-        assert [e.kind for e in landed] == ["landed"] and torch.equal(D.pool, big)
+        assert [e.kind for e in landed] == [LANDED] and torch.equal(D.pool, big)
     else:
         assert landed == []
         while not landed and time.monotonic() < deadline + 5:
             P.poll()
             landed += D.poll()
-        assert [e.kind for e in landed] == ["landed"] and torch.equal(D.pool, big)
+        assert [e.kind for e in landed] == [LANDED] and torch.equal(D.pool, big)
     P.close()
     D.close()

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from pdserve.transfer import Incarnation, KvWrite
+from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.peer_process import make_pool, spawn
 
@@ -34,10 +34,10 @@ def test_a_scattered_multi_page_write_lands_bit_exact_in_another_process():
         deadline = time.monotonic() + BOUND_S
         while not done and time.monotonic() < deadline:
             done = p.poll()
-        assert [(e.kind, e.req_id) for e in done] == [("done", "req-7")]
+        assert [(e.kind, e.req_id) for e in done] == [(TransferEventKind.DONE, "req-7")]
         conn.send(("wait", 1, BOUND_S))
         events = recv(conn, BOUND_S + 5)
-        assert events == [("landed", "req-7", 3, "prefill-0@1")]
+        assert events == [(TransferEventKind.LANDED, "req-7", 3, "prefill-0@1")]
         conn.send(("read", dst))
         got = recv(conn)
         assert torch.equal(got, src_pool[list(src)])

@@ -46,7 +46,7 @@ def _tokens(tok, n: int) -> list[int]:
 def _loop_now(tok, ids) -> float:
     """CPU seconds per token on the loop thread: on_token, then one handoff."""
     from pdserve.kernels.sampling import SamplingParams
-    from pdserve.roles.outputs import Outputs
+    from pdserve.roles.outputs import OutputItem, Outputs
     from pdserve.roles.torch_executor import TorchExecutor
 
     ex = TorchExecutor.__new__(TorchExecutor)         # the per-token state only, no model
@@ -62,7 +62,7 @@ def _loop_now(tok, ids) -> float:
     for t in ids:
         ex.on_token(req, t)
         req.output.append(t)
-        item = ("r", req.output[sent:], (), None, None)
+        item = OutputItem("r", req.output[sent:])
         sent = len(req.output)
         out.post([item])
     took = time.thread_time() - t0
@@ -73,7 +73,7 @@ def _loop_now(tok, ids) -> float:
 def _outputs_now(tok, ids) -> float:
     """Seconds per token in the output thread: text, stop strings, message."""
     from pdserve.kernels.sampling import SamplingParams
-    from pdserve.roles.outputs import Outputs
+    from pdserve.roles.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)
     out.close()                                      # drive it here, in this thread
@@ -82,7 +82,7 @@ def _outputs_now(tok, ids) -> float:
     out._batch(out._in.get_nowait())                 # the open, as open() queued it
     t0 = time.perf_counter()
     for t in ids:
-        out._batch([("r", [t], (), None, None)])
+        out._batch([OutputItem("r", [t])])
     took = time.perf_counter() - t0
     while not q.empty():
         q.get_nowait()

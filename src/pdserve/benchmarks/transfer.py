@@ -29,6 +29,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pdserve.transfer.transport import TransferEventKind
+
 POOLS = {
     "tiny": dict(shape=(2, 2, 16, 2, 16), dtype="float32", pages=4096, sizes=(1, 16, 256, 1024)),
     "llama-3-8b": dict(shape=(32, 2, 16, 8, 128), dtype="bfloat16", pages=384,
@@ -92,7 +94,7 @@ def time_handoff(p, w) -> float | None:
         for ev in p.poll():
             if ev.req_id == w.req_id:      # not a late event of an earlier, timed-out write
                 took = time.perf_counter() - t0
-                return took if ev.kind == "done" else None
+                return took if ev.kind is TransferEventKind.DONE else None
     return None
 
 

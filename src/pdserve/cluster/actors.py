@@ -1,5 +1,9 @@
 """Engines as Ray actors: `ray.remote` is applied here and nowhere else.
 
+`build_engine_server` wires an engine from a deployment's config (the model,
+its executor and planner, the KV transport and its fault rules); the engine
+itself (roles/) never reads the config.
+
 Each engine is named `pdserve:<role>-<index>` in namespace `pdserve` and is
 restarted by Ray when its process dies (a restart is a new incarnation; the
 router notices and introduces it to its peers again).
@@ -7,15 +11,59 @@ router notices and introduces it to its peers again).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import ray
 
 from pdserve.cluster.autoscaler import Autoscaler
-from pdserve.config import ServeConfig
+from pdserve.config import ServeConfig, engine_for_model
+from pdserve.kernels.loader import load_model
 from pdserve.roles.engine_server import EngineServer
+from pdserve.roles.outputs import Outputs
+from pdserve.roles.peer_protocol import PeerTimeouts
+from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.scheduler.capacity import capacity_line, capacity_report
+from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.planner import Planner
+from pdserve.transfer import FaultInjector, Incarnation
 
 NAMESPACE = "pdserve"
+log = logging.getLogger("pdserve.engine")
+
+
+def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "127.0.0.1",
+                        device: str = "cpu", transfer_timeout_s: float = PeerTimeouts.transfer_s,
+                        lease_s: float = PeerTimeouts.lease_s,
+                        heartbeat_s: float = PeerTimeouts.heartbeat_s,
+                        faults: list[dict] | None = None, fault_seed: int = 0,
+                        serve: bool = True) -> EngineServer:
+    """Engine `<role>-<index>` of `cfg`: its model loaded on `device`, and
+    (P and D) a NIXL transport with `faults` (transfer/faults.py). With
+    `serve`, started: its gRPC port open on `host` and its loop running."""
+    kind, name, incarnation = Role(role), f"{role}-{index}", time.time_ns()
+    model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
+                            device=device, attention=cfg.model.attention)
+    engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
+    executor = TorchExecutor(model, tok, engine_cfg, detokenize=False)
+    planner = Planner(engine_cfg, kind, groups=executor.groups)
+    capacity = capacity_report(engine_cfg, planner.groups, executor.group_bytes())
+    log.info("%s: %s", name, capacity_line(capacity))
+    transport = None
+    if kind is not Role.FUSED:
+        from pdserve.transfer.nixl_transport import NixlTransport
+
+        transport = NixlTransport(Incarnation(name, incarnation),
+                                  FaultInjector.from_config(faults or [], fault_seed))
+        transport.register_pools(executor.transfer_pools())
+    server = EngineServer(kind, name, planner, executor,
+                          lambda on_stop: Outputs(tok, on_stop, name), transport,
+                          incarnation=incarnation, capacity=capacity,
+                          timeouts=PeerTimeouts(transfer_timeout_s, lease_s, heartbeat_s))
+    if serve:
+        server.start(host)
+    return server
 
 
 class EngineHost:
@@ -24,7 +72,7 @@ class EngineHost:
     def __init__(self, cfg: ServeConfig, role: str, index: int, device: str, options: dict,
                  host: str | None):
         host = host or ray.util.get_node_ip_address()
-        self.server = EngineServer(cfg, role, index, host=host, device=device, **options)
+        self.server = build_engine_server(cfg, role, index, host=host, device=device, **options)
         self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:

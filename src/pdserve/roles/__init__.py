@@ -3,7 +3,10 @@
 `Engine(planner, executor)` builds a plan, has the executor carry it out
 (`SimExecutor` advances a virtual clock with a cost model; a torch executor
 runs the real model) and applies the result back to the planner.
-`EngineServer` serves it over gRPC: its loop thread owns the planner, the
-P/D peer protocol (`peer_protocol.py`) moves KV between engines, and a
-drain (`drain.py`) retires an engine without losing a request.
+`EngineServer` serves it over gRPC, built from those parts (the wiring
+from a deployment's config is cluster/actors.py's): its loop thread
+(`loop.py`) owns the planner, the output thread (`outputs.py`) turns tokens
+into each router's events, the P/D peer protocol (`peer_protocol.py`, its
+messages in `peer_messages.py`) moves KV between engines, and a drain
+(`drain.py`) retires an engine without losing a request.
 """

@@ -7,8 +7,9 @@ locally. It finishes what it holds (P: its prefills, their transfers and
 D's acks; D and fused: their streams) and, on the first idle round with
 nothing live, stops: the inbox is closed to new work, so an engine with
 nothing running has nothing left to do. At the deadline whatever is still
-live is aborted with `DEADLINE_ABORT`, so every request either finishes or
-ends with an error its client sees.
+live is aborted with `DEADLINE_ABORT` (error kind DEADLINE on the wire: the
+router answers UNAVAILABLE, which clients retry), so every request either
+finishes or ends with an error its client sees.
 
     serving --begin(deadline)--> draining --idle, nothing live--> stopped
                                     | deadline passed: abort what is left

@@ -9,16 +9,19 @@ string ends a request here: its last event goes out at once and the loop is
 asked to let the request go (`on_stop`); tokens the engine produced for it
 meanwhile are dropped.
 
-    loop thread:    open(req) ... post([(id, tokens, logprobs, final, error), ...])
+    loop thread:    open(req) ... post([OutputItem | StreamError, ...])
     output thread:  text, stop strings -> subscriber queues
     gRPC threads:   Subscribe streams drain their subscriber's queue
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.sampling import SamplingParams
@@ -39,6 +42,43 @@ def _at_interpreter_exit(fn) -> None:
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         register(fn)
+
+
+class ErrorKind(enum.Enum):
+    """Why a request ended with an error; its router tells its client by
+    this, not by the text (values: the wire's control.proto ErrorKind)."""
+    ABORTED = pb.ERROR_KIND_ABORTED      # a client or router let it go
+    DEADLINE = pb.ERROR_KIND_DEADLINE    # the engine's drain deadline passed
+    FAILED = pb.ERROR_KIND_FAILED        # the engine failed it (a round's forward raised)
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    """Loop thread -> output thread: a request's text starts."""
+    req_id: str
+    subscriber: str
+    context: Sequence[int]      # prompt tokens before `prior`: how the first token's text reads
+    sp: SamplingParams
+    key: object                 # which submission of the id; comes back with a stop string
+    prior: Sequence[int]        # a resubmission's tokens that were output already
+    chars: int                  # how many characters of their text the client has
+
+
+@dataclass(frozen=True)
+class OutputItem:
+    """A round's new tokens of one request."""
+    req_id: str
+    tokens: Sequence[int]
+    logprobs: Sequence = ()     # one Logprob per token, if asked for
+    final: str | None = None    # "length" | "stop" (a stop token: no text of its own) | None
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """A request ended with an error; its last event."""
+    req_id: str
+    error: str                  # for people
+    kind: ErrorKind
 
 
 class _Live:
@@ -79,13 +119,11 @@ class Outputs:
         still to come)."""
         tokens, chars = prior
         cut = len(prompt) - tokens
-        self._in.put([("open", req_id, subscriber, prompt[max(cut - 8, 0):cut],
-                       sp or SamplingParams(), key, prompt[cut:], chars)])
+        self._in.put([OpenStream(req_id, subscriber, prompt[max(cut - 8, 0):cut],
+                                 sp or SamplingParams(), key, prompt[cut:], chars)])
 
-    def post(self, items: list) -> None:
-        """A round's results: (req id, new token ids, logprobs, final, error),
-        `final` "length" | "stop" (a stop token: its text is not part of the
-        answer) | None, `error` a message | None."""
+    def post(self, items: list[OutputItem | StreamError]) -> None:
+        """A round's results, one queue put."""
         if items:
             self._in.put(items)
 
@@ -139,16 +177,10 @@ class Outputs:
     def _batch(self, batch: list) -> None:
         out: dict[str, list] = {}
         for item in batch:
-            if item[0] == "open":
-                _, rid, sub, tail, sp, key, prior, chars = item
-                detok = Detokenizer(self.tok, tail, sp.stop, sp.include_stop_str_in_output,
-                                    sp.skip_special_tokens)
-                for t in prior:               # checked for stop strings where they were made
-                    detok.push(t, check_stop=False)
-                detok.skip(chars)
-                self._live[rid] = _Live(sub, detok, sp.min_tokens, key)
+            if isinstance(item, OpenStream):
+                self._open(item)
                 continue
-            ev = self._event(*item)
+            ev = self._error(item) if isinstance(item, StreamError) else self._event(item)
             if ev is not None:
                 out.setdefault(ev[0], []).append(ev[1])
         if not out:
@@ -159,13 +191,27 @@ class Outputs:
             if q is not None:
                 q.put(evs)
 
-    def _event(self, rid, tokens, logprobs, final, error):
+    def _open(self, o: OpenStream) -> None:
+        sp = o.sp
+        detok = Detokenizer(self.tok, o.context, sp.stop, sp.include_stop_str_in_output,
+                            sp.skip_special_tokens)
+        for t in o.prior:                   # checked for stop strings where they were made
+            detok.push(t, check_stop=False)
+        detok.skip(o.chars)
+        self._live[o.req_id] = _Live(o.subscriber, detok, sp.min_tokens, o.key)
+
+    def _error(self, e: StreamError):
+        st = self._live.pop(e.req_id, None)
+        if st is None:
+            return None                     # ended already (a stop string, an abort)
+        return st.subscriber, pb.RequestEvent(request_id=e.req_id, error=e.error,
+                                              error_kind=e.kind.value)
+
+    def _event(self, item: OutputItem):
+        rid, tokens, logprobs, final = item.req_id, item.tokens, item.logprobs, item.final
         st = self._live.get(rid)
         if st is None:
             return None                     # ended already (a stop string, an abort)
-        if error:
-            del self._live[rid]
-            return st.subscriber, pb.RequestEvent(request_id=rid, error=error)
         d = st.detok
         stopped = False
         for i, t in enumerate(tokens):

@@ -3,25 +3,28 @@
     D                                        P
     ask_prefill: expect a landing  --RemotePrefill-->  remote_prefill: a twin, a lease
                                                         ... prefill chunks ...
-    on_transfer_event("landed") <--NIXL write + notif-- ship
+    on_transfer_event(LANDED)  <--NIXL write + notif-- ship
     ack                            --TransferAck----->  transfer_ack: release the pins
     heartbeats while waiting       --LeaseHeartbeat-->  renew the leases
-    recover locally              <--TransferFailed---  the write failed ("failed")
+    recover locally              <--TransferFailed---  the write failed (FAILED)
 
 Safety: D never reuses landing pages a write might still reach (a timeout,
 an abort or an unreachable P fences them until the lease bounding P's pin
 runs out); P never pins pages past its lease. A RemotePrefill that P refuses
 (it drains) or that cannot reach P is recovered at once by a local prefill
-on D. Messages go out on a small thread pool, never blocking the loop.
+on D. Messages go out on a small thread pool (peer_messages.py), never
+blocking the loop.
+
+The protocol is given the parts of the engine it works on (its planner,
+executor, counters and drain), not the engine server itself.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
-import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -30,38 +33,56 @@ from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto.sampling import from_options, to_options
+from pdserve.roles.drain import Drain
+from pdserve.roles.engine_stats import EngineCounters
 from pdserve.roles.outputs import logprob_pb
+from pdserve.roles.peer_messages import Peer, PeerRpc, PeerSender
 from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.planner import RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer import Incarnation, KvWrite, LandingTable, LeaseTable
+from pdserve.transfer import (
+    Incarnation, KvWrite, LandingTable, LandingVerdict, LeaseTable, TransferEventKind)
 
 log = logging.getLogger("pdserve.engine")
 
 
-@dataclasses.dataclass
-class Peer:
-    name: str
-    incarnation: int
-    address: str
-    stub: object
+@dataclasses.dataclass(frozen=True)
+class PeerTimeouts:
+    transfer_s: float = 30.0    # D: how long a landing waits for P's write
+    lease_s: float = 10.0       # P: how long it pins a twin's pages without a word from D
+    heartbeat_s: float = 2.0    # D: how often it renews the leases of what it waits on
 
 
 class PeerProtocol:
-    def __init__(self, server, transport, transfer_timeout_s: float, lease_s: float,
-                 heartbeat_s: float):
-        """`server`: the EngineServer (its planner, executor, counters and
-        outputs); `transport`: its KvTransport (None on a fused engine)."""
-        self.s = server
+    def __init__(self, me: Incarnation, role: Role, planner: Planner, executor,
+                 counts: EngineCounters, drain: Drain, transport, sender: PeerSender,
+                 timeouts: PeerTimeouts, post_job: Callable, delivered: Callable):
+        """`transport`: the engine's KvTransport (None on a fused engine);
+        `post_job(fn)` runs fn on the loop thread (from an RPC's thread);
+        `delivered(req, finished)` hands a landed request's first token to
+        its stream (`finished`: the requests that ended with it)."""
+        self.me = me
+        self.role = role
+        self.planner = planner
+        self.executor = executor
+        self.counts = counts
+        self.drain = drain
         self.transport = transport
-        self.landing = LandingTable(transfer_timeout_s, lease_s)     # D
-        self.leases = LeaseTable(lease_s)                             # P
-        self.heartbeat_s = heartbeat_s
+        self.sender = sender
+        self.post_job = post_job
+        self.delivered = delivered
+        self.landing = LandingTable(timeouts.transfer_s, timeouts.lease_s)   # D
+        self.leases = LeaseTable(timeouts.lease_s)                            # P
+        self.heartbeat_s = timeouts.heartbeat_s
         self.peers: dict[str, Peer] = {}
         self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
         self.epochs: dict[str, int] = {}        # D: req -> landing epoch
         self._last_heartbeat = 0.0
-        self._pool = cf.ThreadPoolExecutor(8, thread_name_prefix=f"{server.name}-rpc")
+
+    @property
+    def name(self) -> str:
+        return self.me.engine_id
 
     def idle(self) -> bool:
         """No lease held for a peer and no write owed to one."""
@@ -70,7 +91,7 @@ class PeerProtocol:
     def close(self, wait: bool = False) -> None:
         """Stop sending; with `wait`, messages already queued go out first
         (each bounded by its RPC timeout)."""
-        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.sender.close(wait=wait)
         if self.transport is not None:
             self.transport.close()
 
@@ -85,39 +106,22 @@ class PeerProtocol:
         if self.transport is not None and r.nixl_metadata:
             self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
 
-    def send(self, peer_name: str, method: str, request, on_error=None) -> None:
+    def send(self, peer_name: str, rpc: PeerRpc, request, on_error=None) -> None:
         """Fire a control message to a peer off the loop thread; a failed
         call's status code goes to `on_error` (on the sending thread). An
         "ack" fault rule can drop or delay a TransferAck (chaos tests)."""
         peer = self.peers.get(peer_name)
         if peer is None:
-            log.warning("%s: no peer %s for %s", self.s.name, peer_name, method)
+            log.warning("%s: no peer %s for %s", self.name, peer_name, rpc.value)
             return
         delay = 0.0
-        if method == "TransferAck" and self.transport is not None:
+        if rpc is PeerRpc.TRANSFER_ACK and self.transport is not None:
             rule = self.transport.faults.match("ack", request.request_id)
             if rule is not None and rule.action in ("drop", "fail"):
                 return
             if rule is not None and rule.action == "delay":
                 delay = rule.delay_s
-
-        def go():
-            try:
-                getattr(peer.stub, method)(request, timeout=10)
-            except grpc.RpcError as e:
-                log.warning("%s -> %s %s failed: %s", self.s.name, peer_name, method, e.code())
-                if on_error is not None:
-                    on_error(e.code())
-
-        def submit():
-            try:
-                self._pool.submit(go)
-            except RuntimeError:            # the engine stopped meanwhile: nothing to send
-                pass
-        if delay:
-            threading.Timer(delay, submit).start()
-        else:
-            submit()
+        self.sender.send(peer, rpc, request, on_error, delay)
 
     # ---- D: asking P, and what comes back --------------------------------------
     def ask_prefill(self, op) -> None:
@@ -126,18 +130,18 @@ class PeerProtocol:
             self.recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
             return
         # every group's pages (a state slot as its two rows), one list
-        landing = self.transport.page_ids(self.s.executor.transfer_lists(op.landing))
+        landing = self.transport.page_ids(self.executor.transfer_lists(op.landing))
         epoch = self.landing.expect(req.id, landing, time.monotonic())
         self.epochs[req.id] = epoch
-        sp, prior = self.s.executor.params(req.id), self.s.executor.prior_output(req.id)
+        sp, prior = self.executor.params(req.id), self.executor.prior_output(req.id)
         peer = req.peer
 
         def failed(code) -> None:                          # the RPC's thread
-            self.s.post_job(lambda: self._prefill_not_taken(req.id, epoch, peer, code))
-        self.send(req.peer, "RemotePrefill", pb.RemotePrefillRequest(
+            self.post_job(lambda: self._prefill_not_taken(req.id, epoch, peer, code))
+        self.send(req.peer, PeerRpc.REMOTE_PREFILL, pb.RemotePrefillRequest(
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
-            landing_pages=landing, epoch=epoch, target_engine=self.s.name,
-            target_incarnation=self.s.incarnation, sampling=to_options(sp, max_tokens=1),
+            landing_pages=landing, epoch=epoch, target_engine=self.name,
+            target_incarnation=self.me.epoch, sampling=to_options(sp, max_tokens=1),
             prior_output=prior), on_error=failed)
 
     def _prefill_not_taken(self, req_id: str, epoch: int, peer: str, code) -> None:
@@ -160,19 +164,19 @@ class PeerProtocol:
 
     def _ack(self, req_id: str, epoch: int, release_only: bool = False):
         return pb.TransferAckRequest(request_id=req_id, release_only=release_only,
-                                     engine=self.s.name, epoch=epoch)
+                                     engine=self.name, epoch=epoch)
 
     def recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool,
                         stage: str) -> None:
-        if req_id not in self.s.planner.landing:
+        if req_id not in self.planner.landing:
             return
         key = None
         if fence:
-            self.s.counts.fences += self.landing.fence(req_id, epoch, time.monotonic()) is not None
+            self.counts.fences += self.landing.fence(req_id, epoch, time.monotonic()) is not None
             key = (req_id, epoch)
         self.epochs.pop(req_id, None)
-        self.s.counts.transfer_failed(stage)
-        self.s.planner.transfer_failed(req_id, reason, fence_key=key)
+        self.counts.transfer_failed(stage)
+        self.planner.transfer_failed(req_id, reason, fence_key=key)
 
     def abort_landing(self, req, reason: str) -> None:
         """D aborts a request whose landing is outstanding: a posted write
@@ -180,88 +184,84 @@ class PeerProtocol:
         epoch = self.epochs.pop(req.id, None)
         fenced = epoch is not None and \
             self.landing.fence(req.id, epoch, time.monotonic()) is not None
-        self.s.counts.fences += fenced
-        self.s.planner.transfer_failed(req.id, reason,
-                                       fence_key=(req.id, epoch) if fenced else None)
-        self.send(req.peer, "TransferAck", self._ack(req.id, epoch or 0, release_only=True))
+        self.counts.fences += fenced
+        self.planner.transfer_failed(req.id, reason,
+                                     fence_key=(req.id, epoch) if fenced else None)
+        self.send(req.peer, PeerRpc.TRANSFER_ACK,
+                  self._ack(req.id, epoch or 0, release_only=True))
 
     def on_transfer_event(self, ev) -> None:
-        s = self.s
-        if ev.kind == "landed":
+        if ev.kind is TransferEventKind.LANDED:
             verdict = self.landing.on_notification(ev.req_id, ev.epoch)
-            if verdict == "drained":
-                s.planner.release_fence((ev.req_id, ev.epoch))
-            elif verdict == "landed" and ev.req_id in s.planner.landing:
+            if verdict is LandingVerdict.DRAINED:
+                self.planner.release_fence((ev.req_id, ev.epoch))
+            elif verdict is LandingVerdict.LANDED and ev.req_id in self.planner.landing:
                 self.epochs.pop(ev.req_id, None)
-                s.counts.transfers += 1
-                req = s.planner.requests[ev.req_id]
+                self.counts.transfers += 1
+                req = self.planner.requests[ev.req_id]
                 lp = None
                 if ev.payload:
                     m = rpb.TokenLogprob.FromString(ev.payload)
                     lp = Logprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob)
                                                               for t in m.top))
-                stopped = s.executor.on_token(req, ev.first_token, lp)
-                finished = s.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
-                s.outputs.post([s.output_item(req, bool(finished))])
-                for r in finished:
-                    s.request_finished(r)
-                self.send(req.peer, "TransferAck", self._ack(ev.req_id, ev.epoch))
-        elif ev.kind == "done":                    # P: our write completed
-            s.counts.transfer_seconds.observe(ev.seconds)
-        elif ev.kind == "failed":                  # P: our write will not land
+                stopped = self.executor.on_token(req, ev.first_token, lp)
+                finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
+                self.delivered(req, finished)
+                self.send(req.peer, PeerRpc.TRANSFER_ACK, self._ack(ev.req_id, ev.epoch))
+        elif ev.kind is TransferEventKind.DONE:         # P: our write completed
+            self.counts.transfer_seconds.observe(ev.seconds)
+        elif ev.kind is TransferEventKind.FAILED:       # P: our write will not land
             info = self.remote.get(ev.req_id)
-            s.counts.transfer_failed("write")
+            self.counts.transfer_failed("write")
             if info is not None:
-                self.send(info[0], "TransferFailed", pb.TransferFailedRequest(
+                self.send(info[0], PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
                     request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
 
     def timers(self, now: float) -> None:
-        s = self.s
-        if s.role is Role.DECODE:
+        if self.role is Role.DECODE:
             for ld in self.landing.timed_out(now):
-                req = s.planner.requests.get(ld.req_id)
+                req = self.planner.requests.get(ld.req_id)
                 self.recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True,
                                      stage="timeout")
                 if req is not None and req.peer:
-                    self.send(req.peer, "TransferAck",
+                    self.send(req.peer, PeerRpc.TRANSFER_ACK,
                               self._ack(ld.req_id, ld.epoch, release_only=True))
             for ld in self.landing.expired_fences(now):
-                s.planner.release_fence((ld.req_id, ld.epoch))
+                self.planner.release_fence((ld.req_id, ld.epoch))
             if now - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = now
                 by_peer: dict[str, list] = {}
-                for req in s.planner.landing.values():
+                for req in self.planner.landing.values():
                     by_peer.setdefault(req.peer, []).append(req.id)
                 for peer, ids in by_peer.items():
-                    self.send(peer, "LeaseHeartbeat", pb.HeartbeatRequest(
-                        engine=s.name, incarnation=s.incarnation, request_ids=ids))
-        elif s.role is Role.PREFILL:
+                    self.send(peer, PeerRpc.LEASE_HEARTBEAT, pb.HeartbeatRequest(
+                        engine=self.name, incarnation=self.me.epoch, request_ids=ids))
+        elif self.role is Role.PREFILL:
             for rid in self.leases.expired(now):
                 self.transport.cancel(rid)
-                if rid in s.planner.requests:
-                    s.counts.lease_expiries += 1
-                    s.planner.abort(rid, "lease expired")
+                if rid in self.planner.requests:
+                    self.counts.lease_expiries += 1
+                    self.planner.abort(rid, "lease expired")
                     self.remote.pop(rid, None)
-                    s.executor.forget(rid)
+                    self.executor.forget(rid)
 
     def transfer_failed_from_peer(self, r: pb.TransferFailedRequest) -> None:
         # the write failed on P's side and will not land: no fence needed
         if self.epochs.get(r.request_id) == r.epoch and self.landing.forget(r.request_id, r.epoch):
-            req = self.s.planner.requests.get(r.request_id)
+            req = self.planner.requests.get(r.request_id)
             self.recover_locally(r.request_id, r.epoch, r.reason, fence=False,
                                  stage="reported_by_prefill")
             if req is not None:
-                self.send(req.peer, "TransferAck",
+                self.send(req.peer, PeerRpc.TRANSFER_ACK,
                           self._ack(r.request_id, r.epoch, release_only=True))
 
     # ---- P: prefilling for D, shipping, acks ------------------------------------
     def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
-        s = self.s
-        s.drain.refuse("prefill")
-        if r.request_id in s.planner.requests:
-            raise RejectedRequest(f"request id {r.request_id!r} is live on {s.name}")
+        self.drain.refuse("prefill")
+        if r.request_id in self.planner.requests:
+            raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}")
         if r.target_engine not in self.peers:
-            raise RejectedRequest(f"{s.name} does not know decode engine {r.target_engine!r}")
+            raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
         twin.first_page = r.first_page
         try:            # the first token only: EOS and stop ids masked as on D
@@ -272,48 +272,46 @@ class PeerProtocol:
         if r.prior_output > len(r.token_ids):
             raise RejectedRequest(f"prior_output={r.prior_output} exceeds the request's "
                                   f"{len(r.token_ids)} tokens")
-        s.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF,
+        self.executor.register(twin.id, sp, fallback_seed=hash(twin.id) & 0xFFFFFFF,
                             prior_output=r.prior_output)
-        s.planner.submit(twin)
+        self.planner.submit(twin)
         self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
                                 r.epoch)
         self.leases.grant(twin.id, r.target_engine, time.monotonic())
 
     def ship(self, op) -> None:
-        s = self.s
         info = self.remote.get(op.req.id)
         if info is None:
             return
         d_name, d_inc, pages, epoch = info
         if not self.leases.holds(op.req.id, time.monotonic()):
             return                  # the lease ran out: the timers release it, nothing is posted
-        t = s.executor.tracked.get(op.req.id)
+        t = self.executor.tracked.get(op.req.id)
         payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
-        src = self.transport.page_ids(s.executor.transfer_lists(op.src))
+        src = self.transport.page_ids(self.executor.transfer_lists(op.src))
         if len(src) != len(pages):
             # the two engines group the model's layers differently: nothing sensible to write
-            self.send(d_name, "TransferFailed", pb.TransferFailedRequest(
+            self.send(d_name, PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
                 request_id=op.req.id, epoch=epoch,
-                reason=f"{s.name} ships {len(src)} pages where the landing has {len(pages)}: "
+                reason=f"{self.name} ships {len(src)} pages where the landing has {len(pages)}: "
                        "run the same model and engine.page_size on both roles"))
             return
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
                                      src, pages, op.first_token, payload))
-        s.counts.transfers += 1
-        s.counts.transfer_bytes += self.transport.bytes_of(src)
+        self.counts.transfers += 1
+        self.counts.transfer_bytes += self.transport.bytes_of(src)
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
-        s = self.s
         info = self.remote.get(r.request_id)
         if r.engine and info is not None and \
                 (info[0] != r.engine or (r.epoch and info[3] != r.epoch)):
             return          # for an earlier attempt at this id, from another D or landing
         self.transport.cancel(r.request_id)
-        if r.request_id in s.planner.requests:
-            s.planner.peer_ack(r.request_id)
+        if r.request_id in self.planner.requests:
+            self.planner.peer_ack(r.request_id)
         self.leases.release(r.request_id)
         self.remote.pop(r.request_id, None)
-        s.executor.forget(r.request_id)
+        self.executor.forget(r.request_id)
 
     def release_twin(self, req_id: str) -> None:
         """P aborts a twin: its lease and any write still held back go."""
@@ -326,6 +324,6 @@ class PeerProtocol:
         told the write will not come, so it prefills locally at once. A twin
         already shipped is not reported: its write may still land."""
         info = self.remote.get(req_id)
-        if info is not None and req_id not in self.s.planner.transferring:
-            self.send(info[0], "TransferFailed", pb.TransferFailedRequest(
-                request_id=req_id, epoch=info[3], reason=f"{self.s.name}: {reason}"))
+        if info is not None and req_id not in self.planner.transferring:
+            self.send(info[0], PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
+                request_id=req_id, epoch=info[3], reason=f"{self.name}: {reason}"))

@@ -25,7 +25,6 @@ from pdserve.kernels.sampling import SamplingParams
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto.sampling import to_options
-from pdserve.roles.drain import DEADLINE_ABORT
 
 if TYPE_CHECKING:
     from pdserve.router.router import Router
@@ -149,7 +148,7 @@ class Stream:
                     raise _EngineLost(f"{target.name} failed mid-stream")
                 if ev.error:
                     ended = True
-                    raise RequestError(_error_kind(ev.error), ev.error)
+                    raise RequestError(_error_kind(ev), ev.error)
                 d = _delta(ev, target.name)
                 while not d.finish_reason and backlog and _plain(backlog[0]):
                     d = _joined(d, _delta(backlog.popleft(), target.name))
@@ -234,13 +233,13 @@ class Stream:
         return _EngineLost(f"{target.name} did not take the request: {code.name}")
 
 
-def _error_kind(error: str) -> str:
+def _error_kind(ev: cpb.RequestEvent) -> ErrorKind:
     """How a front reports an engine's error event: a drain's deadline is
     the server going away (503 / UNAVAILABLE: clients retry it), not a
     client's abort (499 / ABORTED, which none retries)."""
-    if DEADLINE_ABORT in error:
-        return "unavailable"
-    return "aborted" if error.startswith("aborted") else "internal"
+    if ev.error_kind == cpb.ERROR_KIND_DEADLINE:
+        return ErrorKind.UNAVAILABLE
+    return ErrorKind.ABORTED if ev.error_kind == cpb.ERROR_KIND_ABORTED else ErrorKind.INTERNAL
 
 
 def _plain(ev) -> bool:

@@ -12,10 +12,12 @@ and `LoopbackTransport` (in-process, for unit tests) implement it.
 """
 
 from pdserve.transfer.faults import FaultInjector, FaultRule
-from pdserve.transfer.landing import LandingTable
+from pdserve.transfer.landing import LandingTable, LandingVerdict
 from pdserve.transfer.lease import LeaseTable
 from pdserve.transfer.transport import (
-    Incarnation, KvTransport, KvWrite, TransferEvent, TransferMetrics, page_runs)
+    Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind, TransferMetrics,
+    page_runs)
 
 __all__ = ["FaultInjector", "FaultRule", "Incarnation", "KvTransport", "KvWrite",
-           "LandingTable", "LeaseTable", "TransferEvent", "TransferMetrics", "page_runs"]
+           "LandingTable", "LandingVerdict", "LeaseTable", "TransferEvent", "TransferEventKind",
+           "TransferMetrics", "page_runs"]

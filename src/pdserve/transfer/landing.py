@@ -13,7 +13,15 @@ mistaken for the old one.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class LandingVerdict(enum.Enum):
+    """What D makes of a write's notification (`LandingTable.on_notification`)."""
+    LANDED = "landed"       # expected: deliver the KV and the first token
+    DRAINED = "drained"     # a fenced write finished: its pages may go now
+    STALE = "stale"         # nothing expects it (an ended epoch): drop it
 
 
 @dataclass
@@ -43,14 +51,13 @@ class LandingTable:
                                                       now + self.timeout_s)
         return self._epoch
 
-    def on_notification(self, req_id: str, epoch: int) -> str:
-        """'landed': deliver it; 'drained': a fenced write finished, its
-        pages may go; 'stale': nothing expects it (drop)."""
+    def on_notification(self, req_id: str, epoch: int) -> LandingVerdict:
+        """The landing `epoch` of `req_id` heard from its write."""
         ld = self._by_key.get((req_id, epoch))
         if ld is None:
-            return "stale"
+            return LandingVerdict.STALE
         del self._by_key[(req_id, epoch)]
-        return "drained" if ld.fenced else "landed"
+        return LandingVerdict.DRAINED if ld.fenced else LandingVerdict.LANDED
 
     def fence(self, req_id: str, epoch: int, now: float) -> Landing | None:
         """Stop expecting this landing; keep its pages until the write

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.transfer.transport import Incarnation, KvTransport, KvWrite, TransferEvent
+from pdserve.transfer.transport import (
+    Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind)
 
 
 class LoopbackFabric:
@@ -49,7 +50,7 @@ class LoopbackTransport(KvTransport):
         known = self._peers.get(w.target.engine_id)
         live = self.fabric.endpoints.get(w.target.engine_id)
         if known != w.target or live is None or live.incarnation != w.target:
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target,
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
                                      f"{w.target.agent_name} is not a live peer"))
             return
         t0 = time.perf_counter()
@@ -61,9 +62,11 @@ class LoopbackTransport(KvTransport):
             live.pools[gd][pd] = self.pools[gs][ps]
         took = time.perf_counter() - t0
         self.metrics.seconds += took
-        self._events.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))
-        live._events.append(TransferEvent("landed", w.req_id, w.epoch, self.incarnation,
-                                          first_token=w.first_token, payload=w.payload))
+        self._events.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target,
+                                          seconds=took))
+        live._events.append(TransferEvent(TransferEventKind.LANDED, w.req_id, w.epoch,
+                                          self.incarnation, first_token=w.first_token,
+                                          payload=w.payload))
 
     def _poll_backend(self) -> list[TransferEvent]:
         out, self._events = self._events, []

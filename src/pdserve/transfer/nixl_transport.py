@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from pdserve.transfer.transport import (
-    Incarnation, KvTransport, KvWrite, TransferEvent, decode_notif, encode_notif)
+    Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind, decode_notif,
+    encode_notif)
 
 
 PROGRESS_WAKE_US = 10_000     # the progress thread's longest sleep between UCX events
@@ -129,7 +130,7 @@ class NixlTransport(KvTransport):
     def _post(self, w: KvWrite) -> None:
         entry = self._peers.get(w.target.engine_id)
         if entry is None or entry[0] != w.target:
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target,
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
                                      f"{w.target.agent_name} is not a known peer incarnation"))
             return
         try:
@@ -139,17 +140,20 @@ class NixlTransport(KvTransport):
                 np.asarray(w.dst_pages, dtype=np.int64), encode_notif(w))
             self.metrics.setup_seconds += time.perf_counter() - t0
         except Exception as e:            # the binding raises on a dead peer
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, f"post: {e}"))
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                     f"post: {e}"))
             return
         try:
             state = self.agent.transfer(handle)
         except Exception as e:
             self._release(handle)
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, f"post: {e}"))
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                     f"post: {e}"))
             return
         if state == "ERR":
             self._release(handle)
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target, "post: ERR"))
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                     "post: ERR"))
             return
         self._inflight[handle] = (w, time.perf_counter())
 
@@ -172,9 +176,11 @@ class NixlTransport(KvTransport):
                 self.metrics.backend_descriptors += tm.descCount
             self._release(handle)
             if state == "DONE":
-                out.append(TransferEvent("done", w.req_id, w.epoch, w.target, seconds=took))
+                out.append(TransferEvent(TransferEventKind.DONE, w.req_id, w.epoch, w.target,
+                                         seconds=took))
             else:
-                out.append(TransferEvent("failed", w.req_id, w.epoch, w.target, err))
+                out.append(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                         err))
         for agent_name, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
                 parsed = decode_notif(msg)
@@ -182,8 +188,9 @@ class NixlTransport(KvTransport):
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
                 req_id, epoch, _, token, payload = parsed
-                out.append(TransferEvent("landed", req_id, epoch, Incarnation.parse(agent_name),
-                                         first_token=token, payload=payload))
+                out.append(TransferEvent(TransferEventKind.LANDED, req_id, epoch,
+                                         Incarnation.parse(agent_name), first_token=token,
+                                         payload=payload))
         return out
 
     def _release(self, handle) -> None:

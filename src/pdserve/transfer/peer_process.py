@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pdserve.transfer.transport import Incarnation
+from pdserve.transfer.transport import Incarnation, TransferEventKind
 
 
 def make_pool(pages: int, page_shape, dtype, fill=None, device="cpu") -> torch.Tensor:
@@ -50,7 +50,8 @@ def serve(conn, engine_id: str, epoch: int, pages: int, page_shape, dtype_name: 
         cmd = conn.recv()
         if cmd[0] == "wait":
             n, deadline = cmd[1], time.monotonic() + cmd[2]
-            while len([e for e in events if e.kind == "landed"]) < n and time.monotonic() < deadline:
+            while len([e for e in events if e.kind is TransferEventKind.LANDED]) < n and \
+                    time.monotonic() < deadline:
                 events += t.poll()
             conn.send([(e.kind, e.req_id, e.epoch, e.peer.agent_name) for e in events])
             events = []

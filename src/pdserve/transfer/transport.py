@@ -14,6 +14,7 @@ Posted writes cannot be aborted; see landing.py for what D does instead.
 from __future__ import annotations
 
 import abc
+import enum
 import time
 from dataclasses import dataclass
 
@@ -45,9 +46,17 @@ class KvWrite:
     payload: bytes = b""       # rides along too (the first token's logprobs), opaque here
 
 
+class TransferEventKind(enum.Enum):
+    """What `poll` reports: on P, a posted write completed (DONE) or will
+    never land (FAILED); on D, a write's notification arrived (LANDED)."""
+    DONE = "done"
+    FAILED = "failed"
+    LANDED = "landed"
+
+
 @dataclass(frozen=True)
 class TransferEvent:
-    kind: str                  # "done" | "failed" (on P), "landed" (on D)
+    kind: TransferEventKind
     req_id: str
     epoch: int
     peer: Incarnation          # the other side
@@ -191,7 +200,7 @@ class KvTransport(abc.ABC):
         self.metrics.descriptors += len(page_runs(w.src_pages, w.dst_pages))
         rule = self.faults.match("post", w.req_id)
         if rule is not None and rule.action == "fail":
-            self._emit(TransferEvent("failed", w.req_id, w.epoch, w.target,
+            self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
                                      "injected failure at post"), rule)
             return
         if rule is not None and rule.action == "drop":
@@ -215,13 +224,15 @@ class KvTransport(abc.ABC):
             self._held = [h for h in self._held if h[0] > now]
         out = []
         for ev in self._poll_backend():
-            stage = "completion" if ev.kind in ("done", "failed") else "notification"
-            actions = ("fail", "delay", "drop") if ev.kind == "done" else ("delay", "drop")
+            on_p = ev.kind is not TransferEventKind.LANDED
+            stage = "completion" if on_p else "notification"
+            done = ev.kind is TransferEventKind.DONE
+            actions = ("fail", "delay", "drop") if done else ("delay", "drop")
             rule = self.faults.match(stage, ev.req_id, actions)
             if rule is None:
                 out.append(ev)
-            elif rule.action == "fail" and ev.kind == "done":
-                out.append(TransferEvent("failed", ev.req_id, ev.epoch, ev.peer,
+            elif rule.action == "fail" and done:
+                out.append(TransferEvent(TransferEventKind.FAILED, ev.req_id, ev.epoch, ev.peer,
                                          "injected failure at completion"))
             elif rule.action == "delay":
                 self._delayed.append((time.monotonic() + rule.delay_s, ev))
@@ -231,9 +242,9 @@ class KvTransport(abc.ABC):
         self._delayed = [(t, ev) for t, ev in self._delayed if t > now]
         out += due
         for ev in out:
-            if ev.kind == "failed":
+            if ev.kind is TransferEventKind.FAILED:
                 self.metrics.failures += 1
-            elif ev.kind == "landed":
+            elif ev.kind is TransferEventKind.LANDED:
                 self.metrics.landed += 1
         return out
 

@@ -1,0 +1,222 @@
+"""The engine's loop thread: the only thread that touches the planner,
+executor and transport.
+
+    pass:  jobs from the inbox (gRPC handlers, the output thread)
+           transfer events and the peer protocol's timers
+           the drain's deadline
+           a round: plan, forward, apply; its outputs to the output thread,
+           its asks and ships to the peers
+
+`Inbox` is how other threads reach it; `EngineLoop` runs the passes and
+hands each round's results to the output thread (`output_item`). The
+server it serves (engine_server.py) owns both, and the requests' bookkeeping
+(whose subscription, what ended) that the loop reports to.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.roles.outputs import ErrorKind, OutputItem
+from pdserve.roles.rounds import round_of
+from pdserve.scheduler.grammar import Role
+
+if TYPE_CHECKING:
+    from pdserve.roles.engine_server import EngineServer
+
+log = logging.getLogger("pdserve.engine")
+
+ROUNDS_KEPT = 20_000      # timed rounds kept for `take_rounds` (the oldest go first)
+# how long a pass waits for a job: while requests or transfers are live, briefly
+# (transfer events and timers are polled between waits); with nothing live, longer
+# (a job still wakes it at once; only timers wait, at most this long)
+POLL_S = 0.002
+IDLE_WAIT_S = 0.02
+ERRORS_KEPT = 20
+
+
+class Inbox:
+    """Closures for the loop thread to run between rounds; closed once the
+    engine has drained and stopped (a post then says so)."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()       # closing against a racing post
+        self._closed = False
+
+    def post(self, job) -> bool:
+        """Queue `job`; False once the inbox is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.put(job)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def run(self, wait: float = 0.0) -> bool:
+        """Wait up to `wait` seconds for a job, then run every job queued;
+        True if any ran. A job's exception propagates (the loop logs it)."""
+        try:
+            job = self._jobs.get(timeout=wait)
+        except queue.Empty:
+            return False
+        job()
+        self.run_pending()
+        return True
+
+    def run_pending(self) -> None:
+        """Run every job queued now, waiting for none."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            job()
+
+
+class EngineLoop:
+    """The passes of one engine server's loop thread."""
+
+    def __init__(self, server: EngineServer):
+        self.s = server
+        # each round's features and time, as calibrate times them (plan, forward, apply)
+        self.rounds: collections.deque = collections.deque(maxlen=ROUNDS_KEPT)
+        self.errors: list[str] = []         # what `round failed` logged (tests assert none)
+        self._window = next((g.window for g in server.planner.groups if g.sliding), 0)
+        self._stalls_logged = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.s.name}-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def failed(self, e: Exception) -> None:
+        if len(self.errors) < ERRORS_KEPT:
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.tick():
+                    self.s.stop_drained()
+                    return
+            except Exception as e:                   # keep serving; the log says what broke
+                log.exception("%s: round failed", self.s.name)
+                self.failed(e)
+                time.sleep(0.05)
+
+    def tick(self) -> bool:
+        """One pass: jobs, transfer events, timers, a round. True when the
+        engine drains and this pass was idle with nothing live: time to stop
+        (a pass that did work is not idle; the next one decides)."""
+        s = self.s
+        live = s.engine.has_work()
+        busy = live and not self._only_waiting_on_peer()
+        wait = 0 if busy else POLL_S if live or not s.peer.idle() else IDLE_WAIT_S
+        ran = s.inbox.run(wait)
+        now = time.monotonic()
+        if s.transport is not None:
+            events = s.transport.poll()
+            ran |= bool(events)
+            for ev in events:
+                s.peer.on_transfer_event(ev)
+            s.peer.timers(now)
+        if s.drain.due(now):
+            s.abort_left()
+            ran = True
+        if s.engine.has_work():
+            ran = True
+            self._round()
+        return s.drain.active and not ran and s.nothing_live()
+
+    def _round(self) -> None:
+        s = self.s
+        start, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        out = s.engine.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        if out is not None:
+            timed = round_of(out.plan, wall, self._window, start)
+            if timed.computed:                # what a cost profile is held against
+                self.rounds.append(timed)
+            s.counts.round_done(wall, cpu,
+                                sum(n for _, n in timed.prefills) + timed.num_decodes)
+        for msg in s.planner.stalls[self._stalls_logged:]:
+            log.warning("%s: liveness last resort: %s", s.name, msg)
+        self._stalls_logged = len(s.planner.stalls)
+        if out is not None:
+            self.after_round(out)
+
+    def _only_waiting_on_peer(self) -> bool:
+        p = self.s.planner
+        return p.waiting_on_peer() and not (p.waiting or p.prefilling or p.running or p.retracted)
+
+    def after_round(self, out) -> None:
+        """A round's results: to the output thread, the counters and the peers."""
+        s, plan = self.s, out.plan
+        if out.error:
+            log.error("%s: round %d failed: %s", s.name, plan.round, out.error)
+            for req in out.failed:
+                if s.role is Role.PREFILL:      # D hears it now and prefills itself
+                    s.peer.give_up(req.id, out.error)
+                    s.peer.release_twin(req.id)
+                s.fail(req.id, out.error, ErrorKind.FAILED)
+            self.peer_work(plan)
+            return
+        c = s.counts
+        c.retractions += len(plan.retracts)
+        c.readmissions += len(plan.readmits)
+        for op in plan.prefills:
+            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.begin)
+        for op in plan.remote_prefills:
+            c.prefix_lookup(op.req.id, len(op.req.prompt.tokens),
+                            op.first_page * s.planner.page_size)
+        if s.role is not Role.PREFILL:
+            finished = set(out.finished)
+            items = [self.output_item(op.req, op.req in finished) for op in plan.prefills
+                     if op.completes]
+            items += [self.output_item(req, req in finished) for req in plan.decodes]
+            s.outputs.post(items)
+        for req in out.finished:
+            s.request_finished(req)
+        self.peer_work(plan)
+
+    def peer_work(self, plan) -> None:
+        """The round's asks and ships, whether or not its forward ran: a
+        remote admission's pages are reserved and a shipped prompt's KV was
+        computed in an earlier round (left undone, each waited for a peer
+        that was never asked, with no timeout)."""
+        s = self.s
+        for op in plan.remote_prefills:
+            if op.req.id in s.planner.landing:
+                s.peer.ask_prefill(op)
+        for op in plan.remote_decodes:
+            if op.req.id in s.planner.transferring:
+                s.peer.ship(op)
+
+    def output_item(self, req, final: bool = False) -> OutputItem:
+        """The tokens `req` produced since the last handoff, for the output
+        thread; with `final`, its finish reason."""
+        s = self.s
+        sent = s.emitted.get(req.id, 0)
+        s.emitted[req.id] = len(req.output)
+        t = s.executor.tracked.get(req.id)
+        lps = ()
+        if t is not None and t.logprobs:
+            lps, t.logprobs = t.logprobs, []
+        return OutputItem(req.id, req.output[sent:], lps,
+                          (req.finish_reason or "length") if final else None)
