@@ -12,6 +12,7 @@ and the benchmarks sit on top.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -91,6 +92,7 @@ def _unit_of_file(path: Path) -> str | None:
     return rel.parts[0]
 
 
+@functools.cache
 def _edges() -> dict[tuple[str, str], list[tuple[str, int, str]]]:
     """(from folder, to folder) -> [(file, line, imported module)]."""
     edges: dict[tuple[str, str], list[tuple[str, int, str]]] = defaultdict(list)
