@@ -46,6 +46,11 @@ def installed(tmp_path_factory):
     """(python, pdserve script, installed package folder, a cwd outside the checkout)."""
     root = tmp_path_factory.mktemp("wheel")
     env = _clean_env()
+    # --no-build-isolation builds with this environment's setuptools (the test
+    # extra pins it): no index is needed, and what CI installed is what builds
+    import setuptools
+    assert int(setuptools.__version__.split(".")[0]) >= 77, \
+        f"setuptools {setuptools.__version__} cannot build pdserve; pip install -e '.[test]'"
 
     # build from a copy, so no build/ or egg-info lands in the checkout and
     # nothing stale from an earlier in-tree build reaches the wheel
