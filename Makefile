@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo sim-demo test test-all bench proto clean
+.PHONY: demo sim-demo typecheck test test-all bench proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ sim-demo: $(STAMP)
 	@echo "== one prefill + one decode engine =="
 	$(VENV)/bin/pdserve sim --config deploy/sim-demo-pd.yaml --trace deploy/demo-trace.jsonl --out out/demo-pd.json
 
-test: $(STAMP)
+# mypy reads its settings from pyproject.toml ([tool.mypy]: the pdserve package
+# under src/, generated *_pb2 modules skipped)
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+# the type check first, then the tests
+test: typecheck
 	$(PY) -m pytest -q
 
 test-all: $(STAMP)
@@ -38,4 +44,4 @@ bench: $(STAMP)
 	$(VENV)/bin/pdserve bench planner
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache .mypy_cache

@@ -101,7 +101,7 @@ def _collect(chunks) -> GenerateResult:
         res.finish_reason = c.finish_reason or res.finish_reason
         res.engine = c.engine
         res.logprobs += c.logprobs
-    return res
+    return res  # type: ignore[return-value]
 
 
 def _stats(resp) -> list[dict]:
@@ -259,7 +259,7 @@ class Multiplexed:
                     yield call
             self._reader = asyncio.ensure_future(
                 self._read(self._stub.GenerateMany(calls(), metadata=self._md)))
-        return self._sends
+        return self._sends  # type: ignore[return-value]
 
     async def _read(self, call) -> None:
         ended = RequestFailed(grpc.StatusCode.UNAVAILABLE,
@@ -312,7 +312,7 @@ class Multiplexed:
         """Half-close the call; with nothing in flight, wait for it to end
         (what is still in flight ends when the channel closes)."""
         if self._reader is not None and not self._reader.done():
-            self._sends.put_nowait(None)
+            self._sends.put_nowait(None)  # type: ignore[union-attr]
             if not self._boxes:
                 await self._reader
 

@@ -67,7 +67,7 @@ class ModelConfig:
         if self.name:
             return self.name
         if self.path is None:
-            return self.preset
+            return self.preset  # type: ignore[return-value]
         return Path(self.path.rstrip("/")).name.removesuffix(".gguf")
 
 

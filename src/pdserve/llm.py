@@ -126,7 +126,7 @@ class LLM:
     def _output(self, req, prompt_text, sp: SamplingParams) -> RequestOutput:
         t = self.executor.tracked.pop(req.id)
         # a stop string, even on the last allowed token, ends with "stop"
-        reason = "stop" if t.detok.stopped else req.finish_reason
-        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,
+        reason = "stop" if t.detok.stopped else req.finish_reason  # type: ignore[union-attr]
+        return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,  # type: ignore[union-attr]
                              list(req.output), reason,
                              t.logprobs if sp.logprobs is not None else None)

@@ -36,7 +36,7 @@ def trial(autoscale: bool, seconds: float, peak: int) -> dict:
 
     cfg = {"engine": ENGINE, "cluster": {"prefill": 1, "decode": 1}}
     if autoscale:
-        cfg["autoscale"] = AUTOSCALE
+        cfg["autoscale"] = AUTOSCALE  # type: ignore[assignment]
     dep = Deployment(ServeConfig.from_dict(cfg), num_cpus=2,
                      engine_options={"transfer_timeout_s": 30.0})
     dep.start()
@@ -62,8 +62,8 @@ def trial(autoscale: bool, seconds: float, peak: int) -> dict:
                         first = time.monotonic()
                     n += len(chunk.token_ids)
                 done = time.monotonic()
-                tpot = (done - first) / max(n - 1, 1)
-                records.append((first - start, tpot, n))
+                tpot = (done - first) / max(n - 1, 1)  # type: ignore[operator]
+                records.append((first - start, tpot, n))  # type: ignore[operator]
             except Exception as e:           # a lost request: counted
                 failures.append(repr(e))
 
@@ -76,7 +76,7 @@ def trial(autoscale: bool, seconds: float, peak: int) -> dict:
         time.sleep(2.0)
     for t in threads:
         t.join(300)
-    history = []
+    history: list = []
     if dep.autoscaler is not None:
         import ray
 

@@ -282,7 +282,7 @@ def main(trace_path: str | None = None, limit: int | None = None,
           "still running)")
     path = str(trace_file(trace_path, MOONCAKE_CONV))
     trace = read_trace(path, limit=TRACE_LIMIT if limit is None else limit)
-    lengths = [len(t.prompt) for t in trace]
+    lengths = [len(t.prompt) for t in trace]  # type: ignore[arg-type]
     mean = int(sum(lengths) / len(lengths))
     print()
     print(f"{len(trace)} requests of {Path(path).name} (mean prompt {mean:,} tokens, "

@@ -63,7 +63,7 @@ def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int, warm: b
         from pdserve.sim.trace import read_trace
 
         reqs = read_trace(trace_file(trace, AZURE_CONV), limit=max(2 * batch, 16))
-        lens = [(max(1, r.prompt.length // scale), max(1, r.max_new_tokens // scale))
+        lens = [(max(1, r.prompt.length // scale), max(1, r.max_new_tokens // scale))  # type: ignore[attr-defined, operator]
                 for r in reqs]
     if warm:
         lens = lens[:batch]
@@ -123,7 +123,7 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
     rows = []
     for name in sizes:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(**SIZES[name], max_position_embeddings=4096,
+        cfg = transformers.LlamaConfig(**SIZES[name], max_position_embeddings=4096,  # type: ignore[arg-type]
                                        tie_word_embeddings=False)
         base = transformers.LlamaForCausalLM(cfg).float().eval()
         with tempfile.TemporaryDirectory() as d:
@@ -136,11 +136,11 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
                                           "max_scheduled_tokens": 4096, "max_batch_size": b}},
                               device=device)
                     for kind in workloads:
-                        warm = workload(kind, b, SIZES[name]["vocab_size"], trace, scale,
+                        warm = workload(kind, b, SIZES[name]["vocab_size"], trace, scale,  # type: ignore[arg-type]
                                         warm=True)
                         run_ours(llm, warm)         # this shape's first-run costs untimed
                         run_hf(hf, warm, b)
-                        reqs = workload(kind, b, SIZES[name]["vocab_size"], trace, scale)
+                        reqs = workload(kind, b, SIZES[name]["vocab_size"], trace, scale)  # type: ignore[arg-type]
                         ours, a = run_ours(llm, reqs)
                         theirs, h = run_hf(hf, reqs, b)
                         tokens = sum(n for _, n in reqs)

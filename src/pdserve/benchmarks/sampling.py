@@ -160,7 +160,7 @@ def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True
         for b in batches:
             logits = rows[:b].contiguous()
             for kind, kw in KINDS.items():
-                params = [SamplingParams(seed=i, **kw) for i in range(b)]
+                params = [SamplingParams(seed=i, **kw) for i in range(b)]  # type: ignore[arg-type]
                 steps, seeds = list(range(b)), [0] * b
                 old = lambda: sample_before(logits, params, steps, seeds)   # noqa: E731
                 new = lambda: sample(logits, params, steps, seeds)          # noqa: E731
@@ -199,7 +199,7 @@ def penalties(pool, batches, repeats: int) -> None:
         steps, seeds = list(range(b)), [0] * b
         plain = [SamplingParams(seed=i) for i in range(b)]
         for kind, kw, n_prompt, n_out in PENALTIES:
-            params = [SamplingParams(seed=i, **kw) for i in range(b)]
+            params = [SamplingParams(seed=i, **kw) for i in range(b)]  # type: ignore[arg-type]
             hist = [(np.unique([rng.randrange(vocab) for _ in range(n_prompt)]),
                      [rng.randrange(vocab) for _ in range(n_out)]) for _ in range(b)]
             base = lambda: sample(logits, plain, steps, seeds)                     # noqa: E731

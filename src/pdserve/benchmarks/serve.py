@@ -75,7 +75,7 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         if missing:
             raise ValueError(f"bench serve --api {' '.join(apis)} against a running deployment "
                              "needs --address (gRPC) and --http-address (HTTP)")
-        results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,
+        results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,  # type: ignore[arg-type]
                             repeats, api_key, connections or 1)
     from pdserve.config import load_config
 
@@ -84,7 +84,7 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         with served(path, http="http" in apis) as (addr, http_url):
             addrs = {a: (http_url if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
-                drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,
+                drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,  # type: ignore[arg-type]
                                   seed + 1), concurrency, None, seed, progress=False, api=api,
                       connections=conns)
             results += _compare(path, addrs, samples, concurrency, rate, seed, repeats,
@@ -210,5 +210,5 @@ def run_offline(config: str, samples: list[Sample], seed: int,
                      "req_per_s": len(outs) / wall, "output_tok_per_s": tokens / wall,
                      "ttft_s": none, "tpot_s": none, "itl_s": none, "e2e_s": none,
                      "errors": []})
-    runs.sort(key=lambda r: r["output_tok_per_s"])
+    runs.sort(key=lambda r: r["output_tok_per_s"])  # type: ignore[arg-type, return-value]
     return {**runs[len(runs) // 2], "tok_per_s_runs": [r["output_tok_per_s"] for r in runs]}

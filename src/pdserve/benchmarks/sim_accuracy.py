@@ -122,9 +122,9 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                           progress=False)
             saturation = r["req_per_s"]
             out["saturation_run"] = {**r, "foreign_cores": load.cores}
-        out["saturation_req_per_s"] = saturation
+        out["saturation_req_per_s"] = saturation  # type: ignore[assignment]
         levels = [("c1", None)] + [(f"{f:g}x", f * saturation) for f in fractions]
-        out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]
+        out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]  # type: ignore[misc]
         for rep in range(repeats):
             for i, (name, rate) in enumerate(levels):
                 run_seed = seed + 100 * (rep + 1) + i
@@ -144,7 +144,7 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                          foreign_cores=load.cores, rounds=engine_rounds())
                 if probed is not None:
                     r["probe"] = probed
-                out["runs"].append(r)
+                out["runs"].append(r)  # type: ignore[attr-defined]
                 rd = r["rounds"]
                 print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
                       f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
@@ -295,7 +295,7 @@ def within(results: list[dict], sim: str = "sim", tolerance: float = 0.10,
                        sim, metric, q)
             for res in results for lv in res["levels"] for metric in ("ttft_s", "tpot_s")]
     errs = [e for e in errs if e is not None]
-    return sum(abs(e) <= tolerance for e in errs), len(errs)
+    return sum(abs(e) <= tolerance for e in errs), len(errs)  # type: ignore[arg-type]
 
 
 def rounds_table(results: list[dict]) -> list[str]:

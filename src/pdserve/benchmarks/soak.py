@@ -159,7 +159,7 @@ def _workload(seed: int) -> tuple[list, dict]:
     prompts = [p + "".join(rng.choice("xyz") for _ in range(rng.randrange(1, 20)))
                for p in prefixes for _ in range(8)]
     sp = SamplingParams(max_tokens=N_TOKENS, temperature=0, ignore_eos=True)
-    outs = LLM(**ENGINE).generate(prompts, sp, use_tqdm=False)
+    outs = LLM(**ENGINE).generate(prompts, sp, use_tqdm=False)  # type: ignore[arg-type]
     return prompts, {p: o.token_ids for p, o in zip(prompts, outs)}
 
 
@@ -206,7 +206,7 @@ def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
             for k in survived:
                 survived[k] += s.get("counters", {}).get(k, 0)
         leaks = [n for n, s in states.items() if not s["idle"]]
-        resubmitted = dep.router.counters["resubmitted"]
+        resubmitted = dep.router.counters["resubmitted"]  # type: ignore[union-attr]
     finally:
         dep.stop()
     print(f"soak: {seconds:.0f} s at concurrency {concurrency}, seed {seed}, "

@@ -126,7 +126,8 @@ def ideal_hit(trace, block_tokens: int = BLOCK) -> tuple[int, int]:
     """(prompt tokens, tokens of each prompt's longest prefix of hash
     blocks some earlier request had): what a cache that kept everything,
     at any token, could skip. A hit leaves the prompt's last token."""
-    seen, hit, total = set(), 0, 0
+    seen: set = set()
+    hit = total = 0
     for t in trace:
         ids, length = t.prompt.hash_ids, len(t.prompt)
         n = 0
@@ -185,7 +186,7 @@ def write_random_qwen3_5(d: Path, seed: int = 0) -> Path:
         elif name.endswith("layernorm.weight") or name == "model.norm.weight":
             shape = (h,)
         else:
-            shape = shapes[key]
+            shape = shapes[key]  # type: ignore[assignment]
         scale = 0.3 if "norm" in name else 1 / shape[-1] ** 0.5
         out[name] = (torch.randn(shape, generator=g) * scale).contiguous()
     save_file(out, str(d / "model.safetensors"))
@@ -197,7 +198,7 @@ def conversations(n: int, turns: int, first: int, message: int, seed: int = 1):
     import random
 
     rng = random.Random(seed)
-    return [[[rng.randrange(1, SMALL["vocab_size"]) for _ in range(first if t == 0 else message)]
+    return [[[rng.randrange(1, SMALL["vocab_size"]) for _ in range(first if t == 0 else message)]  # type: ignore[arg-type]
              for t in range(turns)] for _ in range(n)]
 
 
@@ -234,7 +235,7 @@ def real(block: int, convs: int = 4, turns: int = 4, answer: int = 16) -> int:
                 return run(plan)
             llm.executor.run = watched
             t0 = time.perf_counter()
-            history = [[] for _ in talks]
+            history: list[list[int]] = [[] for _ in talks]
             outs = []
             for t in range(turns):
                 ps = [h + talk[t] for h, talk in zip(history, talks)]

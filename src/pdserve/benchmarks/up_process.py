@@ -42,7 +42,7 @@ def served(config: str, http: bool = False):
     ready = threading.Event()
 
     def read() -> None:                       # drained to the end: the pipe never fills
-        for line in proc.stdout:
+        for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line.rstrip())
             m = SERVING.search(line)
             if m and not found:

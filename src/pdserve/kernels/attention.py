@@ -95,11 +95,11 @@ class TorchAttention:
         mask, the decode batch's padded tables and mask. Built once a round
         (the group's first layer), not per layer."""
         if getattr(meta, "_prep", None) is not None:
-            return meta._prep
+            return meta._prep  # type: ignore[return-value]
         slots, rows = meta.slot_mapping, meta.write_rows
         if rows is not None:
             slots = slots[rows]
-        prep = {"page": slots // ps, "off": slots % ps, "rows": rows, "pre": []}
+        prep: dict = {"page": slots // ps, "off": slots % ps, "rows": rows, "pre": []}
         window = meta.window
         n_pre = len(meta.seqs) - meta.num_decodes
         for s in meta.seqs[:n_pre]:
@@ -112,7 +112,7 @@ class TorchAttention:
                 mask &= kpos[None, :] > qpos[:, None] - window
             if s.kv_start > lo * ps:
                 mask &= kpos[None, :] >= s.kv_start
-            prep["pre"].append((s, lo * ps, table, mask))
+            prep["pre"].append((s, lo * ps, table, mask))  # type: ignore[union-attr]
         if meta.num_decodes:
             seqs = meta.seqs[n_pre:]
             lo = [s.kv_start // ps for s in seqs]
@@ -130,7 +130,7 @@ class TorchAttention:
                 mask &= kpos > (ctx[:, None] - 1 - window)
             # an additive float32 mask: 0 where a key counts, -inf past the end
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-            prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])
+            prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])  # type: ignore[assignment]
         meta._prep = prep
         return prep
 

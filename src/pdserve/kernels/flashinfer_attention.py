@@ -95,7 +95,7 @@ class FlashInferAttention(TorchAttention):
             indptr.append(len(indices))
             last.append(s.ctx_len - (n - 1) * ps)
         i32 = dict(dtype=torch.int32)
-        return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)
+        return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)  # type: ignore[arg-type]
 
     def _window_left(self, meta: BatchMeta) -> int:
         """flashinfer's window: keys to the left of the query (-1: all)."""
@@ -112,11 +112,11 @@ class FlashInferAttention(TorchAttention):
             pre = meta.seqs[:n_pre]
             qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32)
             indptr, indices, last = self._csr(pre, ps, meta.window)
-            st.prefill.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,
+            st.prefill.plan(qo, indptr, indices, last, self.h, self.kvh, self.d, ps,  # type: ignore[attr-defined]
                             causal=True, **kw)
         if meta.num_decodes:
             indptr, indices, last = self._csr(meta.seqs[n_pre:], ps, meta.window)
-            st.decode.plan(indptr, indices, last, self.h, self.kvh, self.d, ps, **kw)
+            st.decode.plan(indptr, indices, last, self.h, self.kvh, self.d, ps, **kw)  # type: ignore[attr-defined]
         slots, rows = meta.slot_mapping, meta.write_rows
         if rows is not None:
             slots = slots[rows]
@@ -132,15 +132,15 @@ class FlashInferAttention(TorchAttention):
         st = self._groups.get(meta.window)
         if st is None or st.meta is not meta:
             st = self._plan(meta, k_pages.shape[1], q.dtype, q.device)
-        self._write(k, v, k_pages, v_pages, *st.slots)
+        self._write(k, v, k_pages, v_pages, *st.slots)  # type: ignore[misc]
         q = q.contiguous()                 # a slice of the fused q/k rotation
         out = torch.empty_like(q)
         n_pre = len(meta.seqs) - meta.num_decodes
         split = meta.seqs[n_pre].q_start if meta.num_decodes else q.shape[0]
         if n_pre:
-            st.prefill.run(q[:split], (k_pages, v_pages), out=out[:split])
+            st.prefill.run(q[:split], (k_pages, v_pages), out=out[:split])  # type: ignore[union-attr]
         if meta.num_decodes:
-            st.decode.run(q[split:], (k_pages, v_pages), out=out[split:])
+            st.decode.run(q[split:], (k_pages, v_pages), out=out[split:])  # type: ignore[union-attr]
         return out
 
     # the full-history group's wrappers (the only group of most models)

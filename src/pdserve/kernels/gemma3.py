@@ -78,12 +78,12 @@ class Gemma3Model(PagedDecoder):
                                   scale(a + "k_norm.weight").expand(kvh, -1)])
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
             local = cfg.layer_window(i) is not None
-            self.layers.append((*self.slots[i], local, *(scale(p + n + ".weight") for n in NORMS),
+            self.layers.append((*self.slots[i], local, *(scale(p + n + ".weight") for n in NORMS),  # type: ignore[misc]
                                 qkv, bias, qk_scale, w[a + "o_proj.weight"], gate_up,
                                 w[p + "mlp.down_proj.weight"]))
         self.rotary = Rotary(cfg, dtype, dev)
         self.rotary_local = Rotary(dataclasses.replace(
-            cfg, rope_theta=cfg.rope_local_theta, rope_scaling=cfg.rope_local_scaling), dtype, dev)
+            cfg, rope_theta=cfg.rope_local_theta, rope_scaling=cfg.rope_local_scaling), dtype, dev)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,

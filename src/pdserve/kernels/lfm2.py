@@ -121,7 +121,7 @@ class Lfm2Model(PagedDecoder):
                               w[cp + "out_proj.weight"], bias("out_proj"))
             else:
                 a = p + "self_attn."
-                mixer = _Attention(*self.slots[i],
+                mixer = _Attention(*self.slots[i],  # type: ignore[assignment, call-arg, misc]
                                    torch.cat([w[a + f"{x}_proj.weight"] for x in "qkv"]),
                                    w[a + "q_layernorm.weight"], w[a + "k_layernorm.weight"],
                                    w[a + "out_proj.weight"])

@@ -47,7 +47,7 @@ def resolve_model_path(path, preset: str | None) -> str | None:
         return str(path)
     if preset == "tiny":
         return None
-    pm = PACKAGED.get(preset)
+    pm = PACKAGED.get(preset)  # type: ignore[arg-type]
     if pm is None:
         raise ModelError(f"unknown model preset {preset!r}; use preset: {' or '.join(PRESETS)}, "
                          "or path: DIR or FILE.gguf")
@@ -137,7 +137,7 @@ def choose_dtype(dtype: str, cfg: ModelConfig, device) -> tuple[torch.dtype, str
         f"auto: float32, the checkpoint names {cfg.torch_dtype or 'no dtype'}"
     if own == "float16" and torch.device(device).type == "cpu":
         own, why = "bfloat16", "auto: the checkpoint's float16 runs as bfloat16 on CPU"
-    return DTYPES[own], why
+    return DTYPES[own], why  # type: ignore[index]
 
 
 def check_device(device) -> torch.device:
@@ -170,11 +170,11 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         read_weights = lambda _dtype: random_weights(cfg, TINY_SEED)    # noqa: E731
     elif is_gguf_path(resolved):
         ckpt = open_gguf(resolved)
-        cfg, tok = ckpt.config, HFTokenizer.from_gguf(ckpt.metadata)
+        cfg, tok = ckpt.config, HFTokenizer.from_gguf(ckpt.metadata)  # type: ignore[assignment]
         read_weights = ckpt.weights     # dequantized tensor by tensor, cast as they go
     else:
         d = Path(resolved)
-        cfg, tok = read_config(d), HFTokenizer.from_directory(d)
+        cfg, tok = read_config(d), HFTokenizer.from_directory(d)  # type: ignore[assignment]
         read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
     torch_dtype, dtype_why = choose_dtype(dtype, cfg, device)
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)

@@ -67,7 +67,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
         if name.endswith(".bias"):
             shape = (shapes[key][0],)
         else:
-            shape = shapes[key]
+            shape = shapes[key]  # type: ignore[assignment]
         out[name] = (torch.randn(shape, generator=g) * 0.5 / shape[-1] ** 0.5).to(dtype)
     return out
 
@@ -99,7 +99,7 @@ class PagedDecoder:
         self.slots = [None] * cfg.num_layers
         for g, spec in enumerate(self.groups):
             for j, layer in enumerate(spec.layers):
-                self.slots[layer] = (g, j)
+                self.slots[layer] = (g, j)  # type: ignore[assignment]
         # what each group's BatchMeta must say its window is
         self._windows = [spec.window if spec.sliding else None for spec in self.groups]
 
@@ -203,7 +203,7 @@ class DecoderModel(PagedDecoder):
             bias = torch.cat([w[a + f"{x}_proj.bias"] for x in "qkv"]) \
                 if cfg.attention_bias else None
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            self.layers.append((*self.slots[i], w[p + "input_layernorm.weight"], qkv, bias,
+            self.layers.append((*self.slots[i], w[p + "input_layernorm.weight"], qkv, bias,  # type: ignore[misc]
                                 w[a + "o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                                 gate_up, w[p + "mlp.down_proj.weight"]))
         self.rotary = Rotary(cfg, dtype, self.device)

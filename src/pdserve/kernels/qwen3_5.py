@@ -86,7 +86,7 @@ class Qwen3_5Model(PagedDecoder):
             if i in state_index:
                 mixer = GatedDeltaNet(cfg, w, p + "linear_attn.")
             else:
-                mixer = self._attention_weights(w, p + "self_attn.", scale, *self.slots[i])
+                mixer = self._attention_weights(w, p + "self_attn.", scale, *self.slots[i])  # type: ignore[assignment, misc]
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
             self.layers.append(HybridLayer(scale(p + "input_layernorm.weight"), mixer,
                                            state_index.get(i),

@@ -189,11 +189,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     (its draw is then that of token earlier[i] + steps[i], as if it had not
     been; None: none anywhere)."""
     raw, dev, vocab = logits, logits.device, logits.shape[-1]
-    mask_rows, mask_ids = [], []
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
     for i, sp in enumerate(params):
         if steps[i] < sp.min_tokens:
             ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(stop_ids))
-            ids = sorted(t for t in ids if 0 <= t < vocab)
+            ids = sorted(t for t in ids if 0 <= t < vocab)  # type: ignore[assignment]
             mask_rows += [i] * len(ids)
             mask_ids += ids
     if mask_rows:
@@ -206,7 +207,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         return _fetch(raw, params, logits.argmax(dim=-1))
     seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i] for i in rows]
     drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
-                              [row_uniform(s, steps[i] + (earlier[i] if earlier else 0))
+                              [row_uniform(s, steps[i] + (earlier[i] if earlier else 0))  # type: ignore[arg-type]
                                for s, i in zip(seeds, rows)])
     if len(rows) == len(params):
         tokens = drawn
@@ -233,7 +234,10 @@ def _penalize(logits, params: list[SamplingParams], histories):
                          "each row's (prompt tokens, output tokens)")
     vocab = logits.shape[-1]
     b_r, b_c, b_v = [], [], []
-    seen_n, seen, held_n, held = [], [], [], []
+    seen_n: list[int] = []
+    seen: list[list[int]] = []
+    held_n: list[int] = []
+    held: list[list[int]] = []
     for j, i in enumerate(rows):
         sp = params[i]
         prompt, output = histories[i]
@@ -248,7 +252,7 @@ def _penalize(logits, params: list[SamplingParams], histories):
         held_n.append(len(output) if pen else 0)
         held += (output,) if pen else ()
     sps = [params[i] for i in rows]
-    idx, b_r, b_c, b_v, rep, freq, pres = stage_rows(
+    idx, b_r, b_c, b_v, rep, freq, pres = stage_rows(  # type: ignore[assignment]
         [rows, b_r, b_c, b_v, [sp.repetition_penalty for sp in sps],
          [sp.frequency_penalty for sp in sps], [sp.presence_penalty for sp in sps]],
         logits.device, torch.float64)
@@ -258,10 +262,10 @@ def _penalize(logits, params: list[SamplingParams], histories):
     # only the (row, token) cells a history names are touched, never a whole row: a
     # cell named twice is gathered once and written twice with the same value
     if len(b_r):
-        flat.index_put_((b_r.long() * vocab + b_c.long(),), b_v.to(dt), accumulate=True)
+        flat.index_put_((b_r.long() * vocab + b_c.long(),), b_v.to(dt), accumulate=True)  # type: ignore[attr-defined]
     cells = _cells(seen_n, seen, vocab, logits.device)
     if cells is not None:
-        v, p = flat[cells], rep.to(dt)[cells // vocab]
+        v, p = flat[cells], rep.to(dt)[cells // vocab]  # type: ignore[attr-defined]
         flat[cells] = torch.where(v > 0, v / p, v * p)
     cells = _cells(held_n, held, vocab, logits.device)
     if cells is not None:
@@ -314,7 +318,7 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
         ws = w if len(by_m) == n else w.index_select(0, sub)
         scale = (ws.amax(dim=-1, keepdim=True) * min_p.to(w.dtype)[:, None]).reciprocal_()
         ws.mul_(scale.clamp_(max=torch.finfo(w.dtype).max))   # a floor under float32's: no inf
-        _put_rows(w, sub, torch.nn.functional.threshold_(ws, 1.0 - 2.0 ** -20, 0.0))
+        _put_rows(w, sub, torch.nn.functional.threshold_(ws, 1.0 - 2.0 ** -20, 0.0))  # type: ignore[attr-defined]
     if by_k:
         sub = sub_k.long()
         ws = w if len(by_k) == n else w.index_select(0, sub)
@@ -408,7 +412,7 @@ def _fetch(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
     rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
     if not rows:
         return tokens.tolist(), [None] * len(params)
-    k = max(params[i].logprobs for i in rows)
+    k = max(params[i].logprobs for i in rows)  # type: ignore[type-var]
     idx = stage(rows, raw.device)
     lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, idx)[:, None]).view(-1)
@@ -417,10 +421,10 @@ def _fetch(raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
                       top_i.reshape(-1).double()]).tolist()
     B, n = len(params), len(rows)
     out_tokens = [int(t) for t in flat[:B]]
-    chosen, top_v, top_i = flat[B:B + n], flat[B + n:B + n + n * k], flat[B + n + n * k:]
+    chosen, top_v, top_i = flat[B:B + n], flat[B + n:B + n + n * k], flat[B + n + n * k:]  # type: ignore[assignment, operator]
     out = [None] * B
     for j, i in enumerate(rows):
         m = params[i].logprobs
-        top = tuple((int(top_i[j * k + t]), top_v[j * k + t]) for t in range(m))
-        out[i] = Logprob(out_tokens[i], chosen[j], top)
+        top = tuple((int(top_i[j * k + t]), top_v[j * k + t]) for t in range(m))  # type: ignore[arg-type, operator]
+        out[i] = Logprob(out_tokens[i], chosen[j], top)  # type: ignore[arg-type, call-overload]
     return out_tokens, out

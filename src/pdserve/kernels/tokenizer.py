@@ -217,7 +217,7 @@ def _byte_level_bpe(meta: dict):
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or ()]
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                         end_of_word_suffix="", fuse_unk=False))
-    split = PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    split = PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))  # type: ignore[arg-type]
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:

@@ -120,7 +120,7 @@ class Harness:
         if self.engine is not None:
             self.drain()
         cfg = dataclasses.replace(self.cfg, **overrides)
-        self.engine = Engine("calibrate", Planner(cfg, groups=self.executor.groups),
+        self.engine = Engine("calibrate", Planner(cfg, groups=self.executor.groups),  # type: ignore[assignment]
                              self.executor)
 
     def tokens(self, n: int) -> list:
@@ -136,16 +136,16 @@ class Harness:
         sp = SamplingParams(max_tokens=max_new, temperature=1.0, ignore_eos=True)
         self.executor.register(rid, sp, fallback_seed=self._next, prompt=prompt)
         req = Request(rid, prompt, SamplingLimits(max_new_tokens=max_new))
-        self.engine.submit(req)
+        self.engine.submit(req)  # type: ignore[attr-defined]
         return req
 
     def step(self, record: bool = True):
         t0 = self._clock()
-        out = self.engine.step()
+        out = self.engine.step()  # type: ignore[attr-defined]
         dt = self._clock() - t0
         if out is None:
             raise RuntimeError("calibrate: the planner built an empty round with work left; "
-                               f"stalls: {self.engine.planner.stalls}")
+                               f"stalls: {self.engine.planner.stalls}")  # type: ignore[attr-defined]
         if out.failed:
             raise RuntimeError(f"calibrate: a round failed: {out.error}")
         if record:
@@ -161,7 +161,7 @@ class Harness:
 
     def drain(self) -> None:
         """End the stage: abort what is live, forget it."""
-        pl = self.engine.planner
+        pl = self.engine.planner  # type: ignore[attr-defined]
         for rid in list(pl.requests):
             pl.abort(rid, "calibration stage over")
             self.executor.forget(rid)
@@ -174,7 +174,7 @@ def chunk_sweep(h: Harness, grid: Grid, progress) -> None:
         h.stage(max_scheduled_tokens=c)
         length = max(c, min(top + c, 64 * c) // c * c)
         req = h.submit(h.tokens(length), 1)
-        h.step_until(lambda: not h.engine.has_work() or req.output)
+        h.step_until(lambda: not h.engine.has_work() or req.output)  # type: ignore[attr-defined]
         progress(f"chunks of {c}")
 
 

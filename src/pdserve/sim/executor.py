@@ -56,7 +56,7 @@ class SimExecutor:
         for ld in plan.loads:
             copied[ld.group] += len(ld.device_pages)
         ps = self.page_size
-        return sum(self.cost.copy_seconds(n * ps, b / ps)
+        return sum(self.cost.copy_seconds(n * ps, b / ps)  # type: ignore[arg-type, misc]
                    for n, b in zip(copied, self.group_page_bytes) if n)
 
     def run(self, plan: Plan) -> StepResult:

@@ -67,7 +67,7 @@ class ForeignLoad:
         dt = time.perf_counter() - t0
         # children that ended during the block count as foreign (their
         # ticks left with them); a benchmark run keeps its processes alive
-        self.cores = max(0.0, (self._busy() - b0 - (self._mine(root) - m0)) / hz / dt)
+        self.cores = max(0.0, (self._busy() - b0 - (self._mine(root) - m0)) / hz / dt)  # type: ignore[assignment]
 
 
 def wait_for_quiet(below: float, window_s: float = 5.0, timeout_s: float = 900.0) -> float | None:

@@ -61,8 +61,8 @@ def arrivals(samples: list[Sample], rate: float | None, seed: int) -> list[float
             out.append(due)
         return out
     if samples and all(s.arrival_s is not None for s in samples):
-        first = min(s.arrival_s for s in samples)
-        return [s.arrival_s - first for s in samples]
+        first = min(s.arrival_s for s in samples)  # type: ignore[type-var]
+        return [s.arrival_s - first for s in samples]  # type: ignore[operator]
     return None
 
 
@@ -76,7 +76,7 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
 
     out = []
     for t in read_trace(trace, limit=limit or n):
-        length = min(len(t.prompt), max_prompt)
+        length = min(len(t.prompt), max_prompt)  # type: ignore[arg-type]
         out.append(Sample([rng.randrange(95) for _ in range(length)],
                           min(t.max_new_tokens or max_tokens, max_tokens), t.arrival_s))
     return out
@@ -163,7 +163,7 @@ async def _drive(load, samples: list[Sample], due, timings: list[Timing], concur
     returns the wall time."""
     order = sorted(range(len(samples)), key=lambda i: due[i]) if due is not None \
         else list(range(len(samples)))
-    todo = asyncio.Queue()
+    todo: asyncio.Queue[int] = asyncio.Queue()
     for i in order:
         todo.put_nowait(i)
     start = time.perf_counter()
@@ -213,7 +213,7 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
     wall = event_loop.run(run())
     bar.close()
     ok = [t for t in timings if t.ok]
-    tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]
+    tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]  # type: ignore[operator]
     gaps = [g for t in ok for g in t.gaps]
 
     def pct(xs):

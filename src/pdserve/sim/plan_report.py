@@ -76,7 +76,7 @@ def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:
     """The base config file's own mapping with the winner's cluster: and
     chunk budget, checked by the config loader."""
     best, s = result.best, result.settings
-    c = best.candidate
+    c = best.candidate  # type: ignore[union-attr]
     data = yaml.safe_load(base_path.read_text()) or {}
     data["cluster"] = {"prefill": c.prefill, "decode": c.decode, "fused": c.fused}
     data["engine"] = {**(data.get("engine") or {}), "max_scheduled_tokens": c.chunk}
@@ -89,8 +89,8 @@ def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:
         raise ConfigError(f"the planned config does not load ({e}); the base config "
                           f"{base_path} cannot take cluster {c.shape}, adjust it "
                           "(e.g. its autoscale bounds)") from None
-    head = (f"# pdserve plan: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
-            f"({best.lo.rate_req_s / s.gpus:.3f} per GPU) with {s.attainment:.0%} of requests\n"
+    head = (f"# pdserve plan: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "  # type: ignore[union-attr]
+            f"({best.lo.rate_req_s / s.gpus:.3f} per GPU) with {s.attainment:.0%} of requests\n"  # type: ignore[union-attr]
             f"# at TTFT <= {s.slo.ttft_s:g} s and TPOT <= {s.slo.tpot_s * 1000:g} ms, on "
             f"{result.requests} requests of {trace_path}.\n# Base: {base_path}; every "
             "candidate's probes are in plan.json.\n")
@@ -103,7 +103,8 @@ def plot(result: PlanResult, path: Path) -> bool:
     missed the attainment target; a cross is a run stopped early, plotted
     with the attainment of the part it simulated."""
     s = result.settings
-    lines, stopped = {}, ([], [], "stopped early")
+    lines: dict = {}
+    stopped: tuple[list, list, str] = ([], [], "stopped early")
     for b in result.ranked():
         pts = sorted(b.probes, key=lambda p: p.factor)
         ys = [p.rate_req_s * p.attainment / s.gpus for p in pts]
@@ -119,4 +120,3 @@ def plot(result: PlanResult, path: Path) -> bool:
                       "req/s per GPU meeting the SLO",
                       f"pdserve plan: {s.gpus} GPUs, TTFT<={s.slo.ttft_s:g}s, "
                       f"TPOT<={s.slo.tpot_s * 1000:g}ms", reference=target, marked=stopped)
-

@@ -139,14 +139,14 @@ def ceiling_factors(base: ServeConfig, trace: list[TraceRequest], cands: list[Ca
     fresh = []                                  # (cached tokens, prompt tokens)
     out_tokens = contexts = 0.0
     for t in trace:
-        length = len(t.prompt)
+        length = len(t.prompt)  # type: ignore[arg-type]
         cached = 0
         ids = getattr(t.prompt, "hash_ids", None)
         if ids is not None:
             run = 0
             while run < len(ids) and ids[run] in seen:
                 run += 1
-            cached = min(run * t.prompt.block_tokens, length - 1)
+            cached = min(run * t.prompt.block_tokens, length - 1)  # type: ignore[attr-defined]
             seen.update(ids)
         fresh.append((cached, length))
         out = t.output_tokens or t.max_new_tokens or 1
@@ -172,13 +172,13 @@ def ceiling_factors(base: ServeConfig, trace: list[TraceRequest], cands: list[Ca
     decode_s = mean_out * cost.round_seconds([], int(batch * mean_ctx), batch) / batch
     per_chunk = {c: prefill_s(c) for c in sorted({c.chunk for c in cands})}
     native = native_rate(trace)
-    out = []
+    rates: list[float] = []
     for c in cands:
         p = per_chunk[c.chunk]
         rate = (c.fused / (p + decode_s) if c.fused
                 else min(c.prefill / p, c.decode / decode_s))
-        out.append(rate / native)
-    return out
+        rates.append(rate / native)
+    return rates
 
 
 # ---- the search ---------------------------------------------------------------
@@ -218,7 +218,7 @@ class Bracket:
         if not self.probes:
             return self.start
         if self.lo is None:
-            f = self.hi.factor / DOWN
+            f = self.hi.factor / DOWN  # type: ignore[union-attr]
             if f < self.start / RANGE:
                 self.status = Status.INFEASIBLE
                 return None
@@ -259,7 +259,7 @@ def rivals(brackets: list[Bracket]) -> list[float]:
     order = sorted(range(len(passing)), key=lambda i: -passing[i])
     top = order[0] if order else None
     second = passing[order[1]] if len(order) > 1 else 0.0
-    return [second if i == top else passing[top] for i in range(len(passing))]
+    return [second if i == top else passing[top] for i in range(len(passing))]  # type: ignore[index]
 
 
 def search(cands: list[Candidate], starts: list[float], submit, collect, tolerance: float,

@@ -119,7 +119,7 @@ def fit_serving(cost, pairs, facts, step: float = 0.0125, top: float = 0.5):
         err = sum(abs(scale / r - 1) for r in ratios)
         if best is None or err < best[0]:
             best = (err, scale, k)
-    return best[1], best[2]
+    return best[1], best[2]  # type: ignore[index]
 
 
 def held_out_report(cost: RoundCost, held: list[Round], model: ModelPreset,

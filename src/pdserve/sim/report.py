@@ -25,7 +25,7 @@ class Record:
         if self.finish_s is not None and self.status == "finished":
             e2e = self.finish_s - self.arrival_s
             if self.output_tokens > 1:
-                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)  # type: ignore[operator]
         return {"id": self.id, "status": self.status, "error": self.error,
                 "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
                 "output_tokens": self.output_tokens, "retractions": self.retractions}
@@ -45,7 +45,7 @@ def summarize(rows: list[dict], virtual_seconds: float) -> dict:
     out_tokens = sum(r["output_tokens"] for r in fin)
     ttft = [r["ttft_s"] for r in fin]
     tpot = [r["tpot_s"] for r in fin if r["tpot_s"] is not None]
-    summary = {s: sum(1 for r in rows if r["status"] == s)
+    summary: dict[str, object] = {s: sum(1 for r in rows if r["status"] == s)
                for s in ("finished", "rejected", "failed", "unfinished")}
     summary.update({
         "virtual_seconds": virtual_seconds,

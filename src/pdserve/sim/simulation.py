@@ -24,6 +24,7 @@ import dataclasses
 import heapq
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import ServeConfig
@@ -89,7 +90,7 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
     # engine.state_slots for a state group checkpointed every engine.state_block)
     groups = sim_groups(cfg, model)
     group_bytes = model.group_page_bytes(groups, engine_cfg.page_size)
-    out = []
+    out: list[SimEngine] = []
     for role, count in ((Role.FUSED, cfg.cluster.fused), (Role.PREFILL, cfg.cluster.prefill),
                         (Role.DECODE, cfg.cluster.decode)):
         if role is not Role.FUSED and cfg.cluster.decode == 0:
@@ -103,7 +104,7 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
 
 class Simulation:
     def __init__(self, cfg: ServeConfig, trace: list[TraceRequest], plan_log=None,
-                 progress: bool = True, all_strict: bool = False, faults: list[Fault] = (),
+                 progress: bool = True, all_strict: bool = False, faults: Sequence[Fault] = (),
                  watch: SloWatch | None = None):
         """`watch`: stop as soon as it finds the SLO attainment out of reach
         (the unreached requests stay unfinished)."""
@@ -188,13 +189,13 @@ class Simulation:
             peers = [e for e in self.engines if e.alive and e.role is Role.PREFILL]
             if peers:
                 p = min(peers, key=lambda e: (e.load, e.index))
-                req.peer = p.index
+                req.peer = p.index  # type: ignore[assignment]
                 p.live[tr.id] = req.prompt_len
                 p.load += req.prompt_len
 
     def _on_deadline(self, t: float, rid: str) -> None:
         if self.records[rid].first_token_s is None:
-            self.watch.miss(rid)
+            self.watch.miss(rid)  # type: ignore[union-attr]
 
     def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
         p = self.engines[p_idx] if p_idx is not None else None
@@ -207,7 +208,7 @@ class Simulation:
                        "no live prefill engine answered")
             return
         twin = Request(rid, prompt, SamplingLimits(max_new_tokens=1))
-        twin.first_page, twin.peer = first_page, d_idx
+        twin.first_page, twin.peer = first_page, d_idx  # type: ignore[assignment]
         self._wake(p, t)
         try:
             p.engine.submit(twin)

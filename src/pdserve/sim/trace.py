@@ -57,6 +57,7 @@ def _parse_ours(row: dict, index: int, where: str) -> TraceRequest:
     arrival = row.get("arrival_s", 0.0)
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
         raise TraceError(f"{where}: field 'arrival_s' must be a number >= 0, got {arrival!r}")
+    prompt: TokenPrompt | BlockPrompt
     if "prompt" in row:
         toks = row["prompt"]
         if not isinstance(toks, list) or not toks or not all(
@@ -103,7 +104,7 @@ def _parse_mooncake(row: dict, index: int, where: str) -> TraceRequest:
 
 
 def _read_jsonl(path: Path) -> list[TraceRequest]:
-    out = []
+    out: list[TraceRequest] = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -121,7 +122,8 @@ def _read_jsonl(path: Path) -> list[TraceRequest]:
 
 
 def _read_azure(path: Path) -> list[TraceRequest]:
-    out, t0 = [], None
+    out: list[TraceRequest] = []
+    t0 = None
     with path.open(newline="") as f:
         for lineno, row in enumerate(csv.DictReader(f), 2):
             where = f"{path.name}:{lineno}"

@@ -43,7 +43,7 @@ def _new_agent(name: str, backends, telemetry: bool, progress_wake_us: int | Non
         return api.nixl_agent(name, conf)
     base = api.nixlBind.nixlAgentConfig
 
-    class _Config(base):
+    class _Config(base):  # type: ignore[misc, valid-type]
         def __setattr__(self, key, value):
             base.__setattr__(self, key, max(value, progress_wake_us) if key == "pthrDelay"
                              else value)
@@ -79,7 +79,7 @@ class NixlTransport(KvTransport):
             if not pool.is_contiguous():
                 raise ValueError("each KV pool must be one contiguous page-major tensor")
         self.pool = pools[0]
-        self._reg = [self.agent.register_memory(pool) for pool in pools]
+        self._reg = [self.agent.register_memory(pool) for pool in pools]  # type: ignore[assignment]
         rows = []
         for pool, size in zip(pools, self.group_page_bytes):
             dev = max(pool.get_device(), 0)

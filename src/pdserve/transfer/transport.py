@@ -87,7 +87,7 @@ class TransferMetrics:
 def page_runs(src, dst) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) runs where both sides are consecutive:
     each is one descriptor on the wire."""
-    runs = []
+    runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             s0, d0, n = runs[-1]
@@ -149,7 +149,7 @@ class KvTransport(abc.ABC):
 
     def page_ids(self, per_group) -> tuple:
         """Transport page ids for per-group page lists (this engine's pools)."""
-        out = []
+        out: list[int] = []
         for off, pages in zip(self.offsets, per_group):
             out.extend(off + p for p in pages)
         return tuple(out)
