@@ -3,11 +3,19 @@
 The bound is the largest prompt whose worst-case working set fits the pool.
 It is not a live check: a request within the bound may still wait for room.
 A request beyond it could never produce a forward, so ingest refuses it.
+
+What the cache groups ask of every chunk (`group_bounds`) is checked here
+too, once, when a planner starts: a config whose pools or budget cannot
+serve even one request with the model's groups is refused there, not
+discovered as a planner that never advances.
 """
 
 from __future__ import annotations
 
-from pdserve.scheduler.config import EngineConfig
+from dataclasses import dataclass
+
+from pdserve.scheduler.cache_groups import prefix_granularity, replay_window
+from pdserve.scheduler.config import ConfigError, EngineConfig
 
 
 def single_request_pages(cfg: EngineConfig, prompt_tokens: int) -> int:
@@ -112,6 +120,62 @@ def group_pages(cfg: EngineConfig, groups) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class GroupBounds:
+    """What an engine's cache groups ask of its chunks and decodes."""
+    replay_tokens: int        # W of §1.3: rows a hit re-feeds (0: no replay)
+    prefix_tokens: int        # a chunk that does not finish its prompt ends on a multiple
+    state_reserve: int        # §1.2: a decoding role's state growth block (0: no state group)
+    min_prefill_tokens: int   # a hit's first chunk: its replay rows, and still an advance
+
+
+def group_bounds(cfg: EngineConfig, groups) -> GroupBounds:
+    """The bounds of `groups` (checked by cache_groups.check_groups) under
+    `cfg`, or a ConfigError naming the setting that leaves one request no
+    way to advance: a state pool without a chunk's states, a token budget
+    below a state block or a replayed hit's first chunk, a sliding pool
+    without a window and a chunk."""
+    ps = cfg.page_size
+    replay_tokens = replay_window(groups)
+    # chunks that do not finish a prompt end on a boundary every group can resume from
+    prefix_tokens = prefix_granularity(groups, ps)
+    state = next((g for g in groups if g.state), None)
+    # §1.2: a decoding role's growth block, at least one block beyond the endpoint
+    state_reserve = max(state.block_tokens(ps), cfg.decode_input_tokens) if state else 0
+    if state:
+        per_request = 3 + -(-state_reserve // state.block_tokens(ps))
+        slots = group_pages(cfg, groups)[-1]
+        if slots < per_request:
+            raise ConfigError(
+                f"engine.state_slots={slots} cannot hold one request's states: a chunk "
+                f"reads one, writes a checkpoint and a final state, and reserves "
+                f"{per_request - 3} growth block(s); raise state_slots to at least "
+                f"{per_request}")
+    if prefix_tokens > cfg.max_scheduled_tokens:
+        raise ConfigError(
+            f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below the state "
+            f"block of {prefix_tokens} tokens: a chunk that does not finish its prompt "
+            "ends on a block boundary, so no long prompt could advance; raise "
+            "max_scheduled_tokens or lower engine.state_block")
+    # a hit's first chunk spends its replay rows and must still advance (§1.3)
+    min_prefill_tokens = -(-replay_tokens // ps) * ps + \
+        max(replay_tokens, ps) if replay_tokens else 0
+    if min_prefill_tokens > cfg.max_scheduled_tokens:
+        raise ConfigError(
+            f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below "
+            f"{min_prefill_tokens}: with bounded replay of {replay_tokens} rows a "
+            "hit's first chunk re-feeds them and must still advance; raise "
+            "max_scheduled_tokens or turn replay off")
+    for g, n in zip(groups, group_pages(cfg, groups)):
+        if g.sliding and n < sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens):
+            raise ConfigError(
+                f"engine.sliding_pages={n} cannot hold one request's window of {g.window} "
+                f"plus a chunk of max_scheduled_tokens={cfg.max_scheduled_tokens}: it "
+                f"needs {sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens)}; "
+                "raise sliding_pages (or total_pages) or lower max_scheduled_tokens")
+    return GroupBounds(replay_tokens, prefix_tokens, state_reserve, min_prefill_tokens)
+
+
 def capacity_report(cfg: EngineConfig, groups, page_bytes: list[int]) -> dict:
     """What the KV pools hold, counted with each group's retention: the
     tokens of full history (every request's, together), the windows each
@@ -155,3 +219,4 @@ def capacity_line(report: dict) -> str:
         line += (f"; {report['bytes'] / gib:.2f} GiB in all, where keeping every layer's "
                  f"history would take {report['bytes_every_layer_kept'] / gib:.2f} GiB")
     return line
+

@@ -10,6 +10,11 @@ plus the coordinator's pages and copy tickets. Resident collections keep
 submission order, so FIFO is the fairness policy in every phase. The planner
 never reads a clock and never draws a random number, so the same
 submissions produce the same plans on every machine.
+
+What the cache groups ask of every chunk is derived and checked once, at
+start (capacity.group_bounds); what must hold after every step, and at the
+end of a lifecycle, is checked by invariants.py (`check_invariants`,
+`assert_idle`).
 """
 
 from __future__ import annotations
@@ -17,23 +22,18 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from pdserve.scheduler import fsm
-from pdserve.scheduler.capacity import context_bound, ingest_error
+from pdserve.scheduler import fsm, invariants
+from pdserve.scheduler.cache_groups import FULL, check_groups, describe
+from pdserve.scheduler.capacity import context_bound, group_bounds, group_pages, ingest_error
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.cache_groups import (
-    FULL, check_groups, describe, prefix_granularity, replay_window)
-from pdserve.scheduler.capacity import group_pages, sliding_request_pages
-from pdserve.scheduler.config import ConfigError
 from pdserve.scheduler.coordinator import Coordinator
-from pdserve.scheduler.group_pools import make_group
-from pdserve.scheduler.fsm import (
-    Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
-    Transferring)
+from pdserve.scheduler.fsm import Prefilling, Retracted, Transferring
 from pdserve.scheduler.grammar import Role, grammar_for
+from pdserve.scheduler.group_pools import make_group
 from pdserve.scheduler.phases import PlanBuild
-from pdserve.scheduler.retraction import ensure_progress
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.request import Request
+from pdserve.scheduler.retraction import ensure_progress
 from pdserve.scheduler.waiting import WaitReason, wait_reasons
 
 
@@ -55,45 +55,13 @@ class Planner:
         self.decodes_locally = role is not Role.PREFILL
         self.decodes_use_budget = role is Role.FUSED   # D decodes spend no token budget
         self.requeues_victims = role is Role.FUSED     # D recovers through readmission only
-        self.replay_tokens = replay_window(groups)     # W of §1.3 (0: no replay)
+        bounds = group_bounds(cfg, groups)             # or a ConfigError (capacity.py)
+        self.replay_tokens = bounds.replay_tokens
+        self.prefix_tokens = bounds.prefix_tokens
+        self.state_reserve = bounds.state_reserve
+        self.min_prefill_tokens = bounds.min_prefill_tokens
         ps = cfg.page_size
-        # chunks that do not finish a prompt end on a boundary every group can resume from
-        self.prefix_tokens = prefix_granularity(groups, ps)
-        state = next((g for g in groups if g.state), None)
-        # §1.2: a decoding role's growth block, at least one block beyond the endpoint
-        self.state_reserve = max(state.block_tokens(ps), cfg.decode_input_tokens) if state else 0
-        if state:
-            per_request = 3 + -(-self.state_reserve // state.block_tokens(ps))
-            slots = group_pages(cfg, groups)[-1]
-            if slots < per_request:
-                raise ConfigError(
-                    f"engine.state_slots={slots} cannot hold one request's states: a chunk "
-                    f"reads one, writes a checkpoint and a final state, and reserves "
-                    f"{per_request - 3} growth block(s); raise state_slots to at least "
-                    f"{per_request}")
-        if self.prefix_tokens > cfg.max_scheduled_tokens:
-            raise ConfigError(
-                f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below the state "
-                f"block of {self.prefix_tokens} tokens: a chunk that does not finish its prompt "
-                "ends on a block boundary, so no long prompt could advance; raise "
-                "max_scheduled_tokens or lower engine.state_block")
-        # a hit's first chunk spends its replay rows and must still advance (§1.3)
-        self.min_prefill_tokens = -(-self.replay_tokens // ps) * ps + \
-            max(self.replay_tokens, ps) if self.replay_tokens else 0
-        if self.min_prefill_tokens > cfg.max_scheduled_tokens:
-            raise ConfigError(
-                f"engine.max_scheduled_tokens={cfg.max_scheduled_tokens} is below "
-                f"{self.min_prefill_tokens}: with bounded replay of {self.replay_tokens} rows a "
-                "hit's first chunk re-feeds them and must still advance; raise "
-                "max_scheduled_tokens or turn replay off")
         pages = group_pages(cfg, groups)
-        for g, n in zip(groups, pages):
-            if g.sliding and n < sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens):
-                raise ConfigError(
-                    f"engine.sliding_pages={n} cannot hold one request's window of {g.window} "
-                    f"plus a chunk of max_scheduled_tokens={cfg.max_scheduled_tokens}: it "
-                    f"needs {sliding_request_pages(cfg, g.window, cfg.max_scheduled_tokens)}; "
-                    "raise sliding_pages (or total_pages) or lower max_scheduled_tokens")
         self.coord = Coordinator([make_group(g, n, ps) for g, n in zip(groups, pages)],
                                  host_pages=cfg.host_pages, host_slots=cfg.host_state_slots)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
@@ -391,98 +359,12 @@ class Planner:
 
     def check_invariants(self) -> None:
         """Pool and index consistency, and that every live request is in
-        exactly the collection its state says."""
-        live, snapshots = [], []
-        for req in self.requests.values():
-            st = req.state
-            where = (req in self.waiting, req.id in self.prefilling, req.id in self.running,
-                     req.id in self.retracted, req.id in self.landing,
-                     req.id in self.transferring)
-            kinds = (fsm.Waiting, Prefilling, (PrefillDone, Decoding, RemotePrefillDone),
-                     Retracted, RemotePrefilling, Transferring)
-            want = tuple(isinstance(st, k) for k in kinds)
-            if isinstance(st, Retracted):
-                snapshots.append(st.snapshot)
-            if not any(want):
-                raise AssertionError(f"{req.id}: terminal state {st} still live")
-            if where != want:
-                raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
-            if st.holds_pages:
-                live.append(st.res.tables)
-                if req.capacity != min(len(t) for t in st.res.tables) * self.page_size:
-                    raise AssertionError(f"{req.id}: capacity out of step with its tables")
-                self._check_windows(req)
-                self._check_states(req)
-                if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
-                    raise AssertionError(f"{req.id}: more than one token beyond capacity")
-        counted = (len(self.waiting) + len(self.prefilling) + len(self.running)
-                   + len(self.retracted) + len(self.landing) + len(self.transferring))
-        if counted != len(self.requests):
-            raise AssertionError("a request sits in no queue or in two")
-        for coll in (self.prefilling, self.running):
-            seqs = [r.seq for r in coll.values()]
-            if seqs != sorted(seqs):
-                raise AssertionError("a resident collection is out of submission order")
-        self.coord.check_invariants(live, snapshots)
-
-    def _check_windows(self, req) -> None:
-        """A sliding group holds no slot below the window of the forward it
-        was last admitted for, and every slot from there to its end."""
-        from pdserve.scheduler.cache_groups import HOLE
-
-        for g, table in zip(self.groups, req.state.res.tables):
-            if not g.sliding or not table:
-                continue
-            held = [i for i, p in enumerate(table) if p != HOLE]
-            if held and held != list(range(held[0], len(table))):
-                raise AssertionError(f"{req.id}: a hole inside its sliding window")
-            lowest = g.first_live_page(fsm.computed_tokens(req), self.page_size)
-            if held and held[0] > lowest and not isinstance(req.state, RemotePrefilling):
-                raise AssertionError(f"{req.id}: sliding window starts at slot {held[0]}, "
-                                     f"its next forward reads slot {lowest}")
-            if len(held) > sliding_request_pages(self.cfg, g.window,
-                                                 self.cfg.max_scheduled_tokens):
-                raise AssertionError(f"{req.id}: holds {len(held)} sliding pages, more than "
-                                     "its window, a chunk and its decode slot")
-
-    def _check_states(self, req) -> None:
-        """A state group holds slots only at block ends, the state of the
-        computed frontier among them (unless it is still arriving), and no
-        more than one chunk's read, checkpoint and final state beside its
-        growth blocks."""
-        from pdserve.scheduler.cache_groups import HOLE
-
-        g = self.coord.state
-        if g is None:
-            return
-        grp, table = self.coord.groups[g], req.state.res.tables[g]
-        held = [i for i, s in enumerate(table) if s != HOLE]
-        if any((i + 1) % grp.per_block for i in held):
-            raise AssertionError(f"{req.id}: a state slot off a block end: {table}")
-        computed = fsm.computed_tokens(req)
-        if computed and grp.entry(computed) not in held \
-                and not isinstance(req.state, RemotePrefilling):
-            raise AssertionError(f"{req.id}: no state for its {computed} computed tokens")
-        if len(held) > 3 + -(-self.state_reserve // grp.block):
-            raise AssertionError(f"{req.id}: holds {len(held)} state slots: {table}")
+        exactly the collection its state says (invariants.py)."""
+        invariants.check_invariants(self)
 
     def describe_groups(self) -> str:
         return describe(self.groups)
 
     def assert_idle(self) -> None:
         """Nothing live and no page held: what every lifecycle ends with."""
-        self.check_invariants()
-        if self.requests:
-            raise AssertionError(f"{len(self.requests)} requests still live")
-        c = self.coord
-        if c.fences:
-            raise AssertionError(f"{len(c.fences)} fences still hold pages")
-        if c.stores or c.loads or c.pending_stores:
-            raise AssertionError("copies still in flight")
-        for g, grp in enumerate(c.groups):
-            if c.available_pages(g) != grp.pool.total:
-                raise AssertionError(f"group {g}: {grp.pool.total - c.available_pages(g)} "
-                                     "pages still held")
-        for host in c.hosts:
-            if host.pool.num_free + host.index.num_idle != host.pool.total:
-                raise AssertionError("host pages still held")
+        invariants.assert_idle(self)

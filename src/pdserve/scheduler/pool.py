@@ -4,6 +4,10 @@ A page is in exactly one of three conditions:
   free    on the free list, refcount 0, not in the prefix index;
   cached  in the prefix index with refcount 0 (evictable, counted as free);
   held    refcount > 0 (a live request or a pin holds it).
+
+`drop_refs` moves a page from held to cached or free as its last owner lets
+go; `check_refcounts` checks the counts against the owners a caller lists
+(the coordinator's device pools, the host tier's pools).
 """
 
 from __future__ import annotations
@@ -59,3 +63,33 @@ class PagePool:
                 raise PoolError(f"page {p} is free with refcount {self.refcount[p]}")
             if self.refcount[p] < 0:
                 raise PoolError(f"page {p} has negative refcount")
+
+
+def drop_refs(pool: PagePool, index, pages) -> None:
+    """One reference fewer on each page: a page nobody holds any more
+    becomes idle in `index` (cached) if it is in it, else free."""
+    rc = pool.refcount
+    for p in pages:
+        rc[p] -= 1
+        if rc[p] == 0:
+            if index.contains(p):
+                index.idle(p)
+            else:
+                pool.put_free(p)
+        elif rc[p] < 0:
+            raise PoolError(f"page {p} released more often than held")
+
+
+def check_refcounts(name: str, pool: PagePool, index, expected: list[int]) -> None:
+    """The pool and its index are consistent, each page's refcount is what
+    its owners hold (`expected`), and free + cached + held == total."""
+    pool.check_invariants()
+    index.check_invariants()
+    if expected != pool.refcount:
+        bad = next(p for p in range(pool.total) if expected[p] != pool.refcount[p])
+        raise PoolError(f"{name} page {bad}: refcount {pool.refcount[bad]}, "
+                        f"its owners hold {expected[bad]}")
+    held = sum(1 for c in pool.refcount if c)
+    if pool.num_free + index.num_idle + held != pool.total:
+        raise PoolError(f"{name}: free {pool.num_free} + cached {index.num_idle} + "
+                        f"held {held} != total {pool.total}")

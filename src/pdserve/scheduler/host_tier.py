@@ -1,0 +1,257 @@
+"""The host (L2) tier: a page pool and prefix index in host memory per cache
+group, and the tickets of the copies between it and the device pools.
+
+A copy is a ticket that owns page references until the executor acks it,
+so that every refcount stays checkable (`HostCache.check_invariants`):
+  a publication store    pinned: one ref on each device page of the chain
+                         from the root to its last source, and one on each
+                         host target; at the ack the targets enter the host
+                         index (the full history's by chain, a state group's
+                         checkpoints by the chain hash of the prefix they end)
+  a retraction snapshot  stream-ordered: its host targets belong to the
+                         Retracted state that holds the snapshot, one ref each
+  a load                 one ref on each host source until done (a host
+                         prefix hit, or a readmission's snapshot)
+
+Host writes are best effort: a tier that cannot supply pages is skipped and
+the device copy stays cached. Op ids count up across stores and loads in the
+order the planner makes them. The coordinator (coordinator.py) makes the
+publication stores as it publishes and the loads of a host hit as it admits.
+"""
+
+from __future__ import annotations
+
+from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.plan import LoadOp, StoreOp
+from pdserve.scheduler.pool import PagePool, check_refcounts, drop_refs
+from pdserve.scheduler.prefix import PrefixIndex, WindowIndex
+
+
+class HostTier:
+    """The L2 host cache of one group: a page pool and prefix index in host
+    memory. The full-history group's index serves prefix hits by chain, a
+    state group's (`keyed`) serves checkpoints by the chain hash of the
+    prefix they end; every group's tier takes retraction snapshots."""
+
+    def __init__(self, total_pages: int, keyed: bool = False):
+        self.pool = PagePool(total_pages)
+        self.index = WindowIndex(self.pool) if keyed else \
+            PrefixIndex(self.pool, strict_holding=False)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n host pages (refcount 1), evicting idle cached ones; None if the
+        tier cannot supply them all (host writes are best effort)."""
+        short = n - self.pool.num_free
+        if short > 0:
+            got = self.index.evict(short, best_effort=True)
+            for p in got:
+                self.pool.put_free(p)
+            if len(got) < short:
+                return None
+        return self.pool.take(n)
+
+    def hold(self, pages) -> None:
+        rc = self.pool.refcount
+        for p in pages:
+            if rc[p] == 0 and self.index.contains(p):
+                self.index.claim(p)
+            rc[p] += 1
+
+    def release(self, pages) -> None:
+        drop_refs(self.pool, self.index, pages)
+
+
+class HostCache:
+    """Every group's host tier (`tiers`, none when `host_pages` is 0) and the
+    tickets of copies in flight between them and the device `groups` (the
+    coordinator's): stores made and not yet handed to a plan
+    (`pending_stores`), stores handed out and not yet acked (`stores`, the
+    pending ones included) and loads (`loads`)."""
+
+    def __init__(self, groups: list, host_pages: int = 0, host_slots: int = 0):
+        """`host_pages`: each page group's host tier (0: none); `host_slots`:
+        a state group's (0: as many as its device pool)."""
+        self.groups = groups
+        self.page_size = groups[0].page_size
+        self.state = next((i for i, g in enumerate(groups) if g.spec.state), None)
+        self.tiers = [HostTier(host_slots or grp.pool.total, keyed=True) if grp.spec.state
+                      else HostTier(host_pages) for grp in groups] if host_pages else []
+        self.pending_stores: list[StoreOp] = []
+        self.stores: dict[int, StoreOp] = {}
+        self.loads: dict[int, LoadOp] = {}
+        self._next_op = 0
+
+    def _op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op
+
+    def pinned_stores_outstanding(self) -> int:
+        return sum(1 for s in self.stores.values() if s.pinned)
+
+    # ---- loads of a host hit ----------------------------------------------
+    def load(self, req_id: str, g: int, host_pages: list, device_pages: list, plan) -> None:
+        """A load ticket for a host hit: it holds the host pages until done."""
+        self.tiers[g].hold(host_pages)
+        load = LoadOp(self._op_id(), req_id, host_pages, device_pages, group=g)
+        self.loads[load.id] = load
+        plan.loads.append(load)
+
+    # ---- publication stores ------------------------------------------------
+    def store_published(self, req_id: str, fresh, table) -> None:
+        """A pinned store of the full-history pages just published (`fresh`:
+        (page, parent hash, key, hash) each) the host index lacks; the
+        request's chain from the root to the last of them stays pinned."""
+        host = self.tiers[0]
+        todo = [f for f in fresh if not host.index.has_hash(f[3])]
+        if not todo:
+            return
+        host_pages = host.allocate(len(todo))
+        if host_pages is None:
+            return                      # best effort: the device copy stays cached
+        rc = self.groups[0].pool.refcount
+        pins = table[:table.index(todo[-1][0]) + 1]
+        for page in pins:
+            rc[page] += 1               # pinned until the ack
+        op = StoreOp(self._op_id(), req_id, [f[0] for f in todo], host_pages, True,
+                     [(f[1], f[2]) for f in todo], pins)
+        self.stores[op.id] = op
+        self.pending_stores.append(op)
+
+    def store_states(self, req_id: str, fresh: list) -> None:
+        """Pinned stores of newly published state checkpoints to the state
+        group's host tier (best effort), each source slot held until the ack."""
+        g = self.state
+        host = self.tiers[g]
+        todo = [(slot, h) for slot, h in fresh if host.index.find(h) is None]
+        host_slots = host.allocate(len(todo)) if todo else None
+        if not host_slots:
+            return
+        rc = self.groups[g].pool.refcount
+        for slot, _ in todo:
+            rc[slot] += 1
+        op = StoreOp(self._op_id(), req_id, [s for s, _ in todo], host_slots, True,
+                     [h for _, h in todo], [s for s, _ in todo], group=g)
+        self.stores[op.id] = op
+        self.pending_stores.append(op)
+
+    def take_pending_stores(self) -> list[StoreOp]:
+        out, self.pending_stores = self.pending_stores, []
+        return out
+
+    # ---- the host snapshot of a retraction ---------------------------------
+    def snapshot(self, req_id: str, res, pages: int, plan) -> list | None:
+        """Stream-ordered copies of the device pages of slots [0, pages) of
+        every group but the replayable ones (of a state group, the state
+        after those pages' tokens), to fresh host pages the
+        caller's Retracted state will hold: per group, a host page or HOLE
+        per slot. None if the host tiers cannot take them all."""
+        if not self.tiers or pages == 0:
+            return None
+        snap, ops = [], []
+        for g, grp in enumerate(self.groups):
+            slots = res.tables[g][:pages]
+            if grp.spec.state:
+                # the working state only: the checkpoints are cached or recomputed
+                r = grp.first_live(pages * self.page_size)
+                slots = [HOLE] * r + res.tables[g][r:r + 1]
+            src = [p for p in slots if p != HOLE] if not grp.spec.replayable else []
+            host_pages = self.tiers[g].allocate(len(src)) if src else []
+            if host_pages is None:
+                for g2, s in enumerate(snap):
+                    self.tiers[g2].release([p for p in s if p != HOLE])
+                return None
+            it = iter(host_pages)
+            snap.append([next(it) if p != HOLE else HOLE for p in slots] if src else [])
+            if src:
+                ops.append(StoreOp(self._op_id(), req_id, src, host_pages, False, group=g))
+        for op in ops:
+            self.stores[op.id] = op
+            plan.stores.append(op)
+        return snap
+
+    def load_snapshot(self, req_id: str, res, snap: list, start: int, plan) -> None:
+        """Readmission: load each group's snapshot pages of the slots the
+        (just admitted) table holds from `start` on; host copies of slots a
+        device hit or a slid-out window made moot are let go. The
+        snapshot's hold on what loads passes to the load ticket."""
+        for g, host_pages in enumerate(snap):
+            if not host_pages:
+                continue
+            table = res.tables[g]
+            load_h, load_d, drop = [], [], []
+            for i, hp in enumerate(host_pages):
+                if hp == HOLE:
+                    continue
+                if i >= start and i < len(table) and table[i] != HOLE:
+                    load_h.append(hp)
+                    load_d.append(table[i])
+                else:
+                    drop.append(hp)
+            self.tiers[g].release(drop)
+            if load_h:
+                op = LoadOp(self._op_id(), req_id, load_h, load_d, group=g)
+                self.loads[op.id] = op
+                plan.loads.append(op)
+
+    def release_snapshot(self, snap: list) -> None:
+        for g, host_pages in enumerate(snap):
+            self.tiers[g].release([p for p in host_pages if p != HOLE])
+
+    # ---- acks ------------------------------------------------------------
+    def store_done(self, op_id: int) -> None:
+        op = self.stores.pop(op_id)
+        if not op.pinned:
+            return                      # the snapshot's host pages stay with its owner
+        host = self.tiers[op.group]
+        if op.group == self.state:
+            for hp, h in zip(op.host_pages, op.entries):
+                host.index.insert(h, hp)             # dropped if h was cached meanwhile
+        else:
+            for hp, (parent, key) in zip(op.host_pages, op.entries):
+                host.index.insert(parent, key, hp)   # dropped if its parent left the host index
+        host.release(op.host_pages)
+        self._unpin(op)
+
+    def store_failed(self, op_id: int) -> None:
+        """A store that did not happen: its host pages hold nothing, so they
+        go back unpublished; a pinned store's sources are unpinned."""
+        op = self.stores.pop(op_id)
+        if op.pinned:
+            self.tiers[op.group].release(op.host_pages)
+            self._unpin(op)
+
+    def load_done(self, op_id: int) -> None:
+        op = self.loads.pop(op_id)
+        self.tiers[op.group].release(op.host_pages)
+
+    def _unpin(self, op: StoreOp) -> None:
+        grp = self.groups[op.group]
+        drop_refs(grp.pool, grp.index, reversed(op.pins))
+
+    # ---- invariants ------------------------------------------------------
+    def pinned_device_pages(self, g: int):
+        """The device pages of group g that unacked publication stores pin,
+        one entry per reference."""
+        for op in self.stores.values():
+            if op.pinned and op.group == g:
+                yield from op.pins
+
+    def check_invariants(self, snapshots: list | None = None) -> None:
+        """free + cached + held == total in every host pool, and every
+        refcount equals the references its owners (retracted snapshots,
+        store and load tickets) hold."""
+        for g, host in enumerate(self.tiers):
+            expected = [0] * host.pool.total
+            for snap in snapshots or ():
+                for p in (snap[g] if snap else ()):
+                    if p != HOLE:
+                        expected[p] += 1
+            for op in self.stores.values():
+                if op.pinned and op.group == g:
+                    for p in op.host_pages:
+                        expected[p] += 1
+            for op in self.loads.values():
+                if op.group == g:
+                    for p in op.host_pages:
+                        expected[p] += 1
+            check_refcounts(f"host group {g}", host.pool, host.index, expected)
