@@ -74,6 +74,11 @@ class Security:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
 
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError(f"Security: tls_cert={self.tls_cert!r} and tls_key="
+                             f"{self.tls_key!r}: give both PEM files or neither")
+
 
 class Router:
     def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
