@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.config import ServeConfig
 from pdserve.router.pairing import AFFINITY_SLACK_TOKENS
-from pdserve.router.router import RequestError, Router
+from pdserve.router.router import RequestError, Router, Security
 from pdserve.kernels.tokenizer import PrintableTokenizer
 
 from router_fakes import router
@@ -323,3 +323,13 @@ def test_an_added_engine_is_picked_only_once_it_is_subscribed_and_introduced():
         assert target.name == "decode-0"
     r.engines["decode-1"].joining = False
     assert r.pairing.pick("")[0].name == "decode-1"
+
+
+def test_security_takes_both_tls_files_or_neither():
+    """A certificate without its key (or a key alone) is refused when the
+    Security is made, not later in the gRPC front's thread."""
+    with pytest.raises(ValueError, match="give both PEM files or neither"):
+        Security(tls_cert="cert.pem")
+    with pytest.raises(ValueError, match="give both PEM files or neither"):
+        Security(tls_key="key.pem")
+    assert Security(tls_cert="cert.pem", tls_key="key.pem").tls_key == "key.pem"

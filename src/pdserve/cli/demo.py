@@ -40,7 +40,9 @@ def main(config: str | None = None) -> int:
     dep = Deployment(cfg, num_cpus=2)
     try:
         addr = dep.start(http_port=0)
-        print(f"router on {addr} (gRPC) and {dep.http_address} (OpenAI HTTP) after "
+        http = dep.http_address
+        assert dep.router is not None and http is not None   # started, with an HTTP port
+        print(f"router on {addr} (gRPC) and {http} (OpenAI HTTP) after "
               f"{time.time() - t0:.1f} s; model {cfg.model.served_name}", flush=True)
         client = Client(addr, timeout=300)
         tok = dep.router.tokenizer
@@ -76,7 +78,7 @@ def main(config: str | None = None) -> int:
         question = "What is 2 + 2?"
         body = {"model": cfg.model.served_name, "max_tokens": 32, "temperature": 0,
                 "messages": [{"role": "user", "content": question}]}
-        req = urllib.request.Request(dep.http_address + "/v1/chat/completions",
+        req = urllib.request.Request(http + "/v1/chat/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as resp:

@@ -69,6 +69,7 @@ def run(args) -> int:
         raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
                           "and plan.png")
     trace = read_trace(args.trace, limit=args.limit)
+    pool: InProcess | RayPool
     if args.in_process:
         pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
     else:
@@ -100,7 +101,8 @@ def run(args) -> int:
               f"or add --gpus. Probes are in {out / 'plan.json'}", file=sys.stderr)
         return 1
     (out / "plan.yaml").write_text(plan_yaml(base_path, result, args.trace))
-    c = best.candidate
-    print(f"best: {c.shape}, chunk {c.chunk}: {best.lo.rate_req_s:.2f} req/s "
-          f"({best.lo.rate_req_s / settings.gpus:.3f} per GPU); config in {out / 'plan.yaml'}")
+    c, lo = best.candidate, best.lo
+    assert lo is not None                   # `best` is a bracket with a passing probe
+    print(f"best: {c.shape}, chunk {c.chunk}: {lo.rate_req_s:.2f} req/s "
+          f"({lo.rate_req_s / settings.gpus:.3f} per GPU); config in {out / 'plan.yaml'}")
     return 0

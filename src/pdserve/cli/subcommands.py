@@ -50,7 +50,7 @@ def add_subcommands(parser: argparse.ArgumentParser, entries: list[Subcommand], 
                                 parser_class=_Deferred)
     for e in entries:
         sub.add_parser(e.name, help=e.help, module=e.module,
-                       **({"description": e.help} if describe else {}))
+                       description=e.help if describe else None)
 
 
 def chosen(entries: list[Subcommand], name: str) -> ModuleType:

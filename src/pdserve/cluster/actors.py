@@ -114,7 +114,8 @@ class RouterHost:
 
         def resolve(name: str) -> str:
             actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
-            return ray.get(actor.info.remote(), timeout=5)["address"]
+            # Ray types no actor method: its ActorHandle has no `info`
+            return ray.get(actor.info.remote(), timeout=5)["address"]  # type: ignore[call-overload]
 
         def retire(name: str) -> None:        # drained and stopped: never restarted
             actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
@@ -136,7 +137,7 @@ RouterActor = ray.remote(RouterHost)
 AutoscalerActor = ray.remote(Autoscaler)
 
 
-def actor_name(role: str, index: int) -> str:
+def actor_name(role: str, index: int | str) -> str:
     return f"pdserve:{role}-{index}"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -26,6 +27,9 @@ from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError
                                     Security)
 from pdserve.router.serve import serve
 from pdserve.kernels.loader import load_tokenizer, model_config_for
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 log = logging.getLogger("pdserve.deploy")
@@ -80,7 +84,7 @@ class Deployment:
         self.infos: list[dict] = []             # each engine's info() as it started
         self.router: Router | None = None
         self.replicas: list = []                # router actors beside self.router
-        self.autoscaler = None                  # its actor, with an autoscale: section
+        self.autoscaler: ActorHandle | None = None   # its actor, with an autoscale: section
         self._started_ray = False
 
     def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None) -> str:
@@ -126,7 +130,9 @@ class Deployment:
             for _ in range(cfg.router.replicas - 1)]
         ray.get([r.info.remote() for r in self.replicas])
         if cfg.autoscale is not None:
-            self.autoscaler = AutoscalerActor.options(num_cpus=0, namespace=NAMESPACE).remote(
+            # Ray types remote() as ActorHandle | the class itself (its ActorProxy)
+            self.autoscaler = AutoscalerActor.options(  # type: ignore[assignment]
+                num_cpus=0, namespace=NAMESPACE).remote(
                 address, cfg, self.device, self.gpus_per_engine, self.engine_options,
                 "127.0.0.1" if local else None, self.security.api_key)
         return address
@@ -148,13 +154,21 @@ class Deployment:
                              "model.device: cpu) or on a machine with the GPUs")
         log.warning("%s now: the engines wait until Ray's autoscaler adds GPU nodes", what)
 
+    def _serving(self) -> Router:
+        """The router start() made; a RuntimeError before it."""
+        if self.router is None:
+            raise RuntimeError("the deployment has no router yet: call start() first")
+        return self.router
+
     @property
     def address(self) -> str:
-        return self.router.address
+        address = self._serving().address
+        assert address is not None              # serve() set it before start() returned
+        return address
 
     @property
     def http_address(self) -> str | None:
-        return self.router.http_address
+        return self._serving().http_address
 
     def actor(self, name: str):
         """An engine's actor: one started with the deployment, or one the
@@ -168,7 +182,7 @@ class Deployment:
     def restart_router(self, host: str = "127.0.0.1", port: int = 0,
                        http_port: int | None = None) -> str:
         """Stop the router and start a fresh one over the same engines."""
-        old = self.router
+        old = self._serving()
         old.stop()
         self.router = Router(old.cfg, old.tokenizer, old.vocab_size,
                              [(e.name, e.role, e.address) for e in old.engines.values()],
@@ -204,8 +218,9 @@ class Deployment:
                 ray.get(self.autoscaler.stop.remote(), timeout=60)
             except Exception:                   # already gone
                 pass
-        results = self.router.run_sync(self.router.drain_all(deadline_s),
-                                       timeout=deadline_s + DRAIN_SLACK_S + 10)
+        router = self._serving()
+        results = router.run_sync(router.drain_all(deadline_s),
+                                  timeout=deadline_s + DRAIN_SLACK_S + 10)
         out = {}
         for name, r in results.items():
             if isinstance(r, RequestError):

@@ -58,7 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # subtracted per occurrence in the output
     repetition_penalty: float = 1.0    # tokens of prompt or output: logit / p if > 0, else * p
     min_p: float = 0.0                 # drop tokens below min_p times the likeliest's probability
-    logit_bias: tuple = field(default_factory=tuple)    # (token id, bias) pairs; a dict is taken
+    # (token id, bias) pairs; a dict is taken, and kept as its sorted pairs
+    logit_bias: tuple | dict = field(default_factory=tuple)
     include_stop_str_in_output: bool = False   # the text ends after a stop string, not before
     skip_special_tokens: bool = True   # False: special tokens' own text is in the output
 

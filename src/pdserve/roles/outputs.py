@@ -122,7 +122,7 @@ class Outputs:
         self._in.put([OpenStream(req_id, subscriber, prompt[max(cut - 8, 0):cut],
                                  sp or SamplingParams(), key, prompt[cut:], chars)])
 
-    def post(self, items: list[OutputItem | StreamError]) -> None:
+    def post(self, items: Sequence[OutputItem | StreamError]) -> None:
         """A round's results, one queue put."""
         if items:
             self._in.put(items)

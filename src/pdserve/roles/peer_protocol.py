@@ -106,11 +106,11 @@ class PeerProtocol:
         if self.transport is not None and r.nixl_metadata:
             self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
 
-    def send(self, peer_name: str, rpc: PeerRpc, request, on_error=None) -> None:
+    def send(self, peer_name: str | None, rpc: PeerRpc, request, on_error=None) -> None:
         """Fire a control message to a peer off the loop thread; a failed
         call's status code goes to `on_error` (on the sending thread). An
         "ack" fault rule can drop or delay a TransferAck (chaos tests)."""
-        peer = self.peers.get(peer_name)
+        peer = self.peers.get(peer_name) if peer_name is not None else None
         if peer is None:
             log.warning("%s: no peer %s for %s", self.name, peer_name, rpc.value)
             return
@@ -230,7 +230,7 @@ class PeerProtocol:
                 self.planner.release_fence((ld.req_id, ld.epoch))
             if now - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = now
-                by_peer: dict[str, list] = {}
+                by_peer: dict[str | None, list[str]] = {}
                 for req in self.planner.landing.values():
                     by_peer.setdefault(req.peer, []).append(req.id)
                 for peer, ids in by_peer.items():

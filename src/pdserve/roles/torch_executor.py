@@ -76,7 +76,7 @@ class TorchExecutor:
         self.caches = model.new_caches([sizes[g] for g in self.kv], cfg.page_size)
         if self.state is not None:
             self.caches.append(model.new_state_cache(sizes[self.state]))
-        self.hosts = []
+        self.hosts: list[KVCache | StateCache] = []
         if cfg.host_pages:
             c = model.cfg
             pin = model.device.type == "cuda"
@@ -199,9 +199,11 @@ class TorchExecutor:
         their requests, in order: completing prefills, then decodes)."""
         ps = self.page_size
         groups = [self.groups[g] for g in self.kv]
-        ids, pos, sample_rows, rows = [], [], [], []
-        seqs = [[] for _ in groups]
-        slots = [[] for _ in groups]
+        ids: list[int] = []
+        pos: list[int] = []
+        sample_rows, rows = [], []
+        seqs: list[list[SeqMeta]] = [[] for _ in groups]
+        slots: list[list[int]] = [[] for _ in groups]
         skips = [False] * len(groups)
         states = []
         for op in plan.prefills:
@@ -273,6 +275,7 @@ class TorchExecutor:
         (spec §1.2): the slot the planner gave the state after `begin`
         tokens, the one for `end`, and the checkpoint between if any."""
         grp = self._blocks
+        assert grp is not None      # called only for a model with a state group
         read = table[grp.entry(begin)] if begin else -1
         b = grp.checkpoint(begin, end)
         ckpt = (b - begin, table[grp.entry(b)]) if b else None

@@ -58,7 +58,7 @@ class EngineLink:
             # requests, never a newer one's
             sub = f"{self.router_id}/{next(self._ids)}"
             try:
-                call = self.ref.stub.Subscribe(cpb.SubscribeRequest(subscriber=sub))
+                call = self.ref.control.Subscribe(cpb.SubscribeRequest(subscriber=sub))
                 async for msg in call:
                     if not self.ready.is_set():
                         self.subscriber = sub
@@ -71,7 +71,9 @@ class EngineLink:
             except grpc.aio.AioRpcError:
                 pass                              # the engine is gone: tell, then retry
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
+                task = asyncio.current_task()
+                assert task is not None           # _run runs as a task (start())
+                if task.cancelling():
                     raise                         # stop(): the link itself ends
                 # the call was cancelled under it: membership closed its channel
                 # (the engine moved); a broken stream like any other

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -179,7 +181,8 @@ class _ManyCall:
             outbox.put(pb.TaggedResponse(tag=tag, error_code=grpc.StatusCode.UNKNOWN.value[0],
                                          error=f"{type(e).__name__}: {e}"))
 
-    def forget(self, tag: int) -> None:           # also for a task cancelled before it ran
+    def forget(self, tag: int, task: asyncio.Task) -> None:
+        """The tag's task is done (a task cancelled before it ran too)."""
         del self.tasks[tag]
         if self.closed and not self.tasks:
             self.end()
@@ -198,7 +201,7 @@ class _ManyCall:
                           "live request a tag of its own"))
             else:
                 task = tasks[call.tag] = self.loop.create_task(self.run(call.tag, call.request))
-                task.add_done_callback(lambda _, tag=call.tag: self.forget(tag))
+                task.add_done_callback(functools.partial(self.forget, call.tag))
         self.closed = True
         if not tasks:
             self.end()
@@ -206,7 +209,7 @@ class _ManyCall:
     async def write(self, context) -> None:
         """Write what the outbox holds, a batch at a time, until the call ends."""
         while True:
-            items = await self.outbox.take()
+            items: Sequence = await self.outbox.take()
             # read before the write: a request that ends while the write
             # is awaited queues its last responses behind this batch
             last = self.ending
@@ -240,6 +243,7 @@ async def grpc_server(router: Router, host: str, port: int):
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     if sec.tls_cert:
+        assert sec.tls_key is not None          # Security holds both or neither
         creds = grpc.ssl_server_credentials(
             [(Path(sec.tls_key).read_bytes(), Path(sec.tls_cert).read_bytes())])
         bound = server.add_secure_port(f"{host}:{port}", creds)
@@ -262,4 +266,6 @@ class GrpcServer:
         self.address = f"{self.host}:{bound}"
 
     async def close(self) -> None:
+        if self._server is None:                # never opened: nothing to stop
+            return
         await self._server.stop(grace=1.0)

@@ -316,7 +316,8 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
+    # Starlette calls a handler only for its own class, which its types cannot say
+    ], exception_handlers={HTTPException: http_error})  # type: ignore[dict-item]
 
 
 class HttpServer:
@@ -354,6 +355,8 @@ class HttpServer:
         self.address = f"{scheme}://{host}:{sock.getsockname()[1]}"
 
     async def close(self) -> None:
+        if self._server is None or self._task is None:   # never opened: nothing to stop
+            return
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._task, 10)

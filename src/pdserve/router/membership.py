@@ -42,7 +42,7 @@ async def disconnect(ref: EngineRef) -> None:
 
 async def _info(ref: EngineRef, resolver, options):
     try:
-        return await ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
+        return await ref.control.GetInfo(cpb.InfoRequest(), timeout=5)
     except grpc.aio.AioRpcError:
         pass
     address = None
@@ -57,7 +57,7 @@ async def _info(ref: EngineRef, resolver, options):
     if moved_from is not None:              # the old address serves nothing now
         await moved_from.close()
     try:
-        return await ref.stub.GetInfo(cpb.InfoRequest(), timeout=5)
+        return await ref.control.GetInfo(cpb.InfoRequest(), timeout=5)
     except grpc.aio.AioRpcError:
         return None
 
@@ -93,7 +93,7 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> b
                     continue
                 i = infos[b.name]
                 told.append(a)
-                calls.append(a.stub.AddPeer(cpb.AddPeerRequest(
+                calls.append(a.control.AddPeer(cpb.AddPeerRequest(
                     engine=b.name, incarnation=i.incarnation, nixl_metadata=i.nixl_metadata,
                     address=i.address), timeout=30))
         for a, res in zip(told, await asyncio.gather(*calls, return_exceptions=True)):

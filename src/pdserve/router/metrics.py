@@ -97,7 +97,8 @@ class RequestTiming:
     __slots__ = ("m", "prompt_tokens", "arrived", "last")
 
     def __init__(self, m: RouterMetrics, prompt_tokens: int, arrived: float):
-        self.m, self.prompt_tokens, self.arrived, self.last = m, prompt_tokens, arrived, None
+        self.m, self.prompt_tokens, self.arrived = m, prompt_tokens, arrived
+        self.last: float | None = None      # when the last tokens came; None: none yet
 
     def tokens(self, engine: str, n: int) -> None:
         if not n:

@@ -200,6 +200,7 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, str):
             return [p]
+        assert isinstance(p, list)     # `_prompt` let only a string or a list in
         if not p:
             raise Unsupported("prompt", "prompt is an empty list; send a string, a list of "
                               "strings or token ids")

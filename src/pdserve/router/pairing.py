@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from pdserve.proto import control_pb2_grpc as cpbg
 
 ROUTES = ("", "fused", "disaggregated")
 ROUTE_ROLES = {"fused": {"fused"}, "disaggregated": {"prefill", "decode"}}   # what a route needs
@@ -19,8 +25,9 @@ class EngineRef:
     name: str
     role: str
     address: str
-    stub: object = None           # the EngineControl stub, made on the router's loop
-    channel: object = None        # the grpc.aio channel the stub is on
+    # both made on the router's loop (membership.connect), before any call
+    stub: cpbg.EngineControlStub | None = None    # the EngineControl stub
+    channel: grpc.aio.Channel | None = None       # the channel the stub is on
     incarnation: int = 0
     alive: bool = True
     draining: bool = False        # told to drain: takes no new request, never picked
@@ -33,6 +40,13 @@ class EngineRef:
     load: int = 0                 # outstanding tokens the router sent it
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
+
+    @property
+    def control(self) -> cpbg.EngineControlStub:
+        """The stub to call the engine on; membership.connect made it before
+        the router's first call."""
+        assert self.stub is not None, f"engine {self.name} has no channel yet"
+        return self.stub
 
 
 class Pairing:

@@ -74,6 +74,11 @@ class Security:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
 
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError(f"Security: tls_cert={self.tls_cert!r} and tls_key="
+                             f"{self.tls_key!r}: give both PEM files or neither")
+
 
 class Router:
     def __init__(self, cfg: ServeConfig, tokenizer, vocab_size: int, engines: list[tuple],
@@ -214,13 +219,14 @@ class Router:
         entry = self.active.get(rid)
         if entry is None or not entry[0].alive:
             return False
-        await entry[0].stub.Abort(cpb.AbortEngineRequest(request_id=rid,
-                                                         reason="aborted by client"), timeout=10)
+        await entry[0].control.Abort(cpb.AbortEngineRequest(request_id=rid,
+                                                            reason="aborted by client"),
+                                     timeout=10)
         return True
 
     async def engine_stats(self) -> list[tuple[EngineRef, cpb.EngineStatsResponse]]:
         refs = [r for r in self.engines.values() if r.stub is not None]
-        got = await asyncio.gather(*(r.stub.Stats(cpb.InfoRequest(), timeout=5) for r in refs),
+        got = await asyncio.gather(*(r.control.Stats(cpb.InfoRequest(), timeout=5) for r in refs),
                                    return_exceptions=True)
         return [(r, s) for r, s in zip(refs, got) if not isinstance(s, Exception)]
 
@@ -276,8 +282,8 @@ class Router:
                                f"engine {ref.name} {state}: nothing to drain")
         ref.draining = True                       # picked no more, from now on
         try:
-            report = await ref.stub.Drain(cpb.DrainEngineRequest(deadline_s=deadline_s),
-                                          timeout=deadline_s + DRAIN_SLACK_S)
+            report = await ref.control.Drain(cpb.DrainEngineRequest(deadline_s=deadline_s),
+                                             timeout=deadline_s + DRAIN_SLACK_S)
         except grpc.aio.AioRpcError as e:
             raise RequestError(ErrorKind.UNAVAILABLE, f"engine {ref.name} did not finish draining: "
                                f"{e.code().name}: {e.details()}") from None
@@ -416,9 +422,11 @@ class Router:
 
     def run_sync(self, coro, timeout: float = 30.0):
         """Run a coroutine on the router's loop from another thread."""
+        assert self.loop is not None, "the router is not running: start() it first"
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        if self.loop is not None and self._stopping is not None and self._thread.is_alive():
+        if self.loop is not None and self._stopping is not None and self._thread is not None \
+                and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stopping.set)
             self._thread.join(15)

@@ -21,6 +21,8 @@ def serve(router: Router, host: str = "127.0.0.1", port: int = 0,
     http_front = HttpServer(host, http_port) if http_port is not None else None
     fronts: list[Front] = [grpc_front] if http_front is None else [grpc_front, http_front]
     router.start(fronts, watch_s)
-    router.address = grpc_front.address
+    address = grpc_front.address
+    assert address is not None                  # set by open(), which start() waited for
+    router.address = address
     router.http_address = http_front.address if http_front is not None else None
-    return router.address
+    return address

@@ -198,7 +198,7 @@ class Stream:
         # broke (and put LOST in it) while this waited for a slot
         link.requests[self.id] = box
         sub.subscriber = link.subscriber
-        submit = asyncio.ensure_future(target.stub.Submit(sub, timeout=30))
+        submit = asyncio.ensure_future(target.control.Submit(sub, timeout=30))
         submit.add_done_callback(lambda _: link.submits.release())
         try:
             await asyncio.shield(submit)
@@ -290,6 +290,6 @@ async def _abort_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str,
 
 async def _abort(ref: EngineRef, rid: str, reason: str) -> None:
     try:
-        await ref.stub.Abort(cpb.AbortEngineRequest(request_id=rid, reason=reason), timeout=10)
+        await ref.control.Abort(cpb.AbortEngineRequest(request_id=rid, reason=reason), timeout=10)
     except grpc.aio.AioRpcError as e:               # the engine is gone: nothing left to abort
         log.info("abort of %s on %s: %s", rid, ref.name, e.code().name)

@@ -90,7 +90,7 @@ class Request:
         self.capacity = 0              # tokens the held pages of group 0 can hold
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.peer = None               # the other side of a P/D handoff (cluster's to set)
+        self.peer: str | None = None   # the other side of a P/D handoff (cluster's to set)
         self.first_page = 0            # P: the first page the peer does not hold already
 
     def page_key(self, page: int, page_size: int):
