@@ -10,7 +10,7 @@ import pytest
 from pdserve.cli.main import main
 from pdserve.config import load_config
 from pdserve.sim.plan_search import Bracket, Candidate, Settings, Status, candidates, make_plan, search
-from pdserve.sim.plan_probe import InProcess, Probe
+from pdserve.sim.plan_probe import InProcess, OnTasks, Probe
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import Slo, SloWatch
 from pdserve.sim.trace import read_trace, scale_arrivals
@@ -123,6 +123,51 @@ def test_the_found_rate_passes_and_the_next_step_up_fails(files):
     for b in res.brackets:
         for p in b.probes:
             assert p.passed == (b.lo is not None and p.factor <= b.lo.factor)
+
+
+class _Tasks:
+    """A task runner with RayTasks' surface that runs each call here, later,
+    on a copy of what was put (as Ray's object store would hand it back)."""
+
+    width = 3
+
+    def __init__(self):
+        self.stored, self.calls, self.closed = [], 0, False
+
+    def put(self, value):
+        import copy
+
+        self.stored.append(copy.deepcopy(value))
+        return len(self.stored) - 1
+
+    def submit(self, fn, *args):
+        self.calls += 1
+        return fn, args
+
+    def result(self, handle):
+        fn, (cfg, ref, *rest) = handle
+        return fn(cfg, self.stored[ref], *rest)
+
+    def close(self):
+        self.closed = True
+
+
+def test_probes_on_a_task_runner_find_what_in_process_probes_find(files):
+    """The pool `pdserve plan` runs on Ray stores the trace once and submits
+    each probe as a call: the plan is the one the in-process pool finds."""
+    cfg, trace = files
+    slo = Slo(TTFT, TPOT)
+    tr = read_trace(trace)
+    settings = Settings(slo, 0.9, 2, (512,), 0.1)
+    here = make_plan(load_config(cfg), tr, settings, InProcess(tr, slo, 0.9), progress=False)
+    tasks = _Tasks()
+    pool = OnTasks(tasks, tr, slo, 0.9)
+    there = make_plan(load_config(cfg), tr, settings, pool, progress=False)
+    pool.close()
+    assert len(tasks.stored) == 1 and tasks.calls == sum(len(b.probes) for b in there.brackets)
+    assert tasks.closed and pool.width == 3
+    assert [(b.candidate, b.lo and b.lo.factor, b.hi and b.hi.factor) for b in there.brackets] \
+        == [(b.candidate, b.lo and b.lo.factor, b.hi and b.hi.factor) for b in here.brackets]
 
 
 def test_a_watched_run_stops_once_attainment_is_out_of_reach_and_is_otherwise_unchanged(files):

@@ -76,11 +76,7 @@ def trial(autoscale: bool, seconds: float, peak: int) -> dict:
         time.sleep(2.0)
     for t in threads:
         t.join(300)
-    history: list = []
-    if dep.autoscaler is not None:
-        import ray
-
-        history = ray.get(dep.autoscaler.history.remote(), timeout=30)
+    history = dep.autoscale_history()
     c.close()
     dep.stop()
     ok = [r for r in records if r[0] <= SLO_TTFT and r[1] <= SLO_TPOT]

@@ -106,9 +106,7 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
 
     def engine_rounds() -> dict:
         """The profile against the rounds the engines timed since the last call."""
-        import ray
-
-        return round_errors(prof, [ray.get(a.take_rounds.remote()) for _, _, a in dep.engines])
+        return round_errors(prof, dep.take_rounds())
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
     try:

@@ -44,7 +44,8 @@ def run(args) -> int:
 
     from pdserve.config import load_config
     from pdserve.scheduler.config import ConfigError
-    from pdserve.sim.plan_probe import InProcess, RayPool, local_cpus
+    from pdserve.cluster.probe_pool import RayTasks
+    from pdserve.sim.plan_probe import InProcess, OnTasks, local_cpus
     from pdserve.sim.plan_report import format_table, plan_json, plan_yaml, plot
     from pdserve.sim.plan_search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Settings,
                                          check_settings, make_plan)
@@ -73,8 +74,8 @@ def run(args) -> int:
     if args.in_process:
         pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
     else:
-        pool = RayPool(trace, settings.slo, settings.attainment, args.address,
-                       args.cpus or local_cpus())
+        pool = OnTasks(RayTasks(args.address, args.cpus or local_cpus()), trace,  # type: ignore[assignment]
+                       settings.slo, settings.attainment)
     try:
         result = make_plan(base, trace,
                            dataclasses.replace(settings, width=args.cpus or pool.width), pool,

@@ -234,6 +234,18 @@ class Deployment:
                              f"at start; {how})")
         return out
 
+    def take_rounds(self) -> list[list]:
+        """Each engine's timed rounds since the last call (`Round`s, engine
+        by engine in `self.engines`' order): what calibration and
+        sim-accuracy hold a cost profile against."""
+        return [ray.get(a.take_rounds.remote()) for _, _, a in self.engines]
+
+    def autoscale_history(self) -> list:
+        """What the autoscaler did, oldest first; empty without one."""
+        if self.autoscaler is None:
+            return []
+        return ray.get(self.autoscaler.history.remote(), timeout=30)
+
     def errors(self) -> dict[str, list[str]]:
         """Failures the engines' loops and the router's watcher logged and
         served on after ('round failed'): a healthy run has none. An engine

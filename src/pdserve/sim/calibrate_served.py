@@ -42,14 +42,11 @@ def served_rounds(dep, loads, seed: int, say) -> tuple[list[Round], list[int]]:
     """Drive `loads` through the started deployment `dep`; every round its
     engines timed meanwhile, and for each how many others were computing as
     it began."""
-    import ray
-
     from pdserve.sim.load import drive, workload
 
     addr = dep.address
     drive(addr, workload(2, 32, 4, None, None, 32, seed), 2, None, seed, progress=False)
-    for _, _, actor in dep.engines:                 # the warm-up's rounds are not kept
-        ray.get(actor.take_rounds.remote())
+    dep.take_rounds()                               # the warm-up's rounds are not kept
     rounds, beside = [], []
     for i, (conc, prompt, out, n) in enumerate(loads):
         r = drive(addr, workload(n, prompt, out, None, None, prompt, seed + 1 + i), conc, None,
@@ -58,7 +55,7 @@ def served_rounds(dep, loads, seed: int, say) -> tuple[list[Round], list[int]]:
             raise RuntimeError(f"calibrate --served: {r['failed']} of {n} requests of load "
                                f"{i + 1} failed ({'; '.join(r['errors'])}); fix the deployment "
                                "first (pdserve up and bench serve show why)")
-        per_engine = [ray.get(a.take_rounds.remote()) for _, _, a in dep.engines]
+        per_engine = dep.take_rounds()
         for rs in per_engine:
             rounds += rs
         beside += neighbours(per_engine)

@@ -3,8 +3,8 @@
 A probe is one simulation of a candidate at a rate factor, watched so that
 it stops once the SLO attainment is out of reach. A pool starts probes
 (`submit`) and hands back each one's result (`result`): `InProcess` runs
-them here one after another; `RayPool` runs them as Ray tasks, one CPU
-each, and is the one place plan touches Ray.
+them here one after another; `OnTasks` hands them to a task runner
+(`cluster/probe_pool.RayTasks`: Ray tasks, one CPU each).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pdserve.config import ServeConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import Slo, SloWatch, percentile
 from pdserve.sim.trace import TraceRequest, native_rate, scale_arrivals
-from pdserve.scheduler.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -86,43 +85,23 @@ class InProcess:
         pass
 
 
-class RayPool:
-    """Probes as Ray tasks, one CPU each: a local Ray of our own with `cpus`
-    CPUs, or the cluster at `address`."""
+class OnTasks:
+    """Probes on a task runner (`cluster/probe_pool.RayTasks`: Ray tasks, one
+    CPU each), the trace stored once for all of them."""
 
-    def __init__(self, trace, slo: Slo, target: float, address: str | None, cpus: int):
-        import logging
-
-        import ray
-
-        from pdserve.cluster.local_ray import init_local
-
-        self._ray = ray
-        self._owned = not ray.is_initialized()
-        if self._owned:
-            try:
-                # "local": a Ray of our own, never one another command started here
-                start = ray.init if address else init_local
-                start(address=address or "local", num_cpus=None if address else cpus,
-                      include_dashboard=False, logging_level=logging.WARNING)
-            except ConnectionError as e:
-                raise ConfigError(f"--address {address}: no Ray cluster answered ({e}); "
-                                  "give the head's address (ray status shows it) or "
-                                  "leave --address out to use this machine") from None
-        self._trace = ray.put(trace)
-        self._probe = ray.remote(num_cpus=1)(run_probe)
-        self.slo, self.target = slo, target
-        self.width = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    def __init__(self, tasks, trace, slo: Slo, target: float):
+        self.tasks, self.slo, self.target = tasks, slo, target
+        self._trace = tasks.put(trace)
+        self.width = tasks.width
 
     def submit(self, cfg: ServeConfig, factor: float):
-        return self._probe.remote(cfg, self._trace, factor, self.slo, self.target)
+        return self.tasks.submit(run_probe, cfg, self._trace, factor, self.slo, self.target)
 
     def result(self, handle) -> Probe:
-        return self._ray.get(handle)
+        return self.tasks.result(handle)
 
     def close(self) -> None:
-        if self._owned:
-            self._ray.shutdown()
+        self.tasks.close()
 
 
 def local_cpus() -> int:
