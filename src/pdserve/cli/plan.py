@@ -70,11 +70,11 @@ def run(args) -> int:
         raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
                           "and plan.png")
     trace = read_trace(args.trace, limit=args.limit)
-    pool: InProcess | RayPool
+    pool: InProcess | OnTasks
     if args.in_process:
         pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
     else:
-        pool = OnTasks(RayTasks(args.address, args.cpus or local_cpus()), trace,  # type: ignore[assignment]
+        pool = OnTasks(RayTasks(args.address, args.cpus or local_cpus()), trace,
                        settings.slo, settings.attainment)
     try:
         result = make_plan(base, trace,
