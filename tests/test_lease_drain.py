@@ -144,3 +144,21 @@ def test_a_write_whose_completion_is_lost_still_releases_the_pages_once_it_ended
     p.peer.timers(time.monotonic() + LEASE_S + 1)
     assert p.peer.idle() and p.nothing_live()
     p.planner.assert_idle()
+
+
+def test_a_drain_deadline_on_p_mid_write_keeps_the_source_pages_until_the_write_ends():
+    """P's drain deadline aborts what it holds; a twin whose write is in
+    flight is let go like an expired lease, its pages pinned until the
+    write completes, and the drain waits for it."""
+    p, d = pair()
+    w = ask_and_ship(p, d)
+    free = p.planner.free_pages()
+    p.abort_left()
+    assert "x" in p.planner.transferring, "source pages freed under a posted write"
+    assert p.planner.free_pages() == free and not p.nothing_live()
+    p.planner.check_invariants()
+    assert p.transport.complete_held("x") == 1
+    poll(p)
+    assert "x" not in p.planner.requests and p.peer.idle() and p.nothing_live()
+    p.planner.assert_idle()
+    assert w.req_id == "x"

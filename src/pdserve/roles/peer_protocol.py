@@ -59,6 +59,7 @@ class Release(enum.Enum):
     """Why P lets a twin go, once no write of it reads its pages."""
     ACKED = "acked"             # D acknowledged (it has the KV, or wants it no more)
     EXPIRED = "expired"         # the lease ran out: D said nothing for lease_s
+    ABORTED = "aborted"         # P aborted it (a drain's deadline)
 
 
 class PeerProtocol:
@@ -352,9 +353,18 @@ class PeerProtocol:
             if why is Release.ACKED:
                 self.planner.peer_ack(rid)
             else:
-                self.planner.abort(rid, "lease expired")
+                self.planner.abort(rid, "lease expired" if why is Release.EXPIRED else "aborted")
         self.remote.pop(rid, None)
         self.executor.forget(rid)
+
+    def writing(self, req_id: str) -> bool:
+        """P: a write of twin `req_id` may still read its source pages."""
+        return req_id in self.remote and self.transport.in_flight(req_id)
+
+    def abort_twin(self, req_id: str) -> None:
+        """P aborts a twin whose write is in flight: it goes like an expired
+        lease, its pages pinned until the write ended (see `_let_go`)."""
+        self._let_go(req_id, Release.ABORTED)
 
     def release_twin(self, req_id: str) -> None:
         """P aborts a twin (the planner already let it go): its lease and
