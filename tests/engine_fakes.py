@@ -75,11 +75,12 @@ class Sender:
         pass
 
 
-def server(role: str, name: str, peer: str) -> EngineServer:
+def server(role: str, name: str, peer: str, fabric: LoopbackFabric | None = None) -> EngineServer:
     """Engine `name` of `role`, knowing `peer` (its gRPC stub never called:
-    what it is sent lands in `sent(server)`)."""
+    what it is sent lands in `sent(server)`). Two servers given one
+    `fabric` reach each other's pools: a write from one lands in the other."""
     planner = Planner(config(), Role(role))
-    transport = LoopbackTransport(Incarnation(name, 1), LoopbackFabric())
+    transport = LoopbackTransport(Incarnation(name, 1), fabric or LoopbackFabric())
     transport.register_pools([torch.zeros(planner.cfg.total_pages, 4)])
     s = EngineServer(Role(role), name, planner, Executor(), lambda on_stop: Outputs(),
                      transport, incarnation=1, sender=Sender())

@@ -290,11 +290,15 @@ def test_a_late_message_about_an_older_incarnation_does_not_replace_the_live_one
 
 
 def test_a_write_held_back_by_a_delay_is_never_posted_once_cancelled():
+    """It is reported CANCELLED (it ended, reading nothing) and never lands."""
     pair = Pair("loopback", p_faults=FaultInjector([FaultRule("post", "delay", delay_s=0.05)]))
     pair.write([0], [0])
+    assert pair.P.in_flight("r1")
     pair.P.cancel("r1")
-    p_ev, d_ev = pair.settle(1, 1, seconds=0.3)
-    assert p_ev == [] and d_ev == [] and torch.all(pair.D.pool == -1)
+    assert not pair.P.in_flight("r1")
+    p_ev, d_ev = pair.settle(2, 1, seconds=0.3)
+    assert [e.kind for e in p_ev] == [TransferEventKind.CANCELLED] and d_ev == []
+    assert torch.all(pair.D.pool == -1)
 
 
 @pytest.mark.parametrize("wake", [10_000, None])
@@ -339,3 +343,30 @@ def test_a_large_write_lands_while_the_writer_computes(wake):
         assert [e.kind for e in landed] == [LANDED] and torch.equal(D.pool, big)
     P.close()
     D.close()
+
+
+def test_a_write_is_in_flight_until_its_end_is_reported(backend):
+    """`in_flight` is what P asks before it frees source pages: once the
+    write's DONE is reported it is false (loopback: the copy is done at
+    the post already)."""
+    pair = Pair(backend)
+    pair.write([1, 2], [3, 4])
+    p_ev, _ = pair.settle()
+    assert [e.kind for e in p_ev] == [DONE] and not pair.P.in_flight("r1")
+    pair.close()
+
+
+def test_a_held_loopback_write_reads_the_source_only_when_it_completes():
+    """The fake's `hold_writes`: the race a test needs (a write posted, its
+    source changed, then read) reproduced in-process."""
+    pair = Pair("loopback")
+    pair.P.hold_writes, pair.P.can_cancel = True, False
+    pair.write([1], [3])
+    assert pair.P.in_flight("r1")
+    pair.P.cancel("r1")                             # cannot stop it: it runs on
+    assert pair.P.in_flight("r1") and pair.settle(1, 1, seconds=0.05) == ([], [])
+    pair.P.pool[1] = 7.0
+    assert pair.P.complete_held() == 1
+    p_ev, d_ev = pair.settle()
+    assert [e.kind for e in p_ev] == [DONE] and [e.kind for e in d_ev] == [LANDED]
+    assert torch.all(pair.D.pool[3] == 7.0) and not pair.P.in_flight("r1")

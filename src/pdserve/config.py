@@ -7,6 +7,7 @@
     router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false,
              stream_interval: 1, replicas: 1}
     simulate: {gpu: h100, model: llama-3-8b}   # or {profile: PROFILE.yaml} (pdserve calibrate)
+    transfer: {timeout_s: 30, lease_s: 10, heartbeat_s: 2}   # P/D: transfer/timeouts.py
 
 Unknown keys are an error that names the key.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from pdserve.scheduler.config import ConfigError, EngineConfig, check_keys
+from pdserve.transfer.timeouts import CONFIG_NAMES, PeerTimeouts
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "torch", "flashinfer")
@@ -160,6 +162,21 @@ class SimulateConfig:
         return cfg
 
 
+def transfer_from_dict(data) -> PeerTimeouts:
+    """`transfer:`: D's landing timeout, P's lease, D's heartbeat, checked
+    against each other (transfer/timeouts.py says why each relation keeps
+    pages safe)."""
+    data = check_keys(data, "transfer", {"timeout_s", "lease_s", "heartbeat_s"})
+    d = PeerTimeouts()
+    t = PeerTimeouts(transfer_s=data.get("timeout_s", d.transfer_s),
+                     lease_s=data.get("lease_s", d.lease_s),
+                     heartbeat_s=data.get("heartbeat_s", d.heartbeat_s))
+    problems = t.problems(CONFIG_NAMES)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return t
+
+
 # the autoscaler's settings (cluster/autoscale_policy.py reads them)
 @dataclass(frozen=True)
 class RoleBounds:
@@ -227,13 +244,14 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     autoscale: object = None                    # AutoscaleConfig, or None: a fixed shape
+    transfer: PeerTimeouts = field(default_factory=PeerTimeouts)
     engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
     model_given: bool = False                   # the file has a model: section
 
     @classmethod
     def from_dict(cls, data) -> "ServeConfig":
         data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate",
-                                           "autoscale"})
+                                           "autoscale", "transfer"})
         engine = data.get("engine") or {}
         autoscale = None
         if data.get("autoscale") is not None:
@@ -256,6 +274,7 @@ class ServeConfig:
             router=RouterConfig.from_dict(data.get("router")),
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             autoscale=autoscale,
+            transfer=transfer_from_dict(data.get("transfer")),
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
             model_given=data.get("model") is not None,
         )

@@ -11,6 +11,7 @@ router notices and introduces it to its peers again).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,14 +35,16 @@ log = logging.getLogger("pdserve.engine")
 
 
 def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "127.0.0.1",
-                        device: str = "cpu", transfer_timeout_s: float = PeerTimeouts.transfer_s,
-                        lease_s: float = PeerTimeouts.lease_s,
-                        heartbeat_s: float = PeerTimeouts.heartbeat_s,
+                        device: str = "cpu", transfer_timeout_s: float | None = None,
+                        lease_s: float | None = None, heartbeat_s: float | None = None,
                         faults: list[dict] | None = None, fault_seed: int = 0,
                         serve: bool = True) -> EngineServer:
     """Engine `<role>-<index>` of `cfg`: its model loaded on `device`, and
     (P and D) a NIXL transport with `faults` (transfer/faults.py). With
-    `serve`, started: its gRPC port open on `host` and its loop running."""
+    `serve`, started: its gRPC port open on `host` and its loop running.
+    `transfer_timeout_s`, `lease_s`, `heartbeat_s`: over the config's
+    `transfer:` section (engine options, as tests pass them); the result
+    is checked again, so an override cannot break what the config kept."""
     kind, name, incarnation = Role(role), f"{role}-{index}", time.time_ns()
     model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
                             device=device, attention=cfg.model.attention)
@@ -60,10 +63,18 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     server = EngineServer(kind, name, planner, executor,
                           lambda on_stop: Outputs(tok, on_stop, name), transport,
                           incarnation=incarnation, capacity=capacity,
-                          timeouts=PeerTimeouts(transfer_timeout_s, lease_s, heartbeat_s))
+                          timeouts=timeouts_for(cfg, transfer_timeout_s, lease_s, heartbeat_s))
     if serve:
         server.start(host)
     return server
+
+
+def timeouts_for(cfg: ServeConfig, transfer_timeout_s: float | None = None,
+                 lease_s: float | None = None, heartbeat_s: float | None = None) -> PeerTimeouts:
+    """The config's P/D timeouts with the engine options given over them."""
+    given = {"transfer_s": transfer_timeout_s, "lease_s": lease_s, "heartbeat_s": heartbeat_s}
+    return dataclasses.replace(cfg.transfer, **{k: v for k, v in given.items()
+                                                if v is not None}).check()
 
 
 class EngineHost:

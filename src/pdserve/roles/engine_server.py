@@ -314,8 +314,13 @@ class EngineServer:
             return False
         if req_id in p.landing:
             self.peer.abort_landing(req, reason)
-        p.abort(req_id, reason)
         self.counts.aborted += 1
+        if self.role is Role.PREFILL and self.peer.writing(req_id):
+            # its write may still read the pages: they go when it ends
+            self.peer.abort_twin(req_id)
+            self.fail(req_id, f"aborted: {reason}", kind)
+            return True
+        p.abort(req_id, reason)
         if self.role is Role.PREFILL:
             self.peer.release_twin(req_id)
         self.fail(req_id, f"aborted: {reason}", kind)

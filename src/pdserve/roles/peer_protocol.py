@@ -9,8 +9,13 @@
     recover locally              <--TransferFailed---  the write failed (FAILED)
 
 Safety: D never reuses landing pages a write might still reach (a timeout,
-an abort or an unreachable P fences them until the lease bounding P's pin
-runs out); P never pins pages past its lease. A RemotePrefill that P refuses
+an abort or an unreachable P fences them until the write drains or until
+P's lease, and any write posted under it, must be over: `PeerTimeouts.fence_s`);
+P posts no write once its lease ran out, and never frees a source page a
+posted write may still read: a twin whose lease runs out (or that D
+releases) with its write in flight is cancelled where the transport can,
+and drains, pinned, until the transport says the write ended (`draining`).
+A RemotePrefill that P refuses
 (it drains) or that cannot reach P is recovered at once by a local prefill
 on D. Messages go out on a small thread pool (peer_messages.py), never
 blocking the loop.
@@ -21,7 +26,7 @@ executor, counters and drain), not the engine server itself.
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import logging
 import time
 from typing import Callable
@@ -43,15 +48,18 @@ from pdserve.scheduler.planner import RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import (
     Incarnation, KvWrite, LandingTable, LandingVerdict, LeaseTable, TransferEventKind)
+from pdserve.transfer.timeouts import PeerTimeouts
 
 log = logging.getLogger("pdserve.engine")
 
+__all__ = ["PeerProtocol", "PeerTimeouts", "Release"]
 
-@dataclasses.dataclass(frozen=True)
-class PeerTimeouts:
-    transfer_s: float = 30.0    # D: how long a landing waits for P's write
-    lease_s: float = 10.0       # P: how long it pins a twin's pages without a word from D
-    heartbeat_s: float = 2.0    # D: how often it renews the leases of what it waits on
+
+class Release(enum.Enum):
+    """Why P lets a twin go, once no write of it reads its pages."""
+    ACKED = "acked"             # D acknowledged (it has the KV, or wants it no more)
+    EXPIRED = "expired"         # the lease ran out: D said nothing for lease_s
+    ABORTED = "aborted"         # P aborted it (a drain's deadline)
 
 
 class PeerProtocol:
@@ -72,12 +80,17 @@ class PeerProtocol:
         self.sender = sender
         self.post_job = post_job
         self.delivered = delivered
-        self.landing = LandingTable(timeouts.transfer_s, timeouts.lease_s)   # D
+        timeouts.check()
+        self.landing = LandingTable(timeouts.transfer_s, timeouts.lease_s,     # D
+                                    margin_s=timeouts.fence_margin_s)
         self.leases = LeaseTable(timeouts.lease_s)                            # P
         self.heartbeat_s = timeouts.heartbeat_s
         self.peers: dict[str, Peer] = {}
         self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
         self.epochs: dict[str, int] = {}        # D: req -> landing epoch
+        # P: twins let go while a write of theirs may still read their pages:
+        # pinned until the transport says the write ended, then released so
+        self.draining: dict[str, Release] = {}
         self._last_heartbeat = 0.0
 
     @property
@@ -85,8 +98,8 @@ class PeerProtocol:
         return self.me.engine_id
 
     def idle(self) -> bool:
-        """No lease held for a peer and no write owed to one."""
-        return len(self.leases) == 0 and not self.remote
+        """No lease held for a peer, no write owed to one, none draining."""
+        return len(self.leases) == 0 and not self.remote and not self.draining
 
     def close(self, wait: bool = False) -> None:
         """Stop sending; with `wait`, messages already queued go out first
@@ -210,12 +223,16 @@ class PeerProtocol:
                 self.send(req.peer, PeerRpc.TRANSFER_ACK, self._ack(ev.req_id, ev.epoch))
         elif ev.kind is TransferEventKind.DONE:         # P: our write completed
             self.counts.transfer_seconds.observe(ev.seconds)
+            self._drained(ev.req_id)
         elif ev.kind is TransferEventKind.FAILED:       # P: our write will not land
             info = self.remote.get(ev.req_id)
             self.counts.transfer_failed("write")
             if info is not None:
                 self.send(info[0], PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
                     request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
+            self._drained(ev.req_id)
+        elif ev.kind is TransferEventKind.CANCELLED:    # P: we stopped it; it reads no more
+            self._drained(ev.req_id)
 
     def timers(self, now: float) -> None:
         if self.role is Role.DECODE:
@@ -238,12 +255,11 @@ class PeerProtocol:
                         engine=self.name, incarnation=self.me.epoch, request_ids=ids))
         elif self.role is Role.PREFILL:
             for rid in self.leases.expired(now):
-                self.transport.cancel(rid)
                 if rid in self.planner.requests:
                     self.counts.lease_expiries += 1
-                    self.planner.abort(rid, "lease expired")
-                    self.remote.pop(rid, None)
-                    self.executor.forget(rid)
+                self._let_go(rid, Release.EXPIRED)
+            for rid in list(self.draining):     # an end whose event a fault swallowed
+                self._drained(rid)
 
     def transfer_failed_from_peer(self, r: pb.TransferFailedRequest) -> None:
         # the write failed on P's side and will not land: no fence needed
@@ -306,17 +322,57 @@ class PeerProtocol:
         if r.engine and info is not None and \
                 (info[0] != r.engine or (r.epoch and info[3] != r.epoch)):
             return          # for an earlier attempt at this id, from another D or landing
-        self.transport.cancel(r.request_id)
-        if r.request_id in self.planner.requests:
-            self.planner.peer_ack(r.request_id)
-        self.leases.release(r.request_id)
-        self.remote.pop(r.request_id, None)
-        self.executor.forget(r.request_id)
+        self._let_go(r.request_id, Release.ACKED)
+
+    def _let_go(self, rid: str, why: Release) -> None:
+        """P is done with twin `rid` (D acked it, or its lease ran out): no
+        more renewals or posts; a write still running is cancelled where
+        the transport can, and the pages stay pinned until it ended. A
+        twin already draining keeps its first reason."""
+        self.leases.release(rid)
+        if rid in self.draining:
+            return
+        self.transport.cancel(rid)
+        if self.transport.in_flight(rid) and rid in self.planner.requests:
+            self.draining[rid] = why
+            log.info("%s: %s %s while its write is in flight: pages held until it ends",
+                     self.name, rid, why.value)
+            return
+        self._release(rid, why)
+
+    def _drained(self, rid: str) -> None:
+        """A write of `rid` ended: if P already let the twin go, and no
+        write of it reads its pages any more, they go now."""
+        why = self.draining.get(rid)
+        if why is not None and not self.transport.in_flight(rid):
+            del self.draining[rid]
+            self._release(rid, why)
+
+    def _release(self, rid: str, why: Release) -> None:
+        if rid in self.planner.requests:
+            if why is Release.ACKED:
+                self.planner.peer_ack(rid)
+            else:
+                self.planner.abort(rid, "lease expired" if why is Release.EXPIRED else "aborted")
+        self.remote.pop(rid, None)
+        self.executor.forget(rid)
+
+    def writing(self, req_id: str) -> bool:
+        """P: a write of twin `req_id` may still read its source pages."""
+        return req_id in self.remote and self.transport.in_flight(req_id)
+
+    def abort_twin(self, req_id: str) -> None:
+        """P aborts a twin whose write is in flight: it goes like an expired
+        lease, its pages pinned until the write ended (see `_let_go`)."""
+        self._let_go(req_id, Release.ABORTED)
 
     def release_twin(self, req_id: str) -> None:
-        """P aborts a twin: its lease and any write still held back go."""
+        """P aborts a twin (the planner already let it go): its lease and
+        any write still held back go, and a drain of it ends here, so a
+        later twin under the same id is never released in its place."""
         self.leases.release(req_id)
         self.remote.pop(req_id, None)
+        self.draining.pop(req_id, None)
         self.transport.cancel(req_id)
 
     def give_up(self, req_id: str, reason: str) -> None:

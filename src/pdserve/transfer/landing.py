@@ -4,8 +4,9 @@ fence that keeps pages out of reuse while a write might still arrive.
 A posted RDMA write cannot be recalled. So when D gives up on a landing (a
 timeout, a reported failure, an abort) while P may still be writing, the
 pages are fenced, not freed: they stay held until the write's notification
-drains them, or the lease that bounds P's pin expires (after which P has
-released its side and nothing more can be posted). A notification for a
+drains them, or until no write can still arrive: P's lease has run out (P
+posts nothing after it) and a write posted just before has had as long as
+D waits for one (`PeerTimeouts.fence_s`, the margin passed in here). A notification for a
 fenced epoch is late: it is dropped, never read as another request's KV.
 A new attempt for the same request is a new epoch, so it can never be
 mistaken for the old one.
@@ -39,7 +40,8 @@ class LandingTable:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         # past P's lease, a heartbeat sent just before the fence may still renew
-        # it, and a write posted just before expiry may still be in flight
+        # it, and a write posted just before expiry may still be in flight; the
+        # engine passes PeerTimeouts.fence_margin_s (heartbeat + landing timeout)
         self.margin_s = lease_s if margin_s is None else margin_s
         self._by_key: dict[tuple[str, int], Landing] = {}
         self._epoch = 0

@@ -1,6 +1,13 @@
 """An in-process transport with the NIXL transport's contract, for tests:
 a write copies the pages at once and reports completion and notification
-at the next poll of each side."""
+at the next poll of each side.
+
+`hold_writes = True` makes posted writes stay posted, not complete, until
+`complete_held()`: the copy (the read of P's source pages) happens then,
+so a test can free or reuse the source meanwhile and see what D would get.
+A held write has read nothing yet, so `cancel` stops it (CANCELLED);
+with `can_cancel = False` it runs on to its end, as a posted NIXL write
+does (nixl_transport.py says why)."""
 
 from __future__ import annotations
 
@@ -24,6 +31,9 @@ class LoopbackTransport(KvTransport):
         self.pool = None
         self._peers: dict[str, Incarnation] = {}
         self._events: list[TransferEvent] = []
+        self.hold_writes = False
+        self.can_cancel = True
+        self._posted: list[KvWrite] = []      # held: posted, not complete
         fabric.endpoints[incarnation.engine_id] = self
 
     def _register(self, pools: list) -> None:
@@ -53,6 +63,36 @@ class LoopbackTransport(KvTransport):
             self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
                                      f"{w.target.agent_name} is not a live peer"))
             return
+        if self.hold_writes:
+            self._posted.append(w)
+            return
+        self._complete(w, live)
+
+    def complete_held(self, req_id: str | None = None) -> int:
+        """Let held writes (of `req_id`, or all) complete now: they read the
+        source pages as they are at this moment. Returns how many did."""
+        done = [w for w in self._posted if req_id is None or w.req_id == req_id]
+        self._posted = [w for w in self._posted if w not in done]
+        for w in done:
+            live = self.fabric.endpoints.get(w.target.engine_id)
+            if live is None or live.incarnation != w.target:
+                self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
+                                         f"{w.target.agent_name} went away mid-write"))
+            else:
+                self._complete(w, live)
+        return len(done)
+
+    def _backend_in_flight(self, req_id: str) -> bool:
+        return any(w.req_id == req_id for w in self._posted)
+
+    def _cancel_posted(self, req_id: str) -> list[KvWrite]:
+        if not self.can_cancel:
+            return []
+        stopped = [w for w in self._posted if w.req_id == req_id]
+        self._posted = [w for w in self._posted if w.req_id != req_id]
+        return stopped
+
+    def _complete(self, w: KvWrite, live: "LoopbackTransport") -> None:
         t0 = time.perf_counter()
         for s, d in zip(w.src_pages, w.dst_pages):
             gs, ps = self.locate(s)

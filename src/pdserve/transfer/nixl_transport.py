@@ -193,6 +193,16 @@ class NixlTransport(KvTransport):
                                          payload=payload))
         return out
 
+    def _backend_in_flight(self, req_id: str) -> bool:
+        return any(w.req_id == req_id for w, _ in self._inflight.values())
+
+    # No `_cancel_posted`: a posted write is left to end as DONE or ERR.
+    # NIXL's release_xfer_handle on an active transfer "attempts to cancel"
+    # it, and its UCX backend cancels the UCX requests and reports success
+    # while noting that this may not be enough: a success is no proof the
+    # NIC stopped reading P's pages. Waiting for the transfer's own end is
+    # (UCX fails a transfer to a dead peer on its own).
+
     def _release(self, handle) -> None:
         try:
             self.agent.release_xfer_handle(handle)

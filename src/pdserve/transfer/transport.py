@@ -6,9 +6,17 @@ group, each with its own page bytes, numbered one after another so a write
 names pages of every group in one list: `page_ids`), publishes metadata
 that peers add by incarnation, and moves pages with `write`: P posts a write
 of its pages into D's pages, with a notification naming request, epoch and
-target incarnation. `poll` reports, on P, each posted write's completion or
-failure, and on D, each notification that arrived (a write that landed).
-Posted writes cannot be aborted; see landing.py for what D does instead.
+target incarnation. `poll` reports, on P, each posted write's end, and on D,
+each notification that arrived (a write that landed).
+
+A write reads P's source pages from its post until its end, and P must not
+free or reuse them before then (the lease bounds when P may *post*, not
+how long a posted write runs). So a write P hands to `write` ends in one
+event on P, DONE, FAILED or CANCELLED (a fault rule may swallow it, as a
+lost completion would be), and until it ends `in_flight(req_id)` is true:
+P asks that, not the events, before it lets the pages go. `cancel(req_id)` stops what the backend can
+stop; a write it cannot stop keeps running and ends as DONE or FAILED.
+D cannot recall a write either; see landing.py for what it does instead.
 """
 
 from __future__ import annotations
@@ -47,10 +55,13 @@ class KvWrite:
 
 
 class TransferEventKind(enum.Enum):
-    """What `poll` reports: on P, a posted write completed (DONE) or will
-    never land (FAILED); on D, a write's notification arrived (LANDED)."""
+    """What `poll` reports: on P, a write completed (DONE), will never land
+    (FAILED) or was stopped before it read everything (CANCELLED): each
+    means it reads P's source pages no more; on D, a write's notification
+    arrived (LANDED)."""
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
     LANDED = "landed"
 
 
@@ -191,6 +202,15 @@ class KvTransport(abc.ABC):
     def _poll_backend(self) -> list[TransferEvent]:
         ...
 
+    @abc.abstractmethod
+    def _backend_in_flight(self, req_id: str) -> bool:
+        """Has the backend a posted write of `req_id` that has not ended?"""
+
+    def _cancel_posted(self, req_id: str) -> list[KvWrite]:
+        """Stop the posted writes of `req_id` that the backend can prove no
+        longer read their source; returns them. Default: none can be."""
+        return []
+
     def write(self, w: KvWrite) -> None:
         if len(w.src_pages) != len(w.dst_pages):
             raise ValueError(f"{w.req_id}: {len(w.src_pages)} source pages for "
@@ -210,11 +230,27 @@ class KvTransport(abc.ABC):
             return
         self._post(w)
 
+    def in_flight(self, req_id: str) -> bool:
+        """May a write of `req_id` still read this engine's source pages?
+        True from `write` until the write's DONE, FAILED or CANCELLED (a
+        write a delay fault holds back counts: it will be posted). P keeps
+        the pages pinned while this holds, whatever its lease says."""
+        return any(w.req_id == req_id for _, w in self._held) or \
+            self._backend_in_flight(req_id)
+
     def cancel(self, req_id: str) -> None:
-        """The sender let the request go: a write a delay fault still holds
-        back must never be posted (a real post is synchronous; this keeps
-        the fault honest)."""
+        """The sender let the request go: stop its writes where that is
+        possible. A write a delay fault still holds back is never posted
+        (a real post is synchronous; this keeps the fault honest); a posted
+        one is stopped if the backend can (`_cancel_posted`). Each stopped
+        write is reported CANCELLED at the next poll; the others run on and
+        end as DONE or FAILED, and `in_flight` stays true until they do."""
+        stopped = [w for _, w in self._held if w.req_id == req_id]
         self._held = [h for h in self._held if h[1].req_id != req_id]
+        stopped += self._cancel_posted(req_id)
+        for w in stopped:
+            self._emit(TransferEvent(TransferEventKind.CANCELLED, w.req_id, w.epoch, w.target,
+                                     "cancelled before it was read"))
 
     def poll(self) -> list[TransferEvent]:
         if self._held:
