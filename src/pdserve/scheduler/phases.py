@@ -186,9 +186,14 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     replay = replay_rows(start, p.replay_tokens, ps)
     headroom, remaining = _headroom(p, req)
     tokens = start + 1 if start == st.target else start
+    # like a first chunk: the rest of the history and the headroom, never
+    # less than the completing chunk's decode slot (§1.4)
+    reserve = prefill_reserve(decodes_locally=True, first_chunk=True, completes=False,
+                              rest_of_prompt=st.target - start, headroom=headroom,
+                              decode_width=p.cfg.decode_input_tokens)
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, demands(p, start, tokens, st.target - start + headroom, 0,
-                                           replay), hit.pages, b.plan, hit=hit):
+    if not p.coord.admit(req, res, demands(p, start, tokens, reserve, 0, replay), hit.pages,
+                         b.plan, hit=hit):
         b.new_prompts_sealed = True
         needed, free = p.coord.refused
         b.waits.readmission = Stop(Hold.CAPACITY, req.id, needed, free)
