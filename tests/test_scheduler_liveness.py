@@ -6,6 +6,7 @@ and ends idle."""
 import pytest
 
 from pdserve.scheduler import Planner, RejectedRequest
+from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
 
 from support import config, req, result_for
 
@@ -81,3 +82,25 @@ def test_a_first_chunk_reserves_the_slot_its_completing_chunk_needs():
     drive(p)
     assert p.stalls == []
 
+
+# ---- §1.3: a readmission's replay fits the budget -----------------------------
+
+def test_a_readmission_resumes_on_a_page_boundary_so_its_replay_fits_the_budget():
+    """Window 4, budget 8: the final-window rule cuts a 9-token prompt at 5,
+    mid-page. Resuming there would re-feed 5 rows and still owe the window
+    of 4 new tokens: 9 rows, over the budget, every round. A readmission
+    resumes on the page boundary below (4 replayed rows, then 1 and 4 new
+    tokens), which is what `min_prefill_tokens` sized the budget for."""
+    p = Planner(config(page_size=4, total_pages=12, host_pages=64, max_scheduled_tokens=8,
+                       max_batch_size=2, safe_steps=2, sliding_pages=4,
+                       enable_mixed_prefill_decode=False),
+                groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=True)))
+    r0 = req("r0", 9, max_new=9)
+    plans = drive(p, [(0, req("r1", 9, max_new=8)), (2, r0)])
+    cut = [op.begin + op.tokens for plan in plans for op in plan.prefills
+           if op.req is r0 and not op.completes]
+    resumed = [op.begin for plan in plans for op in plan.prefills if op.req is r0 and op.replay]
+    assert 5 in cut and "r0" in victims(plans)
+    assert resumed and all(b % 4 == 0 for b in resumed)
+    assert len(r0.output) == 9
+    assert p.stalls == []

@@ -167,6 +167,20 @@ def _headroom(p, req) -> tuple[int, int]:
     return admission_headroom(remaining, p.cfg.safe_steps, req.retractions), remaining
 
 
+def resume_point(computed: int, target: int, page_size: int) -> int:
+    """Where a readmission resumes (§1.3, §4): on the page boundary at or
+    below what its snapshot computed, unless only the last token is left
+    (a prompt-done victim feeding the token it sampled). A mid-page point
+    comes only from bounded replay's final-window cut, and resuming there
+    would re-feed up to a page more than the window: beside the window of
+    new tokens the final chunk must carry, more than the budget that
+    `min_prefill_tokens` sized for page-aligned points, so the request
+    could never advance. The rows between go back through the forward."""
+    if computed >= target - 1:
+        return computed
+    return computed // page_size * page_size
+
+
 def readmission_phase(p, b: PlanBuild) -> bool:
     """At most one readmission a round: the retracted request that resumes a
     generation a client is reading first, then the oldest retraction. It
@@ -180,7 +194,7 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     st = req.state
     ps = p.page_size
     hit = p.coord.match(req, (st.target - 1) // ps, use_host=False)
-    start = max(st.computed, hit.pages * ps)
+    start = max(resume_point(st.computed, st.target, ps), hit.pages * ps)
     # bounded replay is never carried across a retraction: re-derived from
     # where this readmission resumes (§4)
     replay = replay_rows(start, p.replay_tokens, ps)
