@@ -104,3 +104,27 @@ def test_a_readmission_resumes_on_a_page_boundary_so_its_replay_fits_the_budget(
     assert resumed and all(b % 4 == 0 for b in resumed)
     assert len(r0.output) == 9
     assert p.stalls == []
+
+
+# ---- §2: a victim does not come straight back -----------------------------------
+
+@pytest.mark.parametrize("host", [64, 0])
+def test_a_victim_is_not_readmitted_ahead_of_the_request_it_was_retracted_for(host):
+    """A sliding-only group (window 5) of 11 pages, three requests whose
+    working sets are 8 pages each. A victim yields to the request its pages
+    were freed for until that one is served (admitted past its prompt, a
+    step further, or gone); readmitting it first hands it the pages
+    straight back, and the two swap every round (the loop §2 names) until
+    the last resort retracts and readmits one forever. With a host tier the
+    victim readmits; without one it re-queues, and either way it waits."""
+    p = Planner(config(page_size=1, total_pages=64, sliding_pages=11, host_pages=host,
+                       max_scheduled_tokens=2, max_batch_size=3, safe_steps=1,
+                       enable_mixed_prefill_decode=False),
+                groups=(CacheGroupSpec("sliding_window", 5),))
+    reqs = [req("r0", [1] * 7, max_new=6), req("r1", [1] * 7, max_new=5), req("r2", 8, max_new=1)]
+    plans = drive(p, [(0, reqs[0]), (2, reqs[1]), (3, reqs[2])])
+    assert all(len(r.output) == r.limits.max_new_tokens for r in reqs)
+    for plan in plans:                  # never back in the round it left
+        assert not {r.req.id for r in plan.retracts} & {r.id for r in plan.readmits}
+    assert len(victims(plans)) <= 2
+    assert p.stalls == []

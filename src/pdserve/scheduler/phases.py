@@ -167,6 +167,31 @@ def _headroom(p, req) -> tuple[int, int]:
     return admission_headroom(remaining, p.cfg.safe_steps, req.retractions), remaining
 
 
+def yields(p, req, b: PlanBuild | None = None) -> bool:
+    """§2's anti-thrash rule: a retraction victim does not re-enter (by
+    readmission, or by admission as a re-queued newcomer) ahead of the
+    request it was retracted for. It yields while that one is live and
+    still in the prefill line (waiting or mid-prompt), or resident and not
+    yet a step further than it stood at the retraction; once that one is
+    served, left, or was itself retracted, the victim competes as usual.
+    Without this the pages a retraction freed go straight back to the
+    victim's readmission, and the two swap every round. Notes the yield
+    in `b.waits` for the operator's query."""
+    held = req.yields_to
+    if held is None:
+        return False
+    other, tokens = held
+    st = other.state
+    if p.requests.get(other.id) is other and (
+            isinstance(st, (fsm.Waiting, fsm.Prefilling))
+            or (st.holds_pages and other.num_tokens == tokens)):
+        if b is not None:
+            b.waits.yielding[req.id] = other.id
+        return True
+    req.yields_to = None
+    return False
+
+
 def resume_point(computed: int, target: int, page_size: int) -> int:
     """Where a readmission resumes (§1.3, §4): on the page boundary at or
     below what its snapshot computed, unless only the last token is left
@@ -190,6 +215,11 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     starve it). Returns whether it readmitted."""
     req = p.next_readmission()
     if req is None:
+        return False
+    if yields(p, req, b):
+        # it holds nothing and seals nothing: the request it yields to may
+        # be a waiting prompt, which a seal would starve
+        b.waits.readmission = Stop(Hold.YIELDS, req.id)
         return False
     st = req.state
     ps = p.page_size
@@ -318,15 +348,25 @@ def new_prompt_phase(p, b: PlanBuild) -> None:
     """Admit waiting requests in FIFO order, each with its first chunk. The
     first one that does not fit stops the phase: nobody overtakes it."""
     waiting = p.waiting
-    while waiting and not b.sealed and not b.new_prompts_sealed and b.can_prefill():
-        ok = try_new_prompt(p, b, waiting[0])
+    while not b.sealed and not b.new_prompts_sealed and b.can_prefill():
+        # a re-queued victim steps aside for the request it was retracted for (§2)
+        req = first_in_line(p, b)
+        if req is None:
+            return
+        ok = try_new_prompt(p, b, req)
         if ok is None:
             b.sealed = True
         elif ok is False:
-            b.fail(waiting[0])
+            b.fail(req)
             b.sealed = True
-    if waiting and not b.sealed:          # a sealed line already noted who sealed it
-        b.waits.line_closed(b, waiting[0])
+    req = first_in_line(p, b)
+    if req is not None and not b.sealed:  # a sealed line already noted who sealed it
+        b.waits.line_closed(b, req)
+
+
+def first_in_line(p, b: PlanBuild, skip=None):
+    """The first waiting request, FIFO, that does not yield (`yields`)."""
+    return next((r for r in p.waiting if r is not skip and not yields(p, r, b)), None)
 
 
 # ---- disaggregation ---------------------------------------------------------
