@@ -123,26 +123,27 @@ MUST_HAVE = {
 }
 
 # (sha256 of the plan log, sha256 of the page account), recorded before the
-# scheduler's coordinator and planner were split
+# scheduler's coordinator and planner were split; the retracting cases
+# re-recorded when a victim began to yield to the request it was retracted for
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
                 "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
     "sim-demo-pd": ("48b2552a931ce6e9baa7ab1ebfca622c5ec8bda729f8b19eff36029fd8b7615b",
                    "33fb9323729473d6cd5710bed5e8058bce356ff09ee273af80418f217a940192"),
-    "mooncake-tight-host": ("edfe9eacd4510444674ab82e6fb018418d05811985a8bf533cf347d0efa5ea86",
-                           "7bc18e564872f24e4ee29caef67d8aef120e9ee6262c8a860e24bb5fdd233ec1"),
-    "mooncake-tight-requeue": ("c8203662ee2bae8e3dd52382e3502046ed0f5bd9f12385ba0d93cd720a4fd064",
-                              "e77cdaf04bcaf0e461860a44f4e37b8642cc7040d86a6c5cf7b99c186f36f024"),
-    "mooncake-tight-pd-host": ("c756b8eb81e7f4feae3091f28145553e181956e1aad1e337b9d84af2452e7c5a",
-                              "4d073526ba64e9c6c36596bb77097e0190158cffe1b386bdeecd4dddba5e50b8"),
-    "gemma-sliding": ("de17ec0e829f0b57241529a6d5ae0052c79aa7b2f206ab51fd3ccb9a5bfb1416",
-                     "519050f9a2475cf958e7f529495373de756224338c5ab30a26660fd8f9a83ef0"),
+    "mooncake-tight-host": ("ed2babd0ece726819feaf9c1104b5161e3dfa11ec4f2832b23ca8f777acd2f53",
+                           "85d56de3c132b5be76d508b9444a0ce2329715315b24b213681fe68d458e00b1"),
+    "mooncake-tight-requeue": ("a14fb6a39c95236710737f2aaeb64ca444d3cb48e9c827d2708dd83d3abecb53",
+                              "510785a7cf2ef39872e26974e3da37559046ddfbe4d13ac67268d470a737e40d"),
+    "mooncake-tight-pd-host": ("a0c8c5d4ba16012305722df4d52b4ca83547219adbe7d6f0bdaf7fabba7f2872",
+                              "12b4165d954faef475fe4225aad25651a652e805541c2c1facb5468cfa4b2141"),
+    "gemma-sliding": ("cc655aab8782b723d7d6ed88884a0796ede705482a0b6caa78f9416d79a4b2d6",
+                     "036a18d2e3adae80f573bc276b8ff2625f547933850dd6b939fcf81bf33f9c1e"),
     "gemma-sliding-pd": ("49928aaee5d27036a0fc4f38939b32a0def4d1767bf4708472e30bab155351a9",
                         "a94ff3411693947d8aa173a10aa61aff5c3a9aa472767e93f057ac15ac325923"),
-    "gemma-sliding-host": ("3bc464d112c566880b7fd6e5289102f3bd402cbadcc53df388d73369dd71929a",
-                          "dacfe647ea00288863ed1668677b7c194a1a47ccc5fdedf8145ac192bc033bb3"),
-    "qwen3-next-state-host": ("cc810611321648a5846ecbdcd1fc874c4c5ce02ca3733eaa60db76b7d86288fd",
-                             "dfb0230ef1a8b75cac8105e982262477649049e76b5c18ed79225d4c0535030f"),
+    "gemma-sliding-host": ("fac53b69616155160442bfa071e68564d2154c5e95c1ddcd38ad807e03719a20",
+                          "1f322bd329ea7df3d59f772f54136706515593cbc4dde325345a1086d3ec134c"),
+    "qwen3-next-state-host": ("b33060e7d8071a378d2800591342953e76056fe79cf3998011205bceee60f594",
+                             "b5063c2d4f85a380cb6b22e11d95a297d1eb3abbb9ce3ceba3e004d42fee6733"),
 }
 
 

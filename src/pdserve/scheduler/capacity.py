@@ -44,11 +44,24 @@ def max_single_request_tokens(cfg: EngineConfig, full_history: bool = True) -> i
     return lo
 
 
+def sequence_pool_tokens(cfg: EngineConfig) -> int:
+    """Prompt plus generation that the full-history pool holds for one
+    request at its worst: a victim retracted before its last decode
+    re-prefills prompt plus all but the last generated token, and the chunk
+    that completes that history reserves the decode slot behind it. So
+    prompt + max_new_tokens - 1 + decode_input_tokens must fit the pool, or
+    the victim can never be readmitted (it would wait forever, and the FIFO
+    behind it with it)."""
+    return cfg.total_pages * cfg.page_size - (cfg.decode_input_tokens - 1)
+
+
 def context_bound(cfg: EngineConfig, full_history: bool = True) -> int:
-    """Tokens one sequence (prompt plus generation) can ever occupy."""
+    """Tokens one sequence (prompt plus generation) can ever occupy: what
+    the model's context allows and, with full history, what the pool can
+    readmit (`sequence_pool_tokens`)."""
     if not full_history:
         return cfg.max_context_tokens
-    return min(cfg.max_context_tokens, cfg.total_pages * cfg.page_size)
+    return min(cfg.max_context_tokens, sequence_pool_tokens(cfg))
 
 
 def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | None,
@@ -61,6 +74,7 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
             f"model context {cfg.max_context_tokens}")
     # advise raising the pool only where the pool, not the model, is the limit
     pool_bound = full_history and cfg.total_pages * cfg.page_size < cfg.max_context_tokens
+    seq_pool_bound = full_history and sequence_pool_tokens(cfg) < cfg.max_context_tokens
     if prompt_tokens > bound:
         fix = "raise engine.total_pages or shorten the prompt" if pool_bound else \
             "shorten the prompt (the model's context is the limit)"
@@ -72,10 +86,18 @@ def ingest_error(cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int | No
         limit = context_bound(cfg, full_history)
         if prompt_tokens + max_new_tokens > limit:
             fix = f"lower max_new_tokens to at most {max(limit - prompt_tokens, 0):,}"
-            fix += " or raise engine.total_pages" if pool_bound else \
+            fix += " or raise engine.total_pages" if seq_pool_bound else \
                 " (the model's context is the limit)"
+            slot = ""
+            if seq_pool_bound and cfg.decode_input_tokens > 1:
+                # §1.4: a retracted request re-prefills all but its last token
+                # and reserves the decode slot behind them
+                slot = (f", less {cfg.decode_input_tokens - 1} for the decode slot of "
+                        f"decode_input_tokens={cfg.decode_input_tokens} behind a retracted "
+                        "request's re-prefilled history")
             return (f"prompt of {prompt_tokens:,} tokens plus max_new_tokens={max_new_tokens:,} "
-                    f"exceeds the {limit:,} tokens one sequence can occupy ({pool}); {fix}")
+                    f"exceeds the {limit:,} tokens one sequence can occupy ({pool}{slot}); "
+                    f"{fix}")
     return None
 
 

@@ -50,9 +50,11 @@ def prefill_reserve(*, decodes_locally: bool, first_chunk: bool, completes: bool
 
     The completing chunk holds the decode slot on every role. A decoding
     role's first chunk raises that to the rest of the prompt plus the
-    admission headroom, so a request it starts is never stranded mid-prompt
+    admission headroom, and never less than the slot the completing chunk
+    will ask for (a headroom of one token under a slot of two would strand
+    it one page short), so a request it starts is never stranded mid-prompt
     or at its first decode. Intermediate chunks reserve nothing."""
     reserve = decode_width if completes else 0
     if decodes_locally and first_chunk:
-        reserve = max(reserve, rest_of_prompt + headroom)
+        reserve = max(reserve, rest_of_prompt + max(headroom, decode_width))
     return reserve

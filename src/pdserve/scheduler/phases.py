@@ -167,6 +167,45 @@ def _headroom(p, req) -> tuple[int, int]:
     return admission_headroom(remaining, p.cfg.safe_steps, req.retractions), remaining
 
 
+def yields(p, req, b: PlanBuild | None = None) -> bool:
+    """§2's anti-thrash rule: a retraction victim does not re-enter (by
+    readmission, or by admission as a re-queued newcomer) ahead of the
+    request it was retracted for. It yields while that one is live and
+    still in the prefill line (waiting or mid-prompt), or resident and not
+    yet a step further than it stood at the retraction; once that one is
+    served, left, or was itself retracted, the victim competes as usual.
+    Without this the pages a retraction freed go straight back to the
+    victim's readmission, and the two swap every round. Notes the yield
+    in `b.waits` for the operator's query."""
+    held = req.yields_to
+    if held is None:
+        return False
+    other, tokens = held
+    st = other.state
+    if p.requests.get(other.id) is other and (
+            isinstance(st, (fsm.Waiting, fsm.Prefilling))
+            or (st.holds_pages and other.num_tokens == tokens)):
+        if b is not None:
+            b.waits.yielding[req.id] = other.id
+        return True
+    req.yields_to = None
+    return False
+
+
+def resume_point(computed: int, target: int, page_size: int) -> int:
+    """Where a readmission resumes (§1.3, §4): on the page boundary at or
+    below what its snapshot computed, unless only the last token is left
+    (a prompt-done victim feeding the token it sampled). A mid-page point
+    comes only from bounded replay's final-window cut, and resuming there
+    would re-feed up to a page more than the window: beside the window of
+    new tokens the final chunk must carry, more than the budget that
+    `min_prefill_tokens` sized for page-aligned points, so the request
+    could never advance. The rows between go back through the forward."""
+    if computed >= target - 1:
+        return computed
+    return computed // page_size * page_size
+
+
 def readmission_phase(p, b: PlanBuild) -> bool:
     """At most one readmission a round: the retracted request that resumes a
     generation a client is reading first, then the oldest retraction. It
@@ -177,18 +216,28 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     req = p.next_readmission()
     if req is None:
         return False
+    if yields(p, req, b):
+        # it holds nothing and seals nothing: the request it yields to may
+        # be a waiting prompt, which a seal would starve
+        b.waits.readmission = Stop(Hold.YIELDS, req.id)
+        return False
     st = req.state
     ps = p.page_size
     hit = p.coord.match(req, (st.target - 1) // ps, use_host=False)
-    start = max(st.computed, hit.pages * ps)
+    start = max(resume_point(st.computed, st.target, ps), hit.pages * ps)
     # bounded replay is never carried across a retraction: re-derived from
     # where this readmission resumes (§4)
     replay = replay_rows(start, p.replay_tokens, ps)
     headroom, remaining = _headroom(p, req)
     tokens = start + 1 if start == st.target else start
+    # like a first chunk: the rest of the history and the headroom, never
+    # less than the completing chunk's decode slot (§1.4)
+    reserve = prefill_reserve(decodes_locally=True, first_chunk=True, completes=False,
+                              rest_of_prompt=st.target - start, headroom=headroom,
+                              decode_width=p.cfg.decode_input_tokens)
     res = Resources(len(p.coord.groups))
-    if not p.coord.admit(req, res, demands(p, start, tokens, st.target - start + headroom, 0,
-                                           replay), hit.pages, b.plan, hit=hit):
+    if not p.coord.admit(req, res, demands(p, start, tokens, reserve, 0, replay), hit.pages,
+                         b.plan, hit=hit):
         b.new_prompts_sealed = True
         needed, free = p.coord.refused
         b.waits.readmission = Stop(Hold.CAPACITY, req.id, needed, free)
@@ -299,15 +348,25 @@ def new_prompt_phase(p, b: PlanBuild) -> None:
     """Admit waiting requests in FIFO order, each with its first chunk. The
     first one that does not fit stops the phase: nobody overtakes it."""
     waiting = p.waiting
-    while waiting and not b.sealed and not b.new_prompts_sealed and b.can_prefill():
-        ok = try_new_prompt(p, b, waiting[0])
+    while not b.sealed and not b.new_prompts_sealed and b.can_prefill():
+        # a re-queued victim steps aside for the request it was retracted for (§2)
+        req = first_in_line(p, b)
+        if req is None:
+            return
+        ok = try_new_prompt(p, b, req)
         if ok is None:
             b.sealed = True
         elif ok is False:
-            b.fail(waiting[0])
+            b.fail(req)
             b.sealed = True
-    if waiting and not b.sealed:          # a sealed line already noted who sealed it
-        b.waits.line_closed(b, waiting[0])
+    req = first_in_line(p, b)
+    if req is not None and not b.sealed:  # a sealed line already noted who sealed it
+        b.waits.line_closed(b, req)
+
+
+def first_in_line(p, b: PlanBuild, skip=None):
+    """The first waiting request, FIFO, that does not yield (`yields`)."""
+    return next((r for r in p.waiting if r is not skip and not yields(p, r, b)), None)
 
 
 # ---- disaggregation ---------------------------------------------------------

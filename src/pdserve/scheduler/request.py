@@ -68,7 +68,7 @@ class Request:
     __slots__ = (
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
-        "finish_reason", "error", "peer", "first_page",
+        "finish_reason", "error", "peer", "first_page", "yields_to",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits()):
@@ -92,6 +92,9 @@ class Request:
         self.error: str | None = None
         self.peer: str | None = None   # the other side of a P/D handoff (cluster's to set)
         self.first_page = 0            # P: the first page the peer does not hold already
+        # A retraction victim: (the request it was retracted for, that one's
+        # token count then); it re-enters after that one (phases.yields, §2)
+        self.yields_to = None
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only)."""

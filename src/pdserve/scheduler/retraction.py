@@ -26,8 +26,8 @@ from __future__ import annotations
 from pdserve.scheduler import fsm
 from pdserve.scheduler.fsm import Prefilling
 from pdserve.scheduler.phases import (
-    PlanBuild, decode_phase, new_prompt_phase, readmission_phase, resident_prefill_phase,
-    try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
+    PlanBuild, decode_phase, first_in_line, new_prompt_phase, readmission_phase,
+    resident_prefill_phase, try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
 from pdserve.scheduler.plan import RetractOp
 from pdserve.scheduler.waiting import Hold
 
@@ -63,11 +63,14 @@ def choose_victim(p, ignore_exemption: bool = False):
     return best
 
 
-def retract(p, b: PlanBuild, victim) -> None:
+def retract(p, b: PlanBuild, victim, for_req=None) -> None:
     """Take the victim off the device. Its computed full pages are
     published; with a host tier its KV is snapshotted by a stream-ordered
     store and it waits as Retracted, otherwise it waits to re-prefill.
-    Either way its pages are free for the rest of this plan build."""
+    Either way its pages are free for the rest of this plan build, and it
+    yields to `for_req`, the request they were freed for (phases.yields)."""
+    victim.yields_to = (for_req, for_req.num_tokens) \
+        if for_req is not None and for_req is not victim else None
     coord = p.coord
     st = victim.state
     computed = fsm.computed_tokens(victim)
@@ -134,10 +137,17 @@ def _grant_next_resident(p, b: PlanBuild, victim) -> bool:
     return False
 
 
+def _beneficiary(p, victim):
+    """Whom a retracted blocker's room goes to (the grants below, in their
+    order): the next admitted prefill, else the first waiting prompt."""
+    nxt = next((r for r in p.prefilling.values() if r is not victim), None)
+    return nxt if nxt is not None else first_in_line(p, None, skip=victim)
+
+
 def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
     if b.new_prompts_sealed:
         return
-    req = next((r for r in p.waiting if r is not victim), None)
+    req = first_in_line(p, b, skip=victim)
     if req is None:
         return
     b.waits.served = req.id                   # the room is redirected to it
@@ -173,7 +183,7 @@ def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
             b.waits.retraction = (f"retraction waits for its victim {victim.id}, whose "
                                   "forward is still in flight")
             return
-        retract(p, b, victim)
+        retract(p, b, victim, _beneficiary(p, victim) if victim is blocker else blocker)
         b.waits.served = blocker.id
         if victim is blocker:
             # granting its own pages straight back is the loop to break: a
@@ -204,7 +214,9 @@ def ensure_progress(p, b: PlanBuild) -> None:
     if victim is None:
         return
     b.waits.last_resort = victim.id
-    retract(p, b, victim)
+    blocker = b.capacity_blocker
+    retract(p, b, victim, blocker if blocker is not None and blocker is not victim
+            else _beneficiary(p, victim))
     again = PlanBuild(plan, b.budget, b.batch_left, b.decodes_use_budget, b.prefill_may_join,
                       b.waits)
     decode_phase(p, again)

@@ -29,6 +29,7 @@ class Hold(enum.StrEnum):
     RETRACTION_GRANT = "retraction_grant"              # §2: the freed room went to one request
     READMISSION_LIMIT = "readmission_limit"            # §4: one readmission a round
     RETRACTED = "retracted"                            # §2: a victim of this round
+    YIELDS = "yields"                                  # §2: a victim yields to whom it freed pages for
     LOCAL_RECOVERY = "local_recovery"                  # D: a recovery claims the round
     WAITING_FOR_PREFILL = "waiting_for_prefill"        # D: a P engine prefills it
     REMOTE_ADMISSION_LIMIT = "remote_admission_limit"  # D: one remote admission a round
@@ -64,7 +65,7 @@ class WaitFacts:
     """What one round recorded about its waiting requests (last write wins:
     a later phase or retraction that tries the line again overwrites it)."""
 
-    __slots__ = ("line", "readmission", "retraction", "served", "last_resort")
+    __slots__ = ("line", "readmission", "retraction", "served", "last_resort", "yielding")
 
     def __init__(self):
         self.line: Stop | None = None         # the waiting line (and D's remote admission)
@@ -72,6 +73,7 @@ class WaitFacts:
         self.retraction = ""                  # why retraction did not free room, if it did not
         self.served: str | None = None        # whom this round's retraction freed pages for
         self.last_resort: str | None = None   # the liveness last resort's victim
+        self.yielding: dict[str, str] = {}    # victim -> the request it yields to (§2)
 
     def stop_line(self, rule: Hold, who, note: str = "") -> None:
         self.line = Stop(rule, who.id if who is not None else None, note=note)
@@ -161,7 +163,20 @@ def _also_victim(reason: WaitReason, victims, facts: WaitFacts) -> WaitReason:
                       reason.blocked_by, reason.pages_needed, reason.pages_free)
 
 
-def _readmission_reason(req, stop: Stop) -> WaitReason:
+def _yield_reason(req, other: str) -> WaitReason:
+    return WaitReason(req.id, Hold.YIELDS,
+                      f"retracted to free pages for {other}, it re-enters once {other} is "
+                      "served (admitted past its prompt, a step further, or gone), so the "
+                      "pages it gave up do not come straight back to it (§2)", other)
+
+
+def _readmission_reason(req, stop: Stop, facts: WaitFacts) -> WaitReason:
+    if stop.rule is Hold.YIELDS:
+        if stop.who == req.id:
+            return _yield_reason(req, facts.yielding[req.id])
+        return WaitReason(req.id, Hold.READMISSION_LIMIT,
+                          f"{stop.who} is next in readmission order and yields this round; "
+                          "the others wait behind it (§4)", stop.who)
     if stop.who == req.id and stop.rule is Hold.CAPACITY:
         return WaitReason(
             req.id, Hold.CAPACITY,
@@ -218,6 +233,8 @@ def _line_reasons(p, facts: WaitFacts, victims, seq_mark: int) -> list[WaitReaso
             out.append(_also_victim(_line_reason(req, stop, retraction), victims, facts))
         elif req.id in victims:
             out.append(_victim_reason(req, facts))
+        elif req.id in facts.yielding:
+            out.append(_yield_reason(req, facts.yielding[req.id]))
         elif stop is None:
             raise AssertionError(f"planner bug: {req.id} waits, the round noted no rule")
         else:
@@ -234,12 +251,12 @@ def _retracted_reasons(p, facts: WaitFacts, victims, epoch_mark: int) -> list[Wa
         if req.state.epoch > epoch_mark:
             out.append(_not_planned(req))            # e.g. its transfer failed since
         elif stop is not None and stop.who == req.id and stop.rule is Hold.CAPACITY:
-            out.append(_also_victim(_readmission_reason(req, stop), victims, facts))
+            out.append(_also_victim(_readmission_reason(req, stop, facts), victims, facts))
         elif req.id in victims:
             out.append(_victim_reason(req, facts))
         elif stop is None:
             raise AssertionError(f"planner bug: {req.id} is retracted, the round noted no "
                                  "readmission")
         else:
-            out.append(_readmission_reason(req, stop))
+            out.append(_readmission_reason(req, stop, facts))
     return out
