@@ -20,6 +20,7 @@ from pdserve.scheduler import fsm
 from pdserve.scheduler.chunking import (
     admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
 from pdserve.scheduler.group_pools import GroupDemand
+from pdserve.scheduler.overlap import runs_ahead
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
@@ -140,7 +141,10 @@ def decode_phase(p, b: PlanBuild) -> None:
     n = 0
     for req in p.running.values():
         st = req.state
-        if req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
+        if st.res.forwards_out:
+            if not runs_ahead(p, b, req):   # engine.overlap: a decode in flight goes again
+                continue
+        elif req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
             if not try_decode(p, b, req):
                 b.fail(req)
                 continue
