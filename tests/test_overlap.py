@@ -18,8 +18,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import load_config
 from pdserve.roles.engine import Engine
-from pdserve.scheduler import ConfigError, EngineConfig, Planner, fsm
-from pdserve.scheduler import retraction
+from pdserve.scheduler import ConfigError, EngineConfig, Planner, fsm, retraction
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import read_trace
 
@@ -278,7 +277,7 @@ def test_outputs_match_and_plans_repeat_in_overlap_mode(name):
     tokens), no liveness last resort runs, and the plan log repeats."""
     off, _, none = _sim(name, overlap=False)
     on, log, ahead = _sim(name, overlap=True)
-    again, log2, _ = _sim(name, overlap=True)
+    _, log2, _ = _sim(name, overlap=True)
     assert none == 0 and ahead > 0
     assert on == off and len(on) == 40
     assert log == log2

@@ -21,6 +21,7 @@ runs ahead: it has no decodes, and a prompt it ships needs its token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.scheduler import overlap
 from pdserve.scheduler.plan import Plan
@@ -49,8 +50,10 @@ class Engine:
         self.forget_finished = forget_finished
         self.overlap = (planner.cfg.overlap and planner.decodes_locally
                         and hasattr(executor, "launch"))
-        self._in_flight = None      # (plan, the executor's handle): launched, not applied
-        self._launch_error = None   # (plan, error): a launch that failed, reported next step
+        # (plan, the executor's handle): launched, not applied
+        self._in_flight: tuple[Plan, Any] | None = None
+        # (plan, error): a launch that failed, reported by the next step
+        self._launch_error: tuple[Plan, str] | None = None
 
     @property
     def role(self) -> str:
@@ -110,8 +113,8 @@ class Engine:
                 return StepOutcome(plan, failed=overlap.fail_plans(p, [plan], reason),
                                    error=reason)
         (plan, handle), self._in_flight = self._in_flight, None
-        nxt = p.build()                      # round N+1, while N's forward runs
-        nxt = None if nxt.is_empty() else nxt
+        built = p.build()                    # round N+1, while N's forward runs
+        nxt = None if built.is_empty() else built
         try:
             result = ex.wait(handle)
         except Exception as e:               # N is lost, and N+1 was built on it

@@ -5,7 +5,9 @@ executor and transport.
            transfer events and the peer protocol's timers
            the drain's deadline
            a round: plan, forward, apply; its outputs to the output thread,
-           its asks and ships to the peers
+           its asks and ships to the peers (with engine.overlap the round's
+           step builds the next plan while this one's forward runs, and an
+           abort that waited for its forward is finished here, after_abort)
 
 `Inbox` is how other threads reach it; `EngineLoop` runs the passes and
 hands each round's results to the output thread (`output_item`). The

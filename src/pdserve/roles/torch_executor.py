@@ -20,6 +20,7 @@ between (spec §1.2).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +59,7 @@ class Launched:
     plan: Plan
     result: StepResult
     rows: list
-    future: object = None
+    future: cf.Future | None = None
 
 
 class TorchExecutor:
@@ -115,8 +116,9 @@ class TorchExecutor:
         self.tracked: dict[str, Tracked] = {}
         self.forward_tokens = 0
         self.fed_on_device = 0      # decode inputs taken from the last round's sampled tensor
-        self._sampled = None        # (that tensor, request id -> row), after a launched round
-        self._worker = None         # the forward thread, started by the first launch
+        # (that tensor, request id -> row), after a launched round
+        self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -188,7 +190,6 @@ class TorchExecutor:
         staged, rows = self._stage(plan, feed=self._sampled, own_tables=True)
         inputs = self._sample_inputs(rows) if rows else None
         if self._worker is None:
-            import concurrent.futures as cf
             self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sampled = None        # until this round's tokens exist
         fut = self._worker.submit(self._forward_and_sample, staged, inputs)
