@@ -304,3 +304,58 @@ def test_overlap_on_a_gpu_keeps_tokens_and_reports_its_rate():
     print(f"\ntiny on CUDA, 64 requests x 64 tokens: overlap off {rates[False]:,.0f} tok/s, "
           f"on {rates[True]:,.0f} tok/s")
     assert tokens[True] == tokens[False]
+
+
+# ---- the engine server --------------------------------------------------------------
+
+def _overlap_server():
+    from engine_fakes import Executor, Outputs, Sender
+
+    from pdserve.roles.engine_server import EngineServer
+    from pdserve.scheduler.grammar import Role
+
+    class Ahead(Executor):
+        def launch(self, plan):
+            return plan
+
+        def wait(self, plan):
+            return self.run(plan)
+    planner = Planner(config(overlap=True))
+    return EngineServer(Role.FUSED, "fused-0", planner, Ahead(), lambda on_stop: Outputs(),
+                        None, incarnation=1, sender=Sender())
+
+
+def _submit(s, rid):
+    from pdserve.proto import control_pb2 as pb
+    from pdserve.proto import router_pb2 as rpb
+    s.submit(pb.SubmitRequest(request_id=rid, token_ids=[5, 6, 7], subscriber="router",
+                              sampling=rpb.SamplingOptions(max_tokens=100)))
+    return s.planner.requests[rid]
+
+
+@pytest.mark.parametrize("how", ["abort", "stop string"])
+def test_the_server_ends_a_request_in_flight_after_its_forward(how):
+    """A client's abort, or the output thread's stop string, for a request
+    whose forward is out: the engine server lets it go once it lands, and
+    tells its router then."""
+    from engine_fakes import one_round, run_jobs
+
+    s = _overlap_server()
+    assert s.engine.overlap
+    x = _submit(s, "X")
+    for _ in range(3):
+        one_round(s)
+    assert x.state.res.forwards_out == 1
+    if how == "abort":
+        assert s.abort("X", "client went away")
+    else:
+        s._stop_string_hit("X", x)
+        run_jobs(s)
+    assert "X" in s.planner.requests and "X" in s.owner         # not yet: its forward is out
+    assert s.counts.aborted == s.counts.finished == 0
+    out = one_round(s)
+    assert out.aborted == [x] and "X" not in s.planner.requests and "X" not in s.owner
+    assert (s.counts.aborted, s.counts.finished) == ((1, 0) if how == "abort" else (0, 1))
+    while s.engine.has_work():
+        one_round(s)
+    s.planner.assert_idle()
