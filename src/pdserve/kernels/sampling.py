@@ -178,7 +178,7 @@ TOP_P_CANDIDATES = (256, 4096)   # where top-p looks for its cut, in turn (CPU)
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
            fallback_seeds: list[int], stop_ids: frozenset = frozenset(), histories=None,
-           earlier: list[int] | None = None):
+           earlier: list[int] | None = None, keep: list | None = None):
     """One token per row, and a Logprob for rows that asked (else None).
     `steps[i]` is how many tokens row i's request has generated so far;
     `fallback_seeds[i]` seeds an unseeded request; `stop_ids` (EOS) are masked,
@@ -188,7 +188,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     or numpy arrays, and the prompt's distinct tokens are enough.
     `earlier[i]`: tokens row i's request generated before it was resubmitted
     (its draw is then that of token earlier[i] + steps[i], as if it had not
-    been; None: none anywhere)."""
+    been; None: none anywhere). `keep`: if given, the sampled tokens as a
+    tensor on the logits' device are appended to it (a round that runs ahead
+    feeds them to the next forward without a trip through the host)."""
     raw, dev, vocab = logits, logits.device, logits.shape[-1]
     mask_rows: list[int] = []
     mask_ids: list[int] = []
@@ -205,7 +207,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     logits = _penalize(logits, params, histories)
     rows = [i for i, sp in enumerate(params) if not sp.greedy]
     if not rows:
-        return _fetch(raw, params, logits.argmax(dim=-1))
+        tokens = logits.argmax(dim=-1)
+        if keep is not None:
+            keep.append(tokens)
+        return _fetch(raw, params, tokens)
     seeds = [params[i].seed if params[i].seed is not None else fallback_seeds[i] for i in rows]
     drawn, idx = _sample_rows(logits, [params[i] for i in rows], rows,
                               [row_uniform(s, steps[i] + (earlier[i] if earlier else 0))  # type: ignore[arg-type]
@@ -215,6 +220,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     else:                            # greedy rows beside sampling ones
         tokens = logits.argmax(dim=-1)
         tokens.index_copy_(0, idx, drawn)
+    if keep is not None:
+        keep.append(tokens)
     return _fetch(raw, params, tokens)
 
 

@@ -5,12 +5,25 @@
     planner.apply(plan, result)  # tokens, finishes, releases
 
 The same class serves every role and every executor.
+
+With `engine.overlap` (fused and D, an executor with `launch` / `wait`),
+the round is pipelined in a fixed order, so plans stay deterministic:
+
+    build(N+1)                   # while N's forward runs
+    result = executor.wait(N)
+    apply(N)                     # overlap.apply: ends land one round late
+    executor.launch(N+1)
+
+Each `step()` still applies exactly one plan and returns its outcome. P never
+runs ahead: it has no decodes, and a prompt it ships needs its token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from pdserve.scheduler import overlap
 from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request
@@ -22,6 +35,9 @@ class StepOutcome:
     finished: list = field(default_factory=list)
     failed: list = field(default_factory=list)   # aborted because the round failed
     error: str = ""
+    # engine.overlap: requests whose abort waited for their forward and took
+    # effect this round (what Engine.abort deferred)
+    aborted: list = field(default_factory=list)
 
 
 class Engine:
@@ -32,6 +48,12 @@ class Engine:
         self.planner = planner
         self.executor = executor
         self.forget_finished = forget_finished
+        self.overlap = (planner.cfg.overlap and planner.decodes_locally
+                        and hasattr(executor, "launch"))
+        # (plan, the executor's handle): launched, not applied
+        self._in_flight: tuple[Plan, Any] | None = None
+        # (plan, error): a launch that failed, reported by the next step
+        self._launch_error: tuple[Plan, str] | None = None
 
     @property
     def role(self) -> str:
@@ -44,10 +66,21 @@ class Engine:
             expect(req.id, output_tokens)
 
     def has_work(self) -> bool:
-        return self.planner.has_work()
+        return self._in_flight is not None or self._launch_error is not None \
+            or self.planner.has_work()
+
+    def abort(self, req_id: str, reason: str):
+        """Abort `req_id`: now (returns the Request), or, with a forward of
+        its own in flight, once it lands (returns None; the step that
+        releases it lists it in `StepOutcome.aborted`)."""
+        if self.overlap:
+            return overlap.end_after_forward(self.planner, req_id, reason)
+        return self.planner.abort(req_id, reason)
 
     def step(self) -> StepOutcome | None:
         """One round. None when the planner built nothing."""
+        if self.overlap:
+            return self._step_ahead()
         plan = self.planner.build()
         if plan.is_empty():
             return None
@@ -62,3 +95,44 @@ class Engine:
             for req in finished:
                 forget(req.id)
         return StepOutcome(plan, finished)
+
+    # ---- engine.overlap ----------------------------------------------------------
+    def _step_ahead(self) -> StepOutcome | None:
+        p, ex = self.planner, self.executor
+        if self._launch_error is not None:
+            (plan, reason), self._launch_error = self._launch_error, None
+            return StepOutcome(plan, failed=overlap.fail_plans(p, [plan], reason), error=reason)
+        if self._in_flight is None:
+            plan = p.build()
+            if plan.is_empty():
+                return None
+            try:
+                self._in_flight = (plan, ex.launch(plan))
+            except Exception as e:
+                reason = _reason(e)
+                return StepOutcome(plan, failed=overlap.fail_plans(p, [plan], reason),
+                                   error=reason)
+        (plan, handle), self._in_flight = self._in_flight, None
+        built = p.build()                    # round N+1, while N's forward runs
+        nxt = None if built.is_empty() else built
+        try:
+            result = ex.wait(handle)
+        except Exception as e:               # N is lost, and N+1 was built on it
+            reason = _reason(e)
+            return StepOutcome(plan, failed=overlap.fail_plans(p, [plan, nxt], reason),
+                               error=reason)
+        finished, aborted = overlap.apply(p, plan, result)
+        if nxt is not None:
+            try:
+                self._in_flight = (nxt, ex.launch(nxt))
+            except Exception as e:           # N landed; N+1 fails on the next step
+                self._launch_error = (nxt, _reason(e))
+        forget = getattr(ex, "forget", None)
+        if forget is not None and self.forget_finished:
+            for req in finished + aborted:
+                forget(req.id)
+        return StepOutcome(plan, finished, aborted=aborted)
+
+
+def _reason(e: Exception) -> str:
+    return f"engine error: {type(e).__name__}: {e}"

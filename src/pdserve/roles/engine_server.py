@@ -77,6 +77,9 @@ class EngineServer:
         self.counts = EngineCounters()
         self.owner: dict[str, str] = {}         # req -> the subscription its events go to
         self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
+        # engine.overlap: what to do once an abort that waited for its
+        # request's forward takes effect (EngineLoop.after_round runs it)
+        self.after_abort: dict[str, Callable[[], None]] = {}
         self.outputs = make_outputs(self._stop_string_hit)
         self.inbox = Inbox()
         self.loop = EngineLoop(self)
@@ -135,6 +138,9 @@ class EngineServer:
         if self._shut:
             return
         self._shut = True
+        close = getattr(self.executor, "close", None)
+        if close is not None:               # the forward thread of a round that ran ahead
+            close()
         self.outputs.close()
         if self._server is not None:
             self._server.stop(grace=0.5)
@@ -239,6 +245,7 @@ class EngineServer:
             self.request_finished(r)
 
     def request_finished(self, req) -> None:
+        self.after_abort.pop(req.id, None)      # it finished before a deferred abort could
         self.counts.finished += 1
         self._close(req.id)
 
@@ -258,11 +265,16 @@ class EngineServer:
         """Output thread: `req` (the Request submitted as `req_id`) produced a
         stop string; its last event is out. The loop lets it go, unless it
         finished meanwhile: a new request under the same id is not it."""
+        def released():
+            self.counts.finished += 1
+            self._close(req_id)
+
         def release():
             if self.planner.requests.get(req_id) is req and req_id in self.owner:
-                self.planner.abort(req_id, "stop string")
-                self.counts.finished += 1
-                self._close(req_id)
+                if self.engine.abort(req_id, "stop string") is None:
+                    self.after_abort[req_id] = released    # after its forward in flight
+                else:
+                    released()
         self.post_job(release)
 
     def subscriber_gone(self, subscriber: str) -> None:
@@ -314,16 +326,22 @@ class EngineServer:
             return False
         if req_id in p.landing:
             self.peer.abort_landing(req, reason)
-        self.counts.aborted += 1
         if self.role is Role.PREFILL and self.peer.writing(req_id):
             # its write may still read the pages: they go when it ends
+            self.counts.aborted += 1
             self.peer.abort_twin(req_id)
             self.fail(req_id, f"aborted: {reason}", kind)
             return True
-        p.abort(req_id, reason)
-        if self.role is Role.PREFILL:
-            self.peer.release_twin(req_id)
-        self.fail(req_id, f"aborted: {reason}", kind)
+
+        def aborted():
+            self.counts.aborted += 1
+            if self.role is Role.PREFILL:
+                self.peer.release_twin(req_id)
+            self.fail(req_id, f"aborted: {reason}", kind)
+        if self.engine.abort(req_id, reason) is None:
+            self.after_abort[req_id] = aborted     # engine.overlap: once its forward lands
+        else:
+            aborted()
         return True
 
     # ---- stats -----------------------------------------------------------------

@@ -5,7 +5,9 @@ executor and transport.
            transfer events and the peer protocol's timers
            the drain's deadline
            a round: plan, forward, apply; its outputs to the output thread,
-           its asks and ships to the peers
+           its asks and ships to the peers (with engine.overlap the round's
+           step builds the next plan while this one's forward runs, and an
+           abort that waited for its forward is finished here, after_abort)
 
 `Inbox` is how other threads reach it; `EngineLoop` runs the passes and
 hands each round's results to the output thread (`output_item`). The
@@ -171,6 +173,7 @@ class EngineLoop:
         if out.error:
             log.error("%s: round %d failed: %s", s.name, plan.round, out.error)
             for req in out.failed:
+                s.after_abort.pop(req.id, None)
                 if s.role is Role.PREFILL:      # D hears it now and prefills itself
                     s.peer.give_up(req.id, out.error)
                     s.peer.release_twin(req.id)
@@ -186,13 +189,18 @@ class EngineLoop:
             c.prefix_lookup(op.req.id, len(op.req.prompt.tokens),
                             op.first_page * s.planner.page_size)
         if s.role is not Role.PREFILL:
-            finished = set(out.finished)
+            finished, gone = set(out.finished), set(out.aborted)
             items = [self.output_item(op.req, op.req in finished) for op in plan.prefills
-                     if op.completes]
-            items += [self.output_item(req, req in finished) for req in plan.decodes]
+                     if op.completes and op.req not in gone]
+            items += [self.output_item(req, req in finished) for req in plan.decodes
+                      if req not in gone]
             s.outputs.post(items)
         for req in out.finished:
             s.request_finished(req)
+        for req in out.aborted:                 # engine.overlap: aborts that waited for it
+            then = s.after_abort.pop(req.id, None)
+            if then is not None:
+                then()
         self.peer_work(plan)
 
     def peer_work(self, plan) -> None:

@@ -20,6 +20,7 @@ between (spec §1.2).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,17 @@ class Tracked:
     tokens: int = 0                 # tokens taken (on_token calls)
     prior: int = 0                  # the prompt's last tokens that were output (a resubmission)
     prompt_seen: object = None      # the prompt's distinct tokens (numpy), once a penalty asks
+    ended: bool = False             # a token ended it; one a round that ran ahead sampled is dropped
+
+
+@dataclass
+class Launched:
+    """A round `TorchExecutor.launch` started: the copies' acks so far, the
+    rows that sample, and the forward thread's future (None: no forward)."""
+    plan: Plan
+    result: StepResult
+    rows: list
+    future: cf.Future | None = None
 
 
 class TorchExecutor:
@@ -103,6 +115,10 @@ class TorchExecutor:
         self._eos_ids = frozenset(self.eos)
         self.tracked: dict[str, Tracked] = {}
         self.forward_tokens = 0
+        self.fed_on_device = 0      # decode inputs taken from the last round's sampled tensor
+        # (that tensor, request id -> row), after a launched round
+        self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -130,6 +146,8 @@ class TorchExecutor:
         detokenizes, a stop string). Every token of a request passes here
         once, in order."""
         t = self.tracked[req.id]
+        if t.ended:
+            return True             # sampled ahead after its end: the planner drops it
         sp = t.params
         t.tokens += 1
         if logprob is not None:
@@ -137,15 +155,74 @@ class TorchExecutor:
         early = t.tokens < sp.min_tokens
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos):
             if not early:
+                t.ended = True
                 return True         # a stop token's text is not part of the answer
         if t.detok is None:
             return False
         stopped = t.detok.push(token, check_stop=not early)
         t.detok.ready()             # hand the text on as it comes: no string grows per token
+        t.ended = stopped
         return stopped
 
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
+        self._sampled = None        # a round run in place feeds nothing from the device
+        result = self._copies(plan)
+        if not (plan.prefills or plan.decodes):
+            return result
+        logits, rows = self.forward(plan)
+        tokens, logprobs = sample(logits, *self._sample_inputs(rows)) if rows else ([], [])
+        self._land(plan, rows, tokens, logprobs, result)
+        return result
+
+    # ---- a round that runs ahead (engine.overlap) ---------------------------------
+    def launch(self, plan: Plan) -> Launched:
+        """Start `plan`: its copies now, its forward and sampling on the
+        forward thread (on a GPU its kernels queue on the device's stream,
+        in order behind the copies, and the host goes on). A decode whose
+        request was sampled by the forward launched last takes that token
+        from the device tensor it was sampled into, not from the host list
+        (which that round's apply may not have filled yet). `wait` lands it."""
+        result = self._copies(plan)
+        if not (plan.prefills or plan.decodes):
+            self._sampled = None
+            return Launched(plan, result, [], None)
+        staged, rows = self._stage(plan, feed=self._sampled, own_tables=True)
+        inputs = self._sample_inputs(rows) if rows else None
+        if self._worker is None:
+            self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self._sampled = None        # until this round's tokens exist
+        fut = self._worker.submit(self._forward_and_sample, staged, inputs)
+        return Launched(plan, result, rows, fut)
+
+    def wait(self, launched: Launched) -> StepResult:
+        """The launched round's result, once its forward and sampling are done."""
+        result, rows = launched.result, launched.rows
+        if launched.future is None:
+            return result
+        tokens, logprobs, on_device = launched.future.result()
+        self._sampled = (on_device, {r.id: i for i, r in enumerate(rows)}) if rows else None
+        self._land(launched.plan, rows, tokens, logprobs, result)
+        return result
+
+    def _forward_and_sample(self, staged, inputs):
+        """The forward thread's part: nothing here reads planner state."""
+        logits = self._compute(staged)
+        if inputs is None:
+            return [], [], None
+        keep: list = []
+        tokens, logprobs = sample(logits, *inputs, keep=keep)
+        return tokens, logprobs, keep[0]
+
+    def close(self) -> None:
+        """Stop the forward thread (if a round ever ran ahead)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    # ---- the parts of a round ---------------------------------------------------------
+    def _copies(self, plan: Plan) -> StepResult:
+        """Stores, then loads, each acked: done before the forward reads them."""
         result = StepResult()
         for s in plan.stores:
             host, dev = self.hosts[s.group], self.caches[s.group]
@@ -164,21 +241,19 @@ class TorchExecutor:
         if (plan.stores or plan.loads) and self.cache.data.is_cuda:
             # the copies are queued on the stream: done before they are acked
             torch.cuda.current_stream(self.cache.data.device).synchronize()
-        if not (plan.prefills or plan.decodes):
-            return result
-        logits, rows = self.forward(plan)
-        tokens = []
-        if rows:
-            tracked = [self.tracked[r.id] for r in rows]
-            histories = [_history(r, t) if t.params.penalizes else None
-                         for r, t in zip(rows, tracked)] \
-                if any(t.params.penalizes for t in tracked) else None
-            earlier = [t.prior for t in tracked] if any(t.prior for t in tracked) else None
-            tokens, logprobs = sample(logits, [t.params for t in tracked],
-                                      [len(r.output) for r in rows], [t.seed for t in tracked],
-                                      self._eos_ids, histories, earlier)
-        else:
-            logprobs = []
+        return result
+
+    def _sample_inputs(self, rows) -> tuple:
+        """`sample`'s arguments after the logits, read from the requests now."""
+        tracked = [self.tracked[r.id] for r in rows]
+        histories = [_history(r, t) if t.params.penalizes else None
+                     for r, t in zip(rows, tracked)] \
+            if any(t.params.penalizes for t in tracked) else None
+        earlier = [t.prior for t in tracked] if any(t.prior for t in tracked) else None
+        return ([t.params for t in tracked], [len(r.output) for r in rows],
+                [t.seed for t in tracked], self._eos_ids, histories, earlier)
+
+    def _land(self, plan: Plan, rows, tokens, logprobs, result: StepResult) -> None:
         it = iter(zip(rows, tokens, logprobs))
         for op in plan.prefills:
             if op.completes:
@@ -192,11 +267,19 @@ class TorchExecutor:
             result.decode_tokens.append(tok)
             if self.on_token(req, tok, lp):
                 result.stopped.add(req)
-        return result
 
     def forward(self, plan: Plan):
         """The round's forward: (logits of the rows that sample, float32, and
         their requests, in order: completing prefills, then decodes)."""
+        staged, rows = self._stage(plan)
+        return self._compute(staged), rows
+
+    def _stage(self, plan: Plan, feed=None, own_tables: bool = False):
+        """The forward's inputs on the device, and the requests of the rows
+        that sample. `feed`: (the last launched round's sampled tokens on the
+        device, request id -> row): a decode found there takes its input
+        token from it. `own_tables`: copy the block tables, which the next
+        round's build may change while this forward runs."""
         ps = self.page_size
         groups = [self.groups[g] for g in self.kv]
         ids: list[int] = []
@@ -206,6 +289,8 @@ class TorchExecutor:
         slots: list[list[int]] = [[] for _ in groups]
         skips = [False] * len(groups)
         states = []
+        fed_to: list[int] = []
+        fed_from: list[int] = []
         for op in plan.prefills:
             req = op.req
             toks = req.prompt.tokens + req.output
@@ -224,7 +309,8 @@ class TorchExecutor:
                     kv_start = begin if op.replay and spec.replayable \
                         else max(begin - spec.window + 1, 0)
                     _check_live(table, kv_start, end, ps, req, g)
-                seqs[g].append(SeqMeta(q0, end - begin, end, table, kv_start))
+                seqs[g].append(SeqMeta(q0, end - begin, end,
+                                       list(table) if own_tables else table, kv_start))
                 if not keeps:
                     slots[g].extend([-1] * op.replay)
                     skips[g] = True
@@ -234,6 +320,7 @@ class TorchExecutor:
             if op.completes:
                 sample_rows.append(len(ids) - 1)
                 rows.append(req)
+        fed = feed[1] if feed is not None else {}
         for req in plan.decodes:
             p = req.num_tokens - 1
             tables = req.state.res.tables
@@ -243,10 +330,15 @@ class TorchExecutor:
                 if spec.sliding:
                     kv_start = max(p - spec.window + 1, 0)
                     _check_live(table, kv_start, p + 1, ps, req, g)
-                seqs[g].append(SeqMeta(len(ids), 1, p + 1, table, kv_start))
+                seqs[g].append(SeqMeta(len(ids), 1, p + 1,
+                                       list(table) if own_tables else table, kv_start))
                 slots[g].append(table[p // ps] * ps + p % ps)
             if self.state is not None:
                 states.append(self._seq_state(req, tables[self.state], p, p + 1))
+            row = fed.get(req.id)
+            if row is not None:
+                fed_to.append(len(ids))
+                fed_from.append(row)
             ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
             pos.append(p)
             sample_rows.append(len(ids) - 1)
@@ -254,7 +346,10 @@ class TorchExecutor:
         writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
                   for sl, skip in zip(slots, skips)]
         # one host tensor, one (asynchronous) copy for the round's lists
-        staged = stage_rows([ids, pos, sample_rows, *slots, *writes], self.model.device)
+        lists = [ids, pos, sample_rows, *slots, *writes]
+        if fed_to:
+            lists += [fed_to, fed_from]
+        staged = stage_rows(lists, self.model.device)
         ids_t, pos_t, rows_t = staged[:3]
         n = len(groups)
         metas = [BatchMeta(seqs[g], staged[3 + g], pos_t, num_decodes=len(plan.decodes),
@@ -262,13 +357,21 @@ class TorchExecutor:
                            write_rows=staged[3 + n + g] if skips[g] else None)
                  for g, spec in enumerate(groups)]
         self.forward_tokens += len(ids)
+        self.fed_on_device += len(fed_to)
+        states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
+            else None
+        fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
+        return (ids_t, rows_t, metas, states_b, fed_rows), rows
+
+    def _compute(self, staged):
+        ids_t, rows_t, metas, states_b, fed_rows = staged
+        if fed_rows is not None:
+            to, frm, tokens = fed_rows
+            ids_t.index_copy_(0, to, tokens.index_select(0, frm).to(ids_t.dtype))
         caches = [self.caches[g] for g in self.kv]
-        if self.state is None:
-            logits = self.model.forward(ids_t, metas, caches, rows_t)
-        else:
-            logits = self.model.forward(ids_t, metas, caches, rows_t,
-                                        states=StateBatch(self.caches[self.state], states))
-        return logits, rows
+        if states_b is None:
+            return self.model.forward(ids_t, metas, caches, rows_t)
+        return self.model.forward(ids_t, metas, caches, rows_t, states=states_b)
 
     def _seq_state(self, req, table: list, begin: int, end: int) -> SeqState:
         """Where a forward over [begin, end) finds its state and leaves it

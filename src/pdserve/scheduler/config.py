@@ -49,6 +49,7 @@ class EngineConfig:
     state_block: int = 0                # tokens between state checkpoints (0: one page; §1.2)
     state_checkpoints: bool = True      # cache state checkpoints for prefix hits (false: none)
     host_state_slots: int = 0           # with host_pages: the state group's L2 slots (0: state_slots)
+    overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
 
     def __post_init__(self) -> None:
         positive = (
@@ -94,6 +95,8 @@ class EngineConfig:
         if not isinstance(self.state_checkpoints, bool):
             raise ConfigError(f"engine.state_checkpoints must be true or false, got "
                               f"{self.state_checkpoints!r}")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"engine.overlap must be true or false, got {self.overlap!r}")
         if not isinstance(self.sliding_replay, bool):
             raise ConfigError(f"engine.sliding_replay must be true or false, got "
                               f"{self.sliding_replay!r}")

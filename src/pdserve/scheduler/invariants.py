@@ -15,6 +15,7 @@ from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import (
     Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
     Transferring)
+from pdserve.scheduler.overlap import check_ending
 
 
 def check_invariants(planner) -> None:
@@ -33,6 +34,9 @@ def check_invariants(planner) -> None:
             snapshots.append(st.snapshot)
         if not any(want):
             raise AssertionError(f"{req.id}: terminal state {st} still live")
+        if req.id in planner.ending:        # engine.overlap: off the schedule (overlap.py)
+            check_ending(planner, req, where)
+            where = want
         if where != want:
             raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
         if st.holds_pages:
@@ -44,7 +48,8 @@ def check_invariants(planner) -> None:
             if req.num_tokens > req.capacity + 1 and isinstance(st, Decoding):
                 raise AssertionError(f"{req.id}: more than one token beyond capacity")
     counted = (len(planner.waiting) + len(planner.prefilling) + len(planner.running)
-               + len(planner.retracted) + len(planner.landing) + len(planner.transferring))
+               + len(planner.retracted) + len(planner.landing) + len(planner.transferring)
+               + len(planner.ending))
     if counted != len(planner.requests):
         raise AssertionError("a request sits in no queue or in two")
     for coll in (planner.prefilling, planner.running):

@@ -20,6 +20,7 @@ from pdserve.scheduler import fsm
 from pdserve.scheduler.chunking import (
     admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
 from pdserve.scheduler.group_pools import GroupDemand
+from pdserve.scheduler.overlap import runs_ahead
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
@@ -140,7 +141,10 @@ def decode_phase(p, b: PlanBuild) -> None:
     n = 0
     for req in p.running.values():
         st = req.state
-        if req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
+        if st.res.forwards_out:
+            if not runs_ahead(p, b, req):   # engine.overlap: a decode in flight goes again
+                continue
+        elif req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
             if not try_decode(p, b, req):
                 b.fail(req)
                 continue
@@ -347,7 +351,6 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
 def new_prompt_phase(p, b: PlanBuild) -> None:
     """Admit waiting requests in FIFO order, each with its first chunk. The
     first one that does not fit stops the phase: nobody overtakes it."""
-    waiting = p.waiting
     while not b.sealed and not b.new_prompts_sealed and b.can_prefill():
         # a re-queued victim steps aside for the request it was retracted for (§2)
         req = first_in_line(p, b)

@@ -72,6 +72,9 @@ class Planner:
         self.landing: dict[str, Request] = {}       # D: RemotePrefilling
         self.transferring: dict[str, Request] = {}  # P: Transferring, awaiting the ack
         self.requests: dict[str, Request] = {}     # every live request, by id
+        # engine.overlap: ended while a forward of its own is out; released
+        # when the last lands (overlap.py)
+        self.ending: dict = {}
         self.round = 0
         self.stalls: list[str] = []                # rounds the liveness last resort ran
         self._seq = 0
@@ -321,6 +324,7 @@ class Planner:
         self.running.pop(req.id, None)
         self.landing.pop(req.id, None)
         self.transferring.pop(req.id, None)
+        self.ending.pop(req.id, None)
         self.requests.pop(req.id, None)
         self._free_slot(req)
 

@@ -204,7 +204,7 @@ def ensure_progress(p, b: PlanBuild) -> None:
     so the freed pages reach running generations before anything else."""
     plan = b.plan
     if not plan.is_empty() or not p.requests or p.coord.loads or p.coord.stores \
-            or p.waiting_on_peer():
+            or p.waiting_on_peer() or p.ending:    # ending: its forward lands (overlap.py)
         return
     for coll in (p.prefilling, p.running):
         if any(r.state.res.forwards_out for r in coll.values()):

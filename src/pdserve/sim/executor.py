@@ -97,3 +97,13 @@ class SimExecutor:
             if stop_after.get(req.id, -1) == n + 1:
                 stopped.add(req)
         return result
+
+    # ---- engine.overlap: the same rounds, launched and waited for ----------------
+    def launch(self, plan: Plan) -> Plan:
+        """A simulated round is computed when it is waited for, after the
+        round before it has applied, as the real forward thread would have
+        it; the simulated clock does not model the host time overlap hides."""
+        return plan
+
+    def wait(self, plan: Plan) -> StepResult:
+        return self.run(plan)
