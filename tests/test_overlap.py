@@ -211,10 +211,10 @@ def test_no_retraction_victim_has_a_forward_in_flight(monkeypatch):
     real = retraction.retract
     victims = []
 
-    def checked(p, b, victim):
+    def checked(p, b, victim, *rest):
         assert not victim.state.res.forwards_out
         victims.append(victim.id)
-        real(p, b, victim)
+        real(p, b, victim, *rest)
     monkeypatch.setattr(retraction, "retract", checked)
     e = _engine(page_size=2, total_pages=20, safe_steps=1)
     for i in range(6):
