@@ -123,7 +123,8 @@ MUST_HAVE = {
 }
 
 # (sha256 of the plan log, sha256 of the page account), recorded before the
-# scheduler's coordinator and planner were split
+# scheduler's coordinator and planner were split; gemma-sliding-host's page
+# account re-recorded when a load's ticket came to hold its targets (issue 34)
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
                 "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
@@ -140,7 +141,7 @@ HASHES = {
     "gemma-sliding-pd": ("49928aaee5d27036a0fc4f38939b32a0def4d1767bf4708472e30bab155351a9",
                         "a94ff3411693947d8aa173a10aa61aff5c3a9aa472767e93f057ac15ac325923"),
     "gemma-sliding-host": ("3bc464d112c566880b7fd6e5289102f3bd402cbadcc53df388d73369dd71929a",
-                          "dacfe647ea00288863ed1668677b7c194a1a47ccc5fdedf8145ac192bc033bb3"),
+                          "a449716814daa5d8688c948f3be7c6ab8f23293ba60ae8323c16b2943ce9f2d0"),
     "qwen3-next-state-host": ("cc810611321648a5846ecbdcd1fc874c4c5ce02ca3733eaa60db76b7d86288fd",
                              "dfb0230ef1a8b75cac8105e982262477649049e76b5c18ed79225d4c0535030f"),
 }
