@@ -6,10 +6,16 @@ an abort takes effect for those pages at the ack. Each test withholds an
 ack the way an asynchronous executor (CUDA `non_blocking` copies, a disk
 prefetch) reports it: rounds after the plan that asked for the copy."""
 
+import dataclasses
+
+import pytest
+
+from pdserve.config import ConfigError, SimulateConfig
 from pdserve.scheduler import Planner
 from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
 from pdserve.scheduler.fsm import Retracted
 from pdserve.scheduler.plan import Plan, StepResult
+from pdserve.sim.simulation import Simulation
 
 from support import config, req, result_for, run_to_completion, step
 
@@ -151,3 +157,33 @@ def test_a_failed_round_gives_a_loads_targets_back_once():
     run_to_completion(p)
     p.assert_idle()
 
+
+# ---- late acknowledgements as a mode of the simulator ---------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_ack_delay_rounds_is_an_integer_of_at_least_zero(bad):
+    with pytest.raises(ConfigError, match="ack_delay_rounds"):
+        SimulateConfig.from_dict({"ack_delay_rounds": bad})
+
+
+@pytest.mark.parametrize("case", ["mooncake-tight-host", "mooncake-tight-pd-host",
+                                  "gemma-sliding-host", "qwen3-next-state-host"])
+def test_a_simulation_with_acks_three_rounds_late_finishes_everything_and_leaks_nothing(case):
+    """The plan-hash workloads that retract to, load from and store to the
+    host tier (and, P/D, land transfers), with every copy acked and every
+    landing seen three rounds late: every request it admits finishes, no engine
+    stalls, every planner ends idle."""
+    from test_plan_log_hash import WORKLOADS
+
+    cfg, trace = WORKLOADS[case]()
+    cfg = dataclasses.replace(cfg, simulate=dataclasses.replace(cfg.simulate,
+                                                                ack_delay_rounds=3))
+    sim = Simulation(cfg, trace, progress=False)
+    out = sim.run()
+    # rejected: a prompt beyond the engine's bound, at submission, whatever the delay
+    assert {r["status"] for r in out["requests"]} <= {"finished", "rejected"}
+    for se in sim.engines:
+        assert not se.stalled and not se.held_landings
+        assert not se.engine.executor.acks_pending()
+        se.planner.assert_idle()
