@@ -269,7 +269,10 @@ def late_pd_pair(p_cfg, d_cfg, groups, rng):
             for op in pplan.remote_decodes:
                 assert [len(pages) for pages in op.src] == self.landing.pop(op.req.id), op.req
                 self.arriving.append((self.d_acks.delay(), op.req.id, op.first_token))
-            self.in_flight = [(rid, tok) for left, rid, tok in self.arriving if left <= 0]
+            # an arrival whose request both sides let go meanwhile (D's abort
+            # reached P) has nobody left to tell
+            self.in_flight = [(rid, tok) for left, rid, tok in self.arriving if left <= 0
+                              if rid in self.D.requests or rid in self.P.requests]
             self.arriving = [(left - 1, rid, tok) for left, rid, tok in self.arriving if left > 0]
             self.deliver()
             self.expire_leases()
