@@ -124,7 +124,8 @@ MUST_HAVE = {
 
 # (sha256 of the plan log, sha256 of the page account), recorded before the
 # scheduler's coordinator and planner were split; the retracting cases
-# re-recorded when a victim began to yield to the request it was retracted for
+# re-recorded when a victim began to yield to the request it was retracted
+# for, and again when a load's ticket came to hold its targets (issue 34)
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
                 "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
@@ -141,9 +142,9 @@ HASHES = {
     "gemma-sliding-pd": ("49928aaee5d27036a0fc4f38939b32a0def4d1767bf4708472e30bab155351a9",
                         "a94ff3411693947d8aa173a10aa61aff5c3a9aa472767e93f057ac15ac325923"),
     "gemma-sliding-host": ("fac53b69616155160442bfa071e68564d2154c5e95c1ddcd38ad807e03719a20",
-                          "1f322bd329ea7df3d59f772f54136706515593cbc4dde325345a1086d3ec134c"),
+                          "18f1b61218e7e65016fbb2d787c9054e675f676bd4b4345fb12c263fa37a72df"),
     "qwen3-next-state-host": ("b33060e7d8071a378d2800591342953e76056fe79cf3998011205bceee60f594",
-                             "b5063c2d4f85a380cb6b22e11d95a297d1eb3abbb9ce3ceba3e004d42fee6733"),
+                             "e910ea3619341caa3009587907e84125b0963bd63d9ad2aacae70ba8918d66d1"),
 }
 
 

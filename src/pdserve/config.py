@@ -136,6 +136,10 @@ class SimulateConfig:
     # a cost profile `pdserve calibrate` wrote, in place of gpu and model (a
     # relative path is read from the config file's folder)
     profile: str | None = None
+    # rounds after its plan that each host load and store is acknowledged,
+    # and rounds a decode engine runs after a transfer lands before it sees
+    # it: an executor whose copies complete asynchronously (0: in the round)
+    ack_delay_rounds: int = 0
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
@@ -153,6 +157,10 @@ class SimulateConfig:
         if not isinstance(cfg.sliding_groups, bool):
             raise ConfigError(f"simulate.sliding_groups must be true or false, got "
                               f"{cfg.sliding_groups!r}")
+        d = cfg.ack_delay_rounds
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ConfigError(f"simulate.ack_delay_rounds must be an integer >= 0 (rounds "
+                              f"after its plan that a copy is acknowledged), got {d!r}")
         for name in ("link_gbps", "link_latency_s", "lease_s"):
             v = getattr(cfg, name)
             low = 0 < v if name == "link_gbps" else 0 <= v

@@ -12,8 +12,11 @@ Ownership of a page reference, so that every count is checkable:
   a request's block table     one ref per device page in it
   a fence                     one ref per device page a late write may reach
   a pinned store ticket       one ref on each device source and host target
-  a load ticket               one ref on each host source
+  a snapshot store ticket     one ref on each host target
+  a load ticket               one ref on each host source and device target
   a retracted snapshot        one ref on each host page it holds
+A ticket lets go at its copy's ack, however many rounds later: a page an
+unacked copy reads or writes is never free, nor granted to anyone else.
 
 Groups (cache_groups.py): at most one full-history group, first when there
 is one, then sliding-window groups, then at most one snapshot-state group.
@@ -64,6 +67,9 @@ class Coordinator:
         self.keyed = self.cached_sliding + ([self.state] if self.state is not None else [])
         self.host_cache = HostCache(groups, host_pages, host_slots)
         self.fences: dict = {}                      # key -> per group, device pages a late write may reach
+        # fences of bundles released while their loads were in flight: key -> load ids left
+        self._awaiting_loads: dict = {}
+        self._released_early = 0
         # The last refused admission: (pages it needed from the pool, pages
         # free then, evictable cached ones included), in the group that
         # refused. Read by waiting.py only.
@@ -117,13 +123,27 @@ class Coordinator:
         self.host_cache.store_failed(op_id)
 
     def load_done(self, op_id: int) -> None:
+        """A load landed (or failed): its ticket lets go, and a bundle
+        released while its loads were in flight goes with the last one."""
         self.host_cache.load_done(op_id)
+        for key, ids in list(self._awaiting_loads.items()):
+            ids.discard(op_id)
+            if not ids:
+                del self._awaiting_loads[key]
+                self.release_fence(key)
 
     # ---- queries (pure) --------------------------------------------------
     def available_pages(self, g: int = 0) -> int:
         """Pages an admission could take now: free plus idle cached."""
         grp = self.groups[g]
         return grp.pool.num_free + grp.index.num_idle
+
+    def page_is_held(self, g: int, page: int, host: bool = False) -> bool:
+        """Does anyone (a request, ticket, fence or snapshot) hold `page` of
+        group g's device pool (its host tier's, `host`)? A page nobody
+        holds is free, or cached and evictable: an admission may take it."""
+        pool = self.host_cache.tiers[g].pool if host else self.groups[g].pool
+        return pool.refcount[page] > 0
 
     def free_pages(self) -> int:
         """Group 0's pages no request holds or pins (evictable cached count)."""
@@ -387,29 +407,46 @@ class Coordinator:
 
 
     # ---- release ---------------------------------------------------------
-    def release(self, res) -> None:
+    def release(self, res, owner: str | None = None) -> None:
         """Drop the request's hold on every page, deepest first, so that the
-        deepest pages carry the oldest LRU stamps."""
+        deepest pages carry the oldest LRU stamps. If loads of `owner` (its
+        request) are in flight, the bundle is fenced until the last one is
+        acked instead: a load's targets sit in its table's prefix chain, and
+        a held page may not hang under an idle parent in the index."""
+        loads = {ld.id for ld in self.host_cache.loads.values() if ld.req_id == owner} \
+            if owner is not None and self.host_cache.loads else None
+        if loads:
+            self._released_early += 1
+            key = ("loads in flight", owner, self._released_early)
+            self.fence(key, res)
+            self._awaiting_loads[key] = loads
+            res.marks.clear()
+            return
         for grp, table in zip(self.groups, res.tables):
             drop_refs(grp.pool, grp.index, [p for p in reversed(table) if p != HOLE])
             table.clear()
         res.marks.clear()
 
     # ---- invariants ------------------------------------------------------
-    def check_invariants(self, live_tables: list, snapshots: list | None = None) -> None:
+    def check_invariants(self, live_tables: list, snapshots: list | None = None,
+                         live_ids: list | None = None) -> None:
         """free + cached + held == total in every pool, and every refcount
         equals the references its owners (tables, fences, tickets,
-        snapshots) hold; the host pools are the host cache's to check."""
+        snapshots) hold; the host pools are the host cache's to check.
+        `live_ids`: the request of each of `live_tables`, to check that no
+        page an unacked load writes is anyone else's (host_tier.py)."""
         for g, grp in enumerate(self.groups):
             expected = [0] * grp.pool.total
             for tables in live_tables:
                 for p in tables[g]:
                     if p != HOLE:
                         expected[p] += 1
-            for p in self.host_cache.pinned_device_pages(g):
+            for p in self.host_cache.held_device_pages(g):
                 expected[p] += 1
             for pages in self.fences.values():
                 for p in pages[g]:
                     expected[p] += 1
             check_refcounts(f"group {g}", grp.pool, grp.index, expected)
         self.host_cache.check_invariants(snapshots)
+        if live_ids is not None:
+            self.host_cache.check_copies(dict(zip(live_ids, live_tables)))

@@ -1,17 +1,25 @@
 """The host (L2) tier: a page pool and prefix index in host memory per cache
 group, and the tickets of the copies between it and the device pools.
 
-A copy is a ticket that owns page references until the executor acks it,
-so that every refcount stays checkable (`HostCache.check_invariants`):
+A copy is a ticket that owns page references until the executor acks it
+(or reports it failed), so that every refcount stays checkable
+(`HostCache.check_invariants`) and no page a copy reads or writes is freed
+or granted again while the copy may still run, however late the ack comes:
   a publication store    pinned: one ref on each device page of the chain
                          from the root to its last source, and one on each
                          host target; at the ack the targets enter the host
                          index (the full history's by chain, a state group's
                          checkpoints by the chain hash of the prefix they end)
-  a retraction snapshot  stream-ordered: its host targets belong to the
-                         Retracted state that holds the snapshot, one ref each
-  a load                 one ref on each host source until done (a host
-                         prefix hit, or a readmission's snapshot)
+  a retraction snapshot  stream-ordered: one ref on each host target, beside
+                         the one the Retracted state holding the snapshot
+                         has (aborting it lets go of that one only). Its
+                         device sources are not held: the executor copies
+                         them ahead of anything else the plan does (§2)
+  a load                 one ref on each host source and one on each device
+                         target until done (a host prefix hit, or a
+                         readmission's snapshot): the request may let go of
+                         a target (an abort, a publication that adopts a
+                         cached twin) while the copy still writes it
 
 Host writes are best effort: a tier that cannot supply pages is skipped and
 the device copy stays cached. Op ids count up across stores and loads in the
@@ -80,6 +88,15 @@ class HostCache:
         self.stores: dict[int, StoreOp] = {}
         self.loads: dict[int, LoadOp] = {}
         self._next_op = 0
+        # The plan build each unacked snapshot store and load was made in: a
+        # load may read a snapshot its own plan stores (the executor runs
+        # that store first), never one an earlier plan's unacked store writes.
+        self.round = 0
+        self._made_in: dict[int, int] = {}
+
+    def new_round(self) -> None:
+        """A plan build starts (Planner.build)."""
+        self.round += 1
 
     def _op_id(self) -> int:
         self._next_op += 1
@@ -92,9 +109,17 @@ class HostCache:
     def load(self, req_id: str, g: int, host_pages: list, device_pages: list, plan) -> None:
         """A load ticket for a host hit: it holds the host pages until done."""
         self.tiers[g].hold(host_pages)
-        load = LoadOp(self._op_id(), req_id, host_pages, device_pages, group=g)
-        self.loads[load.id] = load
-        plan.loads.append(load)
+        self._start_load(LoadOp(self._op_id(), req_id, host_pages, device_pages, group=g), plan)
+
+    def _start_load(self, op: LoadOp, plan) -> None:
+        """Issue a load whose ticket already holds its host sources: it
+        takes a ref on each device target, held until the ack."""
+        rc = self.groups[op.group].pool.refcount
+        for p in op.device_pages:
+            rc[p] += 1
+        self.loads[op.id] = op
+        self._made_in[op.id] = self.round
+        plan.loads.append(op)
 
     # ---- publication stores ------------------------------------------------
     def store_published(self, req_id: str, fresh, table) -> None:
@@ -165,9 +190,18 @@ class HostCache:
             if src:
                 ops.append(StoreOp(self._op_id(), req_id, src, host_pages, False, group=g))
         for op in ops:
+            self.tiers[op.group].hold(op.host_pages)     # the ticket's, until the ack
             self.stores[op.id] = op
+            self._made_in[op.id] = self.round
             plan.stores.append(op)
         return snap
+
+    def snapshot_in_flight(self, req_id: str) -> bool:
+        """Did an earlier plan store `req_id`'s retraction snapshot, and is
+        that store still unacked? Its host pages may not be written yet: a
+        load may not read them (one in this plan runs ahead of its loads)."""
+        return any(not s.pinned and s.req_id == req_id and self._made_in[s.id] < self.round
+                   for s in self.stores.values())
 
     def load_snapshot(self, req_id: str, res, snap: list, start: int, plan) -> None:
         """Readmission: load each group's snapshot pages of the slots the
@@ -189,9 +223,7 @@ class HostCache:
                     drop.append(hp)
             self.tiers[g].release(drop)
             if load_h:
-                op = LoadOp(self._op_id(), req_id, load_h, load_d, group=g)
-                self.loads[op.id] = op
-                plan.loads.append(op)
+                self._start_load(LoadOp(self._op_id(), req_id, load_h, load_d, group=g), plan)
 
     def release_snapshot(self, snap: list) -> None:
         for g, host_pages in enumerate(snap):
@@ -200,8 +232,11 @@ class HostCache:
     # ---- acks ------------------------------------------------------------
     def store_done(self, op_id: int) -> None:
         op = self.stores.pop(op_id)
+        self._made_in.pop(op_id, None)
         if not op.pinned:
-            return                      # the snapshot's host pages stay with its owner
+            # the ticket lets go; the snapshot's own hold stays with its owner
+            self.tiers[op.group].release(op.host_pages)
+            return
         host = self.tiers[op.group]
         if op.group == self.state:
             for hp, h in zip(op.host_pages, op.entries):
@@ -214,32 +249,80 @@ class HostCache:
 
     def store_failed(self, op_id: int) -> None:
         """A store that did not happen: its host pages hold nothing, so they
-        go back unpublished; a pinned store's sources are unpinned."""
+        go back unpublished; a pinned store's sources are unpinned (a
+        snapshot's pages stay with the snapshot, whose owner fails too)."""
         op = self.stores.pop(op_id)
+        self._made_in.pop(op_id, None)
+        self.tiers[op.group].release(op.host_pages)
         if op.pinned:
-            self.tiers[op.group].release(op.host_pages)
             self._unpin(op)
 
     def load_done(self, op_id: int) -> None:
+        """A load landed (or failed): the ticket lets go of its host sources
+        and its device targets; a target its request let go meanwhile (an
+        abort, an adopted twin) is free again only now."""
         op = self.loads.pop(op_id)
+        self._made_in.pop(op_id, None)
         self.tiers[op.group].release(op.host_pages)
+        grp = self.groups[op.group]
+        drop_refs(grp.pool, grp.index, op.device_pages)
 
     def _unpin(self, op: StoreOp) -> None:
         grp = self.groups[op.group]
         drop_refs(grp.pool, grp.index, reversed(op.pins))
 
     # ---- invariants ------------------------------------------------------
-    def pinned_device_pages(self, g: int):
-        """The device pages of group g that unacked publication stores pin,
-        one entry per reference."""
+    def held_device_pages(self, g: int):
+        """The device pages of group g that unacked copies hold, one entry
+        per reference: publication stores' pins, loads' targets."""
         for op in self.stores.values():
             if op.pinned and op.group == g:
                 yield from op.pins
+        for op in self.loads.values():
+            if op.group == g:
+                yield from op.device_pages
+
+    def check_copies(self, live: dict) -> None:
+        """No page is written by two unacked copies, nor read before the
+        copy that writes it is acked; a page an unacked load writes sits in
+        no other live request's table (`live`: request id -> tables) unless
+        the device prefix index caches it (a hit shares what the load
+        writes, behind it on the copy stream)."""
+        for g, grp in enumerate(self.groups):
+            writers: dict = {}
+            for op in self.loads.values():
+                if op.group != g:
+                    continue
+                for p in op.device_pages:
+                    if p in writers:
+                        raise AssertionError(f"group {g} page {p}: written by loads "
+                                             f"{writers[p]} and {op.id}, both unacked")
+                    writers[p] = op.id
+            if not writers:
+                continue
+            for rid, tables in live.items():
+                for p in tables[g]:
+                    op = self.loads.get(writers.get(p, -1))
+                    if op is not None and op.req_id != rid and not grp.index.contains(p):
+                        raise AssertionError(
+                            f"group {g} page {p}: unacked load {op.id} of {op.req_id} "
+                            f"writes it, and {rid} holds it too")
+        snap_writes = {(s.group, hp): s.id for s in self.stores.values() if not s.pinned
+                       for hp in s.host_pages}
+        made_in = self._made_in
+        for op in self.loads.values():
+            for hp in op.host_pages:
+                store = snap_writes.get((op.group, hp))
+                if store is not None and made_in[store] < made_in[op.id]:
+                    raise AssertionError(
+                        f"host group {op.group} page {hp}: load {op.id} reads it before "
+                        f"store {store} that writes it is acked")
 
     def check_invariants(self, snapshots: list | None = None) -> None:
         """free + cached + held == total in every host pool, and every
         refcount equals the references its owners (retracted snapshots,
-        store and load tickets) hold."""
+        store and load tickets) hold: a page an unacked copy reads or
+        writes is never free."""
         for g, host in enumerate(self.tiers):
             expected = [0] * host.pool.total
             for snap in snapshots or ():
@@ -247,7 +330,7 @@ class HostCache:
                     if p != HOLE:
                         expected[p] += 1
             for op in self.stores.values():
-                if op.pinned and op.group == g:
+                if op.group == g:
                     for p in op.host_pages:
                         expected[p] += 1
             for op in self.loads.values():

@@ -21,7 +21,7 @@ from pdserve.scheduler.overlap import check_ending
 def check_invariants(planner) -> None:
     """Pool and index consistency, and that every live request is in
     exactly the collection its state says."""
-    live, snapshots = [], []
+    live, live_ids, snapshots = [], [], []
     for req in planner.requests.values():
         st = req.state
         where = (req in planner.waiting, req.id in planner.prefilling,
@@ -41,6 +41,7 @@ def check_invariants(planner) -> None:
             raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
         if st.holds_pages:
             live.append(st.res.tables)
+            live_ids.append(req.id)
             if req.capacity != min(len(t) for t in st.res.tables) * planner.page_size:
                 raise AssertionError(f"{req.id}: capacity out of step with its tables")
             _check_windows(planner, req)
@@ -56,7 +57,7 @@ def check_invariants(planner) -> None:
         seqs = [r.seq for r in coll.values()]
         if seqs != sorted(seqs):
             raise AssertionError("a resident collection is out of submission order")
-    planner.coord.check_invariants(live, snapshots)
+    planner.coord.check_invariants(live, snapshots, live_ids)
 
 
 def _check_windows(planner, req) -> None:

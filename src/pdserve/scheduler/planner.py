@@ -105,6 +105,10 @@ class Planner:
         self.waiting.append(req)
 
     def abort(self, req_id: str, reason: str = "aborted by client") -> Request:
+        """End a live request now. Its pages and snapshot go back, except
+        those an unacked copy still reads or writes: the copy's ticket holds
+        them until its ack (host_tier.py), so for those the abort takes
+        effect then."""
         req = self.requests.get(req_id)
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
@@ -125,6 +129,7 @@ class Planner:
     # ---- one round -------------------------------------------------------
     def build(self) -> Plan:
         self.round += 1
+        self.coord.host_cache.new_round()
         cfg = self.cfg
         # D never runs a prefill chunk beside its decodes (§3.2); P has no decodes
         mixed = cfg.enable_mixed_prefill_decode if self.role is Role.FUSED \
@@ -267,10 +272,15 @@ class Planner:
 
     def next_readmission(self) -> Request | None:
         """Derived, not stored (§4): generations a client is reading first,
-        then the oldest retraction."""
+        then the oldest retraction. One whose snapshot store is not acked
+        yet is no candidate: its load would read host pages before they
+        are written."""
         best, best_key = None, None
+        in_flight = self.coord.host_cache.snapshot_in_flight if self.coord.stores else None
         for req in self.retracted.values():
             st = req.state
+            if in_flight is not None and st.snapshot and in_flight(req.id):
+                continue
             key = (not st.resumes_generation, st.epoch)
             if best_key is None or key < best_key:
                 best, best_key = req, key
@@ -319,7 +329,7 @@ class Planner:
         if res is not None:
             if res.forwards_out:
                 raise fsm.FsmError(f"{req.id} released with a forward in flight")
-            self.coord.release(res)
+            self.coord.release(res, req.id)
         self.prefilling.pop(req.id, None)
         self.running.pop(req.id, None)
         self.landing.pop(req.id, None)

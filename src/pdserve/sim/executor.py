@@ -2,10 +2,12 @@
 
 It produces deterministic token ids and stops each request after the number
 of tokens its trace says the model generates, so the planner sees exactly
-what a real executor would report, at simulated speed. Host copies finish
+what a real executor would report, at simulated speed. Host copies run
 within the round: stream-ordered snapshot stores and loads sit on the
 forward's critical path and cost PCIe time; pinned publication stores run
-on their own stream and cost the forward nothing. A copied page costs the
+on their own stream and cost the forward nothing. Their acks come back
+with the round, or `ack_delay_rounds` rounds after it, as an executor with
+asynchronous copies reports them (an idle round, `idle_round`, counts). A copied page costs the
 bytes of its cache group's page (`group_page_bytes`; a state group's page
 is one state slot). A profile measured on a shared host corrects each
 round by its kind, decode batch and the other engines computing when it
@@ -14,15 +16,18 @@ starts (`neighbours`, which the simulation sets): `Profile.factor`.
 
 from __future__ import annotations
 
+from collections import deque
+
 from pdserve.sim.cost_model import CostModel
 from pdserve.scheduler.plan import Plan, StepResult
 
 
 class SimExecutor:
     def __init__(self, cost: CostModel, page_size: int, vocab_size: int = 32000,
-                 group_page_bytes: list[int] | None = None):
+                 group_page_bytes: list[int] | None = None, ack_delay_rounds: int = 0):
         """`group_page_bytes`: bytes of one page of each of the planner's
-        cache groups (None: one group of every layer)."""
+        cache groups (None: one group of every layer). `ack_delay_rounds`:
+        rounds after its plan that a copy's ack is reported (0: in it)."""
         self.cost = cost
         self.page_size = page_size
         self.vocab_size = vocab_size
@@ -32,6 +37,25 @@ class SimExecutor:
         self.now = 0.0
         self.neighbours = 0           # other engines computing as this round starts
         self._stop_after: dict[str, int] = {}
+        self.ack_delay_rounds = ack_delay_rounds
+        self.rounds = 0               # rounds run, idle ones included
+        self._acks: deque = deque()   # (due round, store ids, load ids), in due order
+
+    def acks_pending(self) -> bool:
+        return bool(self._acks)
+
+    def _due_acks(self, result: StepResult) -> StepResult:
+        acks = self._acks
+        while acks and acks[0][0] <= self.rounds:
+            _, stores, loads = acks.popleft()
+            result.stores_done.extend(stores)
+            result.loads_done.extend(loads)
+        return result
+
+    def idle_round(self) -> StepResult:
+        """A round with nothing to run: it reports the acks that fall due."""
+        self.rounds += 1
+        return self._due_acks(StepResult())
 
     def expect(self, req_id: str, output_tokens: int | None) -> None:
         """The simulated model ends `req_id` after `output_tokens` tokens
@@ -78,8 +102,15 @@ class SimExecutor:
         self.now += compute + self._copy_seconds(plan)
         stop_after = self._stop_after
         vocab = self.vocab_size
-        result = StepResult(stores_done=[s.id for s in plan.stores],
-                            loads_done=[ld.id for ld in plan.loads])
+        self.rounds += 1
+        if self.ack_delay_rounds:
+            if plan.stores or plan.loads:
+                self._acks.append((self.rounds + self.ack_delay_rounds,
+                                   [s.id for s in plan.stores], [ld.id for ld in plan.loads]))
+            result = self._due_acks(StepResult())
+        else:
+            result = StepResult(stores_done=[s.id for s in plan.stores],
+                                loads_done=[ld.id for ld in plan.loads])
         stopped = result.stopped
         for op in plan.prefills:
             if op.completes:

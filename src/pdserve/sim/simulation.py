@@ -35,6 +35,7 @@ from pdserve.sim.cost_profile import simulated_cost
 from pdserve.roles.engine import Engine
 from pdserve.sim.executor import SimExecutor
 from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 
@@ -52,6 +53,9 @@ class SimEngine:
     parked: bool = False          # built nothing while waiting on a peer
     alive: bool = True
     link_free_at: float = 0.0     # P: when its KV link is next free
+    # D: landings arrived and not seen yet (simulate.ack_delay_rounds):
+    # (the executor round it sees them in, the landing's arguments)
+    held_landings: list = field(default_factory=list)
     round_start: float = 0.0      # when its last round began (it ends at `clock`)
 
     @property
@@ -97,7 +101,8 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
             continue                  # prefill engines with no decode peer would idle
         for i in range(count):
             eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups),
-                         SimExecutor(cost, engine_cfg.page_size, group_page_bytes=group_bytes))
+                         SimExecutor(cost, engine_cfg.page_size, group_page_bytes=group_bytes,
+                                     ack_delay_rounds=cfg.simulate.ack_delay_rounds))
             out.append(SimEngine(eng, len(out), role))
     return out
 
@@ -226,6 +231,17 @@ class Simulation:
             self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
             return
         self._wake(d, t)
+        delay = self.cfg.simulate.ack_delay_rounds
+        if delay:
+            # seen `delay` rounds of D's later (_step); its pages stay pinned meanwhile
+            d.held_landings.append((d.engine.executor.rounds + delay, (t, d_idx, rid, token, p_idx)))
+            return
+        self._land(d, t, rid, token, p_idx)
+
+    def _land(self, d: SimEngine, t: float, rid: str, token: int, p_idx: int) -> None:
+        if rid not in d.planner.landing:     # aborted or failed while held
+            self._push(t + self.cfg.simulate.link_latency_s, "ack", p_idx, rid)
+            return
         # an engine polls its transport between rounds: a landing that arrives
         # mid-round is seen, and its first token streamed, when the round ends
         t = max(t, d.clock)
@@ -316,12 +332,19 @@ class Simulation:
         se.engine.executor.neighbours = sum(
             1 for e in self.engines if e is not se and e.alive and e.round_start <= t0 < e.clock)
         se.round_start = t0
+        if se.held_landings:
+            self._land_due(se)
         out = se.engine.step()
         pl = se.planner
         for msg in pl.stalls[self._stalls_seen.get(se.index, 0):]:
             print(f"pdserve sim: {se.name}: liveness last resort: {msg}", file=sys.stderr)
         self._stalls_seen[se.index] = len(pl.stalls)
         if out is None:
+            ex = se.engine.executor
+            if ex.acks_pending() or se.held_landings:
+                # nothing to run but late acks to take: an idle round, no time
+                pl.apply(Plan(pl.round), ex.idle_round())
+                return
             if pl.waiting_on_peer():
                 se.parked = True
                 return
@@ -355,6 +378,14 @@ class Simulation:
             self._ship(se, op, now)
         if self.plan_log is not None:
             self._log_plan(se, t0, plan)
+
+    def _land_due(self, d: SimEngine) -> None:
+        """Deliver the held landings whose round has come (in arrival order)."""
+        rounds = d.engine.executor.rounds
+        due = [a for r, a in d.held_landings if r <= rounds]
+        d.held_landings = [(r, a) for r, a in d.held_landings if r > rounds]
+        for t, _, rid, token, p_idx in due:
+            self._land(d, max(t, d.clock), rid, token, p_idx)
 
     def _ship(self, p: SimEngine, op, now: float) -> None:
         """Model P's KV write to D: one transfer at a time on P's link."""
