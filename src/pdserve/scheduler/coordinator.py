@@ -37,16 +37,16 @@ and ack calls through, so the planner sees one object.
 from __future__ import annotations
 
 from pdserve.scheduler.cache_groups import HOLE
-from pdserve.scheduler.group_pools import FullHistoryGroup, GroupDemand
+from pdserve.scheduler.group_pools import CacheGroup, GroupDemand
 from pdserve.scheduler.hit import Hit, longest_hit
 from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
 from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
-from pdserve.scheduler.prefix import chain_hash
+from pdserve.scheduler.prefix import PrefixIndex, WindowIndex, chain_hash
 
 
 class Coordinator:
-    def __init__(self, groups: list[FullHistoryGroup], host_pages: int = 0,
+    def __init__(self, groups: list[CacheGroup], host_pages: int = 0,
                  host_slots: int = 0):
         """`host_pages`: each page group's host tier (0: none); `host_slots`:
         a state group's (0: as many as its device pool)."""
@@ -170,6 +170,7 @@ class Coordinator:
         if hit is not None and hit.host and len(hit.host) > grants[0][0]:
             raise PoolError("a host hit beyond the admitted pages")
         if fresh_hit:
+            assert hit is not None                  # a fresh hit is a hit
             self._claim(res, hit)
         self._apply_grants(req, res, grants, publish_pages, plan, hit, fresh_hit)
         tables = res.tables
@@ -186,7 +187,8 @@ class Coordinator:
         for g, (grp, demand) in enumerate(zip(self.groups, demands)):
             table = res.tables[g]
             hit_pages = hit.device[g] if hit is not None else ()
-            grant = self._grant(grp, table, demand, hit_pages, hit.first[g] if hit_pages else 0)
+            hit_first = hit.first[g] if hit is not None and hit_pages else 0
+            grant = self._grant(grp, table, demand, hit_pages, hit_first)
             need, lo = grant[0], grant[1]
             grants.append(grant)
             if not need:
@@ -225,7 +227,7 @@ class Coordinator:
             if grp.spec.state:
                 if need:
                     self._place(table, entries, self._allocate(grp, need))
-                if fresh_hit and hit.state_host >= 0:
+                if fresh_hit and hit is not None and hit.state_host >= 0:
                     # the hit's checkpoint from host into the slot its forward reads
                     self.host_cache.load(req.id, g, [hit.state_host], [table[hit.pages - 1]],
                                          plan)
@@ -305,7 +307,7 @@ class Coordinator:
             for i in range(lo):
                 table[i] = HOLE
 
-    def _allocate(self, grp: FullHistoryGroup, n: int) -> list[int]:
+    def _allocate(self, grp: CacheGroup, n: int) -> list[int]:
         short = n - grp.pool.num_free
         if short > 0:
             for p in grp.index.evict(short):
@@ -330,6 +332,7 @@ class Coordinator:
         sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
         state = self.state is not None and res.marks
         if state:
+            assert self.state is not None               # `state` implies a state group
             sindex, stable, marks = self.groups[self.state].index, res.tables[self.state], res.marks
         full = self.full is not None and res.publishing
         index = self.groups[0].index if full else None
@@ -341,14 +344,17 @@ class Coordinator:
             if self.keyed:
                 h = chain_hash(h, key)
                 for windex, wtable in sliding:
+                    assert isinstance(windex, WindowIndex)  # a sliding group keys by chain hash
                     if i < len(wtable) and wtable[i] != HOLE and not windex.contains(wtable[i]):
                         windex.insert(h, wtable[i])
                 if state and i in marks:
+                    assert isinstance(sindex, WindowIndex)  # a state group keys by chain hash
                     marks.discard(i)
                     slot = stable[i] if i < len(stable) else HOLE
                     if slot != HOLE and not sindex.contains(slot) and sindex.insert(h, slot):
                         fresh_states.append((slot, h))
             if full:
+                assert isinstance(index, PrefixIndex)   # `full`: group 0 keeps history
                 page = table[i]
                 hf = index.insert(parent, key, page)
                 if hf is None:

@@ -63,61 +63,63 @@ class Waiting(State):
     __slots__ = ()
 
 
-class Prefilling(State):
+class Holding(State):
+    """A page-holding state: it carries the request's one Resources bundle."""
+
+    __slots__ = ()
+    holds_pages = True
+    res: Resources                 # a slot of each subclass
+
+
+class Prefilling(Holding):
     """Computing the prompt: `window_end` tokens are scheduled (the computed
     frontier, §5); `target` is where the prefill ends. `replay`: rows its
     next chunk re-feeds below window_end (a readmission's bounded replay,
     §1.3), spent by that chunk."""
 
     __slots__ = ("res", "window_end", "target", "replay")
-    holds_pages = True
 
     def __init__(self, res: Resources, window_end: int, target: int, replay: int = 0):
         self.res, self.window_end, self.target, self.replay = res, window_end, target, replay
 
 
-class PrefillDone(State):
+class PrefillDone(Holding):
     __slots__ = ("res",)
-    holds_pages = True
 
     def __init__(self, res: Resources):
         self.res = res
 
 
-class Decoding(State):
+class Decoding(Holding):
     __slots__ = ("res",)
-    holds_pages = True
 
     def __init__(self, res: Resources):
         self.res = res
 
 
-class RemotePrefilling(State):
+class RemotePrefilling(Holding):
     """D: landing pages reserved; the peer is prefilling and will write
     pages [first_page, ...) of the table."""
 
     __slots__ = ("res", "first_page")
-    holds_pages = True
 
     def __init__(self, res: Resources, first_page: int):
         self.res, self.first_page = res, first_page
 
 
-class RemotePrefillDone(State):
+class RemotePrefillDone(Holding):
     """D: the peer's KV and first token landed; the first decode is next."""
 
     __slots__ = ("res",)
-    holds_pages = True
 
     def __init__(self, res: Resources):
         self.res = res
 
 
-class Transferring(State):
+class Transferring(Holding):
     """P: the prompt's KV is on its way to the peer; pinned until the ack."""
 
     __slots__ = ("res",)
-    holds_pages = True
 
     def __init__(self, res: Resources):
         self.res = res

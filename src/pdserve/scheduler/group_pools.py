@@ -40,7 +40,7 @@ class FullHistoryGroup:
         return 0
 
 
-class SlidingWindowGroup(FullHistoryGroup):
+class SlidingWindowGroup:
     """Keeps a request's last window: slots below the window of the next
     forward go back (HOLE in the table). Cached pages are named by the
     chain hash of the prefix they end (WindowIndex); a replayable group
@@ -95,7 +95,12 @@ class SnapshotStateGroup(StateBlocks):
         return sorted(set(want)), mark
 
 
-def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int):
+# what Coordinator.groups holds: their pools and indexes, and first_live, are
+# alike; only a full-history group's index is a PrefixIndex (a chain)
+CacheGroup = FullHistoryGroup | SlidingWindowGroup | SnapshotStateGroup
+
+
+def make_group(spec: CacheGroupSpec, total_pages: int, page_size: int) -> CacheGroup:
     if spec.state:
         return SnapshotStateGroup(total_pages, page_size, spec)
     if spec.sliding:

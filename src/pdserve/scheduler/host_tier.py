@@ -29,10 +29,15 @@ publication stores as it publishes and the loads of a host hit as it admits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdserve.scheduler.cache_groups import HOLE
 from pdserve.scheduler.plan import LoadOp, StoreOp
 from pdserve.scheduler.pool import PagePool, check_refcounts, drop_refs
 from pdserve.scheduler.prefix import PrefixIndex, WindowIndex
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.group_pools import CacheGroup
 
 
 class HostTier:
@@ -76,7 +81,7 @@ class HostCache:
     (`pending_stores`), stores handed out and not yet acked (`stores`, the
     pending ones included) and loads (`loads`)."""
 
-    def __init__(self, groups: list, host_pages: int = 0, host_slots: int = 0):
+    def __init__(self, groups: list[CacheGroup], host_pages: int = 0, host_slots: int = 0):
         """`host_pages`: each page group's host tier (0: none); `host_slots`:
         a state group's (0: as many as its device pool)."""
         self.groups = groups
@@ -127,6 +132,7 @@ class HostCache:
         (page, parent hash, key, hash) each) the host index lacks; the
         request's chain from the root to the last of them stays pinned."""
         host = self.tiers[0]
+        assert isinstance(host.index, PrefixIndex)  # group 0 keeps history: never keyed
         todo = [f for f in fresh if not host.index.has_hash(f[3])]
         if not todo:
             return
@@ -146,7 +152,9 @@ class HostCache:
         """Pinned stores of newly published state checkpoints to the state
         group's host tier (best effort), each source slot held until the ack."""
         g = self.state
+        assert g is not None                        # only a state group publishes states
         host = self.tiers[g]
+        assert isinstance(host.index, WindowIndex)  # a state group's tier is keyed
         todo = [(slot, h) for slot, h in fresh if host.index.find(h) is None]
         host_slots = host.allocate(len(todo)) if todo else None
         if not host_slots:
@@ -172,7 +180,8 @@ class HostCache:
         per slot. None if the host tiers cannot take them all."""
         if not self.tiers or pages == 0:
             return None
-        snap, ops = [], []
+        snap: list[list[int]] = []
+        ops: list[StoreOp] = []
         for g, grp in enumerate(self.groups):
             slots = res.tables[g][:pages]
             if grp.spec.state:
@@ -238,10 +247,13 @@ class HostCache:
             self.tiers[op.group].release(op.host_pages)
             return
         host = self.tiers[op.group]
+        assert op.entries is not None               # a pinned store names what it publishes
         if op.group == self.state:
+            assert isinstance(host.index, WindowIndex)  # the state group's tier is keyed
             for hp, h in zip(op.host_pages, op.entries):
                 host.index.insert(h, hp)             # dropped if h was cached meanwhile
         else:
+            assert isinstance(host.index, PrefixIndex)  # a page group's tier is a chain
             for hp, (parent, key) in zip(op.host_pages, op.entries):
                 host.index.insert(parent, key, hp)   # dropped if its parent left the host index
         host.release(op.host_pages)
@@ -269,6 +281,7 @@ class HostCache:
 
     def _unpin(self, op: StoreOp) -> None:
         grp = self.groups[op.group]
+        assert op.pins is not None                  # a pinned store holds its chain
         drop_refs(grp.pool, grp.index, reversed(op.pins))
 
     # ---- invariants ------------------------------------------------------
@@ -277,10 +290,11 @@ class HostCache:
         per reference: publication stores' pins, loads' targets."""
         for op in self.stores.values():
             if op.pinned and op.group == g:
+                assert op.pins is not None          # a pinned store holds its chain
                 yield from op.pins
-        for op in self.loads.values():
-            if op.group == g:
-                yield from op.device_pages
+        for ld in self.loads.values():
+            if ld.group == g:
+                yield from ld.device_pages
 
     def check_copies(self, live: dict) -> None:
         """No page is written by two unacked copies, nor read before the
@@ -302,10 +316,10 @@ class HostCache:
                 continue
             for rid, tables in live.items():
                 for p in tables[g]:
-                    op = self.loads.get(writers.get(p, -1))
-                    if op is not None and op.req_id != rid and not grp.index.contains(p):
+                    ld = self.loads.get(writers.get(p, -1))
+                    if ld is not None and ld.req_id != rid and not grp.index.contains(p):
                         raise AssertionError(
-                            f"group {g} page {p}: unacked load {op.id} of {op.req_id} "
+                            f"group {g} page {p}: unacked load {ld.id} of {ld.req_id} "
                             f"writes it, and {rid} holds it too")
         snap_writes = {(s.group, hp): s.id for s in self.stores.values() if not s.pinned
                        for hp in s.host_pages}
@@ -333,8 +347,8 @@ class HostCache:
                 if op.group == g:
                     for p in op.host_pages:
                         expected[p] += 1
-            for op in self.loads.values():
-                if op.group == g:
-                    for p in op.host_pages:
+            for ld in self.loads.values():
+                if ld.group == g:
+                    for p in ld.host_pages:
                         expected[p] += 1
             check_refcounts(f"host group {g}", host.pool, host.index, expected)

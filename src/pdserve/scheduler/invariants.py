@@ -24,9 +24,9 @@ def check_invariants(planner) -> None:
     live, live_ids, snapshots = [], [], []
     for req in planner.requests.values():
         st = req.state
-        where = (req in planner.waiting, req.id in planner.prefilling,
-                 req.id in planner.running, req.id in planner.retracted,
-                 req.id in planner.landing, req.id in planner.transferring)
+        where: tuple[bool, ...] = (req in planner.waiting, req.id in planner.prefilling,
+                                   req.id in planner.running, req.id in planner.retracted,
+                                   req.id in planner.landing, req.id in planner.transferring)
         kinds = (fsm.Waiting, Prefilling, (PrefillDone, Decoding, RemotePrefillDone),
                  Retracted, RemotePrefilling, Transferring)
         want = tuple(isinstance(st, k) for k in kinds)

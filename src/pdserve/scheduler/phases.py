@@ -23,6 +23,7 @@ from pdserve.scheduler.group_pools import GroupDemand
 from pdserve.scheduler.overlap import runs_ahead
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
+from pdserve.scheduler.request import Request
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
 
 _FIRST_DECODE = (PrefillDone, RemotePrefillDone)
@@ -40,7 +41,7 @@ class PlanBuild:
         self.batch_left = batch
         self.sealed = False              # an incomplete prefill holds the line (§1.1)
         self.new_prompts_sealed = False  # a waiting readmission holds new prompts (§4)
-        self.capacity_blocker = None     # first request whose admission failed
+        self.capacity_blocker: Request | None = None   # first request whose admission failed
         self.admission_failed = False
         self.prefill_progressed = False
         self.decodes_use_budget = decodes_use_budget

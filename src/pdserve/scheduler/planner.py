@@ -34,7 +34,7 @@ from pdserve.scheduler.phases import PlanBuild
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.request import Request
 from pdserve.scheduler.retraction import ensure_progress
-from pdserve.scheduler.waiting import WaitReason, wait_reasons
+from pdserve.scheduler.waiting import WaitFacts, WaitReason, wait_reasons
 
 
 class RejectedRequest(ValueError):
@@ -81,7 +81,8 @@ class Planner:
         self._epoch = 0
         self._free_slots: list[int] = []
         self._next_slot = 0
-        self._last_waits = None    # what the last build noted about who waits, and why
+        # what the last build noted about who waits, and why (waiting.wait_reasons)
+        self._last_waits: tuple[WaitFacts, Plan, int, int] | None = None
 
     # ---- ingest ----------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -113,7 +114,7 @@ class Planner:
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
         st = req.state
-        if st.holds_pages and st.res.forwards_out:
+        if isinstance(st, fsm.Holding) and st.res.forwards_out:
             raise fsm.FsmError(f"{req_id}: abort with a forward in flight; abort after it "
                                "lands (or fail its round with fail_plan)")
         if isinstance(st, fsm.Waiting):
@@ -279,6 +280,7 @@ class Planner:
         in_flight = self.coord.host_cache.snapshot_in_flight if self.coord.stores else None
         for req in self.retracted.values():
             st = req.state
+            assert isinstance(st, Retracted)        # `retracted` holds Retracted requests only
             if in_flight is not None and st.snapshot and in_flight(req.id):
                 continue
             key = (not st.resumes_generation, st.epoch)
@@ -318,6 +320,7 @@ class Planner:
 
     def _finish(self, req: Request, reason: str) -> None:
         st = req.state
+        assert isinstance(st, fsm.Holding)          # only a request holding pages finishes here
         if st.res.forwards_out:
             raise fsm.FsmError(f"{req.id}: finished with a forward in flight")
         # publish every computed full page before letting go (finish-time flush)

@@ -127,7 +127,8 @@ class PrefixIndex:
     def evict(self, n: int, best_effort: bool = False) -> list[int]:
         """Remove up to n least recently used idle leaves (parents become
         leaves as their children go) and return their pages, uncached."""
-        out, heap = [], self._heap
+        out: list[int] = []
+        heap = self._heap
         while len(out) < n:
             if not heap:
                 if best_effort:
@@ -240,7 +241,8 @@ class WindowIndex:
                 and self._stamp[page] == stamp)
 
     def evict(self, n: int, best_effort: bool = False) -> list[int]:
-        out, heap = [], self._heap
+        out: list[int] = []
+        heap = self._heap
         while len(out) < n:
             if not heap:
                 if best_effort:

@@ -9,6 +9,10 @@ of page i. Generated tokens are always explicit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.fsm import State
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Request:
         self.limits = limits
         self.max_new_tokens = 0        # resolved against the context limit at submit
         self.output: list[int] = []
-        self.state = Waiting()
+        self.state: State = Waiting()
         self.slot = -1                 # stable index while resident
         self.retractions = 0
         self.num_tokens = self.prompt_len   # prompt + generated
@@ -94,7 +98,7 @@ class Request:
         self.first_page = 0            # P: the first page the peer does not hold already
         # A retraction victim: (the request it was retracted for, that one's
         # token count then); it re-enters after that one (phases.yields, §2)
-        self.yields_to = None
+        self.yields_to: tuple[Request, int] | None = None
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only)."""

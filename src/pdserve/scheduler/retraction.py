@@ -48,7 +48,7 @@ def choose_victim(p, ignore_exemption: bool = False):
         res = req.state.res
         if res.covers_generation and not ignore_exemption:
             continue
-        key = (len(res.tables[0]), req.seq)            # largest first, then youngest
+        key: tuple[int, ...] = (len(res.tables[0]), req.seq)   # largest first, then youngest
         if best_key is None or key > best_key:
             best, best_key = req, key
     if best is not None:
@@ -173,6 +173,7 @@ def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
                               "their acks return them")
         return
     blocker = b.capacity_blocker
+    assert blocker is not None          # b.fail() set it with admission_failed
     while True:
         victim = choose_victim(p)
         if victim is None:
