@@ -97,8 +97,10 @@ WORKLOADS = {
     "mooncake-tight-pd-host": lambda: (
         _tight(_mooncake_tight(), PD, total_pages=1024, host_pages=4096, safe_steps=1),
         _mooncake(100, 256)),
+    # the full-history pool retracts (a sliding pool admits no newcomer its
+    # residents may still grow into, so it no longer overcommits)
     "gemma-sliding": lambda: (
-        _groups_config("gemma-3-27b", FUSED1, 2048, sliding_pages=400), _long_prompts(10)),
+        _groups_config("gemma-3-27b", FUSED1, 384, sliding_pages=400), _long_prompts(10)),
     "gemma-sliding-pd": lambda: (
         _groups_config("gemma-3-27b", PD, 2048, sliding_pages=400), _long_prompts(6)),
     # sliding groups retracting to, and hitting in, the host tier
@@ -125,7 +127,9 @@ MUST_HAVE = {
 # (sha256 of the plan log, sha256 of the page account), recorded before the
 # scheduler's coordinator and planner were split; the retracting cases
 # re-recorded when a victim began to yield to the request it was retracted
-# for, and again when a load's ticket came to hold its targets (issue 34)
+# for, again when a load's ticket came to hold its targets (issue 34), and
+# the sliding cases when a sliding pool stopped admitting newcomers its
+# residents may still grow into (phases.sliding_room)
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
                 "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
@@ -137,12 +141,12 @@ HASHES = {
                               "510785a7cf2ef39872e26974e3da37559046ddfbe4d13ac67268d470a737e40d"),
     "mooncake-tight-pd-host": ("a0c8c5d4ba16012305722df4d52b4ca83547219adbe7d6f0bdaf7fabba7f2872",
                               "12b4165d954faef475fe4225aad25651a652e805541c2c1facb5468cfa4b2141"),
-    "gemma-sliding": ("cc655aab8782b723d7d6ed88884a0796ede705482a0b6caa78f9416d79a4b2d6",
-                     "036a18d2e3adae80f573bc276b8ff2625f547933850dd6b939fcf81bf33f9c1e"),
+    "gemma-sliding": ("2936334e50261142dd8f41c8b7d0d20ca70d6b81fc3bf2b3a54c1ffffbd22443",
+                     "4b4f05c306c3f7eecd363e5686a9779749cc5e6b12a07f453a835c633fe47a0b"),
     "gemma-sliding-pd": ("49928aaee5d27036a0fc4f38939b32a0def4d1767bf4708472e30bab155351a9",
                         "a94ff3411693947d8aa173a10aa61aff5c3a9aa472767e93f057ac15ac325923"),
-    "gemma-sliding-host": ("fac53b69616155160442bfa071e68564d2154c5e95c1ddcd38ad807e03719a20",
-                          "18f1b61218e7e65016fbb2d787c9054e675f676bd4b4345fb12c263fa37a72df"),
+    "gemma-sliding-host": ("d727614455a035037fa6b9fb9b1338ce5f3b6cc896868bf7cb5627699ee69cfd",
+                          "c9073cc1505f8dbdab05196900a930763e2d4bfde274a4a6763d87e92c93c53d"),
     "qwen3-next-state-host": ("b33060e7d8071a378d2800591342953e76056fe79cf3998011205bceee60f594",
                              "e910ea3619341caa3009587907e84125b0963bd63d9ad2aacae70ba8918d66d1"),
 }

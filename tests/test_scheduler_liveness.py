@@ -7,6 +7,8 @@ import pytest
 
 from pdserve.scheduler import Planner, RejectedRequest
 from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+from pdserve.scheduler.phases import resume_point
+from pdserve.scheduler.waiting import Hold
 
 from support import config, req, result_for
 
@@ -89,21 +91,66 @@ def test_a_readmission_resumes_on_a_page_boundary_so_its_replay_fits_the_budget(
     """Window 4, budget 8: the final-window rule cuts a 9-token prompt at 5,
     mid-page. Resuming there would re-feed 5 rows and still owe the window
     of 4 new tokens: 9 rows, over the budget, every round. A readmission
-    resumes on the page boundary below (4 replayed rows, then 1 and 4 new
-    tokens), which is what `min_prefill_tokens` sized the budget for."""
-    p = Planner(config(page_size=4, total_pages=12, host_pages=64, max_scheduled_tokens=8,
-                       max_batch_size=2, safe_steps=2, sliding_pages=4,
+    resumes on the page boundary at or below what it computed (4 replayed
+    rows, then 1 and 4 new tokens), which is what `min_prefill_tokens`
+    sized the budget for; a victim with only its sampled token left
+    resumes where it is."""
+    assert resume_point(5, 9, 4) == 4
+    assert resume_point(13, 18, 4) == 12
+    assert resume_point(8, 9, 4) == 8
+    # in a planner: r0 is retracted mid-page (13 tokens computed, a decode
+    # that ran into the full-history pool) and readmits at 12, replaying 4
+    p = Planner(config(page_size=4, total_pages=6, host_pages=64, max_scheduled_tokens=8,
+                       max_batch_size=2, safe_steps=2, sliding_pages=7,
                        enable_mixed_prefill_decode=False),
                 groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=True)))
     r0 = req("r0", 9, max_new=9)
     plans = drive(p, [(0, req("r1", 9, max_new=8)), (2, r0)])
     cut = [op.begin + op.tokens for plan in plans for op in plan.prefills
            if op.req is r0 and not op.completes]
-    resumed = [op.begin for plan in plans for op in plan.prefills if op.req is r0 and op.replay]
+    resumed = [(op.begin, op.replay) for plan in plans for op in plan.prefills
+               if op.req is r0 and op.replay]
     assert 5 in cut and "r0" in victims(plans)
-    assert resumed and all(b % 4 == 0 for b in resumed)
+    assert resumed == [(12, 4)]
     assert len(r0.output) == 9
     assert p.stalls == []
+
+
+def test_a_sliding_pool_admits_no_newcomer_its_residents_may_still_grow_into():
+    """The deep property search's finding: a sliding-only pool of 5 pages
+    (window 10, page 4, chunk 4). r0 decodes holding 3 pages and will need
+    a 4th; r1 (max_new_tokens=1, so its admission prepaid its generation
+    and it is exempt from retraction) took the last two in chunks. Neither
+    could advance, nobody could be retracted, and the last resort ran.
+    Now r1 waits until r0 has room to grow: no victim, no stall."""
+    p = Planner(config(page_size=4, total_pages=4, host_pages=0, max_scheduled_tokens=4,
+                       max_batch_size=1, safe_steps=2, sliding_pages=5,
+                       enable_mixed_prefill_decode=False),
+                groups=(CacheGroupSpec("sliding_window", 10),))
+    arrivals = [(0, req("r0", list(range(1, 9)), max_new=6, strict=True))]
+    arrivals += [(0, req(f"r{i}", [7] * 12, max_new=1)) for i in (1, 2, 3)]
+    plans = drive(p, arrivals)
+    assert victims(plans) == [] and p.stalls == []
+    assert [len(r.output) for _, r in arrivals] == [6, 1, 1, 1]
+
+
+def test_a_newcomer_waits_for_sliding_room_with_its_reason():
+    """The same pool, one round in: r1 is first in line, and its wait names
+    the sliding pool's residents, not a failed admission (no retraction)."""
+    p = Planner(config(page_size=4, total_pages=4, host_pages=0, max_scheduled_tokens=4,
+                       max_batch_size=1, safe_steps=2, sliding_pages=5,
+                       enable_mixed_prefill_decode=False),
+                groups=(CacheGroupSpec("sliding_window", 10),))
+    p.submit(req("r0", list(range(1, 9)), max_new=6, strict=True))
+    p.submit(req("r1", [7] * 12, max_new=1))
+    for _ in range(2):                           # r0's two chunks
+        plan = p.build()
+        p.apply(plan, result_for(plan))
+    plan = p.build()
+    assert [d.id for d in plan.decodes] == ["r0"] and not plan.retracts
+    why = {w.req_id: w for w in p.waiting_reasons()}["r1"]
+    assert why.reason == Hold.SLIDING_ROOM and why.blocked_by is None
+    assert "sliding-window pool" in why.detail and why.pages_needed > why.pages_free
 
 
 # ---- §2: a victim does not come straight back -----------------------------------

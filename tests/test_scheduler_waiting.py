@@ -363,7 +363,7 @@ def test_requests_that_arrived_after_the_last_build_are_not_yet_planned():
 def test_reasons_are_stable_strings():
     assert Hold.CAPACITY == "capacity" and str(Hold.BUDGET) == "budget"
     assert {h.value for h in Hold} >= {
-        "behind_incomplete_prefill", "budget", "capacity", "readmission_seal",
+        "behind_incomplete_prefill", "budget", "capacity", "sliding_room", "readmission_seal",
         "waiting_for_prefill", "remote_admission_limit"}
 
 
@@ -380,7 +380,7 @@ def check_reasons(p) -> None:
     for r in out:
         assert isinstance(r.reason, Hold) and r.detail and r.blocked_by != r.req_id
         if r.pages_needed is not None:
-            assert r.reason == "capacity" and r.blocked_by is None
+            assert r.reason in ("capacity", "sliding_room") and r.blocked_by is None
             assert r.pages_needed > r.pages_free >= 0
         if r.req_id in p.requests and isinstance(p.requests[r.req_id].state, Waiting) \
                 and r.reason not in ("retracted", "yields", "not_yet_planned"):

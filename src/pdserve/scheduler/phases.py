@@ -17,6 +17,7 @@ operator's `Planner.waiting_reasons()`; the plan never reads it.
 from __future__ import annotations
 
 from pdserve.scheduler import fsm
+from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.chunking import (
     admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
 from pdserve.scheduler.group_pools import GroupDemand
@@ -108,6 +109,35 @@ def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
         else:
             out.append(GroupDemand(end, sliding_reserve, begin))
     return out
+
+
+def sliding_room(p, chunk_tokens: int) -> tuple[int, int] | None:
+    """A new resident (a first chunk, a readmission, a landing) joins a
+    sliding-window pool only while every resident can still grow to its
+    decode footprint (lookback, decode slot, a window starting mid-page)
+    beside the newcomer's own worst case for this chunk. A sliding group
+    holds no headroom (§1), so without this check two residents can each
+    wait for a page the other holds, and when one of them is exempt from
+    retraction (its full-history prepay covers its generation) nothing
+    frees it: the liveness last resort runs. A pool sized by default
+    (capacity.group_pages) holds max_batch_size such footprints and a chunk,
+    so the check binds only on a smaller engine.sliding_pages. None if
+    there is room, else (pages needed, pages free) of the first short pool."""
+    cfg = p.cfg
+    for gi, g in enumerate(p.coord.groups):
+        if not g.spec.sliding:
+            continue
+        grown = sliding_request_pages(cfg, g.spec.window, 1)
+        owed = 0
+        for coll in (p.prefilling, p.running, p.landing):
+            for r in coll.values():
+                held = sum(1 for pg in r.state.res.tables[gi] if pg >= 0)
+                owed += max(0, grown - held)
+        needed = owed + sliding_request_pages(cfg, g.spec.window, chunk_tokens)
+        free = p.coord.available_pages(gi)
+        if free < needed:
+            return needed, free
+    return None
 
 
 # ---- decode -----------------------------------------------------------------
@@ -240,6 +270,11 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     reserve = prefill_reserve(decodes_locally=True, first_chunk=True, completes=False,
                               rest_of_prompt=st.target - start, headroom=headroom,
                               decode_width=p.cfg.decode_input_tokens)
+    short = sliding_room(p, max(1, tokens - start) + replay)
+    if short is not None:
+        b.new_prompts_sealed = True
+        b.waits.readmission = Stop(Hold.SLIDING_ROOM, req.id, *short)
+        return False
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, start, tokens, reserve, 0, replay), hit.pages,
                          b.plan, hit=hit):
@@ -327,6 +362,12 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     reserve = prefill_reserve(
         decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
         rest_of_prompt=target - end, headroom=headroom, decode_width=width)
+    short = sliding_room(p, chunk + replay)
+    if short is not None:
+        # not a capacity blocker: the residents free the room as they
+        # finish, and retracting one for a newcomer would only trade places
+        b.waits.line = Stop(Hold.SLIDING_ROOM, req.id, *short)
+        return None
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
                                            replay), hit.pages, b.plan, hit=hit):
@@ -375,16 +416,21 @@ def first_in_line(p, b: PlanBuild, skip=None):
 
 # ---- disaggregation ---------------------------------------------------------
 
-def try_remote_admission(p, b: PlanBuild, req) -> bool:
+def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     """D: reserve the whole prompt's landing pages plus the admission
     headroom (the peer prefills it: there is no mid-way), reuse what the
-    local prefix cache holds, and ask a peer for the rest."""
+    local prefix cache holds, and ask a peer for the rest. None: a sliding
+    pool's residents may still grow into the room (not a capacity blocker)."""
     ps = p.page_size
     n = req.num_tokens
     # the peer sends each sliding group's last window: only the full
     # history's hit counts here, and no host hit (a landing loads nothing)
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=False)
     headroom, remaining = _headroom(p, req)
+    short = sliding_room(p, 1)
+    if short is not None:
+        b.waits.line = Stop(Hold.SLIDING_ROOM, req.id, *short)
+        return None
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens,
                                            lands=True), hit.pages, b.plan, hit=hit):
@@ -417,7 +463,7 @@ def remote_admission_phase(p, b: PlanBuild) -> None:
     if b.plan.remote_prefills:
         return                            # its admission noted the limit
     req = p.waiting[0]
-    if not try_remote_admission(p, b, req):
+    if try_remote_admission(p, b, req) is False:
         b.fail(req)
 
 

@@ -24,6 +24,7 @@ class Hold(enum.StrEnum):
     BEHIND_INCOMPLETE_PREFILL = "behind_incomplete_prefill"  # §1.1
     BUDGET = "budget"                                  # token budget or batch slots ran out
     CAPACITY = "capacity"                              # its admission failed for pages
+    SLIDING_ROOM = "sliding_room"                      # a sliding pool's residents may still grow
     READMISSION_SEAL = "readmission_seal"              # §4: new prompts sealed behind it
     DECODE_ROUND = "decode_round"                      # non-mixed: decodes hold the round
     RETRACTION_GRANT = "retraction_grant"              # §2: the freed room went to one request
@@ -109,6 +110,11 @@ _LINE_TEXT = {
         "its admission needs {needed} pages, {free} free (evictable cached pages "
         "included); it waits for pages{note}",
         "behind {who}, whose admission failed for pages; nobody overtakes it"),
+    Hold.SLIDING_ROOM: (
+        "a sliding-window pool needs {needed} pages for it beside what its residents may "
+        "still grow into (lookback and decode slot), {free} free; it waits for a resident "
+        "to finish",
+        "behind {who}, which waits for room in a sliding-window pool; nobody overtakes it"),
     Hold.READMISSION_SEAL: (
         "", "{who}'s readmission waits for pages, and new prompts are sealed behind it "
             "so that a newcomer cannot take the pages it waits for (§4)"),
@@ -177,6 +183,13 @@ def _readmission_reason(req, stop: Stop, facts: WaitFacts) -> WaitReason:
         return WaitReason(req.id, Hold.READMISSION_LIMIT,
                           f"{stop.who} is next in readmission order and yields this round; "
                           "the others wait behind it (§4)", stop.who)
+    if stop.who == req.id and stop.rule is Hold.SLIDING_ROOM:
+        return WaitReason(
+            req.id, Hold.SLIDING_ROOM,
+            f"its readmission needs {stop.needed} sliding-window pages beside what the "
+            f"residents may still grow into, {stop.free} free; it waits for a resident to "
+            "finish (§4: a readmission never triggers retraction)", None, stop.needed,
+            stop.free)
     if stop.who == req.id and stop.rule is Hold.CAPACITY:
         return WaitReason(
             req.id, Hold.CAPACITY,
