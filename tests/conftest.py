@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, settings
 # examples every run; HYPOTHESIS_PROFILE=deep draws fresh ones and digs further.
 settings.register_profile("default", max_examples=300, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("deep", max_examples=5000, deadline=None,
+# derandomize is spelled out: a profile inherits the registered "default"
+# one, which would make every deep run replay the same examples
+settings.register_profile("deep", max_examples=5000, deadline=None, derandomize=False,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
