@@ -75,6 +75,17 @@ def _tokens(ids, field: str, b: Bounds) -> None:
                              f"[0, {b.vocab_size})")
 
 
+def _sampling(s, b: Bounds) -> None:
+    """What the engine's sampler indexes by token id (the rest of the
+    options `proto/sampling.from_options` checks where they are read)."""
+    if b.vocab_size is None:
+        return
+    bad = [t for t in s.logit_bias if t >= b.vocab_size]
+    if bad:
+        raise BadMessage(f"sampling.logit_bias names token id {max(bad)}, outside the "
+                         f"vocabulary [0, {b.vocab_size})")
+
+
 def check_subscribe(r: pb.SubscribeRequest) -> None:
     check_id(r.subscriber, "subscriber")
 
@@ -85,6 +96,7 @@ def check_submit(r: pb.SubmitRequest, b: Bounds) -> None:
     if r.prefill_peer:
         check_id(r.prefill_peer, "prefill_peer")
     _tokens(r.token_ids, "token_ids", b)
+    _sampling(r.sampling, b)
     if r.prior_output > len(r.token_ids):
         raise BadMessage(f"prior_output={r.prior_output} exceeds the request's "
                          f"{len(r.token_ids)} tokens")
@@ -104,6 +116,7 @@ def check_remote_prefill(r: pb.RemotePrefillRequest, b: Bounds) -> None:
     check_id(r.request_id, "request_id")
     check_id(r.target_engine, "target_engine")
     _tokens(r.token_ids, "token_ids", b)
+    _sampling(r.sampling, b)
     spans = -(-len(r.token_ids) // b.page_size)
     if r.first_page > spans:
         raise BadMessage(f"first_page={r.first_page} is past the prompt's {spans} pages")
