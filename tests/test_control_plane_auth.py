@@ -156,3 +156,16 @@ def test_credentials_never_print_their_key(ca):
     leaf = ca.issue("x")
     assert b"PRIVATE" in leaf.key_pem
     assert "PRIVATE" not in repr(leaf) and "PRIVATE" not in repr(ca)
+
+
+def test_the_control_plane_is_secure_unless_the_config_says_insecure():
+    """No control_plane: section: a CA made at start issues the leaves;
+    insecure: true (what --insecure-control-plane sets) is plaintext."""
+    from pdserve.config import ServeConfig
+
+    plane = ServeConfig.from_dict({}).control_plane.credentials()
+    assert isinstance(plane, ControlPlane) and plane.ca is not None
+    a, b = plane.for_party("prefill-0"), plane.for_party("decode-0")
+    assert a.ca_pem == b.ca_pem and a.cert_pem != b.cert_pem     # one CA, a leaf each
+    assert ServeConfig.from_dict({"control_plane": {"insecure": True}}) \
+        .control_plane.credentials() is None
