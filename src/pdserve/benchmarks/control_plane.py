@@ -22,38 +22,34 @@ noise is far larger than these costs.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import statistics
 import time
-
-import grpc
-
-from pdserve.proto import control_pb2 as pb
-from pdserve.proto import control_pb2_grpc as pbg
-from pdserve.proto import router_pb2 as rpb
-from pdserve.proto.control_tls import DeploymentCA, add_port, channel
 
 EVENTS_A_ROUND = 64
 
 
-class _Echo(pbg.EngineControlServicer):
-    """Answers at once: the channel is all that is timed."""
+def _echo(stream_messages: int):
+    """A servicer that answers at once: the channel is all that is timed.
+    (gRPC is imported when the command runs, not for its --help.)"""
+    from pdserve.proto import control_pb2 as pb
+    from pdserve.proto import control_pb2_grpc as pbg
 
-    def __init__(self, stream_messages: int):
-        self.round = pb.EngineEvents(events=[
-            pb.RequestEvent(request_id=f"req-{i:04d}", token_ids=[1234], text=" token")
-            for i in range(EVENTS_A_ROUND)])
-        self.stream_messages = stream_messages
+    class Echo(pbg.EngineControlServicer):
+        def __init__(self):
+            self.round = pb.EngineEvents(events=[
+                pb.RequestEvent(request_id=f"req-{i:04d}", token_ids=[1234], text=" token")
+                for i in range(EVENTS_A_ROUND)])
 
-    def Submit(self, request, context):
-        return pb.Ack(ok=True)
+        def Submit(self, request, context):
+            return pb.Ack(ok=True)
 
-    def GetInfo(self, request, context):
-        return pb.InfoResponse(engine="bench")
+        def GetInfo(self, request, context):
+            return pb.InfoResponse(engine="bench")
 
-    def Subscribe(self, request, context):
-        for _ in range(self.stream_messages):
-            yield self.round
+        def Subscribe(self, request, context):
+            for _ in range(stream_messages):
+                yield self.round
+    return Echo()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -63,10 +59,19 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
          connects: int = 20) -> dict:
+    import concurrent.futures as cf
+
+    import grpc
+
+    from pdserve.proto import control_pb2 as pb
+    from pdserve.proto import control_pb2_grpc as pbg
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.proto.control_tls import DeploymentCA, add_port, channel
+
     ca = DeploymentCA.create()
     server_tls, client_tls = ca.issue("engine"), ca.issue("router")
     server = grpc.server(cf.ThreadPoolExecutor(8))
-    pbg.add_EngineControlServicer_to_server(_Echo(stream_messages), server)
+    pbg.add_EngineControlServicer_to_server(_echo(stream_messages), server)
     ports = {"mTLS": add_port(server, "127.0.0.1:0", server_tls),
              "plaintext": add_port(server, "127.0.0.1:0", None)}
     server.start()
