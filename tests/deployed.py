@@ -25,3 +25,13 @@ def deployed(cfg: dict, http_port: int | None = None, **options):
 def by_name(client) -> dict[str, dict]:
     """Each engine's stats (`Client.stats()`) by its name, without "pdserve:"."""
     return {s["name"].removeprefix("pdserve:"): s for s in client.stats()}
+
+
+def engine_channel(dep: Deployment, name: str):
+    """A channel to engine `name` (`role-index`) as the deployment's own
+    parties reach it: at the address operators' stats give, with a leaf the
+    deployment's CA issued (plaintext on an insecure control plane)."""
+    from pdserve.proto.control_tls import channel
+
+    tls = dep.control.for_party("test") if dep.control is not None else None
+    return channel(dep.router.engines[name.removeprefix("pdserve:")].address, tls)

@@ -4,6 +4,8 @@ executor that can be told to raise, outputs that record what was posted,
 and a peer sender that records the messages it was given (`sent`). Jobs
 posted to the loop thread wait in its inbox (`run_jobs`)."""
 
+from types import SimpleNamespace
+
 import torch
 
 from pdserve.kernels.sampling import SamplingParams
@@ -18,6 +20,9 @@ from support import config, result_for
 
 
 class Executor:
+    # what EngineServer.info() reads of a model
+    model = SimpleNamespace(dtype=torch.float32, attention=SimpleNamespace(name="torch"))
+
     def __init__(self):
         self.tracked, self.fail = {}, None
 
@@ -48,6 +53,19 @@ class Executor:
 class Outputs:
     def __init__(self):
         self.items, self.opened = [], []
+        self.subscribers: dict = {}
+
+    def subscribe(self, subscriber):
+        import queue
+
+        q = self.subscribers[subscriber] = queue.Queue()
+        return q
+
+    def unsubscribe(self, subscriber, q) -> bool:
+        if self.subscribers.get(subscriber) is q:
+            del self.subscribers[subscriber]
+            return True
+        return False
 
     def post(self, items):
         self.items += items
@@ -75,15 +93,17 @@ class Sender:
         pass
 
 
-def server(role: str, name: str, peer: str, fabric: LoopbackFabric | None = None) -> EngineServer:
+def server(role: str, name: str, peer: str, fabric: LoopbackFabric | None = None,
+           **options) -> EngineServer:
     """Engine `name` of `role`, knowing `peer` (its gRPC stub never called:
     what it is sent lands in `sent(server)`). Two servers given one
-    `fabric` reach each other's pools: a write from one lands in the other."""
+    `fabric` reach each other's pools: a write from one lands in the other.
+    `options` go to EngineServer (control_tls, vocab_size)."""
     planner = Planner(config(), Role(role))
     transport = LoopbackTransport(Incarnation(name, 1), fabric or LoopbackFabric())
     transport.register_pools([torch.zeros(planner.cfg.total_pages, 4)])
     s = EngineServer(Role(role), name, planner, Executor(), lambda on_stop: Outputs(),
-                     transport, incarnation=1, sender=Sender())
+                     transport, incarnation=1, sender=Sender(), **options)
     s.peer.add_peer(pb.AddPeerRequest(engine=peer, incarnation=1, address="nowhere:0",
                                       nixl_metadata=f"{peer}@1".encode()))
     return s
@@ -104,3 +124,38 @@ def one_round(s: EngineServer):
 def run_jobs(s: EngineServer) -> None:
     """What the loop thread runs between rounds: every job posted so far."""
     s.inbox.run_pending()
+
+
+class Refused(Exception):
+    """A handler ended its call with a status (`RpcContext.abort`)."""
+
+
+class RpcContext:
+    """What a handler uses of grpc's ServicerContext; `abort` raises, as
+    grpc's does."""
+
+    def __init__(self):
+        self.code = None
+
+    def abort(self, code, details):
+        self.code = code
+        raise Refused(f"{code}: {details}")
+
+    def time_remaining(self):
+        return 0.0
+
+    def add_callback(self, fn):
+        return False                     # the call already ended: the handler cleans up
+
+
+def rpc(servicer, method: str, msg):
+    """Call EngineControl handler `method` as gRPC would; the status code it
+    ended the call with, or None (OK)."""
+    ctx = RpcContext()
+    try:
+        out = getattr(servicer, method)(msg, ctx)
+        if method == "Subscribe":
+            list(out)
+    except Refused:
+        pass
+    return ctx.code

@@ -152,11 +152,36 @@ def test_a_client_that_disconnects_is_aborted_on_the_engine(client, deployment):
     assert after["finished"] == before["finished"]
 
 
+def test_a_stranger_on_the_host_cannot_drive_the_engines(client):
+    """The issue's stranger: a plaintext gRPC client with no credentials at
+    each engine's port calls GetInfo, Stats and an empty Drain. Every call
+    is refused (the TLS handshake fails: UNAVAILABLE), and the deployment
+    serves on, disaggregated and fused."""
+    from pdserve.proto import control_pb2 as cpb
+    from pdserve.proto import control_pb2_grpc as cpbg
+
+    for s in client.stats():
+        with grpc.insecure_channel(s["address"]) as ch:
+            stub = cpbg.EngineControlStub(ch)
+            for call, msg in ((stub.GetInfo, cpb.InfoRequest()), (stub.Stats, cpb.InfoRequest()),
+                              (stub.Drain, cpb.DrainEngineRequest())):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(msg, timeout=10)
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE, e.value
+    for route in ("disaggregated", "fused"):
+        assert len(client.generate(PROMPTS[0], max_tokens=3, ignore_eos=True,
+                                   route=route).token_ids) == 3
+    assert not any(e["draining"] for e in client.server_info()["engines"])
+
+
 def test_stats_and_server_info_describe_every_engine(client):
     info = client.server_info()
     assert {e["name"] for e in info["engines"]} == {"pdserve:fused-0", "pdserve:prefill-0",
                                                    "pdserve:decode-0"}
-    assert all(e["alive"] and e["address"].startswith("127.0.0.1:") for e in info["engines"])
+    assert all(e["alive"] for e in info["engines"])
+    # where engines listen is for the cluster's own: stats (behind the API key) say
+    assert all(e["address"] == "" for e in info["engines"])
+    assert all(s["address"].startswith("127.0.0.1:") for s in client.stats())
     assert info["max_prompt_tokens"] == 4095           # the tiny model's context, less the decode slot
     before = counters(client)
     assert before["pdserve:prefill-0"]["total_pages"] == 512

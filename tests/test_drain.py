@@ -16,7 +16,7 @@ import pytest
 from pdserve.client import Client
 from pdserve.roles.drain import DEADLINE_ABORT, Drain, EngineDraining
 
-from deployed import deployed
+from deployed import deployed, engine_channel
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}
@@ -142,7 +142,7 @@ def test_drain_of_an_unknown_engine_is_a_clear_error(client, deployment, capsys)
     assert "NOT_FOUND: no engine 'nope'" in capsys.readouterr().err
 
 
-def test_a_fused_engine_drained_mid_stream_finishes_it_and_takes_nothing_new(client):
+def test_a_fused_engine_drained_mid_stream_finishes_it_and_takes_nothing_new(client, deployment):
     bg, name, _ = stream_started(client, "drain the fused engine " * 4, STREAM, "fused")
     other = {"fused-0": "fused-1", "fused-1": "fused-0"}[name]
     drain = Background(lambda: client.drain(name, deadline_s=120))
@@ -155,7 +155,7 @@ def test_a_fused_engine_drained_mid_stream_finishes_it_and_takes_nothing_new(cli
     from pdserve.proto import control_pb2 as cpb
     from pdserve.proto import control_pb2_grpc as cpbg
 
-    with grpc.insecure_channel(info["address"]) as ch:
+    with engine_channel(deployment, name) as ch:
         stub = cpbg.EngineControlStub(ch)
         poll("the engine drains", lambda: stub.GetInfo(cpb.InfoRequest(), timeout=10).draining)
         with pytest.raises(grpc.RpcError) as e:
@@ -202,7 +202,6 @@ def test_a_prefill_engine_drained_mid_transfer_waits_for_the_ack(client, deploym
 
     info = client.server_info()["engines"]
     d = next(e for e in info if e["role"] == "decode" and e["alive"])
-    p_addr = next(e["address"] for e in info if e["name"] == "pdserve:prefill-0")
     d_name = d["name"].removeprefix("pdserve:")
     before = {s["name"]: s for s in client.stats()}[d["name"]]
     p = deployment.actor("prefill-0")
@@ -214,13 +213,13 @@ def test_a_prefill_engine_drained_mid_transfer_waits_for_the_ack(client, deploym
                                              route="disaggregated"))
     poll("P ships it", lambda: ray.get(p.request_state.remote("mid-xfer")) == "Transferring")
     drain = Background(lambda: client.drain("prefill-0", deadline_s=120))
-    with grpc.insecure_channel(p_addr) as ch:
+    with engine_channel(deployment, "prefill-0") as ch:
         poll("P drains", lambda: cpbg.EngineControlStub(ch).GetInfo(
             cpb.InfoRequest(), timeout=10).draining)
 
     # a request D already holds for P (paired before the drain) is refused by
     # P and prefilled on D at once, not after the landing timeout (20 s)
-    with grpc.insecure_channel(d["address"]) as ch:
+    with engine_channel(deployment, d_name) as ch:
         stub = cpbg.EngineControlStub(ch)
         events = stub.Subscribe(cpb.SubscribeRequest(subscriber="drain-test"))
         next(events)                                            # live

@@ -473,7 +473,7 @@ def test_tls_serves_both_fronts_with_the_key(dep, tmp_path):
     old = dep.router
     r = Router(old.cfg, old.tokenizer, old.vocab_size,
                [(e.name, e.role, e.address) for e in old.engines.values()], old.resolver,
-               Security(KEY, str(cert), str(key)))
+               Security(KEY, str(cert), str(key), old.security.control_tls))
     serve(r, "localhost", 0, http_port=0)
     try:
         c = Client(r.address, timeout=60, api_key=KEY, tls_ca=str(cert))

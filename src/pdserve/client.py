@@ -105,7 +105,7 @@ def _collect(chunks) -> GenerateResult:
 
 
 def _stats(resp) -> list[dict]:
-    keys = ("name", "role", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
+    keys = ("name", "role", "address", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
             "finished", "aborted", "retractions", "readmissions", "transfers",
             "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
             "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens",

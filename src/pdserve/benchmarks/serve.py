@@ -62,9 +62,12 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
          concurrency: int, rate: float | None, trace: str | None, limit: int | None,
          max_prompt: int, out: str | None, seed: int = 0, apis=("grpc",),
          http_address: str | None = None, repeats: int = 1, offline: bool = False,
-         api_key: str | None = None, connections: int | None = None) -> int:
+         api_key: str | None = None, connections: int | None = None,
+         control_planes=("secure",)) -> int:
     """`connections`: gRPC connections each load opens (default: the
-    config's router.replicas; 1 against --address)."""
+    config's router.replicas; 1 against --address). `control_planes`: each
+    config is started once per mode listed (secure: mutual TLS between the
+    router and the engines; insecure: `--insecure-control-plane`)."""
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
     results = []
     if http_address and "://" not in http_address:
@@ -79,17 +82,19 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                             repeats, api_key, connections or 1)
     from pdserve.config import load_config
 
-    for path in configs:
+    for path, mode in [(c, m) for c in configs for m in control_planes]:
         conns = connections or load_config(path).router.replicas
-        with served(path, http="http" in apis) as (addr, http_url):
+        up_args = ["--insecure-control-plane"] if mode == "insecure" else []
+        label = path if len(control_planes) == 1 else f"{path} {mode}"
+        with served(path, http="http" in apis, up_args=up_args) as (addr, http_url):
             addrs = {a: (http_url if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
                 drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,  # type: ignore[arg-type]
                                   seed + 1), concurrency, None, seed, progress=False, api=api,
                       connections=conns)
-            results += _compare(path, addrs, samples, concurrency, rate, seed, repeats,
+            results += _compare(label, addrs, samples, concurrency, rate, seed, repeats,
                                 connections=conns)
-        if offline:
+        if offline and mode == control_planes[-1]:
             from pdserve.sim.host_load import wait_for_quiet
 
             # the deployment's processes take seconds to go: the engine's own
@@ -168,6 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
     p.add_argument("--rate", type=float, help="Poisson arrivals a second")
     p.add_argument("--out", help="save the results as JSON here")
+    p.add_argument("--control-plane", nargs="+", choices=["secure", "insecure"],
+                   default=["secure"],
+                   help="start each --config once per mode, side by side: secure (mutual TLS "
+                        "between router and engines, the default) and/or insecure "
+                        "(--insecure-control-plane)")
 
 
 def run(args) -> int:
@@ -178,7 +188,7 @@ def run(args) -> int:
                 args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
                 args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
                 repeats=args.repeats, offline=args.offline, api_key=client_key(args),
-                connections=args.connections)
+                connections=args.connections, control_planes=tuple(args.control_plane))
 
 
 def run_offline(config: str, samples: list[Sample], seed: int,

@@ -27,12 +27,12 @@ def pdserve_command() -> list[str]:
 
 
 @contextlib.contextmanager
-def served(config: str, http: bool = False):
-    """Start `pdserve up --config CONFIG` on free ports; yields (gRPC
+def served(config: str, http: bool = False, up_args=()):
+    """Start `pdserve up --config CONFIG [UP_ARGS]` on free ports; yields (gRPC
     address, HTTP base URL or None) once it serves, and stops it (SIGTERM:
     drain, then stop) on the way out. RuntimeError, with the end of its
     output, if it exits or stays silent before serving."""
-    cmd = [*pdserve_command(), "up", "--config", config, "--port", "0"]
+    cmd = [*pdserve_command(), "up", "--config", config, "--port", "0", *up_args]
     if http:
         cmd += ["--http-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

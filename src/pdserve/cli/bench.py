@@ -17,6 +17,8 @@ BENCHMARKS = [
     Subcommand("transfer", "pdserve.benchmarks.transfer",
                "KV handoff over NIXL against raw NIXL and memcpy"),
     Subcommand("serve", "pdserve.benchmarks.serve", "load a deployment through the client"),
+    Subcommand("control-plane", "pdserve.benchmarks.control_plane",
+               "a control call over mutual TLS against plaintext"),
     Subcommand("soak", "pdserve.benchmarks.soak",
                "faults, aborts and a killed engine under load"),
     Subcommand("tokens", "pdserve.benchmarks.tokens",

@@ -25,6 +25,10 @@ def add_arguments(p) -> None:
                                      "metadata (gRPC); default $PDSERVE_API_KEY")
     p.add_argument("--tls-cert", help="serve TLS on both ports with this PEM certificate")
     p.add_argument("--tls-key", help="... and this PEM private key")
+    p.add_argument("--insecure-control-plane", action="store_true",
+                   help="plaintext between the router and the engines (default: mutual TLS "
+                        "with a CA made at start); anyone who reaches an engine's port can "
+                        "then drive it. Also control_plane.insecure in the config")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="where engines run (default: the config's model.device; auto is cpu)")
     p.add_argument("--gpus-per-engine", type=float,
@@ -38,7 +42,12 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pdserve.config import engine_gpus, load_config
 
+    import dataclasses
+
     cfg = load_config(args.config)
+    if args.insecure_control_plane:
+        cfg = dataclasses.replace(cfg, control_plane=dataclasses.replace(
+            cfg.control_plane, insecure=True, ca_cert=None, ca_key=None, cert=None, key=None))
     device = cfg.model.device_for(args.device)
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
     from pdserve.kernels.loader import model_config_for
@@ -67,6 +76,16 @@ def run(args) -> int:
         if path and not Path(path).is_file():
             print(f"pdserve: error: TLS file {path!r} does not exist", file=sys.stderr)
             return 2
+    cp = cfg.control_plane      # bring-your-own certificates: checked before Ray starts
+    for path in (cp.ca_cert, cp.ca_key, cp.cert, cp.key):
+        if path and not Path(path).is_file():
+            print(f"pdserve: error: control_plane certificate file {path!r} does not exist",
+                  file=sys.stderr)
+            return 2
+    if cfg.control_plane.insecure:
+        print("pdserve: warning: the control plane is insecure: anyone who reaches an "
+              "engine's port can submit, abort or drain its work, or join as a peer that "
+              "receives KV pages", file=sys.stderr, flush=True)
     key = client_key(args)
     dep = Deployment(cfg, address=args.address, device=device, gpus_per_engine=gpus,
                      security=Security(key, args.tls_cert, args.tls_key))

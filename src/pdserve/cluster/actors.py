@@ -21,6 +21,7 @@ import ray
 from pdserve.cluster.autoscaler import Autoscaler
 from pdserve.config import ServeConfig, engine_for_model
 from pdserve.kernels.loader import load_model
+from pdserve.proto.control_tls import ControlPlane, ControlTls
 from pdserve.roles.engine_server import EngineServer
 from pdserve.roles.outputs import Outputs
 from pdserve.roles.peer_protocol import PeerTimeouts
@@ -38,10 +39,12 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                         device: str = "cpu", transfer_timeout_s: float | None = None,
                         lease_s: float | None = None, heartbeat_s: float | None = None,
                         faults: list[dict] | None = None, fault_seed: int = 0,
-                        serve: bool = True) -> EngineServer:
+                        serve: bool = True,
+                        control_tls: ControlTls | None = None) -> EngineServer:
     """Engine `<role>-<index>` of `cfg`: its model loaded on `device`, and
     (P and D) a NIXL transport with `faults` (transfer/faults.py). With
-    `serve`, started: its gRPC port open on `host` and its loop running.
+    `serve`, started: its gRPC port open on `host` (mutual TLS with
+    `control_tls`; None: plaintext) and its loop running.
     `transfer_timeout_s`, `lease_s`, `heartbeat_s`: over the config's
     `transfer:` section (engine options, as tests pass them); the result
     is checked again, so an override cannot break what the config kept."""
@@ -63,7 +66,8 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     server = EngineServer(kind, name, planner, executor,
                           lambda on_stop: Outputs(tok, on_stop, name), transport,
                           incarnation=incarnation, capacity=capacity,
-                          timeouts=timeouts_for(cfg, transfer_timeout_s, lease_s, heartbeat_s))
+                          timeouts=timeouts_for(cfg, transfer_timeout_s, lease_s, heartbeat_s),
+                          control_tls=control_tls, vocab_size=model.cfg.vocab_size)
     if serve:
         server.start(host)
     return server
@@ -78,12 +82,15 @@ def timeouts_for(cfg: ServeConfig, transfer_timeout_s: float | None = None,
 
 
 class EngineHost:
-    """The actor body: an EngineServer bound to this node's address."""
+    """The actor body: an EngineServer bound to this node's address (the
+    one Ray gives the node, never 0.0.0.0 unless `host` says so), its
+    control port behind `control_tls` (this engine's leaf; None: plaintext)."""
 
     def __init__(self, cfg: ServeConfig, role: str, index: int, device: str, options: dict,
-                 host: str | None):
+                 host: str | None, control_tls: ControlTls | None = None):
         host = host or ray.util.get_node_ip_address()
-        self.server = build_engine_server(cfg, role, index, host=host, device=device, **options)
+        self.server = build_engine_server(cfg, role, index, host=host, device=device,
+                                          control_tls=control_tls, **options)
         self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:
@@ -162,17 +169,19 @@ CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOL
 
 def start_engines(cfg: ServeConfig, device: str = "cpu", gpus_per_engine: float = 0,
                   options: dict | None = None, placement: dict | None = None,
-                  host: str | None = None, env: dict | None = None) -> list:
+                  host: str | None = None, env: dict | None = None,
+                  control: ControlPlane | None = None) -> list:
     """Create every engine the config's cluster shape names; returns
     [(name, role, actor)]. `placement` maps a role to a Ray custom resource
     its engines need (to pin roles to nodes); `host` is the address engines
-    bind (None: their node's); `env` goes into their processes."""
+    bind (None: their node's); `env` goes into their processes; `control`
+    issues each its leaf on the control plane (None: plaintext)."""
     out = []
     for role, count in (("fused", cfg.cluster.fused), ("prefill", cfg.cluster.prefill),
                         ("decode", cfg.cluster.decode)):
         for i in range(count):
             name, actor = start_engine(cfg, role, i, device, gpus_per_engine, options,
-                                       placement, host, env)
+                                       placement, host, env, control)
             out.append((name, role, actor))
     return out
 
@@ -180,9 +189,11 @@ def start_engines(cfg: ServeConfig, device: str = "cpu", gpus_per_engine: float 
 def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
                  gpus_per_engine: float = 0, options: dict | None = None,
                  placement: dict | None = None, host: str | None = None,
-                 env: dict | None = None) -> tuple:
+                 env: dict | None = None, control: ControlPlane | None = None) -> tuple:
     """One engine actor (`pdserve:<role>-<index>`, restarted by Ray if its
-    process dies); returns (name, actor). Also what the autoscaler adds."""
+    process dies); returns (name, actor). Also what the autoscaler adds.
+    Its leaf (from `control`) travels in the actor's arguments, so a
+    restart by Ray serves the same one."""
     if device == "cpu":
         env = {**{k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ},
                **(env or {})}
@@ -192,5 +203,7 @@ def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
         opts["resources"] = {placement[role]: 0.001}
     if env:
         opts["runtime_env"] = {"env_vars": dict(env)}
-    actor = EngineActor.options(**opts).remote(cfg, role, index, device, options or {}, host)
+    tls = control.for_party(f"{role}-{index}") if control is not None else None
+    actor = EngineActor.options(**opts).remote(cfg, role, index, device, options or {}, host,
+                                               tls)
     return f"{role}-{index}", actor

@@ -42,8 +42,12 @@ def p95_since(bounds, now_counts, before_counts) -> float | None:
 
 class Autoscaler:
     def __init__(self, router_address: str, cfg, device: str = "cpu", gpus_per_engine: float = 0,
-                 options: dict | None = None, host: str | None = None, api_key: str | None = None):
+                 options: dict | None = None, host: str | None = None, api_key: str | None = None,
+                 control=None):
+        """`control`: the deployment's ControlPlane (proto/control_tls.py),
+        which issues the engines it adds their leaves; None: plaintext."""
         self.address = router_address
+        self.control = control
         self.cfg = cfg
         self.policy = cfg.autoscale
         self.device, self.gpus, self.options, self.host = device, gpus_per_engine, options, host
@@ -134,7 +138,7 @@ class Autoscaler:
         self.events.append({"t": None, "kind": "starting", "role": role,
                             "engine": f"{role}-{index}", "why": ""})
         name, actor = start_engine(self.cfg, role, index, self.device, self.gpus, self.options,
-                                   host=self.host)
+                                   host=self.host, control=self.control)
         self._actors[name] = actor
         try:
             address = ray.get(actor.info.remote(), timeout=600)["address"]

@@ -9,6 +9,11 @@ A local deployment keeps every byte on the loopback interface: Ray, the
 engines' gRPC servers and UCX (UCX_NET_DEVICES=lo) all use 127.0.0.1. A
 joined cluster binds engines to their node's address and lets UCX choose
 its devices (RDMA where there is some).
+
+The control plane is mutual TLS by default, loopback included (other users
+of a host reach its loopback ports): `start` makes the deployment's CA
+(proto/control_tls.py) and each engine, the router and the autoscaler get
+their credentials through their Ray actors' arguments.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError
                                     Security)
 from pdserve.router.serve import serve
 from pdserve.kernels.loader import load_tokenizer, model_config_for
+from pdserve.proto.control_tls import ControlPlane
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -85,6 +91,7 @@ class Deployment:
         self.router: Router | None = None
         self.replicas: list = []                # router actors beside self.router
         self.autoscaler: ActorHandle | None = None   # its actor, with an autoscale: section
+        self.control: ControlPlane | None = None     # the control plane's CA, once started
         self._started_ray = False
 
     def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None) -> str:
@@ -103,10 +110,12 @@ class Deployment:
             self._started_ray = True
         self._check_gpus()
         local = self.loopback
+        self.control = self._control_plane()
+        engine_host = self.cfg.control_plane.engine_host or ("127.0.0.1" if local else None)
         self.engines = start_engines(self.cfg, self.device, self.gpus_per_engine,
                                      self.engine_options, self.placement,
-                                     host="127.0.0.1" if local else None,
-                                     env=LOCAL_ENV if local else None)
+                                     host=engine_host, env=LOCAL_ENV if local else None,
+                                     control=self.control)
         infos = self.infos = ray.get([a.info.remote() for _, _, a in self.engines])
         for line in niceness_warnings(infos):
             log.warning("%s", line)
@@ -118,6 +127,9 @@ class Deployment:
         def resolve(name: str) -> str:
             return ray.get(self.actor(name).info.remote(), timeout=5)["address"]
         engines = [(i["engine"], i["role"], i["address"]) for i in infos]
+        if self.control is not None:
+            self.security = dataclasses.replace(self.security,
+                                                control_tls=self.control.for_party("router"))
         self.router = Router(cfg, tok, model_cfg.vocab_size, engines, resolve, self.security,
                              retire=self._retire, full_history=model_cfg.full_history)
         address = serve(self.router, host, port, http_port)
@@ -134,8 +146,20 @@ class Deployment:
             self.autoscaler = AutoscalerActor.options(  # type: ignore[assignment]
                 num_cpus=0, namespace=NAMESPACE).remote(
                 address, cfg, self.device, self.gpus_per_engine, self.engine_options,
-                "127.0.0.1" if local else None, self.security.api_key)
+                engine_host, self.security.api_key, self.control)
         return address
+
+    def _control_plane(self) -> ControlPlane | None:
+        """The deployment's credentials on the control plane: a CA made now
+        (or the user's, from control_plane:), or None with a warning when
+        the config turns it off."""
+        control = self.cfg.control_plane.credentials()
+        if control is None:
+            log.warning("the control plane is insecure (--insecure-control-plane or "
+                        "control_plane.insecure): anyone who reaches an engine's port can "
+                        "submit, abort or drain its work and join as a peer that receives "
+                        "KV pages; use it only on a network no one else reaches")
+        return control
 
     def _check_gpus(self) -> None:
         """Engines that need more GPUs than Ray has would wait for them

@@ -1,7 +1,10 @@
 """The EngineControl gRPC service of an engine: each handler hands its work
 to the engine's loop thread (`EngineServer.call`) and never touches the
-planner itself. Work a draining engine will not take is refused with
-FAILED_PRECONDITION (roles/drain.py): the caller sends it elsewhere."""
+planner itself. Each message is checked first (roles/control_checks.py):
+one that fails is refused with INVALID_ARGUMENT before anything changes.
+Work a draining engine will not take is refused with FAILED_PRECONDITION
+(roles/drain.py): the caller sends it elsewhere. Who may call at all is the
+port's business (mutual TLS, proto/control_tls.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import grpc
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.roles import control_checks as checks
 from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
@@ -29,6 +33,14 @@ class EngineControlServicer(pbg.EngineControlServicer):
         self._streams = 0                       # Subscribe calls not yet terminated
         self._streams_cv = threading.Condition()
 
+    @staticmethod
+    def _checked(check, context, *args) -> None:
+        """Run a message's check; INVALID_ARGUMENT (the call ends) if it fails."""
+        try:
+            check(*args)
+        except checks.BadMessage as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     def _ack(self, fn, context):
         try:
             self.s.call(fn)
@@ -44,6 +56,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         """A router's event stream: an empty message once live, then each
         round's events for its requests (rounds that queued up while the
         last message was being sent travel together)."""
+        self._checked(checks.check_subscribe, context, request)
         if self.s.drain.stopped.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.s.name} has drained and stopped")
         sub = request.subscriber
@@ -77,6 +90,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
             yield pb.EngineEvents(events=events)
 
     def Submit(self, request, context):
+        self._checked(checks.check_submit, context, request, self.s.bounds)
         try:
             self.s.call(lambda: self.s.submit(request))
         except (RejectedRequest, ValueError) as e:
@@ -93,20 +107,25 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.Ack(ok=True)
 
     def Abort(self, request, context):
+        self._checked(checks.check_abort, context, request)
         found = self.s.call(lambda: self.s.abort(request.request_id,
                                                  request.reason or "aborted by client"))
         return pb.Ack(ok=found, error="" if found else "unknown request")
 
     def RemotePrefill(self, request, context):
+        self._checked(checks.check_remote_prefill, context, request, self.s.bounds)
         return self._ack(lambda: self.s.peer.remote_prefill(request), context)
 
     def TransferAck(self, request, context):
+        self._checked(checks.check_transfer_ack, context, request)
         return self._ack(lambda: self.s.peer.transfer_ack(request), context)
 
     def TransferFailed(self, request, context):
+        self._checked(checks.check_transfer_failed, context, request)
         return self._ack(lambda: self.s.peer.transfer_failed_from_peer(request), context)
 
     def LeaseHeartbeat(self, request, context):
+        self._checked(checks.check_heartbeat, context, request)
         self.s.call(lambda: self.s.peer.leases.renew(request.engine, request.request_ids,
                                                      time.monotonic()))
         return pb.Ack(ok=True)
@@ -120,11 +139,13 @@ class EngineControlServicer(pbg.EngineControlServicer):
                                draining=i["draining"])
 
     def AddPeer(self, request, context):
+        self._checked(checks.check_add_peer, context, request, self.s.name)
         return self._ack(lambda: self.s.peer.add_peer(request), context)
 
     def Drain(self, request, context):
         """Start draining and answer once the engine has stopped (past the
         deadline, after it aborted what was left)."""
+        self._checked(checks.check_drain, context, request)
         drain = self.s.drain
         deadline = request.deadline_s                # 0: abort what is left at once
         try:

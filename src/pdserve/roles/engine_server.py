@@ -28,7 +28,9 @@ import grpc
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
+from pdserve.proto.control_tls import ControlTls, add_port
 from pdserve.proto.sampling import from_options
+from pdserve.roles.control_checks import Bounds
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine import Engine
 from pdserve.roles.engine_rpc import EngineControlServicer, StaleView
@@ -59,12 +61,16 @@ class EngineServer:
     def __init__(self, role: Role, name: str, planner: Planner, executor,
                  make_outputs: Callable[[StopHandler], Outputs], transport=None, *,
                  incarnation: int, capacity: dict | None = None,
-                 timeouts: PeerTimeouts = PeerTimeouts(), sender: PeerSender | None = None):
+                 timeouts: PeerTimeouts = PeerTimeouts(), sender: PeerSender | None = None,
+                 control_tls: ControlTls | None = None, vocab_size: int | None = None):
         """`executor`: runs a plan (roles/torch_executor.py); `make_outputs`:
         builds the output thread's end, given what it calls on a stop string;
         `transport`: the KvTransport of a P or D (None on a fused engine), of
         this `incarnation`; `capacity`: the KV capacity report the engine's
-        stats carry; `sender`: how peer messages leave (a thread pool)."""
+        stats carry; `sender`: how peer messages leave (a thread pool);
+        `control_tls`: this engine's credentials on the control plane (its
+        port and its channels to peers; None: plaintext, anyone may call);
+        `vocab_size`: token ids a message may carry are below it."""
         self.role = role
         self.name = name
         self.incarnation = incarnation
@@ -73,6 +79,12 @@ class EngineServer:
         self.capacity = capacity or {"tokens": 0, "groups": []}   # none given: unknown
         self.engine = Engine(name, planner, executor, forget_finished=False)
         self.transport = transport
+        self.control_tls = control_tls
+        self.bounds = Bounds(vocab_size=vocab_size,
+                             max_prompt_tokens=planner.cfg.max_context_tokens,
+                             pages=transport.num_pages if transport is not None
+                             else planner.cfg.total_pages,
+                             page_size=planner.cfg.page_size)
         self.drain = Drain(name)
         self.counts = EngineCounters()
         self.owner: dict[str, str] = {}         # req -> the subscription its events go to
@@ -86,19 +98,20 @@ class EngineServer:
         self.peer = PeerProtocol(Incarnation(name, incarnation), role, planner, executor,
                                  self.counts, self.drain, transport,
                                  sender or PeerSender(name), timeouts,
-                                 post_job=self.post_job, delivered=self._delivered)
+                                 post_job=self.post_job, delivered=self._delivered,
+                                 control_tls=control_tls)
         self.address = ""                       # host:port, once started
         self._server: grpc.Server | None = None
         self._shut = False
 
     def start(self, host: str = "127.0.0.1") -> None:
-        """Serve: the gRPC control server on a free port of `host`, and the
-        loop thread."""
+        """Serve: the gRPC control server on a free port of `host` (mutual
+        TLS with this engine's `control_tls`), and the loop thread."""
         self._server = grpc.server(cf.ThreadPoolExecutor(HANDLER_THREADS,
                                                          thread_name_prefix=self.name),
                                    options=PENDING_CALLS)
         pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self._server)
-        port = self._server.add_insecure_port(f"{host}:0")
+        port = add_port(self._server, f"{host}:0", self.control_tls)
         self.address = f"{host}:{port}"
         self._server.start()
         self.loop.start()
@@ -287,6 +300,9 @@ class EngineServer:
     # ---- submit and abort (router) ---------------------------------------------
     def submit(self, r: pb.SubmitRequest) -> None:
         """Loop thread: admit a request; its events go to `r.subscriber`."""
+        if self.role is Role.PREFILL:
+            raise RejectedRequest(f"{self.name} is a prefill engine: submit to a decode or "
+                                  "fused engine")
         self.drain.refuse("request")
         try:
             sp = from_options(r.sampling)

@@ -34,6 +34,7 @@ from typing import Callable
 import grpc
 
 from pdserve.kernels.sampling import Logprob
+from pdserve.proto.control_tls import ControlTls, channel
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
@@ -65,12 +66,15 @@ class Release(enum.Enum):
 class PeerProtocol:
     def __init__(self, me: Incarnation, role: Role, planner: Planner, executor,
                  counts: EngineCounters, drain: Drain, transport, sender: PeerSender,
-                 timeouts: PeerTimeouts, post_job: Callable, delivered: Callable):
+                 timeouts: PeerTimeouts, post_job: Callable, delivered: Callable,
+                 control_tls: ControlTls | None = None):
         """`transport`: the engine's KvTransport (None on a fused engine);
         `post_job(fn)` runs fn on the loop thread (from an RPC's thread);
         `delivered(req, finished)` hands a landed request's first token to
-        its stream (`finished`: the requests that ended with it)."""
+        its stream (`finished`: the requests that ended with it);
+        `control_tls`: this engine's credentials for its peers' ports."""
         self.me = me
+        self.control_tls = control_tls
         self.role = role
         self.planner = planner
         self.executor = executor
@@ -110,14 +114,28 @@ class PeerProtocol:
 
     # ---- membership --------------------------------------------------------------
     def add_peer(self, r: pb.AddPeerRequest) -> None:
+        """Know a peer (its address, and its NIXL agent's metadata: the only
+        way an engine learns one, over the control plane's mutual TLS). The
+        metadata is loaded first: if the transport refuses it, nothing of
+        the peer is kept (RejectedRequest)."""
         old = self.peers.get(r.engine)
         if old is not None and old.incarnation == r.incarnation:
             return
-        channel = grpc.insecure_channel(r.address)
+        if old is not None and old.incarnation > r.incarnation:
+            raise RejectedRequest(f"{self.name} knows {r.engine} at incarnation "
+                                  f"{old.incarnation}, newer than {r.incarnation}")
+        if self.transport is not None:
+            if not r.nixl_metadata:
+                raise RejectedRequest(f"AddPeer for {r.engine} carries no NIXL metadata: "
+                                      f"{self.name} could not exchange KV with it")
+            try:
+                self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
+            except Exception as e:      # the backend's own errors too: any means refused
+                raise RejectedRequest(f"{r.engine}'s NIXL metadata is not usable: "
+                                      f"{type(e).__name__}: {e}") from None
+        ch = channel(r.address, self.control_tls)
         self.peers[r.engine] = Peer(r.engine, r.incarnation, r.address,
-                                    pbg.EngineControlStub(channel))
-        if self.transport is not None and r.nixl_metadata:
-            self.transport.add_peer(Incarnation(r.engine, r.incarnation), r.nixl_metadata)
+                                    pbg.EngineControlStub(ch))
 
     def send(self, peer_name: str | None, rpc: PeerRpc, request, on_error=None) -> None:
         """Fire a control message to a peer off the loop thread; a failed
@@ -276,8 +294,19 @@ class PeerProtocol:
         self.drain.refuse("prefill")
         if r.request_id in self.planner.requests:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}")
-        if r.target_engine not in self.peers:
+        if self.role is not Role.PREFILL:
+            raise RejectedRequest(f"{self.name} is a {self.role.value} engine: send "
+                                  "RemotePrefill to a prefill engine")
+        peer = self.peers.get(r.target_engine)
+        if peer is None:
             raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
+        if peer.incarnation != r.target_incarnation:
+            raise RejectedRequest(f"{self.name} knows {r.target_engine} at incarnation "
+                                  f"{peer.incarnation}, not {r.target_incarnation}")
+        limit = self.transport.peer_pages(r.target_engine)
+        if limit is not None and any(p >= limit for p in r.landing_pages):
+            raise RejectedRequest(f"landing page {max(r.landing_pages)} is outside "
+                                  f"{r.target_engine}'s pool of {limit} pages")
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
         twin.first_page = r.first_page
         try:            # the first token only: EOS and stop ids masked as on D
@@ -319,8 +348,9 @@ class PeerProtocol:
 
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
         info = self.remote.get(r.request_id)
-        if r.engine and info is not None and \
-                (info[0] != r.engine or (r.epoch and info[3] != r.epoch)):
+        if info is None:
+            return          # nothing of it held for a peer (or a stale, repeated ack)
+        if info[0] != r.engine or (r.epoch and info[3] != r.epoch):
             return          # for an earlier attempt at this id, from another D or landing
         self._let_go(r.request_id, Release.ACKED)
 

@@ -5,10 +5,12 @@ restarts. Runs on the router's event loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import grpc
 
+from pdserve.proto.control_tls import ControlTls, aio_channel
 from pdserve.router.pairing import EngineRef
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import control_pb2_grpc as cpbg
@@ -21,12 +23,20 @@ log = logging.getLogger("pdserve.router")
 MISSES_DOWN = 3
 
 
-def connect(ref: EngineRef, address: str, options=()):
+@dataclasses.dataclass(frozen=True)
+class Dial:
+    """How the router reaches its engines: the channels' options, and the
+    router's credentials on the control plane (None: plaintext)."""
+    options: tuple = ()
+    tls: ControlTls | None = None
+
+
+def connect(ref: EngineRef, address: str, dial: Dial = Dial()):
     """Point `ref` at `address` on a fresh channel (on the running loop);
     returns the channel it used before, if any, for the caller to close."""
     old = ref.channel
     ref.address = address
-    ref.channel = grpc.aio.insecure_channel(address, options=list(options))
+    ref.channel = aio_channel(address, dial.tls, dial.options)
     ref.stub = cpbg.EngineControlStub(ref.channel)
     return old
 
@@ -40,7 +50,7 @@ async def disconnect(ref: EngineRef) -> None:
         await channel.close()
 
 
-async def _info(ref: EngineRef, resolver, options):
+async def _info(ref: EngineRef, resolver, dial: Dial):
     try:
         return await ref.control.GetInfo(cpb.InfoRequest(), timeout=5)
     except grpc.aio.AioRpcError:
@@ -53,7 +63,7 @@ async def _info(ref: EngineRef, resolver, options):
             address = None
     if address is None or address == ref.address:
         return None
-    moved_from = connect(ref, address, options)
+    moved_from = connect(ref, address, dial)
     if moved_from is not None:              # the old address serves nothing now
         await moved_from.close()
     try:
@@ -62,11 +72,11 @@ async def _info(ref: EngineRef, resolver, options):
         return None
 
 
-async def refresh(engines: dict[str, EngineRef], resolver=None, options=()) -> bool:
+async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dial()) -> bool:
     """Ask every engine who it is; introduce P and D peers to each other
     whenever an incarnation is new. Returns whether anything changed."""
     refs = list(engines.values())
-    got = await asyncio.gather(*(_info(r, resolver, options) for r in refs))
+    got = await asyncio.gather(*(_info(r, resolver, dial) for r in refs))
     changed, infos = False, {}
     for ref, info in zip(refs, got):
         if info is None:

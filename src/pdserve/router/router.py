@@ -43,6 +43,7 @@ from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
+from pdserve.proto.control_tls import ControlTls
 from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 
@@ -73,6 +74,9 @@ class Security:
     api_key: str | None = None
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
+    # the router's leaf on the control plane (proto/control_tls.py): how it
+    # reaches the engines; None: plaintext (--insecure-control-plane)
+    control_tls: ControlTls | None = None
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -114,7 +118,7 @@ class Router:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
-        self._options: list = []
+        self._dial = membership.Dial()
 
     def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
         return self.pairing.pick(route, ids)
@@ -234,7 +238,7 @@ class Router:
         out = []
         for ref, s in await self.engine_stats():
             fields = {f.name for f in pb.EngineStats.DESCRIPTOR.fields} - {"name"}
-            e = pb.EngineStats(name=f"pdserve:{ref.name}")
+            e = pb.EngineStats(name=f"pdserve:{ref.name}", address=ref.address)
             for f in fields & {f.name for f in cpb.EngineStatsResponse.DESCRIPTOR.fields}:
                 value = getattr(s, f)
                 if f == "transfer_failures_by_stage":
@@ -247,11 +251,14 @@ class Router:
         return pb.StatsResponse(engines=out, load=self.metrics.load())
 
     def server_info(self) -> pb.ServerInfoResponse:
+        """What any client may know: the engines by name, role and state,
+        not where they listen (an operator's `stats` says, behind the API
+        key): an engine's port is the cluster's own business."""
         m = self.cfg.model
         return pb.ServerInfoResponse(
             version=pdserve.__version__, model=m.path or f"preset:{m.preset}", router=self.id,
             page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
-            engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role, address=e.address,
+            engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role,
                                    incarnation=e.incarnation, alive=e.alive,
                                    kv_capacity_tokens=e.kv_capacity_tokens,
                                    draining=e.draining)
@@ -315,10 +322,10 @@ class Router:
         # when it first answers (a request then found no link, or a D that
         # had not met the new P)
         ref = EngineRef(name, role, address, joining=True)
-        membership.connect(ref, address, self._options)
+        membership.connect(ref, address, self._dial)
         ref.alive = False                         # not picked until it answered and subscribed
         self.engines[name] = ref
-        await membership.refresh(self.engines, self.resolver, self._options)
+        await membership.refresh(self.engines, self.resolver, self._dial)
         self.links[name] = link = EngineLink(ref, self.id)
         link.start()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -375,11 +382,12 @@ class Router:
         self._stopping = asyncio.Event()
         # the engines' messages (a round's events, GetInfo's NIXL metadata) are
         # trusted traffic: router.max_body_bytes bounds what clients send only
-        options = [("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES)]
-        self._options = options
+        dial = self._dial = membership.Dial(
+            (("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),),
+            self.security.control_tls)
         for ref in self.engines.values():
-            membership.connect(ref, ref.address, options)
-        await membership.refresh(self.engines, self.resolver, options)
+            membership.connect(ref, ref.address, dial)
+        await membership.refresh(self.engines, self.resolver, dial)
         for ref in self.engines.values():
             self.links[ref.name] = link = EngineLink(ref, self.id)
             link.start()
@@ -388,7 +396,7 @@ class Router:
             await asyncio.wait_for(asyncio.gather(*live), SUBSCRIBE_WAIT_S)
         for front in fronts:
             await front.open(self)
-        watcher = asyncio.ensure_future(self._watch(watch_s, options))
+        watcher = asyncio.ensure_future(self._watch(watch_s, dial))
         started.set()
         await self._stopping.wait()
         watcher.cancel()
@@ -401,11 +409,11 @@ class Router:
         await asyncio.gather(*(membership.disconnect(r) for r in self.engines.values()),
                              return_exceptions=True)
 
-    async def _watch(self, period: float, options) -> None:
+    async def _watch(self, period: float, dial: membership.Dial) -> None:
         while True:
             await asyncio.sleep(period)
             try:
-                await membership.refresh(self.engines, self.resolver, options)
+                await membership.refresh(self.engines, self.resolver, dial)
             except Exception as e:            # keep watching; a bad round is logged
                 log.exception("membership refresh failed")
                 if len(self.errors) < 20:

@@ -53,6 +53,10 @@ class LoopbackTransport(KvTransport):
     def remove_peer(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)
 
+    def peer_pages(self, engine_id: str) -> int | None:
+        live = self.fabric.endpoints.get(engine_id)
+        return live.num_pages if engine_id in self._peers and live is not None else None
+
     def peers(self) -> list[Incarnation]:
         return sorted(self._peers.values())
 

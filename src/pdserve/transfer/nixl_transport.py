@@ -72,6 +72,7 @@ class NixlTransport(KvTransport):
         self._local = None
         self._descs = None
         self._peers: dict[str, tuple[Incarnation, str, object]] = {}   # id -> (inc, name, handle)
+        self._peer_pages: dict[str, int] = {}                            # id -> its pool's pages
         self._inflight: dict = {}                                        # handle -> (write, t0)
 
     def _register(self, pools: list) -> None:
@@ -99,6 +100,8 @@ class NixlTransport(KvTransport):
 
     def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
         md = json.loads(metadata)
+        if not isinstance(md, dict) or not isinstance(md.get("pages"), int) or md["pages"] < 1:
+            raise ValueError(f"metadata for {incarnation.agent_name} names no page count")
         if md["incarnation"] != incarnation.agent_name:
             raise ValueError(f"metadata is for {md['incarnation']}, not {incarnation.agent_name}")
         if md["page_bytes"] != self.group_page_bytes:
@@ -110,14 +113,24 @@ class NixlTransport(KvTransport):
             if old[0].epoch >= incarnation.epoch:
                 return                                 # the same, or a stale late message
             self.remove_peer(incarnation.engine_id)    # a restart: drop what we knew
-        name = self.agent.add_remote_agent(base64.b64decode(md["agent"]))
+        agent, descs = base64.b64decode(md["agent"]), base64.b64decode(md["descs"])
+        name = self.agent.add_remote_agent(agent)
         name = name.decode() if isinstance(name, bytes) else name
-        remote = self.agent.deserialize_descs(base64.b64decode(md["descs"]))
-        handle = self.agent.prep_xfer_dlist(name, remote)
+        try:
+            remote = self.agent.deserialize_descs(descs)
+            handle = self.agent.prep_xfer_dlist(name, remote)
+        except Exception as e:                    # nothing of a refused peer is kept
+            self.agent.remove_remote_agent(name)
+            raise ValueError(f"{incarnation.agent_name}'s descriptors: {e}") from None
         self._peers[incarnation.engine_id] = (incarnation, name, handle)
+        self._peer_pages[incarnation.engine_id] = md["pages"]
+
+    def peer_pages(self, engine_id: str) -> int | None:
+        return self._peer_pages.get(engine_id)
 
     def remove_peer(self, engine_id: str) -> None:
         entry = self._peers.pop(engine_id, None)
+        self._peer_pages.pop(engine_id, None)
         if entry is None:
             return
         inc, name, handle = entry

@@ -190,6 +190,11 @@ class KvTransport(abc.ABC):
     def remove_peer(self, engine_id: str) -> None:
         ...
 
+    def peer_pages(self, engine_id: str) -> int | None:
+        """How many pages the known peer `engine_id` registered (the page
+        ids a write may name there); None if not known."""
+        return None
+
     @abc.abstractmethod
     def peers(self) -> list[Incarnation]:
         ...
