@@ -30,7 +30,7 @@ class PDPair:
         dplan = self.D.build()
         for op in dplan.remote_prefills:
             r = op.req
-            twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1))
+            twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1), adapter=r.adapter)
             twin.first_page = op.first_page
             self.landing[r.id] = [len(pages) for pages in op.landing]
             self.P.submit(twin)
