@@ -18,6 +18,8 @@ from support import config, result_for
 
 
 class Executor:
+    adapters = None                    # serves the base model only
+
     def __init__(self):
         self.tracked, self.fail = {}, None
 

@@ -26,7 +26,7 @@ def test_registry_gives_every_load_a_new_id_even_under_the_same_name():
     a1 = reg.resolve("a")
     assert (a1, reg.resolve("b"), reg.resolve("base"), reg.resolve("")) == (1, 2, BASE, BASE)
     reg.unload("a")
-    with pytest.raises(KeyError, match="'a' does not exist.*'base', 'b'"):
+    with pytest.raises(KeyError, match="'a' is not served here.*'base', 'b'"):
         reg.resolve("a")
     again = reg.load("a", "/x/a").id
     reload = reg.load("a", "/x/a2").id          # in place: the old id stops resolving

@@ -154,3 +154,41 @@ def test_an_adapter_for_another_model_is_refused(setup, tmp_path):
         load_adapter(d, ours(base).cfg)
     with pytest.raises(AdapterError, match="adapter_config.json"):
         load_adapter(tmp_path, ours(base).cfg)
+
+
+def greedy(n=8):
+    from pdserve import SamplingParams
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_an_engine_batch_of_base_a_and_b_generates_what_each_generates_alone(setup, tmp_path):
+    """Through the planner and the executor (chunked, paged, a prefix
+    cache shared by the base and the adapters): mixed in one batch, each
+    request's greedy tokens are those of its solo run, and those of a model
+    with its adapter merged."""
+    from pdserve import LLM
+    from safetensors.torch import save_file
+    _, base, a_dir, b_dir = setup
+    engine = {"page_size": 4, "total_pages": 128, "max_scheduled_tokens": 16}
+    llm = LLM({"model": {"path": str(base)}, "engine": engine,
+               "lora": {"adapters": {"A": str(a_dir), "B": str(b_dir)}, "max_loras": 2,
+                        "max_lora_rank": 8}})
+    prompt = PROMPTS[0]
+    names = [None, "A", "B", "A", None, "B"]
+    mixed = [o.token_ids for o in llm.generate([prompt] * 6, greedy(), use_tqdm=False,
+                                               adapter=names)]
+    alone = {n: llm.generate([prompt], greedy(), use_tqdm=False, adapter=n)[0].token_ids
+             for n in (None, "A", "B")}
+    assert mixed == [alone[n] for n in names]
+    assert len({tuple(t) for t in alone.values()}) == 3       # each adapter changes the output
+    for name, d in (("A", a_dir), ("B", b_dir)):
+        m = tmp_path / f"merged-{name}"
+        m.mkdir()
+        for f in ("config.json",):
+            (m / f).write_text((base / f).read_text())
+        cfg = ours(base).cfg
+        save_file(merged(base_weights(base), load_adapter(d, cfg)), str(m / "model.safetensors"))
+        ref = LLM({"model": {"path": str(m)}, "engine": engine})
+        assert ref.generate([prompt], greedy(), use_tqdm=False)[0].token_ids == alone[name]
+    with pytest.raises(ValueError, match="'C' is not served here"):
+        llm.generate([prompt], greedy(), use_tqdm=False, adapter="C")

@@ -83,14 +83,18 @@ class LoraRound:
     each row's slot (-1: base); `active`: the distinct slots it holds, from
     the host (so nothing here waits on the device)."""
 
-    def __init__(self, stacks: LoraStacks, row_slots: torch.Tensor, active: list[int]):
+    def __init__(self, stacks: LoraStacks, row_slots: torch.Tensor, active: list[int],
+                 index: torch.Tensor | None = None):
+        """`index`: `active` already on the device (sorted, distinct), as
+        the executor stages it with the round's other lists."""
         self.stacks = stacks
         self.active = sorted(set(active))
         if any(not 0 <= s < stacks.slots for s in self.active):
             raise IndexError(f"LoRA slots {self.active} outside [0, {stacks.slots})")
         self._all = self.active == list(range(stacks.slots))
         dev = stacks.A[0][0].device
-        self._index = torch.tensor(self.active, device=dev, dtype=torch.long)
+        self._index = index if index is not None else \
+            torch.tensor(self.active, device=dev, dtype=torch.long)
         act = self._index.to(row_slots.device)
         dtype = stacks.A[0][0].dtype
         # [rows, active]: 1 where the row's adapter is that active slot

@@ -25,6 +25,7 @@ import torch
 
 from pdserve.kernels.model_config import ModelConfig
 
+ARCHS = ("llama", "mistral", "qwen2")      # the decoder (model.py) that applies LoRA
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\."
                   r"(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -62,6 +63,9 @@ class LoraAdapter:
 def load_adapter(path, cfg: ModelConfig, max_rank: int | None = None) -> LoraAdapter:
     """Read a PEFT LoRA directory for a model of config `cfg` (float32 on the CPU)."""
     d = Path(path)
+    if cfg.arch not in ARCHS:
+        raise AdapterError(f"LoRA adapters are served on the {', '.join(ARCHS)} families; "
+                           f"this model is {cfg.arch}: serve it without lora")
     conf_file = d / "adapter_config.json"
     if not conf_file.is_file():
         raise AdapterError(f"LoRA adapter {str(d)!r} has no adapter_config.json; point at a "

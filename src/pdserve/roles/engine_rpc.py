@@ -117,7 +117,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
                                incarnation=i["incarnation"], nixl_metadata=md,
                                address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"],
-                               draining=i["draining"])
+                               draining=i["draining"], adapters=i["adapters"])
 
     def AddPeer(self, request, context):
         return self._ack(lambda: self.s.peer.add_peer(request), context)

@@ -39,6 +39,7 @@ from pdserve.roles.peer_messages import PeerSender
 from pdserve.roles.peer_protocol import PeerProtocol, PeerTimeouts
 from pdserve.roles.rounds import Round
 from pdserve.scheduler.grammar import Role
+from pdserve.roles.adapters import adapter_of
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
@@ -109,7 +110,9 @@ class EngineServer:
                 "address": self.address,
                 "dtype": str(self.executor.model.dtype).removeprefix("torch."),
                 "attention": self.executor.model.attention.name,
-                "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active}
+                "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active,
+                "adapters": [f"{r.name}:{r.id}" for r in self.executor.adapters.refs()]
+                if self.executor.adapters is not None else []}
 
     @property
     def counters(self) -> dict:
@@ -301,8 +304,9 @@ class EngineServer:
         if r.request_id in self.planner.requests or r.request_id in self.owner:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
                                   "use a fresh id")
+        adapter = adapter_of(self.executor.adapters, self.name, r.adapter, r.adapter_id)
         req = Request(r.request_id, list(r.token_ids),
-                      SamplingLimits(max_new_tokens=sp.max_tokens))
+                      SamplingLimits(max_new_tokens=sp.max_tokens), adapter=adapter)
         if r.prefill_peer and self.role is Role.DECODE:
             if r.prefill_peer not in self.peer.peers:
                 raise StaleView(f"{self.name} does not know prefill engine "

@@ -96,9 +96,11 @@ class Pairing:
             states.append("a decode engine needs a live prefill engine beside it")
         return "; ".join(states) or "this deployment has no engine of the roles it needs"
 
-    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
+    def pick(self, route: str, ids=(), adapter: int = 0) -> tuple[EngineRef, EngineRef | None]:
+        """`adapter`: the request's LoRA load id; a prefix is warm only
+        where the same adapter computed it."""
         cands, pre = self.candidates(route)
-        prefix = tuple(ids[:self.page_size])
+        prefix = (adapter, tuple(ids[:self.page_size]))
         target = self._choose(cands, prefix)
         peer = self._choose(pre, prefix) if target.role == "decode" and pre else None
         return target, peer

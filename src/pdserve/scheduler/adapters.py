@@ -98,7 +98,7 @@ class AdapterRegistry:
 
     def unknown(self, name: str) -> str:
         known = ", ".join([repr(self.base_name)] + [repr(n) for n in self._by_name])
-        return f"the model {name!r} does not exist; this deployment serves {known}"
+        return f"model {name!r} is not served here; this deployment serves {known}"
 
     def refs(self) -> list[AdapterRef]:
         """Every loaded adapter, oldest load first."""

@@ -1,0 +1,116 @@
+"""LoRA adapters served: `/v1/models` lists them under the base, a
+request's `model` selects one through the official openai client and the
+gRPC client, fused and disaggregated alike (P computes the prompt's KV
+under the adapter D decodes with), and an engine that does not hold a
+request's adapter load refuses it."""
+
+import grpc
+import openai
+import pytest
+
+from deployed import deployed
+from lora_support import tiny_adapter, tiny_llama
+from pdserve import LLM, SamplingParams
+from pdserve.client import Client
+from pdserve.config import ServeConfig
+from pdserve.proto import control_pb2 as cpb
+from pdserve.roles.adapters import AdapterMissing
+
+ENGINE = {"page_size": 4, "total_pages": 256, "max_scheduled_tokens": 32, "max_batch_size": 16}
+PROMPT = [5, 17, 42, 9, 3, 77, 12, 8, 30, 2, 61]
+MODELS = ("", "A", "B")
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora-serving")
+    tiny_llama(d / "base")
+    return {"model": {"path": str(d / "base"), "name": "base"}, "engine": ENGINE,
+            "lora": {"adapters": {"A": str(tiny_adapter(d / "a", seed=1)),
+                                  "B": str(tiny_adapter(d / "b", seed=2, rank=8))},
+                     "max_loras": 2, "max_lora_rank": 8}}
+
+
+@pytest.fixture(scope="module")
+def want(cfg):
+    """Each model's greedy answer from the offline API (one fused engine)."""
+    llm = LLM(cfg)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    return {m: llm.generate([PROMPT], sp, use_tqdm=False, adapter=m or None)[0].text
+            for m in MODELS}
+
+
+@pytest.fixture(scope="module")
+def dep(cfg):
+    with deployed({**cfg, "cluster": {"prefill": 1, "decode": 1}},
+                  engine_options={"transfer_timeout_s": 30.0}, http_port=0) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def oai(dep):
+    return openai.OpenAI(base_url=dep.http_address + "/v1", api_key="none", timeout=120,
+                         max_retries=0)
+
+
+def test_models_lists_each_adapter_with_the_base_as_its_parent(oai):
+    cards = {m.id: m.model_extra for m in oai.models.list().data}
+    assert list(cards) == ["base", "A", "B"]
+    assert cards["base"]["parent"] is None
+    assert cards["A"]["parent"] == cards["B"]["parent"] == "base"
+    assert oai.models.retrieve("B").model_extra["parent"] == "base"
+
+
+def test_the_model_field_selects_the_adapter_prefilled_on_p_and_decoded_on_d(oai, want):
+    """Each model's answer, prefilled on P and decoded on D, is the offline
+    API's (one fused engine) under the same adapter; the answer names its
+    model."""
+    assert len(set(want.values())) == 3            # each adapter changes the answer
+    for m in MODELS:
+        out = oai.completions.create(model=m or "base", prompt=PROMPT, max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+        assert (out.model, out.choices[0].text) == (m or "base", want[m])
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="C", prompt=PROMPT, max_tokens=2)
+    err = e.value.body
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "'C' is not served here" in err["message"] and "'A', 'B'" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("C")
+
+
+def test_the_grpc_api_takes_the_same_name(dep, want):
+    c = Client(dep.address, timeout=120)
+    try:
+        for m in MODELS:
+            got = c.generate(PROMPT, model=m, max_tokens=6, ignore_eos=True)
+            assert got.text == want[m]
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(PROMPT, model="C", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert c.server_info()["adapters"] == ["A", "B"]
+    finally:
+        c.close()
+
+
+def test_an_engine_refuses_an_adapter_load_it_does_not_hold(cfg):
+    """D (Submit) and P (RemotePrefill) each refuse a request naming an
+    adapter, or an adapter's earlier load, that they do not hold: nothing
+    runs under other weights than its id stands for."""
+    from pdserve.cluster.actors import build_engine_server
+    server = build_engine_server(ServeConfig.from_dict(cfg), "prefill", 0, serve=False)
+    try:
+        held = server.executor.adapters
+        assert [(r.name, r.id) for r in held.refs()] == [("A", 1), ("B", 2)]
+        for name, load in (("C", 3), ("A", 7), ("A", 2)):
+            with pytest.raises(AdapterMissing, match=f"does not hold LoRA adapter '{name}' "
+                                                     f"\\(load {load}\\); it holds 'A'"):
+                server.peer.remote_prefill(cpb.RemotePrefillRequest(
+                    request_id="x", token_ids=PROMPT, adapter=name, adapter_id=load,
+                    target_engine="decode-0"))
+        assert not server.planner.requests
+    finally:
+        server.shutdown()
