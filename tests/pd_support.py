@@ -10,8 +10,10 @@ from support import config, result_for
 
 
 class PDPair:
-    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0, groups=None):
-        kw = {"groups": groups} if groups else {}
+    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0, groups=None,
+                 lora_slots: int = 0):
+        kw: dict = {"groups": groups} if groups else {}
+        kw["lora_slots"] = lora_slots
         self.P = Planner(p_cfg or config(), Role.PREFILL, **kw)
         self.D = Planner(d_cfg or config(), Role.DECODE, **kw)
         self.landing = {}            # req id -> pages per group D reserved for the peer

@@ -44,7 +44,7 @@ def test_base_a_b_and_a_reloaded_never_share_a_cached_prefix():
     reg = AdapterRegistry.from_config({"A": "/a", "B": "/b"})
     a_old = reg.resolve("A")
     a_new = reg.load("A", "/a").id
-    p = Planner(config(page_size=4))
+    p = Planner(config(page_size=4), lora_slots=4)
     for i, adapter in enumerate([BASE, a_old, reg.resolve("B"), a_new]):
         assert cached_pages(p, adapter) == 0, f"adapter id {adapter} hit another's prefix"
         p.submit(under(f"r{i}", adapter))
@@ -57,7 +57,7 @@ def test_base_a_b_and_a_reloaded_never_share_a_cached_prefix():
 
 
 def test_same_adapter_hits_its_own_prefix():
-    p = Planner(config(page_size=4))
+    p = Planner(config(page_size=4), lora_slots=4)
     p.submit(under("a", 7))
     run_to_completion(p)
     p.submit(under("b", 7, PROMPT + [99, 98]))
@@ -68,7 +68,8 @@ def test_same_adapter_hits_its_own_prefix():
 def test_a_host_copy_serves_only_its_own_adapter():
     """A's prefix evicted to host: B's identical prompt loads nothing from
     it and computes all; A's loads it back."""
-    p = Planner(config(page_size=4, total_pages=8, host_pages=64, max_scheduled_tokens=64))
+    p = Planner(config(page_size=4, total_pages=8, host_pages=64, max_scheduled_tokens=64),
+                lora_slots=4)
     p.submit(under("a", 1))
     run_to_completion(p)
     p.submit(req("flush", list(range(100, 128)), max_new=4))    # evicts A's pages to host
@@ -90,7 +91,7 @@ def test_a_host_copy_serves_only_its_own_adapter():
 def test_d_tells_p_it_holds_only_pages_of_the_same_adapter():
     """D's prefix hit decides the first page P ships; under another
     adapter D holds nothing of the prompt, so P computes and ships it all."""
-    pair = PDPair()
+    pair = PDPair(lora_slots=4)
     prompt = list(range(1, 41))
     pair.submit(under("a", 1, prompt))
     pair.run()

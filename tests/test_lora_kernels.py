@@ -192,3 +192,27 @@ def test_an_engine_batch_of_base_a_and_b_generates_what_each_generates_alone(set
         assert ref.generate([prompt], greedy(), use_tqdm=False)[0].token_ids == alone[name]
     with pytest.raises(ValueError, match="'C' is not served here"):
         llm.generate([prompt], greedy(), use_tqdm=False, adapter="C")
+
+
+def test_one_slot_rotating_four_adapters_still_gives_each_its_own_answer(setup, tmp_path):
+    """lora.max_loras 1 and four adapters: the planner rotates the one slot
+    only when it is quiescent, the executor loads it when a round first
+    needs it, and every request's tokens are its solo run's."""
+    from pdserve import LLM
+    _, base, a_dir, b_dir = setup
+    dirs = {"A": a_dir, "B": b_dir, "C": tiny_adapter(tmp_path / "c", seed=3),
+            "D": tiny_adapter(tmp_path / "d", seed=4, rank=2)}
+    llm = LLM({"model": {"path": str(base)},
+               "engine": {"page_size": 4, "total_pages": 128, "max_scheduled_tokens": 16},
+               "lora": {"adapters": {k: str(v) for k, v in dirs.items()}, "max_loras": 1,
+                        "max_cpu_loras": 4, "max_lora_rank": 8}})
+    names = ["A", "B", None, "C", "D", "A", "C", None, "B", "D"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    mixed = [o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False,
+                                               adapter=names)]
+    loads = llm.adapters.loads
+    assert loads >= 4                          # the one slot changed hands
+    alone = [llm.generate([p], greedy(), use_tqdm=False, adapter=n)[0].token_ids
+             for p, n in zip(prompts, names)]
+    assert mixed == alone
+    llm.engine.planner.assert_idle()

@@ -233,11 +233,6 @@ class LoraConfig:
             raise ConfigError(f"lora.adapters names {len(self.adapters)} adapters, more than "
                               f"lora.max_cpu_loras={self.cpu_loras} kept in host memory; "
                               "raise max_cpu_loras (or max_loras)")
-        if len(self.adapters) > self.max_loras:
-            raise ConfigError(f"lora.adapters names {len(self.adapters)} adapters and "
-                              f"lora.max_loras is {self.max_loras}: this version keeps every "
-                              "configured adapter in a device slot; raise max_loras to "
-                              f"{len(self.adapters)}")
 
     @property
     def cpu_loras(self) -> int:

@@ -64,7 +64,9 @@ class LLM:
                                            cfg.lora.max_loras, cfg.lora.max_lora_rank,
                                            cfg.model.served_name)
         self.executor = TorchExecutor(self.model, self.tokenizer, engine, adapters=self.adapters)
-        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups),
+        lora_slots = cfg.lora.max_loras if cfg.lora.enabled else 0
+        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups,
+                                                lora_slots=lora_slots),
                              self.executor, forget_finished=False)
         self._next = 0
 

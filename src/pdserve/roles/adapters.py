@@ -4,9 +4,9 @@ The router names a request's adapter by name and load id (scheduler/
 adapters.py); an engine serves it only if it holds that very load, so a
 request never runs under other weights than the ones its id stands for:
 not on a D whose P computed its KV, not after a reload under the same name.
-Each adapter is read once from its PEFT directory into host memory and
-copied into a slot of the model's LoRA stacks; this version keeps every
-adapter it holds in a slot.
+Each adapter is read once from its PEFT directory into host memory; the
+planner assigns device slots (scheduler/adapter_slots.py), and the executor
+copies an adapter into its slot when a round first needs it there.
 """
 
 from __future__ import annotations
@@ -33,31 +33,26 @@ class EngineAdapters:
         self.stacks = model.enable_lora(max_loras, max_rank)
         self._model_cfg = model.cfg
         self.weights: dict[int, LoraAdapter] = {}     # host copies, by load id
-        self._slot: dict[int, int] = {}               # load id -> device slot
+        self._in_slot = [BASE] * max_loras            # the load each device slot has now
+        self.loads = 0                                # copies into a slot so far
         for name, path in adapters:
             self.load(name, path)
 
     def load(self, name: str, path: str, id: int | None = None) -> AdapterRef:
-        """Read `path`, register it under `name` (a new id) and put it in a slot."""
+        """Read `path` and register it under `name` (a new id)."""
         weights = load_adapter(path, self._model_cfg, self.max_rank)
-        free = sorted(set(range(self.stacks.slots)) - set(self._slot.values()))
-        old = self.registry.get(name)
-        if not free and old is None:
-            raise RejectedRequest(f"{self.engine} holds {len(self._slot)} adapters in its "
-                                  f"{self.stacks.slots} slots (lora.max_loras); unload one "
-                                  f"or raise max_loras")
         ref = self.registry.load(name, path, id)
-        slot = self._slot.pop(old.id) if old is not None else free[0]
-        if old is not None:
-            del self.weights[old.id]
-        self.stacks.load(slot, weights)
         self.weights[ref.id] = weights
-        self._slot[ref.id] = slot
         return ref
 
-    def slot(self, adapter_id: int) -> int:
-        """The device slot of a held load (-1: the base model)."""
-        return -1 if adapter_id == BASE else self._slot[adapter_id]
+    def ensure(self, slot: int, adapter_id: int) -> None:
+        """Slot `slot` holds load `adapter_id` before a forward reads it. The
+        planner hands a slot to another load only when nothing references
+        it (quiescent), so this never overwrites weights a forward reads."""
+        if self._in_slot[slot] != adapter_id:
+            self.stacks.load(slot, self.weights[adapter_id])
+            self._in_slot[slot] = adapter_id
+            self.loads += 1
 
     def check(self, name: str, adapter_id: int) -> int:
         """The load id a request names, if this engine holds that load; else

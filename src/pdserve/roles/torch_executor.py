@@ -297,12 +297,15 @@ class TorchExecutor:
         fed_from: list[int] = []
         lora = self.adapters
         row_slots: list[int] = []           # each row's LoRA slot (-1: base), with adapters
+        needs: dict[int, int] = {}          # LoRA slot -> the adapter load its rows run under
         for op in plan.prefills:
             req = op.req
             toks = req.prompt.tokens + req.output
             begin, end = op.begin - op.replay, op.begin + op.tokens
             if lora is not None:
-                row_slots.extend([lora.slot(req.adapter)] * (end - begin))
+                row_slots.extend([req.lora_slot] * (end - begin))
+                if req.lora_slot >= 0:
+                    needs[req.lora_slot] = req.adapter
             q0 = len(ids)
             ids.extend(toks[begin:end])
             pos.extend(range(begin, end))
@@ -344,7 +347,9 @@ class TorchExecutor:
             if self.state is not None:
                 states.append(self._seq_state(req, tables[self.state], p, p + 1))
             if lora is not None:
-                row_slots.append(lora.slot(req.adapter))
+                row_slots.append(req.lora_slot)
+                if req.lora_slot >= 0:
+                    needs[req.lora_slot] = req.adapter
             row = fed.get(req.id)
             if row is not None:
                 fed_to.append(len(ids))
@@ -357,7 +362,7 @@ class TorchExecutor:
                   for sl, skip in zip(slots, skips)]
         # one host tensor, one (asynchronous) copy for the round's lists
         lists = [ids, pos, sample_rows, *slots, *writes]
-        active = sorted({s for s in row_slots if s >= 0})
+        active = sorted(needs)
         if active:
             lists += [row_slots, active]
         if fed_to:
@@ -374,8 +379,8 @@ class TorchExecutor:
         states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
             else None
         fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
-        lora_round = LoraRound(self.model.lora, staged[3 + 2 * n], active,
-                               staged[4 + 2 * n]) if active else None
+        lora_round = (LoraRound(self.model.lora, staged[3 + 2 * n], active, staged[4 + 2 * n]),
+                      needs) if active else None
         return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows
 
     def _compute(self, staged):
@@ -385,7 +390,10 @@ class TorchExecutor:
             ids_t.index_copy_(0, to, tokens.index_select(0, frm).to(ids_t.dtype))
         caches = [self.caches[g] for g in self.kv]
         if lora_round is not None:
-            return self.model.forward(ids_t, metas, caches, rows_t, lora=lora_round)
+            rnd, needs = lora_round
+            for slot, adapter in needs.items():     # on the forward thread: after the last forward
+                self.adapters.ensure(slot, adapter)
+            return self.model.forward(ids_t, metas, caches, rows_t, lora=rnd)
         if states_b is None:
             return self.model.forward(ids_t, metas, caches, rows_t)
         return self.model.forward(ids_t, metas, caches, rows_t, states=states_b)

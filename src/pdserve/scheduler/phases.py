@@ -327,6 +327,8 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     reserve = prefill_reserve(
         decodes_locally=p.decodes_locally, first_chunk=True, completes=completes,
         rest_of_prompt=target - end, headroom=headroom, decode_width=width)
+    if not adapter_slot_free(p, b, req):
+        return None
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
                                            replay), hit.pages, b.plan, hit=hit):
@@ -338,6 +340,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     else:
         p.waiting.remove(req)             # a grant redirected past a retracted victim
     p.take_slot(req)
+    p.lora.take(req)
     fsm.start_prefill(req, res, end, target)
     b.push_prefill(PrefillOp(req, begin, chunk, completes, replay), res)
     if completes:
@@ -347,6 +350,18 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         b.sealed = True
         b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req)
     return True
+
+
+def adapter_slot_free(p, b: PlanBuild, req) -> bool:
+    """Whether `req`'s adapter holds a slot or a quiescent one is there to
+    take; if not, it holds the line (adapter_slots.py) until a slot drains."""
+    if p.lora.can_take(req.adapter):
+        return True
+    b.waits.stop_line(Hold.ADAPTER_SLOT, req,
+                      f"its LoRA adapter (load {req.adapter}) needs a device slot and all "
+                      f"{p.lora.slots} (lora.max_loras) serve live requests; it is admitted "
+                      "once one of them drains")
+    return False
 
 
 def new_prompt_phase(p, b: PlanBuild) -> None:
@@ -375,7 +390,7 @@ def first_in_line(p, b: PlanBuild, skip=None):
 
 # ---- disaggregation ---------------------------------------------------------
 
-def try_remote_admission(p, b: PlanBuild, req) -> bool:
+def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     """D: reserve the whole prompt's landing pages plus the admission
     headroom (the peer prefills it: there is no mid-way), reuse what the
     local prefix cache holds, and ask a peer for the rest."""
@@ -385,6 +400,8 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     # history's hit counts here, and no host hit (a landing loads nothing)
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=False)
     headroom, remaining = _headroom(p, req)
+    if not adapter_slot_free(p, b, req):
+        return None                       # not for pages: retraction would not help
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens,
                                            lands=True), hit.pages, b.plan, hit=hit):
@@ -396,6 +413,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
     else:
         p.waiting.remove(req)
     p.take_slot(req)
+    p.lora.take(req)
     fsm.start_remote_prefill(req, res, hit.pages)
     p.landing[req.id] = req
     b.plan.remote_prefills.append(RemotePrefillOp(req, hit.pages, transfer_slots(p, res, n,
@@ -417,7 +435,7 @@ def remote_admission_phase(p, b: PlanBuild) -> None:
     if b.plan.remote_prefills:
         return                            # its admission noted the limit
     req = p.waiting[0]
-    if not try_remote_admission(p, b, req):
+    if try_remote_admission(p, b, req) is False:
         b.fail(req)
 
 

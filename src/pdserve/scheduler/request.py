@@ -77,7 +77,7 @@ class Request:
     __slots__ = (
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
-        "finish_reason", "error", "peer", "first_page", "yields_to", "adapter",
+        "finish_reason", "error", "peer", "first_page", "yields_to", "adapter", "lora_slot",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits(),
@@ -109,6 +109,7 @@ class Request:
         # model: the salt of every cache key, so KV computed under one adapter
         # never serves another, the base, or the same name loaded again.
         self.adapter = adapter
+        self.lora_slot = -1            # the device adapter slot it references (adapter_slots.py)
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only).

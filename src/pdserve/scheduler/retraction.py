@@ -100,7 +100,7 @@ def _retry(p, b: PlanBuild, req) -> bool:
         return True                          # granted; decodes next round if it cannot join
     if isinstance(st, fsm.Waiting) and not p.decodes_use_budget:
         # D: a remote admission rides beside the batch, one a round
-        return bool(b.plan.remote_prefills) or try_remote_admission(p, b, req)
+        return bool(b.plan.remote_prefills) or bool(try_remote_admission(p, b, req))
     if not b.can_prefill():
         if isinstance(st, fsm.Waiting):
             b.waits.line_closed(b, req)
