@@ -25,10 +25,11 @@ MODELS = ("", "A", "B")
 def cfg(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora-serving")
     tiny_llama(d / "base")
+    tiny_adapter(d / "c", seed=3)                  # loaded at runtime
     return {"model": {"path": str(d / "base"), "name": "base"}, "engine": ENGINE,
             "lora": {"adapters": {"A": str(tiny_adapter(d / "a", seed=1)),
                                   "B": str(tiny_adapter(d / "b", seed=2, rank=8))},
-                     "max_loras": 2, "max_lora_rank": 8}}
+                     "max_loras": 2, "max_lora_rank": 8, "runtime_updates": True}}
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,11 @@ def want(cfg):
     """Each model's greedy answer from the offline API (one fused engine)."""
     llm = LLM(cfg)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    return {m: llm.generate([PROMPT], sp, use_tqdm=False, adapter=m or None)[0].text
-            for m in MODELS}
+    out = {m: llm.generate([PROMPT], sp, use_tqdm=False, adapter=m or None)[0].text
+           for m in MODELS}
+    c = dict(cfg, lora={**cfg["lora"], "adapters": {"C": cfg["lora"]["adapters"]["A"][:-1] + "c"}})
+    out["C"] = LLM(c).generate([PROMPT], sp, use_tqdm=False, adapter="C")[0].text
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_the_model_field_selects_the_adapter_prefilled_on_p_and_decoded_on_d(oai
     """Each model's answer, prefilled on P and decoded on D, is the offline
     API's (one fused engine) under the same adapter; the answer names its
     model."""
-    assert len(set(want.values())) == 3            # each adapter changes the answer
+    assert len(set(want.values())) == 4            # each adapter changes the answer
     for m in MODELS:
         out = oai.completions.create(model=m or "base", prompt=PROMPT, max_tokens=6,
                                      temperature=0, extra_body={"ignore_eos": True})
@@ -114,3 +118,76 @@ def test_an_engine_refuses_an_adapter_load_it_does_not_hold(cfg):
         assert not server.planner.requests
     finally:
         server.shutdown()
+
+
+def test_a_runtime_load_serves_at_once_and_a_reload_never_serves_the_old_kv(dep, oai, cfg,
+                                                                             want):
+    """Loaded at runtime, C answers as the offline API does; A loaded again
+    under its name from C's directory answers as C, although A's old load
+    cached the same prompt's prefix on both engines (a new load, a new id)."""
+    import httpx
+    c_dir = cfg["lora"]["adapters"]["A"][:-1] + "c"
+    http = httpx.Client(base_url=dep.http_address, timeout=120)
+
+    def ask(model):
+        return oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert ask("A") == want["A"]                   # A's prefix cached on P and D
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": c_dir})
+    assert r.status_code == 200, r.text
+    assert [m.id for m in oai.models.list().data] == ["base", "A", "B", "C"]
+    assert ask("C") == want["C"] != want["A"]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "A", "lora_path": c_dir})
+    assert r.status_code == 200, r.text
+    assert ask("A") == want["C"]
+    bad = http.post("/v1/load_lora_adapter", json={"lora_name": "D", "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert "D" not in [m.id for m in oai.models.list().data]
+
+
+def test_an_unload_during_a_stream_waits_for_it(dep, oai):
+    """The unload answers only after the stream under the adapter has run
+    to its end, every token delivered; then the name is a 404."""
+    import threading
+    import time
+
+    import httpx
+    stream = oai.completions.create(model="B", prompt=PROMPT, max_tokens=300, temperature=0,
+                                    stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    texts = [next(chunks).choices[0].text]
+    answered = {}
+
+    def unload():
+        answered["started"] = time.monotonic()
+        r = httpx.post(dep.http_address + "/v1/unload_lora_adapter", json={"lora_name": "B"},
+                       timeout=300)
+        answered["at"], answered["status"] = time.monotonic(), r.status_code
+    t = threading.Thread(target=unload)
+    t.start()
+    finish = None
+    for c in chunks:
+        texts.append(c.choices[0].text)
+        finish = c.choices[0].finish_reason or finish
+    ended = time.monotonic()
+    t.join(300)
+    assert finish == "length" and len("".join(texts).split()) == 300
+    assert answered["status"] == 200 and answered["started"] < ended <= answered["at"]
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="B", prompt=PROMPT, max_tokens=2)
+    assert "B" not in [m.id for m in oai.models.list().data]
+
+
+def test_runtime_updates_are_off_unless_enabled():
+    from starlette.testclient import TestClient
+
+    from pdserve.kernels.tokenizer import PrintableTokenizer
+    from pdserve.router.http_api import build_app
+    from pdserve.router.router import Router
+    r = Router(ServeConfig.from_dict({"cluster": {"fused": 1}}), PrintableTokenizer(), 98,
+               [("fused-0", "fused", "127.0.0.1:9")])
+    http = TestClient(build_app(r))
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        got = http.post(path, json={"lora_name": "x", "lora_path": "/x"})
+        assert got.status_code == 400 and "lora.runtime_updates: true" in \
+            got.json()["error"]["message"]

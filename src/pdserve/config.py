@@ -194,6 +194,7 @@ class LoraConfig:
     max_loras: int = 1               # adapters on the device at once (slots)
     max_lora_rank: int = 16          # the largest rank an adapter may have
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
+    runtime_updates: bool = False    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def from_dict(cls, data, base: Path | None = None) -> "LoraConfig":
@@ -201,7 +202,7 @@ class LoraConfig:
         if data is None:
             return cls()
         data = dict(check_keys(data, "lora", {"adapters", "max_loras", "max_lora_rank",
-                                              "max_cpu_loras"}))
+                                              "max_cpu_loras", "runtime_updates"}))
         adapters = data.pop("adapters", None) or {}
         if not isinstance(adapters, dict):
             raise ConfigError(f"lora.adapters must map names to PEFT directories "
@@ -219,6 +220,9 @@ class LoraConfig:
         return cfg
 
     def validate(self) -> None:
+        if not isinstance(self.runtime_updates, bool):
+            raise ConfigError(f"lora.runtime_updates must be true or false, got "
+                              f"{self.runtime_updates!r}")
         for k in ("max_loras", "max_lora_rank"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -240,7 +244,8 @@ class LoraConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.adapters)
+        """Engines get adapter slots: adapters are named, or may be loaded."""
+        return bool(self.adapters) or self.runtime_updates
 
     def with_modules(self, modules: list[str], max_loras: int | None = None) -> "LoraConfig":
         """These adapters and `pdserve up --lora-modules name=path ...`'s, the
@@ -350,6 +355,12 @@ class ServeConfig:
             if replicas != 1:
                 raise ConfigError(f"autoscale with router.replicas={replicas}: the autoscaler "
                                   "adds engines through one router; use one replica")
+        lora = LoraConfig.from_dict(data.get("lora"), base)
+        replicas = (data.get("router") or {}).get("replicas", 1)
+        if lora.runtime_updates and replicas != 1:
+            raise ConfigError(f"lora.runtime_updates with router.replicas={replicas}: each "
+                              "replica would load adapters under ids of its own; use one "
+                              "replica")
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
             engine=EngineConfig.from_dict(engine),
@@ -358,7 +369,7 @@ class ServeConfig:
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             autoscale=autoscale,
             transfer=transfer_from_dict(data.get("transfer")),
-            lora=LoraConfig.from_dict(data.get("lora"), base),
+            lora=lora,
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
             model_given=data.get("model") is not None,
         )

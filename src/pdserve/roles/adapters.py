@@ -11,6 +11,8 @@ copies an adapter into its slot when a round first needs it there.
 
 from __future__ import annotations
 
+import threading
+
 from pdserve.kernels.lora_adapter import LoraAdapter, load_adapter
 from pdserve.scheduler.adapters import BASE, AdapterRef, AdapterRegistry
 from pdserve.scheduler.planner import RejectedRequest
@@ -35,15 +37,51 @@ class EngineAdapters:
         self.weights: dict[int, LoraAdapter] = {}     # host copies, by load id
         self._in_slot = [BASE] * max_loras            # the load each device slot has now
         self.loads = 0                                # copies into a slot so far
+        # loads no longer registered whose weights live requests may still
+        # read: load id -> set once none is left (unload's answer waits on it)
+        self.unloading: dict[int, threading.Event] = {}
         for name, path in adapters:
             self.load(name, path)
 
-    def load(self, name: str, path: str, id: int | None = None) -> AdapterRef:
-        """Read `path` and register it under `name` (a new id)."""
-        weights = load_adapter(path, self._model_cfg, self.max_rank)
+    def read(self, path: str) -> LoraAdapter:
+        """An adapter's weights from its PEFT directory (off the loop thread)."""
+        return load_adapter(path, self._model_cfg, self.max_rank)
+
+    def load(self, name: str, path: str, id: int | None = None,
+             weights: LoraAdapter | None = None) -> AdapterRef:
+        """Register `path` under `name` (a new id, or `id` the router issued);
+        a load already under `name` stops taking requests and is unloaded
+        once its last one ends."""
+        weights = weights if weights is not None else self.read(path)
+        old = self.registry.get(name)
         ref = self.registry.load(name, path, id)
         self.weights[ref.id] = weights
+        if old is not None:
+            self.unloading[old.id] = threading.Event()
         return ref
+
+    def unload(self, name: str, adapter_id: int) -> threading.Event:
+        """Take no new request under `name`'s load `adapter_id`; the event is
+        set once no live request under it is left (`reap`)."""
+        ref = self.registry.get(name)
+        if ref is None or ref.id != adapter_id:
+            done = self.unloading.get(adapter_id)
+            if done is not None:
+                return done                           # an unload already under way
+            raise KeyError(f"{self.engine} holds no LoRA adapter {name!r} (load {adapter_id})")
+        self.registry.unload(name)
+        done = self.unloading[adapter_id] = threading.Event()
+        return done
+
+    def reap(self, live: set, slots) -> None:
+        """Free the unloaded loads no live request (ids in `live`) runs under;
+        `slots`: the planner's AdapterSlots, whose slot they held is empty again."""
+        for adapter_id, done in list(self.unloading.items()):
+            if adapter_id not in live:
+                del self.unloading[adapter_id]
+                self.weights.pop(adapter_id, None)
+                slots.forget(adapter_id)
+                done.set()
 
     def ensure(self, slot: int, adapter_id: int) -> None:
         """Slot `slot` holds load `adapter_id` before a forward reads it. The

@@ -323,6 +323,34 @@ class EngineServer:
         self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp, key=req,
                           prior=(r.prior_output, r.prior_text_chars))
 
+    # ---- LoRA adapters at runtime (router) --------------------------------------
+    def _lora(self):
+        if self.executor.adapters is None:
+            raise RejectedRequest(f"{self.name} serves no LoRA adapters (no lora section in "
+                                  "its config); adapters cannot be loaded at runtime there")
+        return self.executor.adapters
+
+    def load_adapter(self, name: str, path: str, adapter_id: int, weights) -> None:
+        """Loop thread: hold `weights` (read off the loop) as load `adapter_id` of `name`."""
+        self._lora().load(name, path, adapter_id, weights)
+        self.reap_adapters()          # a load it replaced may have no request left
+
+    def unload_adapter(self, name: str, adapter_id: int):
+        """Loop thread: stop taking requests under the load; an event set once
+        the last one under it has ended."""
+        try:
+            done = self._lora().unload(name, adapter_id)
+        except KeyError as e:
+            raise RejectedRequest(e.args[0]) from None
+        self.reap_adapters()
+        return done
+
+    def reap_adapters(self) -> None:
+        """Loop thread, each pass: free unloaded adapters nothing runs under."""
+        a = self.executor.adapters
+        if a is not None and a.unloading:
+            a.reap({r.adapter for r in self.planner.requests.values()}, self.planner.lora)
+
     def abort(self, req_id: str, reason: str, kind: ErrorKind = ErrorKind.ABORTED) -> bool:
         p = self.planner
         req = p.requests.get(req_id)

@@ -38,11 +38,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.router import lora_admin
 from pdserve.router.auth import key_matches, refusal
 from pdserve.router.errors import RequestError
 from pdserve.router.openai_answers import Answers, error, from_request_error
 from pdserve.router.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Unsupported)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraAdapterRequest,
+    TokenizeRequest, Unsupported)
 from pdserve.router.router import Router
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -185,6 +187,31 @@ class HttpFront:
         return JSONResponse({"object": "list", "data": [self._model_card()] + [
             self._model_card(a) for a in self.r.adapters.refs()]})
 
+    async def load_lora_adapter(self, request: Request):
+        """Load an adapter on every engine (lora.runtime_updates); answers once
+        `model` may name it."""
+        body, err = await self._body(request, LoadLoraAdapterRequest)
+        if err is not None:
+            return err
+        try:
+            ref = await lora_admin.load(self.r, body.lora_name, body.lora_path or "")
+        except RequestError as e:
+            return from_request_error(e)
+        return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "id": ref.id,
+                             "status": "loaded"})
+
+    async def unload_lora_adapter(self, request: Request):
+        """Unload an adapter; answers once the requests under it have ended."""
+        body, err = await self._body(request, LoadLoraAdapterRequest)
+        if err is not None:
+            return err
+        try:
+            ref = await lora_admin.unload(self.r, body.lora_name)
+        except RequestError as e:
+            return from_request_error(e)
+        return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "id": ref.id,
+                             "status": "unloaded"})
+
     async def model(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
@@ -321,6 +348,8 @@ def build_app(router: Router) -> Starlette:
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/detokenize", front.detokenize, methods=["POST"]),
         Route("/version", front.version, methods=["GET"]),
+        Route("/v1/load_lora_adapter", front.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", front.unload_lora_adapter, methods=["POST"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/health", front.health, methods=["GET"]),

@@ -77,6 +77,13 @@ class AdapterSlots:
         empty = [s for s in free if self.holder[s] == BASE]
         return empty[0] if empty else min(free, key=lambda s: self._taken[s])
 
+    def forget(self, adapter: int) -> None:
+        """An unloaded adapter's slot, unreferenced, is empty again."""
+        slot = self._of.get(adapter)
+        if slot is not None and self.refs[slot] == 0:
+            del self._of[adapter]
+            self.holder[slot] = BASE
+
     def in_use(self) -> int:
         return sum(1 for r in self.refs if r)
 

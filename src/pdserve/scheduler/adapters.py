@@ -73,6 +73,11 @@ class AdapterRegistry:
         self._by_id[id] = ref
         return ref
 
+    def next_id(self) -> int:
+        """An id no load here has had (for a load issued here and given to
+        the engines before it is registered)."""
+        return self._last_id + 1
+
     def unload(self, name: str) -> AdapterRef:
         ref = self._by_name.pop(name, None)
         if ref is None:
