@@ -191,3 +191,24 @@ def test_runtime_updates_are_off_unless_enabled():
         got = http.post(path, json={"lora_name": "x", "lora_path": "/x"})
         assert got.status_code == 400 and "lora.runtime_updates: true" in \
             got.json()["error"]["message"]
+
+
+def test_the_router_sends_a_request_only_to_engines_holding_its_adapter():
+    """A D is picked only with a P that holds the adapter too; with none,
+    the refusal says to load it."""
+    from pdserve.router.pairing import EngineRef, Pairing
+    engines = {n: EngineRef(n, role, "", adapters=held) for n, role, held in [
+        ("decode-0", "decode", {1, 2}), ("decode-1", "decode", {2}),
+        ("prefill-0", "prefill", {1}), ("prefill-1", "prefill", {2}),
+        ("fused-0", "fused", {3})]}
+    pairing = Pairing(engines, 4)
+    for _ in range(3):
+        d, p = pairing.pick("disaggregated", [1, 2, 3], adapter=1)
+        assert (d.name, p.name) == ("decode-0", "prefill-0")
+        assert {pairing.pick("", [5], adapter=2)[0].name} <= {"decode-0", "decode-1"}
+        assert pairing.pick("", [5], adapter=3) == (engines["fused-0"], None)
+    with pytest.raises(LookupError, match="holds LoRA adapter load 4; load it there"):
+        pairing.pick("", [1], adapter=4)
+    engines["prefill-0"].adapters = set()
+    with pytest.raises(LookupError, match="load 1"):
+        pairing.pick("disaggregated", [1], adapter=1)     # decode-0 has it, no P does

@@ -58,10 +58,16 @@ async def load(r: Router, name: str, path: str) -> AdapterRef:
         why = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
         raise RequestError(ErrorKind.INVALID, f"adapter {name!r} from {path!r} was not "
                            f"loaded: {e.name}: {why}", "lora_path")
+    old = r.adapters.get(name)
     try:
-        return r.adapters.load(name, path, adapter_id)
-    except AdapterNameError as e:
-        raise RequestError(ErrorKind.INVALID, str(e), "lora_name") from None
+        ref = r.adapters.load(name, path, adapter_id)
+    except AdapterNameError as err:
+        raise RequestError(ErrorKind.INVALID, str(err), "lora_name") from None
+    for eng in engines:                   # the router sends its requests only where it is
+        eng.adapters.add(adapter_id)
+        if old is not None:
+            eng.adapters.discard(old.id)
+    return ref
 
 
 async def unload(r: Router, name: str) -> AdapterRef:
@@ -73,6 +79,8 @@ async def unload(r: Router, name: str) -> AdapterRef:
     r.adapters.unload(name)
     msg = cpb.AdapterRequest(name=name, path=ref.path, id=ref.id)
     engines = [e for e in r.engines.values() if e.alive and e.stub is not None]
+    for e in r.engines.values():
+        e.adapters.discard(ref.id)
     got = await asyncio.gather(*(e.control.UnloadAdapter(msg, timeout=UNLOAD_TIMEOUT_S)
                                  for e in engines), return_exceptions=True)
     for e, g in zip(engines, got):

@@ -107,6 +107,10 @@ class Router:
         self.model_name = cfg.model.served_name
         # LoRA adapters by name: the configured ones get the ids every engine gives them
         self.adapters = AdapterRegistry.from_config(dict(cfg.lora.adapters), self.model_name)
+        # every engine starts with the configured adapters (their ids are 1..n)
+        self.configured_adapters = {r.id for r in self.adapters.refs()}
+        for ref in self.engines.values():
+            ref.adapters = set(self.configured_adapters)
         self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
@@ -330,7 +334,8 @@ class Router:
         # picked once its events are subscribed and its peers know it, not
         # when it first answers (a request then found no link, or a D that
         # had not met the new P)
-        ref = EngineRef(name, role, address, joining=True)
+        ref = EngineRef(name, role, address, joining=True,
+                        adapters=set(self.configured_adapters))
         membership.connect(ref, address, self._options)
         ref.alive = False                         # not picked until it answered and subscribed
         self.engines[name] = ref
