@@ -216,3 +216,24 @@ def test_one_slot_rotating_four_adapters_still_gives_each_its_own_answer(setup, 
              for p, n in zip(prompts, names)]
     assert mixed == alone
     llm.engine.planner.assert_idle()
+
+
+@pytest.mark.device
+def test_batched_lora_on_cuda_equals_the_merged_weights(setup):
+    """The same batched LoRA on a GPU (float32, the torch attention): a mixed
+    batch's rows equal the merged models' on the CPU."""
+    _, base, a_dir, b_dir = setup
+    model, _ = load_model(str(base), None, dtype="float32", device="cuda", attention="torch")
+    a, b = load_adapter(a_dir, model.cfg), load_adapter(b_dir, model.cfg)
+    model.enable_lora(slots=2, max_rank=8)
+    model.lora.load(0, a)
+    model.lora.load(1, b)
+    ids, meta, cache, last = batch(model, PROMPTS)
+    rows = torch.tensor([s for p, s in zip(PROMPTS, [0, 1, -1]) for _ in p], device="cuda")
+    meta.slot_mapping, meta.positions = meta.slot_mapping.cuda(), meta.positions.cuda()
+    got = model.forward(ids.cuda(), meta, cache, last.cuda(),
+                        lora=LoraRound(model.lora, rows, [0, 1])).cpu()
+    for i, adapter in enumerate([a, b, None]):
+        ref = ours(base, merged(base_weights(base), adapter) if adapter else None)
+        want = logits(ref, [PROMPTS[i]])[0]
+        assert torch.allclose(got[i], want, atol=1e-4, rtol=1e-4), (got[i] - want).abs().max()
