@@ -105,3 +105,28 @@ def test_d_tells_p_it_holds_only_pages_of_the_same_adapter():
     pair.run()
     pair.D.assert_idle()
     pair.P.assert_idle()
+
+
+def test_up_takes_lora_modules_and_refuses_a_bad_adapter_before_starting_ray(tmp_path, capsys,
+                                                                           monkeypatch):
+    """--lora-modules adds to the config's adapters, --max-loras overrides
+    its slots, and every adapter is checked before Ray starts."""
+    from lora_support import tiny_adapter
+    from pdserve.cli.main import main
+    from pdserve.cluster import deploy
+    from pdserve.config import LoraConfig
+
+    lora = LoraConfig.from_dict({"adapters": {"a": "rel/a"}, "max_loras": 2}, tmp_path)
+    assert lora.adapters == (("a", str(tmp_path / "rel/a")),)
+    more = lora.with_modules(["b=/x/b", "a=/x/a2"], max_loras=3)
+    assert (more.adapters, more.max_loras) == ((("a", "/x/a2"), ("b", "/x/b")), 3)
+    monkeypatch.setattr(deploy, "Deployment", None)      # never reached
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster: {fused: 1}\n")
+    good = tiny_adapter(tmp_path / "good", seed=1)       # the tiny preset's shapes differ
+    assert main(["up", "--config", str(cfg), "--lora-modules", f"x={good}"]) == 2
+    assert "it was trained for another base model" in capsys.readouterr().err
+    assert main(["up", "--config", str(cfg), "--lora-modules", "x"]) == 2
+    assert "--lora-modules 'x': give name=path" in capsys.readouterr().err
+    assert main(["up", "--config", str(cfg), "--lora-modules", "x=/a", "y=/b"]) == 2
+    assert "raise max_cpu_loras (or max_loras)" in capsys.readouterr().err
