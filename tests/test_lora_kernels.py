@@ -138,7 +138,8 @@ def test_adapters_pdserve_cannot_serve_are_refused_with_what_to_change(setup, tm
         d = tiny_adapter(tmp_path / "x", seed=3, targets=("q_proj",))
         from safetensors.torch import load_file, save_file
         t = load_file(str(d / "adapter_model.safetensors"))
-        t["base_model.model.model.layers.0.self_attn.embed_tokens.lora_A.weight"] = torch.zeros(4, 64)
+        name = "base_model.model.model.layers.0.self_attn.embed_tokens.lora_A.weight"
+        t[name] = torch.zeros(4, 64)
         save_file(t, str(d / "adapter_model.safetensors"))
     else:
         d = tiny_adapter(tmp_path / "x", seed=3, **kw)
