@@ -1,16 +1,17 @@
 """Batched LoRA: many adapters in one forward, each row under its own.
 
 `LoraStacks` holds `max_loras` device slots. Per layer, the projections
-that share one fused matmul in the decoder (q k v; o; gate up; down) share a
-stack: A is [slots, modules * max_rank, in] and B [out, slots, modules *
-max_rank], block-diagonal over the modules, B already scaled. Ranks below
-max_rank are zero-padded, an untargeted module is zeros.
+that share one fused matmul in the decoder (q k v; o; gate up; down) share
+one A stack, [slots, modules * max_rank, in] (they read the same input), and
+each projection has its B stack, [out, slots, max_rank], already scaled.
+Ranks below max_rank are zero-padded, an untargeted module is zeros.
 
 `LoraRound` is one forward's view: each row's slot (-1: the base model) and
-the round's distinct slots. A layer's delta is a gather of the active
-slots' stacks (none when every slot is active) and two dense matmuls with a
-mask between them: x @ A_active^T gives every row its shrink under every
-active adapter, the mask keeps the row's own, and @ B_active^T expands it.
+the round's distinct slots. A fused matmul's delta is a gather of the
+active slots' stacks (none when every slot is active) and dense matmuls
+with a mask between them: x @ A_active^T gives every row its shrink under
+every active adapter, the mask keeps the row's own, and each projection's
+@ B_active^T expands its part.
 The cost grows with the adapters a round uses, not with the slots or the
 rows per adapter, and a round of base rows only costs nothing.
 """
@@ -36,22 +37,17 @@ class LoraStacks:
                              f"(got {slots} and {max_rank})")
         self.cfg, self.slots, self.max_rank = cfg, slots, max_rank
         self.A: list[list[torch.Tensor]] = []
-        self.B: list[list[torch.Tensor]] = []
-        # (group, first output row) of each module
-        self._where = {}
-        for g, mods in enumerate(GROUPS):
-            off = 0
-            for j, m in enumerate(mods):
-                self._where[m] = (g, j, off)
-                off += module_shape(cfg, m)[0]
+        self.B: list[list[list[torch.Tensor]]] = []     # layer, group, module
+        # (group, index in the group) of each module
+        self._where = {m: (g, j) for g, mods in enumerate(GROUPS) for j, m in enumerate(mods)}
         for _ in range(cfg.num_layers):
             a_row, b_row = [], []
             for mods in GROUPS:
-                out = sum(module_shape(cfg, m)[0] for m in mods)
                 inp = module_shape(cfg, mods[0])[1]
-                width = len(mods) * max_rank
-                a_row.append(torch.zeros(slots, width, inp, dtype=dtype, device=device))
-                b_row.append(torch.zeros(out, slots, width, dtype=dtype, device=device))
+                a_row.append(torch.zeros(slots, len(mods) * max_rank, inp, dtype=dtype,
+                                         device=device))
+                b_row.append([torch.zeros(module_shape(cfg, m)[0], slots, max_rank, dtype=dtype,
+                                          device=device) for m in mods])
             self.A.append(a_row)
             self.B.append(b_row)
 
@@ -63,19 +59,19 @@ class LoraStacks:
         self.clear(slot)
         R = self.max_rank
         for (layer, module), (a, b) in adapter.weights.items():
-            g, j, off = self._where[module]
+            g, j = self._where[module]
             r = a.shape[0]
-            A, B = self.A[layer][g], self.B[layer][g]
-            A[slot, j * R:j * R + r].copy_(a)
-            B[off:off + b.shape[0], slot, j * R:j * R + r].copy_(b)
+            self.A[layer][g][slot, j * R:j * R + r].copy_(a)
+            self.B[layer][g][j][:, slot, :r].copy_(b)
 
     def clear(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise IndexError(f"LoRA slot {slot} outside [0, {self.slots})")
         for a_row, b_row in zip(self.A, self.B):
-            for A, B in zip(a_row, b_row):
+            for A, Bs in zip(a_row, b_row):
                 A[slot].zero_()
-                B[:, slot].zero_()
+                for B in Bs:
+                    B[:, slot].zero_()
 
 
 class LoraRound:
@@ -105,11 +101,15 @@ class LoraRound:
         for rows `x` (a forward skips a round without active slots)."""
         if not self.active:
             raise ValueError("a LoRA round with no active slot adds nothing; pass lora=None")
-        A, B = self.stacks.A[layer][group], self.stacks.B[layer][group]
+        A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
         if not self._all:
             A = A.index_select(0, self._index)
-            B = B.index_select(1, self._index)
-        n, width = len(self.active), A.shape[1]
-        shrink = x @ A.reshape(n * width, -1).t()
-        shrink = (shrink.view(-1, n, width) * self._mask.unsqueeze(-1)).view(-1, n * width)
-        return shrink @ B.reshape(B.shape[0], n * width).t()
+            Bs = [B.index_select(1, self._index) for B in Bs]
+        n, m, R = len(self.active), len(Bs), self.stacks.max_rank
+        rows = x.shape[0]
+        shrink = x @ A.reshape(n * m * R, -1).t()                       # [rows, n * m * R]
+        shrink = shrink.view(rows, n, m, R) * self._mask.view(rows, n, 1, 1)
+        if m == 1:
+            return shrink.view(rows, n * R) @ Bs[0].reshape(-1, n * R).t()
+        return torch.cat([shrink[:, :, j].reshape(rows, n * R) @ B.reshape(-1, n * R).t()
+                          for j, B in enumerate(Bs)], dim=1)
