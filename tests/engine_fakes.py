@@ -22,6 +22,7 @@ from support import config, result_for
 class Executor:
     # what EngineServer.info() reads of a model
     model = SimpleNamespace(dtype=torch.float32, attention=SimpleNamespace(name="torch"))
+    adapters = None                    # serves the base model only
 
     def __init__(self):
         self.tracked, self.fail = {}, None

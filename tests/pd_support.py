@@ -10,8 +10,10 @@ from support import config, result_for
 
 
 class PDPair:
-    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0, groups=None):
-        kw = {"groups": groups} if groups else {}
+    def __init__(self, p_cfg=None, d_cfg=None, lease_rounds: int = 0, groups=None,
+                 lora_slots: int = 0):
+        kw: dict = {"groups": groups} if groups else {}
+        kw["lora_slots"] = lora_slots
         self.P = Planner(p_cfg or config(), Role.PREFILL, **kw)
         self.D = Planner(d_cfg or config(), Role.DECODE, **kw)
         self.landing = {}            # req id -> pages per group D reserved for the peer
@@ -30,7 +32,7 @@ class PDPair:
         dplan = self.D.build()
         for op in dplan.remote_prefills:
             r = op.req
-            twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1))
+            twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1), adapter=r.adapter)
             twin.first_page = op.first_page
             self.landing[r.id] = [len(pages) for pages in op.landing]
             self.P.submit(twin)

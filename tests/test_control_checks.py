@@ -139,3 +139,23 @@ def test_a_drain_with_a_deadline_out_of_range_is_invalid_and_the_engine_serves_o
     assert rpc(EngineControlServicer(d), "Drain", pb.DrainEngineRequest(deadline_s=deadline)) \
         is INVALID
     assert not d.drain.active
+
+
+@pytest.mark.parametrize("hostile", [
+    dict(adapter="sql"),                            # a name without its load's id
+    dict(adapter_id=3),                             # an id without a name
+    dict(adapter="a\x00b", adapter_id=1),           # a control character in the name
+])
+def test_a_submit_naming_an_adapter_badly_is_refused_and_leaves_nothing(hostile):
+    _, d = pair()
+    assert rpc(EngineControlServicer(d), "Submit", submit(**hostile)) is INVALID
+    assert untouched(d)
+
+
+@pytest.mark.parametrize("call", ["LoadAdapter", "UnloadAdapter"])
+@pytest.mark.parametrize("hostile", [dict(name="", id=1), dict(name="sql", id=0),
+                                     dict(name="sql", id=1, path="p" * 5000)])
+def test_an_adapter_call_with_a_bad_name_id_or_path_is_refused(call, hostile):
+    _, d = pair()
+    assert rpc(EngineControlServicer(d), call, pb.AdapterRequest(**hostile)) is INVALID
+    assert untouched(d)

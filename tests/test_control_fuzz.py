@@ -28,7 +28,7 @@ from engine_fakes import one_round, rpc, run_jobs, server
 VOCAB = 1000
 ANSWERS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
            grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE,
-           grpc.StatusCode.DEADLINE_EXCEEDED}
+           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND}
 
 
 def engine(role, name, peer):
@@ -88,7 +88,8 @@ def well_formed(draw, role):
     kind = draw(st.sampled_from(["Subscribe", "Submit", "Submit", "Submit", "Abort",
                                  "RemotePrefill", "RemotePrefill", "RemotePrefill",
                                  "TransferAck", "TransferAck", "TransferFailed",
-                                 "LeaseHeartbeat", "GetInfo", "AddPeer", "Stats", "Drain"]))
+                                 "LeaseHeartbeat", "GetInfo", "AddPeer", "Stats", "Drain",
+                                 "LoadAdapter", "UnloadAdapter"]))
     rid = draw(st.sampled_from(IDS))
     if kind == "Subscribe":
         return kind, pb.SubscribeRequest(subscriber=draw(st.sampled_from(["router", "r2"])))
@@ -126,6 +127,10 @@ def well_formed(draw, role):
                                        nixl_metadata=f"{name}@{inc}".encode())
     if kind == "Drain":
         return kind, pb.DrainEngineRequest(deadline_s=draw(st.sampled_from([0.0, 5.0])))
+    if kind in ("LoadAdapter", "UnloadAdapter"):
+        # an engine without a lora section: a load is refused, an unload finds nothing
+        return kind, pb.AdapterRequest(name=draw(st.sampled_from(["sql", "chat"])),
+                                       path="/nonexistent/adapter", id=draw(st.integers(1, 3)))
     return kind, pb.InfoRequest()
 
 

@@ -22,6 +22,7 @@ CALLS = {
     "LeaseHeartbeat": pb.HeartbeatRequest(), "GetInfo": pb.InfoRequest(),
     "AddPeer": pb.AddPeerRequest(), "Stats": pb.InfoRequest(),
     "Drain": pb.DrainEngineRequest(),
+    "LoadAdapter": pb.AdapterRequest(), "UnloadAdapter": pb.AdapterRequest(),
 }
 assert set(CALLS) == {m.name for m in pb.DESCRIPTOR.services_by_name["EngineControl"].methods}
 

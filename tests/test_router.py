@@ -237,7 +237,8 @@ def test_a_generate_many_call_that_ends_during_a_write_still_sends_the_last_resp
 
     stream = Stream()
     front = SimpleNamespace(validate=lambda request: ([1, 2], None),
-                            open=lambda ids, sp, route, rid: stream)
+                            model_adapter=lambda model: None,
+                            open=lambda ids, sp, route, rid, adapter: stream)
 
     class Context:
         def __init__(self):

@@ -64,8 +64,8 @@ class RequestFailed(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _request(prompt, request_id, route, **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id or "", route=route or "")
+def _request(prompt, request_id, route, model="", **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id or "", route=route or "", model=model or "")
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -166,12 +166,14 @@ class Client:
                         repetition_penalty: float | None = None, min_p: float | None = None,
                         logit_bias: dict | None = None,
                         include_stop_str_in_output: bool | None = None,
-                        skip_special_tokens: bool | None = None):
+                        skip_special_tokens: bool | None = None, model: str = ""):
         """Yield Chunks (new token ids and their text) as they are produced.
         `logprobs=k`: each token's logprob and the k most likely. The
         penalties, min_p, logit_bias ({token id: bias}) and the text options
-        are SamplingParams'."""
-        req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
+        are SamplingParams'. `model`: a LoRA adapter's name (or the base
+        model's; "" is the base)."""
+        req = _request(prompt, request_id, route, model, max_tokens=max_tokens,
+                       temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                        min_tokens=min_tokens, logprobs=logprobs,
@@ -197,7 +199,7 @@ class Client:
     def server_info(self) -> dict:
         i = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=30, metadata=self._md)
         return {"version": i.version, "model": i.model, "page_size": i.page_size,
-                "router": i.router,
+                "router": i.router, "adapters": list(i.adapters),
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
                              "incarnation": e.incarnation, "alive": e.alive,
@@ -337,8 +339,10 @@ class AsyncClient:
                               stop_token_ids=None, ignore_eos=None, min_tokens=None,
                               logprobs=None, presence_penalty=None, frequency_penalty=None,
                               repetition_penalty=None, min_p=None, logit_bias=None,
-                              include_stop_str_in_output=None, skip_special_tokens=None):
-        req = _request(prompt, request_id, route, max_tokens=max_tokens, temperature=temperature,
+                              include_stop_str_in_output=None, skip_special_tokens=None,
+                              model=""):
+        req = _request(prompt, request_id, route, model, max_tokens=max_tokens,
+                       temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                        min_tokens=min_tokens, logprobs=logprobs,

@@ -10,6 +10,7 @@
     transfer: {timeout_s: 30, lease_s: 10, heartbeat_s: 2}   # P/D: transfer/timeouts.py
     control_plane: {insecure: false, ca_cert: null, ca_key: null, cert: null, key: null,
                     server_name: pdserve-control, engine_host: null}   # proto/control_tls.py
+    lora: {adapters: {NAME: DIR}, max_loras: 1, max_lora_rank: 16, max_cpu_loras: null}
 
 Unknown keys are an error that names the key.
 """
@@ -251,6 +252,83 @@ class ControlPlaneConfig:
         return ControlPlane(ca=DeploymentCA.create(), server_name=self.server_name)
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """`lora:`: PEFT LoRA adapters served beside the base model, each
+    selected by its name in a request's `model` (docs/lora.md)."""
+    adapters: tuple = ()             # (name, PEFT directory), in config order
+    max_loras: int = 1               # adapters on the device at once (slots)
+    max_lora_rank: int = 16          # the largest rank an adapter may have
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
+    runtime_updates: bool = False    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+
+    @classmethod
+    def from_dict(cls, data, base: Path | None = None) -> "LoraConfig":
+        """`base`: the config file's folder, which a relative adapter path is read from."""
+        if data is None:
+            return cls()
+        data = dict(check_keys(data, "lora", {"adapters", "max_loras", "max_lora_rank",
+                                              "max_cpu_loras", "runtime_updates"}))
+        adapters = data.pop("adapters", None) or {}
+        if not isinstance(adapters, dict):
+            raise ConfigError(f"lora.adapters must map names to PEFT directories "
+                              f"({{name: path}}), got {adapters!r}")
+        pairs = []
+        for name, path in adapters.items():
+            if not isinstance(path, str) or not path.strip():
+                raise ConfigError(f"lora.adapters.{name} is {path!r}; give the path of a "
+                                  "PEFT adapter directory")
+            if base is not None and not Path(path).is_absolute():
+                path = str(base / path)
+            pairs.append((str(name), path))
+        cfg = cls(adapters=tuple(pairs), **data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not isinstance(self.runtime_updates, bool):
+            raise ConfigError(f"lora.runtime_updates must be true or false, got "
+                              f"{self.runtime_updates!r}")
+        for k in ("max_loras", "max_lora_rank"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"lora.{k} must be an integer >= 1, got {v!r}")
+        c = self.max_cpu_loras
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or
+                              c < self.max_loras):
+            raise ConfigError(f"lora.max_cpu_loras must be an integer >= lora.max_loras "
+                              f"({self.max_loras}): every adapter on the device is also kept "
+                              f"in host memory; got {c!r}")
+        if len(self.adapters) > self.cpu_loras:
+            raise ConfigError(f"lora.adapters names {len(self.adapters)} adapters, more than "
+                              f"lora.max_cpu_loras={self.cpu_loras} kept in host memory; "
+                              "raise max_cpu_loras (or max_loras)")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def enabled(self) -> bool:
+        """Engines get adapter slots: adapters are named, or may be loaded."""
+        return bool(self.adapters) or self.runtime_updates
+
+    def with_modules(self, modules: list[str], max_loras: int | None = None) -> "LoraConfig":
+        """These adapters and `pdserve up --lora-modules name=path ...`'s, the
+        command line's over the file's under the same name; `max_loras`
+        (--max-loras) over the file's."""
+        pairs = dict(self.adapters)
+        for m in modules:
+            name, sep, path = m.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {m!r}: give name=path (a PEFT directory)")
+            pairs[name] = path
+        cfg = dataclasses.replace(self, adapters=tuple(pairs.items()),
+                                  max_loras=self.max_loras if max_loras is None else max_loras)
+        cfg.validate()
+        return cfg
+
+
 # the autoscaler's settings (cluster/autoscale_policy.py reads them)
 @dataclass(frozen=True)
 class RoleBounds:
@@ -320,13 +398,16 @@ class ServeConfig:
     autoscale: object = None                    # AutoscaleConfig, or None: a fixed shape
     transfer: PeerTimeouts = field(default_factory=PeerTimeouts)
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     engine_overrides: frozenset = frozenset()   # engine keys the file set explicitly
     model_given: bool = False                   # the file has a model: section
 
     @classmethod
-    def from_dict(cls, data) -> "ServeConfig":
+    def from_dict(cls, data, base: Path | None = None) -> "ServeConfig":
+        """`base`: the folder relative paths in the file are read from."""
         data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate",
-                                           "autoscale", "transfer", "control_plane"})
+                                           "autoscale", "transfer", "control_plane",
+                                           "lora"})
         engine = data.get("engine") or {}
         autoscale = None
         if data.get("autoscale") is not None:
@@ -342,6 +423,12 @@ class ServeConfig:
             if replicas != 1:
                 raise ConfigError(f"autoscale with router.replicas={replicas}: the autoscaler "
                                   "adds engines through one router; use one replica")
+        lora = LoraConfig.from_dict(data.get("lora"), base)
+        replicas = (data.get("router") or {}).get("replicas", 1)
+        if lora.runtime_updates and replicas != 1:
+            raise ConfigError(f"lora.runtime_updates with router.replicas={replicas}: each "
+                              "replica would load adapters under ids of its own; use one "
+                              "replica")
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
             engine=EngineConfig.from_dict(engine),
@@ -351,6 +438,7 @@ class ServeConfig:
             autoscale=autoscale,
             transfer=transfer_from_dict(data.get("transfer")),
             control_plane=ControlPlaneConfig.from_dict(data.get("control_plane")),
+            lora=lora,
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
             model_given=data.get("model") is not None,
         )
@@ -417,7 +505,7 @@ def load_config(path) -> ServeConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     try:
-        cfg = ServeConfig.from_dict(data)
+        cfg = ServeConfig.from_dict(data, p.parent)
     except TypeError as e:       # a field of the wrong shape
         raise ConfigError(f"{p}: {e}") from None
     except ConfigError as e:

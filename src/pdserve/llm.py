@@ -57,8 +57,16 @@ class LLM:
         engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
                                   self.model.cfg.max_position)
         self.engine_config = engine
-        self.executor = TorchExecutor(self.model, self.tokenizer, engine)
-        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups),
+        self.adapters = None
+        if cfg.lora.enabled:
+            from pdserve.roles.adapters import EngineAdapters
+            self.adapters = EngineAdapters(self.model, "fused-0", cfg.lora.adapters,
+                                           cfg.lora.max_loras, cfg.lora.max_lora_rank,
+                                           cfg.model.served_name)
+        self.executor = TorchExecutor(self.model, self.tokenizer, engine, adapters=self.adapters)
+        lora_slots = cfg.lora.max_loras if cfg.lora.enabled else 0
+        self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups,
+                                                lora_slots=lora_slots),
                              self.executor, forget_finished=False)
         self._next = 0
 
@@ -73,7 +81,26 @@ class LLM:
                              f"[0, {vocab}); pass text or valid ids")
         return None, ids
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True):
+    def _adapter_ids(self, adapter, n: int) -> list[int]:
+        """Each prompt's adapter load id: `adapter` is None (the base model),
+        one name for every prompt, or one (or None) per prompt."""
+        names = adapter if isinstance(adapter, list) else [adapter] * n
+        if len(names) != n:
+            raise ValueError(f"{len(names)} adapters for {n} prompts; give one, or one per "
+                             "prompt")
+        if any(names) and self.adapters is None:
+            raise ValueError(f"adapter {next(a for a in names if a)!r} asked for, but this LLM "
+                             "serves no LoRA adapters; give its config lora: {adapters: "
+                             "{name: path}}")
+        try:
+            return [self.adapters.registry.resolve(a) if a else 0  # type: ignore[union-attr]
+                    for a in names]
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, adapter=None):
+        """`adapter`: the LoRA adapter's name (the config's lora.adapters), for
+        every prompt or a list with one per prompt (None: the base model)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
@@ -85,6 +112,7 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; "
                              "give one, or one per prompt")
         encoded = [self._encode(p) for p in prompts]
+        adapter_ids = self._adapter_ids(adapter, len(prompts))
         # refuse the whole batch before anything runs: nothing half-done
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             err = ingest_error(self.engine_config, len(ids), sp.max_tokens,
@@ -96,10 +124,11 @@ class LLM:
                 raise ValueError(f"prompt {i}: logit_bias names token id {bad[0]}, outside the "
                                  f"model's vocabulary [0, {self.model.cfg.vocab_size})")
         reqs = []
-        for (_, ids), sp in zip(encoded, params):
+        for (_, ids), sp, aid in zip(encoded, params, adapter_ids):
             rid = f"llm-{self._next}"
             self._next += 1
-            req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict))
+            req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict),
+                          adapter=aid)
             self.executor.register(rid, sp, fallback_seed=self._next, prompt=ids)
             self.engine.submit(req)
             reqs.append(req)

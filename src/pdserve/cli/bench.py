@@ -41,6 +41,9 @@ BENCHMARKS = [
     Subcommand("sampling", "pdserve.benchmarks.sampling",
                "a round's logits to tokens on a real model's vocabulary, against the sampler "
                "before"),
+    Subcommand("lora", "pdserve.benchmarks.lora",
+               "a batch under 1, 4 and 16 distinct LoRA adapters against the base model, and "
+               "an adapter's load time"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),

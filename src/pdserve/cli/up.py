@@ -34,6 +34,12 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus-per-engine", type=float,
                    help="Ray GPUs each engine takes (default 1 on cuda, 0 on cpu; 0 on cuda "
                         "is refused: every engine would share cuda:0)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                   help="serve these PEFT LoRA adapters beside the base model, each selected "
+                        "by its NAME in a request's model (adds to the config's lora.adapters)")
+    p.add_argument("--max-loras", type=int,
+                   help="LoRA adapters on the device at once (default: the config's "
+                        "lora.max_loras, 1)")
     p.add_argument("--drain-deadline", type=float, default=60.0,
                    help="on SIGTERM or Ctrl-C, seconds the engines get to finish their "
                         "requests before what is left is aborted (60)")
@@ -44,10 +50,19 @@ def run(args) -> int:
 
     import dataclasses
 
+    from pdserve.scheduler.config import ConfigError
+
     cfg = load_config(args.config)
     if args.insecure_control_plane:
         cfg = dataclasses.replace(cfg, control_plane=dataclasses.replace(
             cfg.control_plane, insecure=True, ca_cert=None, ca_key=None, cert=None, key=None))
+    if args.lora_modules or args.max_loras is not None:
+        try:
+            cfg = dataclasses.replace(cfg, lora=cfg.lora.with_modules(args.lora_modules,
+                                                                      args.max_loras))
+        except ConfigError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
     device = cfg.model.device_for(args.device)
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
     from pdserve.kernels.loader import model_config_for
@@ -55,7 +70,15 @@ def run(args) -> int:
     # a preset unknown or not installed, a path that holds no checkpoint, a port
     # in use: refused here, not in each engine's actor or after Ray has started
     # (the router reads the model's tokenizer on this machine in any case)
-    model_config_for(cfg.model.path, cfg.model.preset)
+    mcfg = model_config_for(cfg.model.path, cfg.model.preset)
+    if cfg.lora.enabled:
+        from pdserve.kernels.lora_adapter import AdapterError, load_adapter
+        try:
+            for _, path in cfg.lora.adapters:
+                load_adapter(path, mcfg, cfg.lora.max_lora_rank)
+        except AdapterError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port and not _port_free(args.host, port):
             print(f"pdserve: error: port {port} ({flag}) on {args.host} is in use; stop what "

@@ -22,6 +22,7 @@ from pdserve.cluster.autoscaler import Autoscaler
 from pdserve.config import ServeConfig, engine_for_model
 from pdserve.kernels.loader import load_model
 from pdserve.proto.control_tls import ControlPlane, ControlTls
+from pdserve.roles.adapters import EngineAdapters
 from pdserve.roles.engine_server import EngineServer
 from pdserve.roles.outputs import Outputs
 from pdserve.roles.peer_protocol import PeerTimeouts
@@ -52,8 +53,15 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
                             device=device, attention=cfg.model.attention)
     engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
-    executor = TorchExecutor(model, tok, engine_cfg, detokenize=False)
-    planner = Planner(engine_cfg, kind, groups=executor.groups)
+    adapters = None
+    if cfg.lora.enabled:
+        # every engine, P and D alike, holds every configured adapter: P's KV
+        # must be computed under the adapter D decodes with
+        adapters = EngineAdapters(model, name, cfg.lora.adapters, cfg.lora.max_loras,
+                                  cfg.lora.max_lora_rank, cfg.model.served_name)
+    executor = TorchExecutor(model, tok, engine_cfg, detokenize=False, adapters=adapters)
+    planner = Planner(engine_cfg, kind, groups=executor.groups,
+                      lora_slots=cfg.lora.max_loras if adapters is not None else 0)
     capacity = capacity_report(engine_cfg, planner.groups, executor.group_bytes())
     log.info("%s: %s", name, capacity_line(capacity))
     transport = None

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, LoraRound, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
@@ -207,31 +208,48 @@ class DecoderModel(PagedDecoder):
                                 w[a + "o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                                 gate_up, w[p + "mlp.down_proj.weight"]))
         self.rotary = Rotary(cfg, dtype, self.device)
+        self.lora: LoraStacks | None = None
+
+    def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
+        """Device stacks for `slots` LoRA adapters of rank up to `max_rank`;
+        a forward given a LoraRound over them applies each row's adapter."""
+        self.lora = LoraStacks(self.cfg, slots, max_rank, self.dtype, self.device)
+        return self.lora
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, lora: LoraRound | None = None) -> torch.Tensor:
         """Logits (float32) for the rows in `logits_indices`. `meta` and
-        `cache`: one per cache group (or, single-group, one of each)."""
+        `cache`: one per cache group (or, single-group, one of each). `lora`:
+        each row's adapter (None, or a round of base rows only: none)."""
         c = self.cfg
+        if lora is not None and not lora.active:
+            lora = None
         metas, caches = self.per_group(meta, cache)
         h = self.embed[input_ids]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
-        for g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w in self.layers:
+        for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = rms_norm(h, ln1, c.rms_norm_eps)
             qkv = F.linear(x, qkv_w, qkv_b)
+            if lora is not None:
+                qkv = qkv + lora.delta(i, QKV, x)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
             qk = self.rotary.apply(qkv[:, :q_dim + kv_dim].view(-1, heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim)
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
-            h = h + F.linear(o.reshape(-1, q_dim), o_w)
+            o = o.reshape(-1, q_dim)
+            h = h + (F.linear(o, o_w) if lora is None else F.linear(o, o_w) + lora.delta(i, O, o))
             x = rms_norm(h, ln2, c.rms_norm_eps)
             gu = F.linear(x, gate_up_w)
+            if lora is not None:
+                gu = gu + lora.delta(i, GATE_UP, x)
             inter = gu.shape[-1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            down = F.linear(act, down_w)
+            h = h + (down if lora is None else down + lora.delta(i, DOWN, act))
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -90,6 +90,16 @@ class EngineControlStub:
                 request_serializer=pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pdserve.v1.EngineControl/LoadAdapter',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pdserve.v1.EngineControl/UnloadAdapter',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class EngineControlServicer:
@@ -176,6 +186,21 @@ class EngineControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Router -> engine: hold a LoRA adapter load (read from `path`) under
+        `name` and `id`; or unload one, answering once no request under it is
+        left (its streams finish first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +258,16 @@ def add_EngineControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_router__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.AdapterRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.AdapterRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +567,60 @@ class EngineControl:
             '/pdserve.v1.EngineControl/Drain',
             pdserve_dot_proto_dot_control__pb2.DrainEngineRequest.SerializeToString,
             pdserve_dot_proto_dot_router__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineControl/LoadAdapter',
+            pdserve_dot_proto_dot_control__pb2.AdapterRequest.SerializeToString,
+            pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineControl/UnloadAdapter',
+            pdserve_dot_proto_dot_control__pb2.AdapterRequest.SerializeToString,
+            pdserve_dot_proto_dot_control__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,7 @@ MAX_HEARTBEAT_IDS = 1 << 16   # request ids one heartbeat renews
 MAX_METADATA_BYTES = 16 << 20  # a peer's NIXL agent metadata
 MAX_DRAIN_S = 7 * 24 * 3600.0
 MAX_PRIOR_TEXT_CHARS = 1 << 26
+MAX_PATH_CHARS = 4096          # an adapter directory's path
 
 
 class BadMessage(ValueError):
@@ -103,6 +104,7 @@ def check_submit(r: pb.SubmitRequest, b: Bounds) -> None:
     if r.prior_text_chars > MAX_PRIOR_TEXT_CHARS:
         raise BadMessage(f"prior_text_chars={r.prior_text_chars} is more text than any "
                          f"stream holds (at most {MAX_PRIOR_TEXT_CHARS})")
+    _adapter_ref(r)
 
 
 def check_abort(r: pb.AbortEngineRequest) -> None:
@@ -132,6 +134,7 @@ def check_remote_prefill(r: pb.RemotePrefillRequest, b: Bounds) -> None:
     if r.prior_output > len(r.token_ids):
         raise BadMessage(f"prior_output={r.prior_output} exceeds the request's "
                          f"{len(r.token_ids)} tokens")
+    _adapter_ref(r)
 
 
 def check_transfer_ack(r: pb.TransferAckRequest) -> None:
@@ -171,3 +174,24 @@ def check_drain(r: pb.DrainEngineRequest) -> None:
     d = r.deadline_s
     if not math.isfinite(d) or not 0 <= d <= MAX_DRAIN_S:
         raise BadMessage(f"deadline_s={d} must be a number of seconds in [0, {MAX_DRAIN_S:g}]")
+
+
+def _adapter_ref(r) -> None:
+    """A request's LoRA adapter: none (the base model, id 0), or a
+    well-formed name with the id of the load it runs under."""
+    if r.adapter:
+        check_id(r.adapter, "adapter")
+        if r.adapter_id == 0:
+            raise BadMessage(f"adapter {r.adapter!r} comes with adapter_id 0: name the load "
+                             "the request runs under")
+    elif r.adapter_id:
+        raise BadMessage(f"adapter_id={r.adapter_id} without an adapter name")
+
+
+def check_adapter(r: pb.AdapterRequest) -> None:
+    """LoadAdapter and UnloadAdapter: a name, the load's id (never 0), a
+    bounded path (the engine reads it only on LoadAdapter)."""
+    check_id(r.name, "name")
+    if r.id == 0:
+        raise BadMessage("id is 0: an adapter load's id starts at 1")
+    _text(r.path, "path", MAX_PATH_CHARS)

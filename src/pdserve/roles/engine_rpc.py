@@ -136,7 +136,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
                                incarnation=i["incarnation"], nixl_metadata=md,
                                address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"],
-                               draining=i["draining"])
+                               draining=i["draining"], adapters=i["adapters"])
 
     def AddPeer(self, request, context):
         self._checked(checks.check_add_peer, context, request, self.s.name)
@@ -164,6 +164,36 @@ class EngineControlServicer(pbg.EngineControlServicer):
         with self._streams_cv:
             self._streams_cv.wait_for(lambda: self._streams == 0, STOP_GRACE_S)
         return drain.report
+
+    def LoadAdapter(self, request, context):
+        """Read the adapter here (off the loop), then hold it on the loop."""
+        self._checked(checks.check_adapter, context, request)
+        adapters = self.s.executor.adapters
+        if adapters is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.s.name} serves no LoRA "
+                          "adapters (no lora section in its config)")
+        try:
+            weights = adapters.read(request.path)
+            self.s.call(lambda: self.s.load_adapter(request.name, request.path, request.id,
+                                                    weights))
+        except ValueError as e:                 # a bad adapter, name or id
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.Ack(ok=True)
+
+    def UnloadAdapter(self, request, context):
+        """Answer once no request under the load is left on this engine."""
+        self._checked(checks.check_adapter, context, request)
+        try:
+            done = self.s.call(lambda: self.s.unload_adapter(request.name, request.id))
+        except RejectedRequest as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        left = context.time_remaining()
+        if not done.wait(None if left is None else max(left - 0.5, 0.0)):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.s.name}: requests under "
+                          f"adapter {request.name!r} still run; it is unloaded once they end")
+        return pb.Ack(ok=True)
 
     def Stats(self, request, context):
         return self.s.call(self.s.stats)

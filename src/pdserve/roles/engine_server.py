@@ -41,6 +41,7 @@ from pdserve.roles.peer_messages import PeerSender
 from pdserve.roles.peer_protocol import PeerProtocol, PeerTimeouts
 from pdserve.roles.rounds import Round
 from pdserve.scheduler.grammar import Role
+from pdserve.roles.adapters import adapter_of
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
@@ -122,7 +123,9 @@ class EngineServer:
                 "address": self.address,
                 "dtype": str(self.executor.model.dtype).removeprefix("torch."),
                 "attention": self.executor.model.attention.name,
-                "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active}
+                "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active,
+                "adapters": [f"{r.name}:{r.id}" for r in self.executor.adapters.refs()]
+                if self.executor.adapters is not None else []}
 
     @property
     def counters(self) -> dict:
@@ -317,8 +320,9 @@ class EngineServer:
         if r.request_id in self.planner.requests or r.request_id in self.owner:
             raise RejectedRequest(f"request id {r.request_id!r} is live on {self.name}; "
                                   "use a fresh id")
+        adapter = adapter_of(self.executor.adapters, self.name, r.adapter, r.adapter_id)
         req = Request(r.request_id, list(r.token_ids),
-                      SamplingLimits(max_new_tokens=sp.max_tokens))
+                      SamplingLimits(max_new_tokens=sp.max_tokens), adapter=adapter)
         if r.prefill_peer and self.role is Role.DECODE:
             if r.prefill_peer not in self.peer.peers:
                 raise StaleView(f"{self.name} does not know prefill engine "
@@ -334,6 +338,34 @@ class EngineServer:
         self.owner[req.id] = r.subscriber
         self.outputs.open(req.id, r.subscriber, req.prompt.tokens, sp, key=req,
                           prior=(r.prior_output, r.prior_text_chars))
+
+    # ---- LoRA adapters at runtime (router) --------------------------------------
+    def _lora(self):
+        if self.executor.adapters is None:
+            raise RejectedRequest(f"{self.name} serves no LoRA adapters (no lora section in "
+                                  "its config); adapters cannot be loaded at runtime there")
+        return self.executor.adapters
+
+    def load_adapter(self, name: str, path: str, adapter_id: int, weights) -> None:
+        """Loop thread: hold `weights` (read off the loop) as load `adapter_id` of `name`."""
+        self._lora().load(name, path, adapter_id, weights)
+        self.reap_adapters()          # a load it replaced may have no request left
+
+    def unload_adapter(self, name: str, adapter_id: int):
+        """Loop thread: stop taking requests under the load; an event set once
+        the last one under it has ended."""
+        try:
+            done = self._lora().unload(name, adapter_id)
+        except KeyError as e:
+            raise RejectedRequest(e.args[0]) from None
+        self.reap_adapters()
+        return done
+
+    def reap_adapters(self) -> None:
+        """Loop thread, each pass: free unloaded adapters nothing runs under."""
+        a = self.executor.adapters
+        if a is not None and a.unloading:
+            a.reap({r.adapter for r in self.planner.requests.values()}, self.planner.lora)
 
     def abort(self, req_id: str, reason: str, kind: ErrorKind = ErrorKind.ABORTED) -> bool:
         p = self.planner

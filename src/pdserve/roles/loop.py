@@ -144,6 +144,7 @@ class EngineLoop:
         if s.engine.has_work():
             ran = True
             self._round()
+        s.reap_adapters()
         return s.drain.active and not ran and s.nothing_live()
 
     def _round(self) -> None:

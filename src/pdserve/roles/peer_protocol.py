@@ -39,6 +39,7 @@ from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto.sampling import from_options, to_options
+from pdserve.roles.adapters import adapter_of, name_of
 from pdserve.roles.drain import Drain
 from pdserve.roles.engine_stats import EngineCounters
 from pdserve.roles.outputs import logprob_pb
@@ -173,7 +174,8 @@ class PeerProtocol:
             request_id=req.id, token_ids=req.prompt.tokens, first_page=op.first_page,
             landing_pages=landing, epoch=epoch, target_engine=self.name,
             target_incarnation=self.me.epoch, sampling=to_options(sp, max_tokens=1),
-            prior_output=prior), on_error=failed)
+            prior_output=prior, adapter=name_of(self.executor.adapters, req.adapter),
+            adapter_id=req.adapter), on_error=failed)
 
     def _prefill_not_taken(self, req_id: str, epoch: int, peer: str, code) -> None:
         """P refused the RemotePrefill (it drains, or it still holds an
@@ -307,7 +309,10 @@ class PeerProtocol:
         if limit is not None and any(p >= limit for p in r.landing_pages):
             raise RejectedRequest(f"landing page {max(r.landing_pages)} is outside "
                                   f"{r.target_engine}'s pool of {limit} pages")
-        twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1))
+        # P computes the KV D decodes over: under the very adapter load D runs
+        adapter = adapter_of(self.executor.adapters, self.name, r.adapter, r.adapter_id)
+        twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1),
+                       adapter=adapter)
         twin.first_page = r.first_page
         try:            # the first token only: EOS and stop ids masked as on D
             sp = from_options(r.sampling, max_tokens=1, min_tokens=min(r.sampling.min_tokens, 1),

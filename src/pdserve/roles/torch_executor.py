@@ -29,6 +29,7 @@ import torch
 from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.lora import LoraRound
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
@@ -64,15 +65,18 @@ class Launched:
 
 class TorchExecutor:
     def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True,
-                 groups=None):
+                 groups=None, adapters=None):
         """`detokenize=False`: tokens only; stop strings are then found by
         whoever makes the text (roles/outputs.py). `groups`: the planner's
         CacheGroupSpecs, by default the model's `cache_groups()` (sliding
         groups replayable when engine.sliding_replay is set) and its state
         group (`state_group`, checkpointed every engine.state_block tokens);
         they must lay out the model's layers as the model does (replayable
-        and the state block may differ)."""
+        and the state block may differ). `adapters`: the engine's LoRA
+        adapters (roles/adapters.py), each request's rows run under its
+        `Request.adapter`'s slot; None: no adapters."""
         self.model = model
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.detokenize = detokenize
         self.page_size = cfg.page_size
@@ -291,10 +295,17 @@ class TorchExecutor:
         states = []
         fed_to: list[int] = []
         fed_from: list[int] = []
+        lora = self.adapters
+        row_slots: list[int] = []           # each row's LoRA slot (-1: base), with adapters
+        needs: dict[int, int] = {}          # LoRA slot -> the adapter load its rows run under
         for op in plan.prefills:
             req = op.req
             toks = req.prompt.tokens + req.output
             begin, end = op.begin - op.replay, op.begin + op.tokens
+            if lora is not None:
+                row_slots.extend([req.lora_slot] * (end - begin))
+                if req.lora_slot >= 0:
+                    needs[req.lora_slot] = req.adapter
             q0 = len(ids)
             ids.extend(toks[begin:end])
             pos.extend(range(begin, end))
@@ -335,6 +346,10 @@ class TorchExecutor:
                 slots[g].append(table[p // ps] * ps + p % ps)
             if self.state is not None:
                 states.append(self._seq_state(req, tables[self.state], p, p + 1))
+            if lora is not None:
+                row_slots.append(req.lora_slot)
+                if req.lora_slot >= 0:
+                    needs[req.lora_slot] = req.adapter
             row = fed.get(req.id)
             if row is not None:
                 fed_to.append(len(ids))
@@ -347,6 +362,9 @@ class TorchExecutor:
                   for sl, skip in zip(slots, skips)]
         # one host tensor, one (asynchronous) copy for the round's lists
         lists = [ids, pos, sample_rows, *slots, *writes]
+        active = sorted(needs)
+        if active:
+            lists += [row_slots, active]
         if fed_to:
             lists += [fed_to, fed_from]
         staged = stage_rows(lists, self.model.device)
@@ -361,14 +379,21 @@ class TorchExecutor:
         states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
             else None
         fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
-        return (ids_t, rows_t, metas, states_b, fed_rows), rows
+        lora_round = (LoraRound(self.model.lora, staged[3 + 2 * n], active, staged[4 + 2 * n]),
+                      needs) if active else None
+        return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows
 
     def _compute(self, staged):
-        ids_t, rows_t, metas, states_b, fed_rows = staged
+        ids_t, rows_t, metas, states_b, fed_rows, lora_round = staged
         if fed_rows is not None:
             to, frm, tokens = fed_rows
             ids_t.index_copy_(0, to, tokens.index_select(0, frm).to(ids_t.dtype))
         caches = [self.caches[g] for g in self.kv]
+        if lora_round is not None:
+            rnd, needs = lora_round
+            for slot, adapter in needs.items():     # on the forward thread: after the last forward
+                self.adapters.ensure(slot, adapter)
+            return self.model.forward(ids_t, metas, caches, rows_t, lora=rnd)
         if states_b is None:
             return self.model.forward(ids_t, metas, caches, rows_t)
         return self.model.forward(ids_t, metas, caches, rows_t, states=states_b)

@@ -90,7 +90,8 @@ class RouterServicer(pbg.RouterServicer):
     async def _responses(self, request: pb.GenerateRequest):
         """The request's GenerateResponses; a RequestError if it fails."""
         ids, sp = self.r.validate(request)
-        stream = self.r.open(ids, sp, request.route, request.request_id or None)
+        adapter = self.r.model_adapter(request.model)
+        stream = self.r.open(ids, sp, request.route, request.request_id or None, adapter)
         async with contextlib.aclosing(stream.events()) as deltas:
             async for d in deltas:
                 yield pb.GenerateResponse(

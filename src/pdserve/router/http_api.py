@@ -38,11 +38,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.router import lora_admin
 from pdserve.router.auth import key_matches, refusal
 from pdserve.router.errors import RequestError
 from pdserve.router.openai_answers import Answers, error, from_request_error
 from pdserve.router.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, Unsupported)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraAdapterRequest,
+    TokenizeRequest, Unsupported)
 from pdserve.router.router import Router
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -139,16 +141,17 @@ class HttpFront:
             return None, _from_validation(e)
         except Unsupported as e:
             return None, error(400, str(e), e.param)
-        if body.model is not None and body.model != self.r.model_name:
-            return None, error(404, f"model {body.model!r} is not served here; this deployment "
-                               f"serves {self.r.model_name!r} (GET /v1/models)", "model",
-                               "model_not_found")
+        try:
+            self.r.model_adapter(body.model)
+        except RequestError as e:
+            return None, error(404, e.message, "model", "model_not_found")
         return body, None
 
     def _open(self, prompts: list[list[int]], body, max_tokens, logprobs, rid: str, route):
         """One stream per (prompt, choice): every prompt checked and the
         router's room for all of them taken first, so all or none open."""
         sp = body.sampling(max_tokens, logprobs)
+        adapter = self.r.model_adapter(body.model)
         field = "prompt" if isinstance(body, CompletionRequest) else "messages"
         for p, ids in enumerate(prompts):
             self.r.check_prompt(ids, sp, f"{field}[{p}]" if len(prompts) > 1 else field)
@@ -160,7 +163,8 @@ class HttpFront:
                     # choice j of n draws with seed + j: the choices differ, each reproducible
                     choice = _with_seed(sp, (sp.seed + j) % (1 << 64)) \
                         if sp.seed is not None and j else sp
-                    streams.append(self.r.stream(ids, choice, route, f"{rid}-{p * body.n + j}"))
+                    streams.append(self.r.stream(ids, choice, route, f"{rid}-{p * body.n + j}",
+                                                 adapter))
         except BaseException:
             for s in streams:
                 self.r.active.pop(s.id, None)
@@ -168,23 +172,55 @@ class HttpFront:
         return streams
 
     # ---- endpoints ---------------------------------------------------------------
-    def _model_card(self) -> dict:
-        return {"id": self.r.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "pdserve", "max_model_len": self.r.cfg.engine.max_context_tokens}
+    def _model_card(self, adapter=None) -> dict:
+        """The base model's card, or a LoRA adapter's (its parent: the base)."""
+        card = {"id": self.r.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "root": self.r.model_name, "parent": None,
+                "max_model_len": self.r.cfg.engine.max_context_tokens}
+        if adapter is not None:
+            card.update(id=adapter.name, root=adapter.path, parent=self.r.model_name)
+        return card
 
     async def models(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card()] + [
+            self._model_card(a) for a in self.r.adapters.refs()]})
+
+    async def load_lora_adapter(self, request: Request):
+        """Load an adapter on every engine (lora.runtime_updates); answers once
+        `model` may name it."""
+        body, err = await self._body(request, LoadLoraAdapterRequest)
+        if err is not None:
+            return err
+        try:
+            ref = await lora_admin.load(self.r, body.lora_name, body.lora_path or "")
+        except RequestError as e:
+            return from_request_error(e)
+        return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "id": ref.id,
+                             "status": "loaded"})
+
+    async def unload_lora_adapter(self, request: Request):
+        """Unload an adapter; answers once the requests under it have ended."""
+        body, err = await self._body(request, LoadLoraAdapterRequest)
+        if err is not None:
+            return err
+        try:
+            ref = await lora_admin.unload(self.r, body.lora_name)
+        except RequestError as e:
+            return from_request_error(e)
+        return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "id": ref.id,
+                             "status": "unloaded"})
 
     async def model(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
         name = request.path_params["model"]
-        if name != self.r.model_name:
-            return error(404, f"model {name!r} is not served here; this deployment serves "
-                         f"{self.r.model_name!r}", "model", "model_not_found")
-        return JSONResponse(self._model_card())
+        try:
+            adapter = self.r.model_adapter(name)
+        except RequestError as e:
+            return error(404, e.message, "model", "model_not_found")
+        return JSONResponse(self._model_card(adapter))
 
     async def version(self, request: Request):
         if (denied := self._auth(request)) is not None:
@@ -312,6 +348,8 @@ def build_app(router: Router) -> Starlette:
         Route("/tokenize", front.tokenize, methods=["POST"]),
         Route("/detokenize", front.detokenize, methods=["POST"]),
         Route("/version", front.version, methods=["GET"]),
+        Route("/v1/load_lora_adapter", front.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", front.unload_lora_adapter, methods=["POST"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/health", front.health, methods=["GET"]),

@@ -92,7 +92,7 @@ class Answers:
                                 "finish_reason": res.finish_reason})
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": self.model_name, "choices": choices,
+            "created": created, "model": body.model or self.model_name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)})
 
     async def sse(self, body, streams, rid, created, prompt_tokens, chat: bool, echo=None):
@@ -101,7 +101,7 @@ class Answers:
         error ends it as an error event; then [DONE]."""
         ev = SseEvents({"id": rid, "object": "chat.completion.chunk" if chat
                         else "text_completion", "created": created,
-                        "model": self.model_name}, chat, body.include_usage)
+                        "model": body.model or self.model_name}, chat, body.include_usage)
         completion_tokens = 0
         offsets = [0] * len(streams)
         want_lps = streams[0].sp.logprobs is not None

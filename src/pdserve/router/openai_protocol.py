@@ -312,3 +312,14 @@ class DetokenizeRequest(BaseModel):
 
     def check_unsupported(self) -> None:
         return None
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter (and, without a path, unload)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    lora_name: str
+    lora_path: str | None = None
+
+    def check_unsupported(self) -> None:
+        return None

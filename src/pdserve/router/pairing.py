@@ -38,6 +38,9 @@ class EngineRef:
         """A candidate for new requests."""
         return self.alive and not self.draining and not self.joining
     load: int = 0                 # outstanding tokens the router sent it
+    # the LoRA adapter loads it holds (ids): the configured ones, and those a
+    # runtime load confirmed on it (router/lora_admin.py)
+    adapters: set = dataclasses.field(default_factory=set)
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
 
@@ -96,9 +99,24 @@ class Pairing:
             states.append("a decode engine needs a live prefill engine beside it")
         return "; ".join(states) or "this deployment has no engine of the roles it needs"
 
-    def pick(self, route: str, ids=()) -> tuple[EngineRef, EngineRef | None]:
+    @staticmethod
+    def _holding(engines: list, adapter: int) -> list:
+        """The engines that hold adapter load `adapter`: a P must compute the
+        prompt under the adapter its D decodes with."""
+        return [e for e in engines if adapter in e.adapters]
+
+    def pick(self, route: str, ids=(), adapter: int = 0) -> tuple[EngineRef, EngineRef | None]:
+        """`adapter`: the request's LoRA load id; a prefix is warm only
+        where the same adapter computed it."""
         cands, pre = self.candidates(route)
-        prefix = tuple(ids[:self.page_size])
+        if adapter:
+            cands, pre = self._holding(cands, adapter), self._holding(pre, adapter)
+            if not pre:                   # a D whose P lacks it would prefill all itself
+                cands = [e for e in cands if e.role != "decode"]
+            if not cands:
+                raise LookupError(f"no live engine of route {route!r} holds LoRA adapter load "
+                                  f"{adapter}; load it there (POST /v1/load_lora_adapter)")
+        prefix = (adapter, tuple(ids[:self.page_size]))
         target = self._choose(cands, prefix)
         peer = self._choose(pre, prefix) if target.role == "decode" and pre else None
         return target, peer

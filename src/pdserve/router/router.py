@@ -46,6 +46,7 @@ from pdserve.proto import router_pb2 as pb
 from pdserve.proto.control_tls import ControlTls
 from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
+from pdserve.scheduler.adapters import AdapterRef, AdapterRegistry
 
 log = logging.getLogger("pdserve.router")
 
@@ -108,6 +109,12 @@ class Router:
         self.full_history = full_history
         self.max_prompt_tokens = max_single_request_tokens(cfg.engine, full_history)
         self.model_name = cfg.model.served_name
+        # LoRA adapters by name: the configured ones get the ids every engine gives them
+        self.adapters = AdapterRegistry.from_config(dict(cfg.lora.adapters), self.model_name)
+        # every engine starts with the configured adapters (their ids are 1..n)
+        self.configured_adapters = {r.id for r in self.adapters.refs()}
+        for ref in self.engines.values():
+            ref.adapters = set(self.configured_adapters)
         self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
@@ -132,6 +139,18 @@ class Router:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise RequestError(ErrorKind.INVALID, str(e), param) from None
+
+    def model_adapter(self, model: str | None) -> AdapterRef | None:
+        """The LoRA adapter a request's `model` selects: None for the base
+        model (its name, or no name); a RequestError (404) naming what is
+        served for an unknown one."""
+        if not model or model == self.model_name:
+            return None
+        ref = self.adapters.get(model)
+        if ref is None:
+            raise RequestError(ErrorKind.NOT_FOUND, f"{self.adapters.unknown(model)} "
+                               "(GET /v1/models)", "model")
+        return ref
 
     def check_prompt(self, ids: list[int], sp: SamplingParams, param: str = "prompt") -> None:
         """The prompt is servable by this deployment, or a RequestError that
@@ -175,11 +194,11 @@ class Router:
 
     # ---- requests -------------------------------------------------------------------
     def open(self, ids: list[int], sp: SamplingParams, route: str = "",
-             request_id: str | None = None) -> "Stream":
+             request_id: str | None = None, adapter: AdapterRef | None = None) -> "Stream":
         """Admit a validated request (the in-flight limit, a live route, a
         fresh id); its tokens come from `Stream.events()`."""
         self.admit(1, route)
-        return self.stream(ids, sp, route, request_id)
+        return self.stream(ids, sp, route, request_id, adapter)
 
     def admit(self, streams: int, route: str = "") -> None:
         """Count `streams` arrivals and refuse them together, before any is
@@ -210,14 +229,14 @@ class Router:
             raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
 
     def stream(self, ids: list[int], sp: SamplingParams, route: str = "",
-               request_id: str | None = None) -> "Stream":
+               request_id: str | None = None, adapter: AdapterRef | None = None) -> "Stream":
         """A request `admit` let in: a fresh id, then its Stream."""
         rid = request_id or uuid.uuid4().hex
         if rid in self.active:
             raise RequestError(ErrorKind.EXISTS, f"request id {rid!r} is running; use a fresh id",
                                "request_id")
         self.active[rid] = None
-        return Stream(self, rid, ids, sp, route)
+        return Stream(self, rid, ids, sp, route, adapter)
 
     async def abort(self, rid: str) -> bool:
         entry = self.active.get(rid)
@@ -258,6 +277,7 @@ class Router:
         return pb.ServerInfoResponse(
             version=pdserve.__version__, model=m.path or f"preset:{m.preset}", router=self.id,
             page_size=self.cfg.engine.page_size, max_prompt_tokens=self.max_prompt_tokens,
+            adapters=[r.name for r in self.adapters.refs()],
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role,
                                    incarnation=e.incarnation, alive=e.alive,
                                    kv_capacity_tokens=e.kv_capacity_tokens,
@@ -321,7 +341,8 @@ class Router:
         # picked once its events are subscribed and its peers know it, not
         # when it first answers (a request then found no link, or a D that
         # had not met the new P)
-        ref = EngineRef(name, role, address, joining=True)
+        ref = EngineRef(name, role, address, joining=True,
+                        adapters=set(self.configured_adapters))
         membership.connect(ref, address, self._dial)
         ref.alive = False                         # not picked until it answered and subscribed
         self.engines[name] = ref

@@ -28,6 +28,7 @@ from pdserve.proto.sampling import to_options
 
 if TYPE_CHECKING:
     from pdserve.router.router import Router
+    from pdserve.scheduler.adapters import AdapterRef
 
 log = logging.getLogger("pdserve.router")
 
@@ -63,8 +64,9 @@ class Stream:
     it when the generator ends, however it ends."""
 
     def __init__(self, router: Router, rid: str, ids: list[int], sp: SamplingParams,
-                 route: str):
+                 route: str, adapter: AdapterRef | None = None):
         self.router = router
+        self.adapter = adapter          # the LoRA adapter its model names (None: the base)
         self.id = rid
         self.ids = ids
         self.sp = sp
@@ -122,7 +124,8 @@ class Stream:
         r, done = self.router, len(streamed)
         ids = self.ids + streamed
         try:
-            target, peer = r.pairing.pick(self.route, ids)
+            target, peer = r.pairing.pick(self.route, ids,
+                                          self.adapter.id if self.adapter else 0)
         except LookupError as e:
             raise RequestError(ErrorKind.UNAVAILABLE, str(e)) from None
         load = len(ids) + (self.sp.max_tokens or 256)
@@ -175,7 +178,9 @@ class Stream:
         # made again there
         return cpb.SubmitRequest(request_id=self.id, token_ids=ids, sampling=left,
                                  prefill_peer=peer.name if peer else "", prior_output=done,
-                                 prior_text_chars=chars)
+                                 prior_text_chars=chars,
+                                 adapter=self.adapter.name if self.adapter else "",
+                                 adapter_id=self.adapter.id if self.adapter else 0)
 
     async def _submit(self, target: EngineRef, link: EngineLink, box: Mailbox,
                       sub: cpb.SubmitRequest) -> None:

@@ -21,6 +21,7 @@ from pdserve.scheduler.overlap import check_ending
 def check_invariants(planner) -> None:
     """Pool and index consistency, and that every live request is in
     exactly the collection its state says."""
+    planner.lora.check_invariants(planner.requests.values())
     live, live_ids, snapshots = [], [], []
     for req in planner.requests.values():
         st = req.state

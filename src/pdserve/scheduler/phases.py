@@ -368,6 +368,8 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         # finish, and retracting one for a newcomer would only trade places
         b.waits.line = Stop(Hold.SLIDING_ROOM, req.id, *short)
         return None
+    if not adapter_slot_free(p, b, req):
+        return None
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
                                            replay), hit.pages, b.plan, hit=hit):
@@ -379,6 +381,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     else:
         p.waiting.remove(req)             # a grant redirected past a retracted victim
     p.take_slot(req)
+    p.lora.take(req)
     fsm.start_prefill(req, res, end, target)
     b.push_prefill(PrefillOp(req, begin, chunk, completes, replay), res)
     if completes:
@@ -388,6 +391,18 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         b.sealed = True
         b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req)
     return True
+
+
+def adapter_slot_free(p, b: PlanBuild, req) -> bool:
+    """Whether `req`'s adapter holds a slot or a quiescent one is there to
+    take; if not, it holds the line (adapter_slots.py) until a slot drains."""
+    if p.lora.can_take(req.adapter):
+        return True
+    b.waits.stop_line(Hold.ADAPTER_SLOT, req,
+                      f"its LoRA adapter (load {req.adapter}) needs a device slot and all "
+                      f"{p.lora.slots} (lora.max_loras) serve live requests; it is admitted "
+                      "once one of them drains")
+    return False
 
 
 def new_prompt_phase(p, b: PlanBuild) -> None:
@@ -431,6 +446,8 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     if short is not None:
         b.waits.line = Stop(Hold.SLIDING_ROOM, req.id, *short)
         return None
+    if not adapter_slot_free(p, b, req):
+        return None                       # not for pages: retraction would not help
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens,
                                            lands=True), hit.pages, b.plan, hit=hit):
@@ -442,6 +459,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     else:
         p.waiting.remove(req)
     p.take_slot(req)
+    p.lora.take(req)
     fsm.start_remote_prefill(req, res, hit.pages)
     p.landing[req.id] = req
     b.plan.remote_prefills.append(RemotePrefillOp(req, hit.pages, transfer_slots(p, res, n,

@@ -23,6 +23,7 @@ import bisect
 from collections import deque
 
 from pdserve.scheduler import fsm, invariants
+from pdserve.scheduler.adapter_slots import AdapterSlots
 from pdserve.scheduler.cache_groups import FULL, check_groups, describe
 from pdserve.scheduler.capacity import context_bound, group_bounds, group_pages, ingest_error
 from pdserve.scheduler.config import EngineConfig
@@ -43,9 +44,11 @@ class RejectedRequest(ValueError):
 
 
 class Planner:
-    def __init__(self, cfg: EngineConfig, role: Role = Role.FUSED, groups=(FULL,)):
+    def __init__(self, cfg: EngineConfig, role: Role = Role.FUSED, groups=(FULL,),
+                 lora_slots: int = 0):
         """`groups`: the model's cache groups (cache_groups.py); one
-        full-history group by default."""
+        full-history group by default. `lora_slots`: the device's LoRA
+        adapter slots (lora.max_loras; 0: the base model only)."""
         groups = list(groups)
         check_groups(groups, cfg.page_size)
         self.cfg = cfg
@@ -65,6 +68,7 @@ class Planner:
         self.coord = Coordinator([make_group(g, n, ps) for g, n in zip(groups, pages)],
                                  host_pages=cfg.host_pages, host_slots=cfg.host_state_slots)
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
+        self.lora = AdapterSlots(lora_slots)
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -97,6 +101,9 @@ class Planner:
         err = ingest_error(self.cfg, req.prompt_len, max_new, full)
         if err:
             raise RejectedRequest(err)
+        if req.adapter and not self.lora.slots:
+            raise RejectedRequest(f"request {req.id!r} names LoRA adapter load {req.adapter}, "
+                                  "and this engine has no adapter slots; configure lora")
         mnt = req.limits.max_new_tokens
         req.max_new_tokens = mnt if mnt is not None else \
             context_bound(self.cfg, full) - req.prompt_len
@@ -268,6 +275,8 @@ class Planner:
             self.retracted[req.id] = req
         else:
             # back in line at its submission position: it competes like a newcomer
+            # (its adapter slot too: nothing of it reads the slot any more)
+            self.lora.release(req)
             keys = [r.seq for r in self.waiting]
             self.waiting.insert(bisect.bisect(keys, req.seq), req)
 
@@ -340,6 +349,7 @@ class Planner:
         self.ending.pop(req.id, None)
         self.requests.pop(req.id, None)
         self._free_slot(req)
+        self.lora.release(req)
 
     def _free_slot(self, req: Request) -> None:
         if req.slot >= 0:

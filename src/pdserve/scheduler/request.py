@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from pdserve.scheduler.fsm import State
 
 
+# Marks page 0's key of a request under an adapter: no token segment
+# (a tuple of ints or of block triples) can equal a key that starts with it.
+ADAPTER_SALT = "lora"
+
+
 @dataclass(frozen=True)
 class SamplingLimits:
     max_new_tokens: int | None = None   # None: until the context limit
@@ -72,10 +77,11 @@ class Request:
     __slots__ = (
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
-        "finish_reason", "error", "peer", "first_page", "yields_to",
+        "finish_reason", "error", "peer", "first_page", "yields_to", "adapter", "lora_slot",
     )
 
-    def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits()):
+    def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits(),
+                 adapter: int = 0):
         if not isinstance(prompt, (TokenPrompt, BlockPrompt)):
             prompt = TokenPrompt(prompt)
         from pdserve.scheduler.fsm import Waiting
@@ -99,9 +105,22 @@ class Request:
         # A retraction victim: (the request it was retracted for, that one's
         # token count then); it re-enters after that one (phases.yields, §2)
         self.yields_to: tuple[Request, int] | None = None
+        # The LoRA adapter's load id (scheduler/adapters.py), 0 for the base
+        # model: the salt of every cache key, so KV computed under one adapter
+        # never serves another, the base, or the same name loaded again.
+        self.adapter = adapter
+        self.lora_slot = -1            # the device adapter slot it references (adapter_slots.py)
 
     def page_key(self, page: int, page_size: int):
-        """What identifies the content of page `page` (full pages only)."""
+        """What identifies the content of page `page` (full pages only).
+        Page 0's key carries the adapter, and every later page is keyed by
+        the chain through it: the prefix index, the host tier and what a D
+        tells its P it holds are all salted by this one line."""
+        if page == 0 and self.adapter:
+            return (ADAPTER_SALT, self.adapter, self._page_key(0, page_size))
+        return self._page_key(page, page_size)
+
+    def _page_key(self, page: int, page_size: int):
         start, end = page * page_size, (page + 1) * page_size
         if end <= self.prompt_len:
             return self.prompt.segment(start, end)

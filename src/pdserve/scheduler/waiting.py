@@ -35,6 +35,7 @@ class Hold(enum.StrEnum):
     WAITING_FOR_PREFILL = "waiting_for_prefill"        # D: a P engine prefills it
     REMOTE_ADMISSION_LIMIT = "remote_admission_limit"  # D: one remote admission a round
     NOT_YET_PLANNED = "not_yet_planned"                # arrived after the last build
+    ADAPTER_SLOT = "adapter_slot"                      # its LoRA adapter waits for a device slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,9 @@ _LINE_TEXT = {
         "", "{who}'s local recovery claims this round to itself (§3.2)"),
     Hold.REMOTE_ADMISSION_LIMIT: (
         "", "at most one remote admission a round, and {who} took this one (§3.2)"),
+    Hold.ADAPTER_SLOT: (
+        "{note}",
+        "behind {who}, whose LoRA adapter waits for a device slot; nobody overtakes it"),
 }
 
 

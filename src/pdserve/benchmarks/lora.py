@@ -1,0 +1,151 @@
+"""`pdserve bench lora`: a decode batch under 1, 4 and 16 distinct LoRA
+adapters against the base model at the same batch, and what loading an
+adapter costs.
+
+The model (SmolLM2-135M by default) gets 16 device slots
+holding 16 random PEFT adapters (rank `--rank` on q, k, v, o, gate, up and
+down, written to a temporary directory as PEFT saves them). A decode round
+of `--batch` sequences, each `--context` tokens into its history, is timed
+through the model's forward (attention over the paged cache, every layer,
+the logits): all rows under the base model, all under one adapter, or spread
+round-robin over 4 or 16. Each repeat times every case in turn, `--rounds`
+forwards each; the table gives tokens a second (batch / the median round)
+over `--repeats`, its spread, and each case against the base. Then an
+adapter's load: its PEFT directory read into host memory, and host memory
+copied into a device slot.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.benchmarks.args import positive
+
+CASES = (("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("16 adapters", 16))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="smollm2-135m", help="model preset (smollm2-135m)")
+    p.add_argument("--batch", type=positive, default=16, help="decode rows a round (16)")
+    p.add_argument("--context", type=positive, default=256, help="history per row (256)")
+    p.add_argument("--rank", type=positive, default=16, help="adapter rank (16)")
+    p.add_argument("--rounds", type=positive, default=10, help="forwards a case a repeat")
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--device", default="cpu")
+
+
+def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
+    """A random adapter for a model of `cfg`, as PEFT saves one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pdserve.kernels.lora_adapter import MODULES, module_shape
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for m in MODULES:
+            out, inp = module_shape(cfg, m)
+            part = "self_attn" if m in MODULES[:4] else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp ** .5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
+         "bias": "none"}))
+    return d
+
+
+def _decode_round(model, batch: int, context: int, page: int = 16):
+    """A decode round's inputs: `batch` rows, each the next token of a
+    `context`-token history in its own pages (the cache's values do not
+    matter to the time)."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
+    per = -(-(context + 1) // page)
+    cache = model.new_cache(batch * per, page)
+    seqs, slots = [], []
+    for i in range(batch):
+        table = list(range(i * per, (i + 1) * per))
+        seqs.append(SeqMeta(i, 1, context + 1, table))
+        slots.append(table[context // page] * page + context % page)
+    dev = model.device
+    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
+                     torch.full((batch,), context, device=dev), num_decodes=batch)
+    ids = torch.arange(batch, device=dev) + 1
+    return ids, meta, cache, torch.arange(batch, device=dev)
+
+
+def run(args) -> int:
+    import torch
+
+    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.lora import LoraRound
+    from pdserve.kernels.lora_adapter import load_adapter
+
+    n = max(k for _, k in CASES)
+    model, _ = load_model(None, args.preset, dtype="float32", device=args.device,
+                          attention="torch")
+    cfg = model.cfg
+    stacks = model.enable_lora(n, args.rank)
+    reads, copies = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(n):
+            d = write_random_adapter(Path(tmp) / f"a{i}", cfg, args.rank, i)
+            t0 = time.perf_counter()
+            adapter = load_adapter(d, cfg, args.rank)
+            t1 = time.perf_counter()
+            stacks.load(i, adapter)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            reads.append(t1 - t0)
+            copies.append(time.perf_counter() - t1)
+    ids, meta, cache, rows = _decode_round(model, args.batch, args.context)
+    rounds: dict[str, LoraRound | None] = {}
+    for label, k in CASES:
+        if k == 0:
+            rounds[label] = None
+        else:
+            slots = [i % k for i in range(args.batch)]
+            rounds[label] = LoraRound(stacks, torch.tensor(slots, device=model.device),
+                                      sorted(set(slots)))
+
+    def timed(rnd) -> float:
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.rounds):
+            model.forward(ids, meta, cache, rows, lora=rnd)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / args.rounds
+
+    for rnd in rounds.values():                # warm every path
+        timed(rnd)
+    rates: dict[str, list[float]] = {label: [] for label, _ in CASES}
+    for _ in range(args.repeats):
+        for label, _ in CASES:
+            rates[label].append(args.batch / timed(rounds[label]))
+    base = statistics.median(rates["base"])
+    print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
+          f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
+          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats")
+    print(f"{'case':<14} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8}")
+    for label, _ in CASES:
+        r = rates[label]
+        med = statistics.median(r)
+        print(f"{label:<14} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
+              f"{med / base:>7.2f}x")
+    mb = adapter.nbytes() / 2 ** 20
+    print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
+          f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
+          f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
+    return 0

@@ -1,0 +1,65 @@
+"""LoRA test helpers: a tiny random Llama saved as a Hugging Face checkpoint,
+and random PEFT adapters for it, written as PEFT writes them
+(adapter_config.json + adapter_model.safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.lora_adapter import MODULES
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def tiny_llama(d: Path, seed: int = 0):
+    """A random LlamaForCausalLM (float32, eval) saved under `d`."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
+    with torch.no_grad():               # non-trivial norms, so a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(d, safe_serialization=True)
+    return model
+
+
+def shapes(hidden: int, inter: int, q: int, kv: int) -> dict:
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+            "o_proj": (hidden, q), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+def write_adapter(d: Path, *, layers: int, dims: dict, rank: int = 4, alpha: float = 8.0,
+                  targets=MODULES, seed: int = 1, scale: float = 0.3, **extra) -> Path:
+    """A random LoRA adapter as PEFT saves it (B non-zero, unlike a fresh one)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for m in targets:
+            out, inp = dims[m]
+            part = "self_attn" if m in MODULES[:4] else "mlp"
+            p = f"base_model.model.model.layers.{i}.{part}.{m}"
+            tensors[p + ".lora_A.weight"] = torch.randn(rank, inp, generator=g) * scale / inp ** .5
+            tensors[p + ".lora_B.weight"] = torch.randn(out, rank, generator=g) * scale / rank ** .5
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+            "bias": "none", "use_rslora": False, "use_dora": False, **extra}
+    (d / "adapter_config.json").write_text(json.dumps(conf))
+    return d
+
+
+def tiny_adapter(d: Path, seed: int, **kw) -> Path:
+    """A random adapter for `tiny_llama`'s shapes."""
+    t = TINY
+    head = t["hidden_size"] // t["num_attention_heads"]
+    dims = shapes(t["hidden_size"], t["intermediate_size"], t["hidden_size"],
+                  t["num_key_value_heads"] * head)
+    return write_adapter(d, layers=t["num_hidden_layers"], dims=dims, seed=seed, **kw)
