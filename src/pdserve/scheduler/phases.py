@@ -310,7 +310,12 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     cfg = p.cfg
     ps = p.page_size
     target = req.num_tokens
+    if req.disk_wait:
+        b.waits.stop_line(Hold.DISK_PREFETCH, req)
+        return None
     hit = p.coord.match(req, (target - 1) // ps)
+    if req.disk_pages > hit.pages:
+        hit = p.coord.disk_hit(req, hit, (target - 1) // ps, max(p.prefix_tokens // ps, 1))
     begin = hit.pages * ps
     replay = replay_rows(begin, p.replay_tokens, ps)
     chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.prefix_tokens,
@@ -329,10 +334,12 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         rest_of_prompt=target - end, headroom=headroom, decode_width=width)
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
-                                           replay), hit.pages, b.plan, hit=hit):
+                                           replay), hit.pages - hit.disk, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
+    req.cached = (hit.device_end * ps, len(hit.host) * ps, hit.disk * ps)
+    p.hits.count(req.prompt_len, req.cached)
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:

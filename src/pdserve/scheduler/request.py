@@ -73,6 +73,7 @@ class Request:
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
         "finish_reason", "error", "peer", "first_page", "yields_to",
+        "disk_pages", "disk_wait", "cached",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits()):
@@ -99,6 +100,13 @@ class Request:
         # A retraction victim: (the request it was retracted for, that one's
         # token count then); it re-enters after that one (phases.yields, §2)
         self.yields_to: tuple[Request, int] | None = None
+        # The disk (L3) tier, as the engine's edge reports it (inputs, never
+        # read from a disk here): the leading pages of the prompt the disk
+        # can serve, and whether its prefetch policy still holds it back
+        self.disk_pages = 0
+        self.disk_wait = False
+        # Prompt tokens its first admission found cached: (device, host, disk)
+        self.cached = (0, 0, 0)
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only)."""

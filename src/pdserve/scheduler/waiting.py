@@ -34,6 +34,7 @@ class Hold(enum.StrEnum):
     WAITING_FOR_PREFILL = "waiting_for_prefill"        # D: a P engine prefills it
     REMOTE_ADMISSION_LIMIT = "remote_admission_limit"  # D: one remote admission a round
     NOT_YET_PLANNED = "not_yet_planned"                # arrived after the last build
+    DISK_PREFETCH = "disk_prefetch"                    # its disk prefetch policy holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,10 @@ _LINE_TEXT = {
         "", "{who}'s local recovery claims this round to itself (§3.2)"),
     Hold.REMOTE_ADMISSION_LIMIT: (
         "", "at most one remote admission a round, and {who} took this one (§3.2)"),
+    Hold.DISK_PREFETCH: (
+        "its prefix is being read from the disk tier, and engine.disk_cache."
+        "prefetch_policy holds it until the read completes (or times out)",
+        "behind {who}, whose disk prefetch holds the line; nobody overtakes it"),
 }
 
 
