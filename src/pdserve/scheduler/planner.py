@@ -397,6 +397,11 @@ class Planner:
         leave uncalled."""
         return wait_reasons(self, self._last_waits)
 
+    def cached_pages(self, req: Request) -> int:
+        """Prompt pages of `req` device and host hold now (what a disk
+        probe need not ask for). Pure."""
+        return self.coord.match(req, (req.num_tokens - 1) // self.page_size).pages
+
     def waiting_on_peer(self) -> bool:
         """Requests whose next step is the peer's (a landing, an ack)."""
         return bool(self.landing or self.transferring)

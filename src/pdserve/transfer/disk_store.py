@@ -191,6 +191,11 @@ class DiskStore:
                 self._cv.wait(left)
             return self._done.pop(job)
 
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until some completion is ready to poll (or `timeout_s`)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._done), timeout_s)
+
     def pending(self) -> int:
         """Operations submitted and not finished."""
         with self._cv:
