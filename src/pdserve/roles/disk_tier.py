@@ -258,8 +258,11 @@ class DiskTier:
     # ---- a plan's reads ---------------------------------------------------------
     def read(self, op) -> list[bytes] | None:
         """The bytes of a DiskLoadOp's pages, prefetched or read now; None
-        if any page cannot be read (a miss)."""
+        if any page cannot be read (a miss). The request's prefetch ends
+        here: a request retracted for a miss re-prefills without the disk."""
         pf = self._prefetch.get(op.req_id)
+        if pf is not None:
+            self._drop(op.req_id)
         out = []
         for n, chain in enumerate(op.chains):
             data = None
