@@ -82,6 +82,13 @@ def test_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_path, refe
     hits = again.engine.planner.hits
     assert hits.disk_tokens >= 44 and hits.disk_missed == 0
     again.engine.planner.assert_idle()
+    # what `pdserve stats` and /metrics read
+    from pdserve.roles.engine_stats import EngineCounters, stats_pb
+    from pdserve.scheduler.grammar import Role
+    s = stats_pb(again.engine.planner, Role.FUSED, EngineCounters(), {"groups": [], "tokens": 0},
+                 "float32", "torch", again.executor.disk.stats())
+    assert s.cached_tokens_by_tier["disk"] == hits.disk_tokens
+    assert s.disk_cache["bytes_read"] > 0 and s.disk_cache["reads_hit"] >= 1
 
 
 def test_a_full_host_tier_evicts_and_the_disk_still_serves(tmp_path, reference):
