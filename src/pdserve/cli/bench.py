@@ -39,6 +39,10 @@ BENCHMARKS = [
     Subcommand("sampling", "pdserve.benchmarks.sampling",
                "a round's logits to tokens on a real model's vocabulary, against the sampler "
                "before"),
+    Subcommand("disk", "pdserve.benchmarks.disk",
+               "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
+               "host + disk, a warm restart against a cold one, the cost when every probe "
+               "misses"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),

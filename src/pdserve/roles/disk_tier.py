@@ -2,8 +2,8 @@
 arrival, the reads a plan asks for, and writes through from the host tier.
 
     arrival (before a build)   for the prompt's pages beyond what device and
-                               host hold, EXISTS probes, then GETs (the
-                               prefetch). `Request.disk_pages` follows the
+                               host hold, GETs (the prefetch; best_effort
+                               probes with EXISTS first). `Request.disk_pages` follows the
                                policy: best_effort, the pages the probe
                                found (those not read by admission are read
                                in the round); wait_complete and timeout, the
@@ -208,7 +208,10 @@ class DiskTier:
         self.counts.probes += 1
         self.counts.probed_pages += len(chains)
         jobs = {}
-        for op in (DiskOp.EXISTS, DiskOp.GET):
+        # best_effort admits on what the probe found; the others on what was read
+        ops = (DiskOp.EXISTS, DiskOp.GET) \
+            if self.cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT else (DiskOp.GET,)
+        for op in ops:
             for i, c in enumerate(chains):
                 j = self.store.submit(op, self.key(c))
                 jobs[j] = i
