@@ -38,9 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--dir", default=None, help="the disk tier's directory (default: a fresh "
                    "one under /dev/shm, else the system's temporary directory)")
+    p.add_argument("--sim", action="store_true", help="instead: the Mooncake conversation "
+                   "trace in the simulator, host alone against host + disk")
+    p.add_argument("--trace", default=None, help="--sim: a Mooncake-format trace (default: "
+                   "the conversation trace in ../shared/data/traces)")
+    p.add_argument("--limit", type=positive, default=3000, help="--sim: requests from the "
+                   "start of the trace (3000)")
+    p.add_argument("--disk-gib", type=float, default=512.0, help="--sim: the disk tier's "
+                   "size (GiB, 512)")
 
 
 def run(args) -> int:
+    if args.sim:
+        return sim_main(args.trace, args.limit, args.disk_gib, args.repeats)
     return main(args.preset, args.conversations, args.turns, args.turn_tokens, args.repeats,
                 args.dir)
 
@@ -59,14 +69,14 @@ class Bench:
         disk tier on `disk`, or none."""
         from pdserve.roles.engine import Engine
         from pdserve.roles.torch_executor import TorchExecutor
-        from pdserve.scheduler.config import DiskCacheConfig
+        from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
         from pdserve.scheduler.planner import Planner
 
         old = getattr(self.llm, "executor", None)
         if old is not None:
             old.close()
         cfg = dataclasses.replace(self.base, disk_cache=DiskCacheConfig(
-            path=disk, prefetch_policy="wait_complete") if disk else None)
+            path=disk, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) if disk else None)
         ex = TorchExecutor(self.llm.model, self.llm.tokenizer, cfg)
         self.llm.executor = ex
         self.llm.engine = Engine("fused-0", Planner(cfg, groups=ex.groups), ex,
@@ -89,7 +99,7 @@ class Bench:
 def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) -> list:
     """Per turn, every conversation's prompt at that turn."""
     rng = random.Random(seed)
-    convs = [[] for _ in range(n)]
+    convs: list[list[int]] = [[] for _ in range(n)]
     out = []
     for _ in range(turns):
         for c in convs:
@@ -166,4 +176,52 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
           f"{cell('on')} | {ratio('on', 'off')} |")
     print(f"\nmedian (min-max) over {repeats} repeats; disk hit tokens in the replay: "
           f"{disk_hits}")
+    return 0
+
+
+# ---- the simulator: the Mooncake conversation trace ---------------------------------
+
+SIM_CONFIG = "sim-mooncake-tight-host.yaml"
+
+
+def sim_main(trace_path: str | None, limit: int, disk_gib: float, repeats: int) -> int:
+    """The conversation trace on the shipped tight-host config, host alone
+    against host + a disk tier of `disk_gib` GiB shared by the node's
+    engines: prompt tokens found cached by tier against the trace's own
+    bound (everything kept), TTFT p50 and p90."""
+    from pdserve.benchmarks.state_reuse import ideal_hit
+    from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
+    from pdserve.config import load_config, shipped
+    from pdserve.scheduler.config import DiskCacheConfig
+    from pdserve.sim.report import percentile
+    from pdserve.sim.simulation import Simulation
+    from pdserve.sim.trace import read_trace
+
+    trace = read_trace(trace_file(trace_path, MOONCAKE_CONV), limit=limit)
+    cfg = load_config(shipped(SIM_CONFIG))
+    total, bound = ideal_hit(trace)
+    disk = DiskCacheConfig(path="simulated", max_bytes=int(disk_gib * 2 ** 30))
+    e = cfg.engine
+    print(f"the first {len(trace)} Mooncake conversation requests on {SIM_CONFIG}: "
+          f"{cfg.cluster.fused} fused engines, {e.total_pages:,} device and {e.host_pages:,} "
+          f"host pages of {e.page_size} each; disk {disk_gib:g} GiB shared, read "
+          f"{cfg.simulate.disk_read_gbps:g} Gb/s")
+    print(f"\n| tiers | device % | host % | disk % | all % | bound % | TTFT p50 s | "
+          f"TTFT p90 s | finished | wall s |\n| --- | --- | --- | --- | --- | --- | --- | "
+          f"--- | --- | --- |")
+    for name, dc in (("device + host", None), ("device + host + disk", disk)):
+        walls = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = Simulation(dataclasses.replace(cfg, engine=dataclasses.replace(
+                e, disk_cache=dc)), trace, progress=False).run()
+            walls.append(time.perf_counter() - t0)
+        tiers = res["cached_tokens_by_tier"]
+        p = tiers["prompt_tokens"] or 1
+        ttft = sorted(r["ttft_s"] for r in res["requests"] if r["ttft_s"] is not None)
+        shares = [100 * tiers[k] / p for k in ("device", "host", "disk")]
+        print(f"| {name} | " + " | ".join(f"{s:.1f}" for s in shares) +
+              f" | {sum(shares):.1f} | {100 * bound / total:.1f} | "
+              f"{percentile(ttft, 0.5):.3f} | {percentile(ttft, 0.9):.3f} | "
+              f"{res['summary']['finished']} | {statistics.median(walls):.1f} |", flush=True)
     return 0
