@@ -339,7 +339,8 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         return False
     res.covers_generation = headroom >= remaining
     req.cached = (hit.device_end * ps, len(hit.host) * ps, hit.disk * ps)
-    p.hits.count(req.prompt_len, req.cached)
+    if not req.retractions:
+        p.hits.count(req.prompt_len, req.cached)    # a prompt's first admission only
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:

@@ -216,6 +216,7 @@ class Planner:
         self.coord.release(res, req.id)
         req.disk_pages = 0
         req.disk_wait = False
+        self.hits.disk_tokens -= req.cached[2]     # it will compute them after all
         req.cached = (0, 0, 0)
         self.hits.disk_missed += 1
         self.retracted_from_device(req)
