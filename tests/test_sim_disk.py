@@ -48,7 +48,7 @@ def test_a_small_disk_evicts_and_a_read_it_evicted_since_the_probe_misses():
     """Capacity bounds what the disk keeps; a page evicted between a
     request's probe and its read is a miss after admission: the request
     re-prefills, and every request still finishes."""
-    small = run({"path": "simulated", "max_bytes": 300 * 131072 * 16})
+    small = run({"path": "simulated", "max_bytes": 512 * 131072 * 16})   # 512 pages
     big = run({"path": "simulated", "max_bytes": 1 << 40})
     t = small["cached_tokens_by_tier"]
     assert t["disk"] < big["cached_tokens_by_tier"]["disk"]
