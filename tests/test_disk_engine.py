@@ -78,7 +78,9 @@ def test_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_path, refe
     cold.executor.close()
     assert list(tmp_path.glob("*.kv"))
     again = llm(disk)                                    # a restart on the same directory
-    assert tokens(again, TURNS) == reference
+    outs = again.generate(TURNS, SP, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert outs[0].cached_tokens >= 44
     hits = again.engine.planner.hits
     assert hits.disk_tokens >= 44 and hits.disk_missed == 0
     again.engine.planner.assert_idle()
@@ -204,3 +206,14 @@ def test_disk_cache_settings_are_checked_with_the_fix_named(tmp_path):
     f.write_text("")
     with pytest.raises(DiskStoreError, match="engine.disk_cache.path=.*cannot be created"):
         llm({"path": str(f / "kv")})
+
+
+def test_openai_usage_reports_cached_prompt_tokens():
+    """usage.prompt_tokens_details.cached_tokens: what the engine's
+    admission found cached, carried on the stream's last delta."""
+    from pdserve.router.openai_answers import usage
+    from pdserve.router.stream import Delta, _joined
+
+    assert usage(50, 6, 44)["prompt_tokens_details"] == {"cached_tokens": 44}
+    last = _joined(Delta([1], "a", [], "", "e"), Delta([2], "b", [], "stop", "e", 44))
+    assert last.cached_tokens == 44 and last.finish_reason == "stop"

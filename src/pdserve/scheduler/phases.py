@@ -399,6 +399,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool:
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
+    req.cached = (hit.pages * ps, 0, 0)          # D's own hit; P computes or finds the rest
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:
