@@ -72,6 +72,11 @@ def _tensors(obj, name: str, depth: int = 0):
         yield from _tensors(vars(obj), name, depth + 1)
 
 
+# How many chains the edge remembers writing (to skip writing them again) and
+# counting hits on: bounded, so a long-running engine's memory is too.
+REMEMBERED = 1 << 20
+
+
 @dataclass
 class DiskCounts:
     """What the edge counts (engine stats and metrics)."""
@@ -307,6 +312,8 @@ class DiskTier:
         if chain is None:
             return
         n = self._hits.get(chain, 0) + 1
+        if len(self._hits) >= REMEMBERED:
+            self._hits.clear()
         self._hits[chain] = n
         if n >= self.cfg.write_hits:
             self._hits.pop(chain, None)
@@ -315,6 +322,8 @@ class DiskTier:
     def _write(self, chain: int, page_bytes) -> None:
         if chain in self._written:
             return
+        if len(self._written) >= REMEMBERED:
+            self._written.clear()       # a skip list only: forgetting costs a rewrite
         self._written.add(chain)
         self._writes_out.add(self.store.submit(DiskOp.PUT, self.key(chain), page_bytes()))
         self.counts.writes += 1
