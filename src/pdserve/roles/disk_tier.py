@@ -187,9 +187,13 @@ class DiskTier:
         return any(not pf.let_go for pf in self._prefetch.values())
 
     def wait_progress(self, timeout_s: float) -> None:
-        """Block until a read ends (or `timeout_s`): an engine with nothing
-        else to do waits here instead of spinning."""
-        self.store.wait_any(timeout_s)
+        """Block until the reads of every held prefetch ended (or
+        `timeout_s`): an engine with nothing else to do waits here, woken
+        once, not once a page."""
+        last = max((j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs),
+                   default=None)
+        if last is not None:
+            self.store.wait_ended(last, timeout_s)
 
     def _arrivals(self, planner) -> None:
         new = []

@@ -191,6 +191,13 @@ class DiskStore:
                 self._cv.wait(left)
             return self._done.pop(job)
 
+    def wait_ended(self, job: int, timeout_s: float) -> bool:
+        """Block until job `job` and every job before it ended (one worker
+        runs them in order), leaving their completions for `poll`."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: job <= self._next - len(self._queue) - self._busy, timeout_s)
+
     def wait_any(self, timeout_s: float) -> bool:
         """Block until some completion is ready to poll (or `timeout_s`)."""
         with self._cv:
