@@ -217,3 +217,25 @@ def test_openai_usage_reports_cached_prompt_tokens():
     assert usage(50, 6, 44)["prompt_tokens_details"] == {"cached_tokens": 44}
     last = _joined(Delta([1], "a", [], "", "e"), Delta([2], "b", [], "stop", "e", 44))
     assert last.cached_tokens == 44 and last.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_path):
+    """The real model on the CPU: the same check as the tiny one's."""
+    engine = {"page_size": 16, "total_pages": 64, "host_pages": 32,
+              "max_scheduled_tokens": 512}
+    model = {"preset": "smollm2-135m"}
+    prompts = [list(range(1000, 1200)) + [5, 6, 7, i] for i in range(3)]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    off = [o.token_ids for o in LLM({"model": model, "engine": engine}).generate(
+        prompts, sp, use_tqdm=False)]
+    disk = {"path": str(tmp_path), "prefetch_policy": "wait_complete"}
+    on = LLM({"model": model, "engine": engine | {"disk_cache": disk}})
+    assert [o.token_ids for o in on.generate(prompts, sp, use_tqdm=False)] == off
+    assert [o.token_ids for o in on.generate(prompts, sp, use_tqdm=False)] == off
+    assert on.executor.disk.flush()
+    on.executor.close()
+    again = LLM({"model": model, "engine": engine | {"disk_cache": disk}})
+    outs = again.generate(prompts, sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == off
+    assert again.engine.planner.hits.disk_tokens >= 192
