@@ -28,6 +28,8 @@ from pathlib import Path
 
 from pdserve.benchmarks.args import positive
 
+PARTS = ("replay", "restart", "all-miss")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="smollm2-135m", help="the model preset (default "
@@ -38,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--dir", default=None, help="the disk tier's directory (default: a fresh "
                    "one under /dev/shm, else the system's temporary directory)")
+    p.add_argument("--only", choices=PARTS, action="append", default=None,
+                   help="run these comparisons only (repeatable; default: all three)")
     p.add_argument("--sim", action="store_true", help="instead: the Mooncake conversation "
                    "trace in the simulator, host alone against host + disk")
     p.add_argument("--trace", default=None, help="--sim: a Mooncake-format trace (default: "
@@ -52,7 +56,7 @@ def run(args) -> int:
     if args.sim:
         return sim_main(args.trace, args.limit, args.disk_gib, args.repeats)
     return main(args.preset, args.conversations, args.turns, args.turn_tokens, args.repeats,
-                args.dir)
+                args.dir, set(args.only or PARTS))
 
 
 class Bench:
@@ -109,7 +113,7 @@ def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) ->
 
 
 def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
-         directory: str | None) -> int:
+         directory: str | None, parts=frozenset(PARTS)) -> int:
     ps = 16
     final = turns * tokens
     # device and host hold about two conversations' prompts each: fewer than there are
@@ -126,10 +130,12 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
     print(f"{preset}: {n} conversations x {turns} turns of {tokens} tokens (final prompt "
           f"{final}); device {engine['total_pages']} pages, host {engine['host_pages']} pages "
           f"of {ps}; disk tier at {root}; {repeats} repeats, sides alternated", flush=True)
-    res: dict[str, list] = {k: [] for k in ("host", "disk", "cold", "warm", "off", "on")}
+    res: dict[str, list] = {k: [] for k in ("host", "disk", "cold", "warm", "off", "on",
+                                            "off_cpu", "on_cpu")}
     disk_hits = []
     for rep in range(repeats):
-        for side in (("host", "disk") if rep % 2 == 0 else ("disk", "host")):
+        for side in (("host", "disk") if rep % 2 == 0 else ("disk", "host")) \
+                if parts & {"replay", "restart"} else ():
             d = root / f"replay-{rep}"
             if side == "disk":
                 shutil.rmtree(d, ignore_errors=True)
@@ -141,30 +147,38 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
                 disk_hits.append(llm.engine.planner.hits.disk_tokens)
                 llm.executor.disk.flush()
         # restart: the last turns on an engine started on the filled directory, or an empty one
-        for side in (("cold", "warm") if rep % 2 == 0 else ("warm", "cold")):
+        for side in (("cold", "warm") if rep % 2 == 0 else ("warm", "cold")) \
+                if "restart" in parts else ():
             d = root / (f"replay-{rep}" if side == "warm" else f"empty-{rep}")
             shutil.rmtree(root / f"empty-{rep}", ignore_errors=True)
             b.engine(str(d))
             res[side].append(sum(b.ttft(replay[-1])))
         # all-miss: prompts sharing nothing
-        for side in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+        for side in (("off", "on") if rep % 2 == 0 else ("on", "off")) \
+                if "all-miss" in parts else ():
             d = root / f"miss-{rep}"
             shutil.rmtree(d, ignore_errors=True)
             b.engine(str(d) if side == "on" else None)
+            cpu0 = time.process_time()          # every thread's: robust to a busy host
             res[side].append(statistics.median(b.ttft(misses)))
+            res[f"{side}_cpu"].append((time.process_time() - cpu0) / len(misses))
         for d in root.glob("*"):
             shutil.rmtree(d, ignore_errors=True)
         print(f"  repeat {rep + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms"
-                                                   for k, v in res.items()), flush=True)
+                                                   for k, v in res.items() if v), flush=True)
     if not directory:
         shutil.rmtree(root, ignore_errors=True)
 
     def cell(k: str) -> str:
         v = res[k]
+        if not v:
+            return "-"
         return f"{statistics.median(v) * 1e3:,.0f} ms ({min(v) * 1e3:,.0f}-{max(v) * 1e3:,.0f})"
 
     def ratio(a: str, c: str) -> str:
         r = [x / y for x, y in zip(res[a], res[c])]
+        if not r:
+            return "-"
         return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
 
     print(f"\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
@@ -174,6 +188,8 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
           f"{cell('warm')} | {ratio('warm', 'cold')} |")
     print(f"| all-miss prompts: median TTFT, tier off (A) vs on (B) | {cell('off')} | "
           f"{cell('on')} | {ratio('on', 'off')} |")
+    print(f"| all-miss prompts: process CPU a request, tier off (A) vs on (B) | "
+          f"{cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu', 'off_cpu')} |")
     print(f"\nmedian (min-max) over {repeats} repeats; disk hit tokens in the replay: "
           f"{disk_hits}")
     return 0
