@@ -116,9 +116,10 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
          directory: str | None, parts=frozenset(PARTS)) -> int:
     ps = 16
     final = turns * tokens
-    # device and host hold about two conversations' prompts each: fewer than there are
+    # device and host hold about one conversation's prompt each: together
+    # fewer than there are, so a turn's prefix is gone from both by its next turn
     pages = -(-final // ps)
-    engine = {"page_size": ps, "total_pages": 2 * pages + 8, "host_pages": 2 * pages,
+    engine = {"page_size": ps, "total_pages": pages + 8, "host_pages": pages,
               "max_scheduled_tokens": max(512, final)}
     b = Bench(preset, engine)
     vocab = b.llm.model.cfg.vocab_size
