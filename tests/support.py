@@ -19,12 +19,14 @@ def req(rid: str, prompt, max_new: int | None = 4, strict: bool = False) -> Requ
 
 
 def result_for(plan, token: int = 1, stopped=(), ack: bool = True) -> StepResult:
-    """What an executor that finishes everything within the round reports."""
+    """What an executor that finishes everything within the round reports
+    (disk reads are acked in their round whatever `ack` says: they hit)."""
     return StepResult([token] * len(plan.decodes),
                       [token if op.completes else None for op in plan.prefills],
                       set(stopped),
                       [s.id for s in plan.stores] if ack else [],
-                      [ld.id for ld in plan.loads] if ack else [])
+                      [ld.id for ld in plan.loads] if ack else [],
+                      [d.id for d in plan.disk_loads])
 
 
 def step(p: Planner, token: int = 1):

@@ -230,8 +230,8 @@ def test_a_generate_many_call_that_ends_during_a_write_still_sends_the_last_resp
             self.task = asyncio.current_task()     # the call's task for this request
             self.writing = asyncio.Event()
             for i in range(4):
-                yield SimpleNamespace(token_ids=[i], text=str(i), engine="fused-0", logprobs=[],
-                                      finish_reason="length" if i == 3 else "")
+                from pdserve.router.stream import Delta
+                yield Delta([i], str(i), [], "length" if i == 3 else "", "fused-0")
                 if i == 0:                          # the rest once the first is being written
                     await self.writing.wait()
 

@@ -114,6 +114,8 @@ def _stats(resp) -> list[dict]:
     for e in resp.engines:
         row = {k: getattr(e, k) for k in keys}
         row["transfer_failures_by_stage"] = dict(e.transfer_failures_by_stage)
+        row["cached_tokens_by_tier"] = dict(e.cached_tokens_by_tier)
+        row["disk_cache"] = dict(e.disk_cache)
         row["waiting_requests"] = [
             {"request_id": w.request_id, "reason": w.reason, "detail": w.detail,
              "pages_needed": w.pages_needed, "pages_free": w.pages_free}

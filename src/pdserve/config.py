@@ -143,6 +143,10 @@ class SimulateConfig:
     # and rounds a decode engine runs after a transfer lands before it sees
     # it: an executor whose copies complete asynchronously (0: in the round)
     ack_delay_rounds: int = 0
+    # the disk tier (engine.disk_cache): its read and write bandwidth, one
+    # store per simulated node that every engine shares
+    disk_read_gbps: float = 40.0      # ~5 GB/s: one local NVMe drive
+    disk_write_gbps: float = 24.0     # ~3 GB/s
 
     @classmethod
     def from_dict(cls, data) -> "SimulateConfig":
@@ -164,11 +168,13 @@ class SimulateConfig:
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
             raise ConfigError(f"simulate.ack_delay_rounds must be an integer >= 0 (rounds "
                               f"after its plan that a copy is acknowledged), got {d!r}")
-        for name in ("link_gbps", "link_latency_s", "lease_s"):
+        for name in ("link_gbps", "link_latency_s", "lease_s", "disk_read_gbps",
+                     "disk_write_gbps"):
             v = getattr(cfg, name)
-            low = 0 < v if name == "link_gbps" else 0 <= v
+            positive = name in ("link_gbps", "disk_read_gbps", "disk_write_gbps")
+            low = isinstance(v, (int, float)) and (0 < v if positive else 0 <= v)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not low:
-                bound = "> 0" if name == "link_gbps" else ">= 0"
+                bound = "> 0" if positive else ">= 0"
                 raise ConfigError(f"simulate.{name} must be a number {bound}, got {v!r}")
         return cfg
 

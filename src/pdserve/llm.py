@@ -32,6 +32,7 @@ class RequestOutput:
     token_ids: list
     finish_reason: str
     logprobs: list | None = None       # a sampling.Logprob per token, if asked for
+    cached_tokens: int = 0             # prompt tokens found cached (device, host or disk)
 
 
 class LLM:
@@ -158,4 +159,4 @@ class LLM:
         reason = "stop" if t.detok.stopped else req.finish_reason  # type: ignore[union-attr]
         return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,  # type: ignore[union-attr]
                              list(req.output), reason,
-                             t.logprobs if sp.logprobs is not None else None)
+                             t.logprobs if sp.logprobs is not None else None, sum(req.cached))

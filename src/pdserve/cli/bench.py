@@ -44,6 +44,10 @@ BENCHMARKS = [
     Subcommand("lora", "pdserve.benchmarks.lora",
                "a batch under 1, 4 and 16 distinct LoRA adapters against the base model, and "
                "an adapter's load time"),
+    Subcommand("disk", "pdserve.benchmarks.disk",
+               "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
+               "host + disk, a warm restart against a cold one, the cost when every probe "
+               "misses"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),

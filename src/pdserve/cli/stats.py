@@ -31,6 +31,20 @@ def run(args) -> int:
                     (f"window {g['window']}" if g["window"] else "full history") +
                     f" {g['used_pages']}/{g['total_pages']} pages" for g in groups))
         for r in rows:
+            tiers = r["cached_tokens_by_tier"]
+            if r["prefix_queries"] and any(tiers.values()):
+                print(f"  {r['name']} found cached {sum(tiers.values()):,} of "
+                      f"{r['prefix_queries']:,} prompt tokens: " + ", ".join(
+                          f"{t} {tiers.get(t, 0):,}" for t in ("device", "host", "disk")))
+            d = r["disk_cache"]
+            if d:
+                print(f"  {r['name']} disk tier: {d.get('bytes_read', 0):,} bytes read, "
+                      f"{d.get('bytes_written', 0):,} written; prefetches "
+                      f"{d.get('prefetch_complete', 0)} complete, "
+                      f"{d.get('prefetch_timed_out', 0)} timed out, "
+                      f"{d.get('prefetch_partial', 0)} partial; reads "
+                      f"{d.get('reads_hit', 0)} hit, {d.get('reads_missed', 0)} missed")
+        for r in rows:
             if r["rounds"]:
                 print(f"  {r['name']} ran {r['rounds']:,} rounds in {r['round_seconds']:.1f} s "
                       f"({r['round_cpu_seconds'] / r['round_seconds']:.0%} of it on a core), "

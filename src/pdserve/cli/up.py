@@ -79,6 +79,14 @@ def run(args) -> int:
         except AdapterError as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
+    if cfg.engine.disk_cache is not None:
+        from pdserve.transfer.disk_store import DiskStoreError, check_directory
+
+        try:
+            check_directory(cfg.engine.disk_cache.path)
+        except DiskStoreError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port and not _port_free(args.host, port):
             print(f"pdserve: error: port {port} ({flag}) on {args.host} is in use; stop what "

@@ -53,6 +53,18 @@ class KVCache:
     def layer(self, i):
         return self.data[:, i, 0], self.data[:, i, 1]
 
+    def layout(self) -> str:
+        """The page's shape, as the disk tier names it (disk keys and headers)."""
+        return "kv:" + "x".join(str(n) for n in self.data.shape[1:])
+
+    def read_page(self, page: int) -> bytes:
+        """Page `page`'s bytes, every layer's K and V (a disk write's payload)."""
+        return _to_bytes(self.data[page])
+
+    def write_page(self, page: int, data: bytes) -> None:
+        """Page `page` = `data`, bytes `read_page` gave for the same layout."""
+        _from_bytes(self.data[page], data)
+
     def copy_pages_from(self, src: "KVCache", src_pages, dst_pages) -> None:
         """This cache's `dst_pages[i]` = `src`'s `src_pages[i]`: one copy per
         run of pages consecutive on both sides. Between a GPU pool and a
@@ -63,3 +75,18 @@ class KVCache:
         for s0, d0, n in page_runs(src_pages, dst_pages):
             self.data[d0:d0 + n].copy_(src.data[s0:s0 + n], non_blocking=True)
 
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, whatever its dtype (bfloat16 has no numpy twin)."""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(dst: torch.Tensor, data: bytes) -> None:
+    """Fill `dst` (contiguous) from bytes `_to_bytes` made of its shape and dtype."""
+    n = dst.numel() * dst.element_size()
+    if len(data) != n:
+        raise ValueError(f"{len(data)} bytes for a {n}-byte page; the file was written "
+                         "for another layout")
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dst.dtype).view(dst.shape)
+    dst.copy_(src)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.kv_cache import _from_bytes, _to_bytes
 from pdserve.kernels.model_config import ModelConfig
 
 
@@ -60,6 +61,21 @@ class StateCache:
         """One slot's bytes (= ModelConfig.state_slot_bytes of the model dtype)."""
         return (self.conv[0].numel() * self.conv.element_size()
                 + self.recurrent[0].numel() * self.recurrent.element_size())
+
+    def layout(self) -> str:
+        """A slot's shapes, as the disk tier names them."""
+        return ("state:" + "x".join(str(n) for n in self.conv.shape[1:]) + "+"
+                + "x".join(str(n) for n in self.recurrent.shape[1:]))
+
+    def read_slot(self, slot: int) -> bytes:
+        """Slot `slot`'s bytes: its conv state, then its recurrent state."""
+        return _to_bytes(self.conv[slot]) + _to_bytes(self.recurrent[slot])
+
+    def write_slot(self, slot: int, data: bytes) -> None:
+        """Slot `slot` = `data`, bytes `read_slot` gave for the same layout."""
+        n = self.conv[slot].numel() * self.conv.element_size()
+        _from_bytes(self.conv[slot], data[:n])
+        _from_bytes(self.recurrent[slot], data[n:])
 
     def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """State layer j's (conv [slots, conv_dim, kernel - 1], recurrent

@@ -78,10 +78,19 @@ class Engine:
         return self.planner.abort(req_id, reason)
 
     def step(self) -> StepOutcome | None:
-        """One round. None when the planner built nothing."""
+        """One round. None when the planner built nothing. With a disk
+        tier, its probes and reads land first; a round that would be empty
+        only because prefetches hold their requests waits for a read."""
         if self.overlap:
             return self._step_ahead()
+        disk = getattr(self.executor, "disk", None)
+        if disk is not None:
+            disk.before_build(self.planner)
         plan = self.planner.build()
+        while plan.is_empty() and disk is not None and disk.holding():
+            disk.wait_progress(0.05)
+            disk.before_build(self.planner)
+            plan = self.planner.build()
         if plan.is_empty():
             return None
         try:

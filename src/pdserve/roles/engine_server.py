@@ -395,5 +395,6 @@ class EngineServer:
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> pb.EngineStatsResponse:
         info = self.info()
+        disk = getattr(self.executor, "disk", None)
         return stats_pb(self.planner, self.role, self.counts, self.capacity, info["dtype"],
-                        info["attention"])
+                        info["attention"], disk.stats() if disk is not None else None)

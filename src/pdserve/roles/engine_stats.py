@@ -104,7 +104,7 @@ def waiting_requests_pb(planner) -> list:
 
 
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
-             attention: str) -> cpb.EngineStatsResponse:
+             attention: str, disk: dict | None = None) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
     waiting (and why), the counters, and each cache group's use."""
     p = planner
@@ -130,4 +130,6 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
         transfer_seconds_buckets=hist.bounds, transfer_seconds_counts=hist.cumulative(),
         transfer_seconds_sum=hist.sum, waiting_requests=waiting_requests_pb(p),
         dtype=dtype, attention=attention, kv_capacity_tokens=capacity["tokens"],
-        cache_groups=groups, **counts.as_dict())
+        cache_groups=groups, cached_tokens_by_tier={
+            "device": p.hits.device_tokens, "host": p.hits.host_tokens,
+            "disk": p.hits.disk_tokens}, disk_cache=disk or {}, **counts.as_dict())

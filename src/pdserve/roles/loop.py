@@ -228,4 +228,5 @@ class EngineLoop:
         if t is not None and t.logprobs:
             lps, t.logprobs = t.logprobs, []
         return OutputItem(req.id, req.output[sent:], lps,
-                          (req.finish_reason or "length") if final else None)
+                          (req.finish_reason or "length") if final else None,
+                          sum(req.cached) if final else 0)

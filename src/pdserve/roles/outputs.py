@@ -71,6 +71,7 @@ class OutputItem:
     tokens: Sequence[int]
     logprobs: Sequence = ()     # one Logprob per token, if asked for
     final: str | None = None    # "length" | "stop" (a stop token: no text of its own) | None
+    cached_tokens: int = 0      # with `final`: prompt tokens its admission found cached
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ class Outputs:
             final = "stop"
         ev = pb.RequestEvent(request_id=rid, token_ids=tokens, text=d.ready(final is not None),
                              finish_reason=final or "",
-                             logprobs=[logprob_pb(lp) for lp in logprobs])
+                             logprobs=[logprob_pb(lp) for lp in logprobs],
+                             cached_tokens=item.cached_tokens if final else 0)
         if final:
             del self._live[rid]
         if stopped:

@@ -2,7 +2,10 @@
 
 Order within a round is the spec's stream order: host stores first (the
 retraction snapshots among them read pages the plan has already granted to
-someone else), then loads back from host, then the forward. Fresh pages are
+someone else), then disk reads into host pages, then loads back from host,
+then the forward. With a disk tier (roles/disk_tier.py), a pinned store of
+the full history is written through to disk, and a request whose disk read
+missed samples nothing this round (the planner retracts it). Fresh pages are
 not zeroed: attention reads only positions a request has written. Every copy
 finishes within the round (on a GPU: queued on one stream, then one sync),
 so every store and load is acked in the result.
@@ -33,10 +36,12 @@ from pdserve.kernels.lora import LoraRound
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
+from pdserve.roles.disk_tier import DiskTier
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
+from pdserve.scheduler.prefix import chain_hash
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Launched:
 
 class TorchExecutor:
     def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True,
-                 groups=None, adapters=None):
+                 groups=None, adapters=None, disk: DiskTier | None = None):
         """`detokenize=False`: tokens only; stop strings are then found by
         whoever makes the text (roles/outputs.py). `groups`: the planner's
         CacheGroupSpecs, by default the model's `cache_groups()` (sliding
@@ -74,7 +79,10 @@ class TorchExecutor:
         they must lay out the model's layers as the model does (replayable
         and the state block may differ). `adapters`: the engine's LoRA
         adapters (roles/adapters.py), each request's rows run under its
-        `Request.adapter`'s slot; None: no adapters."""
+        `Request.adapter`'s slot; None: no adapters.
+        `disk`: the disk tier (default:
+        engine.disk_cache's file tier, opened here; a path that cannot be
+        written raises DiskStoreError)."""
         self.model = model
         self.adapters = adapters
         self.tokenizer = tokenizer
@@ -123,6 +131,10 @@ class TorchExecutor:
         # (that tensor, request id -> row), after a launched round
         self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
+        if disk is None and cfg.disk_cache is not None:
+            disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
+        self.disk = disk
+        self._disk_missed: set[str] = set()     # requests whose disk read missed this round
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -219,10 +231,13 @@ class TorchExecutor:
         return tokens, logprobs, keep[0]
 
     def close(self) -> None:
-        """Stop the forward thread (if a round ever ran ahead)."""
+        """Stop the forward thread (if a round ever ran ahead) and the disk
+        tier's worker, once its queued writes are done."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if self.disk is not None:
+            self.disk.close()
 
     # ---- the parts of a round ---------------------------------------------------------
     def _copies(self, plan: Plan) -> StepResult:
@@ -235,6 +250,8 @@ class TorchExecutor:
             else:
                 host.copy_pages_from(dev, s.device_pages, s.host_pages)
             result.stores_done.append(s.id)
+        if self.disk is not None:
+            self._disk_copies(plan, result)
         for ld in plan.loads:
             host, dev = self.hosts[ld.group], self.caches[ld.group]
             if ld.group == self.state:
@@ -246,6 +263,45 @@ class TorchExecutor:
             # the copies are queued on the stream: done before they are acked
             torch.cuda.current_stream(self.cache.data.device).synchronize()
         return result
+
+    def _disk_copies(self, plan: Plan, result: StepResult) -> None:
+        """Write-through of the round's full-history stores (their host
+        pages now hold them), then the round's disk reads into host pages,
+        hit or miss, each acked here; host hits counted for selective
+        writes."""
+        disk, host = self.disk, self.hosts[0]
+        assert disk is not None and isinstance(host, KVCache)  # a disk tier caches group 0
+        if plan.stores and self.data_is_cuda():
+            torch.cuda.current_stream(self.cache.data.device).synchronize()
+        for s in plan.stores:
+            if s.group != 0:
+                continue
+            if not s.pinned:
+                disk.host_overwritten(s.host_pages)
+                continue
+            assert s.entries is not None            # a pinned store names what it publishes
+            for hp, (parent, key) in zip(s.host_pages, s.entries):
+                disk.stored(chain_hash(parent, key), hp, lambda hp=hp: host.read_page(hp))
+        self._disk_missed = set()
+        for op in plan.disk_loads:
+            disk.host_overwritten(op.host_pages)
+            data = disk.read(op)
+            if data is None:
+                result.disk_loads_missed.append(op.id)
+                self._disk_missed.add(op.req_id)
+                continue
+            for hp, b in zip(op.host_pages, data):
+                host.write_page(hp, b)
+            result.disk_loads_done.append(op.id)
+        staged = {hp for op in plan.disk_loads for hp in op.host_pages}
+        for ld in plan.loads:
+            if ld.group == 0:
+                for hp in ld.host_pages:
+                    if hp not in staged:
+                        disk.host_hit(hp, lambda hp=hp: host.read_page(hp))
+
+    def data_is_cuda(self) -> bool:
+        return self.cache.data.is_cuda
 
     def _sample_inputs(self, rows) -> tuple:
         """`sample`'s arguments after the logits, read from the requests now."""
@@ -263,6 +319,8 @@ class TorchExecutor:
             if op.completes:
                 req, tok, lp = next(it)
                 result.prefill_tokens.append(tok)
+                if req.id in self._disk_missed:
+                    continue            # computed on unfilled pages: the planner drops it
                 if self.on_token(req, tok, lp):
                     result.stopped.add(req)
             else:

@@ -97,7 +97,8 @@ class RouterServicer(pbg.RouterServicer):
                 yield pb.GenerateResponse(
                     request_id=stream.id, token_ids=d.token_ids, text=d.text,
                     finish_reason=d.finish_reason, engine=d.engine, logprobs=d.logprobs,
-                    prompt_tokens=len(ids) if d.finish_reason else 0)
+                    prompt_tokens=len(ids) if d.finish_reason else 0,
+                    cached_tokens=d.cached_tokens if d.finish_reason else 0)
 
     async def Generate(self, request, context):
         try:

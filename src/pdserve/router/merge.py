@@ -18,6 +18,7 @@ class Collected:
     token_ids: list = dataclasses.field(default_factory=list)
     logprobs: list | None = None          # None unless the choice asked for logprobs
     finish_reason: str | None = None
+    cached_tokens: int = 0                # prompt tokens the engine found cached
 
 
 async def merged(streams):
@@ -68,4 +69,5 @@ async def collect(streams) -> list[Collected]:
         if streams[i].sp.logprobs is not None:
             o.logprobs = (o.logprobs or []) + d.logprobs
         o.finish_reason = d.finish_reason or o.finish_reason
+        o.cached_tokens = d.cached_tokens or o.cached_tokens
     return out

@@ -175,6 +175,13 @@ class _EngineCollector:
                                        labels=group_labels)
         group_total = GaugeMetricFamily(P + "kv_group_pages_total", "KV pages in each cache "
                                         "group's pool", labels=group_labels)
+        by_tier = CounterMetricFamily(P + "prompt_tokens_cached", "Prompt tokens admitted "
+                                      "cached, by the tier that held them (device, host, disk)",
+                                      labels=["engine", "role", "tier"])
+        disk = CounterMetricFamily(P + "disk_cache", "The disk tier's counters: probes, "
+                                   "prefetch outcomes, reads hit and missed, bytes read and "
+                                   "written (roles/disk_tier.py)",
+                                   labels=["engine", "role", "counter"])
         for ref, s in self.snapshot:
             labels = [ref.name, s.role]
             for name, _, field in _GAUGES + _COUNTERS:
@@ -186,6 +193,10 @@ class _EngineCollector:
                 group_total.add_metric(labels + [name], g.total_pages)
             for stage, n in sorted(s.transfer_failures_by_stage.items()):
                 failures.add_metric(labels + [stage], n)
+            for tier, n in sorted(s.cached_tokens_by_tier.items()):
+                by_tier.add_metric(labels + [tier], n)
+            for counter, n in sorted(s.disk_cache.items()):
+                disk.add_metric(labels + [counter], n)
             if s.role == "prefill" and s.transfer_seconds_buckets:
                 bounds = [str(b) for b in s.transfer_seconds_buckets] + ["+Inf"]
                 seconds.add_metric(labels, list(zip(bounds, s.transfer_seconds_counts)),
@@ -196,3 +207,5 @@ class _EngineCollector:
         yield seconds
         yield group_used
         yield group_total
+        yield by_tier
+        yield disk

@@ -36,9 +36,12 @@ def from_request_error(e: RequestError) -> JSONResponse:
     return error(STATUS[e.kind], e.message, e.param)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the engines
+    found in a prefix cache (device, host or disk), as OpenAI reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Answers:
@@ -90,10 +93,12 @@ class Answers:
                 text = echo[i // body.n] + res.text if echo else res.text
                 choices.append({"index": i, "text": text, "logprobs": lps,
                                 "finish_reason": res.finish_reason})
+        # once a prompt, like prompt_tokens: its first choice's
+        cached = sum(r.cached_tokens for i, r in enumerate(results) if i % body.n == 0)
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": body.model or self.model_name, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)})
+            "usage": usage(prompt_tokens, completion_tokens, cached)})
 
     async def sse(self, body, streams, rid, created, prompt_tokens, chat: bool, echo=None):
         """The answer's server-sent events, as bytes: a role event per chat
@@ -104,11 +109,13 @@ class Answers:
                         "model": body.model or self.model_name}, chat, body.include_usage)
         completion_tokens = 0
         offsets = [0] * len(streams)
+        cached = [0] * len(streams)
         want_lps = streams[0].sp.logprobs is not None
 
         def render(i, d) -> bytes:
             nonlocal completion_tokens
             completion_tokens += len(d.token_ids)
+            cached[i] = d.cached_tokens or cached[i]
             # one event a delta, even while its text is held back (part of a
             # character, or of a possible stop string): streams stay token by token
             at, offsets[i] = offsets[i], offsets[i] + len(d.text)
@@ -136,7 +143,7 @@ class Answers:
                 async for i, d in merged(streams):
                     yield render(i, d)
             if body.include_usage:
-                yield ev.usage(usage(prompt_tokens, completion_tokens))
+                yield ev.usage(usage(prompt_tokens, completion_tokens, sum(cached[::body.n])))
         except RequestError as e:
             yield b"data: " + from_request_error(e).body + b"\n\n"
         yield b"data: [DONE]\n\n"

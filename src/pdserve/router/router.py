@@ -260,8 +260,8 @@ class Router:
             e = pb.EngineStats(name=f"pdserve:{ref.name}", address=ref.address)
             for f in fields & {f.name for f in cpb.EngineStatsResponse.DESCRIPTOR.fields}:
                 value = getattr(s, f)
-                if f == "transfer_failures_by_stage":
-                    e.transfer_failures_by_stage.update(value)
+                if hasattr(value, "items"):         # a map field
+                    getattr(e, f).update(value)
                 elif isinstance(value, (int, float, str)):
                     setattr(e, f, value)
                 else:

@@ -57,6 +57,7 @@ class Delta:
     logprobs: list               # router_pb2.TokenLogprob, one per token if asked for
     finish_reason: str           # set on the last delta: length | stop
     engine: str
+    cached_tokens: int = 0       # on the last delta: prompt tokens the engine found cached
 
 
 class Stream:
@@ -256,13 +257,13 @@ def _delta(ev, engine: str) -> Delta:
     """The event's tokens as they came (a protobuf sequence, not copied: this
     runs once per token of every stream)."""
     return Delta(ev.token_ids, ev.text, list(ev.logprobs) if ev.logprobs else [],
-                 ev.finish_reason, engine)
+                 ev.finish_reason, engine, ev.cached_tokens)
 
 
 def _joined(a: Delta, b: Delta) -> Delta:
     """`a` then `b` as one delta."""
     return Delta([*a.token_ids, *b.token_ids], a.text + b.text, a.logprobs + b.logprobs,
-                 b.finish_reason, b.engine)
+                 b.finish_reason, b.engine, b.cached_tokens or a.cached_tokens)
 
 
 async def _every(deltas, k: int):

@@ -7,6 +7,7 @@ field, says what was wrong and what to change.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 
@@ -32,6 +33,55 @@ def check_keys(data, where: str, known) -> dict:
     return data
 
 
+class WritePolicy(enum.StrEnum):
+    """When a page stored to the host tier is also written to disk."""
+    WRITE_THROUGH = "write_through"                       # every one, as it is stored
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"   # once host hits reach write_hits
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """How long a request whose prefix the disk holds waits for its read."""
+    BEST_EFFORT = "best_effort"       # not at all: admission takes what the probe found
+    WAIT_COMPLETE = "wait_complete"   # until every page of the prefix is read
+    TIMEOUT = "timeout"               # until then, or prefetch_timeout_s
+
+
+@dataclass(frozen=True)
+class DiskCacheConfig:
+    """engine.disk_cache: the disk (L3) KV tier below the host tier."""
+    path: str = ""                      # a directory (local NVMe, tmpfs); engines may share it
+    max_bytes: int = 1 << 30            # files kept, least recently used evicted beyond
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_hits: int = 2                 # write_through_selective: host hits before a write
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    prefetch_timeout_s: float = 1.0     # timeout: the longest a request waits for its read
+    min_hit_tokens: int = 0             # a disk hit shorter than this is not read
+
+    def __post_init__(self) -> None:
+        w = "engine.disk_cache"
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"{w}.path must name a directory, got {self.path!r}")
+        for name, low in (("max_bytes", 1), ("write_hits", 1), ("min_hit_tokens", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"{w}.{name} must be an integer >= {low}, got {v!r}")
+        for name, kind in (("write_policy", WritePolicy), ("prefetch_policy", PrefetchPolicy)):
+            v = getattr(self, name)
+            if v not in {k.value for k in kind}:
+                raise ConfigError(f"{w}.{name} must be one of "
+                                  f"{', '.join(k.value for k in kind)}; got {v!r}")
+            object.__setattr__(self, name, kind(v))
+        t = self.prefetch_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ConfigError(f"{w}.prefetch_timeout_s must be a number of seconds > 0, "
+                              f"got {t!r}")
+
+    @classmethod
+    def from_dict(cls, data) -> "DiskCacheConfig":
+        return cls(**check_keys(data, "engine.disk_cache",
+                                {f.name for f in dataclasses.fields(cls)}))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16                 # tokens per KV page
@@ -50,6 +100,7 @@ class EngineConfig:
     state_checkpoints: bool = True      # cache state checkpoints for prefix hits (false: none)
     host_state_slots: int = 0           # with host_pages: the state group's L2 slots (0: state_slots)
     overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
+    disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
 
     def __post_init__(self) -> None:
         positive = (
@@ -112,6 +163,20 @@ class EngineConfig:
                 "its prompt must end on a page boundary, so no long prompt could "
                 "ever advance; raise max_scheduled_tokens to at least page_size"
             )
+        if isinstance(self.disk_cache, dict):
+            object.__setattr__(self, "disk_cache", DiskCacheConfig.from_dict(self.disk_cache))
+        if self.disk_cache is not None:
+            if not isinstance(self.disk_cache, DiskCacheConfig):
+                raise ConfigError("engine.disk_cache must be a mapping (path, max_bytes, "
+                                  "write_policy, prefetch_policy, min_hit_tokens)")
+            if not self.host_pages:
+                raise ConfigError("engine.disk_cache needs a host tier: pages move disk -> "
+                                  "host -> device and are written through from host; set "
+                                  "engine.host_pages > 0")
+            if self.overlap:
+                raise ConfigError("engine.disk_cache does not run with engine.overlap yet: a "
+                                  "round built ahead could publish a disk hit before its read "
+                                  "is confirmed; turn one of them off")
         if self.total_pages * self.page_size <= self.decode_input_tokens:
             raise ConfigError(
                 f"engine.total_pages={self.total_pages} x page_size={self.page_size} "
@@ -121,7 +186,10 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
-        return cls(**check_keys(data, where, {f.name for f in dataclasses.fields(cls)}))
+        data = dict(check_keys(data, where, {f.name for f in dataclasses.fields(cls)}))
+        if isinstance(data.get("disk_cache"), dict):
+            data["disk_cache"] = DiskCacheConfig.from_dict(data["disk_cache"])
+        return cls(**data)
 
     @property
     def pool_tokens(self) -> int:

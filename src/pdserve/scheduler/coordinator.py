@@ -32,17 +32,25 @@ state group's checkpoints for prefix hits, and snapshots every group's on
 retraction. The coordinator makes its publication stores as it publishes
 and its loads as it admits a host hit, and passes the planner's snapshot
 and ack calls through, so the planner sees one object.
+
+The disk (L3) tier is an edge the coordinator never reads: a request
+carries what the engine's probe found (`Request.disk_pages`), and
+`disk_hit` continues a hit over those pages, shortened to the host pages
+that could stage them and rounded down to the prefix granularity (spec
+§1). Admission reads them disk -> host -> device in the round; until the
+read is confirmed, publication stops below them (`Resources.disk_hold`),
+so a miss publishes nothing empty (§4).
 """
 
 from __future__ import annotations
 
 from pdserve.scheduler.cache_groups import HOLE
 from pdserve.scheduler.group_pools import CacheGroup, GroupDemand
-from pdserve.scheduler.hit import Hit, longest_hit
+from pdserve.scheduler.hit import Hit, longest_hit, with_disk
 from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
 from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
-from pdserve.scheduler.prefix import PrefixIndex, WindowIndex, chain_hash
+from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
 
 
 class Coordinator:
@@ -154,6 +162,38 @@ class Coordinator:
         group can serve (hit.py). Pure."""
         return longest_hit(self, req, max_pages, sliding, use_host)
 
+    @property
+    def serves_disk(self) -> bool:
+        """Can a disk hit be read here: a full-history group alone (the
+        tier caches its pages only) and a host tier to stage through."""
+        return self.full == 0 and len(self.groups) == 1 and self.host is not None
+
+    def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int) -> Hit:
+        """`hit` continued over the pages the disk tier holds beyond it
+        (`req.disk_pages`, at most `max_pages` in all), shortened to what
+        the host tier can stage and rounded down to `granularity` pages
+        (spec §1: a prefetch that cannot allocate every probed page is
+        shortened, never partly trusted). Pure."""
+        want = min(req.disk_pages, max_pages) - hit.pages
+        if want <= 0 or not self.serves_disk:
+            return hit
+        room = self.host_cache.disk_room(hit.host)
+        end = hit.pages + max(min(want, room), 0)
+        end -= end % granularity
+        return with_disk(hit, end - hit.pages) if end > hit.pages else hit
+
+    def disk_chains(self, req, hit: Hit) -> list[int]:
+        """The chain hash of each disk page of `hit`: the disk tier's key
+        of the prefix the page ends."""
+        h = ROOT_HASH
+        out = []
+        first = hit.pages - hit.disk
+        for i in range(hit.pages):
+            h = chain_hash(h, req.page_key(i, self.page_size))
+            if i >= first:
+                out.append(h)
+        return out
+
     # ---- admission -------------------------------------------------------
     def admit(self, req, res, demands: list[GroupDemand], publish_pages: int, plan,
               hit: Hit | None = None) -> bool:
@@ -167,8 +207,9 @@ class Coordinator:
         grants = self._grants(res, demands, hit if fresh_hit else None)
         if grants is None:
             return False
-        if hit is not None and hit.host and len(hit.host) > grants[0][0]:
-            raise PoolError("a host hit beyond the admitted pages")
+        if hit is not None and (hit.host or hit.disk) and \
+                len(hit.host) + hit.disk > grants[0][0]:
+            raise PoolError("a host or disk hit beyond the admitted pages")
         if fresh_hit:
             assert hit is not None                  # a fresh hit is a hit
             self._claim(res, hit)
@@ -239,6 +280,12 @@ class Coordinator:
             pages = self._allocate(grp, need)
             if g == 0 and hit is not None and hit.host:
                 self.host_cache.load(req.id, 0, list(hit.host), pages[:len(hit.host)], plan)
+            if g == 0 and fresh_hit and hit is not None and hit.disk:
+                nh = len(hit.host)
+                self.host_cache.load_from_disk(req.id, self.disk_chains(req, hit),
+                                               hit.pages - hit.disk,
+                                               pages[nh:nh + hit.disk], plan)
+                res.disk_hold = hit.pages - hit.disk
             table.extend(pages)
             plan.fresh_pages.extend(pages)
 
@@ -328,6 +375,10 @@ class Coordinator:
         the same chain hashes, the state group the aligned checkpoints its
         forwards recorded (§1.2: only materialized boundaries, never a
         working state)."""
+        if res.disk_hold >= 0:
+            upto = min(upto, res.disk_hold)     # a disk read not yet confirmed
+            if upto <= res.published:
+                return
         ps = self.groups[0].page_size
         sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
         state = self.state is not None and res.marks

@@ -37,7 +37,7 @@ class FsmError(RuntimeError):
 
 class Resources:
     __slots__ = ("tables", "forwards_out", "published", "chain_tail", "content_tail",
-                 "publishing", "covers_generation", "marks")
+                 "publishing", "covers_generation", "marks", "disk_hold")
 
     def __init__(self, num_groups: int):
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
@@ -52,6 +52,9 @@ class Resources:
         # A state group's entries its admitted forwards leave an aligned
         # checkpoint in (§1.2 CacheProgress): publication caches these only.
         self.marks: set[int] = set()
+        # Slots from here on were admitted as a disk hit whose read is not
+        # yet confirmed: publication stops below them until it is (-1: none).
+        self.disk_hold = -1
 
 
 class State:

@@ -11,6 +11,7 @@ its host part, only when it admits the request.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 
@@ -21,14 +22,18 @@ class Hit:
     (a sliding group's lookback; none for a replayable group), `host` the
     full-history group's host pages for slots [device_end, pages), and
     `state_host` the host slot of the state checkpoint at the hit's end when
-    the device has none (-1: it has, or there is no state group)."""
+    the device has none (-1: it has, or there is no state group), and `disk`
+    how many of the last pages the disk tier serves (slots [pages - disk,
+    pages), read through host pages; `with_disk`)."""
 
-    __slots__ = ("pages", "device_end", "device", "first", "host", "tail", "state_host")
+    __slots__ = ("pages", "device_end", "device", "first", "host", "tail", "state_host",
+                 "disk")
 
     def __init__(self, pages: int, device: list, first: list, host: list, tail: int,
-                 state_host: int = -1):
+                 state_host: int = -1, disk: int = 0):
         self.pages = pages
-        self.device_end = pages - len(host)
+        self.disk = disk
+        self.device_end = pages - len(host) - disk
         self.device = device
         self.first = first
         self.host = host
@@ -152,3 +157,31 @@ def _sliding_cut(coord, found: dict, n: int) -> int:
         if all(serves(g, m) for g in found):
             return m
     return 0
+
+
+def with_disk(hit: Hit, pages: int) -> Hit:
+    """`hit` continued by `pages` pages the disk tier serves (after its
+    device and host parts; a full-history group alone)."""
+    if not pages:
+        return hit
+    return Hit(hit.pages + pages, hit.device, hit.first, hit.host, hit.tail, hit.state_host,
+               hit.disk + pages)
+
+
+@dataclass
+class HitCounts:
+    """Prompt tokens first admissions found cached, by tier (an engine's
+    prefix-cache metrics and what `usage.prompt_tokens_details` sums)."""
+    queries: int = 0            # first admissions that looked a prompt up
+    prompt_tokens: int = 0      # their prompt tokens
+    device_tokens: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    disk_missed: int = 0        # disk hits whose read missed after admission (§4)
+
+    def count(self, prompt_tokens: int, cached: tuple) -> None:
+        self.queries += 1
+        self.prompt_tokens += prompt_tokens
+        self.device_tokens += cached[0]
+        self.host_tokens += cached[1]
+        self.disk_tokens += cached[2]

@@ -20,6 +20,10 @@ or granted again while the copy may still run, however late the ack comes:
                          readmission's snapshot): the request may let go of
                          a target (an abort, a publication that adopts a
                          cached twin) while the copy still writes it
+  a disk read            one ref on each host page it fills (a staging page
+                         of a disk hit, never entered in the host index),
+                         beside the ref the load that copies it on to the
+                         device holds; both let go within the round
 
 Host writes are best effort: a tier that cannot supply pages is skipped and
 the device copy stays cached. Op ids count up across stores and loads in the
@@ -32,7 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.scheduler.cache_groups import HOLE
-from pdserve.scheduler.plan import LoadOp, StoreOp
+from pdserve.scheduler.plan import DiskLoadOp, LoadOp, StoreOp
 from pdserve.scheduler.pool import PagePool, check_refcounts, drop_refs
 from pdserve.scheduler.prefix import PrefixIndex, WindowIndex
 
@@ -92,6 +96,7 @@ class HostCache:
         self.pending_stores: list[StoreOp] = []
         self.stores: dict[int, StoreOp] = {}
         self.loads: dict[int, LoadOp] = {}
+        self.disk_loads: dict[int, DiskLoadOp] = {}
         self._next_op = 0
         # The plan build each unacked snapshot store and load was made in: a
         # load may read a snapshot its own plan stores (the executor runs
@@ -125,6 +130,34 @@ class HostCache:
         self.loads[op.id] = op
         self._made_in[op.id] = self.round
         plan.loads.append(op)
+
+    # ---- reads from the disk tier -------------------------------------------
+    def disk_room(self, host_hit: list) -> int:
+        """Host pages a disk hit could stage through now: free and idle
+        cached ones, less the idle pages of the same admission's host hit
+        (its load holds them first). Pure."""
+        host = self.tiers[0]
+        rc = host.pool.refcount
+        return host.pool.num_free + host.index.num_idle - sum(1 for p in host_hit if rc[p] == 0)
+
+    def load_from_disk(self, req_id: str, chains: list, first_page: int,
+                       device_pages: list, plan) -> None:
+        """Read `chains` from disk into fresh host pages (a DiskLoadOp that
+        holds them) and copy those on to `device_pages` (a LoadOp behind it
+        in the same plan). The caller checked `disk_room`."""
+        host_pages = self.tiers[0].allocate(len(chains))
+        assert host_pages is not None               # disk_room counted them
+        op = DiskLoadOp(self._op_id(), req_id, list(chains), host_pages, first_page)
+        self.disk_loads[op.id] = op
+        plan.disk_loads.append(op)
+        self.load(req_id, 0, host_pages, device_pages, plan)
+
+    def disk_load_done(self, op_id: int) -> DiskLoadOp:
+        """A disk read ended, hit or miss: its ticket lets go of the staging
+        pages (the load behind it holds them until its own ack)."""
+        op = self.disk_loads.pop(op_id)
+        self.tiers[op.group].release(op.host_pages)
+        return op
 
     # ---- publication stores ------------------------------------------------
     def store_published(self, req_id: str, fresh, table) -> None:
@@ -350,5 +383,9 @@ class HostCache:
             for ld in self.loads.values():
                 if ld.group == g:
                     for p in ld.host_pages:
+                        expected[p] += 1
+            for dl in self.disk_loads.values():
+                if dl.group == g:
+                    for p in dl.host_pages:
                         expected[p] += 1
             check_refcounts(f"host group {g}", host.pool, host.index, expected)

@@ -108,7 +108,7 @@ def assert_idle(planner) -> None:
     c = planner.coord
     if c.fences:
         raise AssertionError(f"{len(c.fences)} fences still hold pages")
-    if c.stores or c.loads or c.pending_stores:
+    if c.stores or c.loads or c.pending_stores or c.host_cache.disk_loads:
         raise AssertionError("copies still in flight")
     for g, grp in enumerate(c.groups):
         if c.available_pages(g) != grp.pool.total:

@@ -345,7 +345,12 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     cfg = p.cfg
     ps = p.page_size
     target = req.num_tokens
+    if req.disk_wait:
+        b.waits.stop_line(Hold.DISK_PREFETCH, req)
+        return None
     hit = p.coord.match(req, (target - 1) // ps)
+    if req.disk_pages > hit.pages:
+        hit = p.coord.disk_hit(req, hit, (target - 1) // ps, max(p.prefix_tokens // ps, 1))
     begin = hit.pages * ps
     replay = replay_rows(begin, p.replay_tokens, ps)
     chunk = prefill_chunk_tokens(begin, target, b.budget - replay, p.prefix_tokens,
@@ -372,10 +377,13 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
         return None
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, begin, end, reserve, width if completes else 0,
-                                           replay), hit.pages, b.plan, hit=hit):
+                                           replay), hit.pages - hit.disk, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
+    req.cached = (hit.device_end * ps, len(hit.host) * ps, hit.disk * ps)
+    if not req.retractions:
+        p.hits.count(req.prompt_len, req.cached)    # a prompt's first admission only
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:
@@ -454,6 +462,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
+    req.cached = (hit.pages * ps, 0, 0)          # D's own hit; P computes or finds the rest
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:

@@ -30,6 +30,9 @@ class Plan:
     readmits: list = field(default_factory=list)
     stores: list = field(default_factory=list)     # StoreOp, stream-ordered ones first
     loads: list = field(default_factory=list)      # LoadOp
+    # Disk (L3) reads into host pages, run before `loads` (which copy those
+    # host pages to the device) and acked, hit or miss, in this round's result.
+    disk_loads: list = field(default_factory=list)  # DiskLoadOp
     # D: a remote admission asking a peer to prefill into reserved pages (at most one).
     remote_prefills: list = field(default_factory=list)
     # P: completed prompts whose KV and first token ship to the peer.
@@ -37,7 +40,7 @@ class Plan:
 
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills or self.retracts or self.readmits
-                    or self.stores or self.loads or self.remote_prefills
+                    or self.stores or self.loads or self.disk_loads or self.remote_prefills
                     or self.remote_decodes)
 
 
@@ -54,6 +57,10 @@ class StepResult:
     # finishes every copy within the round acks them all here.
     stores_done: list = field(default_factory=list)
     loads_done: list = field(default_factory=list)
+    # Ids of the plan's DiskLoadOps, every one in the round's own result:
+    # read whole (done), or not (missed: absent, torn, corrupt, foreign, late).
+    disk_loads_done: list = field(default_factory=list)
+    disk_loads_missed: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -91,6 +98,21 @@ class LoadOp:
     host_pages: list
     device_pages: list
     group: int = 0                # the cache group whose pages these are
+
+
+@dataclass(slots=True)
+class DiskLoadOp:
+    """Read the pages a disk (L3) probe found, named by the chain hash of
+    the prefix each ends, into host pages (a request's prefetch, spec §1):
+    a LoadOp of the same plan copies them on to the device. A miss retracts
+    the request (§4): its forward this round computed on pages nobody
+    filled, so nothing of it is published and its token is dropped."""
+    id: int
+    req_id: str
+    chains: list
+    host_pages: list
+    first_page: int               # the prompt page the first chain ends
+    group: int = 0
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.coordinator import Coordinator
 from pdserve.scheduler.fsm import Prefilling, Retracted, Transferring
 from pdserve.scheduler.grammar import Role, grammar_for
+from pdserve.scheduler.hit import HitCounts
 from pdserve.scheduler.group_pools import make_group
 from pdserve.scheduler.phases import PlanBuild
 from pdserve.scheduler.plan import Plan, StepResult
@@ -81,6 +82,7 @@ class Planner:
         self.ending: dict = {}
         self.round = 0
         self.stalls: list[str] = []                # rounds the liveness last resort ran
+        self.hits = HitCounts()                    # prompt tokens found cached, by tier
         self._seq = 0
         self._epoch = 0
         self._free_slots: list[int] = []
@@ -159,12 +161,15 @@ class Planner:
             raise ValueError("step result does not match its plan")
         for op_id in result.stores_done:
             self.coord.store_done(op_id)
+        missed = self._disk_reads(plan, result)
         for op_id in result.loads_done:
             self.coord.load_done(op_id)
         local = self.decodes_locally
         for op, tok in zip(plan.prefills, result.prefill_tokens):
             req = op.req
             req.state.res.forwards_out -= 1
+            if req.id in missed:
+                continue                 # computed on pages the disk never filled
             if op.completes:
                 req.output.append(tok)
                 req.num_tokens += 1
@@ -179,6 +184,8 @@ class Planner:
             req.num_tokens += 1
             if len(out) >= req.max_new_tokens:
                 done.append(req)
+        for rid in missed:
+            self._disk_missed(self.requests[rid])
         if stopped:
             done.extend(r for r in plan.decodes if r in stopped and r not in done)
         for req in done:
@@ -186,6 +193,40 @@ class Planner:
             reason = "stop" if req in stopped else "length"
             self._finish(req, reason)
         return done
+
+    def _disk_reads(self, plan: Plan, result: StepResult) -> set[str]:
+        """Land the round's disk reads: each ticket lets go; a read that
+        hit lifts its request's publication hold; the requests of those
+        that missed are returned (they retract once their forward lands)."""
+        done, missed = result.disk_loads_done, result.disk_loads_missed
+        if len(done) + len(missed) != len(plan.disk_loads):
+            raise ValueError("every disk read of a plan is acked, hit or miss, in its "
+                             "own round's result")
+        out = set()
+        for op_id in done:
+            op = self.coord.host_cache.disk_load_done(op_id)
+            req = self.requests.get(op.req_id)
+            if req is not None and isinstance(req.state, fsm.Holding):
+                req.state.res.disk_hold = -1
+        for op_id in missed:
+            op = self.coord.host_cache.disk_load_done(op_id)
+            if op.req_id in self.requests:
+                out.add(op.req_id)
+        return out
+
+    def _disk_missed(self, req: Request) -> None:
+        """A disk read missed after admission (§4): the request gives its
+        pages back, nothing past its confirmed hit published, and
+        re-prefills through ordinary admission without the disk; its
+        client is not failed."""
+        res = fsm.requeue(req)
+        self.coord.release(res, req.id)
+        req.disk_pages = 0
+        req.disk_wait = False
+        self.hits.disk_tokens -= req.cached[2]     # it will compute them after all
+        req.cached = (0, 0, 0)
+        self.hits.disk_missed += 1
+        self.retracted_from_device(req)
 
     def fail_plan(self, plan: Plan, reason: str) -> list[Request]:
         """The executor could not carry `plan` out. Its forwards will never
@@ -198,6 +239,8 @@ class Planner:
                 req.state.res.forwards_out -= 1
         for s in plan.stores:
             self.coord.store_failed(s.id)
+        for dl in plan.disk_loads:
+            self.coord.host_cache.disk_load_done(dl.id)
         for ld in plan.loads:
             self.coord.load_done(ld.id)
         touched += list(plan.readmits) + [r.req for r in plan.retracts if r.stored]
@@ -365,6 +408,11 @@ class Planner:
         leave uncalled."""
         return wait_reasons(self, self._last_waits)
 
+    def cached_pages(self, req: Request) -> int:
+        """Prompt pages of `req` device and host hold now (what a disk
+        probe need not ask for). Pure."""
+        return self.coord.match(req, (req.num_tokens - 1) // self.page_size).pages
+
     def waiting_on_peer(self) -> bool:
         """Requests whose next step is the peer's (a landing, an ack)."""
         return bool(self.landing or self.transferring)
@@ -372,7 +420,8 @@ class Planner:
     def has_work(self) -> bool:
         """Live requests, or copies whose tickets still hold pages."""
         c = self.coord
-        return bool(self.requests or c.stores or c.loads or c.pending_stores)
+        return bool(self.requests or c.stores or c.loads or c.pending_stores
+                    or c.host_cache.disk_loads)
 
     def held_by_fences(self) -> int:
         return self.coord.fenced_pages()

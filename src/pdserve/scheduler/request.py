@@ -78,6 +78,7 @@ class Request:
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
         "finish_reason", "error", "peer", "first_page", "yields_to", "adapter", "lora_slot",
+        "disk_pages", "disk_wait", "cached",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits(),
@@ -110,6 +111,13 @@ class Request:
         # never serves another, the base, or the same name loaded again.
         self.adapter = adapter
         self.lora_slot = -1            # the device adapter slot it references (adapter_slots.py)
+        # The disk (L3) tier, as the engine's edge reports it (inputs, never
+        # read from a disk here): the leading pages of the prompt the disk
+        # can serve, and whether its prefetch policy still holds it back
+        self.disk_pages = 0
+        self.disk_wait = False
+        # Prompt tokens its first admission found cached: (device, host, disk)
+        self.cached = (0, 0, 0)
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only).

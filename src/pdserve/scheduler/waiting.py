@@ -36,6 +36,7 @@ class Hold(enum.StrEnum):
     REMOTE_ADMISSION_LIMIT = "remote_admission_limit"  # D: one remote admission a round
     NOT_YET_PLANNED = "not_yet_planned"                # arrived after the last build
     ADAPTER_SLOT = "adapter_slot"                      # its LoRA adapter waits for a device slot
+    DISK_PREFETCH = "disk_prefetch"                    # its disk prefetch policy holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,10 @@ _LINE_TEXT = {
     Hold.ADAPTER_SLOT: (
         "{note}",
         "behind {who}, whose LoRA adapter waits for a device slot; nobody overtakes it"),
+    Hold.DISK_PREFETCH: (
+        "its prefix is being read from the disk tier, and engine.disk_cache."
+        "prefetch_policy holds it until the read completes (or times out)",
+        "behind {who}, whose disk prefetch holds the line; nobody overtakes it"),
 }
 
 

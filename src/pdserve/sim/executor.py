@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.sim.cost_model import CostModel
+from pdserve.sim.disk import SimDiskEdge
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -40,6 +41,7 @@ class SimExecutor:
         self.ack_delay_rounds = ack_delay_rounds
         self.rounds = 0               # rounds run, idle ones included
         self._acks: deque = deque()   # (due round, store ids, load ids), in due order
+        self.disk: SimDiskEdge | None = None    # the engine's disk tier edge, if any
 
     def acks_pending(self) -> bool:
         return bool(self._acks)
@@ -99,7 +101,12 @@ class SimExecutor:
             ctx, len(plan.decodes), wctx)
         compute *= self.cost.round_factor(bool(plan.prefills), len(plan.decodes),
                                           self.neighbours)
-        self.now += compute + self._copy_seconds(plan)
+        disk_result = StepResult()
+        disk_s = 0.0
+        if self.disk is not None:
+            self.disk.write_through(plan)
+            disk_s = self.disk.read_seconds(plan, disk_result)
+        self.now += compute + self._copy_seconds(plan) + disk_s
         stop_after = self._stop_after
         vocab = self.vocab_size
         self.rounds += 1
@@ -111,6 +118,8 @@ class SimExecutor:
         else:
             result = StepResult(stores_done=[s.id for s in plan.stores],
                                 loads_done=[ld.id for ld in plan.loads])
+        result.disk_loads_done = disk_result.disk_loads_done     # in their round, always
+        result.disk_loads_missed = disk_result.disk_loads_missed
         stopped = result.stopped
         for op in plan.prefills:
             if op.completes:

@@ -95,14 +95,27 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
     groups = sim_groups(cfg, model)
     group_bytes = model.group_page_bytes(groups, engine_cfg.page_size)
     out: list[SimEngine] = []
+    disk = None
+    if engine_cfg.disk_cache is not None:
+        from pdserve.sim.disk import SimDisk
+
+        s = cfg.simulate
+        disk = SimDisk(max(engine_cfg.disk_cache.max_bytes // group_bytes[0], 1),
+                       s.disk_read_gbps, s.disk_write_gbps)
     for role, count in ((Role.FUSED, cfg.cluster.fused), (Role.PREFILL, cfg.cluster.prefill),
                         (Role.DECODE, cfg.cluster.decode)):
         if role is not Role.FUSED and cfg.cluster.decode == 0:
             continue                  # prefill engines with no decode peer would idle
         for i in range(count):
-            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups),
-                         SimExecutor(cost, engine_cfg.page_size, group_page_bytes=group_bytes,
-                                     ack_delay_rounds=cfg.simulate.ack_delay_rounds))
+            ex = SimExecutor(cost, engine_cfg.page_size, group_page_bytes=group_bytes,
+                             ack_delay_rounds=cfg.simulate.ack_delay_rounds)
+            if disk is not None:
+                from pdserve.sim.disk import SimDiskEdge
+
+                assert engine_cfg.disk_cache is not None
+                ex.disk = SimDiskEdge(disk, engine_cfg.page_size, group_bytes[0],
+                                      engine_cfg.disk_cache.min_hit_tokens)
+            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups), ex)
             out.append(SimEngine(eng, len(out), role))
     return out
 
@@ -449,5 +462,11 @@ class Simulation:
     def result(self) -> dict:
         rows = [self.records[i].to_json() for i in self.order]
         end = max([e.clock for e in self.engines] + [0.0])
+        hits = [se.engine.planner.hits for se in self.engines]
+        tiers = {"prompt_tokens": sum(h.prompt_tokens for h in hits),
+                 "device": sum(h.device_tokens for h in hits),
+                 "host": sum(h.host_tokens for h in hits),
+                 "disk": sum(h.disk_tokens for h in hits),
+                 "disk_missed": sum(h.disk_missed for h in hits)}
         return {"requests": rows, "summary": summarize(rows, end),
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "cached_tokens_by_tier": tiers}

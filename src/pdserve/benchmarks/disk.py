@@ -1,0 +1,244 @@
+"""`pdserve bench disk`: the disk (L3) tier on the CPU engine, side by side.
+
+A multi-turn replay: `--conversations` conversations of `--turns` turns,
+each turn adding `--turn-tokens` tokens to its conversation's prompt and
+asking for one token (its time is the request's TTFT, one request at a
+time). Turns go round-robin, so a conversation's prefix must outlive the
+others' turns; the device and host tiers hold fewer conversations than
+there are, so without the disk the later turns recompute it. Three
+comparisons, each alternating its two sides over `--repeats` runs:
+
+  replay       host tier alone against host + disk: TTFT of turns 2 and on
+  restart      an engine started on the directory the replay filled (warm)
+               against one on an empty directory (cold): the last turns
+  all-miss     prompts that share nothing, disk tier on against off: the
+               cost of probing and writing when nothing is ever found
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.benchmarks.args import positive
+
+PARTS = ("replay", "restart", "all-miss")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="smollm2-135m", help="the model preset (default "
+                   "smollm2-135m; tiny for a smoke run)")
+    p.add_argument("--conversations", type=positive, default=4)
+    p.add_argument("--turns", type=positive, default=3)
+    p.add_argument("--turn-tokens", type=positive, default=128)
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--dir", default=None, help="the disk tier's directory (default: a fresh "
+                   "one under /dev/shm, else the system's temporary directory)")
+    p.add_argument("--only", choices=PARTS, action="append", default=None,
+                   help="run these comparisons only (repeatable; default: all three)")
+    p.add_argument("--sim", action="store_true", help="instead: the Mooncake conversation "
+                   "trace in the simulator, host alone against host + disk")
+    p.add_argument("--trace", default=None, help="--sim: a Mooncake-format trace (default: "
+                   "the conversation trace in ../shared/data/traces)")
+    p.add_argument("--limit", type=positive, default=3000, help="--sim: requests from the "
+                   "start of the trace (3000)")
+    p.add_argument("--disk-gib", type=float, default=512.0, help="--sim: the disk tier's "
+                   "size (GiB, 512)")
+
+
+def run(args) -> int:
+    if args.sim:
+        return sim_main(args.trace, args.limit, args.disk_gib, args.repeats)
+    return main(args.preset, args.conversations, args.turns, args.turn_tokens, args.repeats,
+                args.dir, set(args.only or PARTS))
+
+
+class Bench:
+    """One loaded model; engines built on it as the configuration asks."""
+
+    def __init__(self, preset: str, engine: dict):
+        from pdserve import LLM
+
+        self.llm = LLM({"model": {"preset": preset}, "engine": engine})
+        self.base = self.llm.engine_config
+
+    def engine(self, disk: str | None):
+        """A fresh engine (a restart: empty device and host tiers) with the
+        disk tier on `disk`, or none."""
+        from pdserve.roles.engine import Engine
+        from pdserve.roles.torch_executor import TorchExecutor
+        from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
+        from pdserve.scheduler.planner import Planner
+
+        old = getattr(self.llm, "executor", None)
+        if old is not None:
+            old.close()
+        cfg = dataclasses.replace(self.base, disk_cache=DiskCacheConfig(
+            path=disk, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) if disk else None)
+        ex = TorchExecutor(self.llm.model, self.llm.tokenizer, cfg)
+        self.llm.executor = ex
+        self.llm.engine = Engine("fused-0", Planner(cfg, groups=ex.groups), ex,
+                                 forget_finished=False)
+        return self.llm
+
+    def ttft(self, prompts) -> list[float]:
+        """Each prompt alone, one token out: its time."""
+        from pdserve import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0)
+        out = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            self.llm.generate([p], sp, use_tqdm=False)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) -> list:
+    """Per turn, every conversation's prompt at that turn."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = [[] for _ in range(n)]
+    out = []
+    for _ in range(turns):
+        for c in convs:
+            c.extend(rng.randrange(3, vocab) for _ in range(tokens))
+        out.append([list(c) for c in convs])
+    return out
+
+
+def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
+         directory: str | None, parts=frozenset(PARTS)) -> int:
+    ps = 16
+    final = turns * tokens
+    # device and host hold about one conversation's prompt each: together
+    # fewer than there are, so a turn's prefix is gone from both by its next turn
+    pages = -(-final // ps)
+    engine = {"page_size": ps, "total_pages": pages + 8, "host_pages": pages,
+              "max_scheduled_tokens": max(512, final)}
+    b = Bench(preset, engine)
+    vocab = b.llm.model.cfg.vocab_size
+    replay = conversations(n, turns, tokens, vocab)
+    later = [p for turn in replay[1:] for p in turn]
+    misses = conversations(n * turns, 1, final // 2, vocab, seed=1)[0]
+    root = Path(directory) if directory else Path(tempfile.mkdtemp(
+        dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-disk-"))
+    print(f"{preset}: {n} conversations x {turns} turns of {tokens} tokens (final prompt "
+          f"{final}); device {engine['total_pages']} pages, host {engine['host_pages']} pages "
+          f"of {ps}; disk tier at {root}; {repeats} repeats, sides alternated", flush=True)
+    res: dict[str, list] = {k: [] for k in ("host", "disk", "cold", "warm", "off", "on",
+                                            "off_cpu", "on_cpu")}
+    disk_hits = []
+    for rep in range(repeats):
+        for side in (("host", "disk") if rep % 2 == 0 else ("disk", "host")) \
+                if parts & {"replay", "restart"} else ():
+            d = root / f"replay-{rep}"
+            if side == "disk":
+                shutil.rmtree(d, ignore_errors=True)
+            llm = b.engine(str(d) if side == "disk" else None)
+            t = b.ttft(replay[0])                       # the first turns fill the tiers
+            t = b.ttft(later)
+            res[side].append(statistics.median(t))
+            if side == "disk":
+                disk_hits.append(llm.engine.planner.hits.disk_tokens)
+                llm.executor.disk.flush()
+        # restart: the last turns on an engine started on the filled directory, or an empty one
+        for side in (("cold", "warm") if rep % 2 == 0 else ("warm", "cold")) \
+                if "restart" in parts else ():
+            d = root / (f"replay-{rep}" if side == "warm" else f"empty-{rep}")
+            shutil.rmtree(root / f"empty-{rep}", ignore_errors=True)
+            b.engine(str(d))
+            res[side].append(sum(b.ttft(replay[-1])))
+        # all-miss: prompts sharing nothing
+        for side in (("off", "on") if rep % 2 == 0 else ("on", "off")) \
+                if "all-miss" in parts else ():
+            d = root / f"miss-{rep}"
+            shutil.rmtree(d, ignore_errors=True)
+            b.engine(str(d) if side == "on" else None)
+            cpu0 = time.process_time()          # every thread's: robust to a busy host
+            res[side].append(statistics.median(b.ttft(misses)))
+            res[f"{side}_cpu"].append((time.process_time() - cpu0) / len(misses))
+        for d in root.glob("*"):
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"  repeat {rep + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms"
+                                                   for k, v in res.items() if v), flush=True)
+    if not directory:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def cell(k: str) -> str:
+        v = res[k]
+        if not v:
+            return "-"
+        return f"{statistics.median(v) * 1e3:,.0f} ms ({min(v) * 1e3:,.0f}-{max(v) * 1e3:,.0f})"
+
+    def ratio(a: str, c: str) -> str:
+        r = [x / y for x, y in zip(res[a], res[c])]
+        if not r:
+            return "-"
+        return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+
+    print(f"\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
+    print(f"| replay, turns 2+: median TTFT, host alone (A) vs host + disk (B) | "
+          f"{cell('host')} | {cell('disk')} | {ratio('disk', 'host')} |")
+    print(f"| restart, last turns: total time, cold (A) vs warm (B) | {cell('cold')} | "
+          f"{cell('warm')} | {ratio('warm', 'cold')} |")
+    print(f"| all-miss prompts: median TTFT, tier off (A) vs on (B) | {cell('off')} | "
+          f"{cell('on')} | {ratio('on', 'off')} |")
+    print(f"| all-miss prompts: process CPU a request, tier off (A) vs on (B) | "
+          f"{cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu', 'off_cpu')} |")
+    print(f"\nmedian (min-max) over {repeats} repeats; disk hit tokens in the replay: "
+          f"{disk_hits}")
+    return 0
+
+
+# ---- the simulator: the Mooncake conversation trace ---------------------------------
+
+SIM_CONFIG = "sim-mooncake-tight-host.yaml"
+
+
+def sim_main(trace_path: str | None, limit: int, disk_gib: float, repeats: int) -> int:
+    """The conversation trace on the shipped tight-host config, host alone
+    against host + a disk tier of `disk_gib` GiB shared by the node's
+    engines: prompt tokens found cached by tier against the trace's own
+    bound (everything kept), TTFT p50 and p90."""
+    from pdserve.benchmarks.state_reuse import ideal_hit
+    from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
+    from pdserve.config import load_config, shipped
+    from pdserve.scheduler.config import DiskCacheConfig
+    from pdserve.sim.report import percentile
+    from pdserve.sim.simulation import Simulation
+    from pdserve.sim.trace import read_trace
+
+    trace = read_trace(trace_file(trace_path, MOONCAKE_CONV), limit=limit)
+    cfg = load_config(shipped(SIM_CONFIG))
+    total, bound = ideal_hit(trace)
+    disk = DiskCacheConfig(path="simulated", max_bytes=int(disk_gib * 2 ** 30))
+    e = cfg.engine
+    print(f"the first {len(trace)} Mooncake conversation requests on {SIM_CONFIG}: "
+          f"{cfg.cluster.fused} fused engines, {e.total_pages:,} device and {e.host_pages:,} "
+          f"host pages of {e.page_size} each; disk {disk_gib:g} GiB shared, read "
+          f"{cfg.simulate.disk_read_gbps:g} Gb/s")
+    print(f"\n| tiers | device % | host % | disk % | all % | bound % | TTFT p50 s | "
+          f"TTFT p90 s | finished | wall s |\n| --- | --- | --- | --- | --- | --- | --- | "
+          f"--- | --- | --- |")
+    for name, dc in (("device + host", None), ("device + host + disk", disk)):
+        walls = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = Simulation(dataclasses.replace(cfg, engine=dataclasses.replace(
+                e, disk_cache=dc)), trace, progress=False).run()
+            walls.append(time.perf_counter() - t0)
+        tiers = res["cached_tokens_by_tier"]
+        p = tiers["prompt_tokens"] or 1
+        ttft = sorted(r["ttft_s"] for r in res["requests"] if r["ttft_s"] is not None)
+        shares = [100 * tiers[k] / p for k in ("device", "host", "disk")]
+        print(f"| {name} | " + " | ".join(f"{s:.1f}" for s in shares) +
+              f" | {sum(shares):.1f} | {100 * bound / total:.1f} | "
+              f"{percentile(ttft, 0.5):.3f} | {percentile(ttft, 0.9):.3f} | "
+              f"{res['summary']['finished']} | {statistics.median(walls):.1f} |", flush=True)
+    return 0

@@ -1,0 +1,344 @@
+"""The engine's edge to the disk (L3) KV tier: probes and prefetches at
+arrival, the reads a plan asks for, and writes through from the host tier.
+
+    arrival (before a build)   for the prompt's pages beyond what device and
+                               host hold, GETs (the prefetch; best_effort
+                               probes with EXISTS first). `Request.disk_pages` follows the
+                               policy: best_effort, the pages the probe
+                               found (those not read by admission are read
+                               in the round); wait_complete and timeout, the
+                               pages read, and `Request.disk_wait` holds the
+                               request until every read ended (timeout: or
+                               prefetch_timeout_s passed)
+    a plan's DiskLoadOp        its pages from the prefetched bytes, or read
+                               now; one that cannot be read is a miss, which
+                               the planner turns into a retraction (§4)
+    a pinned host store        write_through: each page queued to disk as it
+                               reaches host; write_through_selective: once
+                               host hits on it reach write_hits
+
+The planner never touches the disk: it sees the probe's result on the
+request and the reads' outcomes in the round's result. Keys are the chain
+hash of the prefix each page ends (scheduler/prefix.py), the cache group,
+the weights fingerprint, dtype and page layout (transfer/disk_store.py), so
+every engine of a node on the same directory and model shares the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy, WritePolicy
+from pdserve.scheduler.fsm import Waiting
+from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
+
+
+def weights_fingerprint(model) -> str:
+    """A digest of the model's config and weights (every tensor the model
+    holds, found through its attributes: its shape, dtype and a sample of
+    its bytes): files written for other weights are foreign. Sampled, not
+    whole: it runs once at start, and one changed weight file changes the
+    samples of every tensor it loads."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(repr(model.cfg).encode())
+    for name, t in _tensors(vars(model), "model"):
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        mid = flat.numel() // 2
+        for piece in (flat[:256], flat[mid:mid + 256], flat[-256:]):
+            h.update(piece.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tensors(obj, name: str, depth: int = 0):
+    """(path, tensor) for every tensor under `obj`'s attributes, lists,
+    tuples and dicts, in a stable order."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif depth > 4:
+        return
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k], f"{name}.{k}", depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{name}[{i}]", depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth:
+        yield from _tensors(vars(obj), name, depth + 1)
+
+
+# How many chains the edge remembers writing (to skip writing them again) and
+# counting hits on: bounded, so a long-running engine's memory is too.
+REMEMBERED = 1 << 20
+
+
+@dataclass
+class DiskCounts:
+    """What the edge counts (engine stats and metrics)."""
+    probes: int = 0             # requests probed at arrival
+    probed_pages: int = 0       # pages asked for
+    prefetched_pages: int = 0   # pages read ahead of admission
+    below_min: int = 0          # probes whose possible hit was under min_hit_tokens
+    prefetch_complete: int = 0  # prefetches that ended before their request was let go
+    prefetch_timed_out: int = 0
+    prefetch_partial: int = 0   # best_effort: let go while reads were still out
+    reads_hit: int = 0          # a plan's disk reads whose every page was read
+    reads_missed: int = 0
+    read_now_pages: int = 0     # pages a plan's read fetched itself (not prefetched)
+    writes: int = 0             # pages queued to disk
+
+
+@dataclass
+class Prefetch:
+    """One request's reads ahead of its admission."""
+    req: object
+    start: int                  # first page read (device and host held the rest at arrival)
+    chains: list                # chain hash of pages [start, start + len)
+    jobs: dict                  # job id -> index into chains
+    deadline: float
+    found: set = field(default_factory=set)     # indexes the EXISTS probe found
+    got: dict = field(default_factory=dict)     # index -> bytes
+    ended: set = field(default_factory=set)     # indexes whose read ended
+    missed_at: int | None = None                # the first index whose read missed
+    let_go: bool = False
+
+    def run(self, probed: bool = False) -> int:
+        """Pages read (`probed`: found by the probe) from `start` on,
+        without a gap."""
+        have = self.found if probed else self.got
+        n = 0
+        while n in have:
+            n += 1
+        return n
+
+    def finished(self) -> bool:
+        end = len(self.chains) if self.missed_at is None else self.missed_at
+        return all(i in self.ended for i in range(end))
+
+
+class DiskTier:
+    def __init__(self, cfg: DiskCacheConfig, store: DiskStore, *, model_id: str, dtype: str,
+                 layout: str, page_size: int, clock=time.monotonic):
+        self.cfg = cfg
+        self.store = store
+        self.model_id, self.dtype, self.layout = model_id, dtype, layout
+        self.page_size = page_size
+        self.clock = clock
+        self.counts = DiskCounts()
+        self._prefetch: dict[str, Prefetch] = {}
+        self._jobs: dict[int, str] = {}             # prefetch job -> request id
+        self._seen_seq = -1                         # the newest submission probed
+        self._written: set[int] = set()             # chains this engine wrote or read
+        self._host_chain: dict[int, int] = {}       # host page -> chain it caches
+        self._hits: dict[int, int] = {}             # chain -> host hits (selective)
+        self._writes_out: set[int] = set()          # PUT jobs not yet polled
+
+    @classmethod
+    def open(cls, cfg: DiskCacheConfig, model, page_size: int, layout: str) -> "DiskTier":
+        """The file-backed tier of `cfg` for `model`, or a DiskStoreError
+        saying why its path cannot be used."""
+        store = FileStore(cfg.path, cfg.max_bytes)
+        return cls(cfg, store, model_id=weights_fingerprint(model),
+                   dtype=str(model.dtype).removeprefix("torch."), layout=layout,
+                   page_size=page_size)
+
+    def key(self, chain: int, group: int = 0) -> DiskKey:
+        return DiskKey(chain, group, self.model_id, self.dtype, self.layout)
+
+    def close(self) -> None:
+        self.store.close()
+
+    # ---- arrivals and prefetch ------------------------------------------------
+    def before_build(self, planner) -> None:
+        """Probe new arrivals, land finished reads, and set each waiting
+        request's `disk_pages` and `disk_wait` for the build to come."""
+        self._arrivals(planner)
+        self._land(self.store.poll())
+        now = self.clock()
+        for rid, pf in list(self._prefetch.items()):
+            req = pf.req
+            if planner.requests.get(rid) is not req or not isinstance(req.state, Waiting):
+                self._drop(rid)                     # admitted (its read ran) or gone
+                continue
+            if not pf.let_go:
+                policy = self.cfg.prefetch_policy
+                if pf.finished():
+                    pf.let_go = True
+                    self.counts.prefetch_complete += 1
+                elif policy is PrefetchPolicy.BEST_EFFORT:
+                    pf.let_go = True
+                    self.counts.prefetch_partial += 1
+                elif policy is PrefetchPolicy.TIMEOUT and now >= pf.deadline:
+                    pf.let_go = True
+                    self.counts.prefetch_timed_out += 1
+            run = pf.run(probed=self.cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT)
+            if run * self.page_size < self.cfg.min_hit_tokens:
+                run = 0
+            req.disk_pages = pf.start + run if run else 0
+            req.disk_wait = not pf.let_go
+
+    def holding(self) -> bool:
+        """Is a request held for its prefetch?"""
+        return any(not pf.let_go for pf in self._prefetch.values())
+
+    def wait_progress(self, timeout_s: float) -> None:
+        """Block until the reads of every held prefetch ended (or
+        `timeout_s`): an engine with nothing else to do waits here, woken
+        once, not once a page."""
+        last = max((j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs),
+                   default=None)
+        if last is not None:
+            self.store.wait_ended(last, timeout_s)
+
+    def _arrivals(self, planner) -> None:
+        new = []
+        for req in reversed(planner.waiting):
+            if req.seq <= self._seen_seq:
+                break
+            new.append(req)
+        for req in reversed(new):
+            self._seen_seq = max(self._seen_seq, req.seq)
+            self._probe(req, planner.cached_pages(req))
+
+    def _probe(self, req, cached: int) -> None:
+        ps = self.page_size
+        pages = (req.num_tokens - 1) // ps           # what a hit may cover (phases.py)
+        if pages <= cached:
+            return
+        if (pages - cached) * ps < self.cfg.min_hit_tokens:
+            self.counts.below_min += 1
+            return
+        chains = self._chains(req, pages)[cached:]
+        self.counts.probes += 1
+        self.counts.probed_pages += len(chains)
+        jobs = {}
+        # best_effort admits on what the probe found; the others on what was read
+        ops = (DiskOp.EXISTS, DiskOp.GET) \
+            if self.cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT else (DiskOp.GET,)
+        for op in ops:
+            for i, c in enumerate(chains):
+                j = self.store.submit(op, self.key(c))
+                jobs[j] = i
+                self._jobs[j] = req.id
+        self._prefetch[req.id] = Prefetch(req, cached, chains, jobs,
+                                          self.clock() + self.cfg.prefetch_timeout_s)
+        req.disk_wait = self.cfg.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
+
+    def _chains(self, req, pages: int) -> list[int]:
+        h, out = ROOT_HASH, []
+        for i in range(pages):
+            h = chain_hash(h, req.page_key(i, self.page_size))
+            out.append(h)
+        return out
+
+    def _land(self, done: list[DiskDone]) -> None:
+        for d in done:
+            if d.op is DiskOp.PUT:
+                self._writes_out.discard(d.job)
+                if not d.ok:
+                    self._written.discard(d.key.chain)  # another engine may write it
+                continue
+            rid = self._jobs.pop(d.job, None)
+            pf = self._prefetch.get(rid) if rid is not None else None
+            if pf is None:
+                continue
+            i = pf.jobs.pop(d.job)
+            if d.op is DiskOp.EXISTS:
+                if d.ok:
+                    pf.found.add(i)
+                continue
+            pf.ended.add(i)
+            if d.ok and d.data is not None and (pf.missed_at is None or i < pf.missed_at):
+                pf.got[i] = d.data
+                self._written.add(d.key.chain)
+                self.counts.prefetched_pages += 1
+            elif not d.ok and (pf.missed_at is None or i < pf.missed_at):
+                pf.missed_at = i
+                for k in [k for k in pf.got if k > i]:
+                    del pf.got[k]
+
+    def _drop(self, rid: str) -> None:
+        pf = self._prefetch.pop(rid)
+        for j in pf.jobs:
+            self._jobs.pop(j, None)
+
+    # ---- a plan's reads ---------------------------------------------------------
+    def read(self, op) -> list[bytes] | None:
+        """The bytes of a DiskLoadOp's pages, prefetched or read now; None
+        if any page cannot be read (a miss). The request's prefetch ends
+        here: a request retracted for a miss re-prefills without the disk."""
+        pf = self._prefetch.get(op.req_id)
+        if pf is not None:
+            self._drop(op.req_id)
+        out = []
+        for n, chain in enumerate(op.chains):
+            data = None
+            if pf is not None:
+                i = op.first_page + n - pf.start
+                if 0 <= i < len(pf.chains) and pf.chains[i] == chain:
+                    data = pf.got.pop(i, None)
+            if data is None:
+                self.counts.read_now_pages += 1
+                d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain)),
+                                    self.cfg.prefetch_timeout_s)
+                data = d.data if d is not None and d.ok else None
+            if data is None:
+                self.counts.reads_missed += 1
+                return None
+            out.append(data)
+        self.counts.reads_hit += 1
+        return out
+
+    # ---- writes -------------------------------------------------------------------
+    def stored(self, chain: int, host_page: int, page_bytes) -> None:
+        """A page reached host page `host_page` under `chain` (a pinned
+        store): write it through now, or (selective) note which chain the
+        host page caches, for its hits. `page_bytes()` reads it."""
+        self._host_chain[host_page] = chain
+        if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write(chain, page_bytes)
+
+    def host_overwritten(self, host_pages) -> None:
+        """Host pages written with something else (a snapshot, a disk read)."""
+        for hp in host_pages:
+            self._host_chain.pop(hp, None)
+
+    def host_hit(self, host_page: int, page_bytes) -> None:
+        """A host prefix hit read `host_page`: selective writes count it."""
+        if self.cfg.write_policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
+            return
+        chain = self._host_chain.get(host_page)
+        if chain is None:
+            return
+        n = self._hits.get(chain, 0) + 1
+        if len(self._hits) >= REMEMBERED:
+            self._hits.clear()
+        self._hits[chain] = n
+        if n >= self.cfg.write_hits:
+            self._hits.pop(chain, None)
+            self._write(chain, page_bytes)
+
+    def _write(self, chain: int, page_bytes) -> None:
+        if chain in self._written:
+            return
+        if len(self._written) >= REMEMBERED:
+            self._written.clear()       # a skip list only: forgetting costs a rewrite
+        self._written.add(chain)
+        self._writes_out.add(self.store.submit(DiskOp.PUT, self.key(chain), page_bytes()))
+        self.counts.writes += 1
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is on disk (tests, a clean stop)."""
+        return self.store.drain(timeout_s)
+
+    def stats(self) -> dict:
+        s = self.store.stats
+        return {**self.counts.__dict__, "bytes_read": s.bytes_read,
+                "bytes_written": s.bytes_written, "disk_gets": s.gets, "disk_get_hits": s.hits,
+                "disk_evictions": s.evictions, "disk_removed_bad": s.removed_bad,
+                "disk_failed_puts": s.failed_puts}

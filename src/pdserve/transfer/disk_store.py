@@ -1,0 +1,492 @@
+"""The disk (L3) KV tier's storage: keys, the file format, and backends
+whose operations complete asynchronously.
+
+    job = store.submit(DiskOp.GET, key)     # returns at once
+    ...                                     # the engine loop goes on
+    for done in store.poll():               # completions, in the order they ended
+        ...                                 # or store.wait(job, timeout_s)
+
+A page (or a state slot) is stored under a `DiskKey`: the chain hash of the
+prefix the page ends (the request's own hash chain, so whatever salts that
+chain, an adapter say, salts the key), its cache group, and what makes the
+bytes meaningful: the model's weights fingerprint, the dtype and the page
+layout. Every engine that points at the same directory with the same model
+shares its files.
+
+A file is written to a temporary name and renamed, so a reader sees a whole
+file or none. It starts with a header naming its key and the payload's
+length and checksum; a file that is torn, corrupt or written for another
+key, model, dtype or layout is a miss, and is removed, never loaded.
+
+`FileStore` keeps files in one directory under a byte capacity, evicting the
+least recently used; `FakeStore` keeps them in memory and injects latency,
+dropped operations, torn files and stale keys, for tests. Both run their
+operations on one worker thread behind the same `DiskStore` contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+MAGIC = b"PDKV\x01"
+_LEN = struct.Struct("<I")
+SUFFIX = ".kv"
+TMP_MARK = ".tmp."
+
+
+class DiskStoreError(RuntimeError):
+    """The store cannot be used as configured (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DiskKey:
+    chain: int          # chain hash of the prefix the page ends (scheduler/prefix.py)
+    group: int          # the cache group whose page (or state slot) this is
+    model: str          # the weights fingerprint
+    dtype: str          # e.g. "float32"
+    layout: str         # the page's shape, e.g. "kv:30x2x16x3x64"
+
+    def name(self) -> str:
+        """The file name: a digest of every field, so keys that differ in
+        any field never share a file."""
+        text = f"{self.chain}|{self.group}|{self.model}|{self.dtype}|{self.layout}"
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest() + SUFFIX
+
+    def header(self) -> dict:
+        return {"chain": self.chain, "group": self.group, "model": self.model,
+                "dtype": self.dtype, "layout": self.layout}
+
+
+class DiskOp(Enum):
+    EXISTS = "exists"
+    GET = "get"
+    PUT = "put"
+    DELETE = "delete"
+
+
+class Miss(Enum):
+    """Why a GET (or EXISTS) found nothing usable."""
+    ABSENT = "absent"           # no such file
+    TORN = "torn"               # shorter than its header says (a write cut short)
+    CORRUPT = "corrupt"         # the payload's checksum does not match
+    FOREIGN = "foreign"         # written for another key, model, dtype or layout
+    DROPPED = "dropped"         # the backend lost the operation (fake backend)
+
+
+@dataclass(frozen=True)
+class DiskDone:
+    """One finished operation. `ok`: EXISTS found it, GET read it (`data`),
+    PUT stored it (False: nothing stored, `error` says why), DELETE removed
+    it."""
+    job: int
+    op: DiskOp
+    key: DiskKey
+    ok: bool
+    data: bytes | None = None
+    miss: Miss | None = None
+    error: str = ""
+
+
+@dataclass
+class DiskStats:
+    """What a store counts (read by the engine's metrics)."""
+    gets: int = 0
+    hits: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    removed_bad: int = 0        # torn, corrupt or foreign files removed on read
+    failed_puts: int = 0
+
+
+def encode(key: DiskKey, payload: bytes) -> bytes:
+    """A file's bytes: magic, header length, JSON header, payload."""
+    head = key.header() | {"nbytes": len(payload),
+                           "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+    hb = json.dumps(head, sort_keys=True).encode()
+    return MAGIC + _LEN.pack(len(hb)) + hb + payload
+
+
+def decode(key: DiskKey, raw: bytes) -> tuple[bytes | None, Miss | None]:
+    """The payload of a file's bytes if they are whole, intact and written
+    for `key`; else (None, why)."""
+    n0 = len(MAGIC) + _LEN.size
+    if len(raw) < n0 or raw[:len(MAGIC)] != MAGIC:
+        return None, Miss.TORN if len(raw) < n0 else Miss.FOREIGN
+    (hlen,) = _LEN.unpack_from(raw, len(MAGIC))
+    if len(raw) < n0 + hlen:
+        return None, Miss.TORN
+    try:
+        head = json.loads(raw[n0:n0 + hlen])
+    except ValueError:
+        return None, Miss.CORRUPT
+    if not isinstance(head, dict) or any(head.get(k) != v for k, v in key.header().items()):
+        return None, Miss.FOREIGN
+    payload = raw[n0 + hlen:]
+    if len(payload) != head.get("nbytes"):
+        return None, Miss.TORN
+    if hashlib.blake2b(payload, digest_size=16).hexdigest() != head.get("blake2b"):
+        return None, Miss.CORRUPT
+    return payload, None
+
+
+class DiskStore:
+    """The contract: `submit` queues an operation and returns its job id at
+    once; one worker thread carries operations out in submission order;
+    `poll` hands back what finished, `wait` blocks for one job. Subclasses
+    implement the blocking `_exists`, `_get`, `_put` and `_delete`."""
+
+    def __init__(self):
+        self.stats = DiskStats()
+        self._queue: deque = deque()
+        self._done: dict[int, DiskDone] = {}
+        self._order: deque[int] = deque()
+        self._cv = threading.Condition()
+        self._next = 0
+        self._closed = False
+        self._busy = 0                  # 1 while the worker runs an operation
+        self._thread = threading.Thread(target=self._work, name="disk-store", daemon=True)
+        self._thread.start()
+
+    # ---- the contract -------------------------------------------------------
+    def submit(self, op: DiskOp, key: DiskKey, data: bytes | None = None) -> int:
+        if not isinstance(op, DiskOp):
+            raise TypeError(f"op must be a DiskOp, got {op!r}")
+        if (op is DiskOp.PUT) != (data is not None):
+            raise ValueError("a PUT carries bytes; no other operation does")
+        with self._cv:
+            if self._closed:
+                raise DiskStoreError("the disk store is closed")
+            self._next += 1
+            self._queue.append((self._next, op, key, data))
+            self._cv.notify_all()
+            return self._next
+
+    def poll(self) -> list[DiskDone]:
+        """Every completion not yet handed out (by poll or wait)."""
+        with self._cv:
+            out = [self._done.pop(j) for j in self._order if j in self._done]
+            self._order.clear()
+            return out
+
+    def wait(self, job: int, timeout_s: float | None = None) -> DiskDone | None:
+        """Job `job`'s completion (handed out here, not by a later poll), or
+        None if it has not finished within `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while job not in self._done:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._done.pop(job)
+
+    def wait_ended(self, job: int, timeout_s: float) -> bool:
+        """Block until job `job` and every job before it ended (one worker
+        runs them in order), leaving their completions for `poll`."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: job <= self._next - len(self._queue) - self._busy, timeout_s)
+
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until some completion is ready to poll (or `timeout_s`)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._done), timeout_s)
+
+    def pending(self) -> int:
+        """Operations submitted and not finished."""
+        with self._cv:
+            return len(self._queue) + self._busy
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Block until every submitted operation has finished."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the worker."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    # ---- the worker ---------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job, op, key, data = self._queue.popleft()
+                self._busy = 1
+            try:
+                done = self._run(job, op, key, data)
+            except OSError as e:
+                done = DiskDone(job, op, key, False, error=f"{type(e).__name__}: {e}")
+            with self._cv:
+                self._busy = 0
+                self._done[job] = done
+                self._order.append(job)
+                self._cv.notify_all()
+
+    def _run(self, job: int, op: DiskOp, key: DiskKey, data: bytes | None) -> DiskDone:
+        s = self.stats
+        if op is DiskOp.GET:
+            s.gets += 1
+            payload, miss = self._get(key)
+            if payload is not None:
+                s.hits += 1
+                s.bytes_read += len(payload)
+            return DiskDone(job, op, key, payload is not None, payload, miss)
+        if op is DiskOp.EXISTS:
+            return DiskDone(job, op, key, self._exists(key), miss=None)
+        if op is DiskOp.PUT:
+            assert data is not None                     # submit checked it
+            err = self._put(key, data)
+            if err:
+                s.failed_puts += 1
+            else:
+                s.puts += 1
+                s.bytes_written += len(data)
+            return DiskDone(job, op, key, not err, error=err)
+        return DiskDone(job, op, key, self._delete(key))
+
+    # ---- what a backend implements ---------------------------------------------
+    def _exists(self, key: DiskKey) -> bool:
+        raise NotImplementedError
+
+    def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
+        raise NotImplementedError
+
+    def _put(self, key: DiskKey, data: bytes) -> str:
+        """Store `data`; '' on success, else why not."""
+        raise NotImplementedError
+
+    def _delete(self, key: DiskKey) -> bool:
+        raise NotImplementedError
+
+
+def check_directory(path) -> Path:
+    """`path` as a directory this process can create files in, or a
+    DiskStoreError saying why not and what to change."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiskStoreError(f"engine.disk_cache.path={str(path)!r} cannot be created "
+                             f"({e.strerror or e}); give a writable directory") from e
+    if not p.is_dir():
+        raise DiskStoreError(f"engine.disk_cache.path={str(path)!r} is not a directory; "
+                             "give a directory")
+    probe = p / f"probe{TMP_MARK}{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DiskStoreError(f"engine.disk_cache.path={str(path)!r} is not writable "
+                             f"({e.strerror or e}); give a directory this engine can "
+                             "write, or fix its permissions") from e
+    return p
+
+
+class FileStore(DiskStore):
+    """Files in one directory (local NVMe or tmpfs), at most `max_bytes` of
+    them: a put over the capacity evicts the least recently used first (a
+    read refreshes a file's place, and its mtime, so the order survives a
+    restart). Temporary files a killed writer left behind are removed at
+    start; files of other engines sharing the directory are read like ours."""
+
+    def __init__(self, path, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise DiskStoreError(f"engine.disk_cache.max_bytes must be a positive integer, "
+                                 f"got {max_bytes!r}")
+        self.path = check_directory(path)
+        self.max_bytes = max_bytes
+        # file name -> size, least recently used first
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self.bytes = 0
+        self._scan()
+        super().__init__()
+
+    def _scan(self) -> None:
+        """Forget leftover temporary files (a writer killed mid-write: they
+        were never renamed, so nobody reads them) and index the rest by age."""
+        found = []
+        for f in self.path.iterdir():
+            if TMP_MARK in f.name:
+                pid = f.name.rsplit(".", 1)[-1]
+                if not (pid.isdigit() and _alive(int(pid))):
+                    f.unlink(missing_ok=True)
+                continue
+            if f.name.endswith(SUFFIX):
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, f.name, st.st_size))
+        for _, name, size in sorted(found):
+            self._lru[name] = size
+            self.bytes += size
+
+    def files(self) -> int:
+        return len(self._lru)
+
+    def _exists(self, key: DiskKey) -> bool:
+        return (self.path / key.name()).is_file()
+
+    def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
+        name = key.name()
+        f = self.path / name
+        try:
+            raw = f.read_bytes()
+        except FileNotFoundError:
+            self._forget(name)
+            return None, Miss.ABSENT
+        payload, miss = decode(key, raw)
+        if payload is None:
+            self.stats.removed_bad += 1
+            f.unlink(missing_ok=True)
+            self._forget(name)
+            return None, miss
+        if name not in self._lru:
+            self._lru[name] = len(raw)      # another engine wrote it
+            self.bytes += len(raw)
+        self._lru.move_to_end(name)
+        try:
+            os.utime(f)
+        except FileNotFoundError:
+            pass
+        return payload, None
+
+    def _put(self, key: DiskKey, data: bytes) -> str:
+        raw = encode(key, data)
+        if len(raw) > self.max_bytes:
+            return (f"a {len(raw)}-byte page exceeds engine.disk_cache.max_bytes="
+                    f"{self.max_bytes}")
+        name = key.name()
+        self._forget(name)
+        while self.bytes + len(raw) > self.max_bytes and self._lru:
+            old, size = self._lru.popitem(last=False)
+            self.bytes -= size
+            (self.path / old).unlink(missing_ok=True)
+            self.stats.evictions += 1
+        tmp = self.path / f"{name}{TMP_MARK}{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(raw)
+        os.replace(tmp, self.path / name)
+        self._lru[name] = len(raw)
+        self.bytes += len(raw)
+        return ""
+
+    def _delete(self, key: DiskKey) -> bool:
+        name = key.name()
+        self._forget(name)
+        try:
+            (self.path / name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _forget(self, name: str) -> None:
+        size = self._lru.pop(name, None)
+        if size is not None:
+            self.bytes -= size
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Faults:
+    """What `FakeStore` does wrong: a delay per operation, and per key the
+    next GETs that are dropped, torn (the file is cut short) or stale (the
+    file was written for other bytes than its key now names)."""
+    latency_s: float = 0.0
+    drop: set | None = None         # chain hashes whose GETs are dropped
+    torn: set | None = None         # chain hashes whose files are torn on the next GET
+    stale: set | None = None        # chain hashes whose files belong to another model
+
+
+class FakeStore(DiskStore):
+    """Files in memory (name -> bytes, the file format of `FileStore`), with
+    injected faults (`faults`, changeable while it runs)."""
+
+    def __init__(self, faults: Faults | None = None, max_bytes: int = 1 << 40):
+        self.faults = faults or Faults()
+        self.max_bytes = max_bytes
+        self.files: OrderedDict[str, bytes] = OrderedDict()
+        self.log: list[tuple[DiskOp, int]] = []     # (op, chain) of every operation run
+        super().__init__()
+
+    def _delay(self) -> None:
+        if self.faults.latency_s:
+            time.sleep(self.faults.latency_s)   # the injected latency itself
+
+    def _exists(self, key: DiskKey) -> bool:
+        self._delay()
+        self.log.append((DiskOp.EXISTS, key.chain))
+        return key.name() in self.files
+
+    def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
+        self._delay()
+        self.log.append((DiskOp.GET, key.chain))
+        f = self.faults
+        if f.drop and key.chain in f.drop:
+            return None, Miss.DROPPED
+        name = key.name()
+        raw = self.files.get(name)
+        if raw is None:
+            return None, Miss.ABSENT
+        if f.torn and key.chain in f.torn:
+            raw = raw[:len(raw) // 2]
+        if f.stale and key.chain in f.stale:
+            raw = encode(DiskKey(key.chain, key.group, key.model + "-old", key.dtype,
+                                 key.layout), raw[-8:])
+        payload, miss = decode(key, raw)
+        if payload is None:
+            self.stats.removed_bad += 1
+            del self.files[name]
+            return None, miss
+        self.files.move_to_end(name)
+        return payload, None
+
+    def _put(self, key: DiskKey, data: bytes) -> str:
+        self._delay()
+        self.log.append((DiskOp.PUT, key.chain))
+        raw = encode(key, data)
+        self.files.pop(key.name(), None)
+        while self.files and sum(map(len, self.files.values())) + len(raw) > self.max_bytes:
+            self.files.popitem(last=False)
+            self.stats.evictions += 1
+        self.files[key.name()] = raw
+        return ""
+
+    def _delete(self, key: DiskKey) -> bool:
+        self._delay()
+        return self.files.pop(key.name(), None) is not None
