@@ -39,6 +39,9 @@ BENCHMARKS = [
     Subcommand("sampling", "pdserve.benchmarks.sampling",
                "a round's logits to tokens on a real model's vocabulary, against the sampler "
                "before"),
+    Subcommand("peer", "pdserve.benchmarks.peer",
+               "pdserve against llama.cpp's llama-server on the same GGUF, at concurrency 1, "
+               "8 and 32 (skipped without llama-server)"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),
