@@ -27,6 +27,7 @@ rounds read state slots or plan kernels outside these buffers.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -118,7 +119,9 @@ class DecodeCapture:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._step = self._forward
         if mode is CaptureMode.COMPILE:
-            self._step = torch.compile(self._forward, dynamic=True)
+            # traced outside inference mode (under no_grad): the compiler
+            # cannot functionalize views of inference tensors
+            self._step = torch.compile(self._forward_grad_free, dynamic=True)
         self.capture_s = 0.0
         self.replays = 0
 
@@ -151,6 +154,17 @@ class DecodeCapture:
     def _forward(self, ids, metas, rows):
         return self.model.forward(ids, metas, self.caches, rows)
 
+    def _forward_grad_free(self, ids, metas, rows):
+        forward = inspect.unwrap(type(self.model).forward)    # without its inference_mode
+        with torch.no_grad():
+            return forward(self.model, ids, metas, self.caches, rows)
+
+    def _call(self, bk: "_Bucket") -> torch.Tensor:
+        if self.mode is CaptureMode.COMPILE:
+            return self._step(bk.ids, bk.metas, bk.rows)
+        with torch.inference_mode():
+            return self._step(bk.ids, bk.metas, bk.rows)
+
     def capture(self) -> float:
         """Build every bucket (largest first, so shared scratch buffers
         reach their size once) and record or compile its step; returns the
@@ -166,8 +180,7 @@ class DecodeCapture:
             if self.mode is CaptureMode.CUDA_GRAPH:
                 self._record(bk)
             else:
-                with torch.inference_mode():
-                    self._step(bk.ids, bk.metas, bk.rows)
+                self._call(bk)
         self.capture_s = time.perf_counter() - t0
         log.info("decode step captured (%s) for batch sizes %s and tables up to %d pages in "
                  "%.1f s", self.mode.value, self.batch_sizes, self.widths[-1], self.capture_s)
@@ -242,8 +255,7 @@ class DecodeCapture:
         if bk.graph is not None:
             bk.graph.replay()  # type: ignore[attr-defined]
             return bk.out[:n]  # type: ignore[index]
-        with torch.inference_mode():
-            return self._step(bk.ids, bk.metas, bk.rows)[:n]
+        return self._call(bk)[:n]
 
     def _fill_padding(self, bk: _Bucket, n: int) -> None:
         """Rows n.. of a bucket: token 0 at position 0, writing into the
