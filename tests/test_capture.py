@@ -124,7 +124,8 @@ def test_a_bad_capture_setting_is_a_clear_error():
         EngineConfig(capture="yes")
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "gemma3"])
+@pytest.mark.parametrize("family", ["tiny-llama",
+                                    pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_an_engine_with_the_step_captured_generates_the_same_tokens(tmp_path, monkeypatch,
                                                                     family):
     """Served rounds through the capture (its static buffers, run eagerly:
