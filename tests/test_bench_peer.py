@@ -58,7 +58,11 @@ def test_both_servers_get_the_same_load_alternating_and_the_table_has_ratios(fak
                         "| c=4 ITL p50 | c=4 TTFT p50 |")
     assert [ln.split(" | ")[0] for ln in lines[2:]] == ["| ours", "| llama.cpp",
                                                         "| ours / llama.cpp"]
-    assert lines[-1].count("x") == 6               # a ratio in every column
+    ratios = lines[-1].strip("| ").split(" | ")[1:]
+    # tok/s and TTFT always have a ratio; ITL has one when some tokens arrived
+    # in separate reads (a loaded host may coalesce a short stream's events)
+    assert all(ratios[i].endswith("x") for i in (0, 2, 3, 5))
+    assert all(ratios[i].endswith("x") or ratios[i] == "-" for i in (1, 4))
 
 
 def test_the_same_prompts_go_to_every_server():
