@@ -2,6 +2,7 @@
 GGUF loading of the same file: config, tokenizer, chat template, logits and
 greedy output; and the errors a bad path, package or file gives."""
 
+import dataclasses
 import json
 import os
 
@@ -12,8 +13,9 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.chat import render_chat
+from pdserve.kernels.cpu_features import Bfloat16Support, bfloat16_from_flags, cpu_bfloat16
 from pdserve.kernels.gguf import open_gguf
-from pdserve.kernels.loader import load_model, load_tokenizer, model_config_for, \
+from pdserve.kernels.loader import choose_dtype, load_model, load_tokenizer, model_config_for, \
     resolve_model_path
 from pdserve.kernels.model_config import ModelError, read_config, tiny_config
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
@@ -57,7 +59,14 @@ def smollm_path():
 
 @pytest.fixture(scope="module")
 def llm():
-    # a small page pool: the default 4,096 pages are 3 GB of KV for this model
+    # float32, as transformers loads the file (auto may pick bfloat16 on this
+    # CPU); a small page pool: the default 4,096 pages are 3 GB of KV for this model
+    return LLM({"model": {"preset": PRESET, "dtype": "float32"}, "engine": {"total_pages": 64}})
+
+
+@pytest.fixture(scope="module")
+def auto_llm():
+    """The preset as a user gets it: dtype auto."""
     return LLM({"model": {"preset": PRESET}, "engine": {"total_pages": 64}})
 
 
@@ -87,7 +96,7 @@ def test_preset_config_is_transformers_config(llm, hf_model, smollm_path):
     theta = getattr(want, "rope_theta", None) or want.rope_parameters["rope_theta"]
     assert (cfg.rms_norm_eps, cfg.rope_theta) == pytest.approx((want.rms_norm_eps, theta))
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (want.bos_token_id, (want.eos_token_id,))
-    assert llm.model.dtype == torch.float32            # dtype: auto on a quantized GGUF
+    assert llm.model.dtype == torch.float32            # as asked
     # the metadata alone gives the same config, by path or by preset
     assert read_config(smollm_path) == model_config_for(None, PRESET) == cfg
 
@@ -143,6 +152,63 @@ def test_logits_match_transformers(llm, hf_tokenizer, hf_model):
     meta = BatchMeta([SeqMeta(0, n, n, table)], torch.arange(n), torch.arange(n))
     got = llm.model.forward(torch.tensor(prompt), meta, cache, torch.tensor([n - 1]))[0]
     assert torch.allclose(got, want, atol=1e-3, rtol=0), (got - want).abs().max()
+
+
+# ---- dtype auto: bfloat16 where the CPU has it ------------------------------
+
+def test_auto_runs_the_quantized_preset_as_bfloat16_where_the_cpu_has_bfloat16(auto_llm):
+    """A Q4_1 GGUF has no float32 precision to keep: auto runs it in
+    bfloat16 on a CPU with bfloat16 instructions, else in float32."""
+    assert auto_llm.model.cfg.quantization == "Q4_1, Q8_0"
+    want = torch.bfloat16 if cpu_bfloat16().fast else torch.float32
+    assert auto_llm.model.dtype == want
+
+
+def test_auto_greedy_chat_agrees_with_float32(auto_llm, llm):
+    """On these chats bfloat16's greedy answer is float32's, token for token
+    (20 tokens; a longer answer may round a close choice apart)."""
+    texts = [render(llm.tokenizer, chat) for chat in CHATS]
+    p = SamplingParams(max_tokens=20, temperature=0)
+    want = [o.token_ids for o in llm.generate(texts, p, use_tqdm=False)]
+    got = [o.token_ids for o in auto_llm.generate(texts, p, use_tqdm=False)]
+    assert got == want and all(len(w) >= 16 for w in want)
+
+
+def test_auto_logits_track_float32(auto_llm, llm):
+    prompt = llm.tokenizer.encode(render(llm.tokenizer, CHATS[2]))
+    n, ps = len(prompt), 16
+    table = list(range(-(-n // ps)))
+    meta = BatchMeta([SeqMeta(0, n, n, table)], torch.arange(n), torch.arange(n))
+    got, want = (m.model.forward(torch.tensor(prompt), meta, m.model.new_cache(len(table), ps),
+                                 torch.tensor([n - 1]))[0] for m in (auto_llm, llm))
+    assert got.argmax() == want.argmax()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("flags,capability,fast,words", [
+    ({"avx512f", "avx512_bf16"}, "AVX512", True, "this CPU has avx512_bf16"),
+    ({"amx_bf16", "avx512_bf16"}, "AVX512", True, "this CPU has amx_bf16"),
+    ({"avx2", "fma"}, "AVX2", False, "no bfloat16 instructions"),
+    ({"avx512_bf16"}, "DEFAULT", False, "torch's CPU kernels run its DEFAULT path"),
+])
+def test_bfloat16_is_fast_only_with_its_instructions(flags, capability, fast, words):
+    got = bfloat16_from_flags(flags, capability)
+    assert got.fast == fast and words in got.why
+
+
+def test_dtype_auto_on_a_quantized_gguf_says_why(llm):
+    cfg = llm.model.cfg
+    yes, no = Bfloat16Support(True, "this CPU has avx512_bf16"), \
+        Bfloat16Support(False, "this CPU has no bfloat16 instructions")
+    assert choose_dtype("auto", cfg, "cpu", yes) == (
+        torch.bfloat16, "auto: a GGUF of Q4_1, Q8_0 weights runs as bfloat16 (this CPU has "
+        "avx512_bf16; model.dtype: float32 keeps float32)")
+    assert choose_dtype("auto", cfg, "cpu", no) == (
+        torch.float32, "auto: a GGUF of Q4_1, Q8_0 weights runs as float32, since this CPU "
+        "has no bfloat16 instructions")
+    assert choose_dtype("float32", cfg, "cpu", yes)[0] == torch.float32
+    assert choose_dtype("auto", dataclasses.replace(cfg, quantization=None), "cpu", yes)[0] \
+        == torch.float32                               # a float32 GGUF stays float32
 
 
 # ---- tokenizer ---------------------------------------------------------------

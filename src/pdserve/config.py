@@ -36,7 +36,8 @@ DEVICES = ("auto", "cpu", "cuda")
 class ModelConfig:
     path: str | None = None
     preset: str | None = "tiny"
-    dtype: str = "auto"          # auto: the checkpoint's (float16 runs as bfloat16 on CPU)
+    dtype: str = "auto"          # auto: the checkpoint's (float16, and a quantized GGUF where
+                                 # the CPU has bfloat16 instructions, run as bfloat16 on CPU)
     attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
     name: str | None = None      # the served model name (the API's "model"); see served_name
     device: str = "auto"         # auto: cpu, unless the command line says otherwise

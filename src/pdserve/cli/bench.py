@@ -48,6 +48,9 @@ BENCHMARKS = [
                "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
                "host + disk, a warm restart against a cold one, the cost when every probe "
                "misses"),
+    Subcommand("peer", "pdserve.benchmarks.peer",
+               "pdserve against llama.cpp's llama-server on the same GGUF, at concurrency 1, "
+               "8 and 32 (skipped without llama-server)"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),

@@ -199,6 +199,10 @@ class TorchAttention:
         flat = tables.view(-1)
         heads = []
         for name, pages in (("k", k_pages), ("v", v_pages)):
+            if torch.compiler.is_compiling():   # traced: the compiler plans its own buffers
+                gathered = pages.index_select(0, flat).view(B, L, self.kvh, self.d)
+                heads.append(gathered.transpose(1, 2).contiguous())
+                continue
             rows = self._scratch("rows", (flat.numel(),) + pages.shape[1:], pages)
             torch.index_select(pages, 0, flat, out=rows)
             # head-major and contiguous: matmul on the transposed gather is ~3x slower

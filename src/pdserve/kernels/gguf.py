@@ -147,7 +147,18 @@ class GGUFCheckpoint:
             eos_token_ids=(eos,) if eos is not None else (),
             # the weights are dequantized to float32, as transformers does
             torch_dtype="float32",
+            quantization=self._quantization(),
         )
+
+    def _quantization(self) -> str | None:
+        """The file's quantized tensor types, most tensors first; None when
+        every tensor is stored as a float."""
+        counts: dict[str, int] = {}
+        for t in self._tensors.values():
+            kind = t.tensor_type.name
+            if kind not in ("F32", "F16", "BF16", "F64"):
+                counts[kind] = counts.get(kind, 0) + 1
+        return ", ".join(sorted(counts, key=lambda k: -counts[k])) or None
 
     def _refuse_unsupported(self, arch: str, head_dim: int) -> None:
         """A ModelError for what DecoderModel would run wrong, not just differently."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels.attention import TorchAttention, choose_backend
+from pdserve.kernels.cpu_features import Bfloat16Support, cpu_bfloat16
 from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
@@ -124,19 +125,36 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device) -> torch.dtype:
     return choose_dtype(dtype, cfg, device)[0]
 
 
-def choose_dtype(dtype: str, cfg: ModelConfig, device) -> tuple[torch.dtype, str]:
+def choose_dtype(dtype: str, cfg: ModelConfig, device,
+                 cpu_bf16: Bfloat16Support | None = None) -> tuple[torch.dtype, str]:
     """(dtype, why). 'auto' is the checkpoint's dtype (float32 for the tiny
-    preset), except float16 on CPU, which runs as bfloat16: CPUs with
-    bfloat16 instructions multiply in it several times faster than in
-    float16 (or float32)."""
+    preset), except on CPU: float16 runs as bfloat16 (CPUs multiply in
+    bfloat16 several times faster than in float16), and a quantized GGUF,
+    dequantized to float32, runs as bfloat16 where the CPU has bfloat16
+    instructions (`cpu_bf16`, by default this machine's): 4- or 8-bit
+    weights have no float32 precision to keep, and a step costs about half
+    of float32's. On CUDA a quantized GGUF runs as bfloat16 too (flashinfer
+    has no float32 kernels)."""
     if dtype != "auto":
         return DTYPES[dtype], f"model.dtype is {dtype}"
     known = cfg.torch_dtype in ("float32", "bfloat16", "float16")
     own = cfg.torch_dtype if known else "float32"
     why = f"auto: the checkpoint's {own}" if known else \
         f"auto: float32, the checkpoint names {cfg.torch_dtype or 'no dtype'}"
-    if own == "float16" and torch.device(device).type == "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    if own == "float16" and on_cpu:
         own, why = "bfloat16", "auto: the checkpoint's float16 runs as bfloat16 on CPU"
+    elif own == "float32" and cfg.quantization:
+        stored = f"a GGUF of {cfg.quantization} weights"
+        if not on_cpu:
+            own, why = "bfloat16", f"auto: {stored} runs as bfloat16 on {device}"
+        else:
+            bf16 = cpu_bf16 or cpu_bfloat16()
+            if bf16.fast:
+                own, why = "bfloat16", f"auto: {stored} runs as bfloat16 ({bf16.why}; " \
+                                       "model.dtype: float32 keeps float32)"
+            else:
+                why = f"auto: {stored} runs as float32, since {bf16.why}"
     return DTYPES[own], why  # type: ignore[index]
 
 

@@ -68,6 +68,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = field(default_factory=tuple)
     torch_dtype: str | None = None     # the checkpoint's own dtype, for dtype: auto
+    # A GGUF's quantized storage (its tensor types, e.g. "Q4_1, Q8_0"), which
+    # the loader dequantizes; None for float weights.
+    quantization: str | None = None
     # Per layer, SLIDING or GLOBAL. Empty: every layer slides when
     # sliding_window is set (Mistral), else none does.
     layer_types: tuple = ()

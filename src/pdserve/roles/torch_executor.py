@@ -24,12 +24,14 @@ between (spec §1.2).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta
+from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import LoraRound
@@ -42,6 +44,8 @@ from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.prefix import chain_hash
+
+log = logging.getLogger("pdserve.kernels")
 
 
 @dataclass
@@ -97,7 +101,10 @@ class TorchExecutor:
         self.state = len(self.groups) - 1 if self.groups[-1].state else None
         self.kv = [g for g in range(len(self.groups)) if g != self.state]
         sizes = group_pages(cfg, self.groups)
-        self.caches = model.new_caches([sizes[g] for g in self.kv], cfg.page_size)
+        capture, capture_why = choose_capture(cfg.capture, model)
+        # a captured step's padding rows write into a page the planner never grants
+        spare = 0 if capture is CaptureMode.OFF else 1
+        self.caches = model.new_caches([sizes[g] + spare for g in self.kv], cfg.page_size)
         if self.state is not None:
             self.caches.append(model.new_state_cache(sizes[self.state]))
         self.hosts: list[KVCache | StateCache] = []
@@ -120,6 +127,15 @@ class TorchExecutor:
         # the first group's pools, for callers that know one group
         self.cache = self.caches[0]
         self.host = self.hosts[0] if self.hosts else None
+        self.capture: DecodeCapture | None = None
+        if capture is not CaptureMode.OFF:
+            self.capture = DecodeCapture(
+                model, self.caches[:len(self.kv)], capture, cfg.max_batch_size,
+                -(-cfg.max_context_tokens // cfg.page_size),
+                [self.groups[g].window if self.groups[g].sliding else None for g in self.kv])
+            self.capture.capture()
+        else:
+            log.info("decode step not captured: %s", capture_why)
         self.eos = set(model.cfg.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
@@ -452,6 +468,10 @@ class TorchExecutor:
             for slot, adapter in needs.items():     # on the forward thread: after the last forward
                 self.adapters.ensure(slot, adapter)
             return self.model.forward(ids_t, metas, caches, rows_t, lora=rnd)
+        if self.capture is not None and states_b is None and self.capture.covers(metas):
+            logits = self.capture.run(ids_t, metas)
+            if logits is not None:
+                return logits
         if states_b is None:
             return self.model.forward(ids_t, metas, caches, rows_t)
         return self.model.forward(ids_t, metas, caches, rows_t, states=states_b)

@@ -101,6 +101,7 @@ class EngineConfig:
     host_state_slots: int = 0           # with host_pages: the state group's L2 slots (0: state_slots)
     overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
     disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
+    capture: str = "auto"               # decode steps captured at load: auto, off or on (kernels/capture.py)
 
     def __post_init__(self) -> None:
         positive = (
@@ -146,6 +147,9 @@ class EngineConfig:
         if not isinstance(self.state_checkpoints, bool):
             raise ConfigError(f"engine.state_checkpoints must be true or false, got "
                               f"{self.state_checkpoints!r}")
+        if self.capture not in ("auto", "off", "on"):
+            raise ConfigError(f"engine.capture is {self.capture!r}; use auto (CUDA graphs on a "
+                              "GPU, eager on CPU), off, or on (also torch.compile on CPU)")
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"engine.overlap must be true or false, got {self.overlap!r}")
         if not isinstance(self.sliding_replay, bool):

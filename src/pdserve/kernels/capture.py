@@ -1,0 +1,272 @@
+"""The captured decode step: a decode-only round's forward run over static
+input buffers, padded to a batch-size bucket, so that it can be recorded
+once and replayed (a CUDA graph on a GPU, a torch.compile'd graph on CPU).
+
+A decode round's forward depends on the batch only through a few tensors:
+the token ids, their positions, and per cache group where each row's K/V
+goes (page, offset), the pages it reads (a table, padded to a width
+bucket) and the mask over them (an additive float32 bias). `DecodeCapture`
+keeps those as buffers per (batch bucket, width bucket), fills them each
+round (one copy each), and runs the model's own forward on BatchMetas whose
+attention preparation (`BatchMeta._prep`) already points at the buffers, so
+no Python in the forward depends on the batch.
+
+Padding rows are harmless: each writes its K/V into a scratch page that the
+planner never hands out (the executor allocates one page more per cache
+group) and attends over that page's first slot only.
+
+Modes (`choose_capture`): CUDA_GRAPH on a GPU with the torch attention;
+COMPILE, torch.compile (dynamic shapes: one compile for every bucket) on
+CPU, where `auto` leaves it off because it did not pay on a two-core host
+(docs/benchmarks.md); STATIC, the same buffers run eagerly (what the tests
+hold to the eager forward, and the compile's fallback); OFF. Models with
+state layers (Qwen3.5, LFM2), and flashinfer attention, run eagerly: their
+rounds read state slots or plan kernels outside these buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.kernels.attention import BatchMeta, TorchAttention
+
+log = logging.getLogger("pdserve.kernels")
+
+CAPTURE = ("auto", "off", "on")
+
+
+class CaptureMode(enum.Enum):
+    OFF = "off"
+    STATIC = "static"           # static buffers, run eagerly
+    COMPILE = "compile"         # torch.compile over the static buffers (CPU)
+    CUDA_GRAPH = "cuda_graph"   # recorded once per bucket, replayed (CUDA)
+
+
+def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
+    """(mode, why) for `engine.capture` on this model."""
+    if setting not in CAPTURE:
+        raise ValueError(f"engine.capture is {setting!r}; use one of {', '.join(CAPTURE)}")
+    if setting == "off":
+        return CaptureMode.OFF, "engine.capture is off"
+    if model.cfg.state_layers():
+        return CaptureMode.OFF, "the model's state layers run eagerly"
+    if not isinstance(model.attention, TorchAttention):
+        return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
+    if model.device.type == "cuda":
+        return CaptureMode.CUDA_GRAPH, f"engine.capture is {setting}: CUDA graphs"
+    if setting == "on":
+        return CaptureMode.COMPILE, "engine.capture is on: torch.compile on CPU"
+    return CaptureMode.OFF, ("auto on CPU: torch.compile's decode step did not pay for its "
+                             "compile on a two-core host (docs/benchmarks.md); capture: on "
+                             "compiles it")
+
+
+def buckets(limit: int) -> list[int]:
+    """Powers of two up to `limit`, and `limit` itself."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+def bucket_of(n: int, sizes: list[int]) -> int | None:
+    for b in sizes:
+        if b >= n:
+            return b
+    return None
+
+
+@dataclass
+class _GroupBuffers:
+    page: torch.Tensor      # [B] long: the page each row's K/V goes to
+    off: torch.Tensor       # [B] long: its slot in the page
+    tables: torch.Tensor    # [B, W] long: the pages each row reads
+    bias: torch.Tensor      # [B, 1, 1, W * page_size] float32: 0 or -inf
+
+
+@dataclass
+class _Bucket:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    groups: list[_GroupBuffers]
+    metas: list[BatchMeta]
+    graph: object = None    # a torch.cuda.CUDAGraph (CUDA_GRAPH)
+    out: torch.Tensor | None = None
+
+
+class DecodeCapture:
+    """Captured decode steps of `model` over `caches` (one KVCache per KV
+    cache group, each with its last page kept as scratch) for batches up to
+    `max_batch` and tables up to `max_pages` pages."""
+
+    def __init__(self, model, caches: list, mode: CaptureMode, max_batch: int, max_pages: int,
+                 windows: list):
+        self.model, self.caches, self.mode = model, caches, mode
+        self.batch_sizes = buckets(max_batch)
+        self.widths = buckets(max_pages)
+        self.windows = windows          # each KV group's window (None: full)
+        self.ps = caches[0].page_size
+        self.scratch = [c.data.shape[0] - 1 for c in caches]
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._step = self._forward
+        if mode is CaptureMode.COMPILE:
+            # traced outside inference mode (under no_grad): the compiler
+            # cannot functionalize views of inference tensors
+            self._step = torch.compile(self._forward_grad_free, dynamic=True)
+        self.capture_s = 0.0
+        self.replays = 0
+
+    # ---- building ------------------------------------------------------
+
+    def _bucket(self, b: int, w: int) -> _Bucket:
+        key = (b, w)
+        got = self._buckets.get(key)
+        if got is not None:
+            return got
+        dev = self.model.device
+        long = dict(dtype=torch.long, device=dev)
+        groups, metas = [], []
+        positions = torch.zeros(b, **long)  # type: ignore[arg-type]
+        for g, window in enumerate(self.windows):
+            gb = _GroupBuffers(torch.zeros(b, **long), torch.zeros(b, **long),  # type: ignore[arg-type]
+                               torch.zeros(b, w, **long),  # type: ignore[arg-type]
+                               torch.zeros(b, 1, 1, w * self.ps, device=dev))
+            prep: dict = {"page": gb.page, "off": gb.off, "rows": None, "pre": [],
+                    "dec": (0, b, gb.tables, gb.bias)}
+            groups.append(gb)
+            metas.append(BatchMeta([], gb.page, positions, num_decodes=b, window=window,
+                                   _prep=prep))
+        got = _Bucket(torch.zeros(b, **long), positions,  # type: ignore[arg-type]
+                      torch.arange(b, **long), groups, metas)  # type: ignore[arg-type]
+        self._fill_padding(got, 0)
+        self._buckets[key] = got
+        return got
+
+    def _forward(self, ids, metas, rows):
+        return self.model.forward(ids, metas, self.caches, rows)
+
+    def _forward_grad_free(self, ids, metas, rows):
+        forward = inspect.unwrap(type(self.model).forward)    # without its inference_mode
+        with torch.no_grad():
+            return forward(self.model, ids, metas, self.caches, rows)
+
+    def _call(self, bk: "_Bucket") -> torch.Tensor:
+        if self.mode is CaptureMode.COMPILE:
+            return self._step(bk.ids, bk.metas, bk.rows)
+        with torch.inference_mode():
+            return self._step(bk.ids, bk.metas, bk.rows)
+
+    def capture(self) -> float:
+        """Build every bucket (largest first, so shared scratch buffers
+        reach their size once) and record or compile its step; returns the
+        seconds it took, also logged."""
+        if self.mode is CaptureMode.OFF:
+            return 0.0
+        t0 = time.perf_counter()
+        keys = [(b, w) for b in reversed(self.batch_sizes) for w in reversed(self.widths)]
+        if self.mode is CaptureMode.COMPILE:        # dynamic shapes: two calls compile it
+            keys = keys[:1] + keys[-1:]
+        for b, w in keys:
+            bk = self._bucket(b, w)
+            if self.mode is CaptureMode.CUDA_GRAPH:
+                self._record(bk)
+            else:
+                self._call(bk)
+        self.capture_s = time.perf_counter() - t0
+        log.info("decode step captured (%s) for batch sizes %s and tables up to %d pages in "
+                 "%.1f s", self.mode.value, self.batch_sizes, self.widths[-1], self.capture_s)
+        return self.capture_s
+
+    def _record(self, bk: _Bucket) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):                      # warm: lazy init, workspace sizes
+                self._forward(bk.ids, bk.metas, bk.rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        pool = getattr(self, "_pool", None)
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            bk.out = self._forward(bk.ids, bk.metas, bk.rows)
+        self._pool = graph.pool()
+        bk.graph = graph
+
+    # ---- a round -------------------------------------------------------
+
+    def covers(self, metas: list[BatchMeta]) -> bool:
+        """Whether this round is one the capture runs: decodes only, no row
+        skipping its K/V write, within the largest buckets."""
+        if self.mode is CaptureMode.OFF or not metas:
+            return False
+        m = metas[0]
+        n = len(m.seqs)
+        if n == 0 or m.num_decodes != n or n > self.batch_sizes[-1]:
+            return False
+        return all(x.write_rows is None for x in metas)
+
+    def run(self, ids: torch.Tensor, metas: list[BatchMeta]) -> torch.Tensor | None:
+        """The round's logits ([rows, vocab], float32), or None when its
+        tables are wider than the widest bucket (the caller runs it eagerly)."""
+        n = len(metas[0].seqs)
+        ps = self.ps
+        host = []
+        width = 0
+        for m in metas:
+            lo = [s.kv_start // ps for s in m.seqs]
+            counts = [-(-s.ctx_len // ps) - a for s, a in zip(m.seqs, lo)]
+            host.append((lo, counts))
+            width = max(width, max(counts))
+        w = bucket_of(width, self.widths)
+        b = bucket_of(n, self.batch_sizes)
+        if w is None or b is None:
+            return None
+        bk = self._bucket(b, w)
+        bk.ids[:n].copy_(ids, non_blocking=True)
+        bk.positions[:n].copy_(metas[0].positions, non_blocking=True)
+        for g, (m, (lo, counts), gb) in enumerate(zip(metas, host, bk.groups)):
+            tables = np.zeros((n, w), dtype=np.int64)
+            kpos = np.full((n, w * ps), -1, dtype=np.int64)
+            ctx = np.empty(n, dtype=np.int64)
+            for i, (s, a, k) in enumerate(zip(m.seqs, lo, counts)):
+                tables[i, :k] = s.block_table[a:a + k]
+                tables[i, k:] = s.block_table[a]
+                kpos[i] = np.arange(w * ps) + a * ps
+                ctx[i] = s.ctx_len
+            ok = kpos < ctx[:, None]
+            if m.window is not None:
+                ok &= kpos > ctx[:, None] - 1 - m.window
+            bias = np.where(ok, 0.0, -np.inf).astype(np.float32)
+            slots = m.slot_mapping
+            gb.page[:n].copy_(slots // ps, non_blocking=True)
+            gb.off[:n].copy_(slots % ps, non_blocking=True)
+            gb.tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
+            gb.bias[:n, 0, 0].copy_(torch.from_numpy(bias), non_blocking=True)
+        self._fill_padding(bk, n)
+        self.replays += 1
+        if bk.graph is not None:
+            bk.graph.replay()  # type: ignore[attr-defined]
+            return bk.out[:n]  # type: ignore[index]
+        return self._call(bk)[:n]
+
+    def _fill_padding(self, bk: _Bucket, n: int) -> None:
+        """Rows n.. of a bucket: token 0 at position 0, writing into the
+        scratch page and reading its first slot only."""
+        if n == bk.ids.shape[0]:
+            return
+        bk.ids[n:] = 0
+        bk.positions[n:] = 0
+        for gb, scratch in zip(bk.groups, self.scratch):
+            gb.page[n:] = scratch
+            gb.off[n:] = 0
+            gb.tables[n:] = scratch
+            gb.bias[n:] = float("-inf")
+            gb.bias[n:, 0, 0, 0] = 0.0
