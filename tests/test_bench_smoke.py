@@ -121,7 +121,7 @@ def test_bench_sampling(capsys):
     assert [r[0] for r in rows] == ["smollm2-135m (49,152)"] * len(KINDS) + \
         ["tiny (98)"] * len(KINDS)
     assert [r[2] for r in rows] == list(KINDS) * 2
-    assert all(r[5].endswith("x") and float(r[5][:-1]) > 0 for r in rows)
+    assert all(r[5].endswith("x") and float(r[5][:-1]) >= 0 for r in rows)  # "0.00x" on a loaded host
 
 
 def test_bench_tokens(capsys):
