@@ -7,7 +7,9 @@ then alternates between them, concurrency by concurrency and repeat by
 repeat, so a drift of a shared machine hits every server alike. The load is
 the project's own (sim/load.py: streamed /v1/completions over aiohttp, a
 closed loop of `concurrency` workers, the same seeded token-id prompts to
-each server, `ignore_eos` so every answer is `--max-tokens` long).
+each server, `ignore_eos` so every answer is `--max-tokens` long; a
+connection per request, since llama-server drops kept-alive connections
+after a few requests).
 
 The table is the issue's: output tokens a second, ITL p50 and TTFT p50 at
 each concurrency, a row per server (the median run of `--repeats`, with the
@@ -153,13 +155,14 @@ def measure(servers: list[Server], concurrencies: list[int], repeats: int, promp
 
     for s in servers:
         drive(s.url, samples(4, prompt_len, max_tokens, seed + 1), 4, None, seed,
-              progress=False, api="http")
+              progress=False, api="http", keep_alive=False)
     cells: dict = {(s.name, c): Cell() for s in servers for c in concurrencies}
     for _ in range(repeats):
         for c in concurrencies:
             load = samples(requests_at(c, per_stream), prompt_len, max_tokens, seed)
             for s in servers:
-                r = drive(s.url, load, c, None, seed, progress=False, api="http")
+                r = drive(s.url, load, c, None, seed, progress=False, api="http",
+                          keep_alive=False)
                 if r["failed"]:
                     raise RuntimeError(f"{s.name} at concurrency {c}: {r['failed']} of "
                                        f"{r['requests']} requests failed: {r['errors']}")

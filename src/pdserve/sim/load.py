@@ -115,12 +115,16 @@ class _HttpLoad:
     a keep-alive connection per concurrent stream, server-sent events parsed
     as they come."""
 
-    def __init__(self, base_url: str, concurrency: int, api_key: str | None = None):
+    def __init__(self, base_url: str, concurrency: int, api_key: str | None = None,
+                 keep_alive: bool = True):
+        """`keep_alive=False`: a connection per request (llama.cpp's server
+        closes a kept-alive connection after a few requests, and a request
+        sent on it as it closes fails)."""
         import aiohttp
 
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=concurrency),
+            connector=aiohttp.TCPConnector(limit=concurrency, force_close=not keep_alive),
             timeout=aiohttp.ClientTimeout(total=600),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
@@ -196,9 +200,10 @@ async def _drive(load, samples: list[Sample], due, timings: list[Timing], concur
 
 def drive(address: str, samples: list[Sample], concurrency: int, rate: float | None,
           seed: int, progress: bool = True, api: str = "grpc",
-          api_key: str | None = None, connections: int = 1) -> dict:
+          api_key: str | None = None, connections: int = 1, keep_alive: bool = True) -> dict:
     """Send `samples` to `address` and time each: the gRPC HOST:PORT (over
-    `connections`), or with api="http" the HTTP base URL."""
+    `connections`), or with api="http" the HTTP base URL (`keep_alive`:
+    see _HttpLoad)."""
     from tqdm import tqdm
 
     timings = [Timing() for _ in samples]
@@ -206,7 +211,7 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
     due = arrivals(samples, rate, seed)
 
     async def run() -> float:                 # the loads' sessions belong to this loop
-        load = _HttpLoad(address, concurrency, api_key) if api == "http" else \
+        load = _HttpLoad(address, concurrency, api_key, keep_alive) if api == "http" else \
             _GrpcLoad(address, concurrency, multiplex=api == "grpc-many", api_key=api_key,
                       connections=connections)
         return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
