@@ -299,6 +299,8 @@ class PeerProtocol:
         if self.role is not Role.PREFILL:
             raise RejectedRequest(f"{self.name} is a {self.role.value} engine: send "
                                   "RemotePrefill to a prefill engine")
+        # P computes the KV D decodes over: under the very adapter load D runs
+        adapter = adapter_of(self.executor.adapters, self.name, r.adapter, r.adapter_id)
         peer = self.peers.get(r.target_engine)
         if peer is None:
             raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
@@ -309,8 +311,6 @@ class PeerProtocol:
         if limit is not None and any(p >= limit for p in r.landing_pages):
             raise RejectedRequest(f"landing page {max(r.landing_pages)} is outside "
                                   f"{r.target_engine}'s pool of {limit} pages")
-        # P computes the KV D decodes over: under the very adapter load D runs
-        adapter = adapter_of(self.executor.adapters, self.name, r.adapter, r.adapter_id)
         twin = Request(r.request_id, list(r.token_ids), SamplingLimits(max_new_tokens=1),
                        adapter=adapter)
         twin.first_page = r.first_page
