@@ -26,6 +26,7 @@ operations on one worker thread behind the same `DiskStore` contract.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -140,7 +141,7 @@ def decode(key: DiskKey, raw: bytes) -> tuple[bytes | None, Miss | None]:
     return payload, None
 
 
-class DiskStore:
+class DiskStore(abc.ABC):
     """The contract: `submit` queues an operation and returns its job id at
     once; one worker thread carries operations out in submission order;
     `poll` hands back what finished, `wait` blocks for one job. Subclasses
@@ -269,18 +270,21 @@ class DiskStore:
         return DiskDone(job, op, key, self._delete(key))
 
     # ---- what a backend implements ---------------------------------------------
+    @abc.abstractmethod
     def _exists(self, key: DiskKey) -> bool:
-        raise NotImplementedError
+        """Whether a valid file for `key` is there."""
 
+    @abc.abstractmethod
     def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
-        raise NotImplementedError
+        """The payload, or None and why it missed."""
 
+    @abc.abstractmethod
     def _put(self, key: DiskKey, data: bytes) -> str:
         """Store `data`; '' on success, else why not."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete(self, key: DiskKey) -> bool:
-        raise NotImplementedError
+        """Remove `key`'s file; whether there was one."""
 
 
 def check_directory(path) -> Path:
