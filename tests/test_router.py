@@ -2,6 +2,8 @@
 prefix affinity, no engine that is down or draining, the in-flight limit,
 the prompt bound, its gRPC server and its channels to the engines."""
 
+import asyncio
+
 import pytest
 
 from pdserve.config import ServeConfig
@@ -334,3 +336,27 @@ def test_security_takes_both_tls_files_or_neither():
     with pytest.raises(ValueError, match="give both PEM files or neither"):
         Security(tls_key="key.pem")
     assert Security(tls_cert="cert.pem", tls_key="key.pem").tls_key == "key.pem"
+
+
+def test_an_abort_the_engine_no_longer_knows_is_too_late_not_accepted():
+    # the engine finished the request while its last events were still on the
+    # way: the stream ends finished, so the abort must not be reported as taken
+    from pdserve.proto import control_pb2 as cpb
+
+    class Engine:
+        def __init__(self, knows):
+            self.knows, self.asked = knows, []
+
+        async def Abort(self, request, timeout):
+            self.asked.append(request.request_id)
+            return cpb.Ack(ok=self.knows, error="" if self.knows else "unknown request")
+
+    r = router({"fused": 1})
+    ref = r.engines["fused-0"]
+    for knows in (True, False):
+        ref.stub = Engine(knows)
+        r.active["rid"] = (ref, None)
+        assert asyncio.run(r.abort("rid")) is knows
+        assert ref.stub.asked == ["rid"]
+    del r.active["rid"]
+    assert asyncio.run(r.abort("rid")) is False

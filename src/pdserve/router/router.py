@@ -239,13 +239,17 @@ class Router:
         return Stream(self, rid, ids, sp, route, adapter)
 
     async def abort(self, rid: str) -> bool:
+        """True when the engine that owns `rid` aborted it; False when it is
+        not running. An engine that no longer knows the request has finished
+        it, and its last events are on their way: the stream ends finished,
+        so the abort came too late, and saying so keeps "aborted" true."""
         entry = self.active.get(rid)
         if entry is None or not entry[0].alive:
             return False
-        await entry[0].control.Abort(cpb.AbortEngineRequest(request_id=rid,
-                                                            reason="aborted by client"),
-                                     timeout=10)
-        return True
+        ack = await entry[0].control.Abort(cpb.AbortEngineRequest(request_id=rid,
+                                                                  reason="aborted by client"),
+                                           timeout=10)
+        return ack.ok
 
     async def engine_stats(self) -> list[tuple[EngineRef, cpb.EngineStatsResponse]]:
         refs = [r for r in self.engines.values() if r.stub is not None]
