@@ -8,9 +8,12 @@ down, written to a temporary directory as PEFT saves them). A decode round
 of `--batch` sequences, each `--context` tokens into its history, is timed
 through the model's forward (attention over the paged cache, every layer,
 the logits): all rows under the base model, all under one adapter, or spread
-round-robin over 4 or 16. Each repeat times every case in turn, `--rounds`
-forwards each; the table gives tokens a second (batch / the median round)
-over `--repeats`, its spread, and each case against the base. Then an
+round-robin over 4 or 16, under the segmented kernel (`kernels/lora.py`)
+and, with `--kernel both` (the default), the masked one it replaced
+(`kernels/lora_masked.py`), side by side in one run. Each repeat times
+every case in turn, `--rounds` forwards each; the table gives tokens a
+second (batch / the median round) over `--repeats`, its spread, and each
+case against the base of the same repeats. Then an
 adapter's load: its PEFT directory read into host memory, and host memory
 copied into a device slot.
 """
@@ -36,6 +39,11 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=positive, default=10, help="forwards a case a repeat")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (torch's default); 1 steadies a shared host")
+    p.add_argument("--kernel", choices=("segmented", "masked", "both"), default="both",
+                   help="the batched LoRA to time: the segmented one, the masked one it "
+                        "replaced, or both side by side (both)")
 
 
 def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
@@ -89,8 +97,11 @@ def run(args) -> int:
 
     from pdserve.kernels.loader import load_model
     from pdserve.kernels.lora import LoraRound
+    from pdserve.kernels.lora_masked import MaskedLoraRound
     from pdserve.kernels.lora_adapter import load_adapter
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     n = max(k for _, k in CASES)
     model, _ = load_model(None, args.preset, dtype="float32", device=args.device,
                           attention="torch")
@@ -109,14 +120,14 @@ def run(args) -> int:
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
     ids, meta, cache, rows = _decode_round(model, args.batch, args.context)
-    rounds: dict[str, LoraRound | None] = {}
-    for label, k in CASES:
-        if k == 0:
-            rounds[label] = None
-        else:
-            slots = [i % k for i in range(args.batch)]
-            rounds[label] = LoraRound(stacks, torch.tensor(slots, device=model.device),
-                                      sorted(set(slots)))
+    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound}
+    chosen = list(kernels) if args.kernel == "both" else [args.kernel]
+    cases = [("base", 0, None)] + [(f"{label}, {k}" if len(chosen) > 1 else label, n_ad, k)
+                                    for k in chosen for label, n_ad in CASES if n_ad]
+    rounds = {}
+    for label, k, kernel in cases:
+        slots = [i % k for i in range(args.batch)] if k else []
+        rounds[label] = kernels[kernel](stacks, slots) if kernel else None
 
     def timed(rnd) -> float:
         if args.device != "cpu":
@@ -130,19 +141,21 @@ def run(args) -> int:
 
     for rnd in rounds.values():                # warm every path
         timed(rnd)
-    rates: dict[str, list[float]] = {label: [] for label, _ in CASES}
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
     for _ in range(args.repeats):
-        for label, _ in CASES:
+        for label, _, _ in cases:
             rates[label].append(args.batch / timed(rounds[label]))
     base = statistics.median(rates["base"])
     print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
           f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
-          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats")
-    print(f"{'case':<14} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8}")
-    for label, _ in CASES:
+          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
+          f"{torch.get_num_threads()} torch threads")
+    width = max(len(label) for label in rates) + 2
+    print(f"{'case':<{width}} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8}")
+    for label, _, _ in cases:
         r = rates[label]
         med = statistics.median(r)
-        print(f"{label:<14} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
+        print(f"{label:<{width}} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
               f"{med / base:>7.2f}x")
     mb = adapter.nbytes() / 2 ** 20
     print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
