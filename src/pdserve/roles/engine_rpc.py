@@ -17,6 +17,7 @@ import grpc
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.roles import control_checks as checks
+from pdserve.roles.adapter_host import fingerprint
 from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
@@ -173,9 +174,10 @@ class EngineControlServicer(pbg.EngineControlServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.s.name} serves no LoRA "
                           "adapters (no lora section in its config)")
         try:
+            stamp = fingerprint(request.path)
             weights = adapters.read(request.path)
             self.s.call(lambda: self.s.load_adapter(request.name, request.path, request.id,
-                                                    weights))
+                                                    weights, request.pinned, stamp))
         except ValueError as e:                 # a bad adapter, name or id
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:

@@ -35,9 +35,10 @@ def _check_enabled(r: Router) -> None:
                            "the adapters in lora.adapters)")
 
 
-async def load(r: Router, name: str, path: str) -> AdapterRef:
+async def load(r: Router, name: str, path: str, pinned: bool = False) -> AdapterRef:
     """Load `path` as adapter `name` on every live engine (a name already
-    loaded gets a new load: requests under the old one finish under it)."""
+    loaded gets a new load: requests under the old one finish under it);
+    `pinned`: never evicted from an engine's host memory or device slot."""
     _check_enabled(r)
     if not name or not path:
         raise RequestError(ErrorKind.INVALID, "give lora_name and lora_path", "lora_name")
@@ -46,7 +47,7 @@ async def load(r: Router, name: str, path: str) -> AdapterRef:
                            "adapter its own", "lora_name")
     adapter_id = r.adapters.next_id()
     engines = [e for e in r.engines.values() if e.alive and e.stub is not None]
-    msg = cpb.AdapterRequest(name=name, path=path, id=adapter_id)
+    msg = cpb.AdapterRequest(name=name, path=path, id=adapter_id, pinned=pinned)
     got = await asyncio.gather(*(e.control.LoadAdapter(msg, timeout=LOAD_TIMEOUT_S)
                                  for e in engines), return_exceptions=True)
     failed = [(e, g) for e, g in zip(engines, got) if isinstance(g, BaseException)]
