@@ -181,6 +181,36 @@ def test_an_unload_during_a_stream_waits_for_it(dep, oai):
     assert "B" not in [m.id for m in oai.models.list().data]
 
 
+def test_a_restarted_engine_gets_the_runtime_loads_and_unloads_again(dep, oai, want):
+    """Ray restarts a killed P with the configured adapters only (A's first
+    load and B); the router replays on it what changed at runtime (C loaded,
+    A reloaded, B unloaded) and sends it C's requests once it holds C."""
+    import time
+
+    import ray
+
+    from deployed import engine_channel
+    from pdserve.proto import control_pb2_grpc as cpbg
+    router = dep.router
+    loads = {r.name: r.id for r in router.adapters.refs()}
+    assert set(loads) == {"A", "C"} and loads["A"] > 2          # A reloaded, B unloaded
+    ref = router.engines["prefill-0"]
+    before = ref.incarnation
+    ray.kill(dep.actor("prefill-0"), no_restart=False)
+    deadline = time.monotonic() + 120
+    while not (ref.incarnation != before and ref.alive and set(loads.values()) <= ref.adapters):
+        assert time.monotonic() < deadline, (ref.incarnation, ref.alive, ref.adapters)
+        time.sleep(0.1)                          # polling the router's view, not timing a race
+    router.run_sync(router.adapter_sync.settle())
+    with engine_channel(dep, "prefill-0") as ch:
+        info = cpbg.EngineControlStub(ch).GetInfo(cpb.InfoRequest(), timeout=10)
+    assert list(info.adapters) == [f"C:{loads['C']}", f"A:{loads['A']}"]
+    for model, answer in (("C", want["C"]), ("A", want["C"]), ("", want[""])):
+        out = oai.completions.create(model=model or "base", prompt=PROMPT, max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == answer
+
+
 def test_runtime_updates_are_off_unless_enabled():
     from starlette.testclient import TestClient
 

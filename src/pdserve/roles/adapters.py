@@ -71,6 +71,8 @@ class EngineAdapters:
         a load already under `name` stops taking requests and is unloaded
         once its last one ends. `weights` read off the loop, with `stamp`
         its files' fingerprint taken before the read."""
+        if self.holds(name, id):
+            return self.registry.get(name)          # type: ignore[return-value]
         if weights is None:
             stamp = fingerprint(path)
             weights = self.read(path)
@@ -87,6 +89,12 @@ class EngineAdapters:
             self._unpin(old.id)
             self.unloading[old.id] = threading.Event()
         return ref
+
+    def holds(self, name: str, id: int | None) -> bool:
+        """Whether `name` is load `id` here already (a load sent twice, as
+        the router's replay may, is done once)."""
+        ref = self.registry.get(name)
+        return id is not None and ref is not None and ref.id == id
 
     def _check_pin(self, name: str) -> None:
         """Refuse a pin that would leave no slot for the unpinned adapters

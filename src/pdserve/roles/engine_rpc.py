@@ -173,6 +173,8 @@ class EngineControlServicer(pbg.EngineControlServicer):
         if adapters is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.s.name} serves no LoRA "
                           "adapters (no lora section in its config)")
+        if adapters.holds(request.name, request.id):
+            return pb.Ack(ok=True)              # sent again (the router's replay): held
         try:
             stamp = fingerprint(request.path)
             weights = adapters.read(request.path)
