@@ -215,7 +215,7 @@ class LoraRound:
         else:
             xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
                                                             x.index_select(0, self._src))
-        shrink = torch.bmm(xs.view(n, w, -1), A.transpose(1, 2))          # [n, w, m * R]
+        shrink = torch.bmm(xs.reshape(n, w, -1), A.transpose(1, 2))       # [n, w, m * R]
         parts = [torch.bmm(shrink[:, :, j * R:(j + 1) * R], B)
                  for j, B in enumerate(Bs)]                            # each [n, w, out_j]
         d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(n * w, -1)
