@@ -27,11 +27,20 @@ def dirs(tmp_path_factory):
                         for i, n in enumerate("ABCD")}
 
 
-def host(dirs, capacity):
+def host(dirs, capacity, seen=None):
+    """A host LRU of `capacity` and the adapters (id, path, weights);
+    `seen`: a list each read appends its thread's name to."""
+    import threading
+
     from pdserve.kernels.loader import load_model
     base, ads = dirs
     cfg = load_model(str(base), None, dtype="float32", device="cpu", attention="torch")[0].cfg
-    return HostAdapters(capacity, lambda p: load_adapter(p, cfg)), \
+
+    def read(p):
+        if seen is not None:
+            seen.append(threading.current_thread().name)
+        return load_adapter(p, cfg)
+    return HostAdapters(capacity, read), \
         {n: (i + 1, str(p), load_adapter(p, cfg)) for i, (n, p) in enumerate(ads.items())}
 
 
@@ -146,3 +155,20 @@ def test_four_adapters_through_two_host_entries_and_a_pinned_one(dirs):
     assert mixed == alone
     assert len({tuple(alone[i]) for i in (0, 1, 3, 4)}) == 4
     llm.engine.planner.assert_idle()
+
+
+def test_a_request_under_an_evicted_adapter_prefetches_it_off_the_forward_thread(dirs):
+    """prefetch (a request arrived) re-reads on the reader thread; the
+    round's get finds it held, or waits for that read: one read, not two."""
+    threads: list[str] = []
+    h, ads = host(dirs, 1, threads)
+    for n in "AB":
+        i, path, w = ads[n]
+        h.add(i, path, w)                                   # A evicted by B
+    h.prefetch(1)
+    h.prefetch(1)                                           # one read under way is enough
+    got = h.get(1)                                          # waits for it, if still reading
+    assert h.get(1) is got and h.reads == 1 and len(threads) == 1
+    assert threads[0].startswith("lora-read")       # the re-read, not the loads above
+    h.prefetch(1)                                           # held: nothing to do
+    assert h.reads == 1

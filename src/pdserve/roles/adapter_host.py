@@ -11,8 +11,12 @@ refused (`AdapterChanged`, saying to load the new files under a new load).
 
 Pinned adapters are never evicted (nor counted against the capacity's
 evictable part); the config and the runtime load check that they fit.
-The forward thread reads (`get`) while the loop thread adds and drops; one
-lock keeps the table whole.
+When a request under an evicted adapter arrives, `prefetch` starts its
+re-read on a reader thread, so the round that needs it in a slot usually
+finds it held; `get` waits for a read under way, or reads itself.
+The forward thread reads (`get`), the loop thread adds, drops and
+prefetches, the reader thread lands its reads; one lock keeps the table
+whole, and no file is read under it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +70,8 @@ class HostAdapters:
         self._known: dict[int, _Entry] = {}
         self._held: OrderedDict[int, LoraAdapter] = OrderedDict()   # oldest use first
         self._lock = threading.Lock()
+        self._reading: dict[int, Future] = {}      # prefetches under way
+        self._reader: ThreadPoolExecutor | None = None
         self.reads = 0              # re-reads of evicted adapters
         self.evictions = 0
 
@@ -84,8 +91,9 @@ class HostAdapters:
             self._evict(keep=adapter_id)
 
     def get(self, adapter_id: int) -> LoraAdapter:
-        """Load `adapter_id`'s weights, re-read if evicted; AdapterChanged
-        when its directory changed since the load."""
+        """Load `adapter_id`'s weights, re-read if evicted (waiting for a
+        prefetch under way); AdapterChanged when its directory changed
+        since the load."""
         with self._lock:
             w = self._held.get(adapter_id)
             if w is not None:
@@ -94,12 +102,56 @@ class HostAdapters:
             e = self._known.get(adapter_id)
             if e is None:
                 raise KeyError(f"no LoRA adapter load {adapter_id} on this engine")
+            fut = self._reading.get(adapter_id)
+            if fut is None:
+                self._check_unchanged(adapter_id, e)
+        if fut is not None:
+            try:
+                w = fut.result()
+            except Exception:               # read again here: its error is the round's
+                w = self._reread(e.path)
+        else:
+            w = self._reread(e.path)
+        self._land(adapter_id, w)
+        return w
+
+    def prefetch(self, adapter_id: int) -> None:
+        """Start re-reading load `adapter_id` on the reader thread if it is
+        evicted (a request under it just arrived); AdapterChanged, at once,
+        if its directory changed since the load."""
+        with self._lock:
+            e = self._known.get(adapter_id)
+            if e is None or adapter_id in self._held or adapter_id in self._reading:
+                return
             self._check_unchanged(adapter_id, e)
-            w = self._read(e.path)
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+            fut = self._reader.submit(self._reread, e.path)
+            self._reading[adapter_id] = fut
+        fut.add_done_callback(lambda f: self._landed(adapter_id, f))
+
+    def _reread(self, path: str) -> LoraAdapter:
+        w = self._read(path)
+        with self._lock:
             self.reads += 1
-            self._held[adapter_id] = w
-            self._evict(keep=adapter_id)
-            return w
+        return w
+
+    def _landed(self, adapter_id: int, fut: Future) -> None:
+        """A prefetch finished: hold what it read (a failed one is read
+        again by `get`, which reports the error)."""
+        if fut.exception() is None:
+            self._land(adapter_id, fut.result())
+        with self._lock:
+            if self._reading.get(adapter_id) is fut:
+                del self._reading[adapter_id]
+
+    def _land(self, adapter_id: int, w: LoraAdapter) -> None:
+        with self._lock:
+            if adapter_id in self._known and adapter_id not in self._held:
+                self._held[adapter_id] = w
+                self._evict(keep=adapter_id)
+            if adapter_id in self._held:
+                self._held.move_to_end(adapter_id)
 
     def verify(self, adapter_id: int) -> None:
         """AdapterChanged if load `adapter_id` is evicted and its directory

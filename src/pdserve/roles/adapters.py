@@ -157,7 +157,7 @@ class EngineAdapters:
                                  f"{adapter_id}); it holds {held}: load it there, or route "
                                  "the request to an engine that does")
         try:
-            self.host.verify(adapter_id)
+            self.host.prefetch(adapter_id)          # evicted: re-read before its round
         except AdapterChanged as e:
             raise AdapterMissing(f"{self.engine}: {e}") from None
         return adapter_id
