@@ -172,3 +172,28 @@ def test_a_request_under_an_evicted_adapter_prefetches_it_off_the_forward_thread
     assert threads[0].startswith("lora-read")       # the re-read, not the loads above
     h.prefetch(1)                                           # held: nothing to do
     assert h.reads == 1
+
+
+def test_a_request_under_an_evicted_adapter_whose_directory_changed_is_refused(dirs, tmp_path):
+    """Through the engine's check (Submit, RemotePrefill): refused when it
+    arrives, saying to load the new files as a new load."""
+    import shutil
+
+    from pdserve import LLM
+    from pdserve.roles.adapters import AdapterMissing
+    base, ads = dirs
+    moving = tmp_path / "moving"
+    shutil.copytree(ads["A"], moving)
+    llm = LLM({"model": {"path": str(base)}, "engine": {"page_size": 4, "total_pages": 64},
+               "lora": {"adapters": {"M": str(moving), "B": str(ads["B"])}, "max_loras": 1,
+                        "max_lora_rank": 8}})
+    assert llm.adapters.host.held() == [2]                   # M evicted by B (one kept)
+    assert llm.adapters.check("M", 1) == 1                    # unchanged: prefetched
+    llm.adapters.host.get(1)
+    llm.adapters.check("B", 2)
+    llm.adapters.host.get(2)                                  # M evicted again
+    f = moving / "adapter_config.json"
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AdapterMissing, match="has changed since it was loaded"):
+        llm.adapters.check("M", 1)

@@ -122,9 +122,10 @@ def test_an_engine_refuses_an_adapter_load_it_does_not_hold(cfg):
 
 def test_a_runtime_load_serves_at_once_and_a_reload_never_serves_the_old_kv(dep, oai, cfg,
                                                                              want):
-    """Loaded at runtime, C answers as the offline API does; A loaded again
-    under its name from C's directory answers as C, although A's old load
-    cached the same prompt's prefix on both engines (a new load, a new id)."""
+    """Loaded at runtime (pinned), C answers as the offline API does; A
+    loaded again under its name from C's directory answers as C, although
+    A's old load cached the same prompt's prefix on both engines (a new
+    load, a new id)."""
     import httpx
     c_dir = cfg["lora"]["adapters"]["A"][:-1] + "c"
     http = httpx.Client(base_url=dep.http_address, timeout=120)
@@ -133,8 +134,13 @@ def test_a_runtime_load_serves_at_once_and_a_reload_never_serves_the_old_kv(dep,
         return oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
     assert ask("A") == want["A"]                   # A's prefix cached on P and D
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": c_dir})
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": c_dir,
+                                                 "pinned": True})
     assert r.status_code == 200, r.text
+    # a second pin would leave no slot of max_loras 2 for the rest: every engine refuses
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "E", "lora_path": c_dir,
+                                                 "pinned": True})
+    assert r.status_code == 400 and "one must stay free" in r.json()["error"]["message"]
     assert [m.id for m in oai.models.list().data] == ["base", "A", "B", "C"]
     assert ask("C") == want["C"] != want["A"]
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "A", "lora_path": c_dir})
