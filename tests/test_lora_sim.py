@@ -88,3 +88,25 @@ def test_an_adapters_size_follows_the_model_and_rank():
     # counts the embeddings too, so the estimate is about 10% over
     assert 42e6 < adapter_bytes(m, 16) / m.dtype_bytes < 48e6
     assert adapter_bytes(m, 32) == 2 * adapter_bytes(m, 16)
+
+
+def test_pdserve_plans_yaml_keeps_the_adapters_found_from_its_folder(tmp_path):
+    """plan.yaml is written elsewhere than its base config: a relative LoRA
+    directory is made absolute, as the cost profile's path is."""
+    from types import SimpleNamespace as NS
+
+    import yaml
+
+    from pdserve.sim.plan_report import plan_yaml
+    base = tmp_path / "conf" / "base.yaml"
+    base.parent.mkdir()
+    base.write_text(yaml.safe_dump({"lora": {"adapters": {"a": "ad/a", "b": {
+        "path": "ad/b", "pinned": True}, "c": "/abs/c"}, "max_loras": 2}}))
+    cand = NS(prefill=0, decode=0, fused=1, chunk=2048, shape="1F")
+    result = NS(best=NS(candidate=cand, lo=NS(rate_req_s=1.0)),
+                settings=NS(gpus=1, attainment=0.9, slo=NS(ttft_s=1.0, tpot_s=0.05)),
+                requests=10)
+    out = yaml.safe_load(plan_yaml(base, result, "t.jsonl"))["lora"]["adapters"]
+    d = base.parent.resolve()
+    assert out == {"a": str(d / "ad/a"),
+                   "b": {"path": str(d / "ad/b"), "pinned": True}, "c": "/abs/c"}
