@@ -36,8 +36,7 @@ def logits(model, prompts, adapters=None):
     ids, meta, cache, last = batch(model, prompts)
     rnd = None
     if adapters is not None:
-        rows = torch.tensor([s for p, s in zip(prompts, adapters) for _ in p])
-        rnd = LoraRound(model.lora, rows, [s for s in adapters if s >= 0])
+        rnd = LoraRound.of(model.lora, [s for p, s in zip(prompts, adapters) for _ in p])
     return model.forward(ids, meta, cache, last, lora=rnd)
 
 
@@ -230,10 +229,10 @@ def test_batched_lora_on_cuda_equals_the_merged_weights(setup):
     model.lora.load(0, a)
     model.lora.load(1, b)
     ids, meta, cache, last = batch(model, PROMPTS)
-    rows = torch.tensor([s for p, s in zip(PROMPTS, [0, 1, -1]) for _ in p], device="cuda")
+    rows = [s for p, s in zip(PROMPTS, [0, 1, -1]) for _ in p]
     meta.slot_mapping, meta.positions = meta.slot_mapping.cuda(), meta.positions.cuda()
     got = model.forward(ids.cuda(), meta, cache, last.cuda(),
-                        lora=LoraRound(model.lora, rows, [0, 1])).cpu()
+                        lora=LoraRound.of(model.lora, rows)).cpu()
     for i, adapter in enumerate([a, b, None]):
         ref = ours(base, merged(base_weights(base), adapter) if adapter else None)
         want = logits(ref, [PROMPTS[i]])[0]

@@ -122,9 +122,10 @@ def test_an_engine_refuses_an_adapter_load_it_does_not_hold(cfg):
 
 def test_a_runtime_load_serves_at_once_and_a_reload_never_serves_the_old_kv(dep, oai, cfg,
                                                                              want):
-    """Loaded at runtime, C answers as the offline API does; A loaded again
-    under its name from C's directory answers as C, although A's old load
-    cached the same prompt's prefix on both engines (a new load, a new id)."""
+    """Loaded at runtime (pinned), C answers as the offline API does; A
+    loaded again under its name from C's directory answers as C, although
+    A's old load cached the same prompt's prefix on both engines (a new
+    load, a new id)."""
     import httpx
     c_dir = cfg["lora"]["adapters"]["A"][:-1] + "c"
     http = httpx.Client(base_url=dep.http_address, timeout=120)
@@ -133,8 +134,13 @@ def test_a_runtime_load_serves_at_once_and_a_reload_never_serves_the_old_kv(dep,
         return oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
     assert ask("A") == want["A"]                   # A's prefix cached on P and D
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": c_dir})
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "C", "lora_path": c_dir,
+                                                 "pinned": True})
     assert r.status_code == 200, r.text
+    # a second pin would leave no slot of max_loras 2 for the rest: every engine refuses
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "E", "lora_path": c_dir,
+                                                 "pinned": True})
+    assert r.status_code == 400 and "one must stay free" in r.json()["error"]["message"]
     assert [m.id for m in oai.models.list().data] == ["base", "A", "B", "C"]
     assert ask("C") == want["C"] != want["A"]
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "A", "lora_path": c_dir})
@@ -179,6 +185,36 @@ def test_an_unload_during_a_stream_waits_for_it(dep, oai):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="B", prompt=PROMPT, max_tokens=2)
     assert "B" not in [m.id for m in oai.models.list().data]
+
+
+def test_a_restarted_engine_gets_the_runtime_loads_and_unloads_again(dep, oai, want):
+    """Ray restarts a killed P with the configured adapters only (A's first
+    load and B); the router replays on it what changed at runtime (C loaded,
+    A reloaded, B unloaded) and sends it C's requests once it holds C."""
+    import time
+
+    import ray
+
+    from deployed import engine_channel
+    from pdserve.proto import control_pb2_grpc as cpbg
+    router = dep.router
+    loads = {r.name: r.id for r in router.adapters.refs()}
+    assert set(loads) == {"A", "C"} and loads["A"] > 2          # A reloaded, B unloaded
+    ref = router.engines["prefill-0"]
+    before = ref.incarnation
+    ray.kill(dep.actor("prefill-0"), no_restart=False)
+    deadline = time.monotonic() + 120
+    while not (ref.incarnation != before and ref.alive and set(loads.values()) <= ref.adapters):
+        assert time.monotonic() < deadline, (ref.incarnation, ref.alive, ref.adapters)
+        time.sleep(0.1)                          # polling the router's view, not timing a race
+    router.run_sync(router.adapter_sync.settle())
+    with engine_channel(dep, "prefill-0") as ch:
+        info = cpbg.EngineControlStub(ch).GetInfo(cpb.InfoRequest(), timeout=10)
+    assert list(info.adapters) == [f"C:{loads['C']}", f"A:{loads['A']}"]
+    for model, answer in (("C", want["C"]), ("A", want["C"]), ("", want[""])):
+        out = oai.completions.create(model=model or "base", prompt=PROMPT, max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == answer
 
 
 def test_runtime_updates_are_off_unless_enabled():

@@ -10,7 +10,8 @@
     transfer: {timeout_s: 30, lease_s: 10, heartbeat_s: 2}   # P/D: transfer/timeouts.py
     control_plane: {insecure: false, ca_cert: null, ca_key: null, cert: null, key: null,
                     server_name: pdserve-control, engine_host: null}   # proto/control_tls.py
-    lora: {adapters: {NAME: DIR}, max_loras: 1, max_lora_rank: 16, max_cpu_loras: null}
+    lora: {adapters: {NAME: DIR | {path: DIR, pinned: true}}, max_loras: 1, max_lora_rank: 16,
+           max_cpu_loras: null}
 
 Unknown keys are an error that names the key.
 """
@@ -268,6 +269,7 @@ class LoraConfig:
     max_lora_rank: int = 16          # the largest rank an adapter may have
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
     runtime_updates: bool = False    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    pinned: tuple = ()               # names of adapters never evicted (adapters.NAME.pinned)
 
     @classmethod
     def from_dict(cls, data, base: Path | None = None) -> "LoraConfig":
@@ -280,15 +282,23 @@ class LoraConfig:
         if not isinstance(adapters, dict):
             raise ConfigError(f"lora.adapters must map names to PEFT directories "
                               f"({{name: path}}), got {adapters!r}")
-        pairs = []
+        pairs, pinned = [], []
         for name, path in adapters.items():
+            if isinstance(path, dict):          # {path: DIR, pinned: true}
+                entry = check_keys(path, f"lora.adapters.{name}", {"path", "pinned"})
+                path, pin = entry.get("path"), entry.get("pinned", False)
+                if not isinstance(pin, bool):
+                    raise ConfigError(f"lora.adapters.{name}.pinned must be true or false, "
+                                      f"got {pin!r}")
+                if pin:
+                    pinned.append(str(name))
             if not isinstance(path, str) or not path.strip():
                 raise ConfigError(f"lora.adapters.{name} is {path!r}; give the path of a "
-                                  "PEFT adapter directory")
+                                  "PEFT adapter directory (or {path: DIR, pinned: true})")
             if base is not None and not Path(path).is_absolute():
                 path = str(base / path)
             pairs.append((str(name), path))
-        cfg = cls(adapters=tuple(pairs), **data)
+        cfg = cls(adapters=tuple(pairs), pinned=tuple(pinned), **data)
         cfg.validate()
         return cfg
 
@@ -306,10 +316,11 @@ class LoraConfig:
             raise ConfigError(f"lora.max_cpu_loras must be an integer >= lora.max_loras "
                               f"({self.max_loras}): every adapter on the device is also kept "
                               f"in host memory; got {c!r}")
-        if len(self.adapters) > self.cpu_loras:
-            raise ConfigError(f"lora.adapters names {len(self.adapters)} adapters, more than "
-                              f"lora.max_cpu_loras={self.cpu_loras} kept in host memory; "
-                              "raise max_cpu_loras (or max_loras)")
+        if self.pinned and len(self.pinned) >= self.max_loras:
+            raise ConfigError(f"lora.adapters pins {len(self.pinned)} adapters "
+                              f"({', '.join(self.pinned)}) for lora.max_loras={self.max_loras} "
+                              "device slots; one slot must stay free for the unpinned "
+                              f"adapters: raise max_loras to {len(self.pinned) + 1} or pin fewer")
 
     @property
     def cpu_loras(self) -> int:

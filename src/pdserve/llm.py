@@ -63,12 +63,15 @@ class LLM:
             from pdserve.roles.adapters import EngineAdapters
             self.adapters = EngineAdapters(self.model, "fused-0", cfg.lora.adapters,
                                            cfg.lora.max_loras, cfg.lora.max_lora_rank,
-                                           cfg.model.served_name)
+                                           cfg.model.served_name, cfg.lora.cpu_loras,
+                                           cfg.lora.pinned)
         self.executor = TorchExecutor(self.model, self.tokenizer, engine, adapters=self.adapters)
         lora_slots = cfg.lora.max_loras if cfg.lora.enabled else 0
         self.engine = Engine("fused-0", Planner(engine, groups=self.executor.groups,
                                                 lora_slots=lora_slots),
                              self.executor, forget_finished=False)
+        if self.adapters is not None:
+            self.adapters.bind(self.engine.planner.lora)
         self._next = 0
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:

@@ -8,9 +8,14 @@ down, written to a temporary directory as PEFT saves them). A decode round
 of `--batch` sequences, each `--context` tokens into its history, is timed
 through the model's forward (attention over the paged cache, every layer,
 the logits): all rows under the base model, all under one adapter, or spread
-round-robin over 4 or 16. Each repeat times every case in turn, `--rounds`
-forwards each; the table gives tokens a second (batch / the median round)
-over `--repeats`, its spread, and each case against the base. Then an
+round-robin over 4 or 16, under the segmented kernel (`kernels/lora.py`)
+and, with `--kernel both` (the default), the masked one it replaced
+(`kernels/lora_masked.py`), side by side in one run. Each repeat times
+every case in turn, `--rounds` forwards each; the table gives tokens a
+second (batch / the median round) over `--repeats`, its spread, and each
+case against the base of the same repeats: median against median, and
+best against best (on a shared host the fastest repeat is the one least
+disturbed by others). Then an
 adapter's load: its PEFT directory read into host memory, and host memory
 copied into a device slot.
 """
@@ -36,6 +41,11 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=positive, default=10, help="forwards a case a repeat")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (torch's default); 1 steadies a shared host")
+    p.add_argument("--kernel", choices=("segmented", "masked", "both"), default="both",
+                   help="the batched LoRA to time: the segmented one, the masked one it "
+                        "replaced, or both side by side (both)")
 
 
 def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
@@ -89,8 +99,11 @@ def run(args) -> int:
 
     from pdserve.kernels.loader import load_model
     from pdserve.kernels.lora import LoraRound
+    from pdserve.kernels.lora_masked import MaskedLoraRound
     from pdserve.kernels.lora_adapter import load_adapter
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     n = max(k for _, k in CASES)
     model, _ = load_model(None, args.preset, dtype="float32", device=args.device,
                           attention="torch")
@@ -109,14 +122,14 @@ def run(args) -> int:
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
     ids, meta, cache, rows = _decode_round(model, args.batch, args.context)
-    rounds: dict[str, LoraRound | None] = {}
-    for label, k in CASES:
-        if k == 0:
-            rounds[label] = None
-        else:
-            slots = [i % k for i in range(args.batch)]
-            rounds[label] = LoraRound(stacks, torch.tensor(slots, device=model.device),
-                                      sorted(set(slots)))
+    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound}
+    chosen = list(kernels) if args.kernel == "both" else [args.kernel]
+    cases = [("base", 0, None)] + [(f"{label}, {k}" if len(chosen) > 1 else label, n_ad, k)
+                                    for k in chosen for label, n_ad in CASES if n_ad]
+    rounds = {}
+    for label, k, kernel in cases:
+        slots = [i % k for i in range(args.batch)] if k else []
+        rounds[label] = kernels[kernel](stacks, slots) if kernel else None
 
     def timed(rnd) -> float:
         if args.device != "cpu":
@@ -130,22 +143,64 @@ def run(args) -> int:
 
     for rnd in rounds.values():                # warm every path
         timed(rnd)
-    rates: dict[str, list[float]] = {label: [] for label, _ in CASES}
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
     for _ in range(args.repeats):
-        for label, _ in CASES:
+        for label, _, _ in cases:
             rates[label].append(args.batch / timed(rounds[label]))
-    base = statistics.median(rates["base"])
+    base, base_best = statistics.median(rates["base"]), max(rates["base"])
     print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
           f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
-          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats")
-    print(f"{'case':<14} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8}")
-    for label, _ in CASES:
+          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
+          f"{torch.get_num_threads()} torch threads")
+    width = max(len(label) for label in rates) + 2
+    print(f"{'case':<{width}} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8} "
+          f"{'best vs best':>13}")
+    for label, _, _ in cases:
         r = rates[label]
         med = statistics.median(r)
-        print(f"{label:<14} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
-              f"{med / base:>7.2f}x")
+        print(f"{label:<{width}} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
+              f"{med / base:>7.2f}x {max(r) / base_best:>12.2f}x")
+    _lora_alone(model, stacks, rounds, cases, args, width)
     mb = adapter.nbytes() / 2 ** 20
     print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
           f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
           f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
     return 0
+
+
+def _lora_alone(model, stacks, rounds, cases, args, width) -> None:
+    """The LoRA part of a decode round by itself: each case's adds into
+    every layer's four fused matmuls, on random rows of the right widths;
+    the fastest of 5 x `--repeats` tries, cases interleaved."""
+    import torch
+
+    from pdserve.kernels.lora import GROUPS
+    from pdserve.kernels.lora_adapter import module_shape
+
+    cfg, dev = model.cfg, model.device
+    shapes = [(module_shape(cfg, mods[0])[1], sum(module_shape(cfg, m)[0] for m in mods))
+              for mods in GROUPS]
+    g = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(args.batch, i, generator=g, device=dev) for i, _ in shapes]
+    ys = [torch.zeros(args.batch, o, device=dev) for _, o in shapes]
+
+    @torch.inference_mode()
+    def once(rnd) -> float:
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(cfg.num_layers):
+            for group in range(len(GROUPS)):
+                rnd.add(layer, group, xs[group], ys[group])
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    best = {label: float("inf") for label, k, _ in cases if k}
+    for _ in range(5 * args.repeats):
+        for label in best:
+            best[label] = min(best[label], once(rounds[label]))
+    print(f"LoRA work alone, {cfg.num_layers} layers x 4 fused matmuls, {args.batch} rows "
+          f"(fastest of {5 * args.repeats}):")
+    for label, ms in best.items():
+        print(f"{label:<{width}} {1e3 * ms:>9.2f} ms")

@@ -58,10 +58,13 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
         # every engine, P and D alike, holds every configured adapter: P's KV
         # must be computed under the adapter D decodes with
         adapters = EngineAdapters(model, name, cfg.lora.adapters, cfg.lora.max_loras,
-                                  cfg.lora.max_lora_rank, cfg.model.served_name)
+                                  cfg.lora.max_lora_rank, cfg.model.served_name,
+                                  cfg.lora.cpu_loras, cfg.lora.pinned)
     executor = TorchExecutor(model, tok, engine_cfg, detokenize=False, adapters=adapters)
     planner = Planner(engine_cfg, kind, groups=executor.groups,
                       lora_slots=cfg.lora.max_loras if adapters is not None else 0)
+    if adapters is not None:
+        adapters.bind(planner.lora)
     capacity = capacity_report(engine_cfg, planner.groups, executor.group_bytes())
     log.info("%s: %s", name, capacity_line(capacity))
     transport = None

@@ -3,20 +3,28 @@
 `LoraStacks` holds `max_loras` device slots. Per layer, the projections
 that share one fused matmul in the decoder (q k v; o; gate up; down) share
 one A stack, [slots, modules * max_rank, in] (they read the same input), and
-each projection has its B stack, [out, slots, max_rank], already scaled.
+each projection has its B stack, [slots, max_rank, out], already scaled
+(so one slot's expand reads one contiguous block).
 Ranks below max_rank are zero-padded, an untargeted module is zeros.
 
-`LoraRound` is one forward's view: each row's slot (-1: the base model) and
-the round's distinct slots. A fused matmul's delta is a gather of the
-active slots' stacks (none when every slot is active) and dense matmuls
-with a mask between them: x @ A_active^T gives every row its shrink under
-every active adapter, the mask keeps the row's own, and each projection's
-@ B_active^T expands its part.
-The cost grows with the adapters a round uses, not with the slots or the
-rows per adapter, and a round of base rows only costs nothing.
+`LoraSegments` plans a round's rows on the host: grouped by slot, base rows
+in none. Short groups (decode rows, a few per adapter) are padded to one
+width and run as one batched matmul: a gather of their rows into
+[segments, width, in], a bmm with their A stacks (the shrink), a bmm per
+projection with their B stacks (the expand), and an index_add back into
+the rows. A group much longer than the others (a prefill chunk) runs alone
+as plain matmuls on its rows, so padding never costs more than twice the
+rows it pads. `LoraRound` is that plan on the device for one forward.
+The cost grows with the rows under an adapter, not with rows x adapters (the
+masked kernel it replaced, kept in `lora_masked.py` for the bench), and a
+round of base rows only costs nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -46,7 +54,7 @@ class LoraStacks:
                 inp = module_shape(cfg, mods[0])[1]
                 a_row.append(torch.zeros(slots, len(mods) * max_rank, inp, dtype=dtype,
                                          device=device))
-                b_row.append([torch.zeros(module_shape(cfg, m)[0], slots, max_rank, dtype=dtype,
+                b_row.append([torch.zeros(slots, max_rank, module_shape(cfg, m)[0], dtype=dtype,
                                           device=device) for m in mods])
             self.A.append(a_row)
             self.B.append(b_row)
@@ -62,7 +70,7 @@ class LoraStacks:
             g, j = self._where[module]
             r = a.shape[0]
             self.A[layer][g][slot, j * R:j * R + r].copy_(a)
-            self.B[layer][g][j][:, slot, :r].copy_(b)
+            self.B[layer][g][j][slot, :r].copy_(b.t())
 
     def clear(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -71,45 +79,149 @@ class LoraStacks:
             for A, Bs in zip(a_row, b_row):
                 A[slot].zero_()
                 for B in Bs:
-                    B[:, slot].zero_()
+                    B[slot].zero_()
+
+
+class BatchedLora(Protocol):
+    """What a forward needs of a round's LoRA: the slots it uses, and the
+    delta of each fused matmul added to its output."""
+    active: list[int]
+
+    def add(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """A round's rows grouped by LoRA slot, planned on the host. The
+    batched segments are padded to `width` rows each; `src[i]` is a row
+    that goes to position `dst[i]` (segment * width + offset) of the padded
+    batch. `alone`: groups run as their own matmuls, (slot, rows)."""
+    rows: int
+    slots: tuple[int, ...]
+    width: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    alone: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def active(self) -> list[int]:
+        """Every slot the round uses, sorted."""
+        return sorted([*self.slots, *(s for s, _ in self.alone)])
+
+    @property
+    def padded(self) -> bool:
+        return len(self.slots) * self.width != len(self.src)
+
+    @classmethod
+    def of(cls, row_slots: Sequence[int]) -> LoraSegments:
+        """Group `row_slots` (each row's slot, -1: base). The batched groups
+        are the shortest ones, as many as keep the padded batch within
+        twice their rows; the longer ones run alone. One group runs alone."""
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(row)
+        order = sorted(groups, key=lambda s: (len(groups[s]), s))
+        take, total = 0, 0
+        for k, slot in enumerate(order):
+            total += len(groups[slot])
+            if (k + 1) * len(groups[slot]) > 2 * total:
+                break
+            take = k + 1
+        if take == 1:
+            take = 0
+        batched = sorted(order[:take])
+        width = max((len(groups[s]) for s in batched), default=0)
+        src: list[int] = []
+        dst: list[int] = []
+        for k, slot in enumerate(batched):
+            src.extend(groups[slot])
+            dst.extend(range(k * width, k * width + len(groups[slot])))
+        alone = tuple((s, tuple(groups[s])) for s in sorted(order[take:]))
+        return cls(len(row_slots), tuple(batched), width, tuple(src), tuple(dst), alone)
+
+    def lists(self) -> list[list[int]]:
+        """The host lists a round stages on the device, in `LoraRound`'s order."""
+        return [list(self.slots), list(self.src), list(self.dst),
+                *(list(rows) for _, rows in self.alone)]
 
 
 class LoraRound:
-    """One forward's rows and their slots. `row_slots`: a device tensor of
-    each row's slot (-1: base); `active`: the distinct slots it holds, from
-    the host (so nothing here waits on the device)."""
+    """One forward's LoRA: `segments` on the device. `staged`: its
+    `lists()` already on the device (the executor stages them with the
+    round's other lists, in one copy); otherwise they are copied here."""
 
-    def __init__(self, stacks: LoraStacks, row_slots: torch.Tensor, active: list[int],
-                 index: torch.Tensor | None = None):
-        """`index`: `active` already on the device (sorted, distinct), as
-        the executor stages it with the round's other lists."""
-        self.stacks = stacks
-        self.active = sorted(set(active))
+    def __init__(self, stacks: LoraStacks, segments: LoraSegments,
+                 staged: Sequence[torch.Tensor] | None = None):
+        self.stacks, self.seg = stacks, segments
+        self.active = segments.active
         if any(not 0 <= s < stacks.slots for s in self.active):
             raise IndexError(f"LoRA slots {self.active} outside [0, {stacks.slots})")
-        self._all = self.active == list(range(stacks.slots))
         dev = stacks.A[0][0].device
-        self._index = index if index is not None else \
-            torch.tensor(self.active, device=dev, dtype=torch.long)
-        act = self._index.to(row_slots.device)
-        dtype = stacks.A[0][0].dtype
-        # [rows, active]: 1 where the row's adapter is that active slot
-        self._mask = (row_slots.view(-1, 1) == act.view(1, -1)).to(dtype)
+        if staged is None:
+            staged = [torch.tensor(v, device=dev, dtype=torch.long) for v in segments.lists()]
+        self._slots, self._src, self._dst = (t.to(dev) for t in staged[:3])
+        # consecutive slots: the stacks' slice is a view, no gather
+        sl = segments.slots
+        self._range = slice(sl[0], sl[-1] + 1) if sl and sl[-1] - sl[0] + 1 == len(sl) else None
+        # src in row order with no padding: the batch is x itself
+        self._identity = not segments.padded and list(segments.src) == list(range(segments.rows))
+        # a group's rows, as a slice when they are contiguous (a prefill chunk)
+        self._alone: list[tuple[int, slice | torch.Tensor]] = []
+        for (slot, rows), t in zip(segments.alone, staged[3:]):
+            if rows[-1] - rows[0] + 1 == len(rows):
+                self._alone.append((slot, slice(rows[0], rows[-1] + 1)))
+            else:
+                self._alone.append((slot, t.to(dev)))
 
-    def delta(self, layer: int, group: int, x: torch.Tensor) -> torch.Tensor:
-        """What the round's adapters add to fused matmul `group` of `layer`
-        for rows `x` (a forward skips a round without active slots)."""
+    @classmethod
+    def of(cls, stacks: LoraStacks, row_slots: Sequence[int]) -> LoraRound:
+        """The round for rows whose slots are `row_slots` (-1: base)."""
+        return cls(stacks, LoraSegments.of(row_slots))
+
+    def add(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add to `y`, the output of fused matmul `group` of `layer` on rows
+        `x`, what each row's adapter adds; in place, and returns `y`."""
         if not self.active:
             raise ValueError("a LoRA round with no active slot adds nothing; pass lora=None")
         A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
-        if not self._all:
-            A = A.index_select(0, self._index)
-            Bs = [B.index_select(1, self._index) for B in Bs]
-        n, m, R = len(self.active), len(Bs), self.stacks.max_rank
-        rows = x.shape[0]
-        shrink = x @ A.reshape(n * m * R, -1).t()                       # [rows, n * m * R]
-        shrink = shrink.view(rows, n, m, R) * self._mask.view(rows, n, 1, 1)
-        if m == 1:
-            return shrink.view(rows, n * R) @ Bs[0].reshape(-1, n * R).t()
-        return torch.cat([shrink[:, :, j].reshape(rows, n * R) @ B.reshape(-1, n * R).t()
-                          for j, B in enumerate(Bs)], dim=1)
+        R = self.stacks.max_rank
+        if self.seg.slots:
+            self._batched(A, Bs, R, x, y)
+        for slot, rows in self._alone:
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            shrink = xs @ A[slot].t()                                   # [k, m * R]
+            d = torch.cat([shrink[:, j * R:(j + 1) * R] @ B[slot]
+                           for j, B in enumerate(Bs)], dim=1) if len(Bs) > 1 \
+                else shrink @ Bs[0][slot]
+            if isinstance(rows, slice):
+                y[rows] += d
+            else:
+                y.index_add_(0, rows, d)
+        return y
+
+    def _batched(self, A, Bs, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        seg = self.seg
+        n, w = len(seg.slots), seg.width
+        if self._range is not None:
+            A, Bs = A[self._range], [B[self._range] for B in Bs]
+        else:
+            A = A.index_select(0, self._slots)
+            Bs = [B.index_select(0, self._slots) for B in Bs]
+        if self._identity:
+            xs = x
+        elif not seg.padded:
+            xs = x.index_select(0, self._src)
+        else:
+            xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
+                                                            x.index_select(0, self._src))
+        shrink = torch.bmm(xs.reshape(n, w, -1), A.transpose(1, 2))       # [n, w, m * R]
+        parts = [torch.bmm(shrink[:, :, j * R:(j + 1) * R], B)
+                 for j, B in enumerate(Bs)]                            # each [n, w, out_j]
+        d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(n * w, -1)
+        if self._identity:
+            y += d
+        elif not seg.padded:
+            y.index_add_(0, self._src, d)
+        else:
+            y.index_add_(0, self._src, d.index_select(0, self._dst))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, LoraRound, LoraStacks
+from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
@@ -218,7 +218,7 @@ class DecoderModel(PagedDecoder):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
-                logits_indices: torch.Tensor, lora: LoraRound | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor, lora: BatchedLora | None = None) -> torch.Tensor:
         """Logits (float32) for the rows in `logits_indices`. `meta` and
         `cache`: one per cache group (or, single-group, one of each). `lora`:
         each row's adapter (None, or a round of base rows only: none)."""
@@ -234,7 +234,7 @@ class DecoderModel(PagedDecoder):
             x = rms_norm(h, ln1, c.rms_norm_eps)
             qkv = F.linear(x, qkv_w, qkv_b)
             if lora is not None:
-                qkv = qkv + lora.delta(i, QKV, x)
+                qkv = lora.add(i, QKV, x, qkv)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
             qk = self.rotary.apply(qkv[:, :q_dim + kv_dim].view(-1, heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
@@ -242,14 +242,14 @@ class DecoderModel(PagedDecoder):
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             o = o.reshape(-1, q_dim)
-            h = h + (F.linear(o, o_w) if lora is None else F.linear(o, o_w) + lora.delta(i, O, o))
+            h = h + (F.linear(o, o_w) if lora is None else lora.add(i, O, o, F.linear(o, o_w)))
             x = rms_norm(h, ln2, c.rms_norm_eps)
             gu = F.linear(x, gate_up_w)
             if lora is not None:
-                gu = gu + lora.delta(i, GATE_UP, x)
+                gu = lora.add(i, GATE_UP, x, gu)
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             down = F.linear(act, down_w)
-            h = h + (down if lora is None else down + lora.delta(i, DOWN, act))
+            h = h + (down if lora is None else lora.add(i, DOWN, act, down))
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -4,9 +4,12 @@ The router names a request's adapter by name and load id (scheduler/
 adapters.py); an engine serves it only if it holds that very load, so a
 request never runs under other weights than the ones its id stands for:
 not on a D whose P computed its KV, not after a reload under the same name.
-Each adapter is read once from its PEFT directory into host memory; the
-planner assigns device slots (scheduler/adapter_slots.py), and the executor
-copies an adapter into its slot when a round first needs it there.
+Each adapter is read from its PEFT directory into host memory, where at
+most `max_cpu_loras` stay (roles/adapter_host.py: an LRU, re-read on
+demand); the planner assigns device slots (scheduler/adapter_slots.py),
+and the executor copies an adapter into its slot when a round first needs
+it there. A pinned adapter stays in host memory and, once in a slot, keeps
+it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import threading
 
 from pdserve.kernels.lora_adapter import LoraAdapter, load_adapter
+from pdserve.roles.adapter_host import AdapterChanged, HostAdapters, fingerprint
+from pdserve.scheduler.adapter_slots import AdapterSlots
 from pdserve.scheduler.adapters import BASE, AdapterRef, AdapterRegistry
 from pdserve.scheduler.planner import RejectedRequest
 
@@ -24,9 +29,12 @@ class AdapterMissing(RejectedRequest):
 
 class EngineAdapters:
     def __init__(self, model, engine: str, adapters, max_loras: int, max_rank: int,
-                 base_name: str = ""):
+                 base_name: str = "", max_cpu_loras: int | None = None,
+                 pinned: tuple[str, ...] = ()):
         """`adapters`: (name, PEFT directory) pairs, given ids 1.. in order, as
-        every engine and router of the deployment gives them."""
+        every engine and router of the deployment gives them; `pinned`: the
+        names among them to pin. `max_cpu_loras`: adapters kept in host
+        memory (None: max_loras)."""
         if not hasattr(model, "enable_lora"):
             raise ValueError(f"{type(model).__name__} does not apply LoRA adapters")
         self.engine = engine
@@ -34,31 +42,74 @@ class EngineAdapters:
         self.max_rank = max_rank
         self.stacks = model.enable_lora(max_loras, max_rank)
         self._model_cfg = model.cfg
-        self.weights: dict[int, LoraAdapter] = {}     # host copies, by load id
+        self.host = HostAdapters(max_cpu_loras or max_loras, self.read)
+        # the planner's slots (`bind`), told of pins; until bound, pins wait here
+        self._slots: AdapterSlots | None = None
+        self._pins: set[int] = set()
         self._in_slot = [BASE] * max_loras            # the load each device slot has now
         self.loads = 0                                # copies into a slot so far
         # loads no longer registered whose weights live requests may still
         # read: load id -> set once none is left (unload's answer waits on it)
         self.unloading: dict[int, threading.Event] = {}
         for name, path in adapters:
-            self.load(name, path)
+            self.load(name, path, pinned=name in pinned)
+
+    def bind(self, slots: AdapterSlots) -> None:
+        """The planner's slots, which keep a pinned load's slot for it."""
+        self._slots = slots
+        for adapter_id in self._pins:
+            slots.pin(adapter_id)
 
     def read(self, path: str) -> LoraAdapter:
         """An adapter's weights from its PEFT directory (off the loop thread)."""
         return load_adapter(path, self._model_cfg, self.max_rank)
 
     def load(self, name: str, path: str, id: int | None = None,
-             weights: LoraAdapter | None = None) -> AdapterRef:
+             weights: LoraAdapter | None = None, pinned: bool = False,
+             stamp: tuple | None = None) -> AdapterRef:
         """Register `path` under `name` (a new id, or `id` the router issued);
         a load already under `name` stops taking requests and is unloaded
-        once its last one ends."""
-        weights = weights if weights is not None else self.read(path)
+        once its last one ends. `weights` read off the loop, with `stamp`
+        its files' fingerprint taken before the read."""
+        if self.holds(name, id):
+            return self.registry.get(name)          # type: ignore[return-value]
+        if weights is None:
+            stamp = fingerprint(path)
+            weights = self.read(path)
+        if pinned:
+            self._check_pin(name)
         old = self.registry.get(name)
         ref = self.registry.load(name, path, id)
-        self.weights[ref.id] = weights
+        self.host.add(ref.id, path, weights, pinned, stamp)
+        if pinned:
+            self._pins.add(ref.id)
+            if self._slots is not None:
+                self._slots.pin(ref.id)
         if old is not None:
+            self._unpin(old.id)
             self.unloading[old.id] = threading.Event()
         return ref
+
+    def holds(self, name: str, id: int | None) -> bool:
+        """Whether `name` is load `id` here already (a load sent twice, as
+        the router's replay may, is done once)."""
+        ref = self.registry.get(name)
+        return id is not None and ref is not None and ref.id == id
+
+    def _check_pin(self, name: str) -> None:
+        """Refuse a pin that would leave no slot for the unpinned adapters
+        before anything is registered."""
+        old = self.registry.get(name)
+        pins = len(self._pins) - (old is not None and old.id in self._pins)
+        if pins + 1 >= self.stacks.slots:
+            raise ValueError(f"cannot pin LoRA adapter {name!r}: {pins} of lora.max_loras="
+                             f"{self.stacks.slots} device slots are pinned and one must stay "
+                             "free for the unpinned adapters; raise max_loras or unpin one")
+
+    def _unpin(self, adapter_id: int) -> None:
+        self._pins.discard(adapter_id)
+        if self._slots is not None:
+            self._slots.unpin(adapter_id)
 
     def unload(self, name: str, adapter_id: int) -> threading.Event:
         """Take no new request under `name`'s load `adapter_id`; the event is
@@ -70,6 +121,7 @@ class EngineAdapters:
                 return done                           # an unload already under way
             raise KeyError(f"{self.engine} holds no LoRA adapter {name!r} (load {adapter_id})")
         self.registry.unload(name)
+        self._unpin(adapter_id)
         done = self.unloading[adapter_id] = threading.Event()
         return done
 
@@ -79,7 +131,7 @@ class EngineAdapters:
         for adapter_id, done in list(self.unloading.items()):
             if adapter_id not in live:
                 del self.unloading[adapter_id]
-                self.weights.pop(adapter_id, None)
+                self.host.drop(adapter_id)
                 slots.forget(adapter_id)
                 done.set()
 
@@ -88,7 +140,7 @@ class EngineAdapters:
         planner hands a slot to another load only when nothing references
         it (quiescent), so this never overwrites weights a forward reads."""
         if self._in_slot[slot] != adapter_id:
-            self.stacks.load(slot, self.weights[adapter_id])
+            self.stacks.load(slot, self.host.get(adapter_id))
             self._in_slot[slot] = adapter_id
             self.loads += 1
 
@@ -104,6 +156,10 @@ class EngineAdapters:
             raise AdapterMissing(f"{self.engine} does not hold LoRA adapter {name!r} (load "
                                  f"{adapter_id}); it holds {held}: load it there, or route "
                                  "the request to an engine that does")
+        try:
+            self.host.prefetch(adapter_id)          # evicted: re-read before its round
+        except AdapterChanged as e:
+            raise AdapterMissing(f"{self.engine}: {e}") from None
         return adapter_id
 
     def refs(self) -> list[AdapterRef]:

@@ -17,6 +17,7 @@ import grpc
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.roles import control_checks as checks
+from pdserve.roles.adapter_host import fingerprint
 from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
@@ -172,10 +173,13 @@ class EngineControlServicer(pbg.EngineControlServicer):
         if adapters is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.s.name} serves no LoRA "
                           "adapters (no lora section in its config)")
+        if adapters.holds(request.name, request.id):
+            return pb.Ack(ok=True)              # sent again (the router's replay): held
         try:
+            stamp = fingerprint(request.path)
             weights = adapters.read(request.path)
             self.s.call(lambda: self.s.load_adapter(request.name, request.path, request.id,
-                                                    weights))
+                                                    weights, request.pinned, stamp))
         except ValueError as e:                 # a bad adapter, name or id
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:

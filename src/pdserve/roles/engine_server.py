@@ -346,9 +346,11 @@ class EngineServer:
                                   "its config); adapters cannot be loaded at runtime there")
         return self.executor.adapters
 
-    def load_adapter(self, name: str, path: str, adapter_id: int, weights) -> None:
-        """Loop thread: hold `weights` (read off the loop) as load `adapter_id` of `name`."""
-        self._lora().load(name, path, adapter_id, weights)
+    def load_adapter(self, name: str, path: str, adapter_id: int, weights,
+                     pinned: bool = False, stamp: tuple | None = None) -> None:
+        """Loop thread: hold `weights` (read off the loop; `stamp`: its files'
+        fingerprint before the read) as load `adapter_id` of `name`."""
+        self._lora().load(name, path, adapter_id, weights, pinned, stamp)
         self.reap_adapters()          # a load it replaced may have no request left
 
     def unload_adapter(self, name: str, adapter_id: int):

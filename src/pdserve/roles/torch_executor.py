@@ -34,7 +34,7 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.lora import LoraRound
+from pdserve.kernels.lora import LoraRound, LoraSegments
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
@@ -436,9 +436,9 @@ class TorchExecutor:
                   for sl, skip in zip(slots, skips)]
         # one host tensor, one (asynchronous) copy for the round's lists
         lists = [ids, pos, sample_rows, *slots, *writes]
-        active = sorted(needs)
-        if active:
-            lists += [row_slots, active]
+        segments = LoraSegments.of(row_slots) if needs else None
+        if segments is not None:
+            lists += segments.lists()
         if fed_to:
             lists += [fed_to, fed_from]
         staged = stage_rows(lists, self.model.device)
@@ -453,8 +453,8 @@ class TorchExecutor:
         states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
             else None
         fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
-        lora_round = (LoraRound(self.model.lora, staged[3 + 2 * n], active, staged[4 + 2 * n]),
-                      needs) if active else None
+        lora_round = (LoraRound(self.model.lora, segments, staged[3 + 2 * n:]),
+                      needs) if segments is not None else None
         return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows
 
     def _compute(self, staged):

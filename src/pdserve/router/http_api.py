@@ -194,7 +194,8 @@ class HttpFront:
         if err is not None:
             return err
         try:
-            ref = await lora_admin.load(self.r, body.lora_name, body.lora_path or "")
+            ref = await lora_admin.load(self.r, body.lora_name, body.lora_path or "",
+                                        body.pinned)
         except RequestError as e:
             return from_request_error(e)
         return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "id": ref.id,

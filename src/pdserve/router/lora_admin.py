@@ -35,9 +35,10 @@ def _check_enabled(r: Router) -> None:
                            "the adapters in lora.adapters)")
 
 
-async def load(r: Router, name: str, path: str) -> AdapterRef:
+async def load(r: Router, name: str, path: str, pinned: bool = False) -> AdapterRef:
     """Load `path` as adapter `name` on every live engine (a name already
-    loaded gets a new load: requests under the old one finish under it)."""
+    loaded gets a new load: requests under the old one finish under it);
+    `pinned`: never evicted from an engine's host memory or device slot."""
     _check_enabled(r)
     if not name or not path:
         raise RequestError(ErrorKind.INVALID, "give lora_name and lora_path", "lora_name")
@@ -46,7 +47,22 @@ async def load(r: Router, name: str, path: str) -> AdapterRef:
                            "adapter its own", "lora_name")
     adapter_id = r.adapters.next_id()
     engines = [e for e in r.engines.values() if e.alive and e.stub is not None]
-    msg = cpb.AdapterRequest(name=name, path=path, id=adapter_id)
+    msg = cpb.AdapterRequest(name=name, path=path, id=adapter_id, pinned=pinned)
+    old = r.adapters.get(name)
+    # engines that (re)join meanwhile get it from the sync once it is registered
+    r.adapter_sync.pending.add(adapter_id)
+    if old is not None:
+        r.adapter_sync.pending.add(old.id)
+    try:
+        return await _load_on(r, engines, msg, old)
+    finally:
+        r.adapter_sync.pending.discard(adapter_id)
+        if old is not None:
+            r.adapter_sync.pending.discard(old.id)
+
+
+async def _load_on(r: Router, engines, msg, old: AdapterRef | None) -> AdapterRef:
+    name, path, adapter_id = msg.name, msg.path, msg.id
     got = await asyncio.gather(*(e.control.LoadAdapter(msg, timeout=LOAD_TIMEOUT_S)
                                  for e in engines), return_exceptions=True)
     failed = [(e, g) for e, g in zip(engines, got) if isinstance(g, BaseException)]
@@ -58,9 +74,8 @@ async def load(r: Router, name: str, path: str) -> AdapterRef:
         why = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
         raise RequestError(ErrorKind.INVALID, f"adapter {name!r} from {path!r} was not "
                            f"loaded: {e.name}: {why}", "lora_path")
-    old = r.adapters.get(name)
     try:
-        ref = r.adapters.load(name, path, adapter_id)
+        ref = r.adapters.load(name, path, adapter_id, msg.pinned)
     except AdapterNameError as err:
         raise RequestError(ErrorKind.INVALID, str(err), "lora_name") from None
     for eng in engines:                   # the router sends its requests only where it is
@@ -81,8 +96,13 @@ async def unload(r: Router, name: str) -> AdapterRef:
     engines = [e for e in r.engines.values() if e.alive and e.stub is not None]
     for e in r.engines.values():
         e.adapters.discard(ref.id)
-    got = await asyncio.gather(*(e.control.UnloadAdapter(msg, timeout=UNLOAD_TIMEOUT_S)
-                                 for e in engines), return_exceptions=True)
+    # an engine away now is unloaded by the sync when it answers again
+    r.adapter_sync.pending.add(ref.id)
+    try:
+        got = await asyncio.gather(*(e.control.UnloadAdapter(msg, timeout=UNLOAD_TIMEOUT_S)
+                                     for e in engines), return_exceptions=True)
+    finally:
+        r.adapter_sync.pending.discard(ref.id)
     for e, g in zip(engines, got):
         if isinstance(g, grpc.aio.AioRpcError) and g.code() != grpc.StatusCode.NOT_FOUND:
             raise RequestError(ErrorKind.UNAVAILABLE, f"adapter {name!r} is no longer served, "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -72,9 +74,13 @@ async def _info(ref: EngineRef, resolver, dial: Dial):
         return None
 
 
-async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dial()) -> bool:
+async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dial(),
+                  on_info: Callable[[EngineRef, Any, bool], None] | None = None) -> bool:
     """Ask every engine who it is; introduce P and D peers to each other
-    whenever an incarnation is new. Returns whether anything changed."""
+    whenever an incarnation is new. `on_info(ref, info, new incarnation)`:
+    called for each answer as it is taken in, before anything else runs on
+    the loop (the router's adapter sync, router/adapter_sync.py). Returns
+    whether anything changed."""
     refs = list(engines.values())
     got = await asyncio.gather(*(_info(r, resolver, dial) for r in refs))
     changed, infos = False, {}
@@ -93,8 +99,12 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
             ref.incarnation = info.incarnation
             ref.draining = info.draining          # a new incarnation serves afresh
             changed = True
+            new = True
         else:       # never undone by an answer sent before the engine heard the drain
             ref.draining |= info.draining
+            new = False
+        if on_info is not None:
+            on_info(ref, info, new)
     if changed:
         calls, told = [], []
         for a in refs:

@@ -320,6 +320,7 @@ class LoadLoraAdapterRequest(BaseModel):
     model: str | None = None
     lora_name: str
     lora_path: str | None = None
+    pinned: bool = False            # never evicted from host memory or its device slot
 
     def check_unsupported(self) -> None:
         return None

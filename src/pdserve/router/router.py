@@ -46,6 +46,7 @@ from pdserve.proto import router_pb2 as pb
 from pdserve.proto.control_tls import ControlTls
 from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
+from pdserve.router.adapter_sync import AdapterSync
 from pdserve.scheduler.adapters import AdapterRef, AdapterRegistry
 
 log = logging.getLogger("pdserve.router")
@@ -115,6 +116,8 @@ class Router:
         self.configured_adapters = {r.id for r in self.adapters.refs()}
         for ref in self.engines.values():
             ref.adapters = set(self.configured_adapters)
+        # runtime loads and unloads replayed on engines that (re)join
+        self.adapter_sync = AdapterSync(self.adapters)
         self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
@@ -350,7 +353,8 @@ class Router:
         membership.connect(ref, address, self._dial)
         ref.alive = False                         # not picked until it answered and subscribed
         self.engines[name] = ref
-        await membership.refresh(self.engines, self.resolver, self._dial)
+        await membership.refresh(self.engines, self.resolver, self._dial,
+                                 self.adapter_sync.observe)
         self.links[name] = link = EngineLink(ref, self.id)
         link.start()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -412,7 +416,7 @@ class Router:
             self.security.control_tls)
         for ref in self.engines.values():
             membership.connect(ref, ref.address, dial)
-        await membership.refresh(self.engines, self.resolver, dial)
+        await membership.refresh(self.engines, self.resolver, dial, self.adapter_sync.observe)
         for ref in self.engines.values():
             self.links[ref.name] = link = EngineLink(ref, self.id)
             link.start()
@@ -425,6 +429,7 @@ class Router:
         started.set()
         await self._stopping.wait()
         watcher.cancel()
+        self.adapter_sync.cancel()
         for link in self.links.values():
             link.stop()
         for front in reversed(fronts):
@@ -438,7 +443,8 @@ class Router:
         while True:
             await asyncio.sleep(period)
             try:
-                await membership.refresh(self.engines, self.resolver, dial)
+                await membership.refresh(self.engines, self.resolver, dial,
+                                         self.adapter_sync.observe)
             except Exception as e:            # keep watching; a bad round is logged
                 log.exception("membership refresh failed")
                 if len(self.errors) < 20:

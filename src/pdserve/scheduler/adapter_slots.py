@@ -16,6 +16,11 @@ one; if every slot is referenced it waits (Hold.ADAPTER_SLOT) and, FIFO,
 so does everyone behind it, so the slots drain and it cannot starve.
 Because every admitted request holds its slot, a round never mixes more
 distinct adapters than there are slots.
+
+A pinned load (`pin`, SGLang's pinning) keeps the slot it takes: the slot
+is never handed to another load, quiescent or not, until the load is
+unpinned or forgotten. At most slots - 1 loads are pinned, so unpinned
+adapters always have a slot to rotate through.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class SlotError(AssertionError):
 
 
 class AdapterSlots:
-    __slots__ = ("slots", "holder", "refs", "_of", "_taken", "_clock")
+    __slots__ = ("slots", "holder", "refs", "pinned", "_of", "_taken", "_clock")
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -37,13 +42,29 @@ class AdapterSlots:
         self._of: dict[int, int] = {}      # load id -> its slot
         self._taken = [0] * slots          # when each slot was last taken (LRU)
         self._clock = 0
+        self.pinned: set[int] = set()      # load ids whose slot is never reused
+
+    def pin(self, adapter: int) -> None:
+        """Keep `adapter`'s slot, once it takes one, from every other load."""
+        if adapter in self.pinned:
+            return
+        if len(self.pinned) + 1 >= self.slots:
+            raise ValueError(f"cannot pin another LoRA adapter: {len(self.pinned)} of "
+                             f"lora.max_loras={self.slots} device slots are pinned and one "
+                             "must stay free for the unpinned adapters; raise max_loras or "
+                             "unpin one")
+        self.pinned.add(adapter)
+
+    def unpin(self, adapter: int) -> None:
+        self.pinned.discard(adapter)
 
     def slot_of(self, adapter: int) -> int | None:
         return self._of.get(adapter)
 
     def can_take(self, adapter: int) -> bool:
         """Whether a request under `adapter` could be admitted now."""
-        return adapter == BASE or adapter in self._of or 0 in self.refs
+        return adapter == BASE or adapter in self._of or any(
+            r == 0 and h not in self.pinned for r, h in zip(self.refs, self.holder))
 
     def take(self, req) -> None:
         """Reference `req`'s adapter's slot, assigning one if it has none
@@ -70,8 +91,9 @@ class AdapterSlots:
 
     def _quiescent(self) -> int:
         """An empty slot (the lowest), else the least recently taken
-        unreferenced one."""
-        free = [s for s in range(self.slots) if self.refs[s] == 0]
+        unreferenced one that no pinned load holds."""
+        free = [s for s in range(self.slots)
+                if self.refs[s] == 0 and self.holder[s] not in self.pinned]
         if not free:
             raise SlotError("no quiescent adapter slot: check can_take before take")
         empty = [s for s in free if self.holder[s] == BASE]
@@ -79,6 +101,7 @@ class AdapterSlots:
 
     def forget(self, adapter: int) -> None:
         """An unloaded adapter's slot, unreferenced, is empty again."""
+        self.pinned.discard(adapter)
         slot = self._of.get(adapter)
         if slot is not None and self.refs[slot] == 0:
             del self._of[adapter]
@@ -101,6 +124,8 @@ class AdapterSlots:
         if counts != self.refs:
             raise SlotError(f"adapter slot references {self.refs}, but live requests hold "
                             f"{counts}")
+        if self.pinned and len(self.pinned) >= self.slots:
+            raise SlotError(f"{len(self.pinned)} pinned loads for {self.slots} slots")
         want = {a: s for s, a in enumerate(self.holder) if a != BASE}
         if want != self._of:
             raise SlotError(f"adapter slot index {self._of} disagrees with holders {want}")

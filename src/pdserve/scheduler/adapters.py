@@ -25,10 +25,12 @@ class AdapterNameError(ValueError):
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """One load of an adapter: its name, its id and where its weights were."""
+    """One load of an adapter: its name, its id and where its weights were;
+    `pinned`: never evicted from an engine's host memory or device slot."""
     name: str
     id: int
     path: str
+    pinned: bool = False
 
 
 class AdapterRegistry:
@@ -49,7 +51,8 @@ class AdapterRegistry:
             reg.load(name, path)
         return reg
 
-    def load(self, name: str, path: str, id: int | None = None) -> AdapterRef:
+    def load(self, name: str, path: str, id: int | None = None,
+             pinned: bool = False) -> AdapterRef:
         """Register `name` at `path` under a fresh id (`id`: one issued
         elsewhere, above every id seen here). A name already loaded is
         replaced: its old id stops resolving."""
@@ -68,7 +71,7 @@ class AdapterRegistry:
         old = self._by_name.pop(name, None)
         if old is not None:
             del self._by_id[old.id]
-        ref = AdapterRef(name, id, str(path))
+        ref = AdapterRef(name, id, str(path), pinned)
         self._by_name[name] = ref
         self._by_id[id] = ref
         return ref

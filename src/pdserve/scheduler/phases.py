@@ -408,7 +408,8 @@ def adapter_slot_free(p, b: PlanBuild, req) -> bool:
         return True
     b.waits.stop_line(Hold.ADAPTER_SLOT, req,
                       f"its LoRA adapter (load {req.adapter}) needs a device slot and all "
-                      f"{p.lora.slots} (lora.max_loras) serve live requests; it is admitted "
+                      f"{p.lora.slots} (lora.max_loras) serve live requests or pinned "
+                      "adapters; it is admitted "
                       "once one of them drains")
     return False
 

@@ -20,6 +20,7 @@ from collections import deque
 
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.disk import SimDiskEdge
+from pdserve.sim.lora import SimLora
 from pdserve.scheduler.plan import Plan, StepResult
 
 
@@ -42,6 +43,7 @@ class SimExecutor:
         self.rounds = 0               # rounds run, idle ones included
         self._acks: deque = deque()   # (due round, store ids, load ids), in due order
         self.disk: SimDiskEdge | None = None    # the engine's disk tier edge, if any
+        self.lora: SimLora | None = None        # LoRA adapters' cost (sim/lora.py), if any
 
     def acks_pending(self) -> bool:
         return bool(self._acks)
@@ -106,6 +108,8 @@ class SimExecutor:
         if self.disk is not None:
             self.disk.write_through(plan)
             disk_s = self.disk.read_seconds(plan, disk_result)
+        if self.lora is not None:
+            compute += self.lora.round_seconds(plan)
         self.now += compute + self._copy_seconds(plan) + disk_s
         stop_after = self._stop_after
         vocab = self.vocab_size

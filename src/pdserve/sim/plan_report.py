@@ -83,6 +83,16 @@ def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:
     sim = data.get("simulate") or {}
     if sim.get("profile") and not Path(sim["profile"]).is_absolute():   # still found from DIR
         sim["profile"] = str((base_path.parent / sim["profile"]).resolve())
+    adapters = (data.get("lora") or {}).get("adapters") or {}
+    for name, entry in adapters.items():          # LoRA directories, likewise
+        key = "path" if isinstance(entry, dict) else None
+        path = entry.get("path") if key else entry
+        if isinstance(path, str) and not Path(path).is_absolute():
+            path = str((base_path.parent / path).resolve())
+            if key:
+                entry[key] = path
+            else:
+                adapters[name] = path
     try:
         ServeConfig.from_dict(data)
     except (ConfigError, TypeError) as e:

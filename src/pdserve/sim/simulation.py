@@ -34,6 +34,7 @@ from pdserve.sim.trace import TraceRequest
 from pdserve.sim.cost_profile import simulated_cost
 from pdserve.roles.engine import Engine
 from pdserve.sim.executor import SimExecutor
+from pdserve.sim.lora import SimLora, TraceAdapters
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner, RejectedRequest
@@ -80,8 +81,10 @@ def sim_groups(cfg: ServeConfig, model) -> list:
             for g in model.groups(sliding=cfg.simulate.sliding_groups)]
 
 
-def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
-    """`cost`: the cost model (default: the config's, `simulated_cost`)."""
+def build_engines(cfg: ServeConfig, cost=None, lora: bool = False) -> list[SimEngine]:
+    """`cost`: the cost model (default: the config's, `simulated_cost`);
+    `lora`: the trace names adapters, so each engine has `lora.max_loras`
+    slots and their cost (sim/lora.py)."""
     if cost is None:
         s = cfg.simulate
         cost = simulated_cost(s.gpu, s.model, s.profile)[1]
@@ -115,7 +118,11 @@ def build_engines(cfg: ServeConfig, cost=None) -> list[SimEngine]:
                 assert engine_cfg.disk_cache is not None
                 ex.disk = SimDiskEdge(disk, engine_cfg.page_size, group_bytes[0],
                                       engine_cfg.disk_cache.min_hit_tokens)
-            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups), ex)
+            slots = cfg.lora.max_loras if lora else 0
+            if lora:
+                ex.lora = SimLora(cost, slots, cfg.lora.max_lora_rank)
+            eng = Engine(f"{role.value}-{i}", Planner(engine_cfg, role, groups=groups,
+                                                      lora_slots=slots), ex)
             out.append(SimEngine(eng, len(out), role))
     return out
 
@@ -131,7 +138,9 @@ class Simulation:
         self.all_strict = all_strict
         s = cfg.simulate
         model, cost = simulated_cost(s.gpu, s.model, s.profile)
-        self.engines = build_engines(cfg, cost)
+        self.adapters = TraceAdapters(dict(cfg.lora.adapters),
+                                      [t.adapter for t in trace if t.adapter])
+        self.engines = build_engines(cfg, cost, lora=self.adapters.used)
         self.faults = list(faults)
         self.records = {t.id: Record(t.id, t.arrival_s) for t in trace}
         self.order = [t.id for t in trace]
@@ -189,8 +198,15 @@ class Simulation:
             self._done += 1
             return
         target = min(front, key=lambda e: (e.load, e.index))
+        try:
+            adapter = self.adapters.resolve(tr.adapter)
+        except KeyError as e:
+            rec.status, rec.error = "rejected", str(e.args[0])
+            self._done += 1
+            return
         req = Request(tr.id, tr.prompt, SamplingLimits(max_new_tokens=tr.max_new_tokens,
-                                                       strict=tr.strict or self.all_strict))
+                                                       strict=tr.strict or self.all_strict),
+                      adapter=adapter)
         self._wake(target, t)
         try:
             target.engine.submit(req, tr.output_tokens)
@@ -215,7 +231,8 @@ class Simulation:
         if self.records[rid].first_token_s is None:
             self.watch.miss(rid)  # type: ignore[union-attr]
 
-    def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int):
+    def _on_p_submit(self, t: float, d_idx: int, p_idx, rid: str, prompt, first_page: int,
+                     adapter: int = 0):
         p = self.engines[p_idx] if p_idx is not None else None
         if not self.engines[d_idx].alive:
             if p is not None:
@@ -225,7 +242,7 @@ class Simulation:
             self._push(t + self.cfg.simulate.lease_s, "failed", d_idx, rid, None,
                        "no live prefill engine answered")
             return
-        twin = Request(rid, prompt, SamplingLimits(max_new_tokens=1))
+        twin = Request(rid, prompt, SamplingLimits(max_new_tokens=1), adapter=adapter)
         twin.first_page, twin.peer = first_page, d_idx  # type: ignore[assignment]
         self._wake(p, t)
         try:
@@ -386,7 +403,8 @@ class Simulation:
         for op in plan.remote_prefills:
             self.counters["remote_prefills"] += 1
             r = op.req
-            self._push(now + lat, "p_submit", se.index, r.peer, r.id, r.prompt, op.first_page)
+            self._push(now + lat, "p_submit", se.index, r.peer, r.id, r.prompt, op.first_page,
+                       r.adapter)
         for op in plan.remote_decodes:
             self._ship(se, op, now)
         if self.plan_log is not None:

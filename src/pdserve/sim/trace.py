@@ -3,7 +3,8 @@
 Accepted, one request a line (JSONL):
   ours:     id, arrival_s, one of prompt_tokens | prompt | hash_ids
             (+ block_tokens, + prompt_tokens as the exact length),
-            max_new_tokens (int or null), output_tokens (optional)
+            max_new_tokens (int or null), output_tokens (optional),
+            adapter (optional: the LoRA adapter's name, a request's `model`)
   Mooncake: timestamp (ms), input_length, output_length, hash_ids
 and the Azure LLM inference CSVs (TIMESTAMP, ContextTokens, GeneratedTokens).
 A bad line is an error that names the line and the field.
@@ -33,6 +34,7 @@ class TraceRequest:
     max_new_tokens: int | None
     output_tokens: int | None  # what the simulated model generates before it stops
     strict: bool = False       # reserve the whole generation at admission
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 def _unique_prompt(index: int, length: int, block_tokens: int = 512) -> BlockPrompt:
@@ -84,7 +86,11 @@ def _parse_ours(row: dict, index: int, where: str) -> TraceRequest:
     strict = row.get("strict", False)
     if not isinstance(strict, bool):
         raise TraceError(f"{where}: field 'strict' must be true or false, got {strict!r}")
-    return TraceRequest(rid, float(arrival), prompt, mnt, out, strict)
+    adapter = row.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise TraceError(f"{where}: field 'adapter' must be a LoRA adapter's name (a "
+                         f"non-empty string), got {adapter!r}")
+    return TraceRequest(rid, float(arrival), prompt, mnt, out, strict, adapter)
 
 
 def _parse_mooncake(row: dict, index: int, where: str) -> TraceRequest:
