@@ -2,10 +2,13 @@
 salts every cache key (the device prefix index, the host tier, what a D
 tells its P it holds), and a reload under the same name is a new id."""
 
+import re
+
 import pytest
 
 from pd_support import PDPair
 from pdserve.scheduler import Planner, Request, SamplingLimits
+from pdserve.scheduler.config import ConfigError
 from pdserve.scheduler.adapters import BASE, AdapterNameError, AdapterRegistry
 from support import config, req, result_for, run_to_completion
 
@@ -120,6 +123,15 @@ def test_up_takes_lora_modules_and_refuses_a_bad_adapter_before_starting_ray(tmp
     assert lora.adapters == (("a", str(tmp_path / "rel/a")),)
     more = lora.with_modules(["b=/x/b", "a=/x/a2"], max_loras=3)
     assert (more.adapters, more.max_loras) == ((("a", "/x/a2"), ("b", "/x/b")), 3)
+    # vLLM's JSON form, which can also pin; a later name=path of the same name unpins it
+    pin = lora.with_modules(['{"name": "c", "path": "/x/c", "pinned": true}'], max_loras=3)
+    assert (dict(pin.adapters)["c"], pin.pinned) == ("/x/c", ("c",))
+    assert pin.with_modules(["c=/x/c2"]).pinned == ()
+    for bad, says in (('{"name": "c"', "is not valid JSON"),
+                      ('{"name": "c", "path": "/p", "pin": true}', "unknown keys ['pin']"),
+                      ('{"name": "c", "path": "/p", "pinned": "yes"}', "pinned true or false")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            lora.with_modules([bad])
     monkeypatch.setattr(deploy, "Deployment", None)      # never reached
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cluster: {fused: 1}\n")

@@ -336,15 +336,44 @@ class LoraConfig:
         command line's over the file's under the same name; `max_loras`
         (--max-loras) over the file's."""
         pairs = dict(self.adapters)
+        pinned = list(self.pinned)
         for m in modules:
-            name, sep, path = m.partition("=")
-            if not sep or not name or not path:
-                raise ConfigError(f"--lora-modules {m!r}: give name=path (a PEFT directory)")
+            name, path, pin = _lora_module(m)
             pairs[name] = path
-        cfg = dataclasses.replace(self, adapters=tuple(pairs.items()),
+            if pin and name not in pinned:
+                pinned.append(name)
+            elif not pin and name in pinned:
+                pinned.remove(name)
+        cfg = dataclasses.replace(self, adapters=tuple(pairs.items()), pinned=tuple(pinned),
                                   max_loras=self.max_loras if max_loras is None else max_loras)
         cfg.validate()
         return cfg
+
+
+def _lora_module(m: str) -> tuple[str, str, bool]:
+    """One --lora-modules value: `name=path`, or vLLM's JSON form
+    `{"name": ..., "path": ..., "pinned": true}`; (name, path, pinned)."""
+    usage = ('give name=path (a PEFT directory) or JSON such as '
+             '\'{"name": "sql", "path": "/adapters/sql", "pinned": true}\'')
+    if m.lstrip().startswith("{"):
+        import json
+
+        try:
+            spec = json.loads(m)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--lora-modules {m!r} is not valid JSON ({e}); {usage}") from None
+        extra = set(spec) - {"name", "path", "pinned", "base_model_name"}
+        name, path, pin = spec.get("name"), spec.get("path"), spec.get("pinned", False)
+        if extra or not isinstance(name, str) or not name or not isinstance(path, str) \
+                or not path or not isinstance(pin, bool):
+            what = f"unknown keys {sorted(extra)}" if extra else \
+                "name and path must be non-empty strings and pinned true or false"
+            raise ConfigError(f"--lora-modules {m!r}: {what}; {usage}")
+        return name, path, pin
+    name, sep, path = m.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules {m!r}: {usage}")
+    return name, path, False
 
 
 # the autoscaler's settings (cluster/autoscale_policy.py reads them)

@@ -36,7 +36,9 @@ def add_arguments(p) -> None:
                         "is refused: every engine would share cuda:0)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                    help="serve these PEFT LoRA adapters beside the base model, each selected "
-                        "by its NAME in a request's model (adds to the config's lora.adapters)")
+                        "by its NAME in a request's model (adds to the config's lora.adapters); "
+                        "vLLM's JSON form '{\"name\": N, \"path\": P, \"pinned\": true}' "
+                        "also pins one in its device slot")
     p.add_argument("--max-loras", type=int,
                    help="LoRA adapters on the device at once (default: the config's "
                         "lora.max_loras, 1)")
