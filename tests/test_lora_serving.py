@@ -162,6 +162,11 @@ def test_an_unload_during_a_stream_waits_for_it(dep, oai):
                                     stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     texts = [next(chunks).choices[0].text]
+    # mid-stream, vLLM's lora_requests_info names B as running on the decode engine
+    metrics = httpx.get(dep.http_address + "/metrics", timeout=30).text
+    info = [line for line in metrics.splitlines()
+            if line.startswith("pdserve:lora_requests_info{") and 'role="decode"' in line]
+    assert info and 'running_lora_adapters="B"' in info[0] and 'max_lora="' in info[0], info
     answered = {}
 
     def unload():

@@ -183,3 +183,18 @@ def name_of(adapters: EngineAdapters | None, adapter_id: int) -> str:
         return ""
     ref = adapters.registry.by_id(adapter_id)
     return ref.name if ref is not None else ""
+
+
+def adapters_in_use(adapters: EngineAdapters | None, planner) -> tuple[list[str], list[str]]:
+    """The adapters the planner's requests run under, by name, sorted: those
+    of requests running (prefilling, decoding, landing, transferring) and
+    those of requests waiting or retracted. vLLM's `lora_requests_info`."""
+    if adapters is None:
+        return [], []
+    p = planner
+    live = (*p.prefilling.values(), *p.running.values(), *p.landing.values(),
+            *p.transferring.values())
+    running = {name_of(adapters, r.adapter) for r in live if r.adapter != BASE}
+    waiting = {name_of(adapters, r.adapter) for r in (*p.waiting, *p.retracted.values())
+               if r.adapter != BASE}
+    return sorted(running - {""}), sorted(waiting - {""})

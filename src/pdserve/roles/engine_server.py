@@ -41,7 +41,7 @@ from pdserve.roles.peer_messages import PeerSender
 from pdserve.roles.peer_protocol import PeerProtocol, PeerTimeouts
 from pdserve.roles.rounds import Round
 from pdserve.scheduler.grammar import Role
-from pdserve.roles.adapters import adapter_of
+from pdserve.roles.adapters import adapter_of, adapters_in_use
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
@@ -399,4 +399,5 @@ class EngineServer:
         info = self.info()
         disk = getattr(self.executor, "disk", None)
         return stats_pb(self.planner, self.role, self.counts, self.capacity, info["dtype"],
-                        info["attention"], disk.stats() if disk is not None else None)
+                        info["attention"], disk.stats() if disk is not None else None,
+                        adapters_in_use(self.executor.adapters, self.planner))

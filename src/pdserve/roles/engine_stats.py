@@ -104,9 +104,11 @@ def waiting_requests_pb(planner) -> list:
 
 
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
-             attention: str, disk: dict | None = None) -> cpb.EngineStatsResponse:
+             attention: str, disk: dict | None = None,
+             lora: tuple[list[str], list[str]] = ([], [])) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
-    waiting (and why), the counters, and each cache group's use."""
+    waiting (and why), the counters, each cache group's use, and `lora`:
+    the adapters of running and of waiting requests (roles/adapters.py)."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()
@@ -132,4 +134,6 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
         dtype=dtype, attention=attention, kv_capacity_tokens=capacity["tokens"],
         cache_groups=groups, cached_tokens_by_tier={
             "device": p.hits.device_tokens, "host": p.hits.host_tokens,
-            "disk": p.hits.disk_tokens}, disk_cache=disk or {}, **counts.as_dict())
+            "disk": p.hits.disk_tokens}, disk_cache=disk or {},
+        lora_running=lora[0], lora_waiting=lora[1], max_loras=p.lora.slots,
+        **counts.as_dict())

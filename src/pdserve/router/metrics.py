@@ -182,8 +182,16 @@ class _EngineCollector:
                                    "prefetch outcomes, reads hit and missed, bytes read and "
                                    "written (roles/disk_tier.py)",
                                    labels=["engine", "role", "counter"])
+        lora = GaugeMetricFamily(P + "lora_requests_info", "Each engine's LoRA adapters in "
+                                 "use, as labels (vLLM's metric): those of running and of "
+                                 "waiting requests, comma-separated, and its device slots",
+                                 labels=["engine", "role", "running_lora_adapters",
+                                         "waiting_lora_adapters", "max_lora"])
         for ref, s in self.snapshot:
             labels = [ref.name, s.role]
+            if s.max_loras:
+                lora.add_metric(labels + [",".join(s.lora_running), ",".join(s.lora_waiting),
+                                          str(s.max_loras)], 1)
             for name, _, field in _GAUGES + _COUNTERS:
                 fams[name].add_metric(labels, getattr(s, field))
             usage.add_metric(labels, s.used_pages / s.total_pages if s.total_pages else 0.0)
@@ -209,3 +217,4 @@ class _EngineCollector:
         yield group_total
         yield by_tier
         yield disk
+        yield lora
