@@ -121,3 +121,40 @@ def test_tiers_a_tp_engine_lacks_are_refused_by_name():
         EngineConfig(tensor_parallel_size=2, host_pages=64)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_a_cluster_count_may_carry_its_tensor_parallel_size():
+    from pdserve.config import ServeConfig, role_engine
+
+    cfg = ServeConfig.from_dict({"engine": {"tensor_parallel_size": 1},
+                                 "cluster": {"fused": {"count": 2, "tensor_parallel_size": 2}}})
+    assert cfg.cluster.fused == 2 and cfg.cluster.tp_size("fused") == 2
+    assert role_engine(cfg, "fused").tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"unknown key.*tp"):
+        ServeConfig.from_dict({"cluster": {"fused": {"count": 1, "tp": 2}}})
+    with pytest.raises(ConfigError, match="cluster.fused is a mapping without count"):
+        ServeConfig.from_dict({"cluster": {"fused": {"tensor_parallel_size": 2}}})
+
+
+def test_pd_between_tensor_parallel_engines_is_refused_naming_the_role():
+    from pdserve.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="cluster.prefill: tensor_parallel_size 2 for prefill "
+                                          "engines: KV transfer .* is not built yet"):
+        ServeConfig.from_dict({"cluster": {"prefill": {"count": 1, "tensor_parallel_size": 2},
+                                           "decode": 1}})
+    with pytest.raises(ConfigError, match="cluster.decode: tensor_parallel_size 2"):
+        ServeConfig.from_dict({"engine": {"tensor_parallel_size": 2},
+                               "cluster": {"prefill": {"count": 1, "tensor_parallel_size": 1},
+                                           "decode": 1}})
+
+
+def test_a_family_not_sharded_is_refused_for_its_role():
+    from pdserve.config import ServeConfig
+    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.tensor_parallel import TpError, check_roles
+
+    cfg = ServeConfig.from_dict({"cluster": {"fused": {"count": 1, "tensor_parallel_size": 2}}})
+    with pytest.raises(TpError, match="cluster.fused: tensor_parallel_size 2 with a lfm2 model"):
+        check_roles(dataclasses.replace(tiny_config(), arch="lfm2"), cfg)
+    check_roles(tiny_config(), cfg)

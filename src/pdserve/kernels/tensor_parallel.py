@@ -209,3 +209,15 @@ class TpShard:
         """Every rank's logits over the whole vocabulary."""
         parts = self.comm.all_gather(F.linear(h, lm_head))
         return torch.cat(parts, dim=-1)[:, :self.layout.vocab_size]
+
+
+def check_roles(model: ModelConfig, serve_cfg) -> None:
+    """Every role's tensor-parallel size splits `model` (a serving config's
+    roles; TpError names the role otherwise)."""
+    for role in ("fused", "prefill", "decode"):
+        if getattr(serve_cfg.cluster, role):
+            t = serve_cfg.cluster.tp_size(role, serve_cfg.engine.tensor_parallel_size)
+            try:
+                tp_layout(model, t)
+            except TpError as e:
+                raise TpError(f"cluster.{role}: {e}") from None
