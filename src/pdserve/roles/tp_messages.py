@@ -14,6 +14,7 @@ and 256 running requests)."""
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,7 @@ class TpGroupRound:
         seqs = meta.seqs
         tables = [s.block_table for s in seqs]
         lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
-        flat = np.fromiter((p for t in tables for p in t), dtype=np.int32, count=int(lens.sum()))
+        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
         return cls(np.fromiter((s.q_start for s in seqs), np.int32, len(seqs)),
                    np.fromiter((s.q_len for s in seqs), np.int32, len(seqs)),
                    np.fromiter((s.ctx_len for s in seqs), np.int32, len(seqs)),
