@@ -10,12 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.model_config import tiny_config
+from pdserve.kernels.attention import TorchAttention
+from pdserve.kernels.loader import attention_shape, build_model, load_model, load_shard
+from pdserve.kernels.model import random_weights
+from pdserve.kernels.model_config import ModelConfig, tiny_config
 from pdserve.kernels.tensor_parallel import TpError, tp_layout
 from tp_support import greedy, run_ranks
 
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 PROMPTS = [[5, 17, 33, 2, 9, 41, 8], [60, 3, 3, 27]]
@@ -23,6 +24,7 @@ STEPS = 6
 
 
 def _qwen2(tmp_path, **kw):
+    import transformers
     from support import save_with_noisy_norms
 
     torch.manual_seed(0)
@@ -34,6 +36,7 @@ def _qwen2(tmp_path, **kw):
 
 
 def _gemma3(tmp_path):
+    import transformers
     from support import save_with_noisy_norms
 
     torch.manual_seed(0)
@@ -46,36 +49,57 @@ def _gemma3(tmp_path):
     return save_with_noisy_norms(model.float().eval(), tmp_path / "gemma3")[1]
 
 
+def _model(path, comm=None):
+    """A checkpoint directory's model, or (path a ModelConfig) a Llama of
+    seeded random weights of that shape; a rank's shard with `comm`."""
+    if not isinstance(path, ModelConfig):
+        return load_model(path, preset=None if path else "tiny", dtype="float32",
+                          attention="torch", tp=comm)[0]
+    weights = random_weights(path, seed=7)
+    if comm is not None:
+        return load_shard(path, weights, comm, torch.float32, "cpu", "torch")
+    return build_model(path, weights, torch.float32, "cpu",
+                       TorchAttention(**attention_shape(path)))
+
+
 def _shard_greedy(comm, paths):
     out = []
     for path in paths:
-        model, _ = load_model(path, preset=None if path else "tiny", dtype="float32",
-                              attention="torch", tp=comm)
-        logits, tokens = greedy(model, PROMPTS, STEPS)
+        logits, tokens = greedy(_model(path, comm), PROMPTS, STEPS)
         out.append(([x.numpy() for x in logits], tokens))   # numpy: plain pickles
     return out
 
 
-def test_tp2_equals_tp1_for_each_sharded_family(tmp_path):
-    """Logits within 1e-5 and the same greedy tokens, on two ranks, for:
-    the tiny Llama preset (vocabulary 98: 49 rows a rank); Qwen2 with q/k/v
-    biases split with their rows and a vocabulary of 127 (the second rank's
-    rows padded with a zero row, cut from the gathered logits); Qwen2 with
-    one KV head, replicated on both ranks; Gemma 3 (local and global cache
-    groups, q/k norms, post-norms after the row-parallel sums, tied
-    embeddings, a final logit softcap). One spawn runs them all: starting
-    the two processes is most of the cost."""
-    paths = [None, str(_qwen2(tmp_path / "a", num_key_value_heads=2)),
-             str(_qwen2(tmp_path / "b", num_key_value_heads=1)), str(_gemma3(tmp_path))]
+def _check(paths) -> None:
     got = run_ranks(_shard_greedy, 2, paths)
     for path, (logits, tokens) in zip(paths, got):
-        model, _ = load_model(path, preset=None if path else "tiny", dtype="float32",
-                              attention="torch")
-        want, want_tokens = greedy(model, PROMPTS, STEPS)
+        want, want_tokens = greedy(_model(path), PROMPTS, STEPS)
         assert tokens == want_tokens, path
         for w, g in zip(want, map(torch.from_numpy, logits)):
             assert g.shape == w.shape
             assert torch.allclose(g, w, atol=TOL, rtol=0), (path, (g - w).abs().max())
+
+
+def test_tp2_equals_tp1_for_the_llama_family():
+    """Logits within 1e-5 and the same greedy tokens, on two ranks: the
+    tiny preset (4 query heads, 2 KV heads split, vocabulary 98: 49 rows a
+    rank); and a Llama with q/k/v biases (Qwen2's), one KV head (held by
+    both ranks) and a vocabulary of 97 (the second rank's rows padded with
+    a zero row, cut from the gathered logits). One spawn runs both:
+    starting the two processes is most of the cost."""
+    odd = dataclasses.replace(tiny_config(), num_kv_heads=1, vocab_size=97,
+                              attention_bias=True, arch="qwen2")
+    _check([None, odd])
+
+
+@pytest.mark.slow       # transformers' checkpoints, four models on each rank: ~40 s on 2 cores
+def test_tp2_equals_tp1_for_checkpoints_of_each_sharded_family(tmp_path):
+    """The same from Hugging Face checkpoints: Qwen2 (biases, a vocabulary
+    of 127) with 2 KV heads and with 1; Gemma 3 (local and global cache
+    groups, q/k norms, post-norms after the row-parallel sums, tied
+    embeddings, a final logit softcap)."""
+    _check([str(_qwen2(tmp_path / "a", num_key_value_heads=2)),
+            str(_qwen2(tmp_path / "b", num_key_value_heads=1)), str(_gemma3(tmp_path))])
 
 
 def test_layout_splits_and_replicates_kv_heads():

@@ -55,6 +55,7 @@ class TpLeader:
         self.lost: TpLost | None = None
         self.round = 0
         init = f"tcp://127.0.0.1:{_free_port()}"
+        spec.share_cpu()            # before the workers start: they inherit the count
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, spec.size):

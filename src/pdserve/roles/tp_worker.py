@@ -8,6 +8,7 @@ digests when asked. It decides nothing: no planner, no clock, no peer."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import traceback
 from dataclasses import dataclass
@@ -32,6 +33,14 @@ class TpSpec:
     timeout_s: float            # every collective's bound (engine.tensor_parallel_timeout_s)
     check: bool = False         # compare digests every round (engine.tensor_parallel_check)
 
+    def share_cpu(self) -> None:
+        """On CPU, each rank takes its share of the cores' threads: T ranks of
+        the machine's intra-op threads each spin-wait on the same cores, and
+        a rank waiting in a collective then waits on its peers' spinning
+        (tiny model, 2 cores: 130 ms a token at TP 2, 17 ms once shared)."""
+        if not self.device.startswith("cuda"):
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.size))
+
     def rank_device(self, rank: int) -> torch.device:
         return torch.device(f"cuda:{rank}") if self.device.startswith("cuda") \
             else torch.device("cpu")
@@ -42,6 +51,7 @@ def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
     from pdserve.kernels.loader import load_model
 
     device = spec.rank_device(rank)
+    spec.share_cpu()
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
