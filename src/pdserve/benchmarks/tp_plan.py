@@ -36,6 +36,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=positive, default=1024,
                    help="tokens each request attends over: its table's pages x 16 (1024)")
     p.add_argument("--rounds", type=positive, default=300, help="rounds timed per size (300)")
+    p.add_argument("--engines", action="store_true",
+                   help="also TP 1 against TP 2 side by side: pdserve.LLM on the tiny model "
+                        "(float32, torch attention), one request's inter-token latency and "
+                        "16 requests' tokens/s")
+
+
+def engines(sizes=(1, 2), decode: int = 64, batch: int = 16) -> None:
+    """Each size's LLM in turn, in this process (rank 0) and its workers."""
+    from pdserve import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(64)] for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=decode, ignore_eos=True)
+    print(f"\n{'TP':>3} {'ITL ms (1 request)':>19} {f'tokens/s ({batch} requests)':>24}")
+    for t in sizes:
+        llm = LLM(dtype="float32", attention="torch", tensor_parallel_size=t)
+        try:
+            llm.generate(prompts[:2], sp, use_tqdm=False)          # warm
+            t0 = time.perf_counter()
+            llm.generate(prompts[:1], sp, use_tqdm=False)
+            itl = (time.perf_counter() - t0) / decode
+            t0 = time.perf_counter()
+            out = llm.generate(prompts, sp, use_tqdm=False)
+            tps = sum(len(o.token_ids) for o in out) / (time.perf_counter() - t0)
+        finally:
+            llm.close()
+        print(f"{t:>3} {itl * 1e3:>19.2f} {tps:>24.0f}", flush=True)
 
 
 def decode_round(n: int, context: int) -> tuple:
@@ -103,4 +129,6 @@ def run(args) -> int:
     finally:
         mine.send_bytes(b"")
         proc.join(10)
+    if args.engines:
+        engines()
     return 0
