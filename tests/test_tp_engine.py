@@ -43,6 +43,19 @@ def test_tp2_engine_gives_tp1_tokens_with_every_round_checked():
         tp.close()
 
 
+@pytest.mark.slow
+def test_tp2_engine_with_overlap_gives_tp1_tokens():
+    """engine.overlap: the forward (and so the round's send) runs on the
+    executor's forward thread while the next plan is built."""
+    want = _tokens(LLM(dtype="float32", attention="torch", **ENGINE))
+    tp = LLM(dtype="float32", attention="torch", tensor_parallel_size=2, overlap=True,
+             tensor_parallel_check=True, **ENGINE)
+    try:
+        assert _tokens(tp) == want
+    finally:
+        tp.close()
+
+
 class _Lying(TpLeader):
     """Rank 0 tells the other rank other tokens than the ones it runs at round 2."""
 
