@@ -118,8 +118,10 @@ class EngineHost:
         self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:
+        # a tensor-parallel engine's worker ranks (what a chaos test kills)
+        ranks = [p.pid for p in getattr(self.server.executor.model, "procs", [])]
         return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id(),
-                "niceness": self.niceness}
+                "niceness": self.niceness, "tp_worker_pids": ranks}
 
     def shutdown(self) -> None:
         self.server.shutdown()
