@@ -171,3 +171,11 @@ def test_a_family_not_sharded_is_refused_for_its_role():
     with pytest.raises(TpError, match="cluster.fused: tensor_parallel_size 2 with a lfm2 model"):
         check_roles(dataclasses.replace(tiny_config(), arch="lfm2"), cfg)
     check_roles(tiny_config(), cfg)
+
+
+def test_lora_under_tensor_parallelism_is_refused_by_name(tmp_path):
+    from pdserve.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="lora with tensor_parallel_size > 1"):
+        ServeConfig.from_dict({"lora": {"adapters": {"sql": str(tmp_path)}},
+                               "cluster": {"fused": {"count": 1, "tensor_parallel_size": 2}}})

@@ -463,6 +463,11 @@ class ServeConfig:
         engine_cfg = EngineConfig.from_dict(engine)
         cluster = ClusterShape.from_dict(data.get("cluster"))
         check_cluster_tp(engine_cfg, cluster)
+        if lora.enabled and any(cluster.tp_size(r, engine_cfg.tensor_parallel_size) > 1
+                                for r in ("fused", "prefill", "decode") if getattr(cluster, r)):
+            raise ConfigError("lora with tensor_parallel_size > 1: LoRA adapters under tensor "
+                              "parallelism are not built (the adapters' matrices are not "
+                              "sharded); serve adapters from engines of tensor_parallel_size 1")
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
             engine=engine_cfg,
