@@ -109,6 +109,24 @@ def test_a_killed_rank_downs_the_engine():
         llm.close()
 
 
+def test_a_large_round_to_a_stopped_rank_does_not_block_rank_0():
+    """A round larger than a pipe holds (256 requests' tables: 80 KB) to a
+    rank that stopped reading: rank 0's write gives up at the timeout."""
+    lost: list = []
+    leader = TpLeader(TpSpec(None, "tiny", "float32", "torch", "cpu", 2, 2.0),
+                      on_lost=lost.append)
+    worker = leader.procs[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TpLost, match="not taken by every tensor-parallel rank"):
+            leader._send_bytes(b"x" * (256 << 10))
+        assert time.monotonic() - t0 < 10 and len(lost) == 1
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        leader.close()
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_downs_the_engine_within_the_timeout():
     """SIGSTOP: the process lives, its pipe is open, it just never meets

@@ -20,12 +20,7 @@ import statistics
 import struct
 import time
 
-import torch
-import torch.multiprocessing as mp
-
 from pdserve.benchmarks.args import positive
-from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.roles.tp_messages import TpForward
 
 PAGE = 16
 
@@ -66,6 +61,10 @@ def engines(sizes=(1, 2), decode: int = 64, batch: int = 16) -> None:
 
 def decode_round(n: int, context: int) -> tuple:
     """(ids, metas, logits rows): `n` decodes as the executor stages them."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
     pages = -(-context // PAGE)
     seqs, slots = [], []
     for i in range(n):
@@ -79,6 +78,8 @@ def decode_round(n: int, context: int) -> tuple:
 
 def _rank1(conn) -> None:
     """The stand-in worker: decode each round, answer with its decode time."""
+    import torch
+
     while True:
         payload = conn.recv_bytes()
         if not payload:
@@ -89,6 +90,8 @@ def _rank1(conn) -> None:
 
 
 def measure(n: int, context: int, rounds: int, conn) -> dict:
+    from pdserve.roles.tp_messages import TpForward
+
     ids, metas, rows = decode_round(n, context)
     make, send, trip, decode = [], [], [], []
     size = 0
@@ -112,6 +115,8 @@ def measure(n: int, context: int, rounds: int, conn) -> dict:
 
 
 def run(args) -> int:
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=_rank1, args=(theirs,), daemon=True)

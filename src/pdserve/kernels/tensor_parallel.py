@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pdserve.kernels.model_config import ModelConfig, ModelError
 
 SHARDED = ("llama", "mistral", "qwen2", "gemma3")
+MEET_S = 600.0          # the longest the ranks wait for each other to start
 NOT_SHARDED = {
     "qwen3_5": "Qwen3.5's Gated DeltaNet layers keep a recurrent state per value head "
                "whose split across ranks is not built",
@@ -156,15 +157,18 @@ class TpComm:
         self.rank, self.size = rank, size
         self.timeout_s = timeout_s
         backend = "nccl" if device.type == "cuda" else "gloo"
+        self._timeout = timedelta(seconds=timeout_s)
+        # meeting waits for every rank's start (torch's import, minutes on a
+        # busy host); each collective after it waits `timeout_s` at most
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=max(timeout_s, MEET_S)))
         self.group = dist.group.WORLD
         # a CPU group beside NCCL, for what is compared on the host (digests)
         self.cpu_group = self.group if backend == "gloo" else dist.new_group(backend="gloo")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         try:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, group=self.group, async_op=True).wait(self._timeout)
         except RuntimeError as e:
             raise TpLost(f"rank {self.rank}: all_reduce across {self.size} ranks failed: "
                          f"{e}") from e
@@ -173,7 +177,8 @@ class TpComm:
     def all_gather(self, x: torch.Tensor, group=None) -> list[torch.Tensor]:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         try:
-            dist.all_gather(parts, x.contiguous(), group=group or self.group)
+            dist.all_gather(parts, x.contiguous(), group=group or self.group,
+                            async_op=True).wait(self._timeout)
         except RuntimeError as e:
             raise TpLost(f"rank {self.rank}: all_gather across {self.size} ranks failed: "
                          f"{e}") from e

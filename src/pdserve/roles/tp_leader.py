@@ -20,6 +20,7 @@ requests); after it every forward raises at once.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import pickle
 import socket
@@ -34,6 +35,7 @@ from pdserve.roles.tp_worker import TpSpec, compare_views, worker_main
 log = logging.getLogger("pdserve.tp")
 
 READY_S = 600.0         # a worker's load (torch's import, the checkpoint) may be slow
+IN_PLACE_BYTES = 32 << 10   # a message this small fits an empty pipe (64 KiB): written in place
 
 
 def _raise(e: TpLost) -> None:
@@ -54,6 +56,7 @@ class TpLeader:
         self.on_lost = on_lost
         self.lost: TpLost | None = None
         self.round = 0
+        self._sender: cf.ThreadPoolExecutor | None = None    # large messages' writer
         init = f"tcp://127.0.0.1:{_free_port()}"
         spec.share_cpu()            # before the workers start: they inherit the count
         ctx = mp.get_context("spawn")
@@ -154,12 +157,32 @@ class TpLeader:
         self._send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_bytes(self, payload: bytes) -> None:
+        """Write `payload` to every worker's pipe. A worker has read every
+        earlier message by the time rank 0 sends the next (it met rank 0 in
+        the last round's collectives after reading that round), so a small
+        message always fits the empty pipe and is written in place. A large
+        one (a pipe holds 64 KiB) would block on a worker that has stopped:
+        it goes through a sender thread, bounded by the collectives' timeout."""
         if self.lost is not None:
             raise self.lost
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+        for rank, proc in enumerate(self.procs, start=1):
             if proc.exitcode is not None:
                 self._lose(TpLost(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
                                   f"code {proc.exitcode}"))
+        if len(payload) <= IN_PLACE_BYTES:
+            self._write_all(payload)
+            return
+        if self._sender is None:
+            self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-send")
+        try:
+            self._sender.submit(self._write_all, payload).result(self.spec.timeout_s)
+        except cf.TimeoutError:
+            self._lose(TpLost(f"a {len(payload):,}-byte round was not taken by every "
+                              f"tensor-parallel rank within {self.spec.timeout_s:g} s (a rank "
+                              "has stopped reading)"))
+
+    def _write_all(self, payload: bytes) -> None:
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             try:
                 conn.send_bytes(payload)
             except OSError as e:
@@ -187,6 +210,8 @@ class TpLeader:
         for proc in self.procs:
             proc.join(10)
         self._kill()
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
         self.comm.close()
 
     def _kill(self) -> None:
