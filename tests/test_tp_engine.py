@@ -120,7 +120,7 @@ def test_a_large_round_to_a_stopped_rank_does_not_block_rank_0():
         os.kill(worker.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(TpLost, match="not taken by every tensor-parallel rank"):
-            leader._send_bytes(b"x" * (256 << 10))
+            leader._written(leader._send_bytes(b"x" * (256 << 10)), 256 << 10)
         assert time.monotonic() - t0 < 10 and len(lost) == 1
     finally:
         os.kill(worker.pid, signal.SIGKILL)

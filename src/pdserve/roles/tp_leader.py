@@ -142,8 +142,9 @@ class TpLeader:
         payload = pickle.dumps(TpForward.of(self.round, input_ids, metas, logits_indices, check),
                                protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._send_bytes(payload)
+            pending = self._send_bytes(payload)
             logits = self.model.forward(input_ids, meta, cache, logits_indices)
+            self._written(pending, len(payload))
             if check:
                 compare_views(self.comm, self.round, payload)
         except TpLost as e:
@@ -154,15 +155,17 @@ class TpLeader:
 
     # ---- the group ----------------------------------------------------------------------
     def _send(self, msg) -> None:
-        self._send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._written(self._send_bytes(payload), len(payload))
 
-    def _send_bytes(self, payload: bytes) -> None:
+    def _send_bytes(self, payload: bytes) -> cf.Future | None:
         """Write `payload` to every worker's pipe. A worker has read every
         earlier message by the time rank 0 sends the next (it met rank 0 in
         the last round's collectives after reading that round), so a small
         message always fits the empty pipe and is written in place. A large
         one (a pipe holds 64 KiB) would block on a worker that has stopped:
-        it goes through a sender thread, bounded by the collectives' timeout."""
+        it goes to a sender thread, and the Future returned is waited on
+        (`_written`) after rank 0's own forward."""
         if self.lost is not None:
             raise self.lost
         for rank, proc in enumerate(self.procs, start=1):
@@ -171,15 +174,22 @@ class TpLeader:
                                   f"code {proc.exitcode}"))
         if len(payload) <= IN_PLACE_BYTES:
             self._write_all(payload)
-            return
+            return None
         if self._sender is None:
             self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-send")
+        return self._sender.submit(self._write_all, payload)
+
+    def _written(self, pending: cf.Future | None, size: int) -> None:
+        """Wait (the collectives' timeout at most) for a round the sender
+        thread writes: rank 0 runs its own shard meanwhile."""
+        if pending is None:
+            return
         try:
-            self._sender.submit(self._write_all, payload).result(self.spec.timeout_s)
+            pending.result(self.spec.timeout_s)
         except cf.TimeoutError:
-            self._lose(TpLost(f"a {len(payload):,}-byte round was not taken by every "
-                              f"tensor-parallel rank within {self.spec.timeout_s:g} s (a rank "
-                              "has stopped reading)"))
+            self._lose(TpLost(f"a {size:,}-byte round was not taken by every tensor-parallel "
+                              f"rank within {self.spec.timeout_s:g} s (a rank has stopped "
+                              "reading)"))
 
     def _write_all(self, payload: bytes) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
