@@ -21,7 +21,8 @@ from pdserve.client import Client
 from deployed import deployed
 from test_chaos import IDLE_BOUND_S, assert_all_idle, set_faults
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow]   # Ray and four engine processes: a minute or more
+# Ray and four engine processes: a minute or more
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64,
           "max_batch_size": 64}

@@ -103,7 +103,7 @@ class EngineConfig:
     disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
     capture: str = "auto"               # decode steps captured at load: auto, off or on (kernels/capture.py)
     tensor_parallel_size: int = 1       # ranks (processes, GPUs) one engine's model is split over
-    tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs the engine
+    tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs it
     tensor_parallel_check: bool = False # debug: the ranks compare digests of each round's view
 
     def __post_init__(self) -> None:
