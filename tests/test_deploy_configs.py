@@ -57,8 +57,9 @@ def test_a_given_cluster_mapping_names_every_engine_and_no_section_means_1p1d():
     from pdserve.config import ServeConfig
 
     assert ServeConfig.from_dict({"cluster": {"fused": 2}}).cluster.__dict__ == \
-        {"prefill": 0, "decode": 0, "fused": 2}
-    assert ServeConfig.from_dict({}).cluster.__dict__ == {"prefill": 1, "decode": 1, "fused": 0}
+        {"prefill": 0, "decode": 0, "fused": 2, "tensor_parallel": ()}
+    assert ServeConfig.from_dict({}).cluster.__dict__ == \
+        {"prefill": 1, "decode": 1, "fused": 0, "tensor_parallel": ()}
     with pytest.raises(Exception, match="nothing could serve"):
         ServeConfig.from_dict({"cluster": {"prefill": 1}})
 

@@ -3,7 +3,8 @@
     model: {path: DIR | FILE.gguf | preset: NAME, name: ..., dtype: auto, attention: auto,
             device: auto}
     engine: {...}                 # scheduler.EngineConfig fields
-    cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0
+    cluster: {prefill: 1, decode: 1, fused: 0}   # in a given mapping an omitted count is 0;
+                                  # a count may be {count: N, tensor_parallel_size: T}
     router: {max_requests: 4096, max_body_bytes: 8 MiB, protect_metrics: false,
              stream_interval: 1, replicas: 1}
     simulate: {gpu: h100, model: llama-3-8b}   # or {profile: PROFILE.yaml} (pdserve calibrate)
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.scheduler.config import ConfigError, EngineConfig, check_keys
+from pdserve.scheduler.config import (
+    ConfigError, EngineConfig, check_keys, check_tensor_parallel)
 from pdserve.transfer.timeouts import CONFIG_NAMES, PeerTimeouts
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -83,25 +85,47 @@ class ClusterShape:
     prefill: int = 1
     decode: int = 1
     fused: int = 0
+    # (role, tensor_parallel_size) for the roles whose count was given as
+    # {count: N, tensor_parallel_size: T}; the others run engine.tensor_parallel_size
+    tensor_parallel: tuple = ()
 
     @classmethod
     def from_dict(cls, data) -> "ClusterShape":
         """No `cluster:` section: 1P+1D. A given mapping names every engine
-        there is: `{fused: 2}` is two fused engines and nothing else."""
+        there is: `{fused: 2}` is two fused engines and nothing else. A
+        role's count may be `{count: N, tensor_parallel_size: T}`."""
         if data is None:
             return cls()
-        data = check_keys(data, "cluster", {"prefill", "decode", "fused"})
-        shape = cls(**{"prefill": 0, "decode": 0, "fused": 0, **data})
+        data = dict(check_keys(data, "cluster", {"prefill", "decode", "fused"}))
+        tp = []
+        for role, v in data.items():
+            if isinstance(v, dict):
+                v = check_keys(v, f"cluster.{role}", {"count", "tensor_parallel_size"})
+                if "count" not in v:
+                    raise ConfigError(f"cluster.{role} is a mapping without count; give "
+                                      f"{{count: N, tensor_parallel_size: T}}")
+                data[role] = v["count"]
+                if "tensor_parallel_size" in v:
+                    tp.append((role, v["tensor_parallel_size"]))
+        shape = cls(**{"prefill": 0, "decode": 0, "fused": 0, **data}, tensor_parallel=tuple(tp))
         for name in ("prefill", "decode", "fused"):
             v = getattr(shape, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"cluster.{name} must be an integer >= 0, got {v!r}")
+        for role, t in shape.tensor_parallel:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                raise ConfigError(f"cluster.{role}.tensor_parallel_size must be an integer "
+                                  f">= 1, got {t!r}")
         if shape.fused == 0 and (shape.prefill == 0 or shape.decode == 0):
             raise ConfigError(
                 f"cluster has prefill={shape.prefill}, decode={shape.decode}, fused=0: "
                 "nothing could serve a request end to end; give at least one fused "
                 "engine, or at least one prefill and one decode engine")
         return shape
+
+    def tp_size(self, role: str, default: int = 1) -> int:
+        """The tensor-parallel size of `role`'s engines (`default`: the engine section's)."""
+        return dict(self.tensor_parallel).get(role, default)
 
 
 @dataclass(frozen=True)
@@ -476,10 +500,18 @@ class ServeConfig:
             raise ConfigError(f"lora.runtime_updates with router.replicas={replicas}: each "
                               "replica would load adapters under ids of its own; use one "
                               "replica")
+        engine_cfg = EngineConfig.from_dict(engine)
+        cluster = ClusterShape.from_dict(data.get("cluster"))
+        check_cluster_tp(engine_cfg, cluster)
+        if lora.enabled and any(cluster.tp_size(r, engine_cfg.tensor_parallel_size) > 1
+                                for r in ("fused", "prefill", "decode") if getattr(cluster, r)):
+            raise ConfigError("lora with tensor_parallel_size > 1: LoRA adapters under tensor "
+                              "parallelism are not built (the adapters' matrices are not "
+                              "sharded); serve adapters from engines of tensor_parallel_size 1")
         return cls(
             model=ModelConfig.from_dict(data.get("model")),
-            engine=EngineConfig.from_dict(engine),
-            cluster=ClusterShape.from_dict(data.get("cluster")),
+            engine=engine_cfg,
+            cluster=cluster,
             router=RouterConfig.from_dict(data.get("router")),
             simulate=SimulateConfig.from_dict(data.get("simulate")),
             autoscale=autoscale,
@@ -489,6 +521,33 @@ class ServeConfig:
             engine_overrides=frozenset(engine) if isinstance(engine, dict) else frozenset(),
             model_given=data.get("model") is not None,
         )
+
+
+def check_cluster_tp(engine: EngineConfig, cluster: ClusterShape) -> None:
+    """Each role's engine settings at its tensor-parallel size (what a
+    tensor-parallel engine does not run is refused by name, scheduler/config.py),
+    and P/D between tensor-parallel engines, which is not built yet."""
+    for role in ("fused", "prefill", "decode"):
+        if not getattr(cluster, role):
+            continue
+        t = cluster.tp_size(role, engine.tensor_parallel_size)
+        check_tensor_parallel(dataclasses.replace(engine, tensor_parallel_size=t),
+                              f"cluster.{role}")
+        if t > 1 and role != "fused":
+            raise ConfigError(
+                f"cluster.{role}: tensor_parallel_size {t} for {role} engines: KV transfer "
+                "between prefill and decode engines split over ranks is not built yet (each "
+                "rank's heads would have to move); run tensor parallelism in fused engines, "
+                "or give the prefill and decode roles tensor_parallel_size 1")
+
+
+def role_engine(cfg: "ServeConfig", role: str) -> EngineConfig:
+    """The engine settings `role`'s engines run: the engine section at the
+    role's tensor-parallel size."""
+    t = cfg.cluster.tp_size(role, cfg.engine.tensor_parallel_size)
+    if t == cfg.engine.tensor_parallel_size:
+        return cfg.engine
+    return dataclasses.replace(cfg.engine, tensor_parallel_size=t)
 
 
 def engine_gpus(device: str, gpus_per_engine: float | None) -> float:

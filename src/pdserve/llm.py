@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.config import ServeConfig, engine_for_model, load_config
-from pdserve.kernels.loader import load_model
 from pdserve.kernels.sampling import SamplingParams
 from pdserve.roles.engine import Engine
+from pdserve.roles.tp_leader import load_engine_model
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.capacity import ingest_error
 from pdserve.scheduler.planner import Planner
@@ -49,12 +49,15 @@ class LLM:
             cfg = ServeConfig.from_dict(config)
         else:
             cfg = load_config(config)
-        self.model, self.tokenizer = load_model(
-            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
-            device=cfg.model.device_for(device), attention=attention or cfg.model.attention)
         engine = cfg.engine
         if engine_overrides:
             engine = dataclasses.replace(engine, **engine_overrides)
+        # tensor_parallel_size > 1: rank 0 here, the other ranks in processes it starts
+        self.model, self.tokenizer = load_engine_model(
+            cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
+            device=cfg.model.device_for(device), attention=attention or cfg.model.attention,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check)
         engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
                                   self.model.cfg.max_position)
         self.engine_config = engine
@@ -73,6 +76,11 @@ class LLM:
         if self.adapters is not None:
             self.adapters.bind(self.engine.planner.lora)
         self._next = 0
+
+    def close(self) -> None:
+        """Stop what the LLM started: the forward thread, the disk tier's
+        writer, a tensor-parallel model's other ranks."""
+        self.executor.close()
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -54,6 +54,9 @@ BENCHMARKS = [
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),
+    Subcommand("tp-plan", "pdserve.benchmarks.tp_plan",
+               "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
+               "64 and 256 running requests"),
 ]
 
 

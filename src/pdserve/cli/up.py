@@ -73,6 +73,13 @@ def run(args) -> int:
     # in use: refused here, not in each engine's actor or after Ray has started
     # (the router reads the model's tokenizer on this machine in any case)
     mcfg = model_config_for(cfg.model.path, cfg.model.preset)
+    from pdserve.kernels.tensor_parallel import TpError, check_roles
+
+    try:                    # a family not sharded, a size that does not divide the heads
+        check_roles(mcfg, cfg)
+    except TpError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     if cfg.lora.enabled:
         from pdserve.kernels.lora_adapter import AdapterError, load_adapter
         try:

@@ -19,14 +19,14 @@ import time
 import ray
 
 from pdserve.cluster.autoscaler import Autoscaler
-from pdserve.config import ServeConfig, engine_for_model
-from pdserve.kernels.loader import load_model
+from pdserve.config import ServeConfig, engine_for_model, role_engine
 from pdserve.proto.control_tls import ControlPlane, ControlTls
 from pdserve.roles.adapters import EngineAdapters
 from pdserve.roles.engine_server import EngineServer
 from pdserve.roles.outputs import Outputs
 from pdserve.roles.peer_protocol import PeerTimeouts
 from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.roles.tp_leader import load_engine_model
 from pdserve.scheduler.capacity import capacity_line, capacity_report
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
@@ -50,9 +50,15 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     `transfer:` section (engine options, as tests pass them); the result
     is checked again, so an override cannot break what the config kept."""
     kind, name, incarnation = Role(role), f"{role}-{index}", time.time_ns()
-    model, tok = load_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
-                            device=device, attention=cfg.model.attention)
-    engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
+    base = role_engine(cfg, role)
+    # tensor_parallel_size > 1: this process is rank 0; a rank lost exits it (tp_leader.py)
+    model, tok = load_engine_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
+                                   device=device, attention=cfg.model.attention,
+                                   tensor_parallel_size=base.tensor_parallel_size,
+                                   timeout_s=base.tensor_parallel_timeout_s,
+                                   check=base.tensor_parallel_check,
+                                   on_lost=lambda e: _engine_lost(name, e))
+    engine_cfg = engine_for_model(base, cfg.engine_overrides, model.cfg.max_position)
     adapters = None
     if cfg.lora.enabled:
         # every engine, P and D alike, holds every configured adapter: P's KV
@@ -84,6 +90,16 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     return server
 
 
+def _engine_lost(name: str, e: Exception) -> None:
+    """A rank of a tensor-parallel engine is gone: the engine goes down as
+    one unit. Its process exits now (its worker ranks follow, their pipes
+    closed); Ray restarts the actor, which starts every rank afresh, and the
+    router resubmits the engine's requests as for any engine that dies."""
+    log.critical("%s: %s; exiting so that Ray restarts the engine whole", name, e)
+    logging.shutdown()
+    os._exit(70)
+
+
 def timeouts_for(cfg: ServeConfig, transfer_timeout_s: float | None = None,
                  lease_s: float | None = None, heartbeat_s: float | None = None) -> PeerTimeouts:
     """The config's P/D timeouts with the engine options given over them."""
@@ -105,8 +121,10 @@ class EngineHost:
         self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:
+        # a tensor-parallel engine's worker ranks (what a chaos test kills)
+        ranks = [p.pid for p in getattr(self.server.executor.model, "procs", [])]
         return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id(),
-                "niceness": self.niceness}
+                "niceness": self.niceness, "tp_worker_pids": ranks}
 
     def shutdown(self) -> None:
         self.server.shutdown()
@@ -208,8 +226,10 @@ def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
     if device == "cpu":
         env = {**{k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ},
                **(env or {})}
+    # a tensor-parallel engine's actor holds all its ranks' GPUs: its workers see them too
+    ranks = role_engine(cfg, role).tensor_parallel_size
     opts = dict(name=actor_name(role, index), namespace=NAMESPACE, max_restarts=-1,
-                num_cpus=0, num_gpus=gpus_per_engine, lifetime=None)
+                num_cpus=0, num_gpus=gpus_per_engine * ranks, lifetime=None)
     if placement and role in placement:
         opts["resources"] = {placement[role]: 0.001}
     if env:

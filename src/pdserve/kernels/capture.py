@@ -57,6 +57,9 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
         return CaptureMode.OFF, "engine.capture is off"
     if model.cfg.state_layers():
         return CaptureMode.OFF, "the model's state layers run eagerly"
+    if getattr(model, "tensor_parallel", False):
+        return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "
+                                 "sent to its other ranks before the forward")
     if not isinstance(model.attention, TorchAttention):
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
     if model.device.type == "cuda":

@@ -93,7 +93,7 @@ class Gemma3Model(PagedDecoder):
         c = self.cfg
         eps, d = c.rms_norm_eps, c.head_dim
         metas, caches = self.per_group(meta, cache)
-        h = self.embed[input_ids] * self.embed_scale
+        h = self.embed_rows(input_ids) * self.embed_scale
         q_dim, kv_dim = c.num_heads * d, c.num_kv_heads * d
         heads = c.num_heads + c.num_kv_heads
         rope = {False: self.rotary.at(metas[0].positions),
@@ -108,14 +108,14 @@ class Gemma3Model(PagedDecoder):
             v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, d)
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
-            h = h + gemma_norm(F.linear(o.reshape(-1, q_dim), o_w), ln_post_attn, eps)
+            h = h + gemma_norm(self.reduce(F.linear(o.reshape(-1, q_dim), o_w)), ln_post_attn, eps)
             x = gemma_norm(h, ln_pre_ff, eps)
             gu = F.linear(x, gate_up_w)
             inter = gu.shape[-1] // 2
             mlp = F.linear(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], down_w)
-            h = h + gemma_norm(mlp, ln_post_ff, eps)
+            h = h + gemma_norm(self.reduce(mlp), ln_post_ff, eps)
         h = gemma_norm(h[logits_indices], self.norm, eps)
-        logits = F.linear(h, self.lm_head).float()
+        logits = self.head(h).float()
         cap = c.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

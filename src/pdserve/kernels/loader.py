@@ -18,6 +18,8 @@ from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
+from pdserve.kernels.tensor_parallel import (
+    TpComm, TpShard, shard_config, shard_weights, tp_layout)
 from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
 
 log = logging.getLogger("pdserve.kernels")
@@ -177,8 +179,10 @@ def check_device(device) -> torch.device:
 
 
 def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="auto",
-               device="cpu", attention="auto"):
-    """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset."""
+               device="cpu", attention="auto", tp: TpComm | None = None):
+    """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset.
+    `tp`: this process's rank of a tensor-parallel engine; the model is then
+    that rank's shard (kernels/tensor_parallel.py)."""
     check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
@@ -195,8 +199,23 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         cfg, tok = read_config(d), HFTokenizer.from_directory(d)  # type: ignore[assignment]
         read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
     torch_dtype, dtype_why = choose_dtype(dtype, cfg, device)
+    if tp is not None and tp.size > 1:
+        return load_shard(cfg, read_weights(torch_dtype), tp, torch_dtype, device, attention,
+                          dtype_why), tok
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)
     return build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
+
+
+def load_shard(cfg: ModelConfig, weights: dict, tp: TpComm, dtype: torch.dtype, device,
+               attention: str = "auto", dtype_why: str = ""):
+    """Rank `tp.rank`'s shard of the model of `cfg` over whole `weights`."""
+    layout = tp_layout(cfg, tp.size)
+    local = shard_config(cfg, layout)
+    backend = load_backend(attention, device, dtype, attention_shape(local), dtype_why)
+    model = build_model(local, shard_weights(cfg, weights, layout, tp.rank), dtype, device,
+                        backend)
+    model.tp = TpShard(tp, layout)
+    return model
 
 
 def load_backend(attention: str, device, dtype: torch.dtype, shape: dict,

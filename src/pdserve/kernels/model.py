@@ -21,6 +21,7 @@ from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
+from pdserve.kernels.tensor_parallel import TpError, TpShard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,6 +92,9 @@ class PagedDecoder:
     subclass's. Layer i's K/V live in cache `slots[i][0]` as its layer
     `slots[i][1]`."""
 
+    embed: torch.Tensor          # [vocab (a rank's rows under TP), hidden]: the subclass's
+    lm_head: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, attention):
         self.cfg = cfg
         self.dtype = dtype
@@ -103,6 +107,20 @@ class PagedDecoder:
                 self.slots[layer] = (g, j)  # type: ignore[assignment]
         # what each group's BatchMeta must say its window is
         self._windows = [spec.window if spec.sliding else None for spec in self.groups]
+        # this rank's part in a tensor-parallel engine (kernels/tensor_parallel.py)
+        self.tp: TpShard | None = None
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for `ids` (under TP: summed over the ranks)."""
+        return self.embed[ids] if self.tp is None else self.tp.embed(self.embed, ids)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: as it is, or summed over the ranks."""
+        return x if self.tp is None else self.tp.reduce(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (under TP: gathered)."""
+        return F.linear(h, self.lm_head) if self.tp is None else self.tp.logits(h, self.lm_head)
 
     def cache_groups(self, replayable: bool = False) -> list:
         """The model's CacheGroupSpecs, in cache order (see
@@ -213,6 +231,10 @@ class DecoderModel(PagedDecoder):
     def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
         """Device stacks for `slots` LoRA adapters of rank up to `max_rank`;
         a forward given a LoraRound over them applies each row's adapter."""
+        if self.tp is not None:
+            raise TpError("LoRA adapters under tensor parallelism are not built (the "
+                          "adapters' matrices are not sharded); use tensor_parallel_size 1 "
+                          "with lora:")
         self.lora = LoraStacks(self.cfg, slots, max_rank, self.dtype, self.device)
         return self.lora
 
@@ -226,7 +248,7 @@ class DecoderModel(PagedDecoder):
         if lora is not None and not lora.active:
             lora = None
         metas, caches = self.per_group(meta, cache)
-        h = self.embed[input_ids]
+        h = self.embed_rows(input_ids)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
@@ -242,7 +264,8 @@ class DecoderModel(PagedDecoder):
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             o = o.reshape(-1, q_dim)
-            h = h + (F.linear(o, o_w) if lora is None else lora.add(i, O, o, F.linear(o, o_w)))
+            h = h + self.reduce(F.linear(o, o_w) if lora is None
+                                else lora.add(i, O, o, F.linear(o, o_w)))
             x = rms_norm(h, ln2, c.rms_norm_eps)
             gu = F.linear(x, gate_up_w)
             if lora is not None:
@@ -250,6 +273,6 @@ class DecoderModel(PagedDecoder):
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             down = F.linear(act, down_w)
-            h = h + (down if lora is None else lora.add(i, DOWN, act, down))
+            h = h + self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.head(h).float()

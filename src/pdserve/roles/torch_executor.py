@@ -247,13 +247,17 @@ class TorchExecutor:
         return tokens, logprobs, keep[0]
 
     def close(self) -> None:
-        """Stop the forward thread (if a round ever ran ahead) and the disk
-        tier's worker, once its queued writes are done."""
+        """Stop the forward thread (if a round ever ran ahead), the disk
+        tier's worker, once its queued writes are done, and a
+        tensor-parallel model's other ranks."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
         if self.disk is not None:
             self.disk.close()
+        close = getattr(self.model, "close", None)
+        if close is not None:               # a tensor-parallel model's worker ranks
+            close()
 
     # ---- the parts of a round ---------------------------------------------------------
     def _copies(self, plan: Plan) -> StepResult:

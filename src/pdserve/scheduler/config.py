@@ -102,6 +102,9 @@ class EngineConfig:
     overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
     disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
     capture: str = "auto"               # decode steps captured at load: auto, off or on (kernels/capture.py)
+    tensor_parallel_size: int = 1       # ranks (processes, GPUs) one engine's model is split over
+    tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs it
+    tensor_parallel_check: bool = False # debug: the ranks compare digests of each round's view
 
     def __post_init__(self) -> None:
         positive = (
@@ -187,6 +190,7 @@ class EngineConfig:
                 "cannot hold even a one-token prompt and its decode slot; raise "
                 "total_pages"
             )
+        check_tensor_parallel(self)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
@@ -198,3 +202,25 @@ class EngineConfig:
     @property
     def pool_tokens(self) -> int:
         return self.total_pages * self.page_size
+
+
+def check_tensor_parallel(cfg: EngineConfig, where: str = "engine") -> None:
+    """engine.tensor_parallel_* and what a tensor-parallel engine does not
+    run yet (roles/tp_leader.py): each refused by name."""
+    t = cfg.tensor_parallel_size
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ConfigError(f"{where}.tensor_parallel_size must be an integer >= 1, got {t!r}")
+    s = cfg.tensor_parallel_timeout_s
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or s <= 0:
+        raise ConfigError(f"{where}.tensor_parallel_timeout_s must be a number of seconds > 0, "
+                          f"got {s!r}")
+    if not isinstance(cfg.tensor_parallel_check, bool):
+        raise ConfigError(f"{where}.tensor_parallel_check must be true or false, got "
+                          f"{cfg.tensor_parallel_check!r}")
+    if t == 1:
+        return
+    for name, on in (("host_pages", cfg.host_pages), ("disk_cache", cfg.disk_cache)):
+        if on:
+            raise ConfigError(f"{where}.{name} with tensor_parallel_size {t}: a tensor-parallel "
+                              "engine's host and disk tiers are not built yet (each rank would "
+                              f"copy its own heads); set {name} off or tensor_parallel_size 1")
