@@ -167,19 +167,6 @@ def test_a_cluster_count_may_carry_its_tensor_parallel_size():
         ServeConfig.from_dict({"cluster": {"fused": {"tensor_parallel_size": 2}}})
 
 
-def test_pd_between_tensor_parallel_engines_is_refused_naming_the_role():
-    from pdserve.config import ServeConfig
-
-    with pytest.raises(ConfigError, match="cluster.prefill: tensor_parallel_size 2 for prefill "
-                                          "engines: KV transfer .* is not built yet"):
-        ServeConfig.from_dict({"cluster": {"prefill": {"count": 1, "tensor_parallel_size": 2},
-                                           "decode": 1}})
-    with pytest.raises(ConfigError, match="cluster.decode: tensor_parallel_size 2"):
-        ServeConfig.from_dict({"engine": {"tensor_parallel_size": 2},
-                               "cluster": {"prefill": {"count": 1, "tensor_parallel_size": 1},
-                                           "decode": 1}})
-
-
 def test_a_family_not_sharded_is_refused_for_its_role():
     from pdserve.config import ServeConfig
     from pdserve.kernels.model_config import tiny_config

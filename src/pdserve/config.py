@@ -525,20 +525,14 @@ class ServeConfig:
 
 def check_cluster_tp(engine: EngineConfig, cluster: ClusterShape) -> None:
     """Each role's engine settings at its tensor-parallel size (what a
-    tensor-parallel engine does not run is refused by name, scheduler/config.py),
-    and P/D between tensor-parallel engines, which is not built yet."""
+    tensor-parallel engine does not run is refused by name, scheduler/config.py).
+    Prefill and decode engines of any sizes pair (roles/tp_staging.py)."""
     for role in ("fused", "prefill", "decode"):
         if not getattr(cluster, role):
             continue
         t = cluster.tp_size(role, engine.tensor_parallel_size)
         check_tensor_parallel(dataclasses.replace(engine, tensor_parallel_size=t),
                               f"cluster.{role}")
-        if t > 1 and role != "fused":
-            raise ConfigError(
-                f"cluster.{role}: tensor_parallel_size {t} for {role} engines: KV transfer "
-                "between prefill and decode engines split over ranks is not built yet (each "
-                "rank's heads would have to move); run tensor parallelism in fused engines, "
-                "or give the prefill and decode roles tensor_parallel_size 1")
 
 
 def role_engine(cfg: "ServeConfig", role: str) -> EngineConfig:

@@ -184,6 +184,28 @@ class TpComm:
                          f"{e}") from e
         return parts
 
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape) on rank 0, in rank order; [] elsewhere."""
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            dist.gather(x.contiguous(), parts, dst=0, group=self.group,
+                        async_op=True).wait(self._timeout)
+        except RuntimeError as e:
+            raise TpLost(f"rank {self.rank}: gather across {self.size} ranks failed: "
+                         f"{e}") from e
+        return parts or []
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None) -> torch.Tensor:
+        """`out` = rank 0's `parts[rank]` (rank 0 passes one part per rank,
+        the others None)."""
+        try:
+            dist.scatter(out, [p.contiguous() for p in parts] if parts else None, src=0,
+                         group=self.group, async_op=True).wait(self._timeout)
+        except RuntimeError as e:
+            raise TpLost(f"rank {self.rank}: scatter across {self.size} ranks failed: "
+                         f"{e}") from e
+        return out
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -24,13 +24,17 @@ import concurrent.futures as cf
 import logging
 import pickle
 import socket
+import threading
+
+import numpy as np
 
 import torch
 import torch.multiprocessing as mp
 
 from pdserve.kernels.tensor_parallel import TpComm, TpError, TpLost
-from pdserve.roles.tp_messages import TpCaches, TpForward, TpReady, TpStop
-from pdserve.roles.tp_worker import TpSpec, compare_views, worker_main
+from pdserve.roles.tp_messages import (
+    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop)
+from pdserve.roles.tp_worker import TpSpec, compare_views, move_pages, worker_main
 
 log = logging.getLogger("pdserve.tp")
 
@@ -57,6 +61,11 @@ class TpLeader:
         self.lost: TpLost | None = None
         self.round = 0
         self._sender: cf.ThreadPoolExecutor | None = None    # large messages' writer
+        # a message and the collectives it starts go as one: the forward (on
+        # the executor's thread under engine.overlap) and a P/D page move (on
+        # the loop thread) reach the workers in the order they meet rank 0
+        self._turn = threading.Lock()
+        self.caches: list = []
         init = f"tcp://127.0.0.1:{_free_port()}"
         spec.share_cpu()            # before the workers start: they inherit the count
         ctx = mp.get_context("spawn")
@@ -124,8 +133,10 @@ class TpLeader:
 
     def new_caches(self, pages_per_group: list[int], page_size: int) -> list:
         """Every rank's caches, the same pages each (its own heads of them)."""
-        self._send(TpCaches(tuple(pages_per_group), page_size))
-        return self.model.new_caches(pages_per_group, page_size)
+        with self._turn:
+            self._send(TpCaches(tuple(pages_per_group), page_size))
+            self.caches = self.model.new_caches(pages_per_group, page_size)
+        return self.caches
 
     def new_state_cache(self, slots: int):
         raise TpError("state layers under tensor parallelism are not built")
@@ -141,17 +152,38 @@ class TpLeader:
         check = self.spec.check
         payload = pickle.dumps(TpForward.of(self.round, input_ids, metas, logits_indices, check),
                                protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            pending = self._send_bytes(payload)
-            logits = self.model.forward(input_ids, meta, cache, logits_indices)
-            self._written(pending, len(payload))
-            if check:
-                compare_views(self.comm, self.round, payload)
-        except TpLost as e:
-            self._lose(e)
-            raise
-        self.round += 1
+        with self._turn:
+            try:
+                pending = self._send_bytes(payload)
+                logits = self.model.forward(input_ids, meta, cache, logits_indices)
+                self._written(pending, len(payload))
+                if check:
+                    compare_views(self.comm, self.round, payload)
+            except TpLost as e:
+                self._lose(e)
+                raise
+            self.round += 1
         return logits
+
+    def gather_pages(self, group: int, pages) -> list:
+        """Every rank's heads of `pages` of cache group `group`, in rank
+        order (each [pages, layers, 2, page_size, its KV heads, head_dim])."""
+        return self._move(TpPageMove(TpPageMoveKind.GATHER, group,
+                                     np.asarray(pages, dtype=np.int64)), None)
+
+    def scatter_pages(self, group: int, pages, parts: list) -> None:
+        """Rank r's heads of `pages` of cache group `group` = `parts[r]`."""
+        self._move(TpPageMove(TpPageMoveKind.SCATTER, group,
+                              np.asarray(pages, dtype=np.int64)), parts)
+
+    def _move(self, msg: TpPageMove, parts):
+        with self._turn:
+            try:
+                self._send(msg)
+                return move_pages(self.comm, self.caches[msg.group].data, msg, parts)
+            except TpLost as e:
+                self._lose(e)
+                raise
 
     # ---- the group ----------------------------------------------------------------------
     def _send(self, msg) -> None:

@@ -13,6 +13,7 @@ and 256 running requests)."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from itertools import chain
 from dataclasses import dataclass
@@ -99,6 +100,20 @@ class TpForward:
         pos = torch.from_numpy(self.positions).to(device)
         return (torch.from_numpy(self.ids).to(device), [g.meta(pos, device) for g in self.groups],
                 torch.from_numpy(self.logits_rows).to(device))
+
+
+class TpPageMoveKind(enum.Enum):
+    GATHER = "gather"           # every rank's heads of the pages to rank 0 (P, before a write)
+    SCATTER = "scatter"         # rank 0's whole pages, each rank its heads (D, once landed)
+
+
+@dataclass(frozen=True)
+class TpPageMove:
+    """Meet rank 0 in a gather or scatter of `pages` of cache group `group`
+    (what a P/D transfer moves; roles/tp_staging.py)."""
+    kind: TpPageMoveKind
+    group: int
+    pages: np.ndarray
 
 
 @dataclass(frozen=True)

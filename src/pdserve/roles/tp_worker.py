@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.tensor_parallel import TpComm, TpLost
-from pdserve.roles.tp_messages import TpCaches, TpForward, TpReady, TpStop, digest
+from pdserve.roles.tp_messages import (
+    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop, digest)
 
 log = logging.getLogger("pdserve.tp")
 
@@ -89,8 +90,25 @@ def _serve(model, comm: TpComm, conn, device: torch.device) -> None:
             model.forward(ids, metas, caches, rows)
             if msg.check:
                 compare_views(comm, msg.round, payload)
+        elif isinstance(msg, TpPageMove):
+            if caches is None:
+                raise RuntimeError("a page move before the caches were allocated")
+            move_pages(comm, caches[msg.group].data, msg, None)
         else:
             raise TypeError(f"rank {comm.rank}: unknown message {type(msg).__name__}")
+
+
+def move_pages(comm: TpComm, kv: torch.Tensor, msg: TpPageMove, parts):
+    """This rank's side of a page move over its cache tensor `kv`: a
+    gather sends its heads of the pages (rank 0 gets every rank's, in rank
+    order); a scatter writes the heads rank 0 sends it (`parts`: rank 0's
+    list, one per rank) into them."""
+    idx = torch.from_numpy(msg.pages).to(kv.device)
+    if msg.kind is TpPageMoveKind.GATHER:
+        return comm.gather(kv.index_select(0, idx))
+    buf = torch.empty((len(msg.pages),) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    kv.index_copy_(0, idx, comm.scatter(buf, parts))
+    return None
 
 
 class TpDivergence(TpLost):

@@ -46,6 +46,9 @@ class LoopbackTransport(KvTransport):
     def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
         if metadata.decode() != incarnation.agent_name:
             raise ValueError(f"metadata names {metadata.decode()}, not {incarnation.agent_name}")
+        live = self.fabric.endpoints.get(incarnation.engine_id)
+        if live is not None and live.incarnation == incarnation:
+            self.check_layout(incarnation, live.layout)   # what NIXL's metadata carries
         old = self._peers.get(incarnation.engine_id)
         if old is None or old.epoch < incarnation.epoch:     # never go back to a stale one
             self._peers[incarnation.engine_id] = incarnation

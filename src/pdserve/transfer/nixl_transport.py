@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from pdserve.transfer.kv_layout import KvLayout
 from pdserve.transfer.transport import (
     Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind, decode_notif,
     encode_notif)
@@ -96,6 +97,7 @@ class NixlTransport(KvTransport):
             "descs": base64.b64encode(self.agent.get_serialized_descs(self._descs)).decode(),
             "page_bytes": self.group_page_bytes, "pages": self.num_pages,
             "incarnation": self.incarnation.agent_name,
+            "layout": None if self.layout is None else self.layout.as_json(),
         }).encode()
 
     def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
@@ -104,6 +106,8 @@ class NixlTransport(KvTransport):
             raise ValueError(f"metadata for {incarnation.agent_name} names no page count")
         if md["incarnation"] != incarnation.agent_name:
             raise ValueError(f"metadata is for {md['incarnation']}, not {incarnation.agent_name}")
+        if md.get("layout") is not None:
+            self.check_layout(incarnation, KvLayout.from_json(md["layout"]))
         if md["page_bytes"] != self.group_page_bytes:
             raise ValueError(f"{incarnation.agent_name} has pages of {md['page_bytes']} bytes per "
                              f"cache group, this engine {self.group_page_bytes}: give both the "

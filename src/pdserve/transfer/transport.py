@@ -138,13 +138,20 @@ class KvTransport(abc.ABC):
         self.offsets: list[int] = []  # first transport page id of each group's pool
         self._delayed: list = []      # (due, TransferEvent) held back by a delay fault
         self._held: list = []         # (due, KvWrite) whose post a delay fault holds back
+        self.layout = None            # KvLayout: what peers compare at the handshake (kv_layout.py)
+        self.staging = None           # KvStaging: a tensor-parallel engine's whole-page edge
 
     def register_pool(self, pool) -> None:
         """Register the page-major KV pool tensor (pages first) once."""
         self.register_pools([pool])
 
-    def register_pools(self, pools) -> None:
-        """Register one page-major pool per cache group, once."""
+    def register_pools(self, pools, layout=None, staging=None) -> None:
+        """Register one page-major pool per cache group, once. `layout`
+        (a KvLayout): what the metadata carries and a peer is checked
+        against. `staging` (a KvStaging): the pools are a tensor-parallel
+        engine's whole-page staging; it gathers a write's source pages into
+        them first, and scatters landed pages to the ranks (`landed`)."""
+        self.layout, self.staging = layout, staging
         self.group_page_bytes = [p[0].numel() * p.element_size() for p in pools]
         self.offsets, n = [], 0
         for p in pools:
@@ -220,6 +227,8 @@ class KvTransport(abc.ABC):
         if len(w.src_pages) != len(w.dst_pages):
             raise ValueError(f"{w.req_id}: {len(w.src_pages)} source pages for "
                              f"{len(w.dst_pages)} destination pages")
+        if self.staging is not None:
+            self.staging.gather(self, w.src_pages)   # the ranks' heads into whole pages
         self.metrics.writes += 1
         self.metrics.bytes += self.bytes_of(w.src_pages)
         self.metrics.descriptors += len(page_runs(w.src_pages, w.dst_pages))
@@ -234,6 +243,18 @@ class KvTransport(abc.ABC):
             self._held.append((time.monotonic() + rule.delay_s, w))
             return
         self._post(w)
+
+    def landed(self, page_ids) -> None:
+        """D: a write into `page_ids` landed and is about to be read; a
+        tensor-parallel engine scatters each rank's heads of them now."""
+        if self.staging is not None:
+            self.staging.scatter(self, page_ids)
+
+    def check_layout(self, peer: Incarnation, layout) -> None:
+        """ValueError naming both engines if `layout` (the peer's, None if
+        it sent none) cannot map onto this engine's pages."""
+        if self.layout is not None and layout is not None:
+            self.layout.check_peer(self.incarnation.engine_id, layout, peer.engine_id)
 
     def in_flight(self, req_id: str) -> bool:
         """May a write of `req_id` still read this engine's source pages?

@@ -1,0 +1,64 @@
+"""What a peer must agree on to exchange KV pages: `KvLayout`, one per
+engine, carried in its transport's metadata and compared when two peers
+meet (`check_peer`), so a pair that cannot map its pages is refused at the
+handshake with both sides named, not at the first write.
+
+A page on the wire is always the model's whole page, every KV head
+(`[layers, 2, page_size, kv_heads, head_dim]` per cache group), whatever
+the engine's tensor-parallel size: a tensor-parallel engine gathers its
+ranks' heads into a whole page before a write and scatters a landed page's
+heads to its ranks after (roles/tp_staging.py). So two engines of
+different sizes map as long as the model's KV geometry, dtype and page
+size agree; the size is carried to be named, and to be counted."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    tensor_parallel_size: int   # the engine's ranks (whole pages on the wire regardless)
+    kv_heads: int               # the model's KV heads (every rank's together)
+    head_dim: int
+    dtype: str                  # torch's name: "float32", "bfloat16", ...
+    page_size: int              # tokens per page
+    layers: tuple               # layers per cache group
+
+    def describe(self, name: str) -> str:
+        return (f"{name} (tensor_parallel_size {self.tensor_parallel_size}: {self.kv_heads} KV "
+                f"heads x {self.head_dim}, {self.dtype}, pages of {self.page_size} tokens, "
+                f"{'+'.join(str(n) for n in self.layers)} layers)")
+
+    def mismatch(self, other: "KvLayout") -> list[str]:
+        """What differs between the two that a page cannot be mapped across."""
+        out = []
+        for field, what in (("kv_heads", "KV heads"), ("head_dim", "head size"),
+                            ("dtype", "dtype"), ("page_size", "page size"),
+                            ("layers", "layers per cache group")):
+            if getattr(self, field) != getattr(other, field):
+                out.append(what)
+        return out
+
+    def check_peer(self, me: str, other: "KvLayout", peer: str) -> None:
+        """ValueError naming both sides when their pages cannot be mapped."""
+        bad = self.mismatch(other)
+        if bad:
+            raise ValueError(f"{self.describe(me)} and {other.describe(peer)} cannot exchange KV "
+                             f"pages: their {', '.join(bad)} differ; serve the same model, "
+                             "model.dtype and engine.page_size on both roles")
+
+    def as_json(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_json(cls, d) -> "KvLayout":
+        if not isinstance(d, dict):
+            raise ValueError(f"a KV layout must be a mapping, got {d!r}")
+        try:
+            return cls(int(d["tensor_parallel_size"]), int(d["kv_heads"]), int(d["head_dim"]),
+                       str(d["dtype"]), int(d["page_size"]), tuple(int(n) for n in d["layers"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a KV layout lacks or garbles {e}: {d!r}") from None
