@@ -227,8 +227,6 @@ class KvTransport(abc.ABC):
         if len(w.src_pages) != len(w.dst_pages):
             raise ValueError(f"{w.req_id}: {len(w.src_pages)} source pages for "
                              f"{len(w.dst_pages)} destination pages")
-        if self.staging is not None:
-            self.staging.gather(self, w.src_pages)   # the ranks' heads into whole pages
         self.metrics.writes += 1
         self.metrics.bytes += self.bytes_of(w.src_pages)
         self.metrics.descriptors += len(page_runs(w.src_pages, w.dst_pages))
@@ -242,6 +240,16 @@ class KvTransport(abc.ABC):
         if rule is not None and rule.action == "delay":
             self._held.append((time.monotonic() + rule.delay_s, w))
             return
+        self._post_staged(w)
+
+    def _post_staged(self, w: KvWrite) -> None:
+        """Post `w`; a tensor-parallel engine first gathers its ranks' heads
+        of the source pages into the whole pages the write reads (at the
+        post, not before a delay: the pages stay pinned until the write
+        ends, so they hold the same bytes then, and a rank that died
+        meanwhile is found here and downs the engine, TpLost)."""
+        if self.staging is not None:
+            self.staging.gather(self, w.src_pages)
         self._post(w)
 
     def landed(self, page_ids) -> None:
@@ -282,7 +290,7 @@ class KvTransport(abc.ABC):
         if self._held:
             now = time.monotonic()
             for _, w in [h for h in self._held if h[0] <= now]:
-                self._post(w)
+                self._post_staged(w)
             self._held = [h for h in self._held if h[0] > now]
         out = []
         for ev in self._poll_backend():
