@@ -81,7 +81,9 @@ def _verify_sampled(logits, rows: list[VerifyRow], starts, sampled: list[int], o
     w = weights(logits[idx], params).double()
     p = w / w.sum(-1, keepdim=True)
     # p(x) of each candidate, and q(x) where the drafter sampled it
-    cand_rows, cand_tok, local = [], [], []
+    cand_rows: list[int] = []
+    cand_tok: list[int] = []
+    local: list[int] = []
     k = 0
     for i in sampled:
         r = rows[i]
@@ -92,10 +94,7 @@ def _verify_sampled(logits, rows: list[VerifyRow], starts, sampled: list[int], o
     ratio = p[cand_rows, cand_tok] if cand_rows else p.new_zeros(0)
     qs = [rows[i].probs for i in sampled if rows[i].probs is not None]
     if qs:
-        qx = torch.cat([(rows[i].probs.double()[range(len(rows[i].drafts)), rows[i].drafts]
-                         if rows[i].probs is not None else
-                         torch.ones(len(rows[i].drafts), dtype=torch.float64))
-                        for i in sampled]).to(p.device)
+        qx = torch.cat([_q_of_drafts(rows[i]) for i in sampled]).to(p.device)
         ratio = torch.clamp(ratio / qx, max=1.0)
     ratios = ratio.tolist()
     final_rows, finals, draws = [], [], []
@@ -121,3 +120,10 @@ def _verify_sampled(logits, rows: list[VerifyRow], starts, sampled: list[int], o
     tokens = draw(torch.stack(final_rows), draws).tolist()
     for (i, kept), t in zip(finals, tokens):
         out[i] = list(kept) + [t]
+
+
+def _q_of_drafts(r: VerifyRow) -> torch.Tensor:
+    """q(x) of each candidate: the drafter's probability, 1 for a point mass."""
+    if r.probs is None:
+        return torch.ones(len(r.drafts), dtype=torch.float64)
+    return r.probs.double()[range(len(r.drafts)), r.drafts]

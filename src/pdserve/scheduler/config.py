@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.speculation import SpecConfig
 
 
 class ConfigError(ValueError):
@@ -102,6 +106,7 @@ class EngineConfig:
     overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
     disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
     capture: str = "auto"               # decode steps captured at load: auto, off or on (kernels/capture.py)
+    speculative: SpecConfig | None = None   # speculative decoding (speculation.py; None: off)
 
     def __post_init__(self) -> None:
         positive = (
@@ -181,12 +186,34 @@ class EngineConfig:
                 raise ConfigError("engine.disk_cache does not run with engine.overlap yet: a "
                                   "round built ahead could publish a disk hit before its read "
                                   "is confirmed; turn one of them off")
+        if self.speculative is not None:
+            self._speculation()
         if self.total_pages * self.page_size <= self.decode_input_tokens:
             raise ConfigError(
                 f"engine.total_pages={self.total_pages} x page_size={self.page_size} "
                 "cannot hold even a one-token prompt and its decode slot; raise "
                 "total_pages"
             )
+
+    def _speculation(self) -> None:
+        """engine.speculative, and the decode slot it implies: 1 + k."""
+        from pdserve.scheduler.speculation import SpecConfig
+
+        spec = self.speculative
+        if isinstance(spec, dict):
+            spec = SpecConfig.from_dict(spec)
+            object.__setattr__(self, "speculative", spec)
+        if not isinstance(spec, SpecConfig):
+            raise ConfigError("engine.speculative must be a mapping (method, "
+                              "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+        width = 1 + spec.k
+        if self.decode_input_tokens == 1:
+            object.__setattr__(self, "decode_input_tokens", width)
+        elif self.decode_input_tokens != width:
+            raise ConfigError(f"engine.decode_input_tokens={self.decode_input_tokens} does not "
+                              f"match engine.speculative.num_speculative_tokens={spec.k}: a "
+                              f"verify feeds 1 + k = {width} tokens; leave decode_input_tokens "
+                              "out (it follows k)")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
