@@ -104,9 +104,10 @@ def waiting_requests_pb(planner) -> list:
 
 
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
-             attention: str, disk: dict | None = None) -> cpb.EngineStatsResponse:
+             attention: str, disk: dict | None = None, spec=None) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
-    waiting (and why), the counters, and each cache group's use."""
+    waiting (and why), the counters, and each cache group's use; `spec`:
+    the executor's Speculation (roles/speculation.py), if it speculates."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()
@@ -132,4 +133,18 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
         dtype=dtype, attention=attention, kv_capacity_tokens=capacity["tokens"],
         cache_groups=groups, cached_tokens_by_tier={
             "device": p.hits.device_tokens, "host": p.hits.host_tokens,
-            "disk": p.hits.disk_tokens}, disk_cache=disk or {}, **counts.as_dict())
+            "disk": p.hits.disk_tokens}, disk_cache=disk or {}, **spec_fields(spec),
+        **counts.as_dict())
+
+
+def spec_fields(spec) -> dict:
+    """The Stats message's speculation fields (none without speculation)."""
+    if spec is None:
+        return {}
+    c = spec.counts
+    on, off = spec.gate.rates() if spec.gate is not None else (0.0, 0.0)
+    return {"spec_decode": {"num_drafts": c.drafts, "num_draft_tokens": c.draft_tokens,
+                            "num_accepted_tokens": c.accepted_tokens},
+            "spec_accepted_per_pos": c.accepted_per_pos,
+            "spec_gate": spec.gate.mode.value if spec.gate is not None else "ungated",
+            "spec_tokens_per_s_on": on, "spec_tokens_per_s_off": off}

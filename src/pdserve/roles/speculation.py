@@ -106,5 +106,32 @@ class Speculation:
             out.append(VerifyRow(list(drafts), t.params, seed, len(req.output) + t.prior))
         return out
 
+    def round_done(self, plan, result, seconds: float) -> None:
+        """A round's measurement for the gate: decode-only rounds, their
+        delivered tokens (every token the decodes gave) in `seconds`."""
+        if self.gate is None or plan.prefills or not plan.decodes:
+            return
+        tokens = len(result.decode_tokens) + sum(len(v) for v in result.decode_more.values())
+        self.gate.observe(bool(plan.verify), len(plan.decodes), tokens, seconds)
+
     def forget(self, req_id: str) -> None:
         self.proposer.forget(req_id)
+
+
+def spec_line(cfg) -> str:
+    """An engine's speculative settings in one line, as the P/D handshake
+    compares them ("off": it does not speculate)."""
+    return cfg.speculative.describe() if cfg.speculative is not None else "off"
+
+
+def check_peer_spec(own_name: str, cfg, r) -> None:
+    """A peer introduced with other speculative settings is refused when the
+    two meet, not at its first request: P drafts by its settings and D
+    verifies by its own. `r`: the AddPeerRequest."""
+    from pdserve.scheduler.planner import RejectedRequest
+
+    own, theirs = spec_line(cfg), r.spec_config or "off"
+    if own != theirs:
+        raise RejectedRequest(f"{own_name} and its peer {r.engine} speculate differently: "
+                              f"{own_name} has speculative {own}, {r.engine} has {theirs}; give "
+                              "both roles the same speculative settings")

@@ -283,7 +283,7 @@ class Planner:
         del self.landing[req_id]
         req.output.append(first_token)
         req.num_tokens += 1
-        req.drafts = list(drafts) if self.cfg.speculative is not None else []
+        req.drafts = list(drafts) if self.speculating else []
         self._enter(self.running, req)
         if len(req.output) >= req.max_new_tokens or stopped:
             self._finish(req, "stop" if stopped else "length")
