@@ -13,9 +13,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.proto import control_pb2 as pb
-from pdserve.roles.torch_executor import TorchExecutor
-from pdserve.scheduler import EngineConfig, Planner, RejectedRequest, Request, SamplingLimits
-from pdserve.scheduler.grammar import Role
+from pdserve.roles.local_pair import LocalPair
+from pdserve.scheduler import EngineConfig, RejectedRequest
 
 from engine_fakes import server
 
@@ -39,81 +38,39 @@ def greedy(n=16):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-class RealPD:
-    """A P and a D engine (planner and executor each) on one model, the
-    handoff done in-process: D's remote prefill becomes P's request, P's
-    shipped pages are copied into D's landing pages, its first token and
-    candidates land on D."""
+class RealPD(LocalPair):
+    """roles/local_pair.py's pair, checking at each D round that a request
+    landed with P's candidates verifies them in its first decode."""
 
     def __init__(self, llm: LLM, **engine):
         kw = dict(page_size=PS, total_pages=128, max_scheduled_tokens=32,
                   max_context_tokens=512, speculative=SPEC)
-        cfg = EngineConfig(**(kw | engine))
-        self.P = Planner(cfg, Role.PREFILL)
-        self.D = Planner(cfg, Role.DECODE)
-        self.px = TorchExecutor(llm.model, llm.tokenizer, cfg, detokenize=False)
-        self.dx = TorchExecutor(llm.model, llm.tokenizer, cfg, detokenize=False)
-        self.landing: dict = {}
-        self.shipped_drafts = 0
+        super().__init__(llm.model, llm.tokenizer, EngineConfig(**(kw | engine)))
         self.first_verifies = 0       # D's first decodes that verified P's candidates
-        self._landed_with_drafts: dict = {}
-        self.first_pages: list = []
+        build = self.D.build
 
-    def generate(self, ps, sp) -> list:
-        reqs = []
-        for i, p in enumerate(ps):
-            r = Request(f"r{len(self.first_pages)}-{i}", p, SamplingLimits(sp.max_tokens))
-            self.dx.register(r.id, sp, fallback_seed=i, prompt=p)
-            self.D.submit(r)
-            reqs.append(r)
-        for _ in range(1000):
-            if not (self.D.has_work() or self.P.has_work()):
-                break
-            self.tick(sp)
+        def checked_build():
+            plan = build()
+            for rid, drafts in self.landed:
+                if drafts and rid in self.D.requests:
+                    carried = plan.verify.get(rid, [])
+                    assert carried and carried == drafts[:len(carried)], (rid, carried, drafts)
+                    self.first_verifies += 1
+            self.landed = []
+            return plan
+        self.D.build = checked_build     # type: ignore[method-assign]
+
+    def generate(self, prompts, sp) -> list:
+        out = super().generate(prompts, sp)
         self.D.assert_idle()
         self.P.assert_idle()
-        return [r.output for r in reqs]
+        return out
 
-    def tick(self, sp) -> None:
-        dplan = self.D.build()
-        for rid, drafts in list(self._landed_with_drafts.items()):
-            # D's first decode after the landing carries P's candidates
-            if rid in self.D.requests:
-                assert dplan.verify.get(rid) == drafts[:len(dplan.verify.get(rid, []))] != []
-                self.first_verifies += 1
-            del self._landed_with_drafts[rid]
-        for op in dplan.remote_prefills:
-            r = op.req
-            twin = Request(r.id, r.prompt, SamplingLimits(max_new_tokens=1))
-            twin.first_page = op.first_page
-            self.first_pages.append(op.first_page)
-            self.landing[r.id] = op.landing
-            self.px.register(r.id, sp, fallback_seed=0, prompt=r.prompt.tokens)
-            self.P.submit(twin)
-        if not dplan.is_empty():
-            for req in self.D.apply(dplan, self.dx.run(dplan)):
-                self.dx.forget(req.id)
+    def tick(self) -> list:
+        out = super().tick()
         self.D.check_invariants()
-        pplan = self.P.build()
-        if not pplan.is_empty():
-            self.P.apply(pplan, self.px.run(pplan))
-        for op in pplan.remote_decodes:
-            landing = self.landing.pop(op.req.id)
-            for g, (src, dst) in enumerate(zip(op.src, landing)):
-                assert len(src) == len(dst), (op.req, g)
-                p_pool, d_pool = self.px.caches[g].data, self.dx.caches[g].data
-                d_pool[torch.tensor(dst, dtype=torch.long)] = \
-                    p_pool[torch.tensor(src, dtype=torch.long)]
-            self.shipped_drafts += len(op.drafts)
-            if op.drafts:
-                self._landed_with_drafts[op.req.id] = list(op.drafts)
-            req = self.D.requests[op.req.id]
-            stopped = self.dx.on_token(req, op.first_token)
-            for r in self.D.transfer_landed(op.req.id, op.first_token, stopped, op.drafts):
-                self.dx.forget(r.id)
-            self.P.peer_ack(op.req.id)
-            self.px.forget(op.req.id)
         self.P.check_invariants()
+        return out
 
 
 @pytest.fixture(scope="module")
