@@ -106,7 +106,7 @@ class Case:
     def engine_config(self, base: dict):
         from pdserve.scheduler.config import EngineConfig
 
-        return EngineConfig(**base, **({"speculative": self.spec} if self.spec else {}))
+        return EngineConfig.from_dict(base | ({"speculative": self.spec} if self.spec else {}))
 
 
 @dataclass
@@ -120,16 +120,18 @@ class Measure:
 
 
 def prompts_for(tokenizer, n: int) -> list:
-    """`n` prompts: each passage under each task, through the chat template."""
+    """`n` prompts: each passage under each task, through the chat template
+    (the plain text for a model without one)."""
     from pdserve.kernels.chat import render_chat
 
-    out = []
+    out: list[list[int]] = []
     i = 0
     while len(out) < n:
         task = TASKS[(i // len(PASSAGES)) % len(TASKS)].format(p=PASSAGES[i % len(PASSAGES)])
-        text = render_chat(tokenizer.chat_template, [{"role": "user", "content": task}],
-                           bos_token=getattr(tokenizer, "bos_token", None),
-                           eos_token=getattr(tokenizer, "eos_token", None))
+        text = task if tokenizer.chat_template is None else render_chat(
+            tokenizer.chat_template, [{"role": "user", "content": task}],
+            bos_token=getattr(tokenizer, "bos_token", None),
+            eos_token=getattr(tokenizer, "eos_token", None))
         out.append(tokenizer.encode(text))
         i += 1
     return out
@@ -273,6 +275,7 @@ def _pd(args, model, tok, sp) -> None:
     f = drive(fused, prompts, sp, 4)
     pair = LocalPair(model, tok, cfg)
     outs = pair.generate(prompts, sp)
+    assert pair.dx.spec is not None and fused.executor.spec is not None
     c = pair.dx.spec.counts
     pd_acc = c.mean_acceptance_length
     same = sum(a == b for a, b in zip(outs, f.outputs))
