@@ -104,3 +104,36 @@ def test_speculative_settings_are_validated_with_the_key_and_the_fix():
         EngineConfig(speculative={"prompt_lookup_min": 5, "prompt_lookup_max": 2})
     with pytest.raises(ConfigError, match="decode_input_tokens=2 does not match"):
         EngineConfig(decode_input_tokens=2, speculative={"num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0)])
+def test_batched_verify_attention_equals_each_row_as_a_chunk(window, softcap):
+    """The torch backend batches verify rows (BatchMeta.num_verifies) as it
+    does decodes; every row's output equals the per-sequence chunk path's."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+
+    torch.manual_seed(0)
+    ps, h, kvh, d = 4, 4, 2, 8
+    att = TorchAttention(h, kvh, d, sliding_window=window, softcap=softcap)
+    pages_k, pages_v = torch.randn(40, ps, kvh, d), torch.randn(40, ps, kvh, d)
+    # (history before the rows, rows): verify rows of 1 + k, and a plain decode
+    shapes = [(9, 4), (2, 2), (17, 3), (12, 1)]
+    seqs, slots, at, page = [], [], 0, 0
+    for hist, m in shapes:
+        n = -(-(hist + m) // ps)
+        table = list(range(page, page + n))
+        page += n
+        lo = max(hist - window + 1, 0) if window else 0
+        seqs.append(SeqMeta(at, m, hist + m, table, lo))
+        slots += [table[p // ps] * ps + p % ps for p in range(hist, hist + m)]
+        at += m
+    q, k, v = torch.randn(at, h, d), torch.randn(at, kvh, d), torch.randn(at, kvh, d)
+    pos = torch.tensor([p for hist, m in shapes for p in range(hist, hist + m)])
+    outs = []
+    for nv in (0, 3):
+        meta = BatchMeta(list(seqs), torch.tensor(slots), pos, num_decodes=1, window=window,
+                         num_verifies=nv)
+        outs.append(att.forward(q, k, v, pages_k.clone(), pages_v.clone(), meta))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -521,6 +521,7 @@ class TorchExecutor:
         n = len(groups)
         metas = [BatchMeta(seqs[g], staged[3 + g], pos_t,
                            num_decodes=len(plan.decodes) - len(verify),
+                           num_verifies=len(verify),
                            window=spec.window if spec.sliding else None,
                            write_rows=staged[3 + n + g] if skips[g] else None)
                  for g, spec in enumerate(groups)]
