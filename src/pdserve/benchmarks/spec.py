@@ -15,7 +15,10 @@ last token over its tokens after the first), medians over requests, mean
 acceptance length (tokens a verify gives), and the gate's state at the end.
 Cases run interleaved, `--repeats` times, so a busy host slows every case
 alike; the table gives each figure's median over repeats and the tokens/s
-spread (min-max) beside it, and the host's load average.
+spread (min-max) beside it, and the host's load average. Beside wall-clock
+tokens/s: this process's CPU time a token (every thread's; less sensitive to
+other processes on a shared host than wall time, as `bench disk` does) and
+rounds a request (forwards: what acceptance saves, independent of the host).
 
 `--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
@@ -116,6 +119,8 @@ class Measure:
     itl: float
     acceptance: float          # mean acceptance length (0: no verify)
     gate: str
+    cpu_ms_per_token: float = 0.0   # this process's CPU time (every thread) over tokens
+    rounds_per_request: float = 0.0
     outputs: list = field(default_factory=list)
 
 
@@ -155,8 +160,8 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
     queue = list(enumerate(prompts))
     live: dict = {}            # id -> (request, submitted, first, last)
     ttft, itl, outputs = [], [], [None] * len(prompts)
-    tokens = 0
-    t0 = time.perf_counter()
+    tokens = rounds = 0
+    t0, c0 = time.perf_counter(), time.process_time()
     while queue or live:
         while queue and len(live) < concurrency:
             i, p = queue.pop(0)
@@ -165,6 +170,7 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
             engine.submit(r)
             live[r.id] = [r, time.perf_counter(), None, None, i]
         out = engine.step()
+        rounds += 1
         now = time.perf_counter()
         if out is None:
             raise RuntimeError("the engine built an empty round with work left")
@@ -184,7 +190,7 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
                     itl.append((rec[3] - rec[2]) / (n - 1))
                 outputs[rec[4]] = list(r.output)
                 del live[rid]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     acc = 0.0
     if ex.spec is not None:
         c = ex.spec.counts
@@ -193,7 +199,8 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
     gate = ex.spec.gate.mode.value if ex.spec and ex.spec.gate else \
         ("ungated" if ex.spec else "-")
     return Measure(tokens / wall, statistics.median(ttft), statistics.median(itl) if itl else 0,
-                   acc, gate, outputs)
+                   acc, gate, outputs=outputs, cpu_ms_per_token=1e3 * cpu / tokens,
+                   rounds_per_request=rounds / len(prompts))
 
 
 def run(args) -> int:
@@ -244,23 +251,23 @@ def _sweep(args, model, tok, ks, levels, sp) -> None:
         ref = got["off"][0].outputs
         print(f"\n## concurrency {c}: {len(prompts)} requests, {args.repeats} repeats "
               f"(load average {_load()})\n")
-        print("| case | tokens/s (min-max) | vs off | TTFT ms | ITL ms | mean acceptance "
-              "length | gate at end | outputs as off |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| case | tokens/s (min-max) | vs off | CPU ms/token (min-max) | vs off | "
+              "rounds/request | TTFT ms | ITL ms | mean acceptance length | gate at end | "
+              "outputs as off |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        med = statistics.median
+        cpu_off = med(m.cpu_ms_per_token for m in got["off"])
         for case in cases:
             ms = got[case.name]
             tps = [m.tokens_per_s for m in ms]
+            cpu = [m.cpu_ms_per_token for m in ms]
             same = sum(o == r for m in ms for o, r in zip(m.outputs, ref))
-            med = statistics.median
             acc = med(m.acceptance for m in ms)
             print(f"| {case.name} | {med(tps):.1f} ({min(tps):.1f}-{max(tps):.1f}) | "
-                  f"{med(tps) / off:.2f}x | {1e3 * med(m.ttft for m in ms):.0f} | "
-                  f"{1e3 * med(m.itl for m in ms):.1f} | "
-                  f"{acc:.2f} | {ms[-1].gate} | {same}/{len(ms) * len(ref)} |"
-                  if acc else
-                  f"| {case.name} | {med(tps):.1f} ({min(tps):.1f}-{max(tps):.1f}) | "
-                  f"{med(tps) / off:.2f}x | {1e3 * med(m.ttft for m in ms):.0f} | "
-                  f"{1e3 * med(m.itl for m in ms):.1f} | - | {ms[-1].gate} | "
+                  f"{med(tps) / off:.2f}x | {med(cpu):.0f} ({min(cpu):.0f}-{max(cpu):.0f}) | "
+                  f"{cpu_off / med(cpu):.2f}x | {med(m.rounds_per_request for m in ms):.1f} | "
+                  f"{1e3 * med(m.ttft for m in ms):.0f} | {1e3 * med(m.itl for m in ms):.1f} | "
+                  f"{f'{acc:.2f}' if acc else '-'} | {ms[-1].gate} | "
                   f"{same}/{len(ms) * len(ref)} |", flush=True)
 
 
