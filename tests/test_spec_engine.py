@@ -28,18 +28,14 @@ def reference():
     return [o.token_ids for o in LLM().generate(PROMPTS, greedy(), use_tqdm=False)]
 
 
-SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize("engine", [
     {},
-    pytest.param({"max_scheduled_tokens": 16}, marks=SLOW),          # chunked prompts
+    {"max_scheduled_tokens": 16},                                    # chunked prompts
     {"max_scheduled_tokens": 8, "page_size": 4},                     # budgets cut verify rows
-    pytest.param({"enable_mixed_prefill_decode": False}, marks=SLOW),
+    {"enable_mixed_prefill_decode": False},
     {"page_size": 4, "total_pages": 24, "safe_steps": 4},            # retraction
-    pytest.param({"page_size": 4, "total_pages": 24, "safe_steps": 4, "host_pages": 64},
-                 marks=SLOW),
-    pytest.param({"overlap": True}, marks=SLOW),
+    {"page_size": 4, "total_pages": 24, "safe_steps": 4, "host_pages": 64},
+    {"overlap": True},
 ])
 def test_greedy_tokens_are_identical_with_speculation_on_and_off(reference, engine):
     llm = LLM(speculative=SPEC, **engine)

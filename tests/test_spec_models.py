@@ -41,9 +41,8 @@ def greedy(llm, n=16):
     return [o.token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("engine", [{}, pytest.param({"total_pages": 30, "sliding_pages": 40,
-                                                      "safe_steps": 1},
-                                                     marks=pytest.mark.slow)])
+@pytest.mark.parametrize("engine", [{}, {"total_pages": 30, "sliding_pages": 40,
+                                         "safe_steps": 1}])
 def test_a_sliding_model_verifies_to_the_tokens_of_plain_decoding(gemma, engine):
     want = greedy(serve(gemma, **engine))
     llm = serve(gemma, speculative=SPEC, **engine)
