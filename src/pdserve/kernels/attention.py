@@ -39,14 +39,14 @@ class BatchMeta:
     slot_mapping: torch.Tensor
     positions: torch.Tensor      # [T]
     num_decodes: int = 0  # the trailing q_len == 1 sequences, batched together
-    # The speculative verify rows (a few rows each over a long history) just
-    # before the decodes: the torch backend batches them as it does decodes;
-    # other backends take them as prefill chunks, which they are too.
-    num_verifies: int = 0
     window: int | None = None    # keys a query sees, itself included; None: all before it
     # The rows whose K/V are written (ascending), when some slot is -1; None:
     # every row. Given by the caller: finding the -1s on a GPU would sync.
     write_rows: torch.Tensor | None = None
+    # The speculative verify rows (a few rows each over a long history) just
+    # before the decodes: the torch backend batches them as it does decodes;
+    # other backends take them as prefill chunks, which they are too.
+    num_verifies: int = 0
     _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
 
 
