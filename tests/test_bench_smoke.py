@@ -181,3 +181,19 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
     assert max(batches) == 2
     runs = r["tok_per_s_runs"]
     assert len(runs) == 3 and runs == sorted(runs) and r["output_tok_per_s"] == runs[1]
+
+
+def test_bench_spec(capsys):
+    """The tiny preset, a few tokens: the table's rows, and greedy outputs
+    that agree with speculation off (float32)."""
+    out = bench(capsys, "spec", "--preset", "tiny", "--dtype", "float32", "--ks", "2",
+                "--concurrency", "1,2", "--requests", "1", "--max-tokens", "8", "--repeats",
+                "1", "--pd")
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| case") and "---" not in ln
+            and not ln.startswith("| engine")]
+    cases = [r for r in rows if r[0] in ("off", "ngram k=2")]
+    assert [r[0] for r in cases] == ["off", "ngram k=2"] * 2
+    assert all(r[-1].split("/")[0] == r[-1].split("/")[1] for r in cases)
+    pd = [r for r in rows if r[0] in ("fused", "P/D")]
+    assert [r[0] for r in pd] == ["fused", "P/D"]

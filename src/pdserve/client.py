@@ -116,6 +116,10 @@ def _stats(resp) -> list[dict]:
         row["transfer_failures_by_stage"] = dict(e.transfer_failures_by_stage)
         row["cached_tokens_by_tier"] = dict(e.cached_tokens_by_tier)
         row["disk_cache"] = dict(e.disk_cache)
+        row["spec_decode"] = dict(e.spec_decode)
+        row["spec_accepted_per_pos"] = list(e.spec_accepted_per_pos)
+        row["spec_gate"] = e.spec_gate
+        row["spec_tokens_per_s"] = (e.spec_tokens_per_s_on, e.spec_tokens_per_s_off)
         row["waiting_requests"] = [
             {"request_id": w.request_id, "reason": w.reason, "detail": w.detail,
              "pages_needed": w.pages_needed, "pages_free": w.pages_free}

@@ -13,6 +13,8 @@
                     server_name: pdserve-control, engine_host: null}   # proto/control_tls.py
     lora: {adapters: {NAME: DIR | {path: DIR, pinned: true}}, max_loras: 1, max_lora_rank: 16,
            max_cpu_loras: null}
+    speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 2,
+                  prompt_lookup_max: 4, gate: true}   # = engine.speculative (speculation.py)
 
 Unknown keys are an error that names the key.
 """
@@ -478,8 +480,10 @@ class ServeConfig:
         """`base`: the folder relative paths in the file are read from."""
         data = check_keys(data, "config", {"model", "engine", "cluster", "router", "simulate",
                                            "autoscale", "transfer", "control_plane",
-                                           "lora"})
+                                           "lora", "speculative"})
         engine = data.get("engine") or {}
+        if data.get("speculative") is not None:
+            engine = speculative_engine(engine, data["speculative"])
         autoscale = None
         if data.get("autoscale") is not None:
             autoscale = AutoscaleConfig.from_dict(data["autoscale"])
@@ -542,6 +546,27 @@ def role_engine(cfg: "ServeConfig", role: str) -> EngineConfig:
     if t == cfg.engine.tensor_parallel_size:
         return cfg.engine
     return dataclasses.replace(cfg.engine, tensor_parallel_size=t)
+def speculative_engine(engine, spec) -> dict:
+    """The engine section with the top-level `speculative:` (or `pdserve up
+    --speculative-config`) as its `speculative` key; refused if the engine
+    section sets one too."""
+    if not isinstance(engine, dict):
+        raise ConfigError(f"engine must be a mapping, got {type(engine).__name__}")
+    if engine.get("speculative") is not None:
+        raise ConfigError("speculative: is set both at the top level and as "
+                          "engine.speculative; keep one")
+    return {**engine, "speculative": spec}
+
+
+def with_speculative(cfg: ServeConfig, spec: dict) -> ServeConfig:
+    """`cfg` with `spec` as its speculative settings (`--speculative-config`),
+    replacing any the file gave."""
+    from pdserve.scheduler.speculation import SpecConfig
+
+    engine = dataclasses.replace(cfg.engine, speculative=None, decode_input_tokens=1)
+    engine = dataclasses.replace(engine, speculative=SpecConfig.from_dict(spec))
+    return dataclasses.replace(cfg, engine=engine,
+                               engine_overrides=cfg.engine_overrides | {"speculative"})
 
 
 def engine_gpus(device: str, gpus_per_engine: float | None) -> float:

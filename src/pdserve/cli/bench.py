@@ -51,6 +51,9 @@ BENCHMARKS = [
     Subcommand("peer", "pdserve.benchmarks.peer",
                "pdserve against llama.cpp's llama-server on the same GGUF, at concurrency 1, "
                "8 and 32 (skipped without llama-server)"),
+    Subcommand("spec", "pdserve.benchmarks.spec",
+               "speculative decoding (n-gram lookup) against plain decoding on an "
+               "input-grounded workload at concurrency 1, 4 and 16, and P/D against fused"),
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),

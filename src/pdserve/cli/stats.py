@@ -1,6 +1,7 @@
 """`pdserve stats`: a running deployment's engines, a row each (pages,
 requests, transfers), then what only some engines have: cache groups,
-round timings, why requests wait."""
+speculation (mean acceptance length, the gate), round timings, why requests
+wait."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def run(args) -> int:
                       f"{d.get('prefetch_partial', 0)} partial; reads "
                       f"{d.get('reads_hit', 0)} hit, {d.get('reads_missed', 0)} missed")
         for r in rows:
+            if r["spec_gate"]:
+                print("  " + spec_summary(r))
+        for r in rows:
             if r["rounds"]:
                 print(f"  {r['name']} ran {r['rounds']:,} rounds in {r['round_seconds']:.1f} s "
                       f"({r['round_cpu_seconds'] / r['round_seconds']:.0%} of it on a core), "
@@ -54,3 +58,23 @@ def run(args) -> int:
                 print(f"  {r['name']} waits {w['request_id']}: {w['reason']} ({w['detail']})")
         return 0
     return said(go)
+
+
+def spec_summary(r: dict) -> str:
+    """One engine's speculation in a line: mean acceptance length (tokens a
+    verify gives: accepted candidates and one more), acceptance per
+    position, and the gate."""
+    d = r["spec_decode"]
+    drafts, carried, accepted = (d.get(k, 0) for k in
+                                 ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    line = f"{r['name']} speculation: {drafts:,} verifies"
+    if drafts:
+        line += (f", mean acceptance length {1 + accepted / drafts:.2f}, "
+                 f"{accepted / carried if carried else 0:.0%} of {carried:,} candidates "
+                 "accepted (by position: " + ", ".join(
+                     f"{n / drafts:.0%}" for n in r["spec_accepted_per_pos"]) + ")")
+    on, off = r["spec_tokens_per_s"]
+    line += f"; gate {r['spec_gate']}"
+    if on and off:
+        line += f" ({on:,.0f} tokens/s with, {off:,.0f} without)"
+    return line

@@ -42,6 +42,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-loras", type=int,
                    help="LoRA adapters on the device at once (default: the config's "
                         "lora.max_loras, 1)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
+                        "(replaces the config's speculative settings; docs/speculative.md)")
     p.add_argument("--drain-deadline", type=float, default=60.0,
                    help="on SIGTERM or Ctrl-C, seconds the engines get to finish their "
                         "requests before what is left is aborted (60)")
@@ -64,6 +68,12 @@ def run(args) -> int:
                                                                       args.max_loras))
         except ConfigError as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
+    if args.speculative_config is not None:
+        try:
+            cfg = speculative_from_flag(cfg, args.speculative_config)
+        except ConfigError as e:
+            print(f"pdserve: error: --speculative-config: {e}", file=sys.stderr)
             return 2
     device = cfg.model.device_for(args.device)
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
@@ -193,3 +203,20 @@ def _port_free(host: str, port: int) -> bool:
         except OSError as e:
             return e.errno != errno.EADDRINUSE
     return True
+
+
+def speculative_from_flag(cfg, text: str):
+    """`cfg` with --speculative-config's JSON as its speculative settings."""
+    import json
+
+    from pdserve.config import with_speculative
+    from pdserve.scheduler.config import ConfigError
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not JSON ({e}); give an object such as "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"give a JSON object, got {type(spec).__name__}")
+    return with_speculative(cfg, spec)

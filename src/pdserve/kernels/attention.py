@@ -43,6 +43,10 @@ class BatchMeta:
     # The rows whose K/V are written (ascending), when some slot is -1; None:
     # every row. Given by the caller: finding the -1s on a GPU would sync.
     write_rows: torch.Tensor | None = None
+    # The speculative verify rows (a few rows each over a long history) just
+    # before the decodes: the torch backend batches them as it does decodes;
+    # other backends take them as prefill chunks, which they are too.
+    num_verifies: int = 0
     _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
 
 
@@ -102,7 +106,10 @@ class TorchAttention:
         prep: dict = {"page": slots // ps, "off": slots % ps, "rows": rows, "pre": []}
         window = meta.window
         n_pre = len(meta.seqs) - meta.num_decodes
-        for s in meta.seqs[:n_pre]:
+        n_chunks = n_pre - meta.num_verifies
+        if meta.num_verifies:
+            prep["ver"] = self._prepare_verifies(meta.seqs[n_chunks:n_pre], ps, window, device)
+        for s in meta.seqs[:n_chunks]:
             lo = s.kv_start // ps
             table = torch.as_tensor(s.block_table[lo: -(-s.ctx_len // ps)], device=device)
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)
@@ -133,6 +140,53 @@ class TorchAttention:
             prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])  # type: ignore[assignment]
         meta._prep = prep
         return prep
+
+    @staticmethod
+    def _prepare_verifies(seqs, ps: int, window, device) -> tuple:
+        """Verify rows as one batch: each sequence's query rows padded to the
+        longest (a pad repeats its last row, and its output is dropped), its
+        pages padded as a decode's are, and a causal mask per query row."""
+        M = max(s.q_len for s in seqs)
+        lo = [s.kv_start // ps for s in seqs]
+        n = [-(-s.ctx_len // ps) - a for s, a in zip(seqs, lo)]
+        width = max(n)
+        tables = torch.tensor([s.block_table[a:a + k] + [s.block_table[a]] * (width - k)
+                               for s, a, k in zip(seqs, lo, n)], dtype=torch.long)
+        qrows = [s.q_start + min(j, s.q_len - 1) for s in seqs for j in range(M)]
+        qpos = torch.tensor([[s.ctx_len - s.q_len + min(j, s.q_len - 1) for j in range(M)]
+                             for s in seqs], device=device)
+        kpos = torch.arange(width * ps, device=device)[None, :] + \
+            torch.tensor(lo, device=device)[:, None] * ps
+        mask = kpos[:, None, :] <= qpos[:, :, None]                 # [B, M, L]
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        keep = [b * M + j for b, s in enumerate(seqs) for j in range(s.q_len)]
+        out_rows = [s.q_start + j for s in seqs for j in range(s.q_len)]
+        return (M, torch.tensor(qrows, device=device), tables.to(device),
+                bias[:, None, None], torch.tensor(keep, device=device),
+                torch.tensor(out_rows, device=device))
+
+    def _verify(self, q, k_pages, v_pages, ver) -> tuple:
+        """The verify rows' attention: (their rows, their output), as
+        `_decode` computes a decode's, M query rows a sequence."""
+        M, qrows, tables, bias, keep, out_rows = ver
+        B, ps = tables.shape[0], k_pages.shape[1]
+        L = tables.shape[1] * ps
+        flat = tables.view(-1)
+        keys, vals = (pages.index_select(0, flat).view(B, L, self.kvh, self.d)
+                      .transpose(1, 2).contiguous() for pages in (k_pages, v_pages))
+        g = self.group
+        qg = q.index_select(0, qrows).view(B, M, self.kvh, g, self.d) \
+            .permute(0, 2, 3, 1, 4).reshape(B, self.kvh, g * M, self.d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(B, self.kvh, g, M, L) + bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.kvh, g * M, L)
+        o = torch.matmul(probs, vals).view(B, self.kvh, g, M, self.d)
+        o = o.permute(0, 3, 1, 2, 4).reshape(B * M, self.h, self.d)
+        return out_rows, o.index_select(0, keep)
 
     @staticmethod
     def _write(k, v, k_pages, v_pages, page, off, rows) -> None:
@@ -166,6 +220,9 @@ class TorchAttention:
                     q[rows].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                     attn_mask=mask, scale=self.scale, enable_gqa=gqa)
                 out[rows] = o.transpose(0, 1)
+        if "ver" in prep:
+            rows_v, o = self._verify(q, k_pages, v_pages, prep["ver"])
+            out.index_copy_(0, rows_v, o)
         if "dec" in prep:
             first, B, tables, bias = prep["dec"]
             out[first:first + B] = self._decode(q[first:first + B], k_pages, v_pages, tables,

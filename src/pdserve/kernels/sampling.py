@@ -303,6 +303,25 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
     """Tokens for the sampling rows `rows` (and those rows' index on the
     device): temperature, then min-p, then top-k, then top-p, then inverse
     CDF."""
+    w, u, idx = _weights(logits, sps, rows, draws)
+    return _inverse_cdf(w, u), idx
+
+
+def weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling weights, as `sample` draws from them (temperature,
+    min-p, top-k, top-p; unnormalized, a float tensor of its own): what a
+    speculative verify compares a draft against (kernels/rejection.py)."""
+    return _weights(logits, params, list(range(len(params))), [0.0] * len(params))[0]
+
+
+def draw(w: torch.Tensor, draws: list[float]) -> torch.Tensor:
+    """One token per row of weights `w`, by inverse CDF at `draws[i]` (a
+    token of weight 0 is never drawn)."""
+    return _inverse_cdf(w, stage(draws, w.device, torch.float64))
+
+
+def _weights(logits, sps: list[SamplingParams], rows: list[int], draws: list[float]):
+    """The weights of rows `rows`, their draws and their index, on the device."""
     vocab, n = logits.shape[-1], len(rows)
     ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in sps]
     by_k = [j for j in range(n) if ks[j]]
@@ -337,7 +356,7 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
         ws, tp = (w, top_p) if len(by_p) == n else (w.index_select(0, sub),
                                                     top_p.index_select(0, sub))
         _put_rows(w, sub, ws.masked_fill_(ws < _top_p_cut(ws, tp), 0.0))
-    return _inverse_cdf(w, u), idx
+    return w, u, idx
 
 
 def _put_rows(w, sub, rows) -> None:

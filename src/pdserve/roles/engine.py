@@ -81,6 +81,9 @@ class Engine:
         """One round. None when the planner built nothing. With a disk
         tier, its probes and reads land first; a round that would be empty
         only because prefetches hold their requests waits for a read."""
+        spec = getattr(self.executor, "spec", None)
+        if spec is not None:        # the gate's side for the rounds built now
+            self.planner.speculating = spec.proposing
         if self.overlap:
             return self._step_ahead()
         disk = getattr(self.executor, "disk", None)

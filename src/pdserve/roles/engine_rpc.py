@@ -137,7 +137,8 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
                                incarnation=i["incarnation"], nixl_metadata=md,
                                address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"],
-                               draining=i["draining"], adapters=i["adapters"])
+                               draining=i["draining"], adapters=i["adapters"],
+                               spec_config=i["spec_config"])
 
     def AddPeer(self, request, context):
         self._checked(checks.check_add_peer, context, request, self.s.name)

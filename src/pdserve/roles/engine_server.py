@@ -34,6 +34,7 @@ from pdserve.roles.control_checks import Bounds
 from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.roles.engine import Engine
 from pdserve.roles.engine_rpc import EngineControlServicer, StaleView
+from pdserve.roles.speculation import spec_line
 from pdserve.roles.engine_stats import EngineCounters, stats_pb
 from pdserve.roles.loop import EngineLoop, Inbox
 from pdserve.roles.outputs import ErrorKind, Outputs, StreamError
@@ -125,7 +126,8 @@ class EngineServer:
                 "attention": self.executor.model.attention.name,
                 "kv_capacity_tokens": self.capacity["tokens"], "draining": self.drain.active,
                 "adapters": [f"{r.name}:{r.id}" for r in self.executor.adapters.refs()]
-                if self.executor.adapters is not None else []}
+                if self.executor.adapters is not None else [],
+                "spec_config": spec_line(self.planner.cfg)}
 
     @property
     def counters(self) -> dict:
@@ -400,4 +402,5 @@ class EngineServer:
         disk = getattr(self.executor, "disk", None)
         return stats_pb(self.planner, self.role, self.counts, self.capacity, info["dtype"],
                         info["attention"], disk.stats() if disk is not None else None,
-                        adapters_in_use(self.executor.adapters, self.planner))
+                        adapters_in_use(self.executor.adapters, self.planner),
+                        getattr(self.executor, "spec", None))

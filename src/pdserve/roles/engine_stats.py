@@ -105,10 +105,11 @@ def waiting_requests_pb(planner) -> list:
 
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
              attention: str, disk: dict | None = None,
-             lora: tuple[list[str], list[str]] = ([], [])) -> cpb.EngineStatsResponse:
+             lora: tuple[list[str], list[str]] = ([], []), spec=None) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
-    waiting (and why), the counters, each cache group's use, and `lora`:
-    the adapters of running and of waiting requests (roles/adapters.py)."""
+    waiting (and why), the counters, each cache group's use, `lora`: the
+    adapters of running and of waiting requests (roles/adapters.py), and
+    `spec`: the executor's Speculation (roles/speculation.py), if it speculates."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()
@@ -136,4 +137,17 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
             "device": p.hits.device_tokens, "host": p.hits.host_tokens,
             "disk": p.hits.disk_tokens}, disk_cache=disk or {},
         lora_running=lora[0], lora_waiting=lora[1], max_loras=p.lora.slots,
-        **counts.as_dict())
+        **spec_fields(spec), **counts.as_dict())
+
+
+def spec_fields(spec) -> dict:
+    """The Stats message's speculation fields (none without speculation)."""
+    if spec is None:
+        return {}
+    c = spec.counts
+    on, off = spec.gate.rates() if spec.gate is not None else (0.0, 0.0)
+    return {"spec_decode": {"num_drafts": c.drafts, "num_draft_tokens": c.draft_tokens,
+                            "num_accepted_tokens": c.accepted_tokens},
+            "spec_accepted_per_pos": c.accepted_per_pos,
+            "spec_gate": spec.gate.mode.value if spec.gate is not None else "ungated",
+            "spec_tokens_per_s_on": on, "spec_tokens_per_s_off": off}

@@ -44,6 +44,7 @@ from pdserve.roles.drain import Drain
 from pdserve.roles.engine_stats import EngineCounters
 from pdserve.roles.outputs import logprob_pb
 from pdserve.roles.peer_messages import Peer, PeerRpc, PeerSender
+from pdserve.roles.speculation import check_peer_spec
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.planner import RejectedRequest
@@ -119,6 +120,7 @@ class PeerProtocol:
         way an engine learns one, over the control plane's mutual TLS). The
         metadata is loaded first: if the transport refuses it, nothing of
         the peer is kept (RejectedRequest)."""
+        check_peer_spec(self.name, self.planner.cfg, r)
         old = self.peers.get(r.engine)
         if old is not None and old.incarnation == r.incarnation:
             return
@@ -240,7 +242,8 @@ class PeerProtocol:
                     lp = Logprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob)
                                                               for t in m.top))
                 stopped = self.executor.on_token(req, ev.first_token, lp)
-                finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped)
+                finished = self.planner.transfer_landed(ev.req_id, ev.first_token, stopped,
+                                                        ev.drafts)
                 self.delivered(req, finished)
                 self.send(req.peer, PeerRpc.TRANSFER_ACK, self._ack(ev.req_id, ev.epoch))
         elif ev.kind is TransferEventKind.DONE:         # P: our write completed
@@ -349,7 +352,7 @@ class PeerProtocol:
                        "run the same model and engine.page_size on both roles"))
             return
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
-                                     src, pages, op.first_token, payload))
+                                     src, pages, op.first_token, payload, tuple(op.drafts)))
         self.counts.transfers += 1
         self.counts.transfer_bytes += self.transport.bytes_of(src)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,10 +36,13 @@ from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import LoraRound, LoraSegments
+from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
 from pdserve.roles.disk_tier import DiskTier
+from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
+from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
@@ -70,6 +74,8 @@ class Launched:
     result: StepResult
     rows: list
     future: cf.Future | None = None
+    spec: SpecRound | None = None   # its verify rows, with speculation
+    started: float = 0.0            # perf_counter at launch (the speculation gate's clock)
 
 
 class TorchExecutor:
@@ -151,6 +157,11 @@ class TorchExecutor:
             disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
+        # speculative decoding (roles/speculation.py), engine.speculative's
+        self.spec: Speculation | None = None
+        if cfg.speculative is not None:
+            check_speculation(model, self.groups)
+            self.spec = Speculation(cfg.speculative)
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -171,6 +182,8 @@ class TorchExecutor:
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
+        if self.spec is not None:
+            self.spec.forget(req_id)
 
     def on_token(self, req, token: int, logprob: Logprob | None = None) -> bool:
         """Take `token`, sampled next for `req`: extend its text and logprobs;
@@ -199,12 +212,19 @@ class TorchExecutor:
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
         self._sampled = None        # a round run in place feeds nothing from the device
+        t0 = time.perf_counter()
         result = self._copies(plan)
         if not (plan.prefills or plan.decodes):
             return result
-        logits, rows = self.forward(plan)
-        tokens, logprobs = sample(logits, *self._sample_inputs(rows)) if rows else ([], [])
-        self._land(plan, rows, tokens, logprobs, result)
+        staged, rows, spec = self._stage(plan)
+        logits = self._compute(staged)
+        n = len(rows)
+        tokens, logprobs = sample(logits[:n], *self._sample_inputs(rows)) if rows else ([], [])
+        if spec is not None:
+            spec.tokens = verify(logits[n:], spec.rows)
+        self._land(plan, rows, tokens, logprobs, result, spec)
+        if self.spec is not None:
+            self.spec.round_done(plan, result, time.perf_counter() - t0)
         return result
 
     # ---- a round that runs ahead (engine.overlap) ---------------------------------
@@ -219,13 +239,13 @@ class TorchExecutor:
         if not (plan.prefills or plan.decodes):
             self._sampled = None
             return Launched(plan, result, [], None)
-        staged, rows = self._stage(plan, feed=self._sampled, own_tables=True)
+        staged, rows, spec = self._stage(plan, feed=self._sampled, own_tables=True)
         inputs = self._sample_inputs(rows) if rows else None
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sampled = None        # until this round's tokens exist
-        fut = self._worker.submit(self._forward_and_sample, staged, inputs)
-        return Launched(plan, result, rows, fut)
+        fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows))
+        return Launched(plan, result, rows, fut, spec, time.perf_counter())
 
     def wait(self, launched: Launched) -> StepResult:
         """The launched round's result, once its forward and sampling are done."""
@@ -234,16 +254,22 @@ class TorchExecutor:
             return result
         tokens, logprobs, on_device = launched.future.result()
         self._sampled = (on_device, {r.id: i for i, r in enumerate(rows)}) if rows else None
-        self._land(launched.plan, rows, tokens, logprobs, result)
+        self._land(launched.plan, rows, tokens, logprobs, result, launched.spec)
+        if self.spec is not None:
+            self.spec.round_done(launched.plan, result, time.perf_counter() - launched.started)
         return result
 
-    def _forward_and_sample(self, staged, inputs):
+    def _forward_and_sample(self, staged, inputs, spec: SpecRound | None, n: int):
         """The forward thread's part: nothing here reads planner state."""
         logits = self._compute(staged)
+        if spec is not None:
+            spec.tokens = verify(logits[n:], spec.rows)
         if inputs is None:
             return [], [], None
         keep: list = []
-        tokens, logprobs = sample(logits, *inputs, keep=keep)
+        params, steps, seeds, stop_ids, histories, earlier = inputs
+        tokens, logprobs = sample(logits[:n], params, steps, seeds, stop_ids, histories,
+                                  earlier, keep=keep)
         return tokens, logprobs, keep[0]
 
     def close(self) -> None:
@@ -333,8 +359,10 @@ class TorchExecutor:
         return ([t.params for t in tracked], [len(r.output) for r in rows],
                 [t.seed for t in tracked], self._eos_ids, histories, earlier)
 
-    def _land(self, plan: Plan, rows, tokens, logprobs, result: StepResult) -> None:
+    def _land(self, plan: Plan, rows, tokens, logprobs, result: StepResult,
+              spec: SpecRound | None = None) -> None:
         it = iter(zip(rows, tokens, logprobs))
+        sampled = []                    # (request, its new tokens) for the proposer
         for op in plan.prefills:
             if op.completes:
                 req, tok, lp = next(it)
@@ -343,17 +371,47 @@ class TorchExecutor:
                     continue            # computed on unfilled pages: the planner drops it
                 if self.on_token(req, tok, lp):
                     result.stopped.add(req)
+                else:
+                    sampled.append((req, [tok]))
             else:
                 result.prefill_tokens.append(None)
-        for req, tok, lp in it:
-            result.decode_tokens.append(tok)
-            if self.on_token(req, tok, lp):
+        verified = spec.by_request() if spec is not None else {}
+        for req in plan.decodes:
+            got = verified.get(req.id)
+            if got is None:
+                _, tok, lp = next(it)
+                new = [tok]
+                ended = self.on_token(req, tok, lp)
+            else:
+                new, ended = self._take_verified(req, got, spec)
+                if len(new) > 1:
+                    result.decode_more[req.id] = new[1:]
+            result.decode_tokens.append(new[0])
+            if ended:
                 result.stopped.add(req)
+            else:
+                sampled.append((req, new))
+        if self.spec is not None and sampled:
+            result.drafts = self.spec.propose(
+                [draft_ask(req, new, self.spec.k) for req, new in sampled
+                 if speculates_now(self.tracked[req.id], req, new)])
+
+    def _take_verified(self, req, got, spec) -> tuple[list, bool]:
+        """A verify's tokens, each taken as a decode's would be, up to the
+        first that ends the request; counted for the acceptance metrics."""
+        assert self.spec is not None
+        carried = len(spec.drafts_of(req.id))
+        self.spec.counts.verified(carried, len(got) - 1)
+        for i, tok in enumerate(got):
+            if self.on_token(req, tok, None):
+                return got[:i + 1], True
+        return got, False
 
     def forward(self, plan: Plan):
         """The round's forward: (logits of the rows that sample, float32, and
-        their requests, in order: completing prefills, then decodes)."""
-        staged, rows = self._stage(plan)
+        their requests, in order: completing prefills, then decodes; a
+        verify row's 1 + k positions after them)."""
+        staged, rows, _ = self._stage(plan)
         return self._compute(staged), rows
 
     def _stage(self, plan: Plan, feed=None, own_tables: bool = False):
@@ -410,22 +468,29 @@ class TorchExecutor:
                 sample_rows.append(len(ids) - 1)
                 rows.append(req)
         fed = feed[1] if feed is not None else {}
-        for req in plan.decodes:
+        verify = plan.verify
+        # verify rows first: attention batches the trailing one-token rows (spec_round.py)
+        decodes = [r for r in plan.decodes if r.id in verify] + \
+            [r for r in plan.decodes if r.id not in verify] if verify else plan.decodes
+        verify_rows: list[int] = []
+        for req in decodes:
             p = req.num_tokens - 1
+            drafts = verify.get(req.id, ()) if verify else ()
+            m = 1 + len(drafts)
             tables = req.state.res.tables
             for g, spec in enumerate(groups):
                 table = tables[self.kv[g]]
                 kv_start = 0
                 if spec.sliding:
                     kv_start = max(p - spec.window + 1, 0)
-                    _check_live(table, kv_start, p + 1, ps, req, g)
-                seqs[g].append(SeqMeta(len(ids), 1, p + 1,
+                    _check_live(table, kv_start, p + m, ps, req, g)
+                seqs[g].append(SeqMeta(len(ids), m, p + m,
                                        list(table) if own_tables else table, kv_start))
-                slots[g].append(table[p // ps] * ps + p % ps)
+                slots[g].extend(table[q // ps] * ps + q % ps for q in range(p, p + m))
             if self.state is not None:
                 states.append(self._seq_state(req, tables[self.state], p, p + 1))
             if lora is not None:
-                row_slots.append(req.lora_slot)
+                row_slots.extend([req.lora_slot] * m)
                 if req.lora_slot >= 0:
                     needs[req.lora_slot] = req.adapter
             row = fed.get(req.id)
@@ -433,9 +498,19 @@ class TorchExecutor:
                 fed_to.append(len(ids))
                 fed_from.append(row)
             ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
-            pos.append(p)
-            sample_rows.append(len(ids) - 1)
-            rows.append(req)
+            pos.extend(range(p, p + m))
+            if drafts:
+                ids.extend(drafts)
+                verify_rows.extend(range(len(ids) - m, len(ids)))
+            else:
+                sample_rows.append(len(ids) - 1)
+                rows.append(req)
+        spec_round = None
+        if verify:
+            assert self.spec is not None
+            sample_rows += verify_rows
+            pairs = [(r, verify[r.id]) for r in decodes if r.id in verify]
+            spec_round = SpecRound(pairs, self.spec.rows(pairs, self.tracked))
         writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
                   for sl, skip in zip(slots, skips)]
         # one host tensor, one (asynchronous) copy for the round's lists
@@ -448,7 +523,9 @@ class TorchExecutor:
         staged = stage_rows(lists, self.model.device)
         ids_t, pos_t, rows_t = staged[:3]
         n = len(groups)
-        metas = [BatchMeta(seqs[g], staged[3 + g], pos_t, num_decodes=len(plan.decodes),
+        metas = [BatchMeta(seqs[g], staged[3 + g], pos_t,
+                           num_decodes=len(plan.decodes) - len(verify),
+                           num_verifies=len(verify),
                            window=spec.window if spec.sliding else None,
                            write_rows=staged[3 + n + g] if skips[g] else None)
                  for g, spec in enumerate(groups)]
@@ -459,7 +536,7 @@ class TorchExecutor:
         fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
         lora_round = (LoraRound(self.model.lora, segments, staged[3 + 2 * n:]),
                       needs) if segments is not None else None
-        return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows
+        return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows, spec_round
 
     def _compute(self, staged):
         ids_t, rows_t, metas, states_b, fed_rows, lora_round = staged

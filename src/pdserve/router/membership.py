@@ -115,7 +115,7 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
                 told.append(a)
                 calls.append(a.control.AddPeer(cpb.AddPeerRequest(
                     engine=b.name, incarnation=i.incarnation, nixl_metadata=i.nixl_metadata,
-                    address=i.address), timeout=30))
+                    address=i.address, spec_config=i.spec_config), timeout=30))
         for a, res in zip(told, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(res, Exception):
                 log.warning("telling %s about its peers failed: %s; retrying", a.name, res)

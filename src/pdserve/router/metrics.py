@@ -187,11 +187,13 @@ class _EngineCollector:
                                  "waiting requests, comma-separated, and its device slots",
                                  labels=["engine", "role", "running_lora_adapters",
                                          "waiting_lora_adapters", "max_lora"])
+        spec = SpecMetrics()
         for ref, s in self.snapshot:
             labels = [ref.name, s.role]
             if s.max_loras:
                 lora.add_metric(labels + [",".join(s.lora_running), ",".join(s.lora_waiting),
                                           str(s.max_loras)], 1)
+            spec.add(labels, s)
             for name, _, field in _GAUGES + _COUNTERS:
                 fams[name].add_metric(labels, getattr(s, field))
             usage.add_metric(labels, s.used_pages / s.total_pages if s.total_pages else 0.0)
@@ -218,3 +220,48 @@ class _EngineCollector:
         yield by_tier
         yield disk
         yield lora
+        yield from spec.families()
+
+
+class SpecMetrics:
+    """Speculative decoding's metrics, by vLLM's names where the meaning is
+    the same (vllm:spec_decode_*): drafts (verifies run), draft tokens (the
+    candidates they carried), accepted tokens, accepted tokens per
+    candidate position; and the gate (roles/spec_gate.py): 1 while the
+    engine proposes, and the tokens/s it measured with and without."""
+
+    def __init__(self) -> None:
+        labels = ["engine", "role"]
+        self.counters = {
+            key: CounterMetricFamily(P + f"spec_decode_{key}", doc, labels=labels)
+            for key, doc in (("num_drafts", "Speculative verifies run"),
+                             ("num_draft_tokens", "Candidate tokens the verifies carried"),
+                             ("num_accepted_tokens", "Candidate tokens accepted"))}
+        self.per_pos = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos", "Candidate tokens accepted at each "
+            "position of the verify (0: the first candidate)", labels=labels + ["position"])
+        self.gate = GaugeMetricFamily(P + "spec_decode_gate_on", "1 while the speculation "
+                                      "gate proposes candidates (probing included), else 0",
+                                      labels=labels + ["mode"])
+        self.rates = GaugeMetricFamily(P + "spec_decode_gate_tokens_per_second", "Delivered "
+                                       "tokens/s the gate measured at the batch it last ran, "
+                                       "with speculation (on) and without (off)",
+                                       labels=labels + ["side"])
+
+    def add(self, labels: list, s) -> None:
+        if not s.spec_gate:
+            return                          # the engine does not speculate
+        for key, fam in self.counters.items():
+            fam.add_metric(labels, s.spec_decode.get(key, 0))
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            self.per_pos.add_metric(labels + [str(pos)], n)
+        self.gate.add_metric(labels + [s.spec_gate],
+                             1.0 if s.spec_gate in ("on", "probe_on", "ungated") else 0.0)
+        self.rates.add_metric(labels + ["on"], s.spec_tokens_per_s_on)
+        self.rates.add_metric(labels + ["off"], s.spec_tokens_per_s_off)
+
+    def families(self):
+        yield from self.counters.values()
+        yield self.per_pos
+        yield self.gate
+        yield self.rates

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.speculation import SpecConfig
 
 
 class ConfigError(ValueError):
@@ -105,6 +109,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1       # ranks (processes, GPUs) one engine's model is split over
     tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs it
     tensor_parallel_check: bool = False # debug: the ranks compare digests of each round's view
+    speculative: SpecConfig | None = None   # speculative decoding (speculation.py; None: off)
 
     def __post_init__(self) -> None:
         positive = (
@@ -184,6 +189,8 @@ class EngineConfig:
                 raise ConfigError("engine.disk_cache does not run with engine.overlap yet: a "
                                   "round built ahead could publish a disk hit before its read "
                                   "is confirmed; turn one of them off")
+        if self.speculative is not None:
+            self._speculation()
         if self.total_pages * self.page_size <= self.decode_input_tokens:
             raise ConfigError(
                 f"engine.total_pages={self.total_pages} x page_size={self.page_size} "
@@ -191,6 +198,26 @@ class EngineConfig:
                 "total_pages"
             )
         check_tensor_parallel(self)
+
+    def _speculation(self) -> None:
+        """engine.speculative, and the decode slot it implies: 1 + k."""
+        from pdserve.scheduler.speculation import SpecConfig
+
+        spec = self.speculative
+        if isinstance(spec, dict):
+            spec = SpecConfig.from_dict(spec)
+            object.__setattr__(self, "speculative", spec)
+        if not isinstance(spec, SpecConfig):
+            raise ConfigError("engine.speculative must be a mapping (method, "
+                              "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+        width = 1 + spec.k
+        if self.decode_input_tokens == 1:
+            object.__setattr__(self, "decode_input_tokens", width)
+        elif self.decode_input_tokens != width:
+            raise ConfigError(f"engine.decode_input_tokens={self.decode_input_tokens} does not "
+                              f"match engine.speculative.num_speculative_tokens={spec.k}: a "
+                              f"verify feeds 1 + k = {width} tokens; leave decode_input_tokens "
+                              "out (it follows k)")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "engine") -> "EngineConfig":
@@ -219,6 +246,10 @@ def check_tensor_parallel(cfg: EngineConfig, where: str = "engine") -> None:
                           f"{cfg.tensor_parallel_check!r}")
     if t == 1:
         return
+    if cfg.speculative is not None:
+        raise ConfigError(f"{where}.speculative with tensor_parallel_size {t}: a tensor-parallel "
+                          "engine's worker ranks do not run verify rows yet; set speculative "
+                          "off or tensor_parallel_size 1")
     for name, on in (("host_pages", cfg.host_pages), ("disk_cache", cfg.disk_cache)):
         if on:
             raise ConfigError(f"{where}.{name} with tensor_parallel_size {t}: a tensor-parallel "

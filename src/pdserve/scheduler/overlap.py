@@ -7,7 +7,8 @@ N+1 is built while round N's forward is still in flight.
     launch(N+1)
 
 Only decodes run ahead of their own forward: a Decoding request whose one
-forward in flight is a decode decodes again, its page need counting the
+forward in flight is a plain decode (not a speculative verify, whose
+accepted count is unknown until it lands) decodes again, its page need counting the
 token N adds (num_tokens + 1); its input is N's sampled token, which the
 executor takes on the device. A prefill chunk's next chunk needs no sampled
 token and goes as it would (the phases never look at forwards_out there).
@@ -51,7 +52,9 @@ def runs_ahead(p, b, req) -> bool:
     failure: it decodes normally once its forward lands."""
     st = req.state
     if not p.cfg.overlap or st.__class__ is not Decoding or st.res.forwards_out != 1 \
-            or req.remaining_new_tokens <= 1:
+            or req.remaining_new_tokens <= 1 or req.drafts or p.speculating:
+        # a verify in flight adds tokens no one knows yet, and a decode that
+        # may propose candidates waits for them (speculation.py)
         return False
     n = req.num_tokens + 1              # N's token included
     if n <= req.capacity:
@@ -128,7 +131,9 @@ def _without(plan, result, ending):
     result = dataclasses.replace(
         result, prefill_tokens=[result.prefill_tokens[i] for i in keep_p],
         decode_tokens=[result.decode_tokens[i] for i in keep_d],
-        stopped={r for r in result.stopped if id(r) not in gone})
+        stopped={r for r in result.stopped if id(r) not in gone},
+        decode_more={k: v for k, v in result.decode_more.items() if k not in ending},
+        drafts={k: v for k, v in result.drafts.items() if k not in ending})
     return plan, result
 
 

@@ -25,6 +25,7 @@ from pdserve.scheduler.overlap import runs_ahead
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
 from pdserve.scheduler.request import Request
+from pdserve.scheduler.speculation import verify_width
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
 
 _FIRST_DECODE = (PrefillDone, RemotePrefillDone)
@@ -142,14 +143,15 @@ def sliding_room(p, chunk_tokens: int) -> tuple[int, int] | None:
 
 # ---- decode -----------------------------------------------------------------
 
-def try_decode(p, b: PlanBuild, req) -> bool:
-    """Admit the page a decode crosses into (and, on the first decode,
-    publish the prompt's pages); False if the pool cannot supply it."""
+def try_decode(p, b: PlanBuild, req, width: int = 0) -> bool:
+    """Admit the page a decode crosses into (a verify row: every page its
+    `width` candidates write too), and, on the first decode, publish the
+    prompt's pages; False if the pool cannot supply it."""
     st = req.state
     ps = p.page_size
     n = req.num_tokens
-    if not p.coord.admit(req, st.res, demands(p, n - 1, n, 0, 0, decode=True), (n - 1) // ps,
-                         b.plan):
+    if not p.coord.admit(req, st.res, demands(p, n - 1, n + width, 0, 0, decode=True),
+                         (n - 1) // ps, b.plan):
         return False
     if st.__class__ in _FIRST_DECODE:
         fsm.begin_decoding(req)
@@ -163,31 +165,44 @@ def decode_phase(p, b: PlanBuild) -> None:
     if not b.can_decode():
         return
     limit = b.batch_left
+    tokens = None                           # the budget decodes may spend (None: no budget)
     if b.decodes_use_budget:
         # with bounded replay a hit's first chunk needs its replay rows and
         # a page beside them: leave that much for a prefill waiting (§1.3)
         keep = p.min_prefill_tokens if (p.waiting or p.prefilling) else 0
-        limit = min(limit, max(b.budget - keep, 1 if not b.plan.prefills else 0))
+        tokens = max(b.budget - keep, 1 if not b.plan.prefills else 0)
+        limit = min(limit, tokens)
     decodes = b.plan.decodes
-    n = 0
+    n = extra = 0
     for req in p.running.values():
         st = req.state
+        width = 0
         if st.res.forwards_out:
             if not runs_ahead(p, b, req):   # engine.overlap: a decode in flight goes again
                 continue
-        elif req.num_tokens > req.capacity or st.__class__ in _FIRST_DECODE:
-            if not try_decode(p, b, req):
-                b.fail(req)
-                continue
-            st = req.state
+        else:
+            if req.drafts:                  # a verify row (speculation.py)
+                width = verify_width(req, None if tokens is None else tokens - n - extra)
+            if req.num_tokens + width > req.capacity or st.__class__ in _FIRST_DECODE:
+                # short of pages for the candidates, a plain decode may still fit
+                if not try_decode(p, b, req, width) and not (
+                        width and req.num_tokens > req.capacity and try_decode(p, b, req)):
+                    b.fail(req)
+                    continue
+                if req.num_tokens + width > req.capacity:
+                    width = 0
+                st = req.state
         st.res.forwards_out += 1
         decodes.append(req)
+        if width:
+            b.plan.verify[req.id] = req.drafts[:width]
+            extra += width
         n += 1
-        if n == limit:
+        if n == limit or (tokens is not None and n + extra >= tokens):
             break
     b.batch_left -= n
     if b.decodes_use_budget:
-        b.budget -= n
+        b.budget -= n + extra
 
 
 # ---- local prefill ----------------------------------------------------------
@@ -529,7 +544,7 @@ def ship_phase(p, b: PlanBuild) -> None:
         del p.running[req.id]
         p.transferring[req.id] = req
         src = transfer_slots(p, res, req.num_tokens - 1, req.first_page)
-        b.plan.remote_decodes.append(RemoteDecodeOp(req, src, req.output[0]))
+        b.plan.remote_decodes.append(RemoteDecodeOp(req, src, req.output[0], list(req.drafts)))
 
 
 def transfer_slots(p, res, prompt_len: int, first_page: int) -> list[list[int]]:

@@ -37,6 +37,9 @@ class Plan:
     remote_prefills: list = field(default_factory=list)
     # P: completed prompts whose KV and first token ship to the peer.
     remote_decodes: list = field(default_factory=list)
+    # Speculation: request id -> the candidates its decode feeds after its
+    # last token (a verify row of 1 + len positions; speculation.py).
+    verify: dict = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills or self.retracts or self.readmits
@@ -61,6 +64,12 @@ class StepResult:
     # read whole (done), or not (missed: absent, torn, corrupt, foreign, late).
     disk_loads_done: list = field(default_factory=list)
     disk_loads_missed: list = field(default_factory=list)
+    # Speculation. A verify decode's tokens after its first (decode_tokens
+    # holds the first), by request id: the accepted candidates, then the
+    # correction or bonus, cut after a token that stopped it.
+    decode_more: dict = field(default_factory=dict)
+    # Request id -> candidates proposed for its next step (absent: none).
+    drafts: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -139,10 +148,13 @@ class RemotePrefillOp:
 class RemoteDecodeOp:
     """P ships a completed prompt: per cache group the pages `src[g]` of the
     slots the peer's landing asked for, and the first sampled token. The
-    pages stay pinned on P until the peer acks."""
+    pages stay pinned on P until the peer acks. `drafts`: speculative
+    candidates proposed after the first token, for D's first decode to
+    verify (speculation.py)."""
     req: object
     src: list
     first_token: int
+    drafts: list = field(default_factory=list)
 
     @property
     def src_pages(self) -> list:

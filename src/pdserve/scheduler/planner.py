@@ -83,6 +83,9 @@ class Planner:
         self.round = 0
         self.stalls: list[str] = []                # rounds the liveness last resort ran
         self.hits = HitCounts()                    # prompt tokens found cached, by tier
+        # engine.speculative with its gate on (the engine's to set before a
+        # build): decodes may carry candidates, and none runs ahead (overlap.py)
+        self.speculating = cfg.speculative is not None
         self._seq = 0
         self._epoch = 0
         self._free_slots: list[int] = []
@@ -178,12 +181,19 @@ class Planner:
                     done.append(req)
         for req in plan.decodes:
             req.state.res.forwards_out -= 1
+        more = result.decode_more
         for req, tok in zip(plan.decodes, result.decode_tokens):
             out = req.output
             out.append(tok)
             req.num_tokens += 1
+            if more and req.id in more:     # a verify's accepted tokens (speculation.py)
+                extra = more[req.id][:req.max_new_tokens - len(out)]
+                out.extend(extra)
+                req.num_tokens += len(extra)
             if len(out) >= req.max_new_tokens:
                 done.append(req)
+        if plan.verify or result.drafts:
+            self._take_drafts(plan, result)
         for rid in missed:
             self._disk_missed(self.requests[rid])
         if stopped:
@@ -193,6 +203,16 @@ class Planner:
             reason = "stop" if req in stopped else "length"
             self._finish(req, reason)
         return done
+
+    def _take_drafts(self, plan: Plan, result: StepResult) -> None:
+        """Each request that computed a token this round holds the
+        candidates proposed after it, or none; one with another forward
+        out (engine.overlap) none: they follow a token it is past."""
+        drafts = result.drafts
+        for req in [op.req for op in plan.prefills if op.completes] + plan.decodes:
+            st = req.state
+            req.drafts = drafts.get(req.id, []) if not (
+                st.holds_pages and st.res.forwards_out) else []
 
     def _disk_reads(self, plan: Plan, result: StepResult) -> set[str]:
         """Land the round's disk reads: each ticket lets go; a read that
@@ -252,14 +272,18 @@ class Planner:
         return failed
 
     # ---- events from the peer (disaggregation) ----------------------------
-    def transfer_landed(self, req_id: str, first_token: int, stopped: bool = False) -> list:
-        """D: the peer's KV and first token arrived. Returns the requests
-        that finished (a one-token generation ends here)."""
+    def transfer_landed(self, req_id: str, first_token: int, stopped: bool = False,
+                        drafts=()) -> list:
+        """D: the peer's KV and first token arrived (with `drafts`, the
+        speculative candidates P proposed after it, for the first decode to
+        verify). Returns the requests that finished (a one-token generation
+        ends here)."""
         req = self.requests[req_id]
         fsm.remote_landed(req)
         del self.landing[req_id]
         req.output.append(first_token)
         req.num_tokens += 1
+        req.drafts = list(drafts) if self.speculating else []
         self._enter(self.running, req)
         if len(req.output) >= req.max_new_tokens or stopped:
             self._finish(req, "stop" if stopped else "length")

@@ -78,7 +78,7 @@ class Request:
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
         "finish_reason", "error", "peer", "first_page", "yields_to", "adapter", "lora_slot",
-        "disk_pages", "disk_wait", "cached",
+        "disk_pages", "disk_wait", "cached", "drafts",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits(),
@@ -118,6 +118,9 @@ class Request:
         self.disk_wait = False
         # Prompt tokens its first admission found cached: (device, host, disk)
         self.cached = (0, 0, 0)
+        # Speculative candidates for its next step, from the last round's
+        # result (speculation.py): a decode then verifies them
+        self.drafts: list[int] = []
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only).

@@ -113,7 +113,7 @@ class LoopbackTransport(KvTransport):
                                           seconds=took))
         live._events.append(TransferEvent(TransferEventKind.LANDED, w.req_id, w.epoch,
                                           self.incarnation, first_token=w.first_token,
-                                          payload=w.payload))
+                                          payload=w.payload, drafts=w.drafts))
 
     def _poll_backend(self) -> list[TransferEvent]:
         out, self._events = self._events, []

@@ -204,10 +204,10 @@ class NixlTransport(KvTransport):
                 if parsed is None or parsed[2] != self.incarnation:
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
-                req_id, epoch, _, token, payload = parsed
+                req_id, epoch, _, token, payload, drafts = parsed
                 out.append(TransferEvent(TransferEventKind.LANDED, req_id, epoch,
                                          Incarnation.parse(agent_name), first_token=token,
-                                         payload=payload))
+                                         payload=payload, drafts=drafts))
         return out
 
     def _backend_in_flight(self, req_id: str) -> bool:

@@ -52,6 +52,7 @@ class KvWrite:
     dst_pages: tuple           # D's landing pages, same length
     first_token: int = -1      # rides on the notification: D needs it with the KV
     payload: bytes = b""       # rides along too (the first token's logprobs), opaque here
+    drafts: tuple = ()         # and P's speculative candidates after the first token
 
 
 class TransferEventKind(enum.Enum):
@@ -74,6 +75,7 @@ class TransferEvent:
     reason: str = ""
     first_token: int = -1      # landed: the token the write carried
     payload: bytes = b""       # landed: what the write carried beside it
+    drafts: tuple = ()         # landed: the speculative candidates it carried
     seconds: float = 0.0       # done: post -> completion
 
 
@@ -109,18 +111,20 @@ def page_runs(src, dst) -> list[tuple[int, int, int]]:
 
 
 def encode_notif(w: KvWrite) -> bytes:
-    return (f"pdkv|{w.epoch}|{w.first_token}|{w.target.agent_name}|{w.payload.hex()}|"
-            f"{w.req_id}").encode()
+    drafts = ",".join(str(t) for t in w.drafts)
+    return (f"pdkv|{w.epoch}|{w.first_token}|{drafts}|{w.target.agent_name}|"
+            f"{w.payload.hex()}|{w.req_id}").encode()
 
 
 def decode_notif(msg: bytes):
-    """(req_id, epoch, target incarnation, first token, payload), or None
-    for a foreign message. The request id goes last: it may contain '|'."""
+    """(req_id, epoch, target incarnation, first token, payload, drafts), or
+    None for a foreign message. The request id goes last: it may contain '|'."""
     try:
-        tag, epoch, token, target, payload, req_id = msg.decode().split("|", 5)
+        tag, epoch, token, drafts, target, payload, req_id = msg.decode().split("|", 6)
         if tag != "pdkv":
             return None
-        return req_id, int(epoch), Incarnation.parse(target), int(token), bytes.fromhex(payload)
+        return (req_id, int(epoch), Incarnation.parse(target), int(token),
+                bytes.fromhex(payload), tuple(int(t) for t in drafts.split(",") if t))
     except (ValueError, UnicodeDecodeError):
         return None
 

@@ -1,0 +1,107 @@
+"""Speculative decoding as the planner sees it: the settings, and how many
+candidates a decode carries.
+
+A speculating request holds the candidates its proposer gave for its next
+step (`Request.drafts`, set by `Planner.apply` from the round's result: the
+executor proposes at the edge, the planner only counts). Its decode is then
+a verify row: the last accepted token and up to k candidates, 1 + k
+positions scored in one forward, each against the round's token budget
+where decodes spend it. Pages are admitted for every position the row
+writes; after the verify only the accepted tokens count (`num_tokens`), so
+what the rejected positions wrote lies beyond the frontier, is never
+published (publication stops below `num_tokens - 1`), and is overwritten by
+the next forward. A sliding group lets go only of what slid out of the
+window of the row's first position, the last accepted token.
+
+The completing chunk reserves `decode_input_tokens = 1 + k` on every role
+(spec §1), so a first verify, on D the one P's candidates ride with, fits
+in the pages the prompt's admission took.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pdserve.scheduler.config import ConfigError, check_keys
+
+
+class SpecMethod(enum.StrEnum):
+    NGRAM = "ngram"         # prompt lookup: no weights (kernels/proposers.py)
+    DRAFT = "draft"         # a smaller model sharing the tokenizer (not built yet)
+
+
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """engine.speculative (`pdserve up --speculative-config JSON`, vLLM's names)."""
+    method: SpecMethod = SpecMethod.NGRAM
+    num_speculative_tokens: int = 3     # k: the most candidates one verify carries
+    prompt_lookup_min: int = 2          # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4          # ngram: the longest, tried first
+    draft_model: dict | None = None     # draft: its model section (as `model:`)
+    gate: bool = True                   # speculate only while it pays (roles/spec_gate.py)
+
+    def __post_init__(self) -> None:
+        w = "engine.speculative"
+        methods = ", ".join(m.value for m in SpecMethod)
+        if self.method not in {m.value for m in SpecMethod}:
+            raise ConfigError(f"{w}.method is {self.method!r}, which does not exist; use one "
+                              f"of {methods}")
+        object.__setattr__(self, "method", SpecMethod(self.method))
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ConfigError(f"{w}.num_speculative_tokens must be an integer in [1, "
+                              f"{MAX_SPEC_TOKENS}] (the candidates one verify carries), "
+                              f"got {k!r}; to turn speculation off, leave out "
+                              f"{w}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{w}.{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"{w}.prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                              f"prompt_lookup_max={self.prompt_lookup_max}; lower the one or "
+                              "raise the other")
+        if not isinstance(self.gate, bool):
+            raise ConfigError(f"{w}.gate must be true or false, got {self.gate!r}")
+        if self.method is SpecMethod.DRAFT:
+            if not isinstance(self.draft_model, dict) or not self.draft_model:
+                raise ConfigError(f"{w}.method is draft: give {w}.draft_model, a model "
+                                  "section (path or preset) sharing the target's tokenizer")
+            raise ConfigError(f"{w}.method draft (a draft model) is not built in this "
+                              "version; use method: ngram")
+        if self.draft_model is not None:
+            raise ConfigError(f"{w}.draft_model is set but method is {self.method.value}; "
+                              "set method: draft, or leave draft_model out")
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @classmethod
+    def from_dict(cls, data) -> "SpecConfig":
+        import dataclasses
+
+        return cls(**check_keys(data, "engine.speculative",
+                                {f.name for f in dataclasses.fields(cls)}))
+
+    def describe(self) -> str:
+        """The settings both sides of a P/D pair must agree on, in one line."""
+        s = f"method={self.method.value} num_speculative_tokens={self.k}"
+        if self.method is SpecMethod.NGRAM:
+            s += f" prompt_lookup_min={self.prompt_lookup_min} " \
+                 f"prompt_lookup_max={self.prompt_lookup_max}"
+        return s
+
+
+def verify_width(req, budget: int | None) -> int:
+    """Candidates `req`'s decode carries this round: its drafts, no more
+    than its generation has room for beyond the verify's own token, nor
+    than the token budget left beside that token (None: no budget)."""
+    w = min(len(req.drafts), req.remaining_new_tokens - 1)
+    if budget is not None:
+        w = min(w, budget - 1)
+    return max(w, 0)
