@@ -15,7 +15,10 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                the planner turns into a retraction (§4)
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
-                               host hits on it reach write_hits
+                               host hits on it reach write_hits; skipped
+                               while write_backlog pages wait to be written
+                               (the store reads on its own lane, so reads
+                               never queue behind writes)
 
 The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
@@ -91,6 +94,7 @@ class DiskCounts:
     reads_missed: int = 0
     read_now_pages: int = 0     # pages a plan's read fetched itself (not prefetched)
     writes: int = 0             # pages queued to disk
+    writes_dropped: int = 0     # write-through skipped: write_backlog pages already queued
 
 
 @dataclass
@@ -190,10 +194,9 @@ class DiskTier:
         """Block until the reads of every held prefetch ended (or
         `timeout_s`): an engine with nothing else to do waits here, woken
         once, not once a page."""
-        last = max((j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs),
-                   default=None)
-        if last is not None:
-            self.store.wait_ended(last, timeout_s)
+        jobs = [j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs]
+        if jobs:
+            self.store.wait_ended(jobs, timeout_s)
 
     def _arrivals(self, planner) -> None:
         new = []
@@ -326,6 +329,11 @@ class DiskTier:
     def _write(self, chain: int, page_bytes) -> None:
         if chain in self._written:
             return
+        if self.store.queued_writes() >= self.cfg.write_backlog:
+            # the disk is behind: this page stays on host only (a later store
+            # or host hit may write it); reads never wait for writes anyway
+            self.counts.writes_dropped += 1
+            return
         if len(self._written) >= REMEMBERED:
             self._written.clear()       # a skip list only: forgetting costs a rewrite
         self._written.add(chain)
@@ -341,4 +349,4 @@ class DiskTier:
         return {**self.counts.__dict__, "bytes_read": s.bytes_read,
                 "bytes_written": s.bytes_written, "disk_gets": s.gets, "disk_get_hits": s.hits,
                 "disk_evictions": s.evictions, "disk_removed_bad": s.removed_bad,
-                "disk_failed_puts": s.failed_puts}
+                "disk_failed_puts": s.failed_puts, "disk_read_unwritten": s.read_unwritten}
