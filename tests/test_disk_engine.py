@@ -263,3 +263,29 @@ def test_write_through_skips_pages_past_the_write_backlog():
     assert tier.flush() and tier.counts.writes == 4
     assert len(store.files) == 4
     tier.close()
+
+
+@pytest.mark.parametrize("arch,extra,named", [
+    ("gemma3", dict(sliding_window=8, layer_types=("sliding_attention", "full_attention")),
+     "sliding-window layers (window 8)"),
+    ("mistral", dict(sliding_window=16), "no full-history attention layer"),
+    ("qwen3_5", dict(layer_types=("linear_attention", "full_attention")),
+     "1 layer keeping a recurrent state"),
+    ("lfm2", dict(layer_types=("conv", "full_attention")), "1 layer keeping a recurrent state"),
+])
+def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extra, named):
+    """The disk tier stores full-history pages only: a model with sliding
+    windows or recurrent state is refused at start, its family and the
+    groups the tier cannot restore named, the fix said."""
+    import dataclasses
+    import re
+
+    from pdserve.kernels.model_config import tiny_config
+    from pdserve.roles.disk_tier import check_model_served
+
+    disk = DiskCacheConfig(path="unused")
+    mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
+    with pytest.raises(ConfigError, match=rf"{arch} has .*{re.escape(named)}.*Remove engine.disk_cache"):
+        check_model_served(disk, mcfg)
+    check_model_served(disk, tiny_config())              # full history: served
+    check_model_served(None, mcfg)                       # no tier: nothing to check

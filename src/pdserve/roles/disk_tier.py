@@ -35,10 +35,35 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy, WritePolicy
+from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
+
+
+def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0) -> None:
+    """Refuse a disk tier for a model whose layers do not all keep full
+    history: the tier reads a full-history group's pages only, and a hit
+    on such a model must also restore each sliding window's tail and the
+    recurrent state at its end, which it does not store yet. Raises
+    ConfigError naming the model's family and its other cache groups."""
+    if cfg is None:
+        return
+    groups = model_cfg.cache_groups()
+    state = model_cfg.state_group(state_block)
+    other = [f"sliding-window layers (window {g.window})" for g in groups if g.sliding]
+    if state is not None:
+        n = len(state.layers)
+        other.append(f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state")
+    if groups and not groups[0].sliding and not other:
+        return
+    if not groups or groups[0].sliding:
+        other.insert(0, "no full-history attention layer")
+    raise ConfigError(
+        f"engine.disk_cache serves models whose attention layers all keep full history "
+        f"(Llama, Qwen2/3, SmolLM2, Mistral without sliding_window); {model_cfg.arch} has "
+        f"{', '.join(other)}, whose tails and states the disk tier does not store yet. "
+        "Remove engine.disk_cache for this model (its host tier still caches prefixes)")
 
 
 def weights_fingerprint(model) -> str:

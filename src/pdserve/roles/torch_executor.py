@@ -38,7 +38,7 @@ from pdserve.kernels.lora import LoraRound
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
-from pdserve.roles.disk_tier import DiskTier
+from pdserve.roles.disk_tier import DiskTier, check_model_served
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
@@ -148,6 +148,7 @@ class TorchExecutor:
         self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
         if disk is None and cfg.disk_cache is not None:
+            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block)
             disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
