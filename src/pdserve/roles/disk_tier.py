@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kernels.kv_cache import KVCache
 from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
@@ -294,6 +295,43 @@ class DiskTier:
         pf = self._prefetch.pop(rid)
         for j in pf.jobs:
             self._jobs.pop(j, None)
+
+    # ---- a round's copies (the executor calls this after its host stores) --------
+    def copies(self, plan, result, host) -> set[str]:
+        """Write-through of the round's full-history stores (their host
+        pages now hold them), then the round's disk reads into host pages,
+        hit or miss, each acked in `result`; host hits counted for
+        selective writes. Returns the requests whose read missed (their
+        forward this round runs on unfilled pages: the planner retracts
+        them and drops what they sample). `host`: group 0's host cache."""
+        assert isinstance(host, KVCache)            # the tier caches full-history pages
+        for s in plan.stores:
+            if s.group != 0:
+                continue
+            if not s.pinned:
+                self.host_overwritten(s.host_pages)
+                continue
+            assert s.entries is not None            # a pinned store names what it publishes
+            for hp, (parent, key) in zip(s.host_pages, s.entries):
+                self.stored(chain_hash(parent, key), hp, lambda hp=hp: host.read_page(hp))
+        missed = set()
+        for op in plan.disk_loads:
+            self.host_overwritten(op.host_pages)
+            data = self.read(op)
+            if data is None:
+                result.disk_loads_missed.append(op.id)
+                missed.add(op.req_id)
+                continue
+            for hp, b in zip(op.host_pages, data):
+                host.write_page(hp, b)
+            result.disk_loads_done.append(op.id)
+        staged = {hp for op in plan.disk_loads for hp in op.host_pages}
+        for ld in plan.loads:
+            if ld.group == 0:
+                for hp in ld.host_pages:
+                    if hp not in staged:
+                        self.host_hit(hp, lambda hp=hp: host.read_page(hp))
+        return missed
 
     # ---- a plan's reads ---------------------------------------------------------
     def read(self, op) -> list[bytes] | None:
