@@ -181,3 +181,11 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
     assert max(batches) == 2
     runs = r["tok_per_s_runs"]
     assert len(runs) == 3 and runs == sorted(runs) and r["output_tok_per_s"] == runs[1]
+
+
+def test_bench_disk(capsys):
+    out = bench(capsys, "disk", "--preset", "tiny", "--conversations", "2", "--turns", "2",
+                "--turn-tokens", "32", "--repeats", "1")
+    for row in ("host alone (A) vs host + disk (B)", "one FIFO worker (before)",
+                "cold (A) vs warm (B)", "tier off (A) vs on (B)"):
+        assert row in out

@@ -164,8 +164,12 @@ class DiskStore(abc.ABC):
     Subclasses implement the blocking `_exists`, `_get`, `_put` and
     `_delete`; the two lanes call them from two threads."""
 
-    def __init__(self):
+    def __init__(self, lanes: bool = True):
+        """`lanes=False`: every operation on the write lane, in submission
+        order (one FIFO worker, as before the lanes: `pdserve bench disk`
+        compares the two)."""
         self.stats = DiskStats()
+        self._lanes = lanes
         self._queues: dict[Lane, deque] = {lane: deque() for lane in Lane}
         self._pending: set[int] = set()                 # submitted, not finished
         self._unwritten: dict[str, tuple[int, bytes]] = {}  # file name -> (PUT job, bytes)
@@ -197,7 +201,7 @@ class DiskStore(abc.ABC):
             elif op is DiskOp.DELETE:
                 self._unwritten.pop(key.name(), None)
             self._pending.add(job)
-            self._queues[LANES[op]].append((job, op, key, data))
+            self._queues[LANES[op] if self._lanes else Lane.WRITE].append((job, op, key, data))
             self._cv.notify_all()
             return job
 
@@ -360,7 +364,7 @@ class FileStore(DiskStore):
     start; files of other engines sharing the directory are read like ours.
     Only the write lane writes, renames and evicts; the read lane reads."""
 
-    def __init__(self, path, max_bytes: int):
+    def __init__(self, path, max_bytes: int, lanes: bool = True):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise DiskStoreError(f"engine.disk_cache.max_bytes must be a positive integer, "
                                  f"got {max_bytes!r}")
@@ -372,7 +376,7 @@ class FileStore(DiskStore):
         # the LRU index and byte count: the read lane refreshes, the write lane evicts
         self._meta = threading.RLock()
         self._scan()
-        super().__init__()
+        super().__init__(lanes)
 
     def _scan(self) -> None:
         """Forget leftover temporary files (a writer killed mid-write: they
