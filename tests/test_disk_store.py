@@ -258,3 +258,20 @@ def test_fake_store_injects_drops_torn_and_stale_files():
     assert run(s, DiskOp.EXISTS, key(1)).ok
     assert not run(s, DiskOp.EXISTS, key(2)).ok and not run(s, DiskOp.EXISTS, key(3)).ok
     s.close()
+
+
+def test_paused_writes_wait_and_reads_go_on():
+    """pause_writes holds the write lane; reads are served meanwhile; a
+    resume (or close) lets the writes run."""
+    s = FakeStore()
+    run(s, DiskOp.PUT, key(0), b"a" * 8)
+    s.pause_writes(True)
+    job = s.submit(DiskOp.PUT, key(1), b"b" * 8)
+    assert run(s, DiskOp.GET, key(0)).ok
+    assert s.wait(job, timeout_s=0.05) is None and s.queued_writes() == 1
+    s.pause_writes(False)
+    assert s.wait(job, timeout_s=10).ok
+    s.pause_writes(True)
+    s.submit(DiskOp.PUT, key(2), b"c" * 8)
+    s.close()                                   # finishes the queue though paused
+    assert len(s.files) == 3

@@ -18,7 +18,10 @@ comparisons, each alternating its two sides over `--repeats` runs:
 
 The sides of a comparison are alive at once and take each prompt in turn,
 the order rotated prompt by prompt, so a busy machine slows every side
-alike; B / A is the median of the per-prompt ratios.
+alike; B / A is the median of the per-prompt ratios. A side's disk writes
+run in its own turns only (the others' write lanes are paused), so each
+side meets the write backlog it would meet alone and spends no CPU in the
+others' time.
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ class Bench:
 
     def close(self) -> None:
         for ex in self.made:
+            if ex.disk is not None:
+                ex.disk.store.pause_writes(False)
             ex.close()
         self.made = []
 
@@ -113,6 +118,9 @@ class Bench:
         CPU it took; with `flush`, until its writes are on disk too)."""
         from pdserve import SamplingParams
 
+        for ex in self.made:            # other engines' writes wait for their own turns
+            if ex.disk is not None:
+                ex.disk.store.pause_writes(ex is not side[0])
         self.llm.executor, self.llm.engine = side
         sp = SamplingParams(max_tokens=1, temperature=0)
         cpu0, t0 = time.process_time(), time.perf_counter()

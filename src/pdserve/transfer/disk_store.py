@@ -178,6 +178,7 @@ class DiskStore(abc.ABC):
         self._cv = threading.Condition()
         self._next = 0
         self._closed = False
+        self._writes_paused = False
         self._threads = [threading.Thread(target=self._work, args=(lane,),
                                           name=f"disk-{lane.value}", daemon=True)
                          for lane in Lane]
@@ -246,6 +247,15 @@ class DiskStore(abc.ABC):
         with self._cv:
             return len(self._queues[Lane.WRITE])
 
+    def pause_writes(self, paused: bool) -> None:
+        """Hold the write lane (it starts nothing new until resumed; close
+        still finishes its queue). `pdserve bench disk` runs several
+        engines interleaved and lets each one's writes run in its own turns
+        only, as if it ran alone."""
+        with self._cv:
+            self._writes_paused = paused
+            self._cv.notify_all()
+
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Block until every submitted operation has finished."""
         with self._cv:
@@ -264,7 +274,8 @@ class DiskStore(abc.ABC):
         queue = self._queues[lane]
         while True:
             with self._cv:
-                while not queue and not self._closed:
+                while not self._closed and (
+                        not queue or (lane is Lane.WRITE and self._writes_paused)):
                     self._cv.wait()
                 if not queue:
                     return
