@@ -189,3 +189,9 @@ def test_bench_disk(capsys):
     for row in ("host alone (A) vs host + disk (B)", "one FIFO worker (before)",
                 "cold (A) vs warm (B)", "tier off (A) vs on (B)"):
         assert row in out
+
+
+def test_bench_disk_read_behind_writes(capsys):
+    out = bench(capsys, "disk", "--only", "read-behind-writes", "--backlog", "4",
+                "--page-kib", "16", "--repeats", "2")
+    assert "one FIFO worker (before)" in out and "separate lanes" in out

@@ -39,6 +39,7 @@ from pathlib import Path
 from pdserve.benchmarks.args import positive
 
 PARTS = ("replay", "restart", "all-miss")
+STORE = "read-behind-writes"      # the store alone; not part of the default run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,8 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--dir", default=None, help="the disk tier's directory (default: a fresh "
                    "one under /dev/shm, else the system's temporary directory)")
-    p.add_argument("--only", choices=PARTS, action="append", default=None,
-                   help="run these comparisons only (repeatable; default: all three)")
+    p.add_argument("--only", choices=PARTS + (STORE,), action="append", default=None,
+                   help="run these comparisons only (repeatable; default: the three on the "
+                   f"engine; {STORE}: a read's latency behind a write backlog, the store's "
+                   "lanes against one FIFO worker)")
+    p.add_argument("--backlog", type=positive, default=64, help=f"{STORE}: pages queued to "
+                   "write before the read (64)")
+    p.add_argument("--page-kib", type=positive, default=720, help=f"{STORE}: a page's size "
+                   "(720 KiB: SmolLM2-135M, float32, 16 tokens)")
     p.add_argument("--sim", action="store_true", help="instead: the Mooncake conversation "
                    "trace in the simulator, host alone against host + disk")
     p.add_argument("--trace", default=None, help="--sim: a Mooncake-format trace (default: "
@@ -65,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.sim:
         return sim_main(args.trace, args.limit, args.disk_gib, args.repeats)
+    if args.only == [STORE]:
+        return store_main(args.backlog, args.page_kib * 1024, args.repeats, args.dir)
     return main(args.preset, args.conversations, args.turns, args.turn_tokens, args.repeats,
                 args.dir, set(args.only or PARTS))
 
@@ -251,6 +260,48 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
           f"on (B) | {cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu/off_cpu')} |")
     print(f"\nmedian (min-max) over {repeats} repeats of each side's median; B / A: the "
           f"median of per-prompt ratios; disk hit tokens in the replay: {disk_hits}")
+    return 0
+
+
+# ---- the store alone: a read behind the write backlog --------------------------------
+
+def store_main(backlog: int, page_bytes: int, repeats: int, directory: str | None) -> int:
+    """A file store with `backlog` pages queued to write, then one GET of a
+    page already on disk: the time until the GET's completion, with the
+    store's lanes against one FIFO worker, alternated."""
+    from pdserve.transfer.disk_store import DiskKey, DiskOp, FileStore
+
+    root = Path(directory) if directory else Path(tempfile.mkdtemp(
+        dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-store-"))
+    page = os.urandom(page_bytes)
+    got: dict[bool, list] = {True: [], False: []}
+    print(f"a GET behind {backlog} queued PUTs of {page_bytes / 1024:,.0f} KiB pages in "
+          f"{root}; {repeats} repeats, the two stores alternated", flush=True)
+    for rep in range(repeats):
+        for lanes in ((True, False) if rep % 2 == 0 else (False, True)):
+            d = root / f"{'lanes' if lanes else 'fifo'}-{rep}"
+            store = FileStore(d, max_bytes=(backlog + 2) * (page_bytes + 4096), lanes=lanes)
+            key = DiskKey(0, 0, "bench", "float32", "kv")
+            store.wait(store.submit(DiskOp.PUT, key, page))
+            for i in range(backlog):
+                store.submit(DiskOp.PUT, DiskKey(i + 1, 0, "bench", "float32", "kv"), page)
+            t0 = time.perf_counter()
+            done = store.wait(store.submit(DiskOp.GET, key), timeout_s=600)
+            got[lanes].append(time.perf_counter() - t0)
+            assert done is not None and done.ok
+            store.close()
+            shutil.rmtree(d, ignore_errors=True)
+    if not directory:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def cell(v: list) -> str:
+        return f"{statistics.median(v) * 1e3:,.1f} ms ({min(v) * 1e3:,.1f}-{max(v) * 1e3:,.1f})"
+    r = [a / b for a, b in zip(got[False], got[True])]
+    print(f"\n| store | a GET behind {backlog} queued writes |\n| --- | --- |")
+    print(f"| one FIFO worker (before) | {cell(got[False])} |")
+    print(f"| reads and writes on separate lanes | {cell(got[True])} |")
+    print(f"\nFIFO / lanes: {statistics.median(r):,.0f}x ({min(r):,.0f}-{max(r):,.0f}); "
+          f"load average {os.getloadavg()[0]:.1f}")
     return 0
 
 
