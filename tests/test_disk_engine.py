@@ -289,3 +289,14 @@ def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extr
         check_model_served(disk, mcfg)
     check_model_served(disk, tiny_config())              # full history: served
     check_model_served(None, mcfg)                       # no tier: nothing to check
+
+
+def test_a_probe_whose_first_page_is_absent_reads_nothing(tmp_path):
+    """The file store answers at once (one stat) that a prompt's first
+    uncached page has no file: the probe ends there, with no prefetch to
+    wait for, and the tokens are those without the tier."""
+    l = llm({"path": str(tmp_path / "kv"), "prefetch_policy": "wait_complete"})
+    assert tokens(l, [TURNS[0]]) == tokens(llm(), [TURNS[0]])
+    c, s = l.executor.disk.counts, l.executor.disk.store.stats
+    assert (c.probes, c.probes_absent, c.prefetched_pages, s.gets) == (1, 1, 0, 0)
+    assert l.executor.disk.flush() and s.puts > 0        # written through all the same

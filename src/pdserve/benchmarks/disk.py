@@ -122,9 +122,9 @@ class Bench:
             ex.close()
         self.made = []
 
-    def ttft(self, side, prompt, flush: bool = False) -> tuple[float, float]:
+    def ttft(self, side, prompt) -> tuple[float, float]:
         """`prompt` alone on `side`, one token out: (its time, the process
-        CPU it took; with `flush`, until its writes are on disk too)."""
+        CPU it took)."""
         from pdserve import SamplingParams
 
         for ex in self.made:            # other engines' writes wait for their own turns
@@ -134,10 +134,7 @@ class Bench:
         sp = SamplingParams(max_tokens=1, temperature=0)
         cpu0, t0 = time.process_time(), time.perf_counter()
         self.llm.generate([prompt], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        if flush and side[0].disk is not None:
-            side[0].disk.flush()
-        return wall, time.process_time() - cpu0
+        return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) -> list:
@@ -153,7 +150,7 @@ def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) ->
 
 
 def interleaved(b: Bench, sides: dict, prompts, res: dict, timed: bool = True,
-                flush: bool = False, cpu: dict | None = None) -> None:
+                cpu: dict | None = None) -> None:
     """Each prompt on every side in turn, the order rotated prompt by prompt
     (what the machine does meanwhile falls on every side alike); each
     side's times appended to `res[name]` (`cpu`: its CPU to `cpu[name]`)."""
@@ -161,7 +158,7 @@ def interleaved(b: Bench, sides: dict, prompts, res: dict, timed: bool = True,
     for i, prompt in enumerate(prompts):
         k = i % len(names)
         for name in names[k:] + names[:k]:
-            wall, c = b.ttft(sides[name], prompt, flush)
+            wall, c = b.ttft(sides[name], prompt)
             if timed:
                 res[name].append(wall)
                 if cpu is not None:
@@ -224,7 +221,7 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
             sides = {"off": b.engine(None), "on": b.engine(str(root / f"miss-{rep}"))}
             res = {k: [] for k in sides}
             cpu: dict[str, list] = {k: [] for k in sides}
-            interleaved(b, sides, misses, res, flush=True, cpu=cpu)
+            interleaved(b, sides, misses, res, cpu=cpu)     # on's writes run in its turns
             b.close()
             record(res | {f"{k}_cpu": v for k, v in cpu.items()},
                    [("on", "off"), ("on_cpu", "off_cpu")])

@@ -111,6 +111,7 @@ class DiskCounts:
     """What the edge counts (engine stats and metrics)."""
     probes: int = 0             # requests probed at arrival
     probed_pages: int = 0       # pages asked for
+    probes_absent: int = 0      # probes the store answered at once: their first page is absent
     prefetched_pages: int = 0   # pages read ahead of admission
     below_min: int = 0          # probes whose possible hit was under min_hit_tokens
     prefetch_complete: int = 0  # prefetches that ended before their request was let go
@@ -245,6 +246,9 @@ class DiskTier:
         chains = self._chains(req, pages)[cached:]
         self.counts.probes += 1
         self.counts.probed_pages += len(chains)
+        if self.store.absent(self.key(chains[0])):
+            self.counts.probes_absent += 1          # nothing to read: no prefetch, no wait
+            return
         jobs = {}
         # best_effort admits on what the probe found; the others on what was read
         ops = (DiskOp.EXISTS, DiskOp.GET) \

@@ -247,6 +247,20 @@ class DiskStore(abc.ABC):
         with self._cv:
             return len(self._queues[Lane.WRITE])
 
+    def absent(self, key: DiskKey) -> bool:
+        """True when the store can tell at once (no read, a metadata lookup
+        at most) that nothing is stored or queued under `key`; False when
+        it may be there, or cannot tell cheaply (then ask with EXISTS or
+        GET). A probe whose first page is absent reads nothing: an
+        all-miss workload then costs no prefetch."""
+        with self._cv:
+            if key.name() in self._unwritten:
+                return False
+        return self._absent(key)
+
+    def _absent(self, key: DiskKey) -> bool:
+        return False                    # a backend that cannot tell cheaply
+
     def pause_writes(self, paused: bool) -> None:
         """Hold the write lane (it starts nothing new until resumed; close
         still finishes its queue). `pdserve bench disk` runs several
@@ -414,6 +428,9 @@ class FileStore(DiskStore):
 
     def _exists(self, key: DiskKey) -> bool:
         return (self.path / key.name()).is_file()
+
+    def _absent(self, key: DiskKey) -> bool:
+        return not os.path.lexists(self.path / key.name())     # one stat, no read
 
     def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
         name = key.name()
