@@ -285,6 +285,8 @@ class DiskStore(abc.ABC):
 
     # ---- the workers ----------------------------------------------------------
     def _work(self, lane: Lane) -> None:
+        if lane is Lane.WRITE and self._lanes:
+            _lowest_priority()
         queue = self._queues[lane]
         while True:
             with self._cv:
@@ -356,6 +358,18 @@ class DiskStore(abc.ABC):
     @abc.abstractmethod
     def _delete(self, key: DiskKey) -> bool:
         """Remove `key`'s file; whether there was one."""
+
+
+def _lowest_priority() -> None:
+    """The calling thread at the lowest CPU priority (Linux: nice 19 for
+    this thread alone): write-through then never takes a core from the
+    engine's forward, and a disk that falls behind fills the write backlog,
+    whose bound drops writes (roles/disk_tier.py), instead of slowing
+    requests. Elsewhere, or where refused, the thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def check_directory(path) -> Path:
