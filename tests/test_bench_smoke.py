@@ -197,3 +197,17 @@ def test_bench_spec(capsys):
     assert all(r[-1].split("/")[0] == r[-1].split("/")[1] for r in cases)
     pd = [r for r in rows if r[0] in ("fused", "P/D")]
     assert [r[0] for r in pd] == ["fused", "P/D"]
+
+
+def test_bench_disk(capsys):
+    out = bench(capsys, "disk", "--preset", "tiny", "--conversations", "2", "--turns", "2",
+                "--turn-tokens", "32", "--repeats", "1")
+    for row in ("host alone (A) vs host + disk (B)", "one FIFO worker (before)",
+                "cold (A) vs warm (B)", "tier off (A) vs on (B)"):
+        assert row in out
+
+
+def test_bench_disk_read_behind_writes(capsys):
+    out = bench(capsys, "disk", "--only", "read-behind-writes", "--backlog", "4",
+                "--page-kib", "16", "--repeats", "2")
+    assert "one FIFO worker (before)" in out and "separate lanes" in out

@@ -6,6 +6,8 @@ tier."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -13,7 +15,8 @@ from pdserve.config import ConfigError
 from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_store import DiskStoreError, FakeStore, Faults
+from pdserve.transfer.disk_fake import FakeStore, Faults
+from pdserve.transfer.disk_store import DiskStoreError
 
 ENGINE = dict(page_size=4, total_pages=48, host_pages=12, max_scheduled_tokens=64)
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -239,3 +242,61 @@ def test_smollm2_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_pa
     outs = again.generate(prompts, sp, use_tqdm=False)
     assert [o.token_ids for o in outs] == off
     assert again.engine.planner.hits.disk_tokens >= 192
+
+
+def test_write_through_skips_pages_past_the_write_backlog():
+    """With write_backlog pages already queued to write, a page stored to
+    host is not queued too (it stays on host; the disk is behind); once
+    the backlog drains, a later store of it is written."""
+    gate = threading.Event()
+    store = FakeStore(Faults(writes_open=gate))
+    tier = DiskTier(DiskCacheConfig(path="fake", write_backlog=2), store, model_id="m",
+                    dtype="float32", layout="kv:1", page_size=4)
+    tier.stored(100, 0, lambda: b"p0" * 8)
+    assert store.writing.wait(10)                # the first write runs, held at the gate
+    for c in range(1, 6):
+        tier.stored(100 + c, c, lambda c=c: bytes([c]) * 16)
+    assert (tier.counts.writes, tier.counts.writes_dropped) == (3, 3)
+    gate.set()
+    assert tier.flush()
+    tier.stored(105, 5, lambda: bytes([5]) * 16)
+    assert tier.flush() and tier.counts.writes == 4
+    assert len(store.files) == 4
+    tier.close()
+
+
+@pytest.mark.parametrize("arch,extra,named", [
+    ("gemma3", dict(sliding_window=8, layer_types=("sliding_attention", "full_attention")),
+     "sliding-window layers (window 8)"),
+    ("mistral", dict(sliding_window=16), "no full-history attention layer"),
+    ("qwen3_5", dict(layer_types=("linear_attention", "full_attention")),
+     "1 layer keeping a recurrent state"),
+    ("lfm2", dict(layer_types=("conv", "full_attention")), "1 layer keeping a recurrent state"),
+])
+def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extra, named):
+    """The disk tier stores full-history pages only: a model with sliding
+    windows or recurrent state is refused at start, its family and the
+    groups the tier cannot restore named, the fix said."""
+    import dataclasses
+    import re
+
+    from pdserve.kernels.model_config import tiny_config
+    from pdserve.roles.disk_tier import check_model_served
+
+    disk = DiskCacheConfig(path="unused")
+    mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
+    with pytest.raises(ConfigError, match=rf"{arch} has .*{re.escape(named)}.*Remove engine.disk_cache"):
+        check_model_served(disk, mcfg)
+    check_model_served(disk, tiny_config())              # full history: served
+    check_model_served(None, mcfg)                       # no tier: nothing to check
+
+
+def test_a_probe_whose_first_page_is_absent_reads_nothing(tmp_path):
+    """The file store answers at once (one stat) that a prompt's first
+    uncached page has no file: the probe ends there, with no prefetch to
+    wait for, and the tokens are those without the tier."""
+    l = llm({"path": str(tmp_path / "kv"), "prefetch_policy": "wait_complete"})
+    assert tokens(l, [TURNS[0]]) == tokens(llm(), [TURNS[0]])
+    c, s = l.executor.disk.counts, l.executor.disk.store.stats
+    assert (c.probes, c.probes_absent, c.prefetched_pages, s.gets) == (1, 1, 0, 0)
+    assert l.executor.disk.flush() and s.puts > 0        # written through all the same

@@ -5,14 +5,16 @@ backend's faults."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.state_cache import StateCache
+from pdserve.transfer.disk_fake import FakeStore, Faults
 from pdserve.transfer.disk_store import (
-    DiskKey, DiskOp, DiskStoreError, FakeStore, Faults, FileStore, Miss, decode, encode)
+    DiskKey, DiskOp, DiskStoreError, FileStore, Miss, decode, encode)
 
 
 def key(chain: int, group: int = 0, model: str = "w1", layout: str = "kv:2x2x4x1x8") -> DiskKey:
@@ -79,16 +81,69 @@ def test_state_checkpoint_round_trips_byte_equal(store):
 
 
 def test_operations_complete_asynchronously_and_are_polled(tmp_path):
-    """submit returns at once; poll hands back every completion once, in
-    the order the operations ended."""
+    """submit returns at once; poll hands back every completion once; each
+    lane runs its operations in submission order."""
     s = FakeStore(Faults(latency_s=0.01))
     jobs = [s.submit(DiskOp.PUT, key(i), bytes([i]) * 16) for i in range(3)]
     jobs.append(s.submit(DiskOp.EXISTS, key(1)))
     assert s.drain()
     done = s.poll()
-    assert [d.job for d in done] == jobs
+    assert sorted(d.job for d in done) == jobs
+    assert [d.job for d in done if d.op is DiskOp.PUT] == jobs[:3]
     assert all(d.ok for d in done)
     assert s.poll() == []
+    s.close()
+
+
+def test_a_read_never_waits_for_the_write_backlog():
+    """Reads run on their own lane: a GET ends while every PUT before it
+    is still queued behind a write that cannot finish."""
+    gate = threading.Event()
+    s = FakeStore(Faults(writes_open=gate))
+    gate.set()
+    run(s, DiskOp.PUT, key(0), b"old" * 10)
+    gate.clear()
+    s.writing.clear()
+    writes = [s.submit(DiskOp.PUT, key(i), bytes([i]) * 16) for i in range(1, 6)]
+    assert s.writing.wait(10)
+    d = run(s, DiskOp.GET, key(0))
+    assert d.ok and d.data == b"old" * 10
+    assert s.queued_writes() == 4 and s.pending() == 5
+    gate.set()
+    assert s.drain() and {d.job for d in s.poll()} == set(writes)
+    s.close()
+
+
+def test_a_read_of_a_queued_write_gets_its_bytes():
+    """A GET or EXISTS of a key whose PUT is still queued is answered from
+    the queued bytes, so a store reads its own writes before they land."""
+    gate = threading.Event()
+    s = FakeStore(Faults(writes_open=gate))
+    s.submit(DiskOp.PUT, key(1), b"first" * 4)
+    s.submit(DiskOp.PUT, key(2), b"second" * 4)
+    assert s.writing.wait(10)
+    assert run(s, DiskOp.GET, key(2)).data == b"second" * 4
+    assert run(s, DiskOp.EXISTS, key(1)).ok and not run(s, DiskOp.EXISTS, key(3)).ok
+    assert s.stats.read_unwritten == 1
+    gate.set()
+    assert s.drain()
+    assert run(s, DiskOp.GET, key(2)).data == b"second" * 4 and s.stats.read_unwritten == 1
+    s.close()
+
+
+def test_the_file_store_reads_while_it_writes(tmp_path):
+    """The file backend under both lanes at once: every page written is
+    read back whole, and the byte count matches the files kept."""
+    s = FileStore(tmp_path / "kv", max_bytes=1 << 20)
+    pages = {i: os.urandom(4096) for i in range(64)}
+    for i, b in pages.items():
+        s.submit(DiskOp.PUT, key(i), b)
+    reads = [s.submit(DiskOp.GET, key(i)) for i in pages]
+    assert s.drain()
+    got = {d.key.chain: d.data for d in s.poll() if d.job in reads and d.ok}
+    assert all(got[i] == pages[i] for i in got)
+    assert all(run(s, DiskOp.GET, key(i)).data == b for i, b in pages.items())
+    assert s.bytes == sum(f.stat().st_size for f in (tmp_path / "kv").iterdir())
     s.close()
 
 
@@ -203,3 +258,20 @@ def test_fake_store_injects_drops_torn_and_stale_files():
     assert run(s, DiskOp.EXISTS, key(1)).ok
     assert not run(s, DiskOp.EXISTS, key(2)).ok and not run(s, DiskOp.EXISTS, key(3)).ok
     s.close()
+
+
+def test_paused_writes_wait_and_reads_go_on():
+    """pause_writes holds the write lane; reads are served meanwhile; a
+    resume (or close) lets the writes run."""
+    s = FakeStore()
+    run(s, DiskOp.PUT, key(0), b"a" * 8)
+    s.pause_writes(True)
+    job = s.submit(DiskOp.PUT, key(1), b"b" * 8)
+    assert run(s, DiskOp.GET, key(0)).ok
+    assert s.wait(job, timeout_s=0.05) is None and s.queued_writes() == 1
+    s.pause_writes(False)
+    assert s.wait(job, timeout_s=10).ok
+    s.pause_writes(True)
+    s.submit(DiskOp.PUT, key(2), b"c" * 8)
+    s.close()                                   # finishes the queue though paused
+    assert len(s.files) == 3

@@ -147,3 +147,103 @@ def test_a_model_with_other_cache_groups_reads_nothing_from_disk():
     p.submit(r)
     plan = p.build()
     assert not plan.disk_loads and plan.prefills[0].begin == 0
+
+
+# ---- D's remote admission (P/D) ----------------------------------------------------
+
+def pd_pair():
+    from pd_support import PDPair
+    cfg = config(page_size=4, total_pages=64, host_pages=32, max_scheduled_tokens=64)
+    return PDPair(cfg, cfg)
+
+
+def test_d_reads_its_disk_prefix_and_asks_the_peer_only_for_the_rest():
+    """D's remote admission continues its hit over the disk pages its probe
+    found (read disk -> host -> device in the round) and asks P for the
+    pages after them only; P ships exactly those."""
+    pair = pd_pair()
+    r = req("a", PROMPT)
+    r.disk_pages = 5
+    pair.submit(r)
+    dplan, _ = pair.tick()
+    (dl,) = dplan.disk_loads
+    assert dl.chains == chains(PROMPT, 5) and dl.first_page == 0
+    (ld,) = dplan.loads
+    assert ld.host_pages == dl.host_pages
+    (ask,) = dplan.remote_prefills
+    assert ask.first_page == 5 and r.cached == (0, 0, 20)
+    assert ld.device_pages == r.state.res.tables[0][:5]
+    assert ask.landing_pages == r.state.res.tables[0][5:9]
+    pair.run()
+    assert [f.id for f in pair.finished] == ["a"]
+    assert pair.D.hits.disk_tokens == 20
+    pair.D.assert_idle()
+    pair.P.assert_idle()
+
+
+def test_d_withholds_the_peer_pull_when_its_disk_read_misses():
+    """Spec §4: a disk read under D's remote admission that misses retracts
+    the request before its ask leaves (the loop asks only for requests
+    still landing), publishes nothing of the unfilled pages, and the next
+    admission asks the peer for the whole prompt."""
+    pair = pd_pair()
+    d = pair.D
+    r = req("a", PROMPT)
+    r.disk_pages = 5
+    d.submit(r)
+    plan = d.build()
+    (dl,) = plan.disk_loads
+    assert plan.remote_prefills and "a" in d.landing
+    res = StepResult([], [], set(), [s.id for s in plan.stores], [ld.id for ld in plan.loads],
+                     [], [dl.id])
+    d.apply(plan, res)
+    d.check_invariants()
+    assert "a" not in d.landing and d.waiting[0] is r     # the ask is withheld
+    assert r.disk_pages == 0 and r.retractions == 1 and d.hits.disk_missed == 1
+    assert d.coord.match(req("b", PROMPT), 8).pages == 0  # nothing of it published
+    dplan, _ = pair.tick()
+    (ask,) = dplan.remote_prefills
+    assert ask.first_page == 0 and not dplan.disk_loads
+    pair.run()
+    assert [f.id for f in pair.finished] == ["a"]
+    assert d.hits.disk_tokens == 0
+    d.assert_idle()
+    pair.P.assert_idle()
+
+
+def test_d_s_prefetch_holds_its_remote_admissions():
+    pair = pd_pair()
+    r = req("a", PROMPT)
+    r.disk_wait = True
+    pair.submit(r)
+    pair.submit(req("b", 8))
+    dplan, _ = pair.tick()
+    assert not dplan.remote_prefills
+    why = {w.req_id: w.reason for w in pair.D.waiting_reasons()}
+    assert why == {"a": Hold.DISK_PREFETCH, "b": Hold.DISK_PREFETCH}
+    r.disk_wait = False
+    pair.run()
+    assert sorted(f.id for f in pair.finished) == ["a", "b"]
+    pair.D.assert_idle()
+
+
+def test_d_loads_a_host_hit_and_asks_the_peer_for_the_rest():
+    """A prefix D's host tier holds (its device copy evicted) is loaded
+    host -> device by the remote admission, not asked of the peer."""
+    from pd_support import PDPair
+    cfg = config(page_size=4, total_pages=24, host_pages=32, max_scheduled_tokens=64)
+    pair = PDPair(cfg, cfg)
+    pair.submit(req("a", PROMPT, max_new=1))
+    pair.run()
+    for i in range(3):                          # others' prompts push a's pages off the device
+        pair.submit(req(f"x{i}", 33, max_new=1))
+        pair.run()
+    r = req("b", PROMPT + [99, 98, 97, 96])
+    pair.submit(r)
+    dplan, _ = pair.tick()
+    (ask,) = dplan.remote_prefills
+    assert r.cached[1] > 0 and dplan.loads
+    assert ask.first_page * 4 == sum(r.cached)
+    pair.run()
+    pair.D.assert_idle()
+    pair.P.assert_idle()

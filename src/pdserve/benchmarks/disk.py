@@ -9,16 +9,26 @@ there are, so without the disk the later turns recompute it. Three
 comparisons, each alternating its two sides over `--repeats` runs:
 
   replay       host tier alone against host + disk: TTFT of turns 2 and on
+               (and host + disk with the store's one FIFO worker, as before
+               reads had a lane of their own)
   restart      an engine started on the directory the replay filled (warm)
                against one on an empty directory (cold): the last turns
   all-miss     prompts that share nothing, disk tier on against off: the
                cost of probing and writing when nothing is ever found
+
+The sides of a comparison are alive at once and take each prompt in turn,
+the order rotated prompt by prompt, so a busy machine slows every side
+alike; B / A is the median of the per-prompt ratios. A side's disk writes
+run in its own turns only (the others' write lanes are paused), so each
+side meets the write backlog it would meet alone and spends no CPU in the
+others' time.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import shutil
 import statistics
@@ -29,6 +39,7 @@ from pathlib import Path
 from pdserve.benchmarks.args import positive
 
 PARTS = ("replay", "restart", "all-miss")
+STORE = "read-behind-writes"      # the store alone; not part of the default run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--dir", default=None, help="the disk tier's directory (default: a fresh "
                    "one under /dev/shm, else the system's temporary directory)")
-    p.add_argument("--only", choices=PARTS, action="append", default=None,
-                   help="run these comparisons only (repeatable; default: all three)")
+    p.add_argument("--only", choices=PARTS + (STORE,), action="append", default=None,
+                   help="run these comparisons only (repeatable; default: the three on the "
+                   f"engine; {STORE}: a read's latency behind a write backlog, the store's "
+                   "lanes against one FIFO worker)")
+    p.add_argument("--backlog", type=positive, default=64, help=f"{STORE}: pages queued to "
+                   "write before the read (64)")
+    p.add_argument("--page-kib", type=positive, default=720, help=f"{STORE}: a page's size "
+                   "(720 KiB: SmolLM2-135M, float32, 16 tokens)")
     p.add_argument("--sim", action="store_true", help="instead: the Mooncake conversation "
                    "trace in the simulator, host alone against host + disk")
     p.add_argument("--trace", default=None, help="--sim: a Mooncake-format trace (default: "
@@ -55,49 +72,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.sim:
         return sim_main(args.trace, args.limit, args.disk_gib, args.repeats)
+    if args.only == [STORE]:
+        return store_main(args.backlog, args.page_kib * 1024, args.repeats, args.dir)
     return main(args.preset, args.conversations, args.turns, args.turn_tokens, args.repeats,
                 args.dir, set(args.only or PARTS))
 
 
 class Bench:
-    """One loaded model; engines built on it as the configuration asks."""
+    """One loaded model; engines built on it as a side asks, several alive
+    at once, each request timed on the engine `use` picked."""
 
     def __init__(self, preset: str, engine: dict):
         from pdserve import LLM
 
         self.llm = LLM({"model": {"preset": preset}, "engine": engine})
         self.base = self.llm.engine_config
+        self.llm.executor.close()
+        self.made: list = []
 
-    def engine(self, disk: str | None):
-        """A fresh engine (a restart: empty device and host tiers) with the
-        disk tier on `disk`, or none."""
+    def engine(self, disk: str | None, lanes: bool = True):
+        """A fresh engine (empty device and host tiers) with the disk tier
+        on directory `disk` (`lanes=False`: its store's one FIFO worker, as
+        before reads had their own), or none: (executor, engine)."""
+        from pdserve.roles.disk_tier import DiskTier
         from pdserve.roles.engine import Engine
         from pdserve.roles.torch_executor import TorchExecutor
         from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
         from pdserve.scheduler.planner import Planner
+        from pdserve.transfer.disk_store import FileStore
 
-        old = getattr(self.llm, "executor", None)
-        if old is not None:
-            old.close()
-        cfg = dataclasses.replace(self.base, disk_cache=DiskCacheConfig(
-            path=disk, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) if disk else None)
-        ex = TorchExecutor(self.llm.model, self.llm.tokenizer, cfg)
-        self.llm.executor = ex
-        self.llm.engine = Engine("fused-0", Planner(cfg, groups=ex.groups), ex,
-                                 forget_finished=False)
-        return self.llm
+        dc = DiskCacheConfig(path=disk, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) \
+            if disk else None
+        cfg = dataclasses.replace(self.base, disk_cache=dc)
+        tier = None
+        if dc is not None:
+            m = self.llm.model
+            tier = DiskTier.open(dc, m, cfg.page_size, m.new_caches([1], cfg.page_size)[0].layout())
+            tier.store.close()
+            tier.store = FileStore(dc.path, dc.max_bytes, lanes=lanes)
+        ex = TorchExecutor(self.llm.model, self.llm.tokenizer, cfg, disk=tier)
+        side = (ex, Engine("fused-0", Planner(cfg, groups=ex.groups), ex, forget_finished=False))
+        self.made.append(ex)
+        return side
 
-    def ttft(self, prompts) -> list[float]:
-        """Each prompt alone, one token out: its time."""
+    def close(self) -> None:
+        for ex in self.made:
+            if ex.disk is not None:
+                ex.disk.store.pause_writes(False)
+            ex.close()
+        self.made = []
+
+    def ttft(self, side, prompt) -> tuple[float, float]:
+        """`prompt` alone on `side`, one token out: (its time, the process
+        CPU it took)."""
         from pdserve import SamplingParams
 
+        for ex in self.made:            # other engines' writes wait for their own turns
+            if ex.disk is not None:
+                ex.disk.store.pause_writes(ex is not side[0])
+        self.llm.executor, self.llm.engine = side
         sp = SamplingParams(max_tokens=1, temperature=0)
-        out = []
-        for p in prompts:
-            t0 = time.perf_counter()
-            self.llm.generate([p], sp, use_tqdm=False)
-            out.append(time.perf_counter() - t0)
-        return out
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        self.llm.generate([prompt], sp, use_tqdm=False)
+        return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) -> list:
@@ -110,6 +147,22 @@ def conversations(n: int, turns: int, tokens: int, vocab: int, seed: int = 0) ->
             c.extend(rng.randrange(3, vocab) for _ in range(tokens))
         out.append([list(c) for c in convs])
     return out
+
+
+def interleaved(b: Bench, sides: dict, prompts, res: dict, timed: bool = True,
+                cpu: dict | None = None) -> None:
+    """Each prompt on every side in turn, the order rotated prompt by prompt
+    (what the machine does meanwhile falls on every side alike); each
+    side's times appended to `res[name]` (`cpu`: its CPU to `cpu[name]`)."""
+    names = list(sides)
+    for i, prompt in enumerate(prompts):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            wall, c = b.ttft(sides[name], prompt)
+            if timed:
+                res[name].append(wall)
+                if cpu is not None:
+                    cpu[name].append(c)
 
 
 def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
@@ -130,69 +183,122 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
         dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-disk-"))
     print(f"{preset}: {n} conversations x {turns} turns of {tokens} tokens (final prompt "
           f"{final}); device {engine['total_pages']} pages, host {engine['host_pages']} pages "
-          f"of {ps}; disk tier at {root}; {repeats} repeats, sides alternated", flush=True)
-    res: dict[str, list] = {k: [] for k in ("host", "disk", "cold", "warm", "off", "on",
-                                            "off_cpu", "on_cpu")}
+          f"of {ps}; disk tier at {root}; {repeats} repeats; the sides of a comparison "
+          f"alive at once, each prompt on each side in rotated order", flush=True)
+    b.ttft(b.engine(None), misses[0])   # warm up: no side pays the first call's costs
+    b.close()
+    meds: dict[str, list] = {}          # side -> the median of each repeat
+    ratios: dict[str, list] = {}        # "b/a" -> per repeat, the median of per-prompt ratios
     disk_hits = []
+
+    def record(res: dict, pairs) -> None:
+        for k, v in res.items():
+            meds.setdefault(k, []).append(statistics.median(v))
+        for num, den in pairs:
+            r = [x / y for x, y in zip(res[num], res[den])]
+            ratios.setdefault(f"{num}/{den}", []).append(statistics.median(r))
+
     for rep in range(repeats):
-        for side in (("host", "disk") if rep % 2 == 0 else ("disk", "host")) \
-                if parts & {"replay", "restart"} else ():
-            d = root / f"replay-{rep}"
-            if side == "disk":
-                shutil.rmtree(d, ignore_errors=True)
-            llm = b.engine(str(d) if side == "disk" else None)
-            t = b.ttft(replay[0])                       # the first turns fill the tiers
-            t = b.ttft(later)
-            res[side].append(statistics.median(t))
-            if side == "disk":
-                disk_hits.append(llm.engine.planner.hits.disk_tokens)
-                llm.executor.disk.flush()
-        # restart: the last turns on an engine started on the filled directory, or an empty one
-        for side in (("cold", "warm") if rep % 2 == 0 else ("warm", "cold")) \
-                if "restart" in parts else ():
-            d = root / (f"replay-{rep}" if side == "warm" else f"empty-{rep}")
-            shutil.rmtree(root / f"empty-{rep}", ignore_errors=True)
-            b.engine(str(d))
-            res[side].append(sum(b.ttft(replay[-1])))
-        # all-miss: prompts sharing nothing
-        for side in (("off", "on") if rep % 2 == 0 else ("on", "off")) \
-                if "all-miss" in parts else ():
-            d = root / f"miss-{rep}"
-            shutil.rmtree(d, ignore_errors=True)
-            b.engine(str(d) if side == "on" else None)
-            cpu0 = time.process_time()          # every thread's: robust to a busy host
-            res[side].append(statistics.median(b.ttft(misses)))
-            res[f"{side}_cpu"].append((time.process_time() - cpu0) / len(misses))
+        if "replay" in parts or "restart" in parts:
+            fill = root / f"replay-{rep}"
+            sides = {"host": b.engine(None), "disk": b.engine(str(fill)),
+                     "disk_fifo": b.engine(str(root / f"fifo-{rep}"), lanes=False)}
+            res: dict[str, list] = {k: [] for k in sides}
+            interleaved(b, sides, replay[0], res, timed=False)   # the first turns fill the tiers
+            interleaved(b, sides, later, res)
+            disk_hits.append(sides["disk"][1].planner.hits.disk_tokens)
+            b.close()                                           # writes finish, then a restart
+            if "replay" in parts:
+                record(res, [("disk", "host"), ("disk_fifo", "host")])
+        if "restart" in parts:
+            empty = root / f"empty-{rep}"
+            sides = {"cold": b.engine(str(empty)), "warm": b.engine(str(fill))}
+            res = {k: [] for k in sides}
+            interleaved(b, sides, replay[-1], res)
+            b.close()
+            record(res, [("warm", "cold")])
+        if "all-miss" in parts:
+            sides = {"off": b.engine(None), "on": b.engine(str(root / f"miss-{rep}"))}
+            res = {k: [] for k in sides}
+            cpu: dict[str, list] = {k: [] for k in sides}
+            interleaved(b, sides, misses, res, cpu=cpu)     # on's writes run in its turns
+            b.close()
+            record(res | {f"{k}_cpu": v for k, v in cpu.items()},
+                   [("on", "off"), ("on_cpu", "off_cpu")])
         for d in root.glob("*"):
             shutil.rmtree(d, ignore_errors=True)
-        print(f"  repeat {rep + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms"
-                                                   for k, v in res.items() if v), flush=True)
+        print(f"  repeat {rep + 1} (load average {os.getloadavg()[0]:.1f}): " + ", ".join(
+            f"{k} {v[-1] * 1e3:.0f} ms" for k, v in meds.items()), flush=True)
     if not directory:
         shutil.rmtree(root, ignore_errors=True)
 
     def cell(k: str) -> str:
-        v = res[k]
+        v = meds.get(k)
         if not v:
             return "-"
         return f"{statistics.median(v) * 1e3:,.0f} ms ({min(v) * 1e3:,.0f}-{max(v) * 1e3:,.0f})"
 
-    def ratio(a: str, c: str) -> str:
-        r = [x / y for x, y in zip(res[a], res[c])]
+    def ratio(k: str) -> str:
+        r = ratios.get(k)
         if not r:
             return "-"
         return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
 
-    print(f"\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
+    print("\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
     print(f"| replay, turns 2+: median TTFT, host alone (A) vs host + disk (B) | "
-          f"{cell('host')} | {cell('disk')} | {ratio('disk', 'host')} |")
-    print(f"| restart, last turns: total time, cold (A) vs warm (B) | {cell('cold')} | "
-          f"{cell('warm')} | {ratio('warm', 'cold')} |")
+          f"{cell('host')} | {cell('disk')} | {ratio('disk/host')} |")
+    print(f"| replay, turns 2+: the same, the store's one FIFO worker (before) as B | "
+          f"{cell('host')} | {cell('disk_fifo')} | {ratio('disk_fifo/host')} |")
+    print(f"| restart, last turns: median TTFT, cold (A) vs warm (B) | {cell('cold')} | "
+          f"{cell('warm')} | {ratio('warm/cold')} |")
     print(f"| all-miss prompts: median TTFT, tier off (A) vs on (B) | {cell('off')} | "
-          f"{cell('on')} | {ratio('on', 'off')} |")
-    print(f"| all-miss prompts: process CPU a request, tier off (A) vs on (B) | "
-          f"{cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu', 'off_cpu')} |")
-    print(f"\nmedian (min-max) over {repeats} repeats; disk hit tokens in the replay: "
-          f"{disk_hits}")
+          f"{cell('on')} | {ratio('on/off')} |")
+    print(f"| all-miss prompts: process CPU a request (on: its writes included), off (A) vs "
+          f"on (B) | {cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu/off_cpu')} |")
+    print(f"\nmedian (min-max) over {repeats} repeats of each side's median; B / A: the "
+          f"median of per-prompt ratios; disk hit tokens in the replay: {disk_hits}")
+    return 0
+
+
+# ---- the store alone: a read behind the write backlog --------------------------------
+
+def store_main(backlog: int, page_bytes: int, repeats: int, directory: str | None) -> int:
+    """A file store with `backlog` pages queued to write, then one GET of a
+    page already on disk: the time until the GET's completion, with the
+    store's lanes against one FIFO worker, alternated."""
+    from pdserve.transfer.disk_store import DiskKey, DiskOp, FileStore
+
+    root = Path(directory) if directory else Path(tempfile.mkdtemp(
+        dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-store-"))
+    page = os.urandom(page_bytes)
+    got: dict[bool, list] = {True: [], False: []}
+    print(f"a GET behind {backlog} queued PUTs of {page_bytes / 1024:,.0f} KiB pages in "
+          f"{root}; {repeats} repeats, the two stores alternated", flush=True)
+    for rep in range(repeats):
+        for lanes in ((True, False) if rep % 2 == 0 else (False, True)):
+            d = root / f"{'lanes' if lanes else 'fifo'}-{rep}"
+            store = FileStore(d, max_bytes=(backlog + 2) * (page_bytes + 4096), lanes=lanes)
+            key = DiskKey(0, 0, "bench", "float32", "kv")
+            store.wait(store.submit(DiskOp.PUT, key, page))
+            for i in range(backlog):
+                store.submit(DiskOp.PUT, DiskKey(i + 1, 0, "bench", "float32", "kv"), page)
+            t0 = time.perf_counter()
+            done = store.wait(store.submit(DiskOp.GET, key), timeout_s=600)
+            got[lanes].append(time.perf_counter() - t0)
+            assert done is not None and done.ok
+            store.close()
+            shutil.rmtree(d, ignore_errors=True)
+    if not directory:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def cell(v: list) -> str:
+        return f"{statistics.median(v) * 1e3:,.1f} ms ({min(v) * 1e3:,.1f}-{max(v) * 1e3:,.1f})"
+    r = [a / b for a, b in zip(got[False], got[True])]
+    print(f"\n| store | a GET behind {backlog} queued writes |\n| --- | --- |")
+    print(f"| one FIFO worker (before) | {cell(got[False])} |")
+    print(f"| reads and writes on separate lanes | {cell(got[True])} |")
+    print(f"\nFIFO / lanes: {statistics.median(r):,.0f}x ({min(r):,.0f}-{max(r):,.0f}); "
+          f"load average {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -99,11 +99,13 @@ def run(args) -> int:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
     if cfg.engine.disk_cache is not None:
+        from pdserve.roles.disk_tier import check_model_served
         from pdserve.transfer.disk_store import DiskStoreError, check_directory
 
         try:
+            check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block)
             check_directory(cfg.engine.disk_cache.path)
-        except DiskStoreError as e:
+        except (ConfigError, DiskStoreError) as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):

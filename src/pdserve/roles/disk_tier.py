@@ -15,7 +15,10 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                the planner turns into a retraction (§4)
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
-                               host hits on it reach write_hits
+                               host hits on it reach write_hits; skipped
+                               while write_backlog pages wait to be written
+                               (the store reads on its own lane, so reads
+                               never queue behind writes)
 
 The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
@@ -32,10 +35,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy, WritePolicy
+from pdserve.kernels.kv_cache import KVCache
+from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
+
+
+def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0) -> None:
+    """Refuse a disk tier for a model whose layers do not all keep full
+    history: the tier reads a full-history group's pages only, and a hit
+    on such a model must also restore each sliding window's tail and the
+    recurrent state at its end, which it does not store yet. Raises
+    ConfigError naming the model's family and its other cache groups."""
+    if cfg is None:
+        return
+    groups = model_cfg.cache_groups()
+    state = model_cfg.state_group(state_block)
+    other = [f"sliding-window layers (window {g.window})" for g in groups if g.sliding]
+    if state is not None:
+        n = len(state.layers)
+        other.append(f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state")
+    if groups and not groups[0].sliding and not other:
+        return
+    if not groups or groups[0].sliding:
+        other.insert(0, "no full-history attention layer")
+    raise ConfigError(
+        f"engine.disk_cache serves models whose attention layers all keep full history "
+        f"(Llama, Qwen2/3, SmolLM2, Mistral without sliding_window); {model_cfg.arch} has "
+        f"{', '.join(other)}, whose tails and states the disk tier does not store yet. "
+        "Remove engine.disk_cache for this model (its host tier still caches prefixes)")
 
 
 def weights_fingerprint(model) -> str:
@@ -82,6 +111,7 @@ class DiskCounts:
     """What the edge counts (engine stats and metrics)."""
     probes: int = 0             # requests probed at arrival
     probed_pages: int = 0       # pages asked for
+    probes_absent: int = 0      # probes the store answered at once: their first page is absent
     prefetched_pages: int = 0   # pages read ahead of admission
     below_min: int = 0          # probes whose possible hit was under min_hit_tokens
     prefetch_complete: int = 0  # prefetches that ended before their request was let go
@@ -91,6 +121,7 @@ class DiskCounts:
     reads_missed: int = 0
     read_now_pages: int = 0     # pages a plan's read fetched itself (not prefetched)
     writes: int = 0             # pages queued to disk
+    writes_dropped: int = 0     # write-through skipped: write_backlog pages already queued
 
 
 @dataclass
@@ -190,10 +221,9 @@ class DiskTier:
         """Block until the reads of every held prefetch ended (or
         `timeout_s`): an engine with nothing else to do waits here, woken
         once, not once a page."""
-        last = max((j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs),
-                   default=None)
-        if last is not None:
-            self.store.wait_ended(last, timeout_s)
+        jobs = [j for pf in self._prefetch.values() if not pf.let_go for j in pf.jobs]
+        if jobs:
+            self.store.wait_ended(jobs, timeout_s)
 
     def _arrivals(self, planner) -> None:
         new = []
@@ -216,6 +246,9 @@ class DiskTier:
         chains = self._chains(req, pages)[cached:]
         self.counts.probes += 1
         self.counts.probed_pages += len(chains)
+        if self.store.absent(self.key(chains[0])):
+            self.counts.probes_absent += 1          # nothing to read: no prefetch, no wait
+            return
         jobs = {}
         # best_effort admits on what the probe found; the others on what was read
         ops = (DiskOp.EXISTS, DiskOp.GET) \
@@ -266,6 +299,43 @@ class DiskTier:
         pf = self._prefetch.pop(rid)
         for j in pf.jobs:
             self._jobs.pop(j, None)
+
+    # ---- a round's copies (the executor calls this after its host stores) --------
+    def copies(self, plan, result, host) -> set[str]:
+        """Write-through of the round's full-history stores (their host
+        pages now hold them), then the round's disk reads into host pages,
+        hit or miss, each acked in `result`; host hits counted for
+        selective writes. Returns the requests whose read missed (their
+        forward this round runs on unfilled pages: the planner retracts
+        them and drops what they sample). `host`: group 0's host cache."""
+        assert isinstance(host, KVCache)            # the tier caches full-history pages
+        for s in plan.stores:
+            if s.group != 0:
+                continue
+            if not s.pinned:
+                self.host_overwritten(s.host_pages)
+                continue
+            assert s.entries is not None            # a pinned store names what it publishes
+            for hp, (parent, key) in zip(s.host_pages, s.entries):
+                self.stored(chain_hash(parent, key), hp, lambda hp=hp: host.read_page(hp))
+        missed = set()
+        for op in plan.disk_loads:
+            self.host_overwritten(op.host_pages)
+            data = self.read(op)
+            if data is None:
+                result.disk_loads_missed.append(op.id)
+                missed.add(op.req_id)
+                continue
+            for hp, b in zip(op.host_pages, data):
+                host.write_page(hp, b)
+            result.disk_loads_done.append(op.id)
+        staged = {hp for op in plan.disk_loads for hp in op.host_pages}
+        for ld in plan.loads:
+            if ld.group == 0:
+                for hp in ld.host_pages:
+                    if hp not in staged:
+                        self.host_hit(hp, lambda hp=hp: host.read_page(hp))
+        return missed
 
     # ---- a plan's reads ---------------------------------------------------------
     def read(self, op) -> list[bytes] | None:
@@ -326,6 +396,11 @@ class DiskTier:
     def _write(self, chain: int, page_bytes) -> None:
         if chain in self._written:
             return
+        if self.store.queued_writes() >= self.cfg.write_backlog:
+            # the disk is behind: this page stays on host only (a later store
+            # or host hit may write it); reads never wait for writes anyway
+            self.counts.writes_dropped += 1
+            return
         if len(self._written) >= REMEMBERED:
             self._written.clear()       # a skip list only: forgetting costs a rewrite
         self._written.add(chain)
@@ -341,4 +416,4 @@ class DiskTier:
         return {**self.counts.__dict__, "bytes_read": s.bytes_read,
                 "bytes_written": s.bytes_written, "disk_gets": s.gets, "disk_get_hits": s.hits,
                 "disk_evictions": s.evictions, "disk_removed_bad": s.removed_bad,
-                "disk_failed_puts": s.failed_puts}
+                "disk_failed_puts": s.failed_puts, "disk_read_unwritten": s.read_unwritten}

@@ -40,14 +40,13 @@ from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
-from pdserve.roles.disk_tier import DiskTier
+from pdserve.roles.disk_tier import DiskTier, check_model_served
 from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
-from pdserve.scheduler.prefix import chain_hash
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -154,6 +153,7 @@ class TorchExecutor:
         self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
         if disk is None and cfg.disk_cache is not None:
+            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block)
             disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
@@ -297,7 +297,9 @@ class TorchExecutor:
                 host.copy_pages_from(dev, s.device_pages, s.host_pages)
             result.stores_done.append(s.id)
         if self.disk is not None:
-            self._disk_copies(plan, result)
+            if plan.stores and self.data_is_cuda():     # the stores on host before they go to disk
+                torch.cuda.current_stream(self.cache.data.device).synchronize()
+            self._disk_missed = self.disk.copies(plan, result, self.hosts[0])
         for ld in plan.loads:
             host, dev = self.hosts[ld.group], self.caches[ld.group]
             if ld.group == self.state:
@@ -309,42 +311,6 @@ class TorchExecutor:
             # the copies are queued on the stream: done before they are acked
             torch.cuda.current_stream(self.cache.data.device).synchronize()
         return result
-
-    def _disk_copies(self, plan: Plan, result: StepResult) -> None:
-        """Write-through of the round's full-history stores (their host
-        pages now hold them), then the round's disk reads into host pages,
-        hit or miss, each acked here; host hits counted for selective
-        writes."""
-        disk, host = self.disk, self.hosts[0]
-        assert disk is not None and isinstance(host, KVCache)  # a disk tier caches group 0
-        if plan.stores and self.data_is_cuda():
-            torch.cuda.current_stream(self.cache.data.device).synchronize()
-        for s in plan.stores:
-            if s.group != 0:
-                continue
-            if not s.pinned:
-                disk.host_overwritten(s.host_pages)
-                continue
-            assert s.entries is not None            # a pinned store names what it publishes
-            for hp, (parent, key) in zip(s.host_pages, s.entries):
-                disk.stored(chain_hash(parent, key), hp, lambda hp=hp: host.read_page(hp))
-        self._disk_missed = set()
-        for op in plan.disk_loads:
-            disk.host_overwritten(op.host_pages)
-            data = disk.read(op)
-            if data is None:
-                result.disk_loads_missed.append(op.id)
-                self._disk_missed.add(op.req_id)
-                continue
-            for hp, b in zip(op.host_pages, data):
-                host.write_page(hp, b)
-            result.disk_loads_done.append(op.id)
-        staged = {hp for op in plan.disk_loads for hp in op.host_pages}
-        for ld in plan.loads:
-            if ld.group == 0:
-                for hp in ld.host_pages:
-                    if hp not in staged:
-                        disk.host_hit(hp, lambda hp=hp: host.read_page(hp))
 
     def data_is_cuda(self) -> bool:
         return self.cache.data.is_cuda

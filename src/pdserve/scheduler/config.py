@@ -60,12 +60,14 @@ class DiskCacheConfig:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     prefetch_timeout_s: float = 1.0     # timeout: the longest a request waits for its read
     min_hit_tokens: int = 0             # a disk hit shorter than this is not read
+    write_backlog: int = 1024           # pages queued to write beyond which write-through skips
 
     def __post_init__(self) -> None:
         w = "engine.disk_cache"
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"{w}.path must name a directory, got {self.path!r}")
-        for name, low in (("max_bytes", 1), ("write_hits", 1), ("min_hit_tokens", 0)):
+        for name, low in (("max_bytes", 1), ("write_hits", 1), ("min_hit_tokens", 0),
+                          ("write_backlog", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"{w}.{name} must be an integer >= {low}, got {v!r}")

@@ -223,6 +223,17 @@ def remote_failed(req, epoch: int) -> Resources:
     return res
 
 
+def withhold_remote_prefill(req) -> Resources:
+    """D: a disk read under a remote admission missed before the peer was
+    asked. The landing pages go back and the request waits again; the peer
+    is never asked for this admission (§4)."""
+    _expect(req, RemotePrefilling)
+    res = req.state.res
+    req.state = Waiting()
+    req.retractions += 1
+    return res
+
+
 def start_transfer(req) -> None:
     _expect(req, PrefillDone)
     req.state = Transferring(req.state.res)

@@ -462,9 +462,16 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     pool's residents may still grow into the room (not a capacity blocker)."""
     ps = p.page_size
     n = req.num_tokens
+    if req.disk_wait:
+        b.waits.stop_line(Hold.DISK_PREFETCH, req)
+        return None
     # the peer sends each sliding group's last window: only the full
-    # history's hit counts here, and no host hit (a landing loads nothing)
-    hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=False)
+    # history's hit counts here; host and disk hits where a disk tier can
+    # be read (one full-history group), the peer asked only for the rest
+    local = p.coord.serves_disk
+    hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=local)
+    if local and req.disk_pages > hit.pages:
+        hit = p.coord.disk_hit(req, hit, (n - 1) // ps, max(p.prefix_tokens // ps, 1))
     headroom, remaining = _headroom(p, req)
     short = sliding_room(p, 1)
     if short is not None:
@@ -474,11 +481,16 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
         return None                       # not for pages: retraction would not help
     res = Resources(len(p.coord.groups))
     if not p.coord.admit(req, res, demands(p, n, n, headroom, p.cfg.decode_input_tokens,
-                                           lands=True), hit.pages, b.plan, hit=hit):
+                                           lands=True), hit.pages - hit.disk, b.plan, hit=hit):
         b.waits.refused(req, p.coord)
         return False
     res.covers_generation = headroom >= remaining
-    req.cached = (hit.pages * ps, 0, 0)          # D's own hit; P computes or finds the rest
+    # D's own hit; P computes or finds the rest. A disk read that misses
+    # withholds the ask (Planner._disk_missed), so P's pages never land
+    # on prefix pages the disk did not fill (§4)
+    req.cached = (hit.device_end * ps, len(hit.host) * ps, hit.disk * ps)
+    if not req.retractions:
+        p.hits.count(req.prompt_len, req.cached)    # D's first admission, as P counts its own
     if p.waiting[0] is req:
         p.waiting.popleft()
     else:

@@ -238,12 +238,20 @@ class Planner:
         """A disk read missed after admission (§4): the request gives its
         pages back, nothing past its confirmed hit published, and
         re-prefills through ordinary admission without the disk; its
-        client is not failed."""
-        res = fsm.requeue(req)
+        client is not failed. D's remote admission has not asked its peer
+        yet (asks leave after the round): the ask is withheld, so no
+        suffix lands on prefix pages the disk never filled."""
+        counted = not req.retractions               # its admission counted its hit
+        if isinstance(req.state, fsm.RemotePrefilling):
+            res = fsm.withhold_remote_prefill(req)
+            del self.landing[req.id]
+        else:
+            res = fsm.requeue(req)
         self.coord.release(res, req.id)
         req.disk_pages = 0
         req.disk_wait = False
-        self.hits.disk_tokens -= req.cached[2]     # it will compute them after all
+        if counted:
+            self.hits.disk_tokens -= req.cached[2]  # it will compute them after all
         req.cached = (0, 0, 0)
         self.hits.disk_missed += 1
         self.retracted_from_device(req)

@@ -19,9 +19,10 @@ length and checksum; a file that is torn, corrupt or written for another
 key, model, dtype or layout is a miss, and is removed, never loaded.
 
 `FileStore` keeps files in one directory under a byte capacity, evicting the
-least recently used; `FakeStore` keeps them in memory and injects latency,
-dropped operations, torn files and stale keys, for tests. Both run their
-operations on one worker thread behind the same `DiskStore` contract.
+least recently used; `FakeStore` (transfer/disk_fake.py) keeps them in
+memory and injects faults, for tests. Both run their operations behind the
+same `DiskStore` contract: reads and writes on separate worker threads
+(`Lane`), so a read never waits for the write-through backlog.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class DiskStats:
     evictions: int = 0
     removed_bad: int = 0        # torn, corrupt or foreign files removed on read
     failed_puts: int = 0
+    read_unwritten: int = 0     # GETs answered from a PUT still queued (counted in hits)
 
 
 def encode(key: DiskKey, payload: bytes) -> bytes:
@@ -141,23 +143,47 @@ def decode(key: DiskKey, raw: bytes) -> tuple[bytes | None, Miss | None]:
     return payload, None
 
 
+class Lane(Enum):
+    """Which worker runs an operation. Reads are what a request waits for;
+    writes (write-through) nobody waits for: each lane has its own queue and
+    thread, so a read never queues behind the write backlog."""
+    READ = "read"       # GET, EXISTS
+    WRITE = "write"     # PUT, DELETE (in submission order, so a DELETE follows its PUT)
+
+
+LANES = {DiskOp.GET: Lane.READ, DiskOp.EXISTS: Lane.READ,
+         DiskOp.PUT: Lane.WRITE, DiskOp.DELETE: Lane.WRITE}
+
+
 class DiskStore(abc.ABC):
     """The contract: `submit` queues an operation and returns its job id at
-    once; one worker thread carries operations out in submission order;
-    `poll` hands back what finished, `wait` blocks for one job. Subclasses
-    implement the blocking `_exists`, `_get`, `_put` and `_delete`."""
+    once; a worker thread per lane (`Lane`) carries its lane's operations
+    out in submission order; `poll` hands back what finished, `wait` blocks
+    for one job. A GET or EXISTS of a key whose PUT is still queued is
+    answered from the queued bytes (a store reads its own writes).
+    Subclasses implement the blocking `_exists`, `_get`, `_put` and
+    `_delete`; the two lanes call them from two threads."""
 
-    def __init__(self):
+    def __init__(self, lanes: bool = True):
+        """`lanes=False`: every operation on the write lane, in submission
+        order (one FIFO worker, as before the lanes: `pdserve bench disk`
+        compares the two)."""
         self.stats = DiskStats()
-        self._queue: deque = deque()
+        self._lanes = lanes
+        self._queues: dict[Lane, deque] = {lane: deque() for lane in Lane}
+        self._pending: set[int] = set()                 # submitted, not finished
+        self._unwritten: dict[str, tuple[int, bytes]] = {}  # file name -> (PUT job, bytes)
         self._done: dict[int, DiskDone] = {}
         self._order: deque[int] = deque()
         self._cv = threading.Condition()
         self._next = 0
         self._closed = False
-        self._busy = 0                  # 1 while the worker runs an operation
-        self._thread = threading.Thread(target=self._work, name="disk-store", daemon=True)
-        self._thread.start()
+        self._writes_paused = False
+        self._threads = [threading.Thread(target=self._work, args=(lane,),
+                                          name=f"disk-{lane.value}", daemon=True)
+                         for lane in Lane]
+        for t in self._threads:
+            t.start()
 
     # ---- the contract -------------------------------------------------------
     def submit(self, op: DiskOp, key: DiskKey, data: bytes | None = None) -> int:
@@ -169,9 +195,16 @@ class DiskStore(abc.ABC):
             if self._closed:
                 raise DiskStoreError("the disk store is closed")
             self._next += 1
-            self._queue.append((self._next, op, key, data))
+            job = self._next
+            if op is DiskOp.PUT:
+                assert data is not None
+                self._unwritten[key.name()] = (job, data)
+            elif op is DiskOp.DELETE:
+                self._unwritten.pop(key.name(), None)
+            self._pending.add(job)
+            self._queues[LANES[op] if self._lanes else Lane.WRITE].append((job, op, key, data))
             self._cv.notify_all()
-            return self._next
+            return job
 
     def poll(self) -> list[DiskDone]:
         """Every completion not yet handed out (by poll or wait)."""
@@ -192,12 +225,12 @@ class DiskStore(abc.ABC):
                 self._cv.wait(left)
             return self._done.pop(job)
 
-    def wait_ended(self, job: int, timeout_s: float) -> bool:
-        """Block until job `job` and every job before it ended (one worker
-        runs them in order), leaving their completions for `poll`."""
+    def wait_ended(self, jobs, timeout_s: float) -> bool:
+        """Block until every job of `jobs` ended (or `timeout_s`), leaving
+        their completions for `poll`."""
+        jobs = set(jobs)
         with self._cv:
-            return self._cv.wait_for(
-                lambda: job <= self._next - len(self._queue) - self._busy, timeout_s)
+            return self._cv.wait_for(lambda: self._pending.isdisjoint(jobs), timeout_s)
 
     def wait_any(self, timeout_s: float) -> bool:
         """Block until some completion is ready to poll (or `timeout_s`)."""
@@ -207,57 +240,97 @@ class DiskStore(abc.ABC):
     def pending(self) -> int:
         """Operations submitted and not finished."""
         with self._cv:
-            return len(self._queue) + self._busy
+            return len(self._pending)
+
+    def queued_writes(self) -> int:
+        """PUTs and DELETEs waiting for the write lane (the write backlog)."""
+        with self._cv:
+            return len(self._queues[Lane.WRITE])
+
+    def absent(self, key: DiskKey) -> bool:
+        """True when the store can tell at once (no read, a metadata lookup
+        at most) that nothing is stored or queued under `key`; False when
+        it may be there, or cannot tell cheaply (then ask with EXISTS or
+        GET). A probe whose first page is absent reads nothing: an
+        all-miss workload then costs no prefetch."""
+        with self._cv:
+            if key.name() in self._unwritten:
+                return False
+        return self._absent(key)
+
+    def _absent(self, key: DiskKey) -> bool:
+        return False                    # a backend that cannot tell cheaply
+
+    def pause_writes(self, paused: bool) -> None:
+        """Hold the write lane (it starts nothing new until resumed; close
+        still finishes its queue). `pdserve bench disk` runs several
+        engines interleaved and lets each one's writes run in its own turns
+        only, as if it ran alone."""
+        with self._cv:
+            self._writes_paused = paused
+            self._cv.notify_all()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Block until every submitted operation has finished."""
-        deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+            return self._cv.wait_for(lambda: not self._pending, timeout_s)
 
     def close(self) -> None:
-        """Finish what was submitted, then stop the worker."""
+        """Finish what was submitted, then stop the workers."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
-    # ---- the worker ---------------------------------------------------------
-    def _work(self) -> None:
+    # ---- the workers ----------------------------------------------------------
+    def _work(self, lane: Lane) -> None:
+        if lane is Lane.WRITE and self._lanes:
+            _lowest_priority()
+        queue = self._queues[lane]
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._closed and (
+                        not queue or (lane is Lane.WRITE and self._writes_paused)):
                     self._cv.wait()
-                if not self._queue:
+                if not queue:
                     return
-                job, op, key, data = self._queue.popleft()
-                self._busy = 1
+                job, op, key, data = queue.popleft()
             try:
                 done = self._run(job, op, key, data)
             except OSError as e:
                 done = DiskDone(job, op, key, False, error=f"{type(e).__name__}: {e}")
             with self._cv:
-                self._busy = 0
+                if op is DiskOp.PUT and self._unwritten.get(key.name(), (0,))[0] == job:
+                    del self._unwritten[key.name()]     # on disk now (or failed)
+                self._pending.discard(job)
                 self._done[job] = done
                 self._order.append(job)
                 self._cv.notify_all()
+
+    def _queued(self, key: DiskKey) -> bytes | None:
+        """The bytes of `key`'s PUT still queued or running, if any."""
+        with self._cv:
+            u = self._unwritten.get(key.name())
+            return u[1] if u is not None else None
 
     def _run(self, job: int, op: DiskOp, key: DiskKey, data: bytes | None) -> DiskDone:
         s = self.stats
         if op is DiskOp.GET:
             s.gets += 1
-            payload, miss = self._get(key)
+            payload = self._queued(key)
+            if payload is not None:
+                s.read_unwritten += 1
+                miss = None
+            else:
+                payload, miss = self._get(key)
             if payload is not None:
                 s.hits += 1
                 s.bytes_read += len(payload)
             return DiskDone(job, op, key, payload is not None, payload, miss)
         if op is DiskOp.EXISTS:
-            return DiskDone(job, op, key, self._exists(key), miss=None)
+            return DiskDone(job, op, key, self._queued(key) is not None or self._exists(key),
+                            miss=None)
         if op is DiskOp.PUT:
             assert data is not None                     # submit checked it
             err = self._put(key, data)
@@ -285,6 +358,18 @@ class DiskStore(abc.ABC):
     @abc.abstractmethod
     def _delete(self, key: DiskKey) -> bool:
         """Remove `key`'s file; whether there was one."""
+
+
+def _lowest_priority() -> None:
+    """The calling thread at the lowest CPU priority (Linux: nice 19 for
+    this thread alone): write-through then never takes a core from the
+    engine's forward, and a disk that falls behind fills the write backlog,
+    whose bound drops writes (roles/disk_tier.py), instead of slowing
+    requests. Elsewhere, or where refused, the thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def check_directory(path) -> Path:
@@ -315,9 +400,10 @@ class FileStore(DiskStore):
     them: a put over the capacity evicts the least recently used first (a
     read refreshes a file's place, and its mtime, so the order survives a
     restart). Temporary files a killed writer left behind are removed at
-    start; files of other engines sharing the directory are read like ours."""
+    start; files of other engines sharing the directory are read like ours.
+    Only the write lane writes, renames and evicts; the read lane reads."""
 
-    def __init__(self, path, max_bytes: int):
+    def __init__(self, path, max_bytes: int, lanes: bool = True):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise DiskStoreError(f"engine.disk_cache.max_bytes must be a positive integer, "
                                  f"got {max_bytes!r}")
@@ -326,8 +412,10 @@ class FileStore(DiskStore):
         # file name -> size, least recently used first
         self._lru: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0
+        # the LRU index and byte count: the read lane refreshes, the write lane evicts
+        self._meta = threading.RLock()
         self._scan()
-        super().__init__()
+        super().__init__(lanes)
 
     def _scan(self) -> None:
         """Forget leftover temporary files (a writer killed mid-write: they
@@ -355,6 +443,9 @@ class FileStore(DiskStore):
     def _exists(self, key: DiskKey) -> bool:
         return (self.path / key.name()).is_file()
 
+    def _absent(self, key: DiskKey) -> bool:
+        return not os.path.lexists(self.path / key.name())     # one stat, no read
+
     def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
         name = key.name()
         f = self.path / name
@@ -369,14 +460,16 @@ class FileStore(DiskStore):
             f.unlink(missing_ok=True)
             self._forget(name)
             return None, miss
-        if name not in self._lru:
-            self._lru[name] = len(raw)      # another engine wrote it
-            self.bytes += len(raw)
-        self._lru.move_to_end(name)
         try:
-            os.utime(f)
-        except FileNotFoundError:
-            pass
+            os.utime(f)                     # the LRU order a restart reads
+        except FileNotFoundError:           # evicted since it was read: still a whole read
+            self._forget(name)
+            return payload, None
+        with self._meta:
+            if name not in self._lru:
+                self._lru[name] = len(raw)  # another engine wrote it
+                self.bytes += len(raw)
+            self._lru.move_to_end(name)
         return payload, None
 
     def _put(self, key: DiskKey, data: bytes) -> str:
@@ -385,18 +478,20 @@ class FileStore(DiskStore):
             return (f"a {len(raw)}-byte page exceeds engine.disk_cache.max_bytes="
                     f"{self.max_bytes}")
         name = key.name()
-        self._forget(name)
-        while self.bytes + len(raw) > self.max_bytes and self._lru:
-            old, size = self._lru.popitem(last=False)
-            self.bytes -= size
-            (self.path / old).unlink(missing_ok=True)
-            self.stats.evictions += 1
+        with self._meta:
+            self._forget(name)
+            while self.bytes + len(raw) > self.max_bytes and self._lru:
+                old, size = self._lru.popitem(last=False)
+                self.bytes -= size
+                (self.path / old).unlink(missing_ok=True)
+                self.stats.evictions += 1
         tmp = self.path / f"{name}{TMP_MARK}{os.getpid()}"
         with open(tmp, "wb") as fh:
             fh.write(raw)
         os.replace(tmp, self.path / name)
-        self._lru[name] = len(raw)
-        self.bytes += len(raw)
+        with self._meta:
+            self._lru[name] = len(raw)
+            self.bytes += len(raw)
         return ""
 
     def _delete(self, key: DiskKey) -> bool:
@@ -409,9 +504,10 @@ class FileStore(DiskStore):
             return False
 
     def _forget(self, name: str) -> None:
-        size = self._lru.pop(name, None)
-        if size is not None:
-            self.bytes -= size
+        with self._meta:
+            size = self._lru.pop(name, None)
+            if size is not None:
+                self.bytes -= size
 
 
 def _alive(pid: int) -> bool:
@@ -424,73 +520,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@dataclass
-class Faults:
-    """What `FakeStore` does wrong: a delay per operation, and per key the
-    next GETs that are dropped, torn (the file is cut short) or stale (the
-    file was written for other bytes than its key now names)."""
-    latency_s: float = 0.0
-    drop: set | None = None         # chain hashes whose GETs are dropped
-    torn: set | None = None         # chain hashes whose files are torn on the next GET
-    stale: set | None = None        # chain hashes whose files belong to another model
-
-
-class FakeStore(DiskStore):
-    """Files in memory (name -> bytes, the file format of `FileStore`), with
-    injected faults (`faults`, changeable while it runs)."""
-
-    def __init__(self, faults: Faults | None = None, max_bytes: int = 1 << 40):
-        self.faults = faults or Faults()
-        self.max_bytes = max_bytes
-        self.files: OrderedDict[str, bytes] = OrderedDict()
-        self.log: list[tuple[DiskOp, int]] = []     # (op, chain) of every operation run
-        super().__init__()
-
-    def _delay(self) -> None:
-        if self.faults.latency_s:
-            time.sleep(self.faults.latency_s)   # the injected latency itself
-
-    def _exists(self, key: DiskKey) -> bool:
-        self._delay()
-        self.log.append((DiskOp.EXISTS, key.chain))
-        return key.name() in self.files
-
-    def _get(self, key: DiskKey) -> tuple[bytes | None, Miss | None]:
-        self._delay()
-        self.log.append((DiskOp.GET, key.chain))
-        f = self.faults
-        if f.drop and key.chain in f.drop:
-            return None, Miss.DROPPED
-        name = key.name()
-        raw = self.files.get(name)
-        if raw is None:
-            return None, Miss.ABSENT
-        if f.torn and key.chain in f.torn:
-            raw = raw[:len(raw) // 2]
-        if f.stale and key.chain in f.stale:
-            raw = encode(DiskKey(key.chain, key.group, key.model + "-old", key.dtype,
-                                 key.layout), raw[-8:])
-        payload, miss = decode(key, raw)
-        if payload is None:
-            self.stats.removed_bad += 1
-            del self.files[name]
-            return None, miss
-        self.files.move_to_end(name)
-        return payload, None
-
-    def _put(self, key: DiskKey, data: bytes) -> str:
-        self._delay()
-        self.log.append((DiskOp.PUT, key.chain))
-        raw = encode(key, data)
-        self.files.pop(key.name(), None)
-        while self.files and sum(map(len, self.files.values())) + len(raw) > self.max_bytes:
-            self.files.popitem(last=False)
-            self.stats.evictions += 1
-        self.files[key.name()] = raw
-        return ""
-
-    def _delete(self, key: DiskKey) -> bool:
-        self._delay()
-        return self.files.pop(key.name(), None) is not None
