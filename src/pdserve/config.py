@@ -35,6 +35,7 @@ from pdserve.transfer.timeouts import CONFIG_NAMES, PeerTimeouts
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("auto", "torch", "flashinfer")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATION = ("auto", "none", "gguf")
 
 
 @dataclass(frozen=True)
@@ -46,20 +47,25 @@ class ModelConfig:
     attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
     name: str | None = None      # the served model name (the API's "model"); see served_name
     device: str = "auto"         # auto: cpu, unless the command line says otherwise
+    quantization: str = "auto"   # gguf: a GGUF's Q4_0/Q4_1/Q8_0 weights multiplied quantized on
+                                 # CPU (kernels/quantized.py); none: dequantized; auto: see there
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
         data = check_keys(data, "model",
-                          {"path", "preset", "dtype", "attention", "name", "device"})
+                          {"path", "preset", "dtype", "attention", "name", "device",
+                           "quantization"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
-        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION), ("device", DEVICES)):
+        for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION), ("device", DEVICES),
+                             ("quantization", QUANTIZATION)):
             if key in data and data[key] not in allowed:
                 raise ConfigError(f"model.{key} is {data[key]!r}; use one of "
                                   f"{', '.join(allowed)}")
         if "name" in data and (not isinstance(data["name"], str) or not data["name"].strip()):
             raise ConfigError(f"model.name is {data['name']!r}; give a non-empty string")
-        extra = {k: data[k] for k in ("dtype", "attention", "name", "device") if k in data}
+        extra = {k: data[k] for k in ("dtype", "attention", "name", "device", "quantization")
+                 if k in data}
         if "path" in data:
             return cls(path=str(data["path"]), preset=None, **extra)
         return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)

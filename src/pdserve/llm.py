@@ -57,7 +57,8 @@ class LLM:
             cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
             device=cfg.model.device_for(device), attention=attention or cfg.model.attention,
             tensor_parallel_size=engine.tensor_parallel_size,
-            timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check)
+            timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check,
+            quantization=cfg.model.quantization)
         engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
                                   self.model.cfg.max_position)
         self.engine_config = engine

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.quantized import decode_round
 
 CASES = (("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("16 adapters", 16))
 
@@ -72,28 +73,6 @@ def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
     return d
 
 
-def _decode_round(model, batch: int, context: int, page: int = 16):
-    """A decode round's inputs: `batch` rows, each the next token of a
-    `context`-token history in its own pages (the cache's values do not
-    matter to the time)."""
-    import torch
-
-    from pdserve.kernels.attention import BatchMeta, SeqMeta
-
-    per = -(-(context + 1) // page)
-    cache = model.new_cache(batch * per, page)
-    seqs, slots = [], []
-    for i in range(batch):
-        table = list(range(i * per, (i + 1) * per))
-        seqs.append(SeqMeta(i, 1, context + 1, table))
-        slots.append(table[context // page] * page + context % page)
-    dev = model.device
-    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
-                     torch.full((batch,), context, device=dev), num_decodes=batch)
-    ids = torch.arange(batch, device=dev) + 1
-    return ids, meta, cache, torch.arange(batch, device=dev)
-
-
 def run(args) -> int:
     import torch
 
@@ -121,7 +100,7 @@ def run(args) -> int:
                 torch.cuda.synchronize()
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
-    ids, meta, cache, rows = _decode_round(model, args.batch, args.context)
+    ids, meta, cache, rows = decode_round(model, args.batch, args.context)
     kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound}
     chosen = list(kernels) if args.kernel == "both" else [args.kernel]
     cases = [("base", 0, None)] + [(f"{label}, {k}" if len(chosen) > 1 else label, n_ad, k)

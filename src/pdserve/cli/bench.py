@@ -44,6 +44,9 @@ BENCHMARKS = [
     Subcommand("lora", "pdserve.benchmarks.lora",
                "a batch under 1, 4 and 16 distinct LoRA adapters against the base model, and "
                "an adapter's load time"),
+    Subcommand("quantized", "pdserve.benchmarks.quantized",
+               "a GGUF's decode round with its weights kept quantized against bfloat16 and "
+               "float32 dequantized, and what it changes in the logits"),
     Subcommand("disk", "pdserve.benchmarks.disk",
                "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
                "host + disk, a warm restart against a cold one, the cost when every probe "

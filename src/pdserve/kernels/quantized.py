@@ -1,0 +1,192 @@
+"""A GGUF's quantized weights kept quantized on CPU (`model.quantization:
+gguf`): the linear layers multiply 4- or 8-bit weights directly instead of
+a bfloat16 copy dequantized at load.
+
+A decode step of a small model on CPU is bound by reading its weights:
+SmolLM2-135M's layers are 0.27 GB in bfloat16 and 0.08 GB as the file's
+Q4_1 blocks. torch ships weight-only CPU kernels for both widths:
+
+- 4 bits (`Q4_0`, `Q4_1`): `_weight_int4pack_mm_for_cpu`, groups of 32
+  along the input, each with a scale and a zero, w = (q - 8) * scale +
+  zero. A Q4_1 block (w = q * d + m) is such a group exactly, with zero =
+  m + 8d; a Q4_0 block (w = (q - 8) * d) with zero = 0. The only change
+  from the file's values is d and m rounded from float16 to bfloat16.
+- 8 bits (`Q8_0`, the tied embedding and LM head of SmolLM2):
+  `_weight_int8pack_mm`, one scale per output row. Q8_0's scales are per
+  block of 32, so its values are requantized per row (round to the
+  nearest of 255 levels over the row's largest magnitude).
+
+`QuantizedTensor` is the file's values as read (integers, per-group scale
+and zero), which the loader can permute and concatenate like a tensor
+(Q and K rows back in Hugging Face order, q k v and gate up fused);
+`quantized_linear` packs one for the kernels at model build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32                     # elements per GGUF block, and per kernel group
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [rows, cols] weight as integers `q` with, per group of GROUP
+    columns, `scale` and `zero` ([rows, cols / GROUP] each, float32):
+    w = q * scale + zero. `bits`: 4 (q in 0..15) or 8 (q in -127..127)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 values, what gguf's dequantize gives."""
+        rows, cols = self.q.shape
+        w = self.q.float().view(rows, cols // GROUP, GROUP) * self.scale[..., None] \
+            + self.zero[..., None]
+        return w.view(rows, cols)
+
+    def rows(self, index: torch.Tensor) -> QuantizedTensor:
+        """The rows `index` in that order (a permutation, or a slice as a range)."""
+        return QuantizedTensor(self.q[index], self.scale[index], self.zero[index], self.bits)
+
+    @staticmethod
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        """Stacked by rows (q k v into one matmul), as torch.cat would."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("cannot fuse weights quantized to different widths: "
+                             f"{[p.bits for p in parts]} bits")
+        return QuantizedTensor(torch.cat([p.q for p in parts]),
+                               torch.cat([p.scale for p in parts]),
+                               torch.cat([p.zero for p in parts]), parts[0].bits)
+
+
+def from_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedTensor:
+    """A GGUF tensor's bytes (`kind` one of KINDS) as a QuantizedTensor."""
+    if cols % GROUP:
+        raise ValueError(f"{kind} tensor with {cols} columns: not whole blocks of {GROUP}")
+    width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, cols // GROUP, width)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = b[..., 2:].copy().view(np.int8).astype(np.int16)
+        return QuantizedTensor(torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d),
+                               torch.zeros(rows, cols // GROUP), 8)
+    start = 4 if kind == "Q4_1" else 2
+    qs = b[..., start:]
+    # element j of a block is the low nibble of byte j, element j + 16 the high one
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    if kind == "Q4_1":
+        zero = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        zero = -8.0 * d
+    return QuantizedTensor(torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d),
+                           torch.from_numpy(np.ascontiguousarray(zero)), 4)
+
+
+def kernels_present() -> bool:
+    """Whether this torch has the CPU weight-only kernels."""
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch, "_convert_weight_to_int4pack_for_cpu") and \
+        hasattr(torch, "_weight_int8pack_mm")
+
+
+class QuantizedLinear:
+    """y = x @ w.T for a QuantizedTensor w, packed once for the CPU kernel
+    of its width. Inputs are bfloat16 [rows, in]."""
+
+    def __init__(self, t: QuantizedTensor, dtype: torch.dtype):
+        if dtype != torch.bfloat16:
+            raise ValueError(f"quantized matmuls run in bfloat16, not {dtype}")
+        self.out_features, self.in_features = t.shape
+        self.bits = t.bits
+        if t.bits == 4:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(t.q.to(torch.int32), 1)
+            # [groups, rows, 2]: the kernel's w = (q - 8) * scale + zero
+            self.scales = torch.stack([t.scale.t(), (t.zero + 8 * t.scale).t()], -1) \
+                .to(dtype).contiguous()
+        else:
+            w = t.dequantize()
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+            self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self.scales = scale.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        return torch._weight_int8pack_mm(x, self.packed, self.scales)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + \
+            self.scales.numel() * self.scales.element_size()
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or a QuantizedLinear's matmul (plus `bias`)."""
+    if isinstance(w, QuantizedLinear):
+        y = w(x)
+        return y if bias is None else y + bias
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def dense(t, dtype: torch.dtype, device) -> torch.Tensor:
+    """A weight as a plain tensor (dequantized if it is a QuantizedTensor)."""
+    if isinstance(t, QuantizedTensor):
+        t = t.dequantize()
+    return t.to(dtype=dtype, device=device)
+
+
+def packed(t: QuantizedTensor, dtype: torch.dtype, device) -> QuantizedLinear:
+    if torch.device(device).type != "cpu":
+        raise ValueError("quantized GGUF weights run on CPU only; on a GPU use "
+                         "model.quantization: none (the weights dequantized)")
+    return QuantizedLinear(t, dtype)
+
+
+def fuse(parts: list, dtype: torch.dtype, device):
+    """Weights that share one matmul (q k v; gate up), stacked by rows:
+    quantized if every part is quantized to the same width, else dense."""
+    if all(isinstance(p, QuantizedTensor) for p in parts) and \
+            len({p.bits for p in parts}) == 1:
+        return packed(QuantizedTensor.cat(parts), dtype, device)
+    return torch.cat([dense(p, dtype, device) for p in parts])
+
+
+def choose_quantization(quantization: str, file_kinds: str | None, device, dtype: torch.dtype,
+                        tp_size: int = 1) -> tuple[bool, str]:
+    """(keep the GGUF's quantized weights, why). `file_kinds`: the file's
+    quantized tensor types (ModelConfig.quantization; None for float
+    weights or a checkpoint directory). `gguf` asks for it and fails on
+    what prevents it; `auto` keeps them where it can."""
+    kinds = [k for k in (file_kinds or "").split(", ") if k]
+    kept = [k for k in kinds if k in KINDS]
+    if quantization == "none":
+        return False, "model.quantization is none"
+    blockers = []
+    if not kept:
+        blockers.append("the checkpoint has no Q4_0, Q4_1 or Q8_0 tensors"
+                        + (f" (it has {', '.join(kinds)})" if kinds else ""))
+    if torch.device(device).type != "cpu":
+        blockers.append(f"the model runs on {device}, and the kernels are CPU ones")
+    if dtype != torch.bfloat16:
+        blockers.append(f"dtype is {str(dtype).removeprefix('torch.')}, and the kernels take "
+                        "bfloat16 inputs (model.dtype: bfloat16 or auto)")
+    if tp_size > 1:
+        blockers.append(f"tensor_parallel_size is {tp_size} (the shards are dequantized)")
+    if not kernels_present():
+        blockers.append("this torch lacks _weight_int4pack_mm_for_cpu")
+    if quantization == "gguf" and blockers:
+        raise ValueError("model.quantization: gguf cannot keep the weights quantized: "
+                         + "; ".join(blockers) + "; use model.quantization: none or auto")
+    if blockers:
+        return False, "auto: dequantized, as " + blockers[0]
+    why = "model.quantization is gguf" if quantization == "gguf" else "auto"
+    return True, f"{why}: {', '.join(kept)} tensors multiplied quantized (int4/int8 CPU kernels)"
