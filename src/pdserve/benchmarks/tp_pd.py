@@ -141,7 +141,7 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
         src = tuple(range(n))
         dst = tuple(range(pages // 2, pages // 2 + n))
         gather, write, total, scatter = [], [], [], []
-        landed = None
+        landed = DSideLanded(0.0, 0.0, ())
         for i in range(trials + 3):
             t0 = time.perf_counter()
             if p.staging is not None:
