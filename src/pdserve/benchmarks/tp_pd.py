@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive, default=4096,
                    help="the request's prompt: its pages x 16 tokens are moved (4096)")
     p.add_argument("--trials", type=positive, default=20, help="transfers timed per pair (20)")
+    p.add_argument("--path", choices=("staged", "per-rank", "both"), default="both",
+                   help="staged through rank 0 (the engines' path today), per-rank (one "
+                        "NIXL agent per rank, each D rank written its heads by the P ranks "
+                        "holding them; the ranks' agents in one process per engine), or both")
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,110 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
         p.close()
 
 
+@dataclass(frozen=True)
+class DRanksReady:
+    """D (per-rank), to the bench: every D rank's agent meta."""
+    metas: tuple
+
+
+@dataclass(frozen=True)
+class DRanksLanded:
+    """D (per-rank), to the bench: every piece's notification reached its D rank."""
+    done: float
+
+
+def _layout(size: int, layers: int, head_dim: int):
+    from pdserve.transfer.kv_layout import KvLayout
+
+    return KvLayout(size, 2, head_dim, "float32", PAGE, (layers,))
+
+
+def _shards(size: int, pages: int, random: bool) -> list:
+    """Each rank's page-major shard of the tiny model's KV (2 layers, 2 KV heads x 16)."""
+    import torch
+
+    from pdserve.transfer.tp_pieces import heads_of
+
+    lay = _layout(size, 2, 16)
+    make = torch.randn if random else torch.zeros
+    return [make(pages, 2, 2, PAGE, len(heads_of(lay, r)), 16) for r in range(size)]
+
+
+def _d_ranks_main(p_size: int, d_size: int, pages: int, conn) -> None:
+    """The decode engine's ranks (per-rank): report when each write's pieces all landed."""
+    from pdserve.transfer.rank_agent import KvRankAgent
+    from pdserve.transfer.tp_pieces import plan_pieces
+
+    d_lay = _layout(d_size, 2, 16)
+    agents = [KvRankAgent(f"decode-0@1#{r}", r, [s], d_lay)
+              for r, s in enumerate(_shards(d_size, pages, False))]
+    want = len(plan_pieces(_layout(p_size, 2, 16), d_lay))
+    try:
+        conn.send(DRanksReady(tuple(a.meta() for a in agents)))
+        got = 0
+        while True:
+            if conn.poll(0) and isinstance(conn.recv(), DSideStop):
+                return
+            for a in agents:
+                got += len(a.poll()[1])
+            if got >= want:
+                conn.send(DRanksLanded(time.perf_counter()))
+                got -= want
+    finally:
+        for a in agents:
+            a.close()
+
+
+def measure_per_rank(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from pdserve.transfer.rank_agent import KvRankAgent
+    from pdserve.transfer.tp_pieces import bytes_per_rank
+
+    n = -(-tokens // PAGE)
+    pages = 4 * n
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_d_ranks_main, args=(p_size, d_size, pages, theirs), daemon=True)
+    proc.start()
+    p_lay, d_lay = _layout(p_size, 2, 16), _layout(d_size, 2, 16)
+    agents = [KvRankAgent(f"prefill-0@1#{r}", r, [s], p_lay)
+              for r, s in enumerate(_shards(p_size, pages, True))]
+    try:
+        metas = list(_recv(mine, proc).metas)
+        for a in agents:
+            a.connect("decode-0", d_lay, metas)
+        src, dst = [list(range(n))], [list(range(pages // 2, pages // 2 + n))]
+        write, total = [], []
+        for i in range(trials + 3):
+            t0 = time.perf_counter()
+            for a in agents:
+                assert a.post("decode-0", f"bench-{i}", src, dst, b"bench") == []
+            left = sum(len(a._routes["decode-0"]) for a in agents)
+            while left:
+                for a in agents:
+                    ends = a.poll()[0]
+                    assert all(e.ok for e in ends), ends
+                    left -= len(ends)
+            tw = time.perf_counter()
+            landed = _recv(mine, proc)
+            if i >= 3:
+                write.append(tw - t0)
+                total.append(landed.done - t0)
+        per = lambda xs: statistics.median(xs) * 1e3      # noqa: E731
+        moved = bytes_per_rank(p_lay, d_lay, [n], 4)
+        return {"pages": n, "write_ms": per(write), "total_ms": per(total),
+                "p_ranks": list(moved.sent), "d_ranks": list(moved.received),
+                "descriptors": sum(a.descriptors for a in agents) // (trials + 3)}
+    finally:
+        mine.send(DSideStop())
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        for a in agents:
+            a.close()
+
+
 def _recv(conn, proc, bound_s: float = 300.0):
     """D's next message, or a RuntimeError if D died or said nothing in `bound_s`."""
     if not conn.poll(bound_s):
@@ -186,13 +294,24 @@ def _recv(conn, proc, bound_s: float = 300.0):
 def run(args) -> int:
     n = -(-args.tokens // PAGE)
     print(f"one request's KV, {args.tokens} tokens ({n} pages of {PAGE}), tiny model float32, "
-          f"staged through rank 0, median of {args.trials} transfers")
-    print(f"{'P TP':>5} {'D TP':>5} {'bytes':>10} {'gather ms':>10} {'P write ms':>11} "
-          f"{'scatter ms':>11} {'transfer ms':>12}  bytes per P rank -> rank 0 / "
-          "per D rank <- rank 0")
-    for p_size, d_size in COMBOS:
-        m = measure(p_size, d_size, args.tokens, args.trials)
-        print(f"{p_size:>5} {d_size:>5} {m['bytes']:>10,} {m['gather_ms']:>10.2f} "
-              f"{m['write_ms']:>11.2f} {m['scatter_ms']:>11.2f} {m['total_ms']:>12.2f}  "
-              f"{m['p_ranks']} / {m['d_ranks']}", flush=True)
+          f"median of {args.trials} transfers")
+    if args.path in ("staged", "both"):
+        print("staged through rank 0 (P's ranks gather to rank 0, one whole-page write, D's "
+              "rank 0 scatters)")
+        print(f"{'P TP':>5} {'D TP':>5} {'bytes':>10} {'gather ms':>10} {'P write ms':>11} "
+              f"{'scatter ms':>11} {'transfer ms':>12}  bytes per P rank -> rank 0 / "
+              "per D rank <- rank 0")
+        for p_size, d_size in COMBOS:
+            m = measure(p_size, d_size, args.tokens, args.trials)
+            print(f"{p_size:>5} {d_size:>5} {m['bytes']:>10,} {m['gather_ms']:>10.2f} "
+                  f"{m['write_ms']:>11.2f} {m['scatter_ms']:>11.2f} {m['total_ms']:>12.2f}  "
+                  f"{m['p_ranks']} / {m['d_ranks']}", flush=True)
+    if args.path in ("per-rank", "both"):
+        print("per-rank (each P rank writes the D ranks its heads; one agent per rank)")
+        print(f"{'P TP':>5} {'D TP':>5} {'descriptors':>12} {'P write ms':>11} "
+              f"{'transfer ms':>12}  bytes per P rank sent / per D rank received")
+        for p_size, d_size in COMBOS:
+            m = measure_per_rank(p_size, d_size, args.tokens, args.trials)
+            print(f"{p_size:>5} {d_size:>5} {m['descriptors']:>12,} {m['write_ms']:>11.2f} "
+                  f"{m['total_ms']:>12.2f}  {m['p_ranks']} / {m['d_ranks']}", flush=True)
     return 0
