@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.rank_agent import KvRankAgent, decode_piece_notif
+from pdserve.transfer.rank_agent import KvRankAgent, decode_piece_notif, encode_piece_notif
 from pdserve.transfer.tp_pieces import (
-    KvPiece, PageGeometry, bytes_per_rank, heads_of, piece_runs, plan_pieces)
+    KvPiece, PieceWire, bytes_per_rank, heads_of, piece_wire, plan_pieces)
 
 LAYERS, PS, HD, KV = 2, 4, 16, 2
 
@@ -44,15 +44,22 @@ def test_pieces(p, d, want):
     assert plan_pieces(_layout(p), _layout(d)) == want
 
 
-def test_runs_are_whole_pages_only_when_both_sides_hold_exactly_the_heads():
-    full = piece_runs(KvPiece(0, 0, 0, 1, 0, 0), _layout(2), _layout(2), 0, 4)
-    assert full == ([(0, LAYERS * 2 * PS * HD * 4)],) * 2
-    p_runs, d_runs = piece_runs(KvPiece(0, 1, 1, 1, 1, 0), _layout(1), _layout(2), 0, 4)
-    assert len(p_runs) == len(d_runs) == LAYERS * 2 * PS       # one per (layer, K/V, token)
-    assert p_runs[:2] == [(HD * 4, HD * 4), (2 * HD * 4 + HD * 4, HD * 4)]
-    assert d_runs[:2] == [(0, HD * 4), (HD * 4, HD * 4)]
-    with pytest.raises(ValueError, match=r"heads \[1, 3\) of a page of 2"):
-        PageGeometry(LAYERS, PS, 2, HD, 4).runs(1, 2)
+def test_a_piece_crosses_as_one_block_a_page_packed_where_the_page_holds_more_heads():
+    plane = LAYERS * 2 * PS * HD * 4            # one head's block of a page
+    assert piece_wire(KvPiece(0, 0, 0, 1, 0, 0), _layout(2), _layout(2), 0, 4) == \
+        PieceWire(plane, False, False, 0)       # rank r to rank r: pages as they are
+    # P TP 1 -> D TP 2: P packs head 1 of its pages; D's page is that head
+    assert piece_wire(KvPiece(0, 1, 1, 1, 1, 0), _layout(1), _layout(2), 0, 4) == \
+        PieceWire(plane, True, False, 0)
+    # P TP 2 -> D TP 1: P's page is the head; it lands as D's page's second block
+    assert piece_wire(KvPiece(1, 0, 1, 1, 0, 1), _layout(2), _layout(1), 0, 4) == \
+        PieceWire(plane, False, True, plane)
+
+
+def test_piece_notifications_carry_the_pages_and_the_write():
+    msg = encode_piece_notif(KvPiece(1, 0, 1, 1, 0, 1), [[3, 4], []], b"pdkv|1|r|x")
+    assert decode_piece_notif(msg) == (1, 0, ((3, 4), ()), b"pdkv|1|r|x")
+    assert decode_piece_notif(b"pdkv|1|2|3") is None
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (2, 4)])
@@ -76,52 +83,59 @@ def _shards(whole: torch.Tensor, layout: KvLayout) -> list[torch.Tensor]:
             for h in (heads_of(layout, r) for r in range(layout.tensor_parallel_size))]
 
 
-def _drain(agents, pieces, tag, bound_s=20.0):
-    """Poll every agent until each P rank's pieces ended and each D rank got
-    its pieces' notifications; (ends, notifications by D rank)."""
-    p_agents, d_agents = agents
-    ends, notifs = [], {r: [] for r in range(len(d_agents))}
-    want_notifs = {r: sum(1 for x in pieces if x.d_rank == r) for r in notifs}
+def _drain(p_agents, d_agents, pieces, bound_s=20.0):
+    """Poll every agent until each P rank's pieces ended and each D rank
+    reported the write landed; (ends, landings by D rank)."""
+    ends, landed = [], {r: [] for r in range(len(d_agents))}
     deadline = time.monotonic() + bound_s
-    while len(ends) < len(pieces) or any(len(notifs[r]) < n for r, n in want_notifs.items()):
-        assert time.monotonic() < deadline, (ends, notifs)
+    while len(ends) < len(pieces) or any(not v for v in landed.values()):
+        assert time.monotonic() < deadline, (ends, landed)
         for a in p_agents:
             ends += a.poll()[0]
         for r, a in enumerate(d_agents):
-            notifs[r] += a.poll()[1]
-    return ends, notifs
+            got, mine, dropped = a.poll()
+            assert got == [] and dropped == 0
+            landed[r] += mine
+    return ends, landed
 
 
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 2)])
 def test_nixl_rank_to_rank_lands_each_d_rank_its_heads_byte_for_byte(p, d):
+    """One write: each D rank reports it once, when every piece it is owed
+    landed, and then holds exactly the reference's heads of the written
+    pages (unpacked in place where its page took blocks from several P
+    ranks); nothing else on D changed; one descriptor a page a piece."""
     torch.manual_seed(p * 10 + d)
     pages = 12
     whole = torch.randn(pages, LAYERS, 2, PS, KV, HD)
     p_lay, d_lay = _layout(p), _layout(d)
     p_shards = _shards(whole, p_lay)
-    d_shards = [torch.zeros_like(s) for s in _shards(whole, d_lay)]
+    d_shards = [torch.full_like(s, 7.0) for s in _shards(whole, d_lay)]
     p_agents = [KvRankAgent(f"prefill-0@1#{r}", r, [s], p_lay) for r, s in enumerate(p_shards)]
     d_agents = [KvRankAgent(f"decode-0@1#{r}", r, [s], d_lay) for r, s in enumerate(d_shards)]
     try:
-        metas = [a.meta() for a in d_agents]
-        sent = [a.connect("decode-0", d_lay, metas) for a in p_agents]
         pieces = plan_pieces(p_lay, d_lay)
-        assert sum(sent) == len(pieces)
+        p_metas = [a.meta() for a in p_agents]
+        owed = [a.accept("prefill-0", p_lay, p_metas) for a in d_agents]
+        assert owed == [sum(1 for x in pieces if x.d_rank == r) for r in range(d)]
+        d_metas = [a.meta() for a in d_agents]
+        assert sum(a.connect("decode-0", d_lay, d_metas) for a in p_agents) == len(pieces)
         src, dst = [1, 2, 3, 7], [8, 9, 10, 0]
         for a in p_agents:
             assert a.post("decode-0", "r1", [src], [dst], b"note") == []
-        ends, notifs = _drain((p_agents, d_agents), pieces, "r1")
+        ends, landed = _drain(p_agents, d_agents, pieces)
         assert all(e.ok for e in ends) and sorted(e.piece for e in ends) == sorted(pieces)
-        for r, msgs in notifs.items():
-            got = sorted(decode_piece_notif(m) for m in msgs)
-            assert got == sorted((x.p_rank, x.d_rank, b"note") for x in pieces if x.d_rank == r)
+        for r in range(d):
+            assert [(x.peer, x.notif, x.dst) for x in landed[r]] == \
+                [("prefill-0", b"note", (tuple(dst),))]
         for want, shard in zip(_shards(whole[src], d_lay), d_shards):
             assert torch.equal(shard[dst].view(torch.uint8), want.view(torch.uint8))
         untouched = [i for i in range(pages) if i not in dst]
-        assert all(not s[untouched].any() for s in d_shards)
+        assert all(bool((s[untouched] == 7.0).all()) for s in d_shards)
         assert not any(a.in_flight("r1") for a in p_agents)
-        per_page = sum(a.descriptors for a in p_agents) // len(src)
-        assert per_page == (len(pieces) if p == d else len(pieces) * LAYERS * 2 * PS)
+        assert sum(a.descriptors for a in p_agents) == len(src) * len(pieces)
+        assert sum(a.packed_bytes for a in p_agents) == (whole[src].nbytes if p < d else 0)
+        assert sum(a.unpacked_bytes for a in d_agents) == (whole[src].nbytes if p > d else 0)
     finally:
         for a in p_agents + d_agents:
             a.close()

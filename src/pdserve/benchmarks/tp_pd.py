@@ -209,16 +209,19 @@ def _shards(size: int, pages: int, random: bool) -> list:
 
 
 def _d_ranks_main(p_size: int, d_size: int, pages: int, conn) -> None:
-    """The decode engine's ranks (per-rank): report when each write's pieces all landed."""
+    """The decode engine's ranks (per-rank): report when every D rank has a
+write's pieces (and unpacked them)."""
     from pdserve.transfer.rank_agent import KvRankAgent
-    from pdserve.transfer.tp_pieces import plan_pieces
 
     d_lay = _layout(d_size, 2, 16)
     agents = [KvRankAgent(f"decode-0@1#{r}", r, [s], d_lay)
               for r, s in enumerate(_shards(d_size, pages, False))]
-    want = len(plan_pieces(_layout(p_size, 2, 16), d_lay))
+    want = d_size                   # each D rank reports a write once, all its pieces landed
     try:
         conn.send(DRanksReady(tuple(a.meta() for a in agents)))
+        p_metas = conn.recv()
+        for a in agents:
+            a.accept("prefill-0", _layout(p_size, 2, 16), list(p_metas))
         got = 0
         while True:
             if conn.poll(0) and isinstance(conn.recv(), DSideStop):
@@ -250,6 +253,7 @@ def measure_per_rank(p_size: int, d_size: int, tokens: int, trials: int) -> dict
               for r, s in enumerate(_shards(p_size, pages, True))]
     try:
         metas = list(_recv(mine, proc).metas)
+        mine.send(tuple(a.meta() for a in agents))
         for a in agents:
             a.connect("decode-0", d_lay, metas)
         src, dst = [list(range(n))], [list(range(pages // 2, pages // 2 + n))]

@@ -10,12 +10,15 @@ holds, one P rank holding h sends it; a head replicated on several P ranks
 D's ranks spread their reads over P's. The heads one P rank sends one D
 rank, contiguous, are a `KvPiece`.
 
-A piece's bytes in a page: when it covers every head of the page on both
-sides (equal sizes, or a size-1 engine against a size-1 one) it is the whole
-page, one run; otherwise the heads are a strided sub-range of each token's
-row, one run per (layer, K/V, token) of `heads x head_dim` elements. That
-is what NIXL's descriptor lists express without a gather kernel: a run is
-one contiguous (address, length) on each side.
+A piece crosses as one block per page, `[layers, 2, page_size, its heads,
+head_dim]`, one NIXL descriptor: a rank's page is token-major (each token's
+heads side by side), so a head sub-range of it is one run per (layer, K/V,
+token), and UCX posts every descriptor as its own operation (about 9 µs
+each here: 64 a page for the tiny model, 960 for a 30-layer one). So the
+side whose page holds other heads too packs (P: a local strided copy into a
+registered send slot) or unpacks (D: the blocks land side by side in the
+destination page itself, and D's rank rearranges that page in place once
+every block of it landed): `PieceWire`.
 
 Bytes per rank: over n pages of B bytes (the whole page, every head), a P
 of size p and a D of size d, each P rank sends and each D rank receives
@@ -89,46 +92,27 @@ def plan_pieces(p: KvLayout, d: KvLayout) -> list[KvPiece]:
 
 
 @dataclass(frozen=True)
-class PageGeometry:
-    """One cache group's page on a rank: [layers, 2, page_size, heads, head_dim]."""
-    layers: int
-    page_size: int
-    heads: int                  # this rank's
-    head_dim: int
-    itemsize: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.layers * 2 * self.page_size * self.heads * self.head_dim * self.itemsize
-
-    def runs(self, first: int, count: int, whole: bool = True) -> list[tuple[int, int]]:
-        """(offset, length) in bytes, within a page, of local heads
-        [first, first + count): one run per (layer, K/V, token), or (with
-        `whole`) the whole page when they are all its heads."""
-        if first < 0 or first + count > self.heads or count < 1:
-            raise ValueError(f"heads [{first}, {first + count}) of a page of {self.heads}")
-        if whole and count == self.heads:
-            return [(0, self.page_bytes)]
-        row = self.heads * self.head_dim * self.itemsize
-        head = self.head_dim * self.itemsize
-        return [(r * row + first * head, count * head)
-                for r in range(self.layers * 2 * self.page_size)]
+class PieceWire:
+    """How a piece crosses, per page of one cache group: its heads as one
+    block `[layers, 2, page_size, count, head_dim]` of `length` bytes.
+    `p_packed`: P's page holds other heads too, so the block is packed from
+    it into a send slot first (a local strided copy on P's rank); else it is
+    P's page itself. `d_packed`: D's page holds other heads too, so the
+    block lands at `d_offset` in D's page (D's page is read as its heads'
+    blocks one after another until D's rank unpacks it, in place, once
+    every block of it landed); else it is D's page itself."""
+    length: int
+    p_packed: bool
+    d_packed: bool
+    d_offset: int
 
 
-def geometry(layout: KvLayout, rank: int, group: int, itemsize: int) -> PageGeometry:
-    return PageGeometry(layout.layers[group], layout.page_size, len(heads_of(layout, rank)),
-                        layout.head_dim, itemsize)
-
-
-def piece_runs(piece: KvPiece, p: KvLayout, d: KvLayout, group: int,
-               itemsize: int) -> tuple[list, list]:
-    """(P's runs, D's runs) of `piece` in a page of cache group `group`,
-    pairwise of equal length: the whole page when the piece is every head
-    of the page on both sides, else one run per (layer, K/V, token) on both."""
-    pg, dg = geometry(p, piece.p_rank, group, itemsize), geometry(d, piece.d_rank, group, itemsize)
-    whole = piece.count == pg.heads == dg.heads
-    return (pg.runs(piece.p_first, piece.count, whole),
-            dg.runs(piece.d_first, piece.count, whole))
+def piece_wire(piece: KvPiece, p: KvLayout, d: KvLayout, group: int, itemsize: int) -> PieceWire:
+    plane = p.layers[group] * 2 * p.page_size * p.head_dim * itemsize      # one head's block
+    return PieceWire(piece.count * plane, piece.count != len(heads_of(p, piece.p_rank)),
+                     piece.count != len(heads_of(d, piece.d_rank)),
+                     piece.d_first * plane if piece.count != len(heads_of(d, piece.d_rank))
+                     else 0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +129,7 @@ def bytes_per_rank(p: KvLayout, d: KvLayout, pages_per_group, itemsize: int) -> 
     received = [0] * d.tensor_parallel_size
     for piece in plan_pieces(p, d):
         for g, n in enumerate(pages_per_group):
-            b = n * sum(length for _, length in piece_runs(piece, p, d, g, itemsize)[0])
+            b = n * piece_wire(piece, p, d, g, itemsize).length
             sent[piece.p_rank] += b
             received[piece.d_rank] += b
     return RankBytes(tuple(sent), tuple(received))
