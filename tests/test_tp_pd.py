@@ -5,6 +5,8 @@ whole page's heads to its ranks byte for byte (P TP 1 -> D TP 2), and two
 transports whose pages cannot be mapped are refused at the handshake with
 both sides named. (Through `pdserve up`: test_tp_pd_up.py.)"""
 
+import time
+
 import pytest
 import torch
 
@@ -163,3 +165,118 @@ def test_prefill_and_decode_roles_may_be_tensor_parallel():
                                              "decode": 1}})
     assert role_engine(cfg, "prefill").tensor_parallel_size == 2
     assert role_engine(cfg, "decode").tensor_parallel_size == 1
+
+
+# ---- per-rank: every rank of the TP 2 engine its own NIXL agent (roles/tp_kv_ranks.py) ----
+
+def _until(cond, bound_s=30.0):
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, "the per-rank write did not end in time"
+
+
+def _rank_write(p_agents, p_poll, d_poll, d_ranks, pieces, src, dst):
+    """Post on every P rank; poll until every piece ended on P and every D
+    rank reported the write once."""
+    for post in p_agents:
+        post("decode-0", "r", [src], [dst], b"w1")
+    ends, landed = [], []
+
+    def done():
+        ends.extend(e for polled in p_poll() for e in polled.ends)
+        landed.extend(x for polled in d_poll() for x in polled.landed)
+        return len(ends) == pieces and len(landed) == d_ranks
+    _until(done)
+    assert all(e.ok for e in ends), ends
+    assert sorted(x.notif for x in landed) == [b"w1"] * d_ranks
+
+
+class _Polled:
+    """One in-process agent's poll as a TpKvPolled-like answer."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    def __call__(self):
+        from pdserve.roles.tp_kv_ranks import TpKvPolled
+
+        ends, landed, dropped = self.agent.poll()
+        assert dropped == 0
+        return [TpKvPolled(0, tuple(ends), tuple(landed), dropped)]
+
+
+def test_per_rank_p_tp2_to_d_tp1_each_p_rank_writes_its_head(engines):
+    """P's two ranks (rank 0 and the worker process) each write their own
+    head of the pages straight into D's one rank; D's pages are P's ranks'
+    heads side by side, every byte, and match the TP 1 engine's."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.rank_agent import KvRankAgent
+
+    ref, leader = engines
+    d_pool = torch.zeros_like(ref)
+    p = TpKvRanks(leader, "prefill-0@1", _layout(2))
+    d = KvRankAgent("decode-0@1#0", 0, [d_pool], _layout(1))
+    try:
+        d.accept("prefill-0", _layout(2), list(p.metas))
+        p.connect("decode-0", _layout(1), [d.meta()])
+        dst = list(range(len(USED)))
+        _rank_write([p.post], p.poll, _Polled(d), 1, 2, USED, dst)
+        got = d_pool[dst]
+        heads = leader.gather_pages(0, USED)
+        assert torch.equal(got.view(torch.uint8), torch.cat(heads, dim=-2).view(torch.uint8))
+        assert torch.equal(got[:, 0].view(torch.uint8), ref[USED][:, 0].view(torch.uint8))
+        torch.testing.assert_close(got, ref[USED], rtol=0, atol=2e-6)
+        assert d.unpacked_bytes == ref[USED].nbytes          # both heads landed as blocks
+    finally:
+        p.forget("decode-0")
+        p.close()
+        d.close()
+
+
+def test_per_rank_p_tp1_to_d_tp2_each_d_rank_gets_its_head(engines):
+    """A TP 1 P packs each head and writes it to the D rank that owns it:
+    each of D's ranks (rank 0 and the worker process) holds exactly the
+    reference's head of the pages, every byte."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.rank_agent import KvRankAgent
+
+    ref, leader = engines
+    src_pool = ref.clone()
+    p = KvRankAgent("prefill-0@1#0", 0, [src_pool], _layout(1))
+    d = TpKvRanks(leader, "decode-0@1", _layout(2))
+    far = list(range(4, 4 + len(USED)))         # pages the greedy run left empty
+    try:
+        d.accept("prefill-0", _layout(1), [p.meta()])
+        p.connect("decode-0", _layout(2), list(d.metas))
+        _rank_write([p.post], _Polled(p), d.poll, 2, 2, USED, far)
+        parts = leader.gather_pages(0, far)
+        want = ref[USED]
+        for r in range(2):
+            assert torch.equal(parts[r].view(torch.uint8),
+                               want[..., r:r + 1, :].contiguous().view(torch.uint8))
+        assert p.packed_bytes == want.nbytes
+    finally:
+        d.close()
+        p.close()
+
+
+def test_per_rank_p_tp2_to_d_tp2_rank_to_rank_whole_pages(engines):
+    """The same TP 2 engine as P (its first pages) and as D (empty pages),
+    an agent per rank for each: rank r writes rank r whole pages, nothing
+    packed; D's pages on each rank equal P's, every byte."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+
+    ref, leader = engines
+    p = TpKvRanks(leader, "prefill-0@1", _layout(2))
+    d = TpKvRanks(leader, "decode-0@1", _layout(2))
+    far = list(range(PAGES + 4, PAGES + 4 + len(USED)))
+    try:
+        d.accept("prefill-0", _layout(2), list(p.metas))
+        p.connect("decode-0", _layout(2), list(d.metas))
+        _rank_write([p.post], p.poll, d.poll, 2, 2, USED, far)
+        for a, b in zip(leader.gather_pages(0, USED), leader.gather_pages(0, far)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    finally:
+        p.close()
+        d.close()
+

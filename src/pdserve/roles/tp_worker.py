@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.tensor_parallel import TpComm, TpLost
+from pdserve.roles.tp_kv_ranks import TP_KV_MESSAGES, serve_kv
 from pdserve.roles.tp_messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop, digest)
 
@@ -75,6 +76,15 @@ def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
 
 
 def _serve(model, comm: TpComm, conn, device: torch.device) -> None:
+    agents: dict = {}               # per-rank KV transfer agents, by name (tp_kv_ranks.py)
+    try:
+        _serve_messages(model, comm, conn, device, agents)
+    finally:
+        for agent in agents.values():
+            agent.close()
+
+
+def _serve_messages(model, comm: TpComm, conn, device: torch.device, agents: dict) -> None:
     caches = None
     while True:
         payload = conn.recv_bytes()
@@ -94,6 +104,10 @@ def _serve(model, comm: TpComm, conn, device: torch.device) -> None:
             if caches is None:
                 raise RuntimeError("a page move before the caches were allocated")
             move_pages(comm, caches[msg.group].data, msg, None)
+        elif isinstance(msg, TP_KV_MESSAGES):
+            if caches is None:
+                raise RuntimeError("a KV transfer message before the caches were allocated")
+            serve_kv(msg, comm.rank, caches, agents, conn)
         else:
             raise TypeError(f"rank {comm.rank}: unknown message {type(msg).__name__}")
 

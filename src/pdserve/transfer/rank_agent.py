@@ -144,6 +144,7 @@ class KvRankAgent:
         self._inflight: dict = {}                       # handle -> (tag, piece)
         self._owed: dict[str, _Owed] = {}               # D: peer -> what it sends this rank
         self._arrived: dict = {}                        # D: (peer, notif) -> pieces landed
+        self.failed_at_post: list[PieceEnd] = []        # reported at the next poll (tp_kv_ranks)
         self.descriptors = 0                            # rows named by posted writes
         self.packed_bytes = 0                           # P: packed into send slots
         self.unpacked_bytes = 0                         # D: rearranged in place
