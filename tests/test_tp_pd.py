@@ -280,3 +280,40 @@ def test_per_rank_p_tp2_to_d_tp2_rank_to_rank_whole_pages(engines):
         p.close()
         d.close()
 
+
+
+def test_per_rank_through_nixl_transports_p_tp2_to_d_tp1(engines):
+    """The transports' per-rank path (transfer/rank_writes.py): P's write is
+    DONE once both P ranks' pieces ended, D's LANDED once its rank has both
+    pieces, with the first token; D's pages are P's ranks' heads, every
+    byte; nothing stays in flight."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.rank_agent import LocalRanks
+
+    ref, leader = engines
+    d_pool = torch.zeros_like(ref)
+    P = NixlTransport(Incarnation("prefill-0", 1))
+    D = NixlTransport(Incarnation("decode-0", 1))
+    try:
+        P.register_pools([c.data for c in leader.caches], layout=_layout(2))
+        P.use_ranks(TpKvRanks(leader, P.incarnation.agent_name, _layout(2)))
+        D.register_pools([d_pool], layout=_layout(1))
+        D.use_ranks(LocalRanks(D.incarnation.agent_name, [d_pool], _layout(1)))
+        P.add_peer(D.incarnation, D.metadata())
+        D.add_peer(P.incarnation, P.metadata())
+        dst = list(range(len(USED)))
+        P.write(KvWrite("r", 1, D.incarnation, tuple(USED), tuple(dst), first_token=3))
+        p_events, d_events = [], []
+        _until(lambda: (p_events.extend(P.poll()), d_events.extend(D.poll()),
+                        bool(p_events) and bool(d_events))[-1])
+        assert [e.kind for e in p_events] == [TransferEventKind.DONE]
+        assert [(e.kind, e.req_id, e.first_token, e.peer) for e in d_events] == \
+            [(TransferEventKind.LANDED, "r", 3, P.incarnation)]
+        assert not P.in_flight("r")
+        heads = leader.gather_pages(0, USED)
+        assert torch.equal(d_pool[dst].view(torch.uint8),
+                           torch.cat(heads, dim=-2).view(torch.uint8))
+    finally:
+        P.close()
+        D.close()

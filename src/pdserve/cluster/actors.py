@@ -80,7 +80,8 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
 
         transport = NixlTransport(Incarnation(name, incarnation),
                                   FaultInjector.from_config(faults or [], fault_seed))
-        register_transfer_pools(transport, model, executor, engine_cfg.page_size)
+        per_rank = any(role_engine(cfg, r).tensor_parallel_size > 1 for r in ("prefill", "decode"))
+        register_transfer_pools(transport, model, executor, engine_cfg.page_size, per_rank)
     server = EngineServer(kind, name, planner, executor,
                           lambda on_stop: Outputs(tok, on_stop, name), transport,
                           incarnation=incarnation, capacity=capacity,

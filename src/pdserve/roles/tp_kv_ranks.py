@@ -18,7 +18,7 @@ import pickle
 from dataclasses import dataclass
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.rank_agent import KvRankAgent, KvRankMeta
+from pdserve.transfer.rank_agent import KvRankAgent, KvRankMeta, RankPolled
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,7 @@ class TpKvPoll:
     name: str
 
 
-@dataclass(frozen=True)
-class TpKvPolled:
-    rank: int
-    ends: tuple                 # PieceEnd
-    landed: tuple               # RankLanded
-    dropped: int
+TpKvPolled = RankPolled        # a rank's answer to TpKvPoll
 
 
 TP_KV_MESSAGES = (TpKvStart, TpKvConnect, TpKvAccept, TpKvPost, TpKvForget, TpKvPoll)

@@ -94,16 +94,32 @@ def kv_layout(model, executor, page_size: int) -> KvLayout:
                     page_size, tuple(c.data.shape[1] for c in caches))
 
 
-def register_transfer_pools(transport, model, executor, page_size: int) -> TpStaging | None:
-    """Register what `transport` moves: the executor's pools at size 1; a
-    tensor-parallel engine's whole-page staging pools (their TpStaging
-    returned) at size > 1. Either way with the engine's KvLayout."""
+def register_transfer_pools(transport, model, executor, page_size: int,
+                            per_rank: bool = False) -> TpStaging | None:
+    """Register what `transport` moves, with the engine's KvLayout. With
+    `per_rank` (a deployment with a tensor-parallel prefill or decode
+    role): the executor's pools (rank 0's shard), and every rank its own
+    agent over its shard (roles/tp_kv_ranks.py; transfer/rank_agent.py).
+    Else the executor's pools at size 1, and a tensor-parallel engine's
+    whole-page staging pools (their TpStaging returned) at size > 1."""
     layout = kv_layout(model, executor, page_size)
+    if executor.state is not None and layout.tensor_parallel_size > 1:
+        raise ValueError("state layers under tensor parallelism are not built")
+    if per_rank:
+        transport.register_pools(executor.transfer_pools(), layout=layout)
+        name = transport.incarnation.agent_name
+        if layout.tensor_parallel_size == 1:
+            from pdserve.transfer.rank_agent import LocalRanks
+
+            transport.use_ranks(LocalRanks(name, executor.transfer_pools(), layout))
+        else:
+            from pdserve.roles.tp_kv_ranks import TpKvRanks
+
+            transport.use_ranks(TpKvRanks(model, name, layout))
+        return None
     if layout.tensor_parallel_size == 1:
         transport.register_pools(executor.transfer_pools(), layout=layout)
         return None
-    if executor.state is not None:
-        raise ValueError("state layers under tensor parallelism are not built")
     staging = TpStaging(model, page_size)
     transport.register_pools([p.data for p in staging.pools], layout=layout, staging=staging)
     return staging

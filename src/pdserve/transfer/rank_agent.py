@@ -78,6 +78,16 @@ class RankLanded:
     dst: tuple                  # the destination pages, per cache group
 
 
+@dataclass(frozen=True)
+class RankPolled:
+    """One rank's news at a poll: its pieces' ends, the writes whose every
+    piece reached it, foreign notifications dropped."""
+    rank: int
+    ends: tuple                 # PieceEnd
+    landed: tuple               # RankLanded
+    dropped: int
+
+
 @dataclass
 class _Route:
     """A piece this rank sends to one peer: its prepared lists, and per
@@ -370,3 +380,34 @@ def _indices(starts: list, pages: list) -> np.ndarray:
     """Row indices of `pages` (per group) in a list of one row a page laid out by `starts`."""
     out = [first + np.asarray(ps, dtype=np.int64) for first, ps in zip(starts, pages) if len(ps)]
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+class LocalRanks:
+    """A size-1 engine's one rank, behind the interface a tensor-parallel
+    engine's rank 0 offers for all its ranks (roles/tp_kv_ranks.TpKvRanks)."""
+
+    def __init__(self, name: str, pools: list, layout: KvLayout):
+        self.agent = KvRankAgent(f"{name}#0", 0, pools, layout)
+        self.metas = (self.agent.meta(),)
+
+    def connect(self, peer: str, layout: KvLayout, metas) -> None:
+        self.agent.connect(peer, layout, list(metas))
+
+    def accept(self, peer: str, layout: KvLayout, metas) -> None:
+        self.agent.accept(peer, layout, list(metas))
+
+    def post(self, peer: str, tag: str, src, dst, notif: bytes) -> None:
+        self.agent.failed_at_post += self.agent.post(peer, tag, list(src), list(dst), notif)
+
+    def forget(self, peer: str) -> None:
+        self.agent.forget(peer)
+
+    def poll(self) -> list[RankPolled]:
+        ends, landed, dropped = self.agent.poll()
+        ends = self.agent.failed_at_post + ends
+        self.agent.failed_at_post = []
+        return [RankPolled(0, tuple(ends), tuple(landed), dropped)]
+
+    def close(self) -> None:
+        self.agent.close()
+
