@@ -1,9 +1,12 @@
 """P/D between engines of different (or equal) tensor-parallel sizes, below
-the cluster: a TP 2 rank 0's staging gathers its ranks' heads into whole
-pages byte for byte (P TP 2 -> D TP 1 and -> D TP 2), scatters a landed
-whole page's heads to its ranks byte for byte (P TP 1 -> D TP 2), and two
-transports whose pages cannot be mapped are refused at the handshake with
-both sides named. (Through `pdserve up`: test_tp_pd_up.py.)"""
+the cluster, KV moved rank to rank: every rank of the TP 2 engine (rank 0
+and its worker process) its own NIXL agent (roles/tp_kv_ranks.py). For P TP
+2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2, each D rank ends with
+exactly its heads of the pages, every byte (against the TP 1 engine's
+pages, and the TP 2 engine's own); through the transports, P's write is
+DONE once every P rank's pieces ended and D's LANDED once every D rank has
+its pieces. Two transports whose pages cannot be mapped are refused at the
+handshake with both sides named. (Through `pdserve up`: test_tp_pd_up.py.)"""
 
 import time
 
@@ -12,7 +15,6 @@ import torch
 
 from pdserve.kernels.loader import load_model
 from pdserve.roles.tp_leader import TpLeader
-from pdserve.roles.tp_staging import TpStaging
 from pdserve.roles.tp_worker import TpSpec
 from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
 from pdserve.transfer.kv_layout import KvLayout
@@ -48,75 +50,6 @@ def engines():
     assert got == want              # the TP 2 engine computed the same tokens
     yield ref_caches[0].data, leader
     leader.close()
-
-
-def _pair(p_pools, d_pools, p_layout, d_layout, p_staging=None, d_staging=None):
-    fabric = LoopbackFabric()
-    P = LoopbackTransport(Incarnation("prefill-0", 1), fabric)
-    D = LoopbackTransport(Incarnation("decode-0", 1), fabric)
-    P.register_pools(p_pools, layout=p_layout, staging=p_staging)
-    D.register_pools(d_pools, layout=d_layout, staging=d_staging)
-    P.add_peer(D.incarnation, D.metadata())
-    D.add_peer(P.incarnation, P.metadata())
-    return P, D
-
-
-def _ship(P, D, src, dst) -> None:
-    P.write(KvWrite("r", 1, D.incarnation, tuple(src), tuple(dst), first_token=3))
-    assert [e.kind for e in P.poll()] == [TransferEventKind.DONE]
-    assert [e.kind for e in D.poll()] == [TransferEventKind.LANDED]
-    D.landed(dst)
-
-
-def test_p_tp2_to_d_tp1_lands_p_pages_whole_byte_for_byte(engines):
-    """P's two ranks each hold one of the two KV heads; the staged write
-    merges them: D's whole pages are P's ranks' heads side by side, every
-    byte. Against the TP 1 engine: layer 0's K/V (before any all-reduce)
-    every byte, the later layer within float32's rounding of the two ranks'
-    summation order (the tokens are the same)."""
-    ref, leader = engines
-    staging = TpStaging(leader, PS)
-    d_pool = torch.zeros_like(ref)
-    P, D = _pair([p.data for p in staging.pools], [d_pool], _layout(2), _layout(1), staging)
-    dst = list(range(len(USED)))
-    _ship(P, D, USED, dst)
-    got = d_pool[dst]
-    heads = leader.gather_pages(0, USED)                  # each rank's own heads, as they are
-    assert torch.equal(got.view(torch.uint8), torch.cat(heads, dim=-2).view(torch.uint8))
-    assert torch.equal(got[:, 0].view(torch.uint8), ref[USED][:, 0].view(torch.uint8))
-    torch.testing.assert_close(got, ref[USED], rtol=0, atol=2e-6)
-    shard = ref[USED].nbytes // 2
-    assert staging.bytes.gathered == [shard, shard]
-
-
-def test_p_tp1_to_d_tp2_scatters_each_rank_its_heads_byte_for_byte(engines):
-    """Whole TP 1 pages land in D's staging; each of D's ranks then holds
-    exactly its head of them (gathered back: the reference, every byte)."""
-    ref, leader = engines
-    staging = TpStaging(leader, PS)
-    far = list(range(4, 4 + len(USED)))         # pages the greedy run left empty
-    P, D = _pair([ref], [p.data for p in staging.pools], _layout(1), _layout(2), None, staging)
-    _ship(P, D, USED, far)
-    parts = leader.gather_pages(0, far)
-    want = ref[USED]
-    assert torch.equal(parts[0].view(torch.uint8), want[..., 0:1, :].contiguous().view(torch.uint8))
-    assert torch.equal(parts[1].view(torch.uint8), want[..., 1:2, :].contiguous().view(torch.uint8))
-    shard = ref[USED].nbytes // 2
-    assert staging.bytes.scattered == [shard, shard]
-
-
-def test_p_tp2_to_d_tp2_moves_whole_pages_and_each_rank_gets_its_heads(engines):
-    """The same rank 0 as P (its first pages) and as D (empty pages): after
-    gather, whole-page write and scatter, D's pages on each rank equal P's,
-    every byte."""
-    ref, leader = engines
-    p_stage, d_stage = TpStaging(leader, PS), TpStaging(leader, PS)
-    far = list(range(PAGES + 4, PAGES + 4 + len(USED)))
-    P, D = _pair([p.data for p in p_stage.pools], [p.data for p in d_stage.pools], _layout(2),
-                 _layout(2), p_stage, d_stage)
-    _ship(P, D, USED, far)
-    for a, b in zip(leader.gather_pages(0, USED), leader.gather_pages(0, far)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("field,value,named", [

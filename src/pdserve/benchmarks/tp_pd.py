@@ -1,20 +1,24 @@
 """`pdserve bench tp-pd`: one request's KV moved from a prefill engine to a
 decode engine of tensor-parallel sizes P TP 1 -> D TP 2, P TP 2 -> D TP 1
 and P TP 2 -> D TP 2 (and TP 1 -> TP 1 as the baseline), over NIXL (UCX,
-host DRAM), the tiny model (float32), as the engines move it today: staged
-through rank 0 (roles/tp_staging.py: P's ranks gather their heads to P's
-rank 0, one whole-page write rank 0 to rank 0, D's rank 0 scatters each rank
-its heads).
+host DRAM), the tiny model (float32), rank to rank as the engines move it
+(roles/tp_transfer.py): every rank, worker processes included, its own
+agent; each P rank writes each D rank the heads it owns, packing a piece
+whose page holds other heads too, and D's ranks unpack theirs.
 
 D runs in a spawned process (each engine is rank 0 of its own process
-group, as in a deployment); P in this one. Per trial: P posts the write
-(the gather runs there), polls until DONE; D polls until the notification
-lands and scatters (`KvTransport.landed`), then reports when it finished.
-Times are medians over the trials: gather (P, at the post), P's write
-(post -> DONE, the gather included), and the whole transfer (post -> D's
-scatter done: what a request waits before D can decode). Bytes per rank
-are counted by the staging (TpStaging.bytes): what each rank sent to, or
-received from, its rank 0."""
+group, as in a deployment; a TP engine's rank 0 spawns its worker); P in
+this one. Per trial P's transport posts the write and polls until DONE (its
+every rank's pieces ended); D's polls until LANDED (every D rank has its
+pieces, unpacked) and reports when. Times are medians over the trials: P's
+write (post -> DONE) and the whole transfer (post -> D's LANDED: what a
+request waits before D can decode). Bytes per rank and descriptors are
+those of the pieces (transfer/tp_pieces.py): each P rank's sent, each D
+rank's received, one descriptor a page a piece.
+
+The staged path this replaced (every byte through both rank 0s) was timed by
+this benchmark's first version, before it was deleted; docs/benchmarks.md
+has both."""
 
 from __future__ import annotations
 
@@ -33,10 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive, default=4096,
                    help="the request's prompt: its pages x 16 tokens are moved (4096)")
     p.add_argument("--trials", type=positive, default=20, help="transfers timed per pair (20)")
-    p.add_argument("--path", choices=("staged", "per-rank", "both"), default="both",
-                   help="staged through rank 0 (the engines' path today), per-rank (one "
-                        "NIXL agent per rank, each D rank written its heads by the P ranks "
-                        "holding them; the ranks' agents in one process per engine), or both")
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,8 @@ class DSideReady:
 
 @dataclass(frozen=True)
 class DSideLanded:
-    """D, to the bench: a write landed and was scattered, at `done` (perf_counter)."""
+    """D, to the bench: a write LANDED (every D rank has its pieces), at `done` (perf_counter)."""
     done: float
-    scatter_s: float
-    scattered: tuple            # bytes each of D's ranks received so far
 
 
 @dataclass(frozen=True)
@@ -61,36 +59,35 @@ class DSideStop:
 
 
 class _Engine:
-    """A transport over the KV pools of one engine of `size` ranks, tiny model."""
+    """A transport over the KV of one engine of `size` ranks (tiny model,
+    random KV), moving it per rank."""
 
     def __init__(self, name: str, size: int, pages: int):
         import torch
 
         from pdserve.kernels.loader import load_model
+        from pdserve.roles.tp_kv_ranks import TpKvRanks
         from pdserve.roles.tp_leader import TpLeader
-        from pdserve.roles.tp_staging import TpStaging
         from pdserve.roles.tp_worker import TpSpec
         from pdserve.transfer import Incarnation
-        from pdserve.transfer.kv_layout import KvLayout
         from pdserve.transfer.nixl_transport import NixlTransport
+        from pdserve.transfer.rank_agent import LocalRanks
 
         self.leader = None
-        self.staging = None
         if size == 1:
             model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
             caches = model.new_caches([pages], PAGE)
-            caches[0].data.copy_(torch.randn_like(caches[0].data))
-            pools = [caches[0].data]
         else:
             self.leader = TpLeader(TpSpec(None, "tiny", "float32", "torch", "cpu", size, 60.0))
             caches = self.leader.new_caches([pages], PAGE)
-            caches[0].data.copy_(torch.randn_like(caches[0].data))
-            self.staging = TpStaging(self.leader, PAGE)
-            pools = [p.data for p in self.staging.pools]
+        caches[0].data.copy_(torch.randn_like(caches[0].data))
         shard = caches[0].data
-        self.layout = KvLayout(size, 2, shard.shape[-1], "float32", PAGE, (shard.shape[1],))
+        self.layout = _layout(size, shard.shape[1], shard.shape[-1])
         self.transport = NixlTransport(Incarnation(name, 1))
-        self.transport.register_pools(pools, layout=self.layout, staging=self.staging)
+        self.transport.register_pools([shard], layout=self.layout)
+        agent = self.transport.incarnation.agent_name
+        self.transport.use_ranks(LocalRanks(agent, [shard], self.layout) if self.leader is None
+                                 else TpKvRanks(self.leader, agent, self.layout))
 
     def close(self) -> None:
         self.transport.close()
@@ -99,7 +96,7 @@ class _Engine:
 
 
 def _d_main(size: int, pages: int, conn) -> None:
-    """The decode engine's process: land, scatter, report, until stopped."""
+    """The decode engine's process: report each landing, until stopped."""
     from pdserve.transfer import Incarnation, TransferEventKind
 
     eng = _Engine("decode-0", size, pages)
@@ -108,18 +105,13 @@ def _d_main(size: int, pages: int, conn) -> None:
         conn.send(DSideReady(t.metadata(), t.incarnation.engine_id, t.incarnation.epoch))
         inc, md = conn.recv()
         t.add_peer(Incarnation(inc, 1), md)
-        dst = tuple(range(pages // 2, pages // 2 + pages // 4))
         while True:
             if conn.poll(0):
                 if isinstance(conn.recv(), DSideStop):
                     return
             for ev in t.poll():
                 if ev.kind is TransferEventKind.LANDED:
-                    t0 = time.perf_counter()
-                    t.landed(dst)
-                    done = time.perf_counter()
-                    got = tuple(eng.staging.bytes.scattered) if eng.staging else (0,)
-                    conn.send(DSideLanded(done, done - t0, got))
+                    conn.send(DSideLanded(time.perf_counter()))
     finally:
         eng.close()
 
@@ -128,6 +120,7 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
     import torch.multiprocessing as mp
 
     from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
+    from pdserve.transfer.tp_pieces import bytes_per_rank, plan_pieces
 
     n = -(-tokens // PAGE)
     pages = 4 * n                   # D lands in [pages/2, pages/2 + n)
@@ -144,14 +137,10 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
         mine.send((p.transport.incarnation.engine_id, p.transport.metadata()))
         src = tuple(range(n))
         dst = tuple(range(pages // 2, pages // 2 + n))
-        gather, write, total, scatter = [], [], [], []
-        landed = DSideLanded(0.0, 0.0, ())
+        write, total = [], []
         for i in range(trials + 3):
             t0 = time.perf_counter()
-            if p.staging is not None:
-                p.staging.gather(p.transport, src)
-            tg = time.perf_counter()
-            p.transport._post(KvWrite("bench", i + 1, d_inc, src, dst))
+            p.transport.write(KvWrite(f"bench-{i}", 1, d_inc, src, dst))
             while True:
                 evs = p.transport.poll()
                 if evs:
@@ -160,17 +149,15 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
             tw = time.perf_counter()
             landed = _recv(mine, proc)
             if i >= 3:
-                gather.append(tg - t0)
                 write.append(tw - t0)
                 total.append(landed.done - t0)
-                scatter.append(landed.scatter_s)
         per = lambda xs: statistics.median(xs) * 1e3      # noqa: E731
-        runs = trials + 3
-        sent = [b // runs for b in p.staging.bytes.gathered] if p.staging else [0]
-        received = [b // runs for b in landed.scattered]
-        return {"pages": n, "bytes": p.transport.bytes_of(src), "gather_ms": per(gather),
-                "write_ms": per(write), "scatter_ms": per(scatter), "total_ms": per(total),
-                "p_ranks": sent, "d_ranks": received}
+        d_lay = _layout(d_size, p.layout.layers[0], p.layout.head_dim)
+        moved = bytes_per_rank(p.layout, d_lay, [n], 4)
+        return {"pages": n, "bytes": n * p.transport.page_bytes * p_size,
+                "write_ms": per(write), "total_ms": per(total),
+                "descriptors": n * len(plan_pieces(p.layout, d_lay)),
+                "p_ranks": list(moved.sent), "d_ranks": list(moved.received)}
     finally:
         mine.send(DSideStop())
         proc.join(30)
@@ -179,112 +166,10 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
         p.close()
 
 
-@dataclass(frozen=True)
-class DRanksReady:
-    """D (per-rank), to the bench: every D rank's agent meta."""
-    metas: tuple
-
-
-@dataclass(frozen=True)
-class DRanksLanded:
-    """D (per-rank), to the bench: every piece's notification reached its D rank."""
-    done: float
-
-
 def _layout(size: int, layers: int, head_dim: int):
     from pdserve.transfer.kv_layout import KvLayout
 
     return KvLayout(size, 2, head_dim, "float32", PAGE, (layers,))
-
-
-def _shards(size: int, pages: int, random: bool) -> list:
-    """Each rank's page-major shard of the tiny model's KV (2 layers, 2 KV heads x 16)."""
-    import torch
-
-    from pdserve.transfer.tp_pieces import heads_of
-
-    lay = _layout(size, 2, 16)
-    make = torch.randn if random else torch.zeros
-    return [make(pages, 2, 2, PAGE, len(heads_of(lay, r)), 16) for r in range(size)]
-
-
-def _d_ranks_main(p_size: int, d_size: int, pages: int, conn) -> None:
-    """The decode engine's ranks (per-rank): report when every D rank has a
-write's pieces (and unpacked them)."""
-    from pdserve.transfer.rank_agent import KvRankAgent
-
-    d_lay = _layout(d_size, 2, 16)
-    agents = [KvRankAgent(f"decode-0@1#{r}", r, [s], d_lay)
-              for r, s in enumerate(_shards(d_size, pages, False))]
-    want = d_size                   # each D rank reports a write once, all its pieces landed
-    try:
-        conn.send(DRanksReady(tuple(a.meta() for a in agents)))
-        p_metas = conn.recv()
-        for a in agents:
-            a.accept("prefill-0", _layout(p_size, 2, 16), list(p_metas))
-        got = 0
-        while True:
-            if conn.poll(0) and isinstance(conn.recv(), DSideStop):
-                return
-            for a in agents:
-                got += len(a.poll()[1])
-            if got >= want:
-                conn.send(DRanksLanded(time.perf_counter()))
-                got -= want
-    finally:
-        for a in agents:
-            a.close()
-
-
-def measure_per_rank(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
-    import torch.multiprocessing as mp
-
-    from pdserve.transfer.rank_agent import KvRankAgent
-    from pdserve.transfer.tp_pieces import bytes_per_rank
-
-    n = -(-tokens // PAGE)
-    pages = 4 * n
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_d_ranks_main, args=(p_size, d_size, pages, theirs), daemon=True)
-    proc.start()
-    p_lay, d_lay = _layout(p_size, 2, 16), _layout(d_size, 2, 16)
-    agents = [KvRankAgent(f"prefill-0@1#{r}", r, [s], p_lay)
-              for r, s in enumerate(_shards(p_size, pages, True))]
-    try:
-        metas = list(_recv(mine, proc).metas)
-        mine.send(tuple(a.meta() for a in agents))
-        for a in agents:
-            a.connect("decode-0", d_lay, metas)
-        src, dst = [list(range(n))], [list(range(pages // 2, pages // 2 + n))]
-        write, total = [], []
-        for i in range(trials + 3):
-            t0 = time.perf_counter()
-            for a in agents:
-                assert a.post("decode-0", f"bench-{i}", src, dst, b"bench") == []
-            left = sum(len(a._routes["decode-0"]) for a in agents)
-            while left:
-                for a in agents:
-                    ends = a.poll()[0]
-                    assert all(e.ok for e in ends), ends
-                    left -= len(ends)
-            tw = time.perf_counter()
-            landed = _recv(mine, proc)
-            if i >= 3:
-                write.append(tw - t0)
-                total.append(landed.done - t0)
-        per = lambda xs: statistics.median(xs) * 1e3      # noqa: E731
-        moved = bytes_per_rank(p_lay, d_lay, [n], 4)
-        return {"pages": n, "write_ms": per(write), "total_ms": per(total),
-                "p_ranks": list(moved.sent), "d_ranks": list(moved.received),
-                "descriptors": sum(a.descriptors for a in agents) // (trials + 3)}
-    finally:
-        mine.send(DSideStop())
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        for a in agents:
-            a.close()
 
 
 def _recv(conn, proc, bound_s: float = 300.0):
@@ -298,24 +183,12 @@ def _recv(conn, proc, bound_s: float = 300.0):
 def run(args) -> int:
     n = -(-args.tokens // PAGE)
     print(f"one request's KV, {args.tokens} tokens ({n} pages of {PAGE}), tiny model float32, "
-          f"median of {args.trials} transfers")
-    if args.path in ("staged", "both"):
-        print("staged through rank 0 (P's ranks gather to rank 0, one whole-page write, D's "
-              "rank 0 scatters)")
-        print(f"{'P TP':>5} {'D TP':>5} {'bytes':>10} {'gather ms':>10} {'P write ms':>11} "
-              f"{'scatter ms':>11} {'transfer ms':>12}  bytes per P rank -> rank 0 / "
-              "per D rank <- rank 0")
-        for p_size, d_size in COMBOS:
-            m = measure(p_size, d_size, args.tokens, args.trials)
-            print(f"{p_size:>5} {d_size:>5} {m['bytes']:>10,} {m['gather_ms']:>10.2f} "
-                  f"{m['write_ms']:>11.2f} {m['scatter_ms']:>11.2f} {m['total_ms']:>12.2f}  "
-                  f"{m['p_ranks']} / {m['d_ranks']}", flush=True)
-    if args.path in ("per-rank", "both"):
-        print("per-rank (each P rank writes the D ranks its heads; one agent per rank)")
-        print(f"{'P TP':>5} {'D TP':>5} {'descriptors':>12} {'P write ms':>11} "
-              f"{'transfer ms':>12}  bytes per P rank sent / per D rank received")
-        for p_size, d_size in COMBOS:
-            m = measure_per_rank(p_size, d_size, args.tokens, args.trials)
-            print(f"{p_size:>5} {d_size:>5} {m['descriptors']:>12,} {m['write_ms']:>11.2f} "
-                  f"{m['total_ms']:>12.2f}  {m['p_ranks']} / {m['d_ranks']}", flush=True)
+          f"moved rank to rank, median of {args.trials} transfers")
+    print(f"{'P TP':>5} {'D TP':>5} {'bytes':>10} {'descriptors':>12} {'P write ms':>11} "
+          f"{'transfer ms':>12}  bytes per P rank sent / per D rank received")
+    for p_size, d_size in COMBOS:
+        m = measure(p_size, d_size, args.tokens, args.trials)
+        print(f"{p_size:>5} {d_size:>5} {m['bytes']:>10,} {m['descriptors']:>12,} "
+              f"{m['write_ms']:>11.2f} {m['total_ms']:>12.2f}  {m['p_ranks']} / "
+              f"{m['d_ranks']}", flush=True)
     return 0

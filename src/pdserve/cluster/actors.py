@@ -75,7 +75,7 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     log.info("%s: %s", name, capacity_line(capacity))
     transport = None
     if kind is not Role.FUSED:
-        from pdserve.roles.tp_staging import register_transfer_pools
+        from pdserve.roles.tp_transfer import register_transfer_pools
         from pdserve.transfer.nixl_transport import NixlTransport
 
         transport = NixlTransport(Incarnation(name, incarnation),

@@ -103,7 +103,7 @@ def _serve_messages(model, comm: TpComm, conn, device: torch.device, agents: dic
         elif isinstance(msg, TpPageMove):
             if caches is None:
                 raise RuntimeError("a page move before the caches were allocated")
-            move_pages(comm, caches[msg.group].data, msg, None)
+            move_pages(comm, caches[msg.group].data, msg)
         elif isinstance(msg, TP_KV_MESSAGES):
             if caches is None:
                 raise RuntimeError("a KV transfer message before the caches were allocated")
@@ -112,17 +112,13 @@ def _serve_messages(model, comm: TpComm, conn, device: torch.device, agents: dic
             raise TypeError(f"rank {comm.rank}: unknown message {type(msg).__name__}")
 
 
-def move_pages(comm: TpComm, kv: torch.Tensor, msg: TpPageMove, parts):
-    """This rank's side of a page move over its cache tensor `kv`: a
-    gather sends its heads of the pages (rank 0 gets every rank's, in rank
-    order); a scatter writes the heads rank 0 sends it (`parts`: rank 0's
-    list, one per rank) into them."""
+def move_pages(comm: TpComm, kv: torch.Tensor, msg: TpPageMove):
+    """This rank's side of a gather over its cache tensor `kv`: it sends its
+    heads of the pages (rank 0 gets every rank's, in rank order)."""
+    if msg.kind is not TpPageMoveKind.GATHER:
+        raise TypeError(f"rank {comm.rank}: unknown page move {msg.kind}")
     idx = torch.from_numpy(msg.pages).to(kv.device)
-    if msg.kind is TpPageMoveKind.GATHER:
-        return comm.gather(kv.index_select(0, idx))
-    buf = torch.empty((len(msg.pages),) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    kv.index_copy_(0, idx, comm.scatter(buf, parts))
-    return None
+    return comm.gather(kv.index_select(0, idx))
 
 
 class TpDivergence(TpLost):
