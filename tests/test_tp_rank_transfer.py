@@ -139,3 +139,26 @@ def test_nixl_rank_to_rank_lands_each_d_rank_its_heads_byte_for_byte(p, d):
     finally:
         for a in p_agents + d_agents:
             a.close()
+
+
+def test_a_peer_that_cannot_be_reached_fails_its_pieces_at_the_post():
+    """D's agent is gone (its metadata garbage here): connect does not
+    raise, and each write fails every piece this rank owes at once, so
+    nothing is left in flight and P's pages are let go as for any failed
+    write."""
+    from dataclasses import replace
+
+    p_lay, d_lay = _layout(1), _layout(2)
+    p = KvRankAgent("prefill-0@1#0", 0, [torch.zeros(4, LAYERS, 2, PS, KV, HD)], p_lay)
+    d = KvRankAgent("decode-0@1#0", 0, [torch.zeros(4, LAYERS, 2, PS, 1, HD)], d_lay)
+    try:
+        dead = replace(d.meta(), agent=b"not an agent")
+        assert p.connect("decode-0", d_lay, [dead, dead]) == 2
+        failed = p.post("decode-0", "r1", [[0]], [[1]], b"note")
+        assert [(e.piece.d_rank, e.ok) for e in failed] == [(0, False), (1, False)]
+        assert all(e.reason.startswith("connect: ") for e in failed)
+        assert not p.in_flight("r1")
+        p.forget("decode-0")
+    finally:
+        p.close()
+        d.close()

@@ -14,6 +14,7 @@ transport's side of a write is transfer/rank_writes.py."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ class TpKvPoll:
 TpKvPolled = RankPolled        # a rank's answer to TpKvPoll
 
 
+log = logging.getLogger("pdserve.tp")
+
 TP_KV_MESSAGES = (TpKvStart, TpKvConnect, TpKvAccept, TpKvPost, TpKvForget, TpKvPoll)
 
 
@@ -91,13 +94,16 @@ def serve_kv(msg, rank: int, caches: list, agents: dict, conn) -> TpKvPolled | N
     elif isinstance(msg, TpKvConnect):
         agents[msg.name].connect(msg.peer, msg.layout, list(msg.metas))
     elif isinstance(msg, TpKvAccept):
-        agents[msg.name].accept(msg.peer, msg.layout, list(msg.metas))
+        agents[msg.name].accept(msg.peer, msg.layout, list(msg.metas))     # bookkeeping only
     elif isinstance(msg, TpKvPost):
         failed = agents[msg.name].post(msg.peer, msg.tag, list(msg.src), list(msg.dst),
                                        msg.notif)
         agents[msg.name].failed_at_post += failed
     elif isinstance(msg, TpKvForget):
-        agents[msg.name].forget(msg.peer)
+        try:
+            agents[msg.name].forget(msg.peer)
+        except Exception as e:      # a dead peer's leftovers must not take a live rank down
+            log.warning("rank %d: forgetting %s: %s", rank, msg.peer, e)
     elif isinstance(msg, TpKvPoll):
         agent = agents[msg.name]
         ends, landed, dropped = agent.poll()
@@ -158,7 +164,12 @@ class TpKvRanks:
 
                     lead._lose(TpLost(f"tensor-parallel rank {rank} did not answer "
                                       f"{type(msg).__name__} in {lead.spec.timeout_s:g} s"))
-                got = pickle.loads(conn.recv_bytes())
+                try:
+                    got = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    from pdserve.kernels.tensor_parallel import TpLost
+
+                    lead._lose(TpLost(f"tensor-parallel rank {rank}: its pipe broke: {e}"))
                 if not isinstance(got, answer):
                     raise TypeError(f"rank {rank} answered {type(got).__name__}, not "
                                     f"{answer.__name__}")

@@ -153,6 +153,7 @@ class KvRankAgent:
         self._send_regs: dict[str, list] = {}           # peer -> its send buffers' registrations
         self._inflight: dict = {}                       # handle -> (tag, piece)
         self._owed: dict[str, _Owed] = {}               # D: peer -> what it sends this rank
+        self._broken: dict[str, tuple] = {}             # P: peer -> (its pieces, why no route)
         self._arrived: dict = {}                        # D: (peer, notif) -> pieces landed
         self.failed_at_post: list[PieceEnd] = []        # reported at the next poll (tp_kv_ranks)
         self.descriptors = 0                            # rows named by posted writes
@@ -171,9 +172,19 @@ class KvRankAgent:
     def connect(self, peer: str, d_layout: KvLayout, d_ranks: list[KvRankMeta]) -> int:
         """Prepare this rank's pieces to the D engine `peer` (its layout and
         every rank's meta); returns how many this rank sends. Once per peer:
-        `forget` it first for a new incarnation."""
-        if peer in self._routes:
-            return len(self._routes[peer])
+        `forget` it first for a new incarnation. A peer that cannot be
+        reached (its agent gone) is not raised: every write to it fails its
+        pieces at the post (`post`), as a write to a dead peer fails."""
+        if peer in self._routes or peer in self._broken:
+            return len(self._routes.get(peer, ())) or len(self._broken[peer][0])
+        try:
+            return self._connect(peer, d_layout, d_ranks)
+        except Exception as e:
+            mine = [x for x in plan_pieces(self.layout, d_layout) if x.p_rank == self.rank]
+            self._broken[peer] = (mine, f"connect: {e}")
+            return len(mine)
+
+    def _connect(self, peer: str, d_layout: KvLayout, d_ranks: list[KvRankMeta]) -> int:
         routes: list[_Route] = []
         added: set = set()
         regs: list = []
@@ -237,8 +248,12 @@ class KvRankAgent:
         for reg in self._send_regs.pop(peer, []):
             self.agent.deregister_memory(reg)
         for name in self._remote.pop(peer, set()):
-            self.agent.remove_remote_agent(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:           # already unreachable: nothing more to let go
+                pass
         self._owed.pop(peer, None)
+        self._broken.pop(peer, None)
         self._arrived = {k: v for k, v in self._arrived.items() if k[0] != peer}
 
     def post(self, peer: str, tag: str, src: list, dst: list, notif: bytes) -> list[PieceEnd]:
@@ -248,6 +263,9 @@ class KvRankAgent:
         `poll`)."""
         import torch
 
+        if peer in self._broken:
+            pieces, why = self._broken[peer]
+            return [PieceEnd(tag, x, False, why) for x in pieces]
         failed = []
         for r in self._routes.get(peer, []):
             for pool, buf, pages in zip(self.pools, r.send, src):
