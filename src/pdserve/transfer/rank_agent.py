@@ -235,7 +235,8 @@ class KvRankAgent:
         return len(routes)
 
     def _send_buffer(self, pool, piece: KvPiece):
-        """One slot a page of `pool` for `piece`'s heads: [pages, layers, 2, page_size, count, hd]."""
+        """One slot a page of `pool` for `piece`'s heads:
+        [pages, layers, 2, page_size, count, head_dim]."""
         import torch
 
         shape = tuple(pool.shape[:-2]) + (piece.count, pool.shape[-1])
@@ -337,8 +338,9 @@ class KvRankAgent:
             for x, w in packed:
                 first = w.d_offset // self.itemsize
                 n = w.length // self.itemsize
+                shape = (len(pages),) + blocks + (x.count, pool.shape[-1])
                 pages_out[..., x.d_first:x.d_first + x.count, :] = \
-                    flat[:, first:first + n].view((len(pages),) + blocks + (x.count, pool.shape[-1]))
+                    flat[:, first:first + n].view(shape)
             pool.index_copy_(0, idx, pages_out)
             self.unpacked_bytes += landed.nbytes
 

@@ -1,7 +1,7 @@
 """Per-rank KV transfer between tensor-parallel engines: which P rank sends
-which KV heads to which D rank, and the byte runs of a page each such piece
-is made of. Pure: no NIXL, no torch; transfer/rank_agent.py turns the runs
-into descriptors, prepared once per peer.
+which KV heads to which D rank, and how each such piece crosses a page.
+Pure: no NIXL, no torch; transfer/rank_agent.py turns it into descriptors,
+prepared once per peer.
 
 A rank's page of one cache group is `[layers, 2, page_size, heads, head_dim]`
 of its own heads (`heads_of`). For each D rank j and each model KV head h it
@@ -20,11 +20,12 @@ registered send slot) or unpacks (D: the blocks land side by side in the
 destination page itself, and D's rank rearranges that page in place once
 every block of it landed): `PieceWire`.
 
-Bytes per rank: over n pages of B bytes (the whole page, every head), a P
-of size p and a D of size d, each P rank sends and each D rank receives
-B·n/max(p, d)-style shares (B·n/d each D rank; B·n/p each P rank when the
-heads are split on P; replicas share their head's bytes) — nothing passes
-through either rank 0 beyond its own shard."""
+Bytes per rank (`bytes_per_rank`): over n pages of B bytes (the whole
+page, every head), from a P of size p to a D of size d, each D rank
+receives B·n/d (B·n/KV heads when D replicates a head) and P's ranks send
+exactly that, B·n/p each when P's heads are split (a replicated head's
+bytes shared by its replicas): nothing passes through either rank 0 beyond
+its own shard."""
 
 from __future__ import annotations
 
