@@ -1,16 +1,20 @@
 """P/D between engines of different (or equal) tensor-parallel sizes, below
-the cluster: a TP 2 rank 0's staging gathers its ranks' heads into whole
-pages byte for byte (P TP 2 -> D TP 1 and -> D TP 2), scatters a landed
-whole page's heads to its ranks byte for byte (P TP 1 -> D TP 2), and two
-transports whose pages cannot be mapped are refused at the handshake with
-both sides named. (Through `pdserve up`: test_tp_pd_up.py.)"""
+the cluster, KV moved rank to rank: every rank of the TP 2 engine (rank 0
+and its worker process) its own NIXL agent (roles/tp_kv_ranks.py). For P TP
+2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2, each D rank ends with
+exactly its heads of the pages, every byte (against the TP 1 engine's
+pages, and the TP 2 engine's own); through the transports, P's write is
+DONE once every P rank's pieces ended and D's LANDED once every D rank has
+its pieces. Two transports whose pages cannot be mapped are refused at the
+handshake with both sides named. (Through `pdserve up`: test_tp_pd_up.py.)"""
+
+import time
 
 import pytest
 import torch
 
 from pdserve.kernels.loader import load_model
 from pdserve.roles.tp_leader import TpLeader
-from pdserve.roles.tp_staging import TpStaging
 from pdserve.roles.tp_worker import TpSpec
 from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
 from pdserve.transfer.kv_layout import KvLayout
@@ -46,75 +50,6 @@ def engines():
     assert got == want              # the TP 2 engine computed the same tokens
     yield ref_caches[0].data, leader
     leader.close()
-
-
-def _pair(p_pools, d_pools, p_layout, d_layout, p_staging=None, d_staging=None):
-    fabric = LoopbackFabric()
-    P = LoopbackTransport(Incarnation("prefill-0", 1), fabric)
-    D = LoopbackTransport(Incarnation("decode-0", 1), fabric)
-    P.register_pools(p_pools, layout=p_layout, staging=p_staging)
-    D.register_pools(d_pools, layout=d_layout, staging=d_staging)
-    P.add_peer(D.incarnation, D.metadata())
-    D.add_peer(P.incarnation, P.metadata())
-    return P, D
-
-
-def _ship(P, D, src, dst) -> None:
-    P.write(KvWrite("r", 1, D.incarnation, tuple(src), tuple(dst), first_token=3))
-    assert [e.kind for e in P.poll()] == [TransferEventKind.DONE]
-    assert [e.kind for e in D.poll()] == [TransferEventKind.LANDED]
-    D.landed(dst)
-
-
-def test_p_tp2_to_d_tp1_lands_p_pages_whole_byte_for_byte(engines):
-    """P's two ranks each hold one of the two KV heads; the staged write
-    merges them: D's whole pages are P's ranks' heads side by side, every
-    byte. Against the TP 1 engine: layer 0's K/V (before any all-reduce)
-    every byte, the later layer within float32's rounding of the two ranks'
-    summation order (the tokens are the same)."""
-    ref, leader = engines
-    staging = TpStaging(leader, PS)
-    d_pool = torch.zeros_like(ref)
-    P, D = _pair([p.data for p in staging.pools], [d_pool], _layout(2), _layout(1), staging)
-    dst = list(range(len(USED)))
-    _ship(P, D, USED, dst)
-    got = d_pool[dst]
-    heads = leader.gather_pages(0, USED)                  # each rank's own heads, as they are
-    assert torch.equal(got.view(torch.uint8), torch.cat(heads, dim=-2).view(torch.uint8))
-    assert torch.equal(got[:, 0].view(torch.uint8), ref[USED][:, 0].view(torch.uint8))
-    torch.testing.assert_close(got, ref[USED], rtol=0, atol=2e-6)
-    shard = ref[USED].nbytes // 2
-    assert staging.bytes.gathered == [shard, shard]
-
-
-def test_p_tp1_to_d_tp2_scatters_each_rank_its_heads_byte_for_byte(engines):
-    """Whole TP 1 pages land in D's staging; each of D's ranks then holds
-    exactly its head of them (gathered back: the reference, every byte)."""
-    ref, leader = engines
-    staging = TpStaging(leader, PS)
-    far = list(range(4, 4 + len(USED)))         # pages the greedy run left empty
-    P, D = _pair([ref], [p.data for p in staging.pools], _layout(1), _layout(2), None, staging)
-    _ship(P, D, USED, far)
-    parts = leader.gather_pages(0, far)
-    want = ref[USED]
-    assert torch.equal(parts[0].view(torch.uint8), want[..., 0:1, :].contiguous().view(torch.uint8))
-    assert torch.equal(parts[1].view(torch.uint8), want[..., 1:2, :].contiguous().view(torch.uint8))
-    shard = ref[USED].nbytes // 2
-    assert staging.bytes.scattered == [shard, shard]
-
-
-def test_p_tp2_to_d_tp2_moves_whole_pages_and_each_rank_gets_its_heads(engines):
-    """The same rank 0 as P (its first pages) and as D (empty pages): after
-    gather, whole-page write and scatter, D's pages on each rank equal P's,
-    every byte."""
-    ref, leader = engines
-    p_stage, d_stage = TpStaging(leader, PS), TpStaging(leader, PS)
-    far = list(range(PAGES + 4, PAGES + 4 + len(USED)))
-    P, D = _pair([p.data for p in p_stage.pools], [p.data for p in d_stage.pools], _layout(2),
-                 _layout(2), p_stage, d_stage)
-    _ship(P, D, USED, far)
-    for a, b in zip(leader.gather_pages(0, USED), leader.gather_pages(0, far)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("field,value,named", [
@@ -163,3 +98,155 @@ def test_prefill_and_decode_roles_may_be_tensor_parallel():
                                              "decode": 1}})
     assert role_engine(cfg, "prefill").tensor_parallel_size == 2
     assert role_engine(cfg, "decode").tensor_parallel_size == 1
+
+
+# ---- per-rank: every rank of the TP 2 engine its own NIXL agent (roles/tp_kv_ranks.py) ----
+
+def _until(cond, bound_s=30.0):
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, "the per-rank write did not end in time"
+
+
+def _rank_write(p_agents, p_poll, d_poll, d_ranks, pieces, src, dst):
+    """Post on every P rank; poll until every piece ended on P and every D
+    rank reported the write once."""
+    for post in p_agents:
+        post("decode-0", "r", [src], [dst], b"w1")
+    ends, landed = [], []
+
+    def done():
+        ends.extend(e for polled in p_poll() for e in polled.ends)
+        landed.extend(x for polled in d_poll() for x in polled.landed)
+        return len(ends) == pieces and len(landed) == d_ranks
+    _until(done)
+    assert all(e.ok for e in ends), ends
+    assert sorted(x.notif for x in landed) == [b"w1"] * d_ranks
+
+
+class _Polled:
+    """One in-process agent's poll as a TpKvPolled-like answer."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    def __call__(self):
+        from pdserve.roles.tp_kv_ranks import TpKvPolled
+
+        ends, landed, dropped = self.agent.poll()
+        assert dropped == 0
+        return [TpKvPolled(0, tuple(ends), tuple(landed), dropped)]
+
+
+def test_per_rank_p_tp2_to_d_tp1_each_p_rank_writes_its_head(engines):
+    """P's two ranks (rank 0 and the worker process) each write their own
+    head of the pages straight into D's one rank; D's pages are P's ranks'
+    heads side by side, every byte, and match the TP 1 engine's."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.rank_agent import KvRankAgent
+
+    ref, leader = engines
+    d_pool = torch.zeros_like(ref)
+    p = TpKvRanks(leader, "prefill-0@1", _layout(2))
+    d = KvRankAgent("decode-0@1#0", 0, [d_pool], _layout(1))
+    try:
+        d.accept("prefill-0", _layout(2), list(p.metas))
+        p.connect("decode-0", _layout(1), [d.meta()])
+        dst = list(range(len(USED)))
+        _rank_write([p.post], p.poll, _Polled(d), 1, 2, USED, dst)
+        got = d_pool[dst]
+        heads = leader.gather_pages(0, USED)
+        assert torch.equal(got.view(torch.uint8), torch.cat(heads, dim=-2).view(torch.uint8))
+        assert torch.equal(got[:, 0].view(torch.uint8), ref[USED][:, 0].view(torch.uint8))
+        torch.testing.assert_close(got, ref[USED], rtol=0, atol=2e-6)
+        assert d.unpacked_bytes == ref[USED].nbytes          # both heads landed as blocks
+    finally:
+        p.forget("decode-0")
+        p.close()
+        d.close()
+
+
+def test_per_rank_p_tp1_to_d_tp2_each_d_rank_gets_its_head(engines):
+    """A TP 1 P packs each head and writes it to the D rank that owns it:
+    each of D's ranks (rank 0 and the worker process) holds exactly the
+    reference's head of the pages, every byte."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.rank_agent import KvRankAgent
+
+    ref, leader = engines
+    src_pool = ref.clone()
+    p = KvRankAgent("prefill-0@1#0", 0, [src_pool], _layout(1))
+    d = TpKvRanks(leader, "decode-0@1", _layout(2))
+    far = list(range(4, 4 + len(USED)))         # pages the greedy run left empty
+    try:
+        d.accept("prefill-0", _layout(1), [p.meta()])
+        p.connect("decode-0", _layout(2), list(d.metas))
+        _rank_write([p.post], _Polled(p), d.poll, 2, 2, USED, far)
+        parts = leader.gather_pages(0, far)
+        want = ref[USED]
+        for r in range(2):
+            assert torch.equal(parts[r].view(torch.uint8),
+                               want[..., r:r + 1, :].contiguous().view(torch.uint8))
+        assert p.packed_bytes == want.nbytes
+    finally:
+        d.close()
+        p.close()
+
+
+def test_per_rank_p_tp2_to_d_tp2_rank_to_rank_whole_pages(engines):
+    """The same TP 2 engine as P (its first pages) and as D (empty pages),
+    an agent per rank for each: rank r writes rank r whole pages, nothing
+    packed; D's pages on each rank equal P's, every byte."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+
+    ref, leader = engines
+    p = TpKvRanks(leader, "prefill-0@1", _layout(2))
+    d = TpKvRanks(leader, "decode-0@1", _layout(2))
+    far = list(range(PAGES + 4, PAGES + 4 + len(USED)))
+    try:
+        d.accept("prefill-0", _layout(2), list(p.metas))
+        p.connect("decode-0", _layout(2), list(d.metas))
+        _rank_write([p.post], p.poll, d.poll, 2, 2, USED, far)
+        for a, b in zip(leader.gather_pages(0, USED), leader.gather_pages(0, far)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    finally:
+        p.close()
+        d.close()
+
+
+
+def test_per_rank_through_nixl_transports_p_tp2_to_d_tp1(engines):
+    """The transports' per-rank path (transfer/rank_writes.py): P's write is
+    DONE once both P ranks' pieces ended, D's LANDED once its rank has both
+    pieces, with the first token; D's pages are P's ranks' heads, every
+    byte; nothing stays in flight."""
+    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.rank_agent import LocalRanks
+
+    ref, leader = engines
+    d_pool = torch.zeros_like(ref)
+    P = NixlTransport(Incarnation("prefill-0", 1))
+    D = NixlTransport(Incarnation("decode-0", 1))
+    try:
+        P.register_pools([c.data for c in leader.caches], layout=_layout(2))
+        P.use_ranks(TpKvRanks(leader, P.incarnation.agent_name, _layout(2)))
+        D.register_pools([d_pool], layout=_layout(1))
+        D.use_ranks(LocalRanks(D.incarnation.agent_name, [d_pool], _layout(1)))
+        P.add_peer(D.incarnation, D.metadata())
+        D.add_peer(P.incarnation, P.metadata())
+        dst = list(range(len(USED)))
+        P.write(KvWrite("r", 1, D.incarnation, tuple(USED), tuple(dst), first_token=3))
+        p_events, d_events = [], []
+        _until(lambda: (p_events.extend(P.poll()), d_events.extend(D.poll()),
+                        bool(p_events) and bool(d_events))[-1])
+        assert [e.kind for e in p_events] == [TransferEventKind.DONE]
+        assert [(e.kind, e.req_id, e.first_token, e.peer) for e in d_events] == \
+            [(TransferEventKind.LANDED, "r", 3, P.incarnation)]
+        assert not P.in_flight("r")
+        heads = leader.gather_pages(0, USED)
+        assert torch.equal(d_pool[dst].view(torch.uint8),
+                           torch.cat(heads, dim=-2).view(torch.uint8))
+    finally:
+        P.close()
+        D.close()

@@ -536,7 +536,7 @@ class ServeConfig:
 def check_cluster_tp(engine: EngineConfig, cluster: ClusterShape) -> None:
     """Each role's engine settings at its tensor-parallel size (what a
     tensor-parallel engine does not run is refused by name, scheduler/config.py).
-    Prefill and decode engines of any sizes pair (roles/tp_staging.py)."""
+    Prefill and decode engines of any sizes pair (KV moved rank to rank: roles/tp_transfer.py)."""
     for role in ("fused", "prefill", "decode"):
         if not getattr(cluster, role):
             continue

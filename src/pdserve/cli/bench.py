@@ -63,6 +63,9 @@ BENCHMARKS = [
     Subcommand("tp-plan", "pdserve.benchmarks.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),
+    Subcommand("tp-pd", "pdserve.benchmarks.tp_pd",
+               "one request's KV moved between prefill and decode engines of tensor-parallel "
+               "sizes 1 and 2, each pair: time and bytes per rank"),
 ]
 
 

@@ -76,12 +76,13 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     log.info("%s: %s", name, capacity_line(capacity))
     transport = None
     if kind is not Role.FUSED:
-        from pdserve.roles.tp_staging import register_transfer_pools
+        from pdserve.roles.tp_transfer import register_transfer_pools
         from pdserve.transfer.nixl_transport import NixlTransport
 
         transport = NixlTransport(Incarnation(name, incarnation),
                                   FaultInjector.from_config(faults or [], fault_seed))
-        register_transfer_pools(transport, model, executor, engine_cfg.page_size)
+        per_rank = any(role_engine(cfg, r).tensor_parallel_size > 1 for r in ("prefill", "decode"))
+        register_transfer_pools(transport, model, executor, engine_cfg.page_size, per_rank)
     server = EngineServer(kind, name, planner, executor,
                           lambda on_stop: Outputs(tok, on_stop, name), transport,
                           incarnation=incarnation, capacity=capacity,

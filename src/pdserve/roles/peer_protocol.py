@@ -227,14 +227,12 @@ class PeerProtocol:
 
     def on_transfer_event(self, ev) -> None:
         if ev.kind is TransferEventKind.LANDED:
-            pages = self.landing.pages_of(ev.req_id, ev.epoch)
             verdict = self.landing.on_notification(ev.req_id, ev.epoch)
             if verdict is LandingVerdict.DRAINED:
                 self.planner.release_fence((ev.req_id, ev.epoch))
             elif verdict is LandingVerdict.LANDED and ev.req_id in self.planner.landing:
                 self.epochs.pop(ev.req_id, None)
                 self.counts.transfers += 1
-                self.transport.landed(pages)      # tensor-parallel: each rank's heads
                 req = self.planner.requests[ev.req_id]
                 lp = None
                 if ev.payload:

@@ -168,20 +168,13 @@ class TpLeader:
 
     def gather_pages(self, group: int, pages) -> list:
         """Every rank's heads of `pages` of cache group `group`, in rank
-        order (each [pages, layers, 2, page_size, its KV heads, head_dim])."""
-        return self._move(TpPageMove(TpPageMoveKind.GATHER, group,
-                                     np.asarray(pages, dtype=np.int64)), None)
-
-    def scatter_pages(self, group: int, pages, parts: list) -> None:
-        """Rank r's heads of `pages` of cache group `group` = `parts[r]`."""
-        self._move(TpPageMove(TpPageMoveKind.SCATTER, group,
-                              np.asarray(pages, dtype=np.int64)), parts)
-
-    def _move(self, msg: TpPageMove, parts):
+        order (each [pages, layers, 2, page_size, its KV heads, head_dim]):
+        a look at the engine's KV whole (tests)."""
+        msg = TpPageMove(TpPageMoveKind.GATHER, group, np.asarray(pages, dtype=np.int64))
         with self._turn:
             try:
                 self._send(msg)
-                return move_pages(self.comm, self.caches[msg.group].data, msg, parts)
+                return move_pages(self.comm, self.caches[msg.group].data, msg)
             except TpLost as e:
                 self._lose(e)
                 raise

@@ -103,14 +103,14 @@ class TpForward:
 
 
 class TpPageMoveKind(enum.Enum):
-    GATHER = "gather"           # every rank's heads of the pages to rank 0 (P, before a write)
-    SCATTER = "scatter"         # rank 0's whole pages, each rank its heads (D, once landed)
+    GATHER = "gather"           # every rank's heads of the pages to rank 0 (inspection: tests)
 
 
 @dataclass(frozen=True)
 class TpPageMove:
-    """Meet rank 0 in a gather or scatter of `pages` of cache group `group`
-    (what a P/D transfer moves; roles/tp_staging.py)."""
+    """Meet rank 0 in a gather of `pages` of cache group `group`: every
+    rank's heads of them, to see a TP engine's KV whole (tests; KV moves
+    between engines rank to rank, roles/tp_kv_ranks.py)."""
     kind: TpPageMoveKind
     group: int
     pages: np.ndarray

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.tensor_parallel import TpComm, TpLost
+from pdserve.roles.tp_kv_ranks import TP_KV_MESSAGES, serve_kv
 from pdserve.roles.tp_messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop, digest)
 
@@ -75,6 +76,15 @@ def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
 
 
 def _serve(model, comm: TpComm, conn, device: torch.device) -> None:
+    agents: dict = {}               # per-rank KV transfer agents, by name (tp_kv_ranks.py)
+    try:
+        _serve_messages(model, comm, conn, device, agents)
+    finally:
+        for agent in agents.values():
+            agent.close()
+
+
+def _serve_messages(model, comm: TpComm, conn, device: torch.device, agents: dict) -> None:
     caches = None
     while True:
         payload = conn.recv_bytes()
@@ -93,22 +103,22 @@ def _serve(model, comm: TpComm, conn, device: torch.device) -> None:
         elif isinstance(msg, TpPageMove):
             if caches is None:
                 raise RuntimeError("a page move before the caches were allocated")
-            move_pages(comm, caches[msg.group].data, msg, None)
+            move_pages(comm, caches[msg.group].data, msg)
+        elif isinstance(msg, TP_KV_MESSAGES):
+            if caches is None:
+                raise RuntimeError("a KV transfer message before the caches were allocated")
+            serve_kv(msg, comm.rank, caches, agents, conn)
         else:
             raise TypeError(f"rank {comm.rank}: unknown message {type(msg).__name__}")
 
 
-def move_pages(comm: TpComm, kv: torch.Tensor, msg: TpPageMove, parts):
-    """This rank's side of a page move over its cache tensor `kv`: a
-    gather sends its heads of the pages (rank 0 gets every rank's, in rank
-    order); a scatter writes the heads rank 0 sends it (`parts`: rank 0's
-    list, one per rank) into them."""
+def move_pages(comm: TpComm, kv: torch.Tensor, msg: TpPageMove):
+    """This rank's side of a gather over its cache tensor `kv`: it sends its
+    heads of the pages (rank 0 gets every rank's, in rank order)."""
+    if msg.kind is not TpPageMoveKind.GATHER:
+        raise TypeError(f"rank {comm.rank}: unknown page move {msg.kind}")
     idx = torch.from_numpy(msg.pages).to(kv.device)
-    if msg.kind is TpPageMoveKind.GATHER:
-        return comm.gather(kv.index_select(0, idx))
-    buf = torch.empty((len(msg.pages),) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    kv.index_copy_(0, idx, comm.scatter(buf, parts))
-    return None
+    return comm.gather(kv.index_select(0, idx))
 
 
 class TpDivergence(TpLost):

@@ -3,13 +3,12 @@ engine, carried in its transport's metadata and compared when two peers
 meet (`check_peer`), so a pair that cannot map its pages is refused at the
 handshake with both sides named, not at the first write.
 
-A page on the wire is always the model's whole page, every KV head
-(`[layers, 2, page_size, kv_heads, head_dim]` per cache group), whatever
-the engine's tensor-parallel size: a tensor-parallel engine gathers its
-ranks' heads into a whole page before a write and scatters a landed page's
-heads to its ranks after (roles/tp_staging.py). So two engines of
-different sizes map as long as the model's KV geometry, dtype and page
-size agree; the size is carried to be named, and to be counted."""
+Each rank of an engine holds its KV heads of every page; between engines
+of tensor-parallel sizes p and d each D rank is written the heads it owns
+by the P ranks that hold them (transfer/tp_pieces.py says which, from the
+two layouts). So two engines of different sizes map as long as the
+model's KV geometry, dtype and page size agree; the size says who holds
+which heads."""
 
 from __future__ import annotations
 

@@ -53,11 +53,6 @@ class LandingTable:
                                                       now + self.timeout_s)
         return self._epoch
 
-    def pages_of(self, req_id: str, epoch: int) -> tuple:
-        """The pages the landing `epoch` of `req_id` expects (() if none)."""
-        ld = self._by_key.get((req_id, epoch))
-        return () if ld is None else ld.pages
-
     def on_notification(self, req_id: str, epoch: int) -> LandingVerdict:
         """The landing `epoch` of `req_id` heard from its write."""
         ld = self._by_key.get((req_id, epoch))

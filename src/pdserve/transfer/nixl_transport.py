@@ -75,6 +75,17 @@ class NixlTransport(KvTransport):
         self._peers: dict[str, tuple[Incarnation, str, object]] = {}   # id -> (inc, name, handle)
         self._peer_pages: dict[str, int] = {}                            # id -> its pool's pages
         self._inflight: dict = {}                                        # handle -> (write, t0)
+        self.rank_writes = None     # RankWrites: per-rank transfer (transfer/rank_writes.py)
+
+    def use_ranks(self, ranks) -> None:
+        """Move KV per rank (every rank of this engine its agent, `ranks`;
+        transfer/rank_writes.py) with every peer whose metadata carries its
+        ranks, instead of this agent's whole pages. After register_pools."""
+        from pdserve.transfer.rank_writes import RankWrites
+
+        if self.layout is None:
+            raise ValueError("per-rank transfer needs the engine's KvLayout: register_pools first")
+        self.rank_writes = RankWrites(ranks, self.layout)
 
     def _register(self, pools: list) -> None:
         for pool in pools:
@@ -98,6 +109,8 @@ class NixlTransport(KvTransport):
             "page_bytes": self.group_page_bytes, "pages": self.num_pages,
             "incarnation": self.incarnation.agent_name,
             "layout": None if self.layout is None else self.layout.as_json(),
+            "ranks": None if self.rank_writes is None
+            else [m.as_json() for m in self.rank_writes.metas],
         }).encode()
 
     def add_peer(self, incarnation: Incarnation, metadata: bytes) -> None:
@@ -108,7 +121,13 @@ class NixlTransport(KvTransport):
             raise ValueError(f"metadata is for {md['incarnation']}, not {incarnation.agent_name}")
         if md.get("layout") is not None:
             self.check_layout(incarnation, KvLayout.from_json(md["layout"]))
-        if md["page_bytes"] != self.group_page_bytes:
+        per_rank = self.rank_writes is not None and md.get("ranks") is not None
+        if self.rank_writes is not None and not per_rank:
+            raise ValueError(f"{incarnation.agent_name} moves KV whole pages through one agent, "
+                             f"{self.incarnation.agent_name} per rank: serve both from one "
+                             "deployment (any tensor-parallel prefill or decode role moves every "
+                             "engine's KV per rank)")
+        if not per_rank and md["page_bytes"] != self.group_page_bytes:
             raise ValueError(f"{incarnation.agent_name} has pages of {md['page_bytes']} bytes per "
                              f"cache group, this engine {self.group_page_bytes}: give both the "
                              "same model, dtype and page_size")
@@ -128,6 +147,12 @@ class NixlTransport(KvTransport):
             raise ValueError(f"{incarnation.agent_name}'s descriptors: {e}") from None
         self._peers[incarnation.engine_id] = (incarnation, name, handle)
         self._peer_pages[incarnation.engine_id] = md["pages"]
+        if per_rank:
+            from pdserve.transfer.rank_agent import KvRankMeta
+
+            assert self.rank_writes is not None
+            self.rank_writes.add_peer(incarnation, KvLayout.from_json(md["layout"]),
+                                      [KvRankMeta.from_json(m) for m in md["ranks"]])
 
     def peer_pages(self, engine_id: str) -> int | None:
         return self._peer_pages.get(engine_id)
@@ -138,6 +163,8 @@ class NixlTransport(KvTransport):
         if entry is None:
             return
         inc, name, handle = entry
+        if self.rank_writes is not None:
+            self.rank_writes.remove_peer(engine_id)
         self.agent.release_dlist_handle(handle)
         self.agent.remove_remote_agent(name)
 
@@ -146,6 +173,11 @@ class NixlTransport(KvTransport):
 
     def _post(self, w: KvWrite) -> None:
         entry = self._peers.get(w.target.engine_id)
+        if self.rank_writes is not None and entry is not None:
+            failed = self.rank_writes.post(w, self._per_group(w.src_pages))
+            if failed is not None:
+                self._emit(failed)
+            return
         if entry is None or entry[0] != w.target:
             self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
                                      f"{w.target.agent_name} is not a known peer incarnation"))
@@ -174,8 +206,20 @@ class NixlTransport(KvTransport):
             return
         self._inflight[handle] = (w, time.perf_counter())
 
+    def _per_group(self, page_ids) -> list:
+        """This engine's transport page ids as per-group page lists."""
+        out: list[list[int]] = [[] for _ in self.offsets]
+        for pid in page_ids:
+            g, p = self.locate(pid)
+            out[g].append(p)
+        return out
+
     def _poll_backend(self) -> list[TransferEvent]:
         out = []
+        if self.rank_writes is not None:
+            out += self.rank_writes.poll(self.incarnation)
+            self.metrics.dropped_notifications += self.rank_writes.dropped
+            self.rank_writes.dropped = 0
         for handle, (w, t0) in list(self._inflight.items()):
             try:
                 state = self.agent.check_xfer_state(handle)
@@ -211,7 +255,8 @@ class NixlTransport(KvTransport):
         return out
 
     def _backend_in_flight(self, req_id: str) -> bool:
-        return any(w.req_id == req_id for w, _ in self._inflight.values())
+        return any(w.req_id == req_id for w, _ in self._inflight.values()) or \
+            (self.rank_writes is not None and self.rank_writes.in_flight(req_id))
 
     # No `_cancel_posted`: a posted write is left to end as DONE or ERR.
     # NIXL's release_xfer_handle on an active transfer "attempts to cancel"
@@ -234,6 +279,9 @@ class NixlTransport(KvTransport):
         self._inflight.clear()
         for engine_id in list(self._peers):
             self.remove_peer(engine_id)
+        if self.rank_writes is not None:
+            self.rank_writes.close()
+            self.rank_writes = None
         if self._local is not None:
             self.agent.release_dlist_handle(self._local)
             self._local = None

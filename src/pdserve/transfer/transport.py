@@ -143,19 +143,16 @@ class KvTransport(abc.ABC):
         self._delayed: list = []      # (due, TransferEvent) held back by a delay fault
         self._held: list = []         # (due, KvWrite) whose post a delay fault holds back
         self.layout = None            # KvLayout: what peers compare at the handshake (kv_layout.py)
-        self.staging = None           # KvStaging: a tensor-parallel engine's whole-page edge
 
     def register_pool(self, pool) -> None:
         """Register the page-major KV pool tensor (pages first) once."""
         self.register_pools([pool])
 
-    def register_pools(self, pools, layout=None, staging=None) -> None:
+    def register_pools(self, pools, layout=None) -> None:
         """Register one page-major pool per cache group, once. `layout`
         (a KvLayout): what the metadata carries and a peer is checked
-        against. `staging` (a KvStaging): the pools are a tensor-parallel
-        engine's whole-page staging; it gathers a write's source pages into
-        them first, and scatters landed pages to the ranks (`landed`)."""
-        self.layout, self.staging = layout, staging
+        against."""
+        self.layout = layout
         self.group_page_bytes = [p[0].numel() * p.element_size() for p in pools]
         self.offsets, n = [], 0
         for p in pools:
@@ -244,23 +241,7 @@ class KvTransport(abc.ABC):
         if rule is not None and rule.action == "delay":
             self._held.append((time.monotonic() + rule.delay_s, w))
             return
-        self._post_staged(w)
-
-    def _post_staged(self, w: KvWrite) -> None:
-        """Post `w`; a tensor-parallel engine first gathers its ranks' heads
-        of the source pages into the whole pages the write reads (at the
-        post, not before a delay: the pages stay pinned until the write
-        ends, so they hold the same bytes then, and a rank that died
-        meanwhile is found here and downs the engine, TpLost)."""
-        if self.staging is not None:
-            self.staging.gather(self, w.src_pages)
         self._post(w)
-
-    def landed(self, page_ids) -> None:
-        """D: a write into `page_ids` landed and is about to be read; a
-        tensor-parallel engine scatters each rank's heads of them now."""
-        if self.staging is not None:
-            self.staging.scatter(self, page_ids)
 
     def check_layout(self, peer: Incarnation, layout) -> None:
         """ValueError naming both engines if `layout` (the peer's, None if
@@ -294,7 +275,7 @@ class KvTransport(abc.ABC):
         if self._held:
             now = time.monotonic()
             for _, w in [h for h in self._held if h[0] <= now]:
-                self._post_staged(w)
+                self._post(w)
             self._held = [h for h in self._held if h[0] > now]
         out = []
         for ev in self._poll_backend():
