@@ -38,13 +38,26 @@ def test_the_kernels_multiply_what_the_file_holds(kind, tol):
     raw, qt = blocks(kind)
     x = torch.randn(5, 96).bfloat16()
     ref = x.float() @ qt.dequantize().t()
-    y = linear(x, QuantizedLinear(qt, torch.bfloat16)).float()
+    y = linear(x, QuantizedLinear(qt, torch.bfloat16, max_rows=8)).float()
     err = ((y - ref).abs().max() / ref.abs().max()).item()
     assert err < tol
     # the plain bfloat16 path is no closer than 4 bits by more than the rounding
     dense_err = ((x @ qt.dequantize().bfloat16().t()).float() - ref).abs().max() / \
         ref.abs().max()
     assert err < max(4 * dense_err.item(), tol)
+
+
+def test_a_batch_past_max_rows_multiplies_the_bfloat16_copy():
+    """The kernels' cost grows with the rows faster than a bfloat16
+    matmul's: more than max_rows rows (a prefill chunk) take the copy."""
+    _, qt = blocks(T.Q4_1)
+    lin = QuantizedLinear(qt, torch.bfloat16, max_rows=4)
+    dense = qt.dequantize().bfloat16()
+    assert torch.equal(lin.dense, dense)
+    many, few = torch.randn(5, 96).bfloat16(), torch.randn(4, 96).bfloat16()
+    assert torch.equal(lin(many), torch.nn.functional.linear(many, dense))
+    kernel = torch._weight_int4pack_mm_for_cpu(few, lin.packed, 32, lin.scales)
+    assert torch.equal(lin(few), kernel)
 
 
 def test_rows_permute_and_fuse_as_tensors_do():
@@ -55,8 +68,8 @@ def test_rows_permute_and_fuse_as_tensors_do():
     fused = fuse([a, b], torch.bfloat16, "cpu")
     assert isinstance(fused, QuantizedLinear) and fused.out_features == 48
     x = torch.randn(3, 96).bfloat16()
-    both = torch.cat([QuantizedLinear(a, torch.bfloat16)(x), QuantizedLinear(b, torch.bfloat16)(x)],
-                     1)
+    both = torch.cat([QuantizedLinear(a, torch.bfloat16)(x),
+                      QuantizedLinear(b, torch.bfloat16)(x)], 1)
     assert torch.allclose(fused(x).float(), both.float(), atol=1e-2)
     # widths that differ fall back to one dense matmul
     _, c = blocks(T.Q8_0, rows=16, seed=3)

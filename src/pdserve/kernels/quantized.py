@@ -16,10 +16,20 @@ Q4_1 blocks. torch ships weight-only CPU kernels for both widths:
   block of 32, so its values are requantized per row (round to the
   nearest of 255 levels over the row's largest magnitude).
 
+Both kernels dequantize as they go, so their cost grows with the rows
+much faster than a bfloat16 matmul's: on this 2-core CPU a q k v matmul of
+SmolLM2 costs 0.6x bfloat16's at one row, the same at about five, and 2x
+at 32 (`pdserve bench quantized`). A QuantizedLinear therefore also keeps
+the weights dequantized to bfloat16 and multiplies a batch of more than
+MAX_ROWS rows (a prefill chunk, a large decode batch) with those: the
+quantized path serves small decode batches, where a step is bound by
+reading the weights. The cost is memory: the bfloat16 copy `auto` held
+before, plus the packed weights (a quarter of it for 4 bits, half for 8).
+
 `QuantizedTensor` is the file's values as read (integers, per-group scale
 and zero), which the loader can permute and concatenate like a tensor
 (Q and K rows back in Hugging Face order, q k v and gate up fused);
-`quantized_linear` packs one for the kernels at model build.
+`QuantizedLinear` packs one for the kernels at model build.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import numpy as np
 import torch
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
+MAX_ROWS = 4                   # rows up to which the quantized kernels beat bfloat16
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -101,13 +112,15 @@ def kernels_present() -> bool:
 
 class QuantizedLinear:
     """y = x @ w.T for a QuantizedTensor w, packed once for the CPU kernel
-    of its width. Inputs are bfloat16 [rows, in]."""
+    of its width, and dequantized to bfloat16 for inputs of more than
+    `max_rows` rows. Inputs are bfloat16 [rows, in]."""
 
-    def __init__(self, t: QuantizedTensor, dtype: torch.dtype):
+    def __init__(self, t: QuantizedTensor, dtype: torch.dtype, max_rows: int = MAX_ROWS):
         if dtype != torch.bfloat16:
             raise ValueError(f"quantized matmuls run in bfloat16, not {dtype}")
         self.out_features, self.in_features = t.shape
-        self.bits = t.bits
+        self.bits, self.max_rows = t.bits, max_rows
+        self.dense = t.dequantize().to(dtype)
         if t.bits == 4:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(t.q.to(torch.int32), 1)
             # [groups, rows, 2]: the kernel's w = (q - 8) * scale + zero
@@ -120,13 +133,23 @@ class QuantizedLinear:
             self.scales = scale.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return torch.nn.functional.linear(x, self.dense)
         if self.bits == 4:
             return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         return torch._weight_int8pack_mm(x, self.packed, self.scales)
 
     def nbytes(self) -> int:
+        """The packed weights' bytes (the bfloat16 copy aside)."""
         return self.packed.numel() * self.packed.element_size() + \
             self.scales.numel() * self.scales.element_size()
+
+
+def quantized_linears(model) -> list[QuantizedLinear]:
+    """A model's QuantizedLinear layers (to set max_rows in tests and benchmarks)."""
+    found = [w for layer in getattr(model, "layers", []) for w in layer
+             if isinstance(w, QuantizedLinear)]
+    return found + ([model.lm_head] if isinstance(model.lm_head, QuantizedLinear) else [])
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
