@@ -162,3 +162,21 @@ def test_an_engine_whose_gate_is_off_proposes_nothing():
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     llm.generate([[5, 6, 5, 6, 5, 6]], sp, use_tqdm=False)
     assert llm.executor.spec.counts.drafts == before
+
+
+def test_the_bench_summarizes_the_log_by_bucket():
+    """`pdserve bench spec` prints the gate's rounds per bucket: rounds and
+    tokens per CPU second a side, probes begun, switches of the chosen side."""
+    from pdserve.benchmarks.spec_gate_log import summarize
+
+    gate = SpecGate(k=3)
+    host = Host(gate)
+    host.run(200, batch=16, fixed=0, acceptance=3.0)
+    host.run(200, batch=2, fixed=50, acceptance=1.0)       # on by the prior, then off
+    by = {s.bucket: s for s in summarize(gate.take_log())}
+    assert set(by) == {2, 16}
+    sixteen, two = by[16], by[2]
+    assert sixteen.rounds[True] + sixteen.rounds[False] == 200
+    assert sixteen.probes >= 2 and sixteen.switches == 0 and sixteen.end is GateMode.OFF
+    assert sixteen.rate(False) > sixteen.rate(True) > 0
+    assert two.switches == 1 and two.end is GateMode.OFF
