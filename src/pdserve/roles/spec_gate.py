@@ -15,7 +15,8 @@ two of the decode batch), in three steps:
   (F + B(1 + k)) / (F + B) times a decode's cost, F being the rows a
   forward scores for about the price of reading the weights once
   (`free_rows`). Where the expected gain is below 1 + `prior_margin`,
-  speculation starts off.
+  speculation starts off; below `prior_sure`, its first probe waits four
+  times as long.
 - **Measure.** Every decode-only round reports its delivered tokens
   (accepted candidates included) and its cost: the engine process's CPU
   seconds (every thread's) when given, else wall seconds. On a host shared
@@ -119,7 +120,7 @@ class SpecGate:
     def __init__(self, k: int = 3, *, probe_first: int = 32, probe_max: int = 512,
                  probe_rounds: int = 6, margin: float = 0.05, smoothing: float = 0.1,
                  free_rows: float = 4.0, default_acceptance: float | None = None,
-                 prior_margin: float = 0.1, log_limit: int = 4096):
+                 prior_margin: float = 0.1, prior_sure: float = 0.8, log_limit: int = 4096):
         if probe_rounds < 1 or probe_first < 1 or probe_max < probe_first:
             raise ValueError("SpecGate: need probe_rounds >= 1 and 1 <= probe_first <= probe_max")
         self.k = k
@@ -134,6 +135,7 @@ class SpecGate:
         self.default_acceptance = default_acceptance if default_acceptance is not None \
             else 1 + k / 2
         self.prior_margin = prior_margin
+        self.prior_sure = prior_sure
         self.buckets: dict[int, BucketState] = {}
         self.mode = GateMode.ON
         self.rounds = 0             # decode-only rounds observed
@@ -159,8 +161,10 @@ class SpecGate:
         st = self.buckets.get(b)
         if st is None:
             gain = prior_gain(b, self.k, acceptance or self.default_acceptance, self.free_rows)
+            # where the model says speculation cannot pay, the first probe waits longer
+            first = self.probe_first * (4 if gain < self.prior_sure else 1)
             st = self.buckets[b] = BucketState(chosen=gain >= 1 + self.prior_margin,
-                                               prior=gain, interval=self.probe_first)
+                                               prior=gain, interval=min(first, self.probe_max))
         st.sides[speculating].add(tokens, cost, self.smoothing)
         self._bucket = b
         self._decide(st, speculating, tokens, cost)
