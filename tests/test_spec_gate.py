@@ -60,10 +60,10 @@ def test_compute_bound_starts_off_and_stays_off():
     for measuring stay a few percent."""
     gate = SpecGate(k=3)
     host = Host(gate)
-    sides = host.run(1000, batch=16, fixed=0, acceptance=3.0, noise=0.1)
+    sides = host.run(1000, batch=32, fixed=0, acceptance=3.0, noise=0.1)
     assert not gate.on and gate.switches == 0
     assert sum(sides) / len(sides) < 0.04
-    st = gate.buckets[16]
+    st = gate.buckets[32]
     assert st.prior < gate.prior_sure and not any(sides[2:4 * gate.probe_first])  # 2: in flight
     assert st.interval == gate.probe_max          # every probe confirmed the choice
     on, off = gate.rates()
@@ -172,12 +172,12 @@ def test_the_bench_summarizes_the_log_by_bucket():
 
     gate = SpecGate(k=3)
     host = Host(gate)
-    host.run(300, batch=16, fixed=0, acceptance=3.0)
+    host.run(300, batch=32, fixed=0, acceptance=3.0)
     host.run(200, batch=2, fixed=50, acceptance=1.0)       # on by the prior, then off
     by = {s.bucket: s for s in summarize(gate.take_log())}
-    assert set(by) == {2, 16}
-    sixteen, two = by[16], by[2]
-    assert sixteen.rounds[True] + sixteen.rounds[False] == 300
-    assert sixteen.probes == 1 and sixteen.switches == 0 and sixteen.end is GateMode.OFF
-    assert sixteen.rate(False) > sixteen.rate(True) > 0
+    assert set(by) == {2, 32}
+    big, two = by[32], by[2]
+    assert big.rounds[True] + big.rounds[False] == 300
+    assert big.probes == 1 and big.switches == 0 and big.end is GateMode.OFF
+    assert big.rate(False) > big.rate(True) > 0
     assert two.switches == 1 and two.end is GateMode.OFF

@@ -119,7 +119,7 @@ class BucketState:
 class SpecGate:
     def __init__(self, k: int = 3, *, probe_first: int = 32, probe_max: int = 512,
                  probe_rounds: int = 6, margin: float = 0.05, smoothing: float = 0.1,
-                 free_rows: float = 4.0, default_acceptance: float | None = None,
+                 free_rows: float = 8.0, default_acceptance: float | None = None,
                  prior_margin: float = 0.1, prior_sure: float = 0.8, log_limit: int = 4096):
         if probe_rounds < 1 or probe_first < 1 or probe_max < probe_first:
             raise ValueError("SpecGate: need probe_rounds >= 1 and 1 <= probe_first <= probe_max")
