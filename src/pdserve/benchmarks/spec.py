@@ -19,6 +19,8 @@ spread (min-max) beside it, and the host's load average. Beside wall-clock
 tokens/s: this process's CPU time a token (every thread's; less sensitive to
 other processes on a shared host than wall time, as `bench disk` does) and
 rounds a request (forwards: what acceptance saves, independent of the host).
+Beside each table, the gate's rounds per batch bucket (spec_gate_log.py).
+`--threads 1` on a shared host keeps CPU time a token this process's own.
 
 `--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
