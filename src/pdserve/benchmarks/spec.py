@@ -19,6 +19,8 @@ spread (min-max) beside it, and the host's load average. Beside wall-clock
 tokens/s: this process's CPU time a token (every thread's; less sensitive to
 other processes on a shared host than wall time, as `bench disk` does) and
 rounds a request (forwards: what acceptance saves, independent of the host).
+Beside each table, the gate's rounds per batch bucket (spec_gate_log.py).
+`--threads 1` on a shared host keeps CPU time a token this process's own.
 
 `--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
@@ -36,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.spec_gate_log import print_table
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the "
@@ -99,6 +102,10 @@ def add_arguments(p) -> None:
     p.add_argument("--pd", action="store_true",
                    help="also P/D against fused at k=3: mean acceptance length")
     p.add_argument("--pd-only", action="store_true", help="only the P/D comparison")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch threads (default: torch's); 1 on a shared host makes CPU time "
+                   "a token this process's own work (a second thread's waits on a "
+                   "descheduled first count as CPU time)")
 
 
 @dataclass
@@ -122,6 +129,7 @@ class Measure:
     cpu_ms_per_token: float = 0.0   # this process's CPU time (every thread) over tokens
     rounds_per_request: float = 0.0
     outputs: list = field(default_factory=list)
+    gate_log: list = field(default_factory=list)    # the gate's rounds (spec_gate_log.py)
 
 
 def prompts_for(tokenizer, n: int) -> list:
@@ -157,6 +165,9 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
 
     ex = engine.executor
     before = (ex.spec.counts.drafts, ex.spec.counts.accepted_tokens) if ex.spec else (0, 0)
+    gate = ex.spec.gate if ex.spec else None
+    if gate is not None:
+        gate.take_log()         # this drive's rounds only
     queue = list(enumerate(prompts))
     live: dict = {}            # id -> (request, submitted, first, last)
     ttft, itl, outputs = [], [], [None] * len(prompts)
@@ -196,11 +207,11 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
         c = ex.spec.counts
         drafts = c.drafts - before[0]
         acc = 1 + (c.accepted_tokens - before[1]) / drafts if drafts else 0.0
-    gate = ex.spec.gate.mode.value if ex.spec and ex.spec.gate else \
-        ("ungated" if ex.spec else "-")
+    mode = gate.mode.value if gate is not None else ("ungated" if ex.spec else "-")
     return Measure(tokens / wall, statistics.median(ttft), statistics.median(itl) if itl else 0,
-                   acc, gate, outputs=outputs, cpu_ms_per_token=1e3 * cpu / tokens,
-                   rounds_per_request=rounds / len(prompts))
+                   acc, mode, outputs=outputs, cpu_ms_per_token=1e3 * cpu / tokens,
+                   rounds_per_request=rounds / len(prompts),
+                   gate_log=gate.take_log() if gate is not None else [])
 
 
 def run(args) -> int:
@@ -211,6 +222,8 @@ def run(args) -> int:
 
     ks = [int(k) for k in args.ks.split(",") if k]
     levels = [int(c) for c in args.concurrency.split(",") if c]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model(None, args.preset, dtype=args.dtype, device="cpu")
     print(f"# pdserve bench spec: {args.preset} ({str(model.dtype).removeprefix('torch.')}) on "
           f"CPU, {torch.get_num_threads()} threads; {args.max_tokens} new tokens a request, "
@@ -269,6 +282,7 @@ def _sweep(args, model, tok, ks, levels, sp) -> None:
                   f"{1e3 * med(m.ttft for m in ms):.0f} | {1e3 * med(m.itl for m in ms):.1f} | "
                   f"{f'{acc:.2f}' if acc else '-'} | {ms[-1].gate} | "
                   f"{same}/{len(ms) * len(ref)} |", flush=True)
+        print_table({name: [r for m in ms for r in m.gate_log] for name, ms in got.items()})
 
 
 def _pd(args, model, tok, sp) -> None:

@@ -76,5 +76,5 @@ def spec_summary(r: dict) -> str:
     on, off = r["spec_tokens_per_s"]
     line += f"; gate {r['spec_gate']}"
     if on and off:
-        line += f" ({on:,.0f} tokens/s with, {off:,.0f} without)"
+        line += f" ({on:,.0f} tokens a CPU second with, {off:,.0f} without)"
     return line

@@ -79,7 +79,7 @@ class Speculation:
         self.cfg = spec
         self.k = spec.k
         self.proposer = proposer if proposer is not None else build_proposer(spec)
-        self.gate = gate if gate is not None else (SpecGate() if spec.gate else None)
+        self.gate = gate if gate is not None else (SpecGate(spec.k) if spec.gate else None)
         self.counts = SpecCounts(spec.k)
 
     @property
@@ -106,13 +106,15 @@ class Speculation:
             out.append(VerifyRow(list(drafts), t.params, seed, len(req.output) + t.prior))
         return out
 
-    def round_done(self, plan, result, seconds: float) -> None:
+    def round_done(self, plan, result, seconds: float, cpu_seconds: float | None = None) -> None:
         """A round's measurement for the gate: decode-only rounds, their
-        delivered tokens (every token the decodes gave) in `seconds`."""
+        delivered tokens (every token the decodes gave) in `seconds` of
+        wall time and `cpu_seconds` of this process's CPU time."""
         if self.gate is None or plan.prefills or not plan.decodes:
             return
         tokens = len(result.decode_tokens) + sum(len(v) for v in result.decode_more.values())
-        self.gate.observe(bool(plan.verify), len(plan.decodes), tokens, seconds)
+        self.gate.observe(bool(plan.verify), len(plan.decodes), tokens, seconds, cpu_seconds,
+                          self.counts.mean_acceptance_length)
 
     def forget(self, req_id: str) -> None:
         self.proposer.forget(req_id)

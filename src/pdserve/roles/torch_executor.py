@@ -75,6 +75,7 @@ class Launched:
     future: cf.Future | None = None
     spec: SpecRound | None = None   # its verify rows, with speculation
     started: float = 0.0            # perf_counter at launch (the speculation gate's clock)
+    cpu_started: float = 0.0        # process_time at launch (the gate's cost)
 
 
 class TorchExecutor:
@@ -212,7 +213,7 @@ class TorchExecutor:
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
         self._sampled = None        # a round run in place feeds nothing from the device
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = self._copies(plan)
         if not (plan.prefills or plan.decodes):
             return result
@@ -224,7 +225,8 @@ class TorchExecutor:
             spec.tokens = verify(logits[n:], spec.rows)
         self._land(plan, rows, tokens, logprobs, result, spec)
         if self.spec is not None:
-            self.spec.round_done(plan, result, time.perf_counter() - t0)
+            self.spec.round_done(plan, result, time.perf_counter() - t0,
+                                 time.process_time() - c0)
         return result
 
     # ---- a round that runs ahead (engine.overlap) ---------------------------------
@@ -245,7 +247,7 @@ class TorchExecutor:
             self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sampled = None        # until this round's tokens exist
         fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows))
-        return Launched(plan, result, rows, fut, spec, time.perf_counter())
+        return Launched(plan, result, rows, fut, spec, time.perf_counter(), time.process_time())
 
     def wait(self, launched: Launched) -> StepResult:
         """The launched round's result, once its forward and sampling are done."""
@@ -256,7 +258,8 @@ class TorchExecutor:
         self._sampled = (on_device, {r.id: i for i, r in enumerate(rows)}) if rows else None
         self._land(launched.plan, rows, tokens, logprobs, result, launched.spec)
         if self.spec is not None:
-            self.spec.round_done(launched.plan, result, time.perf_counter() - launched.started)
+            self.spec.round_done(launched.plan, result, time.perf_counter() - launched.started,
+                                 time.process_time() - launched.cpu_started)
         return result
 
     def _forward_and_sample(self, staged, inputs, spec: SpecRound | None, n: int):

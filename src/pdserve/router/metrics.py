@@ -244,8 +244,9 @@ class SpecMetrics:
                                       "gate proposes candidates (probing included), else 0",
                                       labels=labels + ["mode"])
         self.rates = GaugeMetricFamily(P + "spec_decode_gate_tokens_per_second", "Delivered "
-                                       "tokens/s the gate measured at the batch it last ran, "
-                                       "with speculation (on) and without (off)",
+                                       "tokens per second of the engine process's CPU time "
+                                       "the gate measured at the batch it last ran, with "
+                                       "speculation (on) and without (off)",
                                        labels=labels + ["side"])
 
     def add(self, labels: list, s) -> None:
