@@ -23,7 +23,8 @@ arrival, the reads a plan asks for, and writes through from the host tier.
 The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
 hash of the prefix each page ends (scheduler/prefix.py), the cache group,
-the weights fingerprint, dtype and page layout (transfer/disk_store.py), so
+the weights fingerprint, dtype, page layout and tensor-parallel shard
+(transfer/disk_store.py), so
 every engine of a node on the same directory and model shares the files.
 """
 
@@ -154,11 +155,13 @@ class Prefetch:
 
 class DiskTier:
     def __init__(self, cfg: DiskCacheConfig, store: DiskStore, *, model_id: str, dtype: str,
-                 layout: str, page_size: int, clock=time.monotonic):
+                 layout: str, page_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 clock=time.monotonic):
         self.cfg = cfg
         self.store = store
         self.model_id, self.dtype, self.layout = model_id, dtype, layout
         self.page_size = page_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.clock = clock
         self.counts = DiskCounts()
         self._prefetch: dict[str, Prefetch] = {}
@@ -179,7 +182,8 @@ class DiskTier:
                    page_size=page_size)
 
     def key(self, chain: int, group: int = 0) -> DiskKey:
-        return DiskKey(chain, group, self.model_id, self.dtype, self.layout)
+        return DiskKey(chain, group, self.model_id, self.dtype, self.layout,
+                       self.tp_rank, self.tp_size)
 
     def close(self) -> None:
         self.store.close()
