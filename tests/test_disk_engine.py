@@ -164,6 +164,9 @@ def test_dropped_reads_and_stale_keys_are_misses(reference):
     l = with_store(store, "wait_complete")
     assert tokens(l, TURNS[:1]) == reference[:1]
     assert l.engine.planner.hits.disk_tokens == 0
+    # l recomputed and wrote its pages through: let those writes end, or
+    # l2's reads are answered from the queued bytes, past the faults
+    assert l.executor.disk.flush()
     store.faults.drop, store.faults.stale = None, _AllChains()
     l2 = with_store(store, "wait_complete")
     assert tokens(l2, TURNS[1:2]) == reference[1:2]
@@ -265,18 +268,22 @@ def test_write_through_skips_pages_past_the_write_backlog():
     tier.close()
 
 
+GEMMA = dict(sliding_window=8, layer_types=("sliding_attention", "full_attention"))
+
+
 @pytest.mark.parametrize("arch,extra,named", [
-    ("gemma3", dict(sliding_window=8, layer_types=("sliding_attention", "full_attention")),
-     "sliding-window layers (window 8)"),
+    ("gemma3", GEMMA, "sliding-window layers (window 8) whose tails a hit would read "
+                      "from a cache; set engine.sliding_replay: true"),
     ("mistral", dict(sliding_window=16), "no full-history attention layer"),
     ("qwen3_5", dict(layer_types=("linear_attention", "full_attention")),
      "1 layer keeping a recurrent state"),
     ("lfm2", dict(layer_types=("conv", "full_attention")), "1 layer keeping a recurrent state"),
 ])
-def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extra, named):
-    """The disk tier stores full-history pages only: a model with sliding
-    windows or recurrent state is refused at start, its family and the
-    groups the tier cannot restore named, the fix said."""
+def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
+    """The disk tier stores full-history pages only: a model whose hit
+    would also need a cached sliding window's tail or a recurrent state's
+    checkpoint is refused at start, its family and what the tier cannot
+    restore named, the fix said (state models even under sliding_replay)."""
     import dataclasses
     import re
 
@@ -287,8 +294,23 @@ def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extr
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     with pytest.raises(ConfigError, match=rf"{arch} has .*{re.escape(named)}.*Remove engine.disk_cache"):
         check_model_served(disk, mcfg)
+    if arch != "gemma3":
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            check_model_served(disk, mcfg, sliding_replay=True)
     check_model_served(disk, tiny_config())              # full history: served
     check_model_served(None, mcfg)                       # no tier: nothing to check
+
+
+def test_sliding_windows_under_bounded_replay_are_served():
+    """With engine.sliding_replay a hit recomputes each window from the
+    full-history pages: the tier serves a Gemma 3 layout."""
+    import dataclasses
+
+    from pdserve.kernels.model_config import tiny_config
+    from pdserve.roles.disk_tier import check_model_served
+
+    mcfg = dataclasses.replace(tiny_config(), arch="gemma3", num_layers=2, **GEMMA)
+    check_model_served(DiskCacheConfig(path="unused"), mcfg, sliding_replay=True)
 
 
 def test_a_probe_whose_first_page_is_absent_reads_nothing(tmp_path):

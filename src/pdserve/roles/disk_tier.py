@@ -43,29 +43,40 @@ from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
 
 
-def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0) -> None:
-    """Refuse a disk tier for a model whose layers do not all keep full
-    history: the tier reads a full-history group's pages only, and a hit
-    on such a model must also restore each sliding window's tail and the
-    recurrent state at its end, which it does not store yet. Raises
-    ConfigError naming the model's family and its other cache groups."""
+def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0,
+                       sliding_replay: bool = False) -> None:
+    """Refuse a disk tier for a model whose hit would need more than the
+    full-history group's pages: the tier stores those alone. Served: every
+    attention layer keeping full history (Llama, Qwen2/3, SmolLM2), or
+    sliding-window layers beside full ones under engine.sliding_replay (a
+    hit's first chunk recomputes each window from the full-history pages,
+    §1.3). Refused by name: sliding windows whose tails would have to be
+    cached (no replay), layers keeping a recurrent state (a hit must end
+    at a state checkpoint, which the tier does not store yet), and models
+    without a full-history layer. Raises ConfigError naming what to
+    change."""
     if cfg is None:
         return
     groups = model_cfg.cache_groups()
     state = model_cfg.state_group(state_block)
-    other = [f"sliding-window layers (window {g.window})" for g in groups if g.sliding]
-    if state is not None:
-        n = len(state.layers)
-        other.append(f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state")
-    if groups and not groups[0].sliding and not other:
-        return
+    sliding = [g.window for g in groups if g.sliding]
     if not groups or groups[0].sliding:
-        other.insert(0, "no full-history attention layer")
+        why = "no full-history attention layer, so nothing the tier stores can start a hit"
+    elif state is not None:
+        n = len(state.layers)
+        why = (f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state: a hit must "
+               "restore the state checkpoint at its end, which the disk tier does not "
+               "store yet")
+    elif sliding and not sliding_replay:
+        why = (f"sliding-window layers (window {', '.join(map(str, sliding))}) whose tails "
+               "a hit would read from a cache; set engine.sliding_replay: true so a hit "
+               "recomputes them from the full-history pages the disk serves")
+    else:
+        return
     raise ConfigError(
-        f"engine.disk_cache serves models whose attention layers all keep full history "
-        f"(Llama, Qwen2/3, SmolLM2, Mistral without sliding_window); {model_cfg.arch} has "
-        f"{', '.join(other)}, whose tails and states the disk tier does not store yet. "
-        "Remove engine.disk_cache for this model (its host tier still caches prefixes)")
+        f"engine.disk_cache serves a model's full-history pages; {model_cfg.arch} has "
+        f"{why}. Remove engine.disk_cache for this model (its host tier still caches "
+        "prefixes)")
 
 
 def weights_fingerprint(model) -> str:

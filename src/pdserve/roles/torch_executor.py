@@ -153,7 +153,7 @@ class TorchExecutor:
         self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
         if disk is None and cfg.disk_cache is not None:
-            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block)
+            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block, cfg.sliding_replay)
             disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round

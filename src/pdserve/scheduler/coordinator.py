@@ -33,7 +33,8 @@ retraction. The coordinator makes its publication stores as it publishes
 and its loads as it admits a host hit, and passes the planner's snapshot
 and ack calls through, so the planner sees one object.
 
-The disk (L3) tier is an edge the coordinator never reads: a request
+The disk (L3) tier is an edge the coordinator never reads (it serves the
+full-history group, beside replayable sliding groups; `serves_disk`): a request
 carries what the engine's probe found (`Request.disk_pages`), and
 `disk_hit` continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
@@ -164,9 +165,21 @@ class Coordinator:
 
     @property
     def serves_disk(self) -> bool:
-        """Can a disk hit be read here: a full-history group alone (the
-        tier caches its pages only) and a host tier to stage through."""
-        return self.full == 0 and len(self.groups) == 1 and self.host is not None
+        """Can a disk hit be read here: a full-history group (the tier
+        caches its pages only), no group whose hit needs cached entries of
+        its own (a cached sliding window's tail, a state checkpoint), and a
+        host tier to stage through. Replayable sliding groups (§1.3) are
+        served: a hit's first chunk recomputes their windows from the
+        full-history pages the disk filled."""
+        return self.full == 0 and not self.keyed and self.host is not None
+
+    @property
+    def landing_serves_disk(self) -> bool:
+        """Can D's remote admission read its own tiers (host and disk)
+        and ask the peer for the rest: a full-history group alone. With
+        sliding groups the peer sends each window's tail of the whole
+        prompt, which a hit cut short of the prompt would not have."""
+        return self.serves_disk and len(self.groups) == 1
 
     def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it

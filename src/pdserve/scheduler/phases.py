@@ -468,7 +468,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     # the peer sends each sliding group's last window: only the full
     # history's hit counts here; host and disk hits where a disk tier can
     # be read (one full-history group), the peer asked only for the rest
-    local = p.coord.serves_disk
+    local = p.coord.landing_serves_disk
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=local)
     if local and req.disk_pages > hit.pages:
         hit = p.coord.disk_hit(req, hit, (n - 1) // ps, max(p.prefix_tokens // ps, 1))
