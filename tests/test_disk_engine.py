@@ -206,8 +206,6 @@ def test_disk_cache_settings_are_checked_with_the_fix_named(tmp_path):
     with pytest.raises(ConfigError, match="prefetch_policy must be one of best_effort, "
                                           "wait_complete, timeout; got 'eager'"):
         llm({"path": str(tmp_path), "prefetch_policy": "eager"})
-    with pytest.raises(ConfigError, match="not run with engine.overlap"):
-        llm({"path": str(tmp_path)}, overlap=True)
     f = tmp_path / "a-file"
     f.write_text("")
     with pytest.raises(DiskStoreError, match="engine.disk_cache.path=.*cannot be created"):

@@ -342,6 +342,15 @@ def resident_prefill_phase(p, b: PlanBuild) -> None:
     for req in list(p.prefilling.values()):
         if b.sealed or not b.can_prefill():
             return
+        if req.state.res.disk_hold >= 0:
+            # engine.overlap: a round built while its admission's forward
+            # runs, its disk read not yet confirmed (a miss retracts it
+            # at that round's apply); its next chunk waits (never without
+            # overlap: every read is acked in its own round)
+            b.sealed = True
+            b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req,
+                              "could not advance: its disk read is not confirmed yet")
+            return
         ok = try_resident_chunk(p, b, req)
         if ok is None:
             b.sealed = True
