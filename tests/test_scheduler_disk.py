@@ -149,6 +149,34 @@ def test_a_model_with_other_cache_groups_reads_nothing_from_disk():
     assert not plan.disk_loads and plan.prefills[0].begin == 0
 
 
+def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages():
+    """Bounded replay (§1.3): the disk serves the full-history pages, and
+    the first chunk after the hit re-feeds the window's rows below it;
+    a cached (non-replayable) window reads nothing from disk."""
+    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    for replay in (True, False):
+        p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
+                           max_scheduled_tokens=64, sliding_replay=replay),
+                    groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=replay)))
+        assert p.coord.serves_disk is replay and not p.coord.landing_serves_disk
+        r = req("a", PROMPT)
+        r.disk_pages = 5
+        p.submit(r)
+        plan = p.build()
+        if not replay:
+            assert not plan.disk_loads and plan.prefills[0].begin == 0
+            continue
+        (dl,) = plan.disk_loads
+        assert dl.chains == chains(PROMPT, 5)
+        (op,) = plan.prefills
+        assert op.begin == 20 and op.replay > 0 and r.cached == (0, 0, 20)
+        p.check_invariants()
+        p.apply(plan, result_for(plan))
+        run_to_completion(p)
+        p.assert_idle()
+        assert p.hits.disk_tokens == 20
+
+
 # ---- D's remote admission (P/D) ----------------------------------------------------
 
 def pd_pair():
