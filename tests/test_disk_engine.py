@@ -267,21 +267,22 @@ def test_write_through_skips_pages_past_the_write_backlog():
 
 
 GEMMA = dict(sliding_window=8, layer_types=("sliding_attention", "full_attention"))
+QWEN35 = dict(layer_types=("linear_attention", "full_attention"))
+LFM2 = dict(layer_types=("conv", "full_attention"))
 
 
 @pytest.mark.parametrize("arch,extra,named", [
     ("gemma3", GEMMA, "sliding-window layers (window 8) whose tails a hit would read "
                       "from a cache; set engine.sliding_replay: true"),
     ("mistral", dict(sliding_window=16), "no full-history attention layer"),
-    ("qwen3_5", dict(layer_types=("linear_attention", "full_attention")),
-     "1 layer keeping a recurrent state"),
-    ("lfm2", dict(layer_types=("conv", "full_attention")), "1 layer keeping a recurrent state"),
+    ("qwen3_5", QWEN35, "1 layer keeping a recurrent state, and engine.state_checkpoints "
+                        "is off"),
+    ("lfm2", LFM2, "1 layer keeping a recurrent state, and engine.state_checkpoints is off"),
 ])
 def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
-    """The disk tier stores full-history pages only: a model whose hit
-    would also need a cached sliding window's tail or a recurrent state's
-    checkpoint is refused at start, its family and what the tier cannot
-    restore named, the fix said (state models even under sliding_replay)."""
+    """A model whose hit would need a cached sliding window's tail, or a
+    state checkpoint none is kept of, is refused at start, its family and
+    what the tier cannot restore named, the fix said."""
     import dataclasses
     import re
 
@@ -291,23 +292,21 @@ def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
     disk = DiskCacheConfig(path="unused")
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     with pytest.raises(ConfigError, match=rf"{arch} has .*{re.escape(named)}.*Remove engine.disk_cache"):
-        check_model_served(disk, mcfg)
-    if arch != "gemma3":
-        with pytest.raises(ConfigError, match=re.escape(named)):
-            check_model_served(disk, mcfg, sliding_replay=True)
+        check_model_served(disk, mcfg, state_checkpoints=False)
     check_model_served(disk, tiny_config())              # full history: served
     check_model_served(None, mcfg)                       # no tier: nothing to check
 
 
-def test_sliding_windows_under_bounded_replay_are_served():
-    """With engine.sliding_replay a hit recomputes each window from the
-    full-history pages: the tier serves a Gemma 3 layout."""
+@pytest.mark.parametrize("arch,extra", [("gemma3", GEMMA), ("qwen3_5", QWEN35), ("lfm2", LFM2)])
+def test_windows_under_replay_and_states_with_checkpoints_are_served(arch, extra):
+    """Windows recomputed by bounded replay (§1.3) and state checkpoints
+    (§1.2, written and read with the pages): the tier serves both."""
     import dataclasses
 
     from pdserve.kernels.model_config import tiny_config
     from pdserve.roles.disk_tier import check_model_served
 
-    mcfg = dataclasses.replace(tiny_config(), arch="gemma3", num_layers=2, **GEMMA)
+    mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     check_model_served(DiskCacheConfig(path="unused"), mcfg, sliding_replay=True)
 
 

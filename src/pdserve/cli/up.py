@@ -104,7 +104,7 @@ def run(args) -> int:
 
         try:
             check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block,
-                               cfg.engine.sliding_replay)
+                               cfg.engine.sliding_replay, cfg.engine.state_checkpoints)
             check_directory(cfg.engine.disk_cache.path)
         except (ConfigError, DiskStoreError) as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
