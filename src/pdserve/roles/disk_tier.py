@@ -13,6 +13,12 @@ arrival, the reads a plan asks for, and writes through from the host tier.
     a plan's DiskLoadOp        its pages from the prefetched bytes, or read
                                now; one that cannot be read is a miss, which
                                the planner turns into a retraction (§4)
+    a state model              the probe also asks (EXISTS) for the state
+                               checkpoint at each block boundary, and
+                               `disk_pages` ends at one the disk holds; a
+                               plan's state DiskLoadOp reads it into a host
+                               slot; checkpoints are written through as
+                               their host stores land (write_through)
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
