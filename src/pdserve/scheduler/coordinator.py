@@ -36,8 +36,7 @@ and ack calls through, so the planner sees one object.
 The disk (L3) tier is an edge the coordinator never reads (it serves the
 full-history group, beside replayable sliding groups or a state group,
 whose checkpoint at the hit's end is read with the pages; `serves_disk`):
-a request
-carries what the engine's probe found (`Request.disk_pages`), and
+a request carries what the engine's probe found (`Request.disk_pages`), and
 `disk_hit` continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
 §1). Admission reads them disk -> host -> device in the round; until the
