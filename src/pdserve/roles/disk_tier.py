@@ -13,7 +13,7 @@ arrival, the reads a plan asks for, and writes through from the host tier.
     a plan's DiskLoadOp        its pages from the prefetched bytes, or read
                                now; one that cannot be read is a miss, which
                                the planner turns into a retraction (§4)
-    a state model              the probe also asks (EXISTS) for the state
+    a state model              the prefetch also reads (GET) the state
                                checkpoint at each block boundary, and
                                `disk_pages` ends at one the disk holds; a
                                plan's state DiskLoadOp reads it into a host
@@ -165,8 +165,8 @@ class Prefetch:
     ended: set = field(default_factory=set)     # indexes whose read ended
     missed_at: int | None = None                # the first index whose read missed
     let_go: bool = False
-    state_jobs: dict = field(default_factory=dict)  # EXISTS of a checkpoint: job -> index
-    states: set = field(default_factory=set)    # indexes whose page ends at a checkpoint on disk
+    state_jobs: dict = field(default_factory=dict)  # GET of a checkpoint: job -> index
+    states: dict = field(default_factory=dict)  # index whose page ends at a checkpoint -> its bytes (None: found, not read)
 
     def run(self, probed: bool = False) -> int:
         """Pages read (`probed`: found by the probe) from `start` on,
@@ -179,7 +179,7 @@ class Prefetch:
 
     def finished(self) -> bool:
         end = len(self.chains) if self.missed_at is None else self.missed_at
-        return all(i in self.ended for i in range(end))
+        return not self.state_jobs and all(i in self.ended for i in range(end))
 
 
 class DiskTier:
@@ -306,9 +306,10 @@ class DiskTier:
         if st is not None:
             for i, c in enumerate(chains):
                 if (cached + i + 1) % st.block_pages == 0:
-                    j = self.store.submit(DiskOp.EXISTS, self.key(c, st.group))
-                    pf.state_jobs[j] = i
-                    self._jobs[j] = req.id
+                    for op in ops:          # as the pages: best_effort on what EXISTS found
+                        j = self.store.submit(op, self.key(c, st.group))
+                        pf.state_jobs[j] = i
+                        self._jobs[j] = req.id
         self._prefetch[req.id] = pf
         req.disk_wait = self.cfg.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
 
@@ -332,8 +333,10 @@ class DiskTier:
                 continue
             if d.job in pf.state_jobs:
                 i = pf.state_jobs.pop(d.job)
-                if d.ok:
-                    pf.states.add(i)
+                if d.ok and d.op is DiskOp.EXISTS:
+                    pf.states.setdefault(i, None)   # found; its bytes read in the round
+                elif d.ok and d.data is not None:
+                    pf.states[i] = d.data
                 continue
             i = pf.jobs.pop(d.job)
             if d.op is DiskOp.EXISTS:
@@ -397,6 +400,9 @@ class DiskTier:
                 else:
                     host.write_page(hp, b)
             result.disk_loads_done.append(op.id)
+        for rid in {op.req_id for op in plan.disk_loads}:
+            if rid in self._prefetch:
+                self._drop(rid)                     # its reads are done with the prefetch
         staged = {hp for op in plan.disk_loads if op.group == 0 for hp in op.host_pages}
         for ld in plan.loads:
             if ld.group == 0:
@@ -409,17 +415,16 @@ class DiskTier:
     def read(self, op) -> list[bytes] | None:
         """The bytes of a DiskLoadOp's pages, prefetched or read now; None
         if any page cannot be read (a miss). The request's prefetch ends
-        here: a request retracted for a miss re-prefills without the disk."""
+        with its round's reads (`copies`): a request retracted for a miss
+        re-prefills without the disk."""
         pf = self._prefetch.get(op.req_id)
-        if pf is not None:
-            self._drop(op.req_id)
         out = []
         for n, chain in enumerate(op.chains):
             data = None
-            if pf is not None and op.group == 0:
+            if pf is not None:
                 i = op.first_page + n - pf.start
                 if 0 <= i < len(pf.chains) and pf.chains[i] == chain:
-                    data = pf.got.pop(i, None)
+                    data = pf.got.pop(i, None) if op.group == 0 else pf.states.pop(i, None)
             if data is None:
                 self.counts.read_now_pages += 1
                 d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain, op.group)),
