@@ -164,8 +164,8 @@ def test_dropped_reads_and_stale_keys_are_misses(reference):
     l = with_store(store, "wait_complete")
     assert tokens(l, TURNS[:1]) == reference[:1]
     assert l.engine.planner.hits.disk_tokens == 0
-    # the first engine's write-through done: a read of a write still queued is
-    # answered from its bytes, never from the (stale) file
+    # l recomputed and wrote its pages through: let those writes end, or
+    # l2's reads are answered from the queued bytes, past the faults
     assert l.executor.disk.flush()
     store.faults.drop, store.faults.stale = None, _AllChains()
     l2 = with_store(store, "wait_complete")
@@ -206,8 +206,6 @@ def test_disk_cache_settings_are_checked_with_the_fix_named(tmp_path):
     with pytest.raises(ConfigError, match="prefetch_policy must be one of best_effort, "
                                           "wait_complete, timeout; got 'eager'"):
         llm({"path": str(tmp_path), "prefetch_policy": "eager"})
-    with pytest.raises(ConfigError, match="not run with engine.overlap"):
-        llm({"path": str(tmp_path)}, overlap=True)
     f = tmp_path / "a-file"
     f.write_text("")
     with pytest.raises(DiskStoreError, match="engine.disk_cache.path=.*cannot be created"):
@@ -268,18 +266,23 @@ def test_write_through_skips_pages_past_the_write_backlog():
     tier.close()
 
 
+GEMMA = dict(sliding_window=8, layer_types=("sliding_attention", "full_attention"))
+QWEN35 = dict(layer_types=("linear_attention", "full_attention"))
+LFM2 = dict(layer_types=("conv", "full_attention"))
+
+
 @pytest.mark.parametrize("arch,extra,named", [
-    ("gemma3", dict(sliding_window=8, layer_types=("sliding_attention", "full_attention")),
-     "sliding-window layers (window 8)"),
+    ("gemma3", GEMMA, "sliding-window layers (window 8) whose tails a hit would read "
+                      "from a cache; set engine.sliding_replay: true"),
     ("mistral", dict(sliding_window=16), "no full-history attention layer"),
-    ("qwen3_5", dict(layer_types=("linear_attention", "full_attention")),
-     "1 layer keeping a recurrent state"),
-    ("lfm2", dict(layer_types=("conv", "full_attention")), "1 layer keeping a recurrent state"),
+    ("qwen3_5", QWEN35, "1 layer keeping a recurrent state, and engine.state_checkpoints "
+                        "is off"),
+    ("lfm2", LFM2, "1 layer keeping a recurrent state, and engine.state_checkpoints is off"),
 ])
-def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extra, named):
-    """The disk tier stores full-history pages only: a model with sliding
-    windows or recurrent state is refused at start, its family and the
-    groups the tier cannot restore named, the fix said."""
+def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
+    """A model whose hit would need a cached sliding window's tail, or a
+    state checkpoint none is kept of, is refused at start, its family and
+    what the tier cannot restore named, the fix said."""
     import dataclasses
     import re
 
@@ -289,9 +292,22 @@ def test_a_model_whose_layers_do_not_all_keep_full_history_is_refused(arch, extr
     disk = DiskCacheConfig(path="unused")
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     with pytest.raises(ConfigError, match=rf"{arch} has .*{re.escape(named)}.*Remove engine.disk_cache"):
-        check_model_served(disk, mcfg)
+        check_model_served(disk, mcfg, state_checkpoints=False)
     check_model_served(disk, tiny_config())              # full history: served
     check_model_served(None, mcfg)                       # no tier: nothing to check
+
+
+@pytest.mark.parametrize("arch,extra", [("gemma3", GEMMA), ("qwen3_5", QWEN35), ("lfm2", LFM2)])
+def test_windows_under_replay_and_states_with_checkpoints_are_served(arch, extra):
+    """Windows recomputed by bounded replay (§1.3) and state checkpoints
+    (§1.2, written and read with the pages): the tier serves both."""
+    import dataclasses
+
+    from pdserve.kernels.model_config import tiny_config
+    from pdserve.roles.disk_tier import check_model_served
+
+    mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
+    check_model_served(DiskCacheConfig(path="unused"), mcfg, sliding_replay=True)
 
 
 def test_a_probe_whose_first_page_is_absent_reads_nothing(tmp_path):

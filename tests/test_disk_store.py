@@ -174,6 +174,25 @@ def test_a_file_for_another_model_or_layout_is_foreign(store):
     assert decode(key(9, layout="kv:9"), encode(k, b"z"))[1] is Miss.FOREIGN
 
 
+def test_tensor_parallel_shards_never_read_each_others_files(store):
+    """The key names the TP shard: a page written by rank 0 of a TP 2
+    engine is not found by a TP 1 engine nor by rank 1 on the same
+    directory, even where the layouts agree (a replicated KV head), and a
+    file whose header names another shard is foreign."""
+    layout = "kv:2x2x4x1x8"
+    tp2_r0 = DiskKey(42, 0, "w1", "float32", layout, tp_rank=0, tp_size=2)
+    assert run(store, DiskOp.PUT, tp2_r0, b"r0" * 16).ok
+    for other in (key(42, layout=layout),
+                  DiskKey(42, 0, "w1", "float32", layout, tp_rank=1, tp_size=2),
+                  DiskKey(42, 0, "w1", "float32", layout, tp_rank=0, tp_size=4)):
+        assert other.name() != tp2_r0.name()
+        assert run(store, DiskOp.GET, other).miss is Miss.ABSENT
+        assert decode(other, encode(tp2_r0, b"z"))[1] is Miss.FOREIGN
+    assert run(store, DiskOp.GET, tp2_r0).data == b"r0" * 16
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        DiskKey(1, 0, "w1", "float32", layout, tp_rank=2, tp_size=2)
+
+
 def test_writes_go_through_a_temporary_name(store, monkeypatch):
     """A writer that dies before its rename leaves only a temporary file,
     which no reader sees and the next start removes."""

@@ -138,15 +138,67 @@ def test_a_prefetch_in_progress_holds_the_line():
     p.assert_idle()
 
 
-def test_a_model_with_other_cache_groups_reads_nothing_from_disk():
+def test_a_state_models_disk_hit_ends_at_the_checkpoint_the_probe_found():
+    """A state group (§1.2): the disk hit reads its pages and the state
+    checkpoint at its end (a second DiskLoadOp, into a host slot, loaded
+    into the slot the forward reads); a hit the host room or the prefix
+    granularity would cut below the probe's checkpoint reads nothing."""
     from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
-    p = Planner(config(page_size=4, total_pages=64, host_pages=32, state_slots=16),
-                groups=(FULL, CacheGroupSpec("snapshot_state", block=8)))
+
+    def state_planner():
+        return Planner(config(page_size=4, total_pages=64, host_pages=32, state_slots=16),
+                       groups=(FULL, CacheGroupSpec("snapshot_state", block=8)))
+    p = state_planner()
     r = req("a", PROMPT)
-    r.disk_pages = 5
+    r.disk_pages = 5                      # 20 tokens: no checkpoint (blocks of 8)
     p.submit(r)
     plan = p.build()
     assert not plan.disk_loads and plan.prefills[0].begin == 0
+    p = state_planner()
+    r = req("b", PROMPT)
+    r.disk_pages = 4                      # 16 tokens: a checkpoint
+    p.submit(r)
+    plan = p.build()
+    pages, state = plan.disk_loads
+    assert pages.chains == chains(PROMPT, 4) and pages.group == 0
+    assert state.chains == chains(PROMPT, 4)[-1:] and state.group == 1
+    (ld,) = [ld for ld in plan.loads if ld.group == 1]
+    assert ld.host_pages == state.host_pages
+    assert ld.device_pages == [r.state.res.tables[1][3]]
+    assert plan.prefills[0].begin == 16 and r.cached == (0, 0, 16)
+    p.check_invariants()
+    p.apply(plan, result_for(plan))
+    run_to_completion(p)
+    p.assert_idle()
+    assert p.hits.disk_tokens == 16
+
+
+def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages():
+    """Bounded replay (§1.3): the disk serves the full-history pages, and
+    the first chunk after the hit re-feeds the window's rows below it;
+    a cached (non-replayable) window reads nothing from disk."""
+    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    for replay in (True, False):
+        p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
+                           max_scheduled_tokens=64, sliding_replay=replay),
+                    groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=replay)))
+        assert p.coord.serves_disk is replay and not p.coord.landing_serves_disk
+        r = req("a", PROMPT)
+        r.disk_pages = 5
+        p.submit(r)
+        plan = p.build()
+        if not replay:
+            assert not plan.disk_loads and plan.prefills[0].begin == 0
+            continue
+        (dl,) = plan.disk_loads
+        assert dl.chains == chains(PROMPT, 5)
+        (op,) = plan.prefills
+        assert op.begin == 20 and op.replay > 0 and r.cached == (0, 0, 20)
+        p.check_invariants()
+        p.apply(plan, result_for(plan))
+        run_to_completion(p)
+        p.assert_idle()
+        assert p.hits.disk_tokens == 20
 
 
 # ---- D's remote admission (P/D) ----------------------------------------------------

@@ -103,7 +103,8 @@ def run(args) -> int:
         from pdserve.transfer.disk_store import DiskStoreError, check_directory
 
         try:
-            check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block)
+            check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block,
+                               cfg.engine.sliding_replay, cfg.engine.state_checkpoints)
             check_directory(cfg.engine.disk_cache.path)
         except (ConfigError, DiskStoreError) as e:
             print(f"pdserve: error: {e}", file=sys.stderr)

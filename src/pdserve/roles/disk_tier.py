@@ -13,6 +13,12 @@ arrival, the reads a plan asks for, and writes through from the host tier.
     a plan's DiskLoadOp        its pages from the prefetched bytes, or read
                                now; one that cannot be read is a miss, which
                                the planner turns into a retraction (§4)
+    a state model              the prefetch also reads (GET) the state
+                               checkpoint at each block boundary, and
+                               `disk_pages` ends at one the disk holds; a
+                               plan's state DiskLoadOp reads it into a host
+                               slot; checkpoints are written through as
+                               their host stores land (write_through)
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
@@ -23,7 +29,8 @@ arrival, the reads a plan asks for, and writes through from the host tier.
 The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
 hash of the prefix each page ends (scheduler/prefix.py), the cache group,
-the weights fingerprint, dtype and page layout (transfer/disk_store.py), so
+the weights fingerprint, dtype, page layout and tensor-parallel shard
+(transfer/disk_store.py), so
 every engine of a node on the same directory and model shares the files.
 """
 
@@ -42,29 +49,41 @@ from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
 
 
-def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0) -> None:
-    """Refuse a disk tier for a model whose layers do not all keep full
-    history: the tier reads a full-history group's pages only, and a hit
-    on such a model must also restore each sliding window's tail and the
-    recurrent state at its end, which it does not store yet. Raises
-    ConfigError naming the model's family and its other cache groups."""
+def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0,
+                       sliding_replay: bool = False, state_checkpoints: bool = True) -> None:
+    """Refuse a disk tier for a model whose hit the tier cannot restore.
+    It stores the full-history group's pages and a state group's
+    checkpoints. Served: every attention layer keeping full history
+    (Llama, Qwen2/3, SmolLM2); recurrent-state layers beside them (Qwen3.5,
+    LFM2) with engine.state_checkpoints (a hit ends at a checkpoint the
+    disk holds, §1.2); sliding-window layers beside full ones (Gemma 3)
+    under engine.sliding_replay (a hit's first chunk recomputes each
+    window from the full-history pages, §1.3). Refused by name: sliding
+    windows whose tails would have to be cached (no replay), state layers
+    without checkpoints, and models without a full-history layer. Raises
+    ConfigError naming what to change."""
     if cfg is None:
         return
     groups = model_cfg.cache_groups()
     state = model_cfg.state_group(state_block)
-    other = [f"sliding-window layers (window {g.window})" for g in groups if g.sliding]
-    if state is not None:
-        n = len(state.layers)
-        other.append(f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state")
-    if groups and not groups[0].sliding and not other:
-        return
+    sliding = [g.window for g in groups if g.sliding]
     if not groups or groups[0].sliding:
-        other.insert(0, "no full-history attention layer")
+        why = "no full-history attention layer, so nothing the tier stores can start a hit"
+    elif state is not None and not state_checkpoints:
+        n = len(state.layers)
+        why = (f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state, and "
+               "engine.state_checkpoints is off: a hit must restore the state checkpoint "
+               "at its end, and none is kept to write to disk; turn state_checkpoints on")
+    elif sliding and not sliding_replay:
+        why = (f"sliding-window layers (window {', '.join(map(str, sliding))}) whose tails "
+               "a hit would read from a cache; set engine.sliding_replay: true so a hit "
+               "recomputes them from the full-history pages the disk serves")
+    else:
+        return
     raise ConfigError(
-        f"engine.disk_cache serves models whose attention layers all keep full history "
-        f"(Llama, Qwen2/3, SmolLM2, Mistral without sliding_window); {model_cfg.arch} has "
-        f"{', '.join(other)}, whose tails and states the disk tier does not store yet. "
-        "Remove engine.disk_cache for this model (its host tier still caches prefixes)")
+        f"engine.disk_cache serves a model's full-history pages; {model_cfg.arch} has "
+        f"{why}. Remove engine.disk_cache for this model (its host tier still caches "
+        "prefixes)")
 
 
 def weights_fingerprint(model) -> str:
@@ -124,6 +143,15 @@ class DiskCounts:
     writes_dropped: int = 0     # write-through skipped: write_backlog pages already queued
 
 
+@dataclass(frozen=True)
+class StateFiles:
+    """A state model's checkpoints on disk: its state group, the pages
+    between checkpoints, and a slot's layout (the key's)."""
+    group: int
+    block_pages: int
+    layout: str
+
+
 @dataclass
 class Prefetch:
     """One request's reads ahead of its admission."""
@@ -137,6 +165,8 @@ class Prefetch:
     ended: set = field(default_factory=set)     # indexes whose read ended
     missed_at: int | None = None                # the first index whose read missed
     let_go: bool = False
+    state_jobs: dict = field(default_factory=dict)  # GET of a checkpoint: job -> index
+    states: dict = field(default_factory=dict)  # index whose page ends at a checkpoint -> its bytes (None: found, not read)
 
     def run(self, probed: bool = False) -> int:
         """Pages read (`probed`: found by the probe) from `start` on,
@@ -149,37 +179,46 @@ class Prefetch:
 
     def finished(self) -> bool:
         end = len(self.chains) if self.missed_at is None else self.missed_at
-        return all(i in self.ended for i in range(end))
+        return not self.state_jobs and all(i in self.ended for i in range(end))
 
 
 class DiskTier:
     def __init__(self, cfg: DiskCacheConfig, store: DiskStore, *, model_id: str, dtype: str,
-                 layout: str, page_size: int, clock=time.monotonic):
+                 layout: str, page_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 state: "StateFiles | None" = None, clock=time.monotonic):
+        """`state`: a state model's checkpoints (their group, block and slot
+        layout); None for a model without a state group."""
         self.cfg = cfg
+        self.state = state
         self.store = store
         self.model_id, self.dtype, self.layout = model_id, dtype, layout
         self.page_size = page_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.clock = clock
         self.counts = DiskCounts()
         self._prefetch: dict[str, Prefetch] = {}
         self._jobs: dict[int, str] = {}             # prefetch job -> request id
         self._seen_seq = -1                         # the newest submission probed
-        self._written: set[int] = set()             # chains this engine wrote or read
+        self._written: set[tuple[int, int]] = set()     # (group, chain) this engine wrote or read
         self._host_chain: dict[int, int] = {}       # host page -> chain it caches
         self._hits: dict[int, int] = {}             # chain -> host hits (selective)
         self._writes_out: set[int] = set()          # PUT jobs not yet polled
 
     @classmethod
-    def open(cls, cfg: DiskCacheConfig, model, page_size: int, layout: str) -> "DiskTier":
+    def open(cls, cfg: DiskCacheConfig, model, page_size: int, layout: str,
+             state: "StateFiles | None" = None) -> "DiskTier":
         """The file-backed tier of `cfg` for `model`, or a DiskStoreError
         saying why its path cannot be used."""
         store = FileStore(cfg.path, cfg.max_bytes)
         return cls(cfg, store, model_id=weights_fingerprint(model),
                    dtype=str(model.dtype).removeprefix("torch."), layout=layout,
-                   page_size=page_size)
+                   page_size=page_size, state=state)
 
     def key(self, chain: int, group: int = 0) -> DiskKey:
-        return DiskKey(chain, group, self.model_id, self.dtype, self.layout)
+        st = self.state
+        layout = st.layout if st is not None and group == st.group else self.layout
+        return DiskKey(chain, group, self.model_id, self.dtype, layout,
+                       self.tp_rank, self.tp_size)
 
     def close(self) -> None:
         self.store.close()
@@ -208,6 +247,10 @@ class DiskTier:
                     pf.let_go = True
                     self.counts.prefetch_timed_out += 1
             run = pf.run(probed=self.cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT)
+            if self.state is not None:          # a hit ends at a checkpoint the disk holds
+                while run and (run - 1 not in pf.states
+                               or (pf.start + run) % self.state.block_pages):
+                    run -= 1
             if run * self.page_size < self.cfg.min_hit_tokens:
                 run = 0
             req.disk_pages = pf.start + run if run else 0
@@ -258,8 +301,16 @@ class DiskTier:
                 j = self.store.submit(op, self.key(c))
                 jobs[j] = i
                 self._jobs[j] = req.id
-        self._prefetch[req.id] = Prefetch(req, cached, chains, jobs,
-                                          self.clock() + self.cfg.prefetch_timeout_s)
+        pf = Prefetch(req, cached, chains, jobs, self.clock() + self.cfg.prefetch_timeout_s)
+        st = self.state
+        if st is not None:
+            for i, c in enumerate(chains):
+                if (cached + i + 1) % st.block_pages == 0:
+                    for op in ops:          # as the pages: best_effort on what EXISTS found
+                        j = self.store.submit(op, self.key(c, st.group))
+                        pf.state_jobs[j] = i
+                        self._jobs[j] = req.id
+        self._prefetch[req.id] = pf
         req.disk_wait = self.cfg.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
 
     def _chains(self, req, pages: int) -> list[int]:
@@ -274,11 +325,18 @@ class DiskTier:
             if d.op is DiskOp.PUT:
                 self._writes_out.discard(d.job)
                 if not d.ok:
-                    self._written.discard(d.key.chain)  # another engine may write it
+                    self._written.discard((d.key.group, d.key.chain))   # another engine may write it
                 continue
             rid = self._jobs.pop(d.job, None)
             pf = self._prefetch.get(rid) if rid is not None else None
             if pf is None:
+                continue
+            if d.job in pf.state_jobs:
+                i = pf.state_jobs.pop(d.job)
+                if d.ok and d.op is DiskOp.EXISTS:
+                    pf.states.setdefault(i, None)   # found; its bytes read in the round
+                elif d.ok and d.data is not None:
+                    pf.states[i] = d.data
                 continue
             i = pf.jobs.pop(d.job)
             if d.op is DiskOp.EXISTS:
@@ -288,7 +346,7 @@ class DiskTier:
             pf.ended.add(i)
             if d.ok and d.data is not None and (pf.missed_at is None or i < pf.missed_at):
                 pf.got[i] = d.data
-                self._written.add(d.key.chain)
+                self._written.add((0, d.key.chain))
                 self.counts.prefetched_pages += 1
             elif not d.ok and (pf.missed_at is None or i < pf.missed_at):
                 pf.missed_at = i
@@ -297,19 +355,27 @@ class DiskTier:
 
     def _drop(self, rid: str) -> None:
         pf = self._prefetch.pop(rid)
-        for j in pf.jobs:
+        for j in [*pf.jobs, *pf.state_jobs]:
             self._jobs.pop(j, None)
 
     # ---- a round's copies (the executor calls this after its host stores) --------
-    def copies(self, plan, result, host) -> set[str]:
+    def copies(self, plan, result, host, state_host=None) -> set[str]:
         """Write-through of the round's full-history stores (their host
         pages now hold them), then the round's disk reads into host pages,
         hit or miss, each acked in `result`; host hits counted for
         selective writes. Returns the requests whose read missed (their
         forward this round runs on unfilled pages: the planner retracts
-        them and drops what they sample). `host`: group 0's host cache."""
+        them and drops what they sample). `host`: group 0's host cache;
+        `state_host`: a state model's host state cache (its checkpoints
+        are written through as they reach host, under write_through)."""
         assert isinstance(host, KVCache)            # the tier caches full-history pages
+        st = self.state
         for s in plan.stores:
+            if st is not None and s.group == st.group and s.pinned:
+                if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
+                    for hp, chain in zip(s.host_pages, s.entries or ()):
+                        self._write(chain, lambda hp=hp: state_host.read_slot(hp), st.group)
+                continue
             if s.group != 0:
                 continue
             if not s.pinned:
@@ -320,16 +386,24 @@ class DiskTier:
                 self.stored(chain_hash(parent, key), hp, lambda hp=hp: host.read_page(hp))
         missed = set()
         for op in plan.disk_loads:
-            self.host_overwritten(op.host_pages)
-            data = self.read(op)
+            on_state = st is not None and op.group == st.group
+            if not on_state:
+                self.host_overwritten(op.host_pages)
+            data = None if op.req_id in missed else self.read(op)
             if data is None:
                 result.disk_loads_missed.append(op.id)
                 missed.add(op.req_id)
                 continue
             for hp, b in zip(op.host_pages, data):
-                host.write_page(hp, b)
+                if on_state:
+                    state_host.write_slot(hp, b)
+                else:
+                    host.write_page(hp, b)
             result.disk_loads_done.append(op.id)
-        staged = {hp for op in plan.disk_loads for hp in op.host_pages}
+        for rid in {op.req_id for op in plan.disk_loads}:
+            if rid in self._prefetch:
+                self._drop(rid)                     # its reads are done with the prefetch
+        staged = {hp for op in plan.disk_loads if op.group == 0 for hp in op.host_pages}
         for ld in plan.loads:
             if ld.group == 0:
                 for hp in ld.host_pages:
@@ -341,20 +415,19 @@ class DiskTier:
     def read(self, op) -> list[bytes] | None:
         """The bytes of a DiskLoadOp's pages, prefetched or read now; None
         if any page cannot be read (a miss). The request's prefetch ends
-        here: a request retracted for a miss re-prefills without the disk."""
+        with its round's reads (`copies`): a request retracted for a miss
+        re-prefills without the disk."""
         pf = self._prefetch.get(op.req_id)
-        if pf is not None:
-            self._drop(op.req_id)
         out = []
         for n, chain in enumerate(op.chains):
             data = None
             if pf is not None:
                 i = op.first_page + n - pf.start
                 if 0 <= i < len(pf.chains) and pf.chains[i] == chain:
-                    data = pf.got.pop(i, None)
+                    data = pf.got.pop(i, None) if op.group == 0 else pf.states.pop(i, None)
             if data is None:
                 self.counts.read_now_pages += 1
-                d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain)),
+                d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain, op.group)),
                                     self.cfg.prefetch_timeout_s)
                 data = d.data if d is not None and d.ok else None
             if data is None:
@@ -393,8 +466,8 @@ class DiskTier:
             self._hits.pop(chain, None)
             self._write(chain, page_bytes)
 
-    def _write(self, chain: int, page_bytes) -> None:
-        if chain in self._written:
+    def _write(self, chain: int, page_bytes, group: int = 0) -> None:
+        if (group, chain) in self._written:
             return
         if self.store.queued_writes() >= self.cfg.write_backlog:
             # the disk is behind: this page stays on host only (a later store
@@ -403,8 +476,8 @@ class DiskTier:
             return
         if len(self._written) >= REMEMBERED:
             self._written.clear()       # a skip list only: forgetting costs a rewrite
-        self._written.add(chain)
-        self._writes_out.add(self.store.submit(DiskOp.PUT, self.key(chain), page_bytes()))
+        self._written.add((group, chain))
+        self._writes_out.add(self.store.submit(DiskOp.PUT, self.key(chain, group), page_bytes()))
         self.counts.writes += 1
 
     def flush(self, timeout_s: float = 30.0) -> bool:

@@ -86,14 +86,7 @@ class Engine:
             self.planner.speculating = spec.proposing
         if self.overlap:
             return self._step_ahead()
-        disk = getattr(self.executor, "disk", None)
-        if disk is not None:
-            disk.before_build(self.planner)
-        plan = self.planner.build()
-        while plan.is_empty() and disk is not None and disk.holding():
-            disk.wait_progress(0.05)
-            disk.before_build(self.planner)
-            plan = self.planner.build()
+        plan = self._build_with_disk(getattr(self.executor, "disk", None))
         if plan.is_empty():
             return None
         try:
@@ -109,13 +102,27 @@ class Engine:
         return StepOutcome(plan, finished)
 
     # ---- engine.overlap ----------------------------------------------------------
+    def _build_with_disk(self, disk):
+        """A plan, the disk tier's probes and reads landed first; one that
+        would be empty only because prefetches hold their requests waits
+        for a read."""
+        if disk is not None:
+            disk.before_build(self.planner)
+        plan = self.planner.build()
+        while plan.is_empty() and disk is not None and disk.holding():
+            disk.wait_progress(0.05)
+            disk.before_build(self.planner)
+            plan = self.planner.build()
+        return plan
+
     def _step_ahead(self) -> StepOutcome | None:
         p, ex = self.planner, self.executor
         if self._launch_error is not None:
             (plan, reason), self._launch_error = self._launch_error, None
             return StepOutcome(plan, failed=overlap.fail_plans(p, [plan], reason), error=reason)
+        disk = getattr(ex, "disk", None)
         if self._in_flight is None:
-            plan = p.build()
+            plan = self._build_with_disk(disk)
             if plan.is_empty():
                 return None
             try:
@@ -125,6 +132,8 @@ class Engine:
                 return StepOutcome(plan, failed=overlap.fail_plans(p, [plan], reason),
                                    error=reason)
         (plan, handle), self._in_flight = self._in_flight, None
+        if disk is not None:                 # N's disk reads ran at its launch
+            disk.before_build(p)
         built = p.build()                    # round N+1, while N's forward runs
         nxt = None if built.is_empty() else built
         try:

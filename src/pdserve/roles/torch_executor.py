@@ -40,7 +40,7 @@ from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
-from pdserve.roles.disk_tier import DiskTier, check_model_served
+from pdserve.roles.disk_tier import DiskTier, StateFiles, check_model_served
 from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
@@ -154,8 +154,10 @@ class TorchExecutor:
         self._sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._worker: cf.ThreadPoolExecutor | None = None   # the forward thread, from the first launch
         if disk is None and cfg.disk_cache is not None:
-            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block)
-            disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout())
+            check_model_served(cfg.disk_cache, model.cfg, cfg.state_block, cfg.sliding_replay,
+                               cfg.state_checkpoints)
+            disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout(),
+                                 self.state_files())
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
         # speculative decoding (roles/speculation.py), engine.speculative's
@@ -302,7 +304,9 @@ class TorchExecutor:
         if self.disk is not None:
             if plan.stores and self.data_is_cuda():     # the stores on host before they go to disk
                 torch.cuda.current_stream(self.cache.data.device).synchronize()
-            self._disk_missed = self.disk.copies(plan, result, self.hosts[0])
+            self._disk_missed = self.disk.copies(
+                plan, result, self.hosts[0], self.hosts[self.state] if self.state is not None
+                else None)
         for ld in plan.loads:
             host, dev = self.hosts[ld.group], self.caches[ld.group]
             if ld.group == self.state:
@@ -314,6 +318,14 @@ class TorchExecutor:
             # the copies are queued on the stream: done before they are acked
             torch.cuda.current_stream(self.cache.data.device).synchronize()
         return result
+
+    def state_files(self) -> StateFiles | None:
+        """What the disk tier needs of a state group (None: none)."""
+        if self.state is None:
+            return None
+        grp = self.groups[self.state]
+        return StateFiles(self.state, grp.block_tokens(self.page_size) // self.page_size,
+                          self.caches[self.state].layout())
 
     def data_is_cuda(self) -> bool:
         return self.cache.data.is_cuda

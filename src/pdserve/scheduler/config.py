@@ -187,10 +187,6 @@ class EngineConfig:
                 raise ConfigError("engine.disk_cache needs a host tier: pages move disk -> "
                                   "host -> device and are written through from host; set "
                                   "engine.host_pages > 0")
-            if self.overlap:
-                raise ConfigError("engine.disk_cache does not run with engine.overlap yet: a "
-                                  "round built ahead could publish a disk hit before its read "
-                                  "is confirmed; turn one of them off")
         if self.speculative is not None:
             self._speculation()
         if self.total_pages * self.page_size <= self.decode_input_tokens:

@@ -33,8 +33,10 @@ retraction. The coordinator makes its publication stores as it publishes
 and its loads as it admits a host hit, and passes the planner's snapshot
 and ack calls through, so the planner sees one object.
 
-The disk (L3) tier is an edge the coordinator never reads: a request
-carries what the engine's probe found (`Request.disk_pages`), and
+The disk (L3) tier is an edge the coordinator never reads (it serves the
+full-history group, beside replayable sliding groups or a state group,
+whose checkpoint at the hit's end is read with the pages; `serves_disk`):
+a request carries what the engine's probe found (`Request.disk_pages`), and
 `disk_hit` continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
 §1). Admission reads them disk -> host -> device in the round; until the
@@ -164,9 +166,22 @@ class Coordinator:
 
     @property
     def serves_disk(self) -> bool:
-        """Can a disk hit be read here: a full-history group alone (the
-        tier caches its pages only) and a host tier to stage through."""
-        return self.full == 0 and len(self.groups) == 1 and self.host is not None
+        """Can a disk hit be read here: a full-history group (the tier
+        caches its pages, and a state group's checkpoints), no cached
+        sliding group (its window's tail would be needed), and a host tier
+        to stage through. Replayable sliding groups (§1.3) are served: a
+        hit's first chunk recomputes their windows from the full-history
+        pages the disk filled. A state group's disk hit ends exactly where
+        the probe found a checkpoint (§1.2), read with the pages."""
+        return self.full == 0 and not self.cached_sliding and self.host is not None
+
+    @property
+    def landing_serves_disk(self) -> bool:
+        """Can D's remote admission read its own tiers (host and disk)
+        and ask the peer for the rest: a full-history group alone. With
+        sliding groups the peer sends each window's tail of the whole
+        prompt, which a hit cut short of the prompt would not have."""
+        return self.serves_disk and len(self.groups) == 1
 
     def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it
@@ -180,7 +195,18 @@ class Coordinator:
         room = self.host_cache.disk_room(hit.host)
         end = hit.pages + max(min(want, room), 0)
         end -= end % granularity
-        return with_disk(hit, end - hit.pages) if end > hit.pages else hit
+        if end <= hit.pages:
+            return hit
+        s = self.state
+        if s is not None:
+            # the state at the hit's end comes from disk: the probe found a
+            # checkpoint at req.disk_pages only, so nothing shorter is read
+            if end != req.disk_pages or not self.host_cache.state_disk_room():
+                return hit
+            device, first = list(hit.device), list(hit.first)
+            device[s], first[s] = [], 0
+            hit = Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk)
+        return with_disk(hit, end - hit.pages)
 
     def disk_chains(self, req, hit: Hit) -> list[int]:
         """The chain hash of each disk page of `hit`: the disk tier's key
@@ -272,6 +298,11 @@ class Coordinator:
                     # the hit's checkpoint from host into the slot its forward reads
                     self.host_cache.load(req.id, g, [hit.state_host], [table[hit.pages - 1]],
                                          plan)
+                elif fresh_hit and hit is not None and hit.disk:
+                    # the hit's checkpoint from disk, through a host slot
+                    self.host_cache.load_from_disk(req.id, [self.disk_chains(req, hit)[-1]],
+                                                   hit.pages - 1, [table[hit.pages - 1]],
+                                                   plan, group=g)
                 if mark is not None:
                     res.marks.add(mark)
                 continue

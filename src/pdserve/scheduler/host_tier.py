@@ -140,17 +140,26 @@ class HostCache:
         rc = host.pool.refcount
         return host.pool.num_free + host.index.num_idle - sum(1 for p in host_hit if rc[p] == 0)
 
+    def state_disk_room(self) -> bool:
+        """Could the state group's host tier stage one checkpoint read from
+        disk now (a free or idle cached slot)? Pure."""
+        if self.state is None or not self.tiers:
+            return False
+        host = self.tiers[self.state]
+        return host.pool.num_free + host.index.num_idle > 0
+
     def load_from_disk(self, req_id: str, chains: list, first_page: int,
-                       device_pages: list, plan) -> None:
+                       device_pages: list, plan, group: int = 0) -> None:
         """Read `chains` from disk into fresh host pages (a DiskLoadOp that
         holds them) and copy those on to `device_pages` (a LoadOp behind it
-        in the same plan). The caller checked `disk_room`."""
-        host_pages = self.tiers[0].allocate(len(chains))
+        in the same plan); `group`: the state group's, one checkpoint into
+        a host slot. The caller checked `disk_room` (`state_disk_room`)."""
+        host_pages = self.tiers[group].allocate(len(chains))
         assert host_pages is not None               # disk_room counted them
-        op = DiskLoadOp(self._op_id(), req_id, list(chains), host_pages, first_page)
+        op = DiskLoadOp(self._op_id(), req_id, list(chains), host_pages, first_page, group)
         self.disk_loads[op.id] = op
         plan.disk_loads.append(op)
-        self.load(req_id, 0, host_pages, device_pages, plan)
+        self.load(req_id, group, host_pages, device_pages, plan)
 
     def disk_load_done(self, op_id: int) -> DiskLoadOp:
         """A disk read ended, hit or miss: its ticket lets go of the staging

@@ -342,6 +342,15 @@ def resident_prefill_phase(p, b: PlanBuild) -> None:
     for req in list(p.prefilling.values()):
         if b.sealed or not b.can_prefill():
             return
+        if req.state.res.disk_hold >= 0:
+            # engine.overlap: a round built while its admission's forward
+            # runs, its disk read not yet confirmed (a miss retracts it
+            # at that round's apply); its next chunk waits (never without
+            # overlap: every read is acked in its own round)
+            b.sealed = True
+            b.waits.stop_line(Hold.BEHIND_INCOMPLETE_PREFILL, req,
+                              "could not advance: its disk read is not confirmed yet")
+            return
         ok = try_resident_chunk(p, b, req)
         if ok is None:
             b.sealed = True
@@ -468,7 +477,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     # the peer sends each sliding group's last window: only the full
     # history's hit counts here; host and disk hits where a disk tier can
     # be read (one full-history group), the peer asked only for the rest
-    local = p.coord.serves_disk
+    local = p.coord.landing_serves_disk
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=local)
     if local and req.disk_pages > hit.pages:
         hit = p.coord.disk_hit(req, hit, (n - 1) // ps, max(p.prefix_tokens // ps, 1))

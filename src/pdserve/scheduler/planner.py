@@ -230,7 +230,9 @@ class Planner:
                 req.state.res.disk_hold = -1
         for op_id in missed:
             op = self.coord.host_cache.disk_load_done(op_id)
-            if op.req_id in self.requests:
+            # one ending (engine.overlap: aborted while this round ran) is
+            # released as it ends; its hold stays, so nothing is published
+            if op.req_id in self.requests and op.req_id not in self.ending:
                 out.add(op.req_id)
         return out
 

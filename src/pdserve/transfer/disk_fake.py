@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.transfer.disk_store import DiskKey, DiskOp, DiskStore, Miss, decode, encode
 
@@ -63,8 +63,7 @@ class FakeStore(DiskStore):
         if f.torn and key.chain in f.torn:
             raw = raw[:len(raw) // 2]
         if f.stale and key.chain in f.stale:
-            raw = encode(DiskKey(key.chain, key.group, key.model + "-old", key.dtype,
-                                 key.layout), raw[-8:])
+            raw = encode(replace(key, model=key.model + "-old"), raw[-8:])
         payload, miss = decode(key, raw)
         with self._files_lock:
             if payload is None:

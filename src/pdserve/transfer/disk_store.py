@@ -9,8 +9,8 @@ whose operations complete asynchronously.
 A page (or a state slot) is stored under a `DiskKey`: the chain hash of the
 prefix the page ends (the request's own hash chain, so whatever salts that
 chain, an adapter say, salts the key), its cache group, and what makes the
-bytes meaningful: the model's weights fingerprint, the dtype and the page
-layout. Every engine that points at the same directory with the same model
+bytes meaningful: the model's weights fingerprint, the dtype, the page
+layout and the tensor-parallel shard (rank and size). Every engine that points at the same directory with the same model
 shares its files.
 
 A file is written to a temporary name and renamed, so a reader sees a whole
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-MAGIC = b"PDKV\x01"
+MAGIC = b"PDKV\x02"     # 2: the header names the tensor-parallel shard
 _LEN = struct.Struct("<I")
 SUFFIX = ".kv"
 TMP_MARK = ".tmp."
@@ -56,16 +56,31 @@ class DiskKey:
     model: str          # the weights fingerprint
     dtype: str          # e.g. "float32"
     layout: str         # the page's shape, e.g. "kv:30x2x16x3x64"
+    # The tensor-parallel shard: a TP engine's rank holds its own heads of
+    # a page, so rank r of size t shares files only with rank r of size t
+    # (the layout alone may not tell: a replicated KV head has the same
+    # shape on every rank and size).
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.tp_size, int) and self.tp_size >= 1
+                and isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"a disk key's tensor-parallel shard must be a rank in "
+                             f"[0, tp_size) of tp_size >= 1, got rank {self.tp_rank!r} of "
+                             f"{self.tp_size!r}")
 
     def name(self) -> str:
         """The file name: a digest of every field, so keys that differ in
         any field never share a file."""
-        text = f"{self.chain}|{self.group}|{self.model}|{self.dtype}|{self.layout}"
+        text = (f"{self.chain}|{self.group}|{self.model}|{self.dtype}|{self.layout}"
+                f"|tp{self.tp_rank}/{self.tp_size}")
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest() + SUFFIX
 
     def header(self) -> dict:
         return {"chain": self.chain, "group": self.group, "model": self.model,
-                "dtype": self.dtype, "layout": self.layout}
+                "dtype": self.dtype, "layout": self.layout, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size}
 
 
 class DiskOp(Enum):
