@@ -42,9 +42,16 @@ def check_speculation(model, groups) -> None:
                          "yet; leave engine.speculative out for this model")
 
 
-def draft_ask(req, new: list, k: int) -> DraftAsk:
-    """The proposer's question for `req` after this round's `new` tokens."""
-    return DraftAsk(req.id, req.prompt.tokens + req.output + new, k)
+def draft_ask(req, new: list, k: int, tracked=None) -> DraftAsk:
+    """The proposer's question for `req` after this round's `new` tokens;
+    `tracked` (the executor's Tracked): how it samples, for a drafter that
+    draws its candidates as the target would, keyed as the verify's draws."""
+    if tracked is None:
+        return DraftAsk(req.id, req.prompt.tokens + req.output + new, k)
+    sp = tracked.params
+    seed = sp.seed if sp.seed is not None else tracked.seed
+    return DraftAsk(req.id, req.prompt.tokens + req.output + new, k, sp, seed,
+                    len(req.output) + len(new) + tracked.prior)
 
 
 def speculates_now(tracked, req, new: list) -> bool:

@@ -1,0 +1,247 @@
+"""The draft-model proposer (kernels/draft_model.py, kernels/draft_pages.py,
+roles/spec_draft.py): a small model sharing the target's vocabulary drafts
+k candidates a round; greedy tokens are those plain decoding gives, fused
+and P/D, a drafter equal to the target has every candidate accepted, a
+sampling drafter's output follows the target's distribution, and drafts
+that cannot work are refused at load with the key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ServeConfig
+from pdserve.kernels.attention import TorchAttention
+from pdserve.kernels.draft_model import DraftModelProposer
+from pdserve.kernels.draft_pages import DraftPages
+from pdserve.kernels.loader import TINY_SEED, attention_shape, build_model
+from pdserve.kernels.model import random_weights
+from pdserve.kernels.model_config import tiny_config
+from pdserve.kernels.proposers import DraftAsk
+from pdserve.kernels.rejection import VerifyRow, verify
+from pdserve.roles.local_pair import LocalPair
+from pdserve.roles.speculation import check_peer_spec
+from pdserve.scheduler import ConfigError, EngineConfig, RejectedRequest
+
+from lora_support import tiny_llama
+from test_spec_pd import RealPD, make_prompts
+
+PROMPTS = [[5, 17, 42, 9, 3, 77, 12, 8, 5, 17, 42, 9, 3, 77, 12, 8, 5, 17],
+           [5, 17, 42, 9, 3, 77, 12, 8, 90, 91, 4],
+           list(range(1, 30)) + list(range(1, 12)),
+           [94, 3, 94, 3, 94]]
+SAME = {"method": "draft", "num_speculative_tokens": 3, "draft_model": {"preset": "tiny"},
+        "gate": False}
+CHI2_999_5 = 20.52          # chi-squared at p = 0.001, 5 degrees of freedom
+
+
+def greedy(n=24):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def write_noisy_tiny(d, noise: float, seed: int = 1):
+    """The tiny preset's weights plus Gaussian noise, saved as a Hugging
+    Face Llama checkpoint: a draft that agrees with the target often, not
+    always (so verifies accept some candidates and reject others)."""
+    from safetensors.torch import save_file
+
+    c = tiny_config()
+    g = torch.Generator().manual_seed(seed)
+    w = {k: (v + torch.randn(v.shape, generator=g) * noise * v.std()).contiguous()
+         if v.ndim == 2 else v for k, v in random_weights(c, TINY_SEED).items()}
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position, "tie_word_embeddings": False,
+        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory):
+    d = write_noisy_tiny(tmp_path_factory.mktemp("draft") / "noisy", noise=0.1)
+    return {"method": "draft", "num_speculative_tokens": 3, "draft_model": {"path": str(d)},
+            "gate": False}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in LLM().generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+def test_a_drafter_equal_to_the_target_accepts_every_candidate(reference):
+    """Draft = target (the tiny preset twice): greedy candidates are the
+    target's argmax, sampled ones are drawn from q = p; every one is kept."""
+    llm = LLM(speculative=SAME)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)] == reference
+    c = llm.executor.spec.counts
+    assert c.drafts > 0 and c.accepted_tokens == c.draft_tokens
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_k=40, ignore_eos=True, seed=5)
+    llm.generate(PROMPTS, sampled, use_tqdm=False)
+    c = llm.executor.spec.counts
+    assert c.accepted_tokens == c.draft_tokens > 0
+    llm.engine.planner.assert_idle()
+
+
+@pytest.mark.parametrize("engine", [
+    {},
+    {"max_scheduled_tokens": 8, "page_size": 4},                     # chunks; budgets cut rows
+    {"page_size": 4, "total_pages": 24, "safe_steps": 4},            # retraction; draft evictions
+    {"overlap": True},
+])
+def test_greedy_tokens_are_identical_with_a_draft_model(reference, noisy, engine):
+    llm = LLM(speculative=noisy, **engine)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)] == reference
+    c = llm.executor.spec.counts
+    assert 0 < c.accepted_tokens < c.draft_tokens      # some kept, some rejected
+    drafter = llm.executor.spec.proposer
+    drafter.pages.check_invariants()
+    assert not drafter.pages.entries                   # every finished request let go
+    llm.engine.planner.assert_idle()
+
+
+def test_prefix_hits_and_a_cold_drafter_draft_the_same(reference, noisy):
+    """The second pass hits the target's prefix cache; the drafter, keyed by
+    request, recomputes the prompt and the tokens do not change."""
+    llm = LLM(speculative=noisy, page_size=4)
+    first = [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    again = [o.token_ids for o in llm.generate(
+        [p + t[:9] for p, t in zip(PROMPTS, first)], greedy(8), use_tqdm=False)]
+    assert first == reference and again == [t[9:17] for t in reference]
+    assert llm.engine.planner.hits.device_tokens > 0
+
+
+def test_p_drafts_on_the_completing_forward_and_d_verifies_to_the_fused_tokens(noisy):
+    llm = LLM(page_size=4)
+    prompts = make_prompts(llm)
+    want = [o.token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+    pd = RealPD(llm, speculative=noisy)
+    assert pd.generate(prompts, greedy(16)) == want
+    assert pd.shipped_drafts > 0 and pd.first_verifies > 0
+    assert pd.px.spec.proposer.forwards > 0          # P ran the drafter on its prompts
+    assert not pd.px.spec.proposer.pages.entries     # ... and let go once shipped
+    assert pd.dx.spec.counts.accepted_tokens > 0
+
+
+def test_a_pair_with_an_equal_draft_accepts_everything_d_verifies(reference):
+    cfg = EngineConfig(page_size=4, total_pages=128, speculative=SAME)
+    llm = LLM()
+    pd = LocalPair(llm.model, llm.tokenizer, cfg)
+    assert pd.generate(PROMPTS, greedy()) == reference
+    c = pd.dx.spec.counts
+    assert c.accepted_tokens == c.draft_tokens > 0
+
+
+def tiny_draft(vocab: int, seed: int, layers: int = 1):
+    cfg = dataclasses.replace(tiny_config(), vocab_size=vocab, num_layers=layers,
+                              bos_token_id=0, eos_token_ids=(vocab - 1,))
+    return build_model(cfg, random_weights(cfg, seed), torch.float32, "cpu",
+                       TorchAttention(**attention_shape(cfg)))
+
+
+def test_sampled_output_with_a_draft_model_follows_the_target_distribution():
+    """A real draft model on a 6-token vocabulary samples its candidates
+    from q (its own logits under the request's temperature); each verify's
+    first token, over 4,000 seeds, is distributed as the target's p
+    (chi-squared at p = 0.001), though q is far from p."""
+    drafter = DraftModelProposer(tiny_draft(6, seed=3), pages=4000, page_size=8)
+    sp = SamplingParams(temperature=1.5)
+    n = 4000
+    asks = [DraftAsk(f"r{s}", [0, 2, 4, 1], 2, sp, s, 0) for s in range(n)]
+    drafts = drafter.propose(asks)
+    assert all(len(d.tokens) == 2 and d.probs.shape == (2, 6) for d in drafts)
+    torch.manual_seed(7)
+    target = torch.randn(3, 6) * 1.5           # the target's rows: fixed, context-free
+    p = torch.softmax(target[0].double() / 1.5, -1)
+    rows = [VerifyRow(d.tokens, sp, s, 0, d.probs) for s, d in enumerate(drafts)]
+    out = verify(target.repeat(n, 1), rows)
+    first = [0] * 6
+    for o in out:
+        first[o[0]] += 1
+    chi2 = sum((c - n * q) ** 2 / (n * q) for c, q in zip(first, p.tolist()))
+    assert chi2 < CHI2_999_5, (first, p)
+    q0 = drafts[0].probs[0].double()
+    assert (q0 - p).abs().max() > 0.1           # q is not p: min(1, p/q) did the work
+    # the draft drew its first candidates from q0: the same test against q0
+    drawn = [0] * 6
+    for d in drafts:
+        drawn[d.tokens[0]] += 1
+    assert sum((c - n * q) ** 2 / (n * q) for c, q in zip(drawn, q0.tolist())) < CHI2_999_5
+
+
+def test_a_seeded_request_drafts_the_same_alone_or_batched():
+    drafter = DraftModelProposer(tiny_draft(98, seed=4), pages=64, page_size=4)
+    sp = SamplingParams(temperature=1.0, seed=11)
+    ask = DraftAsk("a", list(range(1, 14)), 3, sp, 11, 5)
+    alone = drafter.propose([ask])[0].tokens
+    drafter.forget("a")
+    others = [DraftAsk(f"o{i}", list(range(i, i + 9)), 2, sp, i, 0) for i in range(5)]
+    batched = drafter.propose(others[:2] + [ask] + others[2:])[2].tokens
+    assert batched == alone
+
+
+def test_draft_pages_keep_the_common_prefix_evict_the_oldest_and_never_leak():
+    dp = DraftPages(pages=4, page_size=4)
+    assert dp.reserve("a", [1, 2, 3, 4, 5], 7, busy={"a"}) == 0
+    dp.wrote("a", [1, 2, 3, 4, 5, 9])
+    # the verify kept 5 and rejected 9: the K/V of [1..5] is reused
+    assert dp.reserve("a", [1, 2, 3, 4, 5, 6], 8, busy={"a"}) == 5
+    dp.wrote("a", [1, 2, 3, 4, 5, 6, 7])
+    assert dp.reserve("b", [8] * 9, 10, busy={"b"}) == 0    # a is let go of: b needs 3 pages
+    assert "a" not in dp.entries and dp.evictions == 1
+    assert dp.reserve("c", [1] * 9, 10, busy={"b", "c"}) is None   # b is drafting too
+    dp.check_invariants()
+    for r in ("b", "c"):
+        dp.drop(r)
+    dp.check_invariants()
+    assert len(dp.free) == 4
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_load(tmp_path):
+    tiny_llama(tmp_path / "v256")                    # vocabulary 256, the target's 98
+    spec = {"method": "draft", "draft_model": {"path": str(tmp_path / "v256")}}
+    with pytest.raises(ConfigError) as e:
+        LLM(speculative=spec)
+    msg = str(e.value)
+    assert "engine.speculative.draft_model" in msg and "256 tokens" in msg and "98" in msg
+    assert "same tokenizer" in msg
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"method": "draft", "num_speculative_tokens": 0, "draft_model": {"preset": "tiny"}},
+     "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "drafty"}, "method is 'drafty', which does not exist; use one of ngram, draft"),
+    ({"method": "draft"}, "give engine.speculative.draft_model"),
+    ({"method": "draft", "draft_model": {"preset": "tiny", "path": "/x"}}, "either path or preset"),
+    ({"method": "draft", "draft_model": {"preset": "tiny", "device": "cuda"}}, "device"),
+    ({"method": "draft", "draft_model": {"dtype": "float32"}}, "names no model"),
+    ({"method": "ngram", "draft_model": {"preset": "tiny"}}, "set method: draft"),
+])
+def test_bad_draft_settings_are_refused_with_the_key(spec, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        ServeConfig.from_dict({"speculative": spec})
+
+
+def test_a_draft_with_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(speculative=SAME, tensor_parallel_size=2)
+
+
+def test_the_handshake_compares_the_draft_model():
+    cfg = EngineConfig(speculative=SAME)
+    line = cfg.speculative.describe()
+    assert line == "method=draft num_speculative_tokens=3 draft_model=preset:tiny"
+    other = line.replace("preset:tiny", "path:/models/draft")
+    peer = type("AddPeer", (), {"engine": "prefill-0", "spec_config": other})()
+    with pytest.raises(RejectedRequest, match="draft_model=path:/models/draft"):
+        check_peer_spec("decode-0", cfg, peer)
+    check_peer_spec("decode-0", cfg, type("AddPeer", (), {"engine": "p", "spec_config": line})())
