@@ -55,7 +55,12 @@ def draft_ask(req, new: list, k: int, tracked=None) -> DraftAsk:
 
 
 def speculates_now(tracked, req, new: list) -> bool:
-    """Whether `req` may carry candidates after this round (speculation.speculates)."""
+    """Whether `req` may carry candidates after this round
+    (speculation.speculates), and has room for one beside the next verify's
+    own token (else proposing, a draft model's k forwards, is wasted). A
+    first token is always proposed after: on P the request's limit is its
+    twin's one token, and D verifies what P ships."""
     from pdserve.roles.speculation import speculates
 
-    return speculates(tracked.params, len(req.output) + len(new))
+    return (not req.output or req.remaining_new_tokens - len(new) > 1) and \
+        speculates(tracked.params, len(req.output) + len(new))
