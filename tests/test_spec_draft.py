@@ -249,3 +249,26 @@ def test_the_handshake_compares_the_draft_model():
     with pytest.raises(RejectedRequest, match="draft_model=path:/models/draft"):
         check_peer_spec("decode-0", cfg, peer)
     check_peer_spec("decode-0", cfg, type("AddPeer", (), {"engine": "p", "spec_config": line})())
+
+
+@pytest.mark.slow
+def test_bench_spec_draft_cases(capsys):
+    """`pdserve bench spec --draft-only` on the tiny preset: the target
+    drafting for itself keeps every candidate, a random draft checkpoint
+    with its vocabulary keeps few, and every output equals speculation off."""
+    from pdserve.cli.main import main
+
+    code = main(["bench", "spec", "--preset", "tiny", "--dtype", "float32", "--draft-only",
+                 "--requests", "1", "--max-tokens", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| case") and "---" not in ln]
+    assert [r[0] for r in rows] == ["off", "ngram k=3", "draft = target k=3",
+                                    "random draft k=3"] * 2
+    for r in rows:
+        done, total = r[-1].split("/")
+        assert done == total
+        if r[0] == "draft = target k=3":
+            kept, carried = r[2].split("/")
+            assert kept == carried and int(carried) > 0

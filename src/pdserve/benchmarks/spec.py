@@ -23,6 +23,7 @@ rounds a request (forwards: what acceptance saves, independent of the host).
 `--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
 first token, D verifies first; the mean acceptance lengths side by side.
+`--draft`: the draft-model proposer's cases (benchmarks/spec_draft.py).
 Greedy output tokens of every case are checked against speculation off
 (they agree in float32; in bfloat16 a verify row rounds as a prefill chunk
 does, so a near tie may resolve differently: counted, not hidden).
@@ -99,6 +100,11 @@ def add_arguments(p) -> None:
     p.add_argument("--pd", action="store_true",
                    help="also P/D against fused at k=3: mean acceptance length")
     p.add_argument("--pd-only", action="store_true", help="only the P/D comparison")
+    p.add_argument("--draft", action="store_true",
+                   help="also the draft-model proposer: the target drafting for itself and a "
+                   "random draft sharing its vocabulary, at k=3 (acceptance as a correctness "
+                   "figure; benchmarks/spec_draft.py)")
+    p.add_argument("--draft-only", action="store_true", help="only the draft-model cases")
 
 
 @dataclass
@@ -216,10 +222,14 @@ def run(args) -> int:
           f"CPU, {torch.get_num_threads()} threads; {args.max_tokens} new tokens a request, "
           f"greedy; load average before: {_load()}")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=False)
-    if not args.pd_only:
+    if not (args.pd_only or args.draft_only):
         _sweep(args, model, tok, ks, levels, sp)
     if args.pd or args.pd_only:
         _pd(args, model, tok, sp)
+    if args.draft or args.draft_only:
+        from pdserve.benchmarks.spec_draft import run_draft
+
+        run_draft(args, model, tok, sp)
     print(f"# load average after: {_load()}")
     return 0
 
