@@ -272,3 +272,22 @@ def test_bench_spec_draft_cases(capsys):
         if r[0] == "draft = target k=3":
             kept, carried = r[2].split("/")
             assert kept == carried and int(carried) > 0
+
+
+@pytest.mark.slow
+def test_a_sliding_window_draft_drafts_for_its_own_target(tmp_path):
+    """Gemma 3 (local and global layers) drafting for itself: the draft's
+    windows are masked in its own cache, every candidate is accepted, and
+    the tokens are plain decoding's."""
+    pytest.importorskip("transformers")
+    from test_spec_models import gemma3_checkpoint, greedy as gemma_greedy, serve
+
+    d = gemma3_checkpoint(tmp_path / "gemma")[1]
+    want = gemma_greedy(serve(d))
+    llm = serve(d, speculative={"method": "draft", "num_speculative_tokens": 3,
+                                "draft_model": {"path": str(d), "attention": "torch"},
+                                "gate": False})
+    assert gemma_greedy(llm) == want
+    c = llm.executor.spec.counts
+    assert c.accepted_tokens == c.draft_tokens > 0
+    llm.engine.planner.assert_idle()
