@@ -24,6 +24,7 @@ from pdserve.kernels.model_config import tiny_config
 from pdserve.kernels.proposers import DraftAsk
 from pdserve.kernels.rejection import VerifyRow, verify
 from pdserve.roles.local_pair import LocalPair
+from pdserve.roles.spec_draft import check_draft_section
 from pdserve.roles.speculation import check_peer_spec
 from pdserve.scheduler import ConfigError, EngineConfig, RejectedRequest
 
@@ -218,6 +219,9 @@ def test_a_draft_with_another_vocabulary_is_refused_at_load(tmp_path):
     msg = str(e.value)
     assert "engine.speculative.draft_model" in msg and "256 tokens" in msg and "98" in msg
     assert "same tokenizer" in msg
+    # `pdserve up` makes the same check from the config alone, before Ray starts
+    with pytest.raises(ConfigError, match="256 tokens where the target's has 98"):
+        check_draft_section({"path": str(tmp_path / "v256")}, tiny_config())
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -39,23 +39,33 @@ def load_draft(section: dict, target, page_size: int, pages: int) -> DraftModelP
     model, _ = load_model(section.get("path"), section.get("preset", "tiny") if
                           section.get("path") is None else None, dtype=dtype,
                           device=target.device, attention=section.get("attention", "auto"))
-    check_draft(model, target, draft_name(section))
+    check_draft(model.cfg, target.cfg, draft_name(section))
+    if model.device != torch.device(target.device):
+        raise ConfigError(f"{KEY} ({draft_name(section)}) loaded on {model.device}, the "
+                          f"target on {target.device}; they must share a device")
     return DraftModelProposer(model, pages, page_size)
 
 
-def check_draft(draft, target, name: str) -> None:
-    """Refuse a draft that cannot draft for `target`, naming what differs."""
-    dv, tv = draft.cfg.vocab_size, target.cfg.vocab_size
+def check_draft_section(section: dict, target_cfg) -> None:
+    """The checks `load_draft` makes, from the draft's config alone (no
+    weights read): what `pdserve up` runs before Ray starts."""
+    from pdserve.kernels.loader import model_config_for
+
+    path = section.get("path")
+    cfg = model_config_for(path, None if path is not None else section.get("preset", "tiny"))
+    check_draft(cfg, target_cfg, draft_name(section))
+
+
+def check_draft(draft_cfg, target_cfg, name: str) -> None:
+    """Refuse a draft (its ModelConfig) that cannot draft for the target
+    (its ModelConfig), naming what differs."""
+    dv, tv = draft_cfg.vocab_size, target_cfg.vocab_size
     if dv != tv:
         raise ConfigError(f"{KEY} ({name}) has a vocabulary of {dv:,} tokens where the "
                           f"target's has {tv:,}: a draft must share the target's tokenizer "
                           "and vocabulary; choose a draft model of the target's family "
                           "(the same tokenizer), or use method: ngram")
-    if any(g.state for g in draft.cache_groups()):
-        family = getattr(draft.cfg, "arch", None) or type(draft).__name__
-        raise ConfigError(f"{KEY} ({name}) is a {family}, whose layers keep a recurrent "
-                          "state that a rejected candidate would leave advanced; choose an "
-                          "attention-only draft model")
-    if draft.device != torch.device(target.device):
-        raise ConfigError(f"{KEY} ({name}) loaded on {draft.device}, the target on "
-                          f"{target.device}; they must share a device")
+    if draft_cfg.state_group() is not None:
+        raise ConfigError(f"{KEY} ({name}) is a {draft_cfg.arch}, whose layers keep a "
+                          "recurrent state that a rejected candidate would leave advanced; "
+                          "choose an attention-only draft model")
