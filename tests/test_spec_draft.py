@@ -194,6 +194,14 @@ def test_a_seeded_request_drafts_the_same_alone_or_batched():
     assert batched == alone
 
 
+def test_a_draft_proposes_no_further_than_its_positions():
+    model = tiny_draft(98, seed=4)
+    model.cfg = dataclasses.replace(model.cfg, max_position=12)
+    drafter = DraftModelProposer(model, pages=16, page_size=4)
+    got = drafter.propose([DraftAsk("a", list(range(1, 11)), 5), DraftAsk("b", [1] * 13, 2)])
+    assert [len(d.tokens) for d in got] == [3, 0]       # positions 10 and 11; none past 12
+
+
 def test_draft_pages_keep_the_common_prefix_evict_the_oldest_and_never_leak():
     dp = DraftPages(pages=4, page_size=4)
     assert dp.reserve("a", [1, 2, 3, 4, 5], 7, busy={"a"}) == 0

@@ -53,6 +53,7 @@ class DraftModelProposer(Proposer):
             raise ValueError("a draft model with state layers cannot be rolled back past a "
                              "rejected candidate; use an attention-only draft model")
         self.model = model
+        self.max_position = model.cfg.max_position
         self.windows = [g.window if g.sliding else None for g in groups]
         self.caches = model.new_caches([pages] * len(groups), page_size)
         self.pages = DraftPages(pages, page_size)
@@ -67,10 +68,14 @@ class DraftModelProposer(Proposer):
         busy = {a.req_id for a in asks}
         # (ask index, the context position its pages hold K/V up to)
         live: list[tuple[int, int]] = []
+        ks: dict[int, int] = {}
         for i, a in enumerate(asks):
-            if a.k < 1 or not a.context:
+            # candidate j is fed at position len(context) + j - 1: all inside
+            # the draft's positions (a draft may know fewer than the target)
+            ks[i] = min(a.k, self.max_position - len(a.context) + 1)
+            if ks[i] < 1 or not a.context:
                 continue
-            valid = self.pages.reserve(a.req_id, list(a.context), len(a.context) + a.k - 1,
+            valid = self.pages.reserve(a.req_id, list(a.context), len(a.context) + ks[i] - 1,
                                        busy)
             if valid is not None:
                 live.append((i, valid))
@@ -81,10 +86,10 @@ class DraftModelProposer(Proposer):
         feeds = [(i, list(asks[i].context[v:]), v) for i, v in live]
         cands: dict[int, list] = {i: [] for i, _ in live}
         probs: dict[int, list] = {i: [] for i, _ in live}
-        for j in range(max(asks[i].k for i, _ in live)):
+        for j in range(max(ks[i] for i, _ in live)):
             if j:
                 feeds = [(i, [cands[i][-1]], len(asks[i].context) + j - 1)
-                         for i, _ in live if asks[i].k > j]
+                         for i, _ in live if ks[i] > j]
             logits = self._forward([(asks[i].req_id, toks, at) for i, toks, at in feeds])
             self._choose(asks, [i for i, _, _ in feeds], logits, j, cands, probs)
         for i, _ in live:
