@@ -119,8 +119,8 @@ def test_prefix_hits_and_a_cold_drafter_draft_the_same(reference, noisy):
     llm = LLM(speculative=noisy, page_size=4)
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
     again = [o.token_ids for o in llm.generate(
-        [p + t[:9] for p, t in zip(PROMPTS, first)], greedy(8), use_tqdm=False)]
-    assert first == reference and again == [t[9:17] for t in reference]
+        [p + t[:8] for p, t in zip(PROMPTS, first)], greedy(8), use_tqdm=False)]
+    assert first == reference and again == [t[8:16] for t in reference]
     assert llm.engine.planner.hits.device_tokens > 0
 
 
