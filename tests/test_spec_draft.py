@@ -271,7 +271,7 @@ def test_bench_spec_draft_cases(capsys):
     from pdserve.cli.main import main
 
     code = main(["bench", "spec", "--preset", "tiny", "--dtype", "float32", "--draft-only",
-                 "--requests", "1", "--max-tokens", "8", "--repeats", "1"])
+                 "--concurrency", "1,2", "--requests", "1", "--max-tokens", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()

@@ -229,7 +229,7 @@ def run(args) -> int:
     if args.draft or args.draft_only:
         from pdserve.benchmarks.spec_draft import run_draft
 
-        run_draft(args, model, tok, sp)
+        run_draft(args, model, tok, sp, levels)
     print(f"# load average after: {_load()}")
     return 0
 

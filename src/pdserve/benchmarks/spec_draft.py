@@ -53,7 +53,7 @@ def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,
     return d
 
 
-def run_draft(args, model, tok, sp) -> None:
+def run_draft(args, model, tok, sp, levels: list) -> None:
     from pdserve.benchmarks.spec import Case, _base, build, drive, prompts_for
 
     k = 3
@@ -69,7 +69,7 @@ def run_draft(args, model, tok, sp) -> None:
                  Case(f"random draft k={k}", {"method": "draft", "num_speculative_tokens": k,
                                               "draft_model": {"path": str(rnd)},
                                               "gate": False})]
-        for c in (1, 4):
+        for c in levels:
             prompts = prompts_for(tok, args.requests * c)
             engines = {case.name: build(model, tok, case.engine_config(_base(c)))
                        for case in cases}
