@@ -8,12 +8,12 @@ that cannot work are refused at load with the key and the fix."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.benchmarks.spec_draft import write_random_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.kernels.attention import TorchAttention
 from pdserve.kernels.draft_model import DraftModelProposer
@@ -43,28 +43,16 @@ def greedy(n=16):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def write_noisy_tiny(d, noise: float, seed: int = 1, vocab: int | None = None):
-    """The tiny preset's weights plus Gaussian noise, saved as a Hugging
-    Face Llama checkpoint: a draft that agrees with the target often, not
+def write_noisy_tiny(d, noise: float, vocab: int | None = None):
+    """The tiny preset's weights plus Gaussian noise, as a Hugging Face
+    Llama checkpoint: a draft that agrees with the target often, not
     always (so verifies accept some candidates and reject others).
     `vocab`: another vocabulary size (random weights of that size)."""
-    from safetensors.torch import save_file
-
-    c = tiny_config() if vocab is None else dataclasses.replace(tiny_config(), vocab_size=vocab)
-    g = torch.Generator().manual_seed(seed)
-    w = {k: (v + torch.randn(v.shape, generator=g) * noise * v.std()).contiguous()
-         if v.ndim == 2 else v for k, v in random_weights(c, TINY_SEED).items()}
-    d.mkdir(parents=True, exist_ok=True)
-    save_file(w, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position, "tie_word_embeddings": False,
-        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)}))
-    return d
+    c = tiny_config()
+    if vocab is not None:
+        return write_random_checkpoint(d, vocab, c.bos_token_id, c.eos_token_ids)
+    return write_random_checkpoint(d, c.vocab_size, c.bos_token_id, c.eos_token_ids,
+                                   noise_of=random_weights(c, TINY_SEED), noise=noise)
 
 
 @pytest.fixture(scope="module")
