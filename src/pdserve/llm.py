@@ -166,7 +166,8 @@ class LLM:
         bar.close()
 
     def _output(self, req, prompt_text, sp: SamplingParams) -> RequestOutput:
-        t = self.executor.tracked.pop(req.id)
+        t = self.executor.tracked[req.id]
+        self.executor.forget(req.id)        # its sampling state, and any proposer's
         # a stop string, even on the last allowed token, ends with "stop"
         reason = "stop" if t.detok.stopped else req.finish_reason  # type: ignore[union-attr]
         return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,  # type: ignore[union-attr]

@@ -25,6 +25,7 @@ Beside each table, the gate's rounds per batch bucket (spec_gate_log.py).
 `--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
 first token, D verifies first; the mean acceptance lengths side by side.
+`--draft`: the draft-model proposer's cases (benchmarks/spec_draft.py).
 Greedy output tokens of every case are checked against speculation off
 (they agree in float32; in bfloat16 a verify row rounds as a prefill chunk
 does, so a near tie may resolve differently: counted, not hidden).
@@ -106,6 +107,11 @@ def add_arguments(p) -> None:
                    help="torch threads (default: torch's); 1 on a shared host makes CPU time "
                    "a token this process's own work (a second thread's waits on a "
                    "descheduled first count as CPU time)")
+    p.add_argument("--draft", action="store_true",
+                   help="also the draft-model proposer: the target drafting for itself and a "
+                   "random draft sharing its vocabulary, at k=3 (acceptance as a correctness "
+                   "figure; benchmarks/spec_draft.py)")
+    p.add_argument("--draft-only", action="store_true", help="only the draft-model cases")
 
 
 @dataclass
@@ -229,10 +235,14 @@ def run(args) -> int:
           f"CPU, {torch.get_num_threads()} threads; {args.max_tokens} new tokens a request, "
           f"greedy; load average before: {_load()}")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=False)
-    if not args.pd_only:
+    if not (args.pd_only or args.draft_only):
         _sweep(args, model, tok, ks, levels, sp)
     if args.pd or args.pd_only:
         _pd(args, model, tok, sp)
+    if args.draft or args.draft_only:
+        from pdserve.benchmarks.spec_draft import run_draft
+
+        run_draft(args, model, tok, sp, levels)
     print(f"# load average after: {_load()}")
     return 0
 

@@ -90,6 +90,15 @@ def run(args) -> int:
     except TpError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    spec = cfg.engine.speculative
+    if spec is not None and spec.draft_model is not None:
+        from pdserve.kernels.model_config import ModelError
+        from pdserve.roles.spec_draft import check_draft_section
+        try:                # a draft of another vocabulary, or one that keeps state
+            check_draft_section(spec.draft_model, mcfg)
+        except (ConfigError, ModelError) as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
     if cfg.lora.enabled:
         from pdserve.kernels.lora_adapter import AdapterError, load_adapter
         try:

@@ -14,5 +14,7 @@ and reading them back through block tables (`attention.py`; on CUDA
 per request for each cache group (the layers sharing a window,
 `ModelConfig.cache_groups`). `sampling.py` turns the logits of the rows
 that sample into tokens (and logprobs); `detokenize.py` turns tokens into
-text a constant amount of work at a time.
+text a constant amount of work at a time. Speculative decoding guesses
+candidates (`proposers.py`: prompt lookup; `draft_model.py`: a draft model
+in pages of its own, `draft_pages.py`) and verifies them (`rejection.py`).
 """

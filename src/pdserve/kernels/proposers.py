@@ -11,7 +11,8 @@ probability. A proposer may answer fewer candidates than asked, or none.
 `NgramProposer` (prompt lookup, vLLM's `prompt_lookup_min` /
 `prompt_lookup_max`) needs no weights: it finds the request's last n tokens
 earlier in its own prompt and output, n from the longest down, and proposes
-what followed them there. Heads that read the target's hidden states
+what followed them there. `DraftModelProposer` (kernels/draft_model.py)
+runs a small model sharing the target's vocabulary. Heads that read the target's hidden states
 (EAGLE, MTP) fit the same interface: `needs_hidden` asks the executor to
 pass the last forward's hidden states beside the asks.
 """
@@ -24,12 +25,20 @@ from typing import Sequence
 
 import numpy as np
 
+from pdserve.kernels.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class DraftAsk:
     req_id: str
     context: Sequence[int]      # prompt and output so far; the last one was just sampled
     k: int                      # the most candidates this verify may carry (>= 1)
+    # how the request samples (a drafter that samples draws as the target
+    # would); None: greedy. `seed` and `step` (the generation index of the
+    # first candidate) key a sampling drafter's draws, as `sample`'s are keyed
+    params: SamplingParams | None = None
+    seed: int = 0
+    step: int = 0
 
 
 @dataclass(frozen=True)

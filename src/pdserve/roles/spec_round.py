@@ -42,13 +42,25 @@ def check_speculation(model, groups) -> None:
                          "yet; leave engine.speculative out for this model")
 
 
-def draft_ask(req, new: list, k: int) -> DraftAsk:
-    """The proposer's question for `req` after this round's `new` tokens."""
-    return DraftAsk(req.id, req.prompt.tokens + req.output + new, k)
+def draft_ask(req, new: list, k: int, tracked=None) -> DraftAsk:
+    """The proposer's question for `req` after this round's `new` tokens;
+    `tracked` (the executor's Tracked): how it samples, for a drafter that
+    draws its candidates as the target would, keyed as the verify's draws."""
+    if tracked is None:
+        return DraftAsk(req.id, req.prompt.tokens + req.output + new, k)
+    sp = tracked.params
+    seed = sp.seed if sp.seed is not None else tracked.seed
+    return DraftAsk(req.id, req.prompt.tokens + req.output + new, k, sp, seed,
+                    len(req.output) + len(new) + tracked.prior)
 
 
 def speculates_now(tracked, req, new: list) -> bool:
-    """Whether `req` may carry candidates after this round (speculation.speculates)."""
+    """Whether `req` may carry candidates after this round
+    (speculation.speculates), and has room for one beside the next verify's
+    own token (else proposing, a draft model's k forwards, is wasted). A
+    first token is always proposed after: on P the request's limit is its
+    twin's one token, and D verifies what P ships."""
     from pdserve.roles.speculation import speculates
 
-    return speculates(tracked.params, len(req.output) + len(new))
+    return (not req.output or req.remaining_new_tokens - len(new) > 1) and \
+        speculates(tracked.params, len(req.output) + len(new))

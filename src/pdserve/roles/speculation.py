@@ -15,6 +15,10 @@ token where a verify does not pass it (repetition, frequency and presence
 penalties, a logit bias), asks for logprobs, or is still short of
 min_tokens: those decode one token a round as before.
 
+A draft model (spec_draft.py, kernels/draft_model.py) that sampled its
+candidates gives its q with them; it is kept here by request until the
+verify that carries them, and handed to the rejection sampler.
+
 The gate (spec_gate.py) may turn proposing off for a while; nothing else
 changes then. Counters carry vLLM's names where the meaning is the same
 (router/metrics.py): drafts, draft tokens, accepted tokens, and accepted
@@ -24,6 +28,8 @@ tokens per candidate position.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.kernels.proposers import DraftAsk, NgramProposer, Proposer
 from pdserve.kernels.rejection import VerifyRow
@@ -65,9 +71,17 @@ def speculates(params: SamplingParams, generated: int) -> bool:
     return not params.penalizes and params.logprobs is None and generated >= params.min_tokens
 
 
-def build_proposer(spec: SpecConfig) -> Proposer:
+def build_proposer(spec: SpecConfig, target=None, page_size: int = 16,
+                   pages: int = 0) -> Proposer:
+    """The proposer `spec` names; a draft model is loaded here, beside
+    `target` (the engine's model), with `pages` of `page_size` tokens."""
     if spec.method is SpecMethod.NGRAM:
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method is SpecMethod.DRAFT and target is not None:
+        from pdserve.roles.spec_draft import load_draft
+
+        assert spec.draft_model is not None     # SpecConfig refuses draft without one
+        return load_draft(spec.draft_model, target, page_size, pages)
     raise ValueError(f"speculative method {spec.method.value} has no proposer in this build")
 
 
@@ -75,10 +89,17 @@ class Speculation:
     """One executor's speculation: its proposer, gate and counters."""
 
     def __init__(self, spec: SpecConfig, proposer: Proposer | None = None,
-                 gate: SpecGate | None = None):
+                 gate: SpecGate | None = None, target=None, page_size: int = 16,
+                 pages: int = 0):
         self.cfg = spec
         self.k = spec.k
-        self.proposer = proposer if proposer is not None else build_proposer(spec)
+        self.proposer = proposer if proposer is not None else \
+            build_proposer(spec, target, page_size, pages)
+        # a sampling drafter's q for the candidates it gave each request last
+        # (kernels/rejection.py's min(1, p/q)); a request absent here, or whose
+        # verify carries other candidates (P's, landed on D), is verified as a
+        # point mass, which is exact whatever drew the candidates
+        self.q: dict[str, tuple[list, torch.Tensor]] = {}
         self.gate = gate if gate is not None else (SpecGate(spec.k) if spec.gate else None)
         self.counts = SpecCounts(spec.k)
 
@@ -92,8 +113,11 @@ class Speculation:
             return {}
         out = {}
         for ask, d in zip(asks, self.proposer.propose(asks)):
+            self.q.pop(ask.req_id, None)
             if d.tokens:
                 out[ask.req_id] = list(d.tokens[:ask.k])
+                if isinstance(d.probs, torch.Tensor):
+                    self.q[ask.req_id] = (out[ask.req_id], d.probs)
         return out
 
     def rows(self, verifies: list, tracked: dict) -> list[VerifyRow]:
@@ -103,8 +127,17 @@ class Speculation:
         for req, drafts in verifies:
             t = tracked[req.id]
             seed = t.params.seed if t.params.seed is not None else t.seed
-            out.append(VerifyRow(list(drafts), t.params, seed, len(req.output) + t.prior))
+            out.append(VerifyRow(list(drafts), t.params, seed, len(req.output) + t.prior,
+                                 self._q_for(req.id, list(drafts))))
         return out
+
+    def _q_for(self, req_id: str, drafts: list):
+        """The drafter's q for `drafts` if it drew them (the planner may have
+        cut them short: q's first rows then), else None."""
+        kept = self.q.get(req_id)
+        if kept is None or kept[0][:len(drafts)] != drafts:
+            return None
+        return kept[1][:len(drafts)]
 
     def round_done(self, plan, result, seconds: float, cpu_seconds: float | None = None) -> None:
         """A round's measurement for the gate: decode-only rounds, their
@@ -118,6 +151,7 @@ class Speculation:
 
     def forget(self, req_id: str) -> None:
         self.proposer.forget(req_id)
+        self.q.pop(req_id, None)
 
 
 def spec_line(cfg) -> str:

@@ -164,7 +164,8 @@ class TorchExecutor:
         self.spec: Speculation | None = None
         if cfg.speculative is not None:
             check_speculation(model, self.groups)
-            self.spec = Speculation(cfg.speculative)
+            self.spec = Speculation(cfg.speculative, target=model, page_size=cfg.page_size,
+                                    pages=cfg.total_pages)
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -374,7 +375,7 @@ class TorchExecutor:
                 sampled.append((req, new))
         if self.spec is not None and sampled:
             result.drafts = self.spec.propose(
-                [draft_ask(req, new, self.spec.k) for req, new in sampled
+                [draft_ask(req, new, self.spec.k, self.tracked[req.id]) for req, new in sampled
                  if speculates_now(self.tracked[req.id], req, new)])
 
     def _take_verified(self, req, got, spec) -> tuple[list, bool]:

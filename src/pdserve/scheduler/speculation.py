@@ -28,10 +28,13 @@ from pdserve.scheduler.config import ConfigError, check_keys
 
 class SpecMethod(enum.StrEnum):
     NGRAM = "ngram"         # prompt lookup: no weights (kernels/proposers.py)
-    DRAFT = "draft"         # a smaller model sharing the tokenizer (not built yet)
+    DRAFT = "draft"         # a smaller model sharing the vocabulary (kernels/draft_model.py)
 
 
 MAX_SPEC_TOKENS = 16
+# what draft_model takes of `model:`'s keys (it runs on the target's device)
+DRAFT_MODEL_KEYS = ("path", "preset", "dtype", "attention")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,8 @@ class SpecConfig:
             if not isinstance(self.draft_model, dict) or not self.draft_model:
                 raise ConfigError(f"{w}.method is draft: give {w}.draft_model, a model "
                                   "section (path or preset) sharing the target's tokenizer")
-            raise ConfigError(f"{w}.method draft (a draft model) is not built in this "
-                              "version; use method: ngram")
-        if self.draft_model is not None:
+            _check_draft_model(self.draft_model, f"{w}.draft_model")
+        elif self.draft_model is not None:
             raise ConfigError(f"{w}.draft_model is set but method is {self.method.value}; "
                               "set method: draft, or leave draft_model out")
 
@@ -94,7 +96,30 @@ class SpecConfig:
         if self.method is SpecMethod.NGRAM:
             s += f" prompt_lookup_min={self.prompt_lookup_min} " \
                  f"prompt_lookup_max={self.prompt_lookup_max}"
+        else:
+            d = self.draft_model or {}
+            s += " draft_model=" + ",".join(f"{key}:{d[key]}" for key in DRAFT_MODEL_KEYS
+                                            if key in d)
         return s
+
+
+def _check_draft_model(d: dict, where: str) -> None:
+    """draft_model's keys, as `model:` takes them (the weights are checked
+    against the target's when the engine loads them: roles/spec_draft.py)."""
+    check_keys(d, where, set(DRAFT_MODEL_KEYS))
+    if "path" in d and "preset" in d:
+        raise ConfigError(f"{where} takes either path or preset, not both; remove one")
+    for key in ("path", "preset"):
+        if key in d and (not isinstance(d[key], str) or not d[key]):
+            raise ConfigError(f"{where}.{key} must be a non-empty string, got {d[key]!r}")
+    if "path" not in d and "preset" not in d:
+        raise ConfigError(f"{where} names no model; give path: DIR | FILE.gguf or preset: NAME")
+    if d.get("dtype", "auto") not in DRAFT_DTYPES:
+        raise ConfigError(f"{where}.dtype is {d['dtype']!r}; use one of "
+                          f"{', '.join(DRAFT_DTYPES)} (auto: the target's)")
+    if d.get("attention", "auto") not in ("auto", "torch", "flashinfer"):
+        raise ConfigError(f"{where}.attention is {d['attention']!r}; use auto, torch or "
+                          "flashinfer")
 
 
 def verify_width(req, budget: int | None) -> int:
