@@ -217,11 +217,16 @@ class DecoderModel(PagedDecoder):
         # a GGUF's quantized tensors stay quantized (kernels/quantized.py)
         w: dict[str, Any] = {k: v if isinstance(v, QuantizedTensor) else v.to(dtype=dtype, device=self.device)
              for k, v in weights.items()}
-        self.embed = dense(w["model.embed_tokens.weight"], dtype, self.device)
         self.norm = w["model.norm.weight"]
-        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        tied = cfg.tie_word_embeddings
+        head = w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self.lm_head = packed(head, dtype, self.device) if isinstance(head, QuantizedTensor) \
-            else self.embed if cfg.tie_word_embeddings else head
+            else head
+        # a tied quantized head's bfloat16 copy is the embedding: one copy, not two
+        self.embed = self.lm_head.dense if tied and isinstance(self.lm_head, QuantizedLinear) \
+            else dense(w["model.embed_tokens.weight"], dtype, self.device)
+        if tied and not isinstance(self.lm_head, QuantizedLinear):
+            self.lm_head = self.embed
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
