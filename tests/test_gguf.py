@@ -73,10 +73,9 @@ def auto_llm():
 
 
 @pytest.fixture(scope="module")
-def bf16_llm():
-    """The preset dequantized to bfloat16 (what auto ran before it kept the
-    file's quantized weights)."""
-    return LLM({"model": {"preset": PRESET, "dtype": "bfloat16", "quantization": "none"},
+def gguf_llm():
+    """The preset's Q4_1 and Q8_0 weights multiplied as stored (kernels/quantized.py)."""
+    return LLM({"model": {"preset": PRESET, "quantization": "gguf"},
                 "engine": {"total_pages": 64}})
 
 
@@ -168,24 +167,21 @@ def test_logits_match_transformers(llm, hf_tokenizer, hf_model):
 
 def test_auto_runs_the_quantized_preset_as_bfloat16_where_the_cpu_has_bfloat16(auto_llm):
     """A Q4_1 GGUF has no float32 precision to keep: auto runs it in
-    bfloat16 on a CPU with bfloat16 instructions, its Q4_1 and Q8_0 weights
-    multiplied as they are stored (kernels/quantized.py), else in float32."""
+    bfloat16 on a CPU with bfloat16 instructions, else in float32; its
+    weights dequantized (quantization: gguf keeps them as stored)."""
     assert auto_llm.model.cfg.quantization == "Q4_1, Q8_0"
-    fast = cpu_bfloat16().fast
-    assert auto_llm.model.dtype == (torch.bfloat16 if fast else torch.float32)
-    qkv, head = auto_llm.model.layers[0][3], auto_llm.model.lm_head
-    assert isinstance(qkv, QuantizedLinear) == (fast and kernels_present())
-    if isinstance(qkv, QuantizedLinear):
-        assert (qkv.bits, head.bits) == (4, 8)
+    want = torch.bfloat16 if cpu_bfloat16().fast else torch.float32
+    assert auto_llm.model.dtype == want
+    assert not quantized_linears(auto_llm.model)
 
 
-def test_bfloat16_greedy_chat_agrees_with_float32(bf16_llm, llm):
+def test_auto_greedy_chat_agrees_with_float32(auto_llm, llm):
     """On these chats bfloat16's greedy answer is float32's, token for token
     (20 tokens; a longer answer may round a close choice apart)."""
     texts = [render(llm.tokenizer, chat) for chat in CHATS]
     p = SamplingParams(max_tokens=20, temperature=0)
     want = [o.token_ids for o in llm.generate(texts, p, use_tqdm=False)]
-    got = [o.token_ids for o in bf16_llm.generate(texts, p, use_tqdm=False)]
+    got = [o.token_ids for o in auto_llm.generate(texts, p, use_tqdm=False)]
     assert got == want and all(len(w) >= 16 for w in want)
 
 
@@ -197,32 +193,32 @@ def prompt_logits(m, prompt):
                            torch.arange(n))
 
 
-def test_auto_logits_track_float32(auto_llm, bf16_llm, llm):
-    """Teacher-forced over every chat's positions: the top token agrees with
-    float32's about as often as bfloat16 dequantized agrees (its rounding is
-    what auto accepted before), and the last position's logits are close."""
-    agree: dict[str, list] = {"auto": [], "bfloat16": []}
-    linears = quantized_linears(auto_llm.model)
+@pytest.mark.skipif(not (cpu_bfloat16().fast and kernels_present()),
+                    reason="quantization: gguf needs a bfloat16 CPU and torch's int4 kernels")
+def test_gguf_logits_track_float32(gguf_llm, auto_llm, llm):
+    """The weights as stored (4-bit layers, an 8-bit LM head), through the
+    kernels on every row, teacher-forced over every chat's positions: the
+    top token agrees with float32's about as often as bfloat16 dequantized
+    (auto) agrees, and the last position's logits are close."""
+    linears = quantized_linears(gguf_llm.model)
+    assert linears and {lin.bits for lin in linears} == {4, 8}
     for lin in linears:                     # the kernels on every row, not the bfloat16 copy
         lin.max_rows = 1 << 20
+    agree: dict[str, list] = {"gguf": [], "bfloat16": []}
     try:
-        _agreement(auto_llm, bf16_llm, llm, agree)
+        for chat in CHATS:
+            prompt = llm.tokenizer.encode(render(llm.tokenizer, chat))
+            want = prompt_logits(llm, prompt)
+            for name, m in (("gguf", gguf_llm), ("bfloat16", auto_llm)):
+                got = prompt_logits(m, prompt)
+                agree[name] += (got.argmax(-1) == want.argmax(-1)).tolist()
+                assert got[-1].argmax() == want[-1].argmax()
+                assert (got[-1] - want[-1]).abs().max() < 0.05 * want[-1].abs().max()
     finally:
         for lin in linears:
             lin.max_rows = MAX_ROWS
     share = {k: sum(v) / len(v) for k, v in agree.items()}
-    assert share["auto"] >= 0.93 and share["auto"] >= share["bfloat16"] - 0.03, share
-
-
-def _agreement(auto_llm, bf16_llm, llm, agree) -> None:
-    for chat in CHATS:
-        prompt = llm.tokenizer.encode(render(llm.tokenizer, chat))
-        want = prompt_logits(llm, prompt)
-        for name, m in (("auto", auto_llm), ("bfloat16", bf16_llm)):
-            got = prompt_logits(m, prompt)
-            agree[name] += (got.argmax(-1) == want.argmax(-1)).tolist()
-            assert got[-1].argmax() == want[-1].argmax()
-            assert (got[-1] - want[-1]).abs().max() < 0.05 * want[-1].abs().max()
+    assert share["gguf"] >= 0.93 and share["gguf"] >= share["bfloat16"] - 0.03, share
 
 
 @pytest.mark.parametrize("flags,capability,fast,words", [

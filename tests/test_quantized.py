@@ -81,14 +81,18 @@ def test_rows_permute_and_fuse_as_tensors_do():
 
 
 def test_the_choice_and_its_refusals():
-    keep, why = choose_quantization("auto", "Q4_1, Q8_0", "cpu", torch.bfloat16)
+    keep, why = choose_quantization("gguf", "Q4_1, Q8_0", "cpu", torch.bfloat16)
     assert keep and "Q4_1, Q8_0" in why
+    # auto dequantizes: kept weights would make a request's tokens depend on its batch
+    assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", torch.bfloat16) == \
+        (False, "auto: dequantized (model.quantization: gguf multiplies the Q4_1, Q8_0 "
+                "tensors as stored)")
     assert choose_quantization("none", "Q4_1", "cpu", torch.bfloat16) == \
         (False, "model.quantization is none")
-    keep, why = choose_quantization("auto", "Q4_1", "cpu", torch.float32)
-    assert not keep and "dtype is float32" in why
-    keep, why = choose_quantization("auto", "Q5_K", "cpu", torch.bfloat16)
-    assert not keep and "no Q4_0, Q4_1 or Q8_0 tensors (it has Q5_K)" in why
+    with pytest.raises(ValueError, match="dtype is float32"):
+        choose_quantization("gguf", "Q4_1", "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"no Q4_0, Q4_1 or Q8_0 tensors \(it has Q5_K\)"):
+        choose_quantization("gguf", "Q5_K", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match=r"runs on cuda.*tensor_parallel_size is 2.*use "
                                          r"model.quantization: none or auto"):
         choose_quantization("gguf", "Q4_1", "cuda", torch.bfloat16, tp_size=2)

@@ -188,11 +188,18 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
     """(keep the GGUF's quantized weights, why). `file_kinds`: the file's
     quantized tensor types (ModelConfig.quantization; None for float
     weights or a checkpoint directory). `gguf` asks for it and fails on
-    what prevents it; `auto` keeps them where it can."""
+    what prevents it. `auto` dequantizes for now: with the weights kept,
+    a round of more than MAX_ROWS rows takes the bfloat16 copy, so a
+    request's tokens would depend on the batch it runs in (a close greedy
+    choice can go either way), which serving does not do by default."""
     kinds = [k for k in (file_kinds or "").split(", ") if k]
     kept = [k for k in kinds if k in KINDS]
     if quantization == "none":
         return False, "model.quantization is none"
+    if quantization == "auto":
+        return False, ("auto: dequantized" + (f" (model.quantization: gguf multiplies the "
+                                              f"{', '.join(kept)} tensors as stored)"
+                                              if kept else ""))
     blockers = []
     if not kept:
         blockers.append("the checkpoint has no Q4_0, Q4_1 or Q8_0 tensors"
@@ -206,10 +213,8 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
         blockers.append(f"tensor_parallel_size is {tp_size} (the shards are dequantized)")
     if not kernels_present():
         blockers.append("this torch lacks _weight_int4pack_mm_for_cpu")
-    if quantization == "gguf" and blockers:
+    if blockers:
         raise ValueError("model.quantization: gguf cannot keep the weights quantized: "
                          + "; ".join(blockers) + "; use model.quantization: none or auto")
-    if blockers:
-        return False, "auto: dequantized, as " + blockers[0]
-    why = "model.quantization is gguf" if quantization == "gguf" else "auto"
-    return True, f"{why}: {', '.join(kept)} tensors multiplied quantized (int4/int8 CPU kernels)"
+    return True, (f"model.quantization is gguf: {', '.join(kept)} tensors multiplied quantized "
+                  f"(int4/int8 CPU kernels) up to {MAX_ROWS} rows a round")
