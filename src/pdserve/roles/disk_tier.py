@@ -18,7 +18,8 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                `disk_pages` ends at one the disk holds; a
                                plan's state DiskLoadOp reads it into a host
                                slot; checkpoints are written through as
-                               their host stores land (write_through)
+                               their host stores land (write_through), or
+                               with the page they end (selective)
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
@@ -152,6 +153,34 @@ class StateFiles:
     layout: str
 
 
+class HostCheckpoints:
+    """Which host slot of a state model's host state cache holds the
+    checkpoint of which chain (selective writes: a checkpoint is written
+    when the page it ends is, maybe rounds after it reached host)."""
+
+    def __init__(self):
+        self.host = None                            # the host state cache (set each round)
+        self._slot: dict[int, int] = {}             # chain -> host slot
+        self._chain: dict[int, int] = {}            # host slot -> chain
+
+    def stored(self, chain: int, slot: int) -> None:
+        self.overwritten([slot])
+        if len(self._slot) >= REMEMBERED:
+            self._slot.clear()
+            self._chain.clear()
+        self._slot[chain], self._chain[slot] = slot, chain
+
+    def overwritten(self, slots) -> None:
+        """Slots written with something else (a snapshot, a disk read)."""
+        for hp in slots:
+            chain = self._chain.pop(hp, None)
+            if chain is not None and self._slot.get(chain) == hp:
+                del self._slot[chain]
+
+    def slot(self, chain: int) -> int | None:
+        return self._slot.get(chain)
+
+
 @dataclass
 class Prefetch:
     """One request's reads ahead of its admission."""
@@ -202,6 +231,7 @@ class DiskTier:
         self._written: set[tuple[int, int]] = set()     # (group, chain) this engine wrote or read
         self._host_chain: dict[int, int] = {}       # host page -> chain it caches
         self._hits: dict[int, int] = {}             # chain -> host hits (selective)
+        self._checkpoints = HostCheckpoints()       # selective: the state's host slots
         self._writes_out: set[int] = set()          # PUT jobs not yet polled
 
     @classmethod
@@ -370,11 +400,10 @@ class DiskTier:
         are written through as they reach host, under write_through)."""
         assert isinstance(host, KVCache)            # the tier caches full-history pages
         st = self.state
+        self._checkpoints.host = state_host
         for s in plan.stores:
-            if st is not None and s.group == st.group and s.pinned:
-                if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
-                    for hp, chain in zip(s.host_pages, s.entries or ()):
-                        self._write(chain, lambda hp=hp: state_host.read_slot(hp), st.group)
+            if st is not None and s.group == st.group:
+                self._checkpoint_stored(s, state_host)
                 continue
             if s.group != 0:
                 continue
@@ -387,7 +416,9 @@ class DiskTier:
         missed = set()
         for op in plan.disk_loads:
             on_state = st is not None and op.group == st.group
-            if not on_state:
+            if on_state:
+                self._checkpoints.overwritten(op.host_pages)
+            else:
                 self.host_overwritten(op.host_pages)
             data = None if op.req_id in missed else self.read(op)
             if data is None:
@@ -465,6 +496,35 @@ class DiskTier:
         if n >= self.cfg.write_hits:
             self._hits.pop(chain, None)
             self._write(chain, page_bytes)
+            self._write_checkpoint(chain)
+
+    def _checkpoint_stored(self, s, state_host) -> None:
+        """A store of the state group landed on host: a pinned one is a
+        checkpoint publication, written now (write_through) or when the
+        page it ends is (selective; at once if that page is already on
+        disk); an unpinned one (a snapshot) overwrites its slots."""
+        if not s.pinned:
+            self._checkpoints.overwritten(s.host_pages)
+            return
+        st = self.state
+        assert st is not None
+        for hp, chain in zip(s.host_pages, s.entries or ()):
+            if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
+                self._write(chain, lambda hp=hp: state_host.read_slot(hp), st.group)
+            elif self.cfg.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                self._checkpoints.stored(chain, hp)
+                if (0, chain) in self._written:
+                    self._write_checkpoint(chain)
+
+    def _write_checkpoint(self, chain: int) -> None:
+        """Selective: the page ending at `chain` was written; so is the
+        state checkpoint there, if the host holds it, so a disk hit can
+        end at that page (a hit ends at a checkpoint the disk holds)."""
+        st = self.state
+        slot = self._checkpoints.slot(chain) if st is not None else None
+        if st is not None and slot is not None:
+            host = self._checkpoints.host
+            self._write(chain, lambda: host.read_slot(slot), st.group)
 
     def _write(self, chain: int, page_bytes, group: int = 0) -> None:
         if (group, chain) in self._written:
