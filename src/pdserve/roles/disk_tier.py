@@ -20,6 +20,13 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                slot; checkpoints are written through as
                                their host stores land (write_through), or
                                with the page they end (selective)
+    a sliding group's tail     (WindowFiles, tier level only: the planner
+                               neither stores tails to host nor reads them
+                               at a hit yet) a pinned store of its pages is
+                               written through under the chain hash each
+                               ends, beside the full-history page of that
+                               slot; a DiskLoadOp of the group reads them
+                               into that group's host pages
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
@@ -78,7 +85,8 @@ def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int 
     elif sliding and not sliding_replay:
         why = (f"sliding-window layers (window {', '.join(map(str, sliding))}) whose tails "
                "a hit would read from a cache; set engine.sliding_replay: true so a hit "
-               "recomputes them from the full-history pages the disk serves")
+               "recomputes them from the full-history pages the disk serves (the tier can "
+               "store window tails, but admission does not read them at a hit yet)")
     else:
         return
     raise ConfigError(
@@ -181,6 +189,22 @@ class HostCheckpoints:
         return self._slot.get(chain)
 
 
+@dataclass(frozen=True)
+class WindowFiles:
+    """A sliding-window group's window tails on disk: its group, window
+    (tokens a query sees, itself included) and a page's layout (the key's).
+    A tail page is keyed by the chain hash of the prefix it ends, as the
+    full-history page of the same slot is."""
+    group: int
+    window: int
+    layout: str
+
+    def tail(self, end: int, page_size: int) -> range:
+        """The slots a hit ending at page `end` needs of this group: those
+        the first query after it reads (cache_groups.first_live_page)."""
+        return range(max(end * page_size - self.window + 1, 0) // page_size, end)
+
+
 @dataclass
 class Prefetch:
     """One request's reads ahead of its admission."""
@@ -214,11 +238,14 @@ class Prefetch:
 class DiskTier:
     def __init__(self, cfg: DiskCacheConfig, store: DiskStore, *, model_id: str, dtype: str,
                  layout: str, page_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 state: "StateFiles | None" = None, clock=time.monotonic):
+                 state: "StateFiles | None" = None, windows: tuple = (),
+                 clock=time.monotonic):
         """`state`: a state model's checkpoints (their group, block and slot
-        layout); None for a model without a state group."""
+        layout); None for a model without a state group. `windows`: the
+        sliding groups whose window tails the tier stores (WindowFiles)."""
         self.cfg = cfg
         self.state = state
+        self.windows = {w.group: w for w in windows}
         self.store = store
         self.model_id, self.dtype, self.layout = model_id, dtype, layout
         self.page_size = page_size
@@ -246,7 +273,8 @@ class DiskTier:
 
     def key(self, chain: int, group: int = 0) -> DiskKey:
         st = self.state
-        layout = st.layout if st is not None and group == st.group else self.layout
+        layout = st.layout if st is not None and group == st.group else \
+            self.windows[group].layout if group in self.windows else self.layout
         return DiskKey(chain, group, self.model_id, self.dtype, layout,
                        self.tp_rank, self.tp_size)
 
@@ -389,7 +417,7 @@ class DiskTier:
             self._jobs.pop(j, None)
 
     # ---- a round's copies (the executor calls this after its host stores) --------
-    def copies(self, plan, result, host, state_host=None) -> set[str]:
+    def copies(self, plan, result, host, state_host=None, hosts=None) -> set[str]:
         """Write-through of the round's full-history stores (their host
         pages now hold them), then the round's disk reads into host pages,
         hit or miss, each acked in `result`; host hits counted for
@@ -397,13 +425,18 @@ class DiskTier:
         forward this round runs on unfilled pages: the planner retracts
         them and drops what they sample). `host`: group 0's host cache;
         `state_host`: a state model's host state cache (its checkpoints
-        are written through as they reach host, under write_through)."""
+        are written through as they reach host, under write_through);
+        `hosts`: every group's host cache, for the sliding groups in
+        `windows` (their window tails, written through and read back)."""
         assert isinstance(host, KVCache)            # the tier caches full-history pages
         st = self.state
         self._checkpoints.host = state_host
         for s in plan.stores:
             if st is not None and s.group == st.group:
                 self._checkpoint_stored(s, state_host)
+                continue
+            if s.group in self.windows:
+                self._window_stored(s, hosts[s.group])
                 continue
             if s.group != 0:
                 continue
@@ -418,7 +451,7 @@ class DiskTier:
             on_state = st is not None and op.group == st.group
             if on_state:
                 self._checkpoints.overwritten(op.host_pages)
-            else:
+            elif op.group == 0:
                 self.host_overwritten(op.host_pages)
             data = None if op.req_id in missed else self.read(op)
             if data is None:
@@ -428,6 +461,8 @@ class DiskTier:
             for hp, b in zip(op.host_pages, data):
                 if on_state:
                     state_host.write_slot(hp, b)
+                elif op.group in self.windows:
+                    hosts[op.group].write_page(hp, b)
                 else:
                     host.write_page(hp, b)
             result.disk_loads_done.append(op.id)
@@ -455,7 +490,9 @@ class DiskTier:
             if pf is not None:
                 i = op.first_page + n - pf.start
                 if 0 <= i < len(pf.chains) and pf.chains[i] == chain:
-                    data = pf.got.pop(i, None) if op.group == 0 else pf.states.pop(i, None)
+                    # window tails are not prefetched: read now
+                    data = pf.got.pop(i, None) if op.group == 0 else None \
+                        if op.group in self.windows else pf.states.pop(i, None)
             if data is None:
                 self.counts.read_now_pages += 1
                 d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain, op.group)),
@@ -497,6 +534,17 @@ class DiskTier:
             self._hits.pop(chain, None)
             self._write(chain, page_bytes)
             self._write_checkpoint(chain)
+
+    def _window_stored(self, s, host) -> None:
+        """A pinned store of a sliding group's window tail landed on host:
+        write each page through under the chain hash it ends (`entries`),
+        beside the full-history page of the same slot. Under
+        write_through_selective tails are not written (a tail is needed
+        whole, at one hit's end, and hits count full-history pages)."""
+        if not s.pinned or self.cfg.write_policy is not WritePolicy.WRITE_THROUGH:
+            return
+        for hp, chain in zip(s.host_pages, s.entries or ()):
+            self._write(chain, lambda hp=hp: host.read_page(hp), s.group)
 
     def _checkpoint_stored(self, s, state_host) -> None:
         """A store of the state group landed on host: a pinned one is a
