@@ -182,7 +182,7 @@ def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages()
         p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
                            max_scheduled_tokens=64, sliding_replay=replay),
                     groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=replay)))
-        assert p.coord.serves_disk is replay and not p.coord.landing_serves_disk
+        assert p.coord.serves_disk is replay and p.coord.landing_serves_disk is replay
         r = req("a", PROMPT)
         r.disk_pages = 5
         p.submit(r)
@@ -229,6 +229,35 @@ def test_d_reads_its_disk_prefix_and_asks_the_peer_only_for_the_rest():
     pair.run()
     assert [f.id for f in pair.finished] == ["a"]
     assert pair.D.hits.disk_tokens == 20
+    pair.D.assert_idle()
+    pair.P.assert_idle()
+
+
+def test_d_s_disk_hit_beside_a_state_group_reads_pages_only_and_asks_for_the_state():
+    """A state model's landing (§1.2 with §3.2): the peer sends the final
+    state whatever D found, so D's disk hit reads the full history's
+    pages only (no checkpoint, not even at a block boundary) and asks P
+    for the pages after them and the prompt's final state."""
+    from pd_support import PDPair
+    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    cfg = config(page_size=4, total_pages=64, host_pages=32, state_slots=16,
+                 max_scheduled_tokens=64)
+    pair = PDPair(cfg, cfg, groups=(FULL, CacheGroupSpec("snapshot_state", block=8)))
+    assert pair.D.coord.landing_serves_disk
+    r = req("a", PROMPT)
+    r.disk_pages = 4                      # 16 tokens: a checkpoint boundary
+    pair.submit(r)
+    dplan, _ = pair.tick()
+    (dl,) = dplan.disk_loads
+    assert dl.group == 0 and dl.chains == chains(PROMPT, 4)
+    assert [ld.group for ld in dplan.loads] == [0]
+    (ask,) = dplan.remote_prefills
+    assert ask.first_page == 4 and r.cached == (0, 0, 16)
+    assert len(ask.landing[1]) == 1       # the final state's slot
+    pair.D.check_invariants()
+    pair.run()
+    assert [f.id for f in pair.finished] == ["a"]
+    assert pair.D.hits.disk_tokens == 16
     pair.D.assert_idle()
     pair.P.assert_idle()
 

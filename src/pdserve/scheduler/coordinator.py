@@ -178,17 +178,21 @@ class Coordinator:
     @property
     def landing_serves_disk(self) -> bool:
         """Can D's remote admission read its own tiers (host and disk)
-        and ask the peer for the rest: a full-history group alone. With
-        sliding groups the peer sends each window's tail of the whole
-        prompt, which a hit cut short of the prompt would not have."""
-        return self.serves_disk and len(self.groups) == 1
+        and ask the peer for the rest: wherever a disk hit can be read.
+        The peer sends each sliding group's last window and the state
+        group's final state whatever D's hit (`transfer_slots`), so D's
+        hit needs the full history's pages only: its windows are never
+        replayed nor its checkpoint read (`disk_hit`'s `landing`)."""
+        return self.serves_disk
 
-    def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int) -> Hit:
+    def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int,
+                 landing: bool = False) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it
         (`req.disk_pages`, at most `max_pages` in all), shortened to what
         the host tier can stage and rounded down to `granularity` pages
         (spec §1: a prefetch that cannot allocate every probed page is
-        shortened, never partly trusted). Pure."""
+        shortened, never partly trusted). `landing`: D's remote admission,
+        whose state comes from the peer (no checkpoint is read). Pure."""
         want = min(req.disk_pages, max_pages) - hit.pages
         if want <= 0 or not self.serves_disk:
             return hit
@@ -198,14 +202,17 @@ class Coordinator:
         if end <= hit.pages:
             return hit
         s = self.state
-        if s is not None:
+        if s is not None and not landing:
             # the state at the hit's end comes from disk: the probe found a
             # checkpoint at req.disk_pages only, so nothing shorter is read
             if end != req.disk_pages or not self.host_cache.state_disk_room():
                 return hit
             device, first = list(hit.device), list(hit.first)
             device[s], first[s] = [], 0
-            hit = Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk)
+            hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk),
+                            end - hit.pages)
+            hit.state_disk = True
+            return hit
         return with_disk(hit, end - hit.pages)
 
     def disk_chains(self, req, hit: Hit) -> list[int]:
@@ -298,7 +305,7 @@ class Coordinator:
                     # the hit's checkpoint from host into the slot its forward reads
                     self.host_cache.load(req.id, g, [hit.state_host], [table[hit.pages - 1]],
                                          plan)
-                elif fresh_hit and hit is not None and hit.disk:
+                elif fresh_hit and hit is not None and hit.state_disk:
                     # the hit's checkpoint from disk, through a host slot
                     self.host_cache.load_from_disk(req.id, [self.disk_chains(req, hit)[-1]],
                                                    hit.pages - 1, [table[hit.pages - 1]],
