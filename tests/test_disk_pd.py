@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
+from pdserve.roles.disk_tier import DiskTier, weights_fingerprint, window_files
 from pdserve.roles.engine import Engine
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig
@@ -67,7 +67,8 @@ class PDNode:
         ex = TorchExecutor(m, self.llm.tokenizer, cfg, disk=None)
         ex.disk = DiskTier(cfg.disk_cache, store, model_id=weights_fingerprint(m),
                            dtype="float32", layout=ex.caches[0].layout(),
-                           page_size=cfg.page_size, state=ex.state_files())
+                           page_size=cfg.page_size, state=ex.state_files(),
+                           windows=window_files(ex.groups, ex.caches))
         return Engine(role.value, Planner(cfg, role, groups=ex.groups), ex,
                       forget_finished=False)
 

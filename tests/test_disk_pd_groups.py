@@ -1,7 +1,7 @@
 """D reads its own host and disk tiers under P/D for models with more than
 one cache group: a state model (a random-weight Qwen3.5, checkpoints every
-8 tokens) and a sliding-window one under bounded replay (a random-weight
-Gemma 3, window 8). The peer sends each window's last pages and the final
+8 tokens) and a sliding-window one (a random-weight Gemma 3, window 8),
+under bounded replay and with its windows cached. The peer sends each window's last pages and the final
 state whatever D's hit, so D's hit is the full history's pages alone: D
 loads the shared prefix from disk and asks P for the pages after it, and
 the greedy tokens are those of a fused engine without the tier."""
@@ -33,15 +33,15 @@ def turns() -> list[list[int]]:
     return [base + [60 + i, 61 + i, 62 + i, 63 + i, 64 + i] for i in range(2)]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3_5", "gemma3", "gemma3-cached"])
 def llm(request, tmp_path_factory) -> LLM:
     d = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3_5":
         _, path = qwen3_5_checkpoint(d)
         extra = dict(state_block=8)
-    else:
+    else:                                       # cached windows: the peer sends them
         _, path = gemma3_checkpoint(d)
-        extra = dict(sliding_pages=64, sliding_replay=True)
+        extra = dict(sliding_pages=64, sliding_replay=request.param == "gemma3")
     return LLM({"model": {"path": str(path)}}, dtype="float32", attention="torch",
                **COMMON, **extra)
 

@@ -1,11 +1,9 @@
-"""A sliding-window group's window tail through the disk (L3) tier, at the
-tier's level: a random-weight Gemma 3 (window 8) served without replay
-caches each window's tail on device under the chain hash of the prefix a
-page ends; those pages, stored to host and written through beside the
-full-history pages of the same prefix, read back byte for byte into other
-host pages. The planner does not make these stores and reads yet (the
-engine refuses a disk tier for cached windows by name); this is the tier's
-half of serving them."""
+"""A cached sliding window through the disk (L3) tier: a random-weight
+Gemma 3 (window 8) served without replay. Its window pages, stored to host
+and written through beside the full-history pages of the same prefix,
+read back byte for byte; a disk hit reads the window's tail at its end
+with the pages, and greedy tokens are the tier-off ones cold, after a
+restart and after a tail read that misses."""
 
 from __future__ import annotations
 
@@ -14,10 +12,10 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.roles.disk_tier import DiskTier, WindowFiles, weights_fingerprint
-from pdserve.scheduler.config import ConfigError, DiskCacheConfig
+from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.plan import DiskLoadOp, Plan, StepResult, StoreOp
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
-from pdserve.scheduler.request import Request
+from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk_fake import FakeStore
 from pdserve.transfer.disk_store import DiskOp
 
@@ -35,16 +33,22 @@ def gemma(tmp_path_factory):
     return d
 
 
-def cached_windows(d, store) -> tuple[LLM, WindowFiles]:
+def cached_windows(d, store, engine: dict | None = None,
+                   policy: str = "wait_complete") -> tuple[LLM, WindowFiles]:
     """A Gemma 3 engine without replay (its windows cached) whose disk tier
-    is `store` and stores the sliding group's tails."""
-    l = LLM({"model": {"path": str(d)}}, dtype="float32", attention="torch", page_size=PS,
-            total_pages=96, sliding_pages=64, host_pages=48, max_scheduled_tokens=64,
-            max_batch_size=4)
+    is `store` and stores the sliding group's tails. `engine`: with
+    engine.disk_cache's planner (window pages stored to host as published,
+    a hit's tail read) when given, the tier's half alone when not."""
+    kw = engine or dict(page_size=PS, total_pages=96, sliding_pages=64, host_pages=48,
+                        max_scheduled_tokens=64, max_batch_size=4)
+    disk = DiskCacheConfig(path="fake", prefetch_policy=policy)
+    l = LLM({"model": {"path": str(d)}}, dtype="float32", attention="torch", **kw)
+    if engine is not None:          # the planner of an engine with a disk tier
+        l.engine.planner.coord.window_disk = True
     ex = l.executor
     g = next(i for i, grp in enumerate(ex.groups) if grp.sliding)
     wf = WindowFiles(g, ex.groups[g].window, ex.caches[g].layout())
-    ex.disk = DiskTier(DiskCacheConfig(path="fake"), store, model_id=weights_fingerprint(l.model),
+    ex.disk = DiskTier(disk, store, model_id=weights_fingerprint(l.model),
                        dtype="float32", layout=ex.caches[0].layout(), page_size=PS,
                        windows=(wf,))
     return l, wf
@@ -97,10 +101,88 @@ def test_a_window_tail_round_trips_byte_equal_beside_its_full_history_pages(gemm
     assert missed.disk_loads_missed == [3]
 
 
-def test_an_engine_refuses_a_disk_tier_for_cached_windows_by_name(gemma, tmp_path):
-    """Until the planner reads tails at a hit, an engine with cached windows
-    and engine.disk_cache is refused at start, naming the fix."""
-    with pytest.raises(ConfigError, match="window 8.*sliding_replay: true"):
-        LLM({"model": {"path": str(gemma)}}, dtype="float32", attention="torch", page_size=PS,
-            total_pages=96, sliding_pages=64, host_pages=48, max_scheduled_tokens=64,
-            disk_cache={"path": str(tmp_path)})
+ENGINE = dict(page_size=PS, total_pages=96, sliding_pages=64, host_pages=48,
+              max_scheduled_tokens=64, max_batch_size=4)
+
+
+def conversation() -> list[list[int]]:
+    """Three turns of one conversation: each prompt extends the last."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(3, 128, (72,), generator=g).tolist()
+    return [base[:40], base[:56], base[:72]]
+
+
+def one_by_one(llm: LLM, prompts) -> list[list[int]]:
+    return [llm.generate([p], SP, use_tqdm=False)[0].token_ids for p in prompts]
+
+
+def test_a_disk_hit_reads_each_windows_tail_without_replay(gemma, tmp_path):
+    """Cached windows (no sliding_replay): the tier stores the window pages
+    as they are published, and a disk hit reads the tail at its end with
+    the full-history pages; greedy tokens are the tier-off ones cold and
+    after a restart, and nothing is replayed."""
+    def serve(disk=None) -> LLM:
+        return LLM({"model": {"path": str(gemma)}}, dtype="float32", attention="torch",
+                   disk_cache=disk, **ENGINE)
+    reference = one_by_one(serve(), conversation())
+    disk = {"path": str(tmp_path), "prefetch_policy": "wait_complete"}
+    cold = serve(disk)
+    assert one_by_one(cold, conversation()) == reference
+    assert cold.executor.disk.flush()
+    cold.executor.close()
+    again = serve(disk)                                 # a restart on the same directory
+    reads = recording_reads(again)
+    assert one_by_one(again, conversation()[1:]) == reference[1:]
+    planner = again.engine.planner
+    # the second turn's 56 tokens: at least the first turn's 9 full pages
+    # from disk, and the window's tail at the hit's end beside them
+    assert planner.hits.disk_tokens >= 36 and planner.hits.disk_missed == 0
+    g = next(i for i, grp in enumerate(again.executor.groups) if grp.sliding)
+    tail_reads = [op for op in reads if op.group == g]
+    assert tail_reads and all(len(op.chains) == 2 for op in tail_reads)   # window 8: 2 pages
+    assert planner.replay_tokens == 0
+    planner.check_invariants()
+    planner.assert_idle()
+
+
+def recording_reads(l: LLM) -> list:
+    """The DiskLoadOps of every round `l`'s disk tier carries out."""
+    reads: list = []
+    tier = l.executor.disk
+    copies = tier.copies
+
+    def recorded(plan, *args, **kw):
+        reads.extend(plan.disk_loads)
+        return copies(plan, *args, **kw)
+    tier.copies = recorded
+    return reads
+
+
+def test_a_tail_read_that_misses_re_prefills_to_the_same_tokens(gemma):
+    """best_effort admits on the probe; every file is torn by the time the
+    round reads it (pages and tails): the request is retracted and
+    re-prefilled, and its tokens are the tier-off ones."""
+    store = FakeStore()
+    writer, _ = cached_windows(gemma, store, ENGINE)
+    reference = one_by_one(writer, conversation())
+    assert writer.executor.disk.flush()
+    l, _ = cached_windows(gemma, store, ENGINE, "best_effort")
+    store.faults.torn = AllChains()
+    req = Request("probed", list(conversation()[2]), SamplingLimits(max_new_tokens=SP.max_tokens))
+    l.executor.register(req.id, SP, fallback_seed=1, prompt=req.prompt.tokens)
+    l.engine.submit(req)
+    l.executor.disk.before_build(l.engine.planner)
+    assert l.executor.disk.store.drain()
+    while l.engine.has_work():
+        l.engine.step()
+        l.engine.planner.check_invariants()
+    assert req.output == reference[2]
+    assert l.engine.planner.hits.disk_missed == 1
+    l.engine.planner.assert_idle()
+
+
+class AllChains:
+    """A fault set that holds every chain hash."""
+
+    def __contains__(self, _chain) -> bool:
+        return True

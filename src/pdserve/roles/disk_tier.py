@@ -20,13 +20,13 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                slot; checkpoints are written through as
                                their host stores land (write_through), or
                                with the page they end (selective)
-    a sliding group's tail     (WindowFiles, tier level only: the planner
-                               neither stores tails to host nor reads them
-                               at a hit yet) a pinned store of its pages is
-                               written through under the chain hash each
-                               ends, beside the full-history page of that
-                               slot; a DiskLoadOp of the group reads them
-                               into that group's host pages
+    a cached sliding group     (WindowFiles) its window pages, stored to
+                               host as they are published, are written
+                               through under the chain hash each ends
+                               (write_through only); the probe EXISTS each
+                               and `disk_pages` ends where every window's
+                               tail is on disk; a plan's DiskLoadOp of the
+                               group reads the tail into its host pages
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
@@ -60,21 +60,23 @@ from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, Fi
 def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0,
                        sliding_replay: bool = False, state_checkpoints: bool = True) -> None:
     """Refuse a disk tier for a model whose hit the tier cannot restore.
-    It stores the full-history group's pages and a state group's
-    checkpoints. Served: every attention layer keeping full history
-    (Llama, Qwen2/3, SmolLM2); recurrent-state layers beside them (Qwen3.5,
-    LFM2) with engine.state_checkpoints (a hit ends at a checkpoint the
-    disk holds, §1.2); sliding-window layers beside full ones (Gemma 3)
-    under engine.sliding_replay (a hit's first chunk recomputes each
-    window from the full-history pages, §1.3). Refused by name: sliding
-    windows whose tails would have to be cached (no replay), state layers
-    without checkpoints, and models without a full-history layer. Raises
-    ConfigError naming what to change."""
+    It stores the full-history group's pages, a state group's checkpoints
+    and a cached sliding group's window pages. Served: every attention
+    layer keeping full history (Llama, Qwen2/3, SmolLM2); recurrent-state
+    layers beside them (Qwen3.5, LFM2) with engine.state_checkpoints (a hit
+    ends at a checkpoint the disk holds, §1.2); sliding-window layers
+    beside full ones (Gemma 3): under engine.sliding_replay a hit's first
+    chunk recomputes each window from the full-history pages (§1.3),
+    without it the hit reads each window's tail from disk. Refused by
+    name: state layers without checkpoints, cached windows beside a state
+    group (a hit would need both ends; no model has them), and models
+    without a full-history layer. Raises ConfigError naming what to
+    change."""
     if cfg is None:
         return
     groups = model_cfg.cache_groups()
     state = model_cfg.state_group(state_block)
-    sliding = [g.window for g in groups if g.sliding]
+    cached = [g.window for g in groups if g.sliding] if not sliding_replay else []
     if not groups or groups[0].sliding:
         why = "no full-history attention layer, so nothing the tier stores can start a hit"
     elif state is not None and not state_checkpoints:
@@ -82,11 +84,10 @@ def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int 
         why = (f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state, and "
                "engine.state_checkpoints is off: a hit must restore the state checkpoint "
                "at its end, and none is kept to write to disk; turn state_checkpoints on")
-    elif sliding and not sliding_replay:
-        why = (f"sliding-window layers (window {', '.join(map(str, sliding))}) whose tails "
-               "a hit would read from a cache; set engine.sliding_replay: true so a hit "
-               "recomputes them from the full-history pages the disk serves (the tier can "
-               "store window tails, but admission does not read them at a hit yet)")
+    elif state is not None and cached:
+        why = ("recurrent-state layers beside sliding-window layers whose tails a hit "
+               "would read from disk, which the tier does not serve together; set "
+               "engine.sliding_replay: true")
     else:
         return
     raise ConfigError(
@@ -205,6 +206,13 @@ class WindowFiles:
         return range(max(end * page_size - self.window + 1, 0) // page_size, end)
 
 
+def window_files(groups, caches) -> tuple:
+    """The WindowFiles of each cached (non-replayable) sliding group of an
+    executor's `groups` (CacheGroupSpec) and `caches` (their device pools)."""
+    return tuple(WindowFiles(g, spec.window, caches[g].layout())
+                 for g, spec in enumerate(groups) if spec.sliding and not spec.replayable)
+
+
 @dataclass
 class Prefetch:
     """One request's reads ahead of its admission."""
@@ -219,6 +227,8 @@ class Prefetch:
     missed_at: int | None = None                # the first index whose read missed
     let_go: bool = False
     state_jobs: dict = field(default_factory=dict)  # GET of a checkpoint: job -> index
+    window_jobs: dict = field(default_factory=dict)  # EXISTS of a tail page: job -> (group, index)
+    tails: set = field(default_factory=set)         # (group, index) the disk holds
     states: dict = field(default_factory=dict)  # index whose page ends at a checkpoint -> its bytes (None: found, not read)
 
     def run(self, probed: bool = False) -> int:
@@ -232,7 +242,8 @@ class Prefetch:
 
     def finished(self) -> bool:
         end = len(self.chains) if self.missed_at is None else self.missed_at
-        return not self.state_jobs and all(i in self.ended for i in range(end))
+        return not self.state_jobs and not self.window_jobs \
+            and all(i in self.ended for i in range(end))
 
 
 class DiskTier:
@@ -263,13 +274,13 @@ class DiskTier:
 
     @classmethod
     def open(cls, cfg: DiskCacheConfig, model, page_size: int, layout: str,
-             state: "StateFiles | None" = None) -> "DiskTier":
+             state: "StateFiles | None" = None, windows: tuple = ()) -> "DiskTier":
         """The file-backed tier of `cfg` for `model`, or a DiskStoreError
         saying why its path cannot be used."""
         store = FileStore(cfg.path, cfg.max_bytes)
         return cls(cfg, store, model_id=weights_fingerprint(model),
                    dtype=str(model.dtype).removeprefix("torch."), layout=layout,
-                   page_size=page_size, state=state)
+                   page_size=page_size, state=state, windows=windows)
 
     def key(self, chain: int, group: int = 0) -> DiskKey:
         st = self.state
@@ -309,10 +320,22 @@ class DiskTier:
                 while run and (run - 1 not in pf.states
                                or (pf.start + run) % self.state.block_pages):
                     run -= 1
+            while run and not self._tails_found(pf, pf.start + run):
+                run -= 1                        # a hit ends where every window's tail is
             if run * self.page_size < self.cfg.min_hit_tokens:
                 run = 0
             req.disk_pages = pf.start + run if run else 0
             req.disk_wait = not pf.let_go
+
+    def _tails_found(self, pf: Prefetch, end: int) -> bool:
+        """Does the disk hold each window's tail for a hit ending at page
+        `end`, within the pages probed (a tail reaching below them: no)?"""
+        for w in self.windows.values():
+            tail = w.tail(end, self.page_size)
+            if tail.start < pf.start or any((w.group, i - pf.start) not in pf.tails
+                                            for i in tail):
+                return False
+        return True
 
     def holding(self) -> bool:
         """Is a request held for its prefetch?"""
@@ -368,6 +391,11 @@ class DiskTier:
                         j = self.store.submit(op, self.key(c, st.group))
                         pf.state_jobs[j] = i
                         self._jobs[j] = req.id
+        for w in self.windows.values():     # tails are read at admission: probed only
+            for i, c in enumerate(chains):
+                j = self.store.submit(DiskOp.EXISTS, self.key(c, w.group))
+                pf.window_jobs[j] = (w.group, i)
+                self._jobs[j] = req.id
         self._prefetch[req.id] = pf
         req.disk_wait = self.cfg.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
 
@@ -388,6 +416,11 @@ class DiskTier:
             rid = self._jobs.pop(d.job, None)
             pf = self._prefetch.get(rid) if rid is not None else None
             if pf is None:
+                continue
+            if d.job in pf.window_jobs:
+                if d.ok:
+                    pf.tails.add(pf.window_jobs[d.job])
+                del pf.window_jobs[d.job]
                 continue
             if d.job in pf.state_jobs:
                 i = pf.state_jobs.pop(d.job)
@@ -413,7 +446,7 @@ class DiskTier:
 
     def _drop(self, rid: str) -> None:
         pf = self._prefetch.pop(rid)
-        for j in [*pf.jobs, *pf.state_jobs]:
+        for j in [*pf.jobs, *pf.state_jobs, *pf.window_jobs]:
             self._jobs.pop(j, None)
 
     # ---- a round's copies (the executor calls this after its host stores) --------

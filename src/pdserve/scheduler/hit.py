@@ -29,7 +29,7 @@ class Hit:
     (`Coordinator.disk_hit`)."""
 
     __slots__ = ("pages", "device_end", "device", "first", "host", "tail", "state_host",
-                 "disk", "state_disk")
+                 "disk", "state_disk", "window_disk")
 
     def __init__(self, pages: int, device: list, first: list, host: list, tail: int,
                  state_host: int = -1, disk: int = 0):
@@ -42,6 +42,7 @@ class Hit:
         self.tail = tail              # chain hash of the prefix [0, device_end)
         self.state_host = state_host
         self.state_disk = False
+        self.window_disk = False      # each cached window's tail at its end read from disk
 
 
 def longest_hit(coord, req, max_pages: int, sliding: bool = True, use_host: bool = True) -> Hit:
