@@ -272,17 +272,15 @@ LFM2 = dict(layer_types=("conv", "full_attention"))
 
 
 @pytest.mark.parametrize("arch,extra,named", [
-    ("gemma3", GEMMA, "sliding-window layers (window 8) whose tails a hit would read "
-                      "from a cache; set engine.sliding_replay: true"),
     ("mistral", dict(sliding_window=16), "no full-history attention layer"),
     ("qwen3_5", QWEN35, "1 layer keeping a recurrent state, and engine.state_checkpoints "
                         "is off"),
     ("lfm2", LFM2, "1 layer keeping a recurrent state, and engine.state_checkpoints is off"),
 ])
 def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
-    """A model whose hit would need a cached sliding window's tail, or a
-    state checkpoint none is kept of, is refused at start, its family and
-    what the tier cannot restore named, the fix said."""
+    """A model whose hit would need a state checkpoint none is kept of, or
+    with no full-history layer, is refused at start, its family and what
+    the tier cannot restore named, the fix said."""
     import dataclasses
     import re
 
@@ -298,16 +296,18 @@ def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
 
 
 @pytest.mark.parametrize("arch,extra", [("gemma3", GEMMA), ("qwen3_5", QWEN35), ("lfm2", LFM2)])
-def test_windows_under_replay_and_states_with_checkpoints_are_served(arch, extra):
-    """Windows recomputed by bounded replay (§1.3) and state checkpoints
-    (§1.2, written and read with the pages): the tier serves both."""
+def test_windows_and_states_with_checkpoints_are_served(arch, extra):
+    """Windows, replayed (§1.3) or cached (their tails written and read
+    with the pages), and state checkpoints (§1.2, written and read with
+    the pages): the tier serves them all."""
     import dataclasses
 
     from pdserve.kernels.model_config import tiny_config
     from pdserve.roles.disk_tier import check_model_served
 
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
-    check_model_served(DiskCacheConfig(path="unused"), mcfg, sliding_replay=True)
+    for replay in (True, False):
+        check_model_served(DiskCacheConfig(path="unused"), mcfg, sliding_replay=replay)
 
 
 def test_a_probe_whose_first_page_is_absent_reads_nothing(tmp_path):

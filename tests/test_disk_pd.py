@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
+from pdserve.roles.disk_tier import DiskTier, weights_fingerprint, window_files
 from pdserve.roles.engine import Engine
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig
@@ -67,7 +67,8 @@ class PDNode:
         ex = TorchExecutor(m, self.llm.tokenizer, cfg, disk=None)
         ex.disk = DiskTier(cfg.disk_cache, store, model_id=weights_fingerprint(m),
                            dtype="float32", layout=ex.caches[0].layout(),
-                           page_size=cfg.page_size)
+                           page_size=cfg.page_size, state=ex.state_files(),
+                           windows=window_files(ex.groups, ex.caches))
         return Engine(role.value, Planner(cfg, role, groups=ex.groups), ex,
                       forget_finished=False)
 
@@ -114,8 +115,12 @@ class PDNode:
             if out.plan.remote_decodes:
                 (ship,) = out.plan.remote_decodes
                 break
-        D.executor.caches[0].copy_pages_from(P.executor.caches[0], ship.src[0],
-                                             ask.landing[0])
+        for g, (src, dst) in enumerate(zip(ship.src, ask.landing)):    # every group's slots
+            into, out = D.executor.caches[g], P.executor.caches[g]
+            if g == D.executor.state:
+                into.copy_slots_from(out, src, dst)
+            else:
+                into.copy_pages_from(out, src, dst)
         stopped = D.executor.on_token(r, ship.first_token)
         D.planner.transfer_landed(r.id, ship.first_token, stopped)
         P.planner.peer_ack(r.id)

@@ -128,3 +128,35 @@ def with_store(d, store, policy: str = "wait_complete") -> LLM:
 class AllChains:
     def __contains__(self, _chain) -> bool:
         return True
+
+
+def test_selective_writes_put_the_checkpoint_with_the_pages_and_a_restart_hits_it(
+        qwen, reference, tmp_path):
+    """write_through_selective: a page run is written at its first host hit
+    (write_hits 1), and so is the checkpoint that ends it, so after a
+    restart the next turn resumes from disk with the tier-off tokens."""
+    disk = {"path": str(tmp_path), "prefetch_policy": "wait_complete",
+            "write_policy": "write_through_selective", "write_hits": 1}
+    small = dict(ENGINE, total_pages=24)
+    first = LLM({"model": {"path": str(qwen)}}, dtype="float32", attention="torch",
+                disk_cache=disk, **small)
+    turns = conversation()
+    assert one_by_one(first, turns[:1]) == reference[:1]
+    assert first.executor.disk.flush() and not list(tmp_path.glob("*.kv"))
+    one_by_one(first, [filler()])                        # the first turn leaves the device
+    assert one_by_one(first, turns[1:2]) == reference[1:2]  # a host hit: now written
+    assert first.engine.planner.hits.host_tokens >= 32   # the whole hit from host
+    assert first.executor.disk.flush()
+    first.executor.close()
+    again = serve(qwen, disk)                            # a restart on the same directory
+    assert one_by_one(again, turns[1:]) == reference[1:]
+    planner = again.engine.planner
+    assert planner.hits.disk_tokens >= 32 and planner.hits.disk_missed == 0
+    assert again.executor.disk.counts.reads_hit >= 2     # pages and a checkpoint
+    planner.assert_idle()
+
+
+def filler() -> list[int]:
+    """A prompt sharing nothing with the conversation, long enough to
+    evict it from a 24-page device pool."""
+    return [1] + [(7 * i) % 100 + 20 for i in range(87)]

@@ -182,7 +182,7 @@ def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages()
         p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
                            max_scheduled_tokens=64, sliding_replay=replay),
                     groups=(FULL, CacheGroupSpec("sliding_window", 4, replayable=replay)))
-        assert p.coord.serves_disk is replay and not p.coord.landing_serves_disk
+        assert p.coord.serves_disk is replay and p.coord.landing_serves_disk is replay
         r = req("a", PROMPT)
         r.disk_pages = 5
         p.submit(r)
@@ -199,6 +199,53 @@ def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages()
         run_to_completion(p)
         p.assert_idle()
         assert p.hits.disk_tokens == 20
+
+
+def test_a_disk_hit_beside_cached_windows_reads_each_tail_and_stores_the_pages():
+    """Cached windows with a disk tier (`window_disk`): published window
+    pages are stored to host for the disk (entering no host index), and a
+    disk hit ends where the probe found the tails, reading the window's
+    tail at its end into the group's first granted slots; nothing is
+    replayed. A hit that host room or the granularity would cut shorter
+    than the probe's end reads nothing (its tail was not probed)."""
+    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+
+    def cached():
+        p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
+                           max_scheduled_tokens=64),
+                    groups=(FULL, CacheGroupSpec("sliding_window", 8)))
+        p.coord.window_disk = True
+        return p
+    p = cached()
+    assert p.coord.serves_disk
+    r = req("a", PROMPT)
+    r.disk_pages = 5                      # 20 tokens; window 8: slots 3 and 4 are its tail
+    p.submit(r)
+    plan = p.build()
+    pages, tail = plan.disk_loads
+    assert pages.group == 0 and pages.chains == chains(PROMPT, 5)
+    assert tail.group == 1 and tail.chains == chains(PROMPT, 5)[3:] and tail.first_page == 3
+    (ld,) = [ld for ld in plan.loads if ld.group == 1]
+    assert ld.host_pages == tail.host_pages
+    assert ld.device_pages == r.state.res.tables[1][3:5]
+    (op,) = plan.prefills
+    assert op.begin == 20 and not op.replay and r.cached == (0, 0, 20)
+    p.check_invariants()
+    p.apply(plan, result_for(plan))
+    stored = [s for s in plan.stores if s.group == 1]
+    while p.has_work():
+        plan, _ = step(p)
+        stored += [s for s in plan.stores if s.group == 1]
+    assert stored and all(s.pinned for s in stored)
+    assert p.coord.hosts[1].index.num_cached == 0  # for the disk only
+    p.assert_idle()
+    p = cached()
+    r = req("b", PROMPT)
+    r.disk_pages = 6
+    p.submit(r)
+    p.coord.host_cache.tiers[0].allocate(27)        # room for 5 pages, not 6
+    plan = p.build()
+    assert not plan.disk_loads and plan.prefills[0].begin == 0
 
 
 # ---- D's remote admission (P/D) ----------------------------------------------------
@@ -229,6 +276,35 @@ def test_d_reads_its_disk_prefix_and_asks_the_peer_only_for_the_rest():
     pair.run()
     assert [f.id for f in pair.finished] == ["a"]
     assert pair.D.hits.disk_tokens == 20
+    pair.D.assert_idle()
+    pair.P.assert_idle()
+
+
+def test_d_s_disk_hit_beside_a_state_group_reads_pages_only_and_asks_for_the_state():
+    """A state model's landing (§1.2 with §3.2): the peer sends the final
+    state whatever D found, so D's disk hit reads the full history's
+    pages only (no checkpoint, not even at a block boundary) and asks P
+    for the pages after them and the prompt's final state."""
+    from pd_support import PDPair
+    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    cfg = config(page_size=4, total_pages=64, host_pages=32, state_slots=16,
+                 max_scheduled_tokens=64)
+    pair = PDPair(cfg, cfg, groups=(FULL, CacheGroupSpec("snapshot_state", block=8)))
+    assert pair.D.coord.landing_serves_disk
+    r = req("a", PROMPT)
+    r.disk_pages = 4                      # 16 tokens: a checkpoint boundary
+    pair.submit(r)
+    dplan, _ = pair.tick()
+    (dl,) = dplan.disk_loads
+    assert dl.group == 0 and dl.chains == chains(PROMPT, 4)
+    assert [ld.group for ld in dplan.loads] == [0]
+    (ask,) = dplan.remote_prefills
+    assert ask.first_page == 4 and r.cached == (0, 0, 16)
+    assert len(ask.landing[1]) == 1       # the final state's slot
+    pair.D.check_invariants()
+    pair.run()
+    assert [f.id for f in pair.finished] == ["a"]
+    assert pair.D.hits.disk_tokens == 16
     pair.D.assert_idle()
     pair.P.assert_idle()
 

@@ -18,7 +18,15 @@ arrival, the reads a plan asks for, and writes through from the host tier.
                                `disk_pages` ends at one the disk holds; a
                                plan's state DiskLoadOp reads it into a host
                                slot; checkpoints are written through as
-                               their host stores land (write_through)
+                               their host stores land (write_through), or
+                               with the page they end (selective)
+    a cached sliding group     (WindowFiles) its window pages, stored to
+                               host as they are published, are written
+                               through under the chain hash each ends
+                               (write_through only); the probe EXISTS each
+                               and `disk_pages` ends where every window's
+                               tail is on disk; a plan's DiskLoadOp of the
+                               group reads the tail into its host pages
     a pinned host store        write_through: each page queued to disk as it
                                reaches host; write_through_selective: once
                                host hits on it reach write_hits; skipped
@@ -52,21 +60,23 @@ from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, Fi
 def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0,
                        sliding_replay: bool = False, state_checkpoints: bool = True) -> None:
     """Refuse a disk tier for a model whose hit the tier cannot restore.
-    It stores the full-history group's pages and a state group's
-    checkpoints. Served: every attention layer keeping full history
-    (Llama, Qwen2/3, SmolLM2); recurrent-state layers beside them (Qwen3.5,
-    LFM2) with engine.state_checkpoints (a hit ends at a checkpoint the
-    disk holds, §1.2); sliding-window layers beside full ones (Gemma 3)
-    under engine.sliding_replay (a hit's first chunk recomputes each
-    window from the full-history pages, §1.3). Refused by name: sliding
-    windows whose tails would have to be cached (no replay), state layers
-    without checkpoints, and models without a full-history layer. Raises
-    ConfigError naming what to change."""
+    It stores the full-history group's pages, a state group's checkpoints
+    and a cached sliding group's window pages. Served: every attention
+    layer keeping full history (Llama, Qwen2/3, SmolLM2); recurrent-state
+    layers beside them (Qwen3.5, LFM2) with engine.state_checkpoints (a hit
+    ends at a checkpoint the disk holds, §1.2); sliding-window layers
+    beside full ones (Gemma 3): under engine.sliding_replay a hit's first
+    chunk recomputes each window from the full-history pages (§1.3),
+    without it the hit reads each window's tail from disk. Refused by
+    name: state layers without checkpoints, cached windows beside a state
+    group (a hit would need both ends; no model has them), and models
+    without a full-history layer. Raises ConfigError naming what to
+    change."""
     if cfg is None:
         return
     groups = model_cfg.cache_groups()
     state = model_cfg.state_group(state_block)
-    sliding = [g.window for g in groups if g.sliding]
+    cached = [g.window for g in groups if g.sliding] if not sliding_replay else []
     if not groups or groups[0].sliding:
         why = "no full-history attention layer, so nothing the tier stores can start a hit"
     elif state is not None and not state_checkpoints:
@@ -74,10 +84,10 @@ def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int 
         why = (f"{n} layer{'s' if n != 1 else ''} keeping a recurrent state, and "
                "engine.state_checkpoints is off: a hit must restore the state checkpoint "
                "at its end, and none is kept to write to disk; turn state_checkpoints on")
-    elif sliding and not sliding_replay:
-        why = (f"sliding-window layers (window {', '.join(map(str, sliding))}) whose tails "
-               "a hit would read from a cache; set engine.sliding_replay: true so a hit "
-               "recomputes them from the full-history pages the disk serves")
+    elif state is not None and cached:
+        why = ("recurrent-state layers beside sliding-window layers whose tails a hit "
+               "would read from disk, which the tier does not serve together; set "
+               "engine.sliding_replay: true")
     else:
         return
     raise ConfigError(
@@ -152,6 +162,57 @@ class StateFiles:
     layout: str
 
 
+class HostCheckpoints:
+    """Which host slot of a state model's host state cache holds the
+    checkpoint of which chain (selective writes: a checkpoint is written
+    when the page it ends is, maybe rounds after it reached host)."""
+
+    def __init__(self):
+        self.host = None                            # the host state cache (set each round)
+        self._slot: dict[int, int] = {}             # chain -> host slot
+        self._chain: dict[int, int] = {}            # host slot -> chain
+
+    def stored(self, chain: int, slot: int) -> None:
+        self.overwritten([slot])
+        if len(self._slot) >= REMEMBERED:
+            self._slot.clear()
+            self._chain.clear()
+        self._slot[chain], self._chain[slot] = slot, chain
+
+    def overwritten(self, slots) -> None:
+        """Slots written with something else (a snapshot, a disk read)."""
+        for hp in slots:
+            chain = self._chain.pop(hp, None)
+            if chain is not None and self._slot.get(chain) == hp:
+                del self._slot[chain]
+
+    def slot(self, chain: int) -> int | None:
+        return self._slot.get(chain)
+
+
+@dataclass(frozen=True)
+class WindowFiles:
+    """A sliding-window group's window tails on disk: its group, window
+    (tokens a query sees, itself included) and a page's layout (the key's).
+    A tail page is keyed by the chain hash of the prefix it ends, as the
+    full-history page of the same slot is."""
+    group: int
+    window: int
+    layout: str
+
+    def tail(self, end: int, page_size: int) -> range:
+        """The slots a hit ending at page `end` needs of this group: those
+        the first query after it reads (cache_groups.first_live_page)."""
+        return range(max(end * page_size - self.window + 1, 0) // page_size, end)
+
+
+def window_files(groups, caches) -> tuple:
+    """The WindowFiles of each cached (non-replayable) sliding group of an
+    executor's `groups` (CacheGroupSpec) and `caches` (their device pools)."""
+    return tuple(WindowFiles(g, spec.window, caches[g].layout())
+                 for g, spec in enumerate(groups) if spec.sliding and not spec.replayable)
+
+
 @dataclass
 class Prefetch:
     """One request's reads ahead of its admission."""
@@ -166,6 +227,8 @@ class Prefetch:
     missed_at: int | None = None                # the first index whose read missed
     let_go: bool = False
     state_jobs: dict = field(default_factory=dict)  # GET of a checkpoint: job -> index
+    window_jobs: dict = field(default_factory=dict)  # EXISTS of a tail page: job -> (group, index)
+    tails: set = field(default_factory=set)         # (group, index) the disk holds
     states: dict = field(default_factory=dict)  # index whose page ends at a checkpoint -> its bytes (None: found, not read)
 
     def run(self, probed: bool = False) -> int:
@@ -179,17 +242,21 @@ class Prefetch:
 
     def finished(self) -> bool:
         end = len(self.chains) if self.missed_at is None else self.missed_at
-        return not self.state_jobs and all(i in self.ended for i in range(end))
+        return not self.state_jobs and not self.window_jobs \
+            and all(i in self.ended for i in range(end))
 
 
 class DiskTier:
     def __init__(self, cfg: DiskCacheConfig, store: DiskStore, *, model_id: str, dtype: str,
                  layout: str, page_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 state: "StateFiles | None" = None, clock=time.monotonic):
+                 state: "StateFiles | None" = None, windows: tuple = (),
+                 clock=time.monotonic):
         """`state`: a state model's checkpoints (their group, block and slot
-        layout); None for a model without a state group."""
+        layout); None for a model without a state group. `windows`: the
+        sliding groups whose window tails the tier stores (WindowFiles)."""
         self.cfg = cfg
         self.state = state
+        self.windows = {w.group: w for w in windows}
         self.store = store
         self.model_id, self.dtype, self.layout = model_id, dtype, layout
         self.page_size = page_size
@@ -202,21 +269,23 @@ class DiskTier:
         self._written: set[tuple[int, int]] = set()     # (group, chain) this engine wrote or read
         self._host_chain: dict[int, int] = {}       # host page -> chain it caches
         self._hits: dict[int, int] = {}             # chain -> host hits (selective)
+        self._checkpoints = HostCheckpoints()       # selective: the state's host slots
         self._writes_out: set[int] = set()          # PUT jobs not yet polled
 
     @classmethod
     def open(cls, cfg: DiskCacheConfig, model, page_size: int, layout: str,
-             state: "StateFiles | None" = None) -> "DiskTier":
+             state: "StateFiles | None" = None, windows: tuple = ()) -> "DiskTier":
         """The file-backed tier of `cfg` for `model`, or a DiskStoreError
         saying why its path cannot be used."""
         store = FileStore(cfg.path, cfg.max_bytes)
         return cls(cfg, store, model_id=weights_fingerprint(model),
                    dtype=str(model.dtype).removeprefix("torch."), layout=layout,
-                   page_size=page_size, state=state)
+                   page_size=page_size, state=state, windows=windows)
 
     def key(self, chain: int, group: int = 0) -> DiskKey:
         st = self.state
-        layout = st.layout if st is not None and group == st.group else self.layout
+        layout = st.layout if st is not None and group == st.group else \
+            self.windows[group].layout if group in self.windows else self.layout
         return DiskKey(chain, group, self.model_id, self.dtype, layout,
                        self.tp_rank, self.tp_size)
 
@@ -251,10 +320,22 @@ class DiskTier:
                 while run and (run - 1 not in pf.states
                                or (pf.start + run) % self.state.block_pages):
                     run -= 1
+            while run and not self._tails_found(pf, pf.start + run):
+                run -= 1                        # a hit ends where every window's tail is
             if run * self.page_size < self.cfg.min_hit_tokens:
                 run = 0
             req.disk_pages = pf.start + run if run else 0
             req.disk_wait = not pf.let_go
+
+    def _tails_found(self, pf: Prefetch, end: int) -> bool:
+        """Does the disk hold each window's tail for a hit ending at page
+        `end`, within the pages probed (a tail reaching below them: no)?"""
+        for w in self.windows.values():
+            tail = w.tail(end, self.page_size)
+            if tail.start < pf.start or any((w.group, i - pf.start) not in pf.tails
+                                            for i in tail):
+                return False
+        return True
 
     def holding(self) -> bool:
         """Is a request held for its prefetch?"""
@@ -310,6 +391,11 @@ class DiskTier:
                         j = self.store.submit(op, self.key(c, st.group))
                         pf.state_jobs[j] = i
                         self._jobs[j] = req.id
+        for w in self.windows.values():     # tails are read at admission: probed only
+            for i, c in enumerate(chains):
+                j = self.store.submit(DiskOp.EXISTS, self.key(c, w.group))
+                pf.window_jobs[j] = (w.group, i)
+                self._jobs[j] = req.id
         self._prefetch[req.id] = pf
         req.disk_wait = self.cfg.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
 
@@ -330,6 +416,11 @@ class DiskTier:
             rid = self._jobs.pop(d.job, None)
             pf = self._prefetch.get(rid) if rid is not None else None
             if pf is None:
+                continue
+            if d.job in pf.window_jobs:
+                if d.ok:
+                    pf.tails.add(pf.window_jobs[d.job])
+                del pf.window_jobs[d.job]
                 continue
             if d.job in pf.state_jobs:
                 i = pf.state_jobs.pop(d.job)
@@ -355,11 +446,11 @@ class DiskTier:
 
     def _drop(self, rid: str) -> None:
         pf = self._prefetch.pop(rid)
-        for j in [*pf.jobs, *pf.state_jobs]:
+        for j in [*pf.jobs, *pf.state_jobs, *pf.window_jobs]:
             self._jobs.pop(j, None)
 
     # ---- a round's copies (the executor calls this after its host stores) --------
-    def copies(self, plan, result, host, state_host=None) -> set[str]:
+    def copies(self, plan, result, host, state_host=None, hosts=None) -> set[str]:
         """Write-through of the round's full-history stores (their host
         pages now hold them), then the round's disk reads into host pages,
         hit or miss, each acked in `result`; host hits counted for
@@ -367,14 +458,18 @@ class DiskTier:
         forward this round runs on unfilled pages: the planner retracts
         them and drops what they sample). `host`: group 0's host cache;
         `state_host`: a state model's host state cache (its checkpoints
-        are written through as they reach host, under write_through)."""
+        are written through as they reach host, under write_through);
+        `hosts`: every group's host cache, for the sliding groups in
+        `windows` (their window tails, written through and read back)."""
         assert isinstance(host, KVCache)            # the tier caches full-history pages
         st = self.state
+        self._checkpoints.host = state_host
         for s in plan.stores:
-            if st is not None and s.group == st.group and s.pinned:
-                if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
-                    for hp, chain in zip(s.host_pages, s.entries or ()):
-                        self._write(chain, lambda hp=hp: state_host.read_slot(hp), st.group)
+            if st is not None and s.group == st.group:
+                self._checkpoint_stored(s, state_host)
+                continue
+            if s.group in self.windows:
+                self._window_stored(s, hosts[s.group])
                 continue
             if s.group != 0:
                 continue
@@ -387,7 +482,9 @@ class DiskTier:
         missed = set()
         for op in plan.disk_loads:
             on_state = st is not None and op.group == st.group
-            if not on_state:
+            if on_state:
+                self._checkpoints.overwritten(op.host_pages)
+            elif op.group == 0:
                 self.host_overwritten(op.host_pages)
             data = None if op.req_id in missed else self.read(op)
             if data is None:
@@ -397,6 +494,8 @@ class DiskTier:
             for hp, b in zip(op.host_pages, data):
                 if on_state:
                     state_host.write_slot(hp, b)
+                elif op.group in self.windows:
+                    hosts[op.group].write_page(hp, b)
                 else:
                     host.write_page(hp, b)
             result.disk_loads_done.append(op.id)
@@ -424,7 +523,9 @@ class DiskTier:
             if pf is not None:
                 i = op.first_page + n - pf.start
                 if 0 <= i < len(pf.chains) and pf.chains[i] == chain:
-                    data = pf.got.pop(i, None) if op.group == 0 else pf.states.pop(i, None)
+                    # window tails are not prefetched: read now
+                    data = pf.got.pop(i, None) if op.group == 0 else None \
+                        if op.group in self.windows else pf.states.pop(i, None)
             if data is None:
                 self.counts.read_now_pages += 1
                 d = self.store.wait(self.store.submit(DiskOp.GET, self.key(chain, op.group)),
@@ -465,6 +566,46 @@ class DiskTier:
         if n >= self.cfg.write_hits:
             self._hits.pop(chain, None)
             self._write(chain, page_bytes)
+            self._write_checkpoint(chain)
+
+    def _window_stored(self, s, host) -> None:
+        """A pinned store of a sliding group's window tail landed on host:
+        write each page through under the chain hash it ends (`entries`),
+        beside the full-history page of the same slot. Under
+        write_through_selective tails are not written (a tail is needed
+        whole, at one hit's end, and hits count full-history pages)."""
+        if not s.pinned or self.cfg.write_policy is not WritePolicy.WRITE_THROUGH:
+            return
+        for hp, chain in zip(s.host_pages, s.entries or ()):
+            self._write(chain, lambda hp=hp: host.read_page(hp), s.group)
+
+    def _checkpoint_stored(self, s, state_host) -> None:
+        """A store of the state group landed on host: a pinned one is a
+        checkpoint publication, written now (write_through) or when the
+        page it ends is (selective; at once if that page is already on
+        disk); an unpinned one (a snapshot) overwrites its slots."""
+        if not s.pinned:
+            self._checkpoints.overwritten(s.host_pages)
+            return
+        st = self.state
+        assert st is not None
+        for hp, chain in zip(s.host_pages, s.entries or ()):
+            if self.cfg.write_policy is WritePolicy.WRITE_THROUGH:
+                self._write(chain, lambda hp=hp: state_host.read_slot(hp), st.group)
+            elif self.cfg.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                self._checkpoints.stored(chain, hp)
+                if (0, chain) in self._written:
+                    self._write_checkpoint(chain)
+
+    def _write_checkpoint(self, chain: int) -> None:
+        """Selective: the page ending at `chain` was written; so is the
+        state checkpoint there, if the host holds it, so a disk hit can
+        end at that page (a hit ends at a checkpoint the disk holds)."""
+        st = self.state
+        slot = self._checkpoints.slot(chain) if st is not None else None
+        if st is not None and slot is not None:
+            host = self._checkpoints.host
+            self._write(chain, lambda: host.read_slot(slot), st.group)
 
     def _write(self, chain: int, page_bytes, group: int = 0) -> None:
         if (group, chain) in self._written:

@@ -40,7 +40,7 @@ from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
-from pdserve.roles.disk_tier import DiskTier, StateFiles, check_model_served
+from pdserve.roles.disk_tier import DiskTier, StateFiles, check_model_served, window_files
 from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
@@ -157,7 +157,7 @@ class TorchExecutor:
             check_model_served(cfg.disk_cache, model.cfg, cfg.state_block, cfg.sliding_replay,
                                cfg.state_checkpoints)
             disk = DiskTier.open(cfg.disk_cache, model, cfg.page_size, self.caches[0].layout(),
-                                 self.state_files())
+                                 self.state_files(), window_files(self.groups, self.caches))
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
         # speculative decoding (roles/speculation.py), engine.speculative's
@@ -307,7 +307,7 @@ class TorchExecutor:
                 torch.cuda.current_stream(self.cache.data.device).synchronize()
             self._disk_missed = self.disk.copies(
                 plan, result, self.hosts[0], self.hosts[self.state] if self.state is not None
-                else None)
+                else None, self.hosts)
         for ld in plan.loads:
             host, dev = self.hosts[ld.group], self.caches[ld.group]
             if ld.group == self.state:

@@ -34,8 +34,10 @@ and its loads as it admits a host hit, and passes the planner's snapshot
 and ack calls through, so the planner sees one object.
 
 The disk (L3) tier is an edge the coordinator never reads (it serves the
-full-history group, beside replayable sliding groups or a state group,
-whose checkpoint at the hit's end is read with the pages; `serves_disk`):
+full-history group, beside replayable sliding groups, cached ones whose
+window tail at the hit's end is read with the pages (`window_disk`: their
+published pages are stored to host for the disk), or a state group, whose
+checkpoint at the hit's end is read with the pages; `serves_disk`):
 a request carries what the engine's probe found (`Request.disk_pages`), and
 `disk_hit` continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
@@ -53,6 +55,15 @@ from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
 from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
 from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
+
+
+def chain_hashes(req, pages: int, page_size: int) -> list[int]:
+    """The chain hash of each of the first `pages` prompt pages of `req`."""
+    h, out = ROOT_HASH, []
+    for i in range(pages):
+        h = chain_hash(h, req.page_key(i, page_size))
+        out.append(h)
+    return out
 
 
 class Coordinator:
@@ -75,6 +86,10 @@ class Coordinator:
         self.state = next((i for i, g in enumerate(groups) if g.spec.state), None)
         # groups whose cached entries are named by the chain hash
         self.keyed = self.cached_sliding + ([self.state] if self.state is not None else [])
+        # a disk tier stores the cached sliding groups' window tails: their
+        # published pages are stored to host (so written to disk) and a disk
+        # hit reads the tail at its end (set by the planner, engine.disk_cache)
+        self.window_disk = False
         self.host_cache = HostCache(groups, host_pages, host_slots)
         self.fences: dict = {}                      # key -> per group, device pages a late write may reach
         # fences of bundles released while their loads were in flight: key -> load ids left
@@ -167,28 +182,33 @@ class Coordinator:
     @property
     def serves_disk(self) -> bool:
         """Can a disk hit be read here: a full-history group (the tier
-        caches its pages, and a state group's checkpoints), no cached
-        sliding group (its window's tail would be needed), and a host tier
-        to stage through. Replayable sliding groups (§1.3) are served: a
+        caches its pages, and a state group's checkpoints), cached sliding
+        groups only where the tier stores their tails (`window_disk`), and
+        a host tier to stage through. Replayable sliding groups (§1.3) are served: a
         hit's first chunk recomputes their windows from the full-history
         pages the disk filled. A state group's disk hit ends exactly where
         the probe found a checkpoint (§1.2), read with the pages."""
-        return self.full == 0 and not self.cached_sliding and self.host is not None
+        return self.full == 0 and (not self.cached_sliding or self.window_disk) \
+            and self.host is not None
 
     @property
     def landing_serves_disk(self) -> bool:
         """Can D's remote admission read its own tiers (host and disk)
-        and ask the peer for the rest: a full-history group alone. With
-        sliding groups the peer sends each window's tail of the whole
-        prompt, which a hit cut short of the prompt would not have."""
-        return self.serves_disk and len(self.groups) == 1
+        and ask the peer for the rest: wherever a disk hit can be read.
+        The peer sends each sliding group's last window and the state
+        group's final state whatever D's hit (`transfer_slots`), so D's
+        hit needs the full history's pages only: its windows are never
+        replayed nor its checkpoint read (`disk_hit`'s `landing`)."""
+        return self.serves_disk
 
-    def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int) -> Hit:
+    def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int,
+                 landing: bool = False) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it
         (`req.disk_pages`, at most `max_pages` in all), shortened to what
         the host tier can stage and rounded down to `granularity` pages
         (spec §1: a prefetch that cannot allocate every probed page is
-        shortened, never partly trusted). Pure."""
+        shortened, never partly trusted). `landing`: D's remote admission,
+        whose state comes from the peer (no checkpoint is read). Pure."""
         want = min(req.disk_pages, max_pages) - hit.pages
         if want <= 0 or not self.serves_disk:
             return hit
@@ -197,16 +217,43 @@ class Coordinator:
         end -= end % granularity
         if end <= hit.pages:
             return hit
+        if self.cached_sliding and not landing:
+            return self._window_disk_hit(req, hit, end)
         s = self.state
-        if s is not None:
+        if s is not None and not landing:
             # the state at the hit's end comes from disk: the probe found a
             # checkpoint at req.disk_pages only, so nothing shorter is read
             if end != req.disk_pages or not self.host_cache.state_disk_room():
                 return hit
             device, first = list(hit.device), list(hit.first)
             device[s], first[s] = [], 0
-            hit = Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk)
+            hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk),
+                            end - hit.pages)
+            hit.state_disk = True
+            return hit
         return with_disk(hit, end - hit.pages)
+
+    def _window_disk_hit(self, req, hit: Hit, end: int) -> Hit:
+        """A disk hit beside cached sliding groups: it ends exactly where
+        the probe found each group's window tail (`req.disk_pages`), read
+        from disk with the full history's pages, through the group's host
+        tier; the device lookback of the shorter hit is not claimed."""
+        if end != req.disk_pages or any(
+                not self.host_cache.window_disk_room(g, len(self.window_tail(g, end)))
+                for g in self.cached_sliding):
+            return hit
+        device, first = list(hit.device), list(hit.first)
+        for g in self.cached_sliding:
+            device[g], first[g] = [], 0
+        hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, hit.state_host,
+                            hit.disk), end - hit.pages)
+        hit.window_disk = True
+        return hit
+
+    def window_tail(self, g: int, end: int) -> range:
+        """The slots of sliding group g the first query after a hit ending
+        at page `end` reads."""
+        return range(self.groups[g].first_live(end * self.page_size), end)
 
     def disk_chains(self, req, hit: Hit) -> list[int]:
         """The chain hash of each disk page of `hit`: the disk tier's key
@@ -298,7 +345,7 @@ class Coordinator:
                     # the hit's checkpoint from host into the slot its forward reads
                     self.host_cache.load(req.id, g, [hit.state_host], [table[hit.pages - 1]],
                                          plan)
-                elif fresh_hit and hit is not None and hit.disk:
+                elif fresh_hit and hit is not None and hit.state_disk:
                     # the hit's checkpoint from disk, through a host slot
                     self.host_cache.load_from_disk(req.id, [self.disk_chains(req, hit)[-1]],
                                                    hit.pages - 1, [table[hit.pages - 1]],
@@ -309,6 +356,13 @@ class Coordinator:
             if not need:
                 continue
             pages = self._allocate(grp, need)
+            if fresh_hit and hit is not None and hit.window_disk and g in self.cached_sliding:
+                # the window's tail at the hit's end from disk, through host pages
+                tail = self.window_tail(g, hit.pages)
+                assert len(table) == tail.start     # its slots are the first granted
+                hashes = chain_hashes(req, hit.pages, self.page_size)
+                self.host_cache.load_from_disk(req.id, [hashes[i] for i in tail], tail.start,
+                                               pages[:len(tail)], plan, group=g)
             if g == 0 and hit is not None and hit.host:
                 self.host_cache.load(req.id, 0, list(hit.host), pages[:len(hit.host)], plan)
             if g == 0 and fresh_hit and hit is not None and hit.disk:
@@ -411,7 +465,8 @@ class Coordinator:
             if upto <= res.published:
                 return
         ps = self.groups[0].page_size
-        sliding = [(self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
+        sliding = [(g, self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
+        fresh_windows: list = []                    # (group, page, chain): window_disk
         state = self.state is not None and res.marks
         if state:
             assert self.state is not None               # `state` implies a state group
@@ -425,10 +480,11 @@ class Coordinator:
             key = req.page_key(i, ps)
             if self.keyed:
                 h = chain_hash(h, key)
-                for windex, wtable in sliding:
+                for g, windex, wtable in sliding:
                     assert isinstance(windex, WindowIndex)  # a sliding group keys by chain hash
-                    if i < len(wtable) and wtable[i] != HOLE and not windex.contains(wtable[i]):
-                        windex.insert(h, wtable[i])
+                    if i < len(wtable) and wtable[i] != HOLE and not windex.contains(wtable[i]) \
+                            and windex.insert(h, wtable[i]) and self.window_disk:
+                        fresh_windows.append((g, wtable[i], h))
                 if state and i in marks:
                     assert isinstance(sindex, WindowIndex)  # a state group keys by chain hash
                     marks.discard(i)
@@ -458,6 +514,8 @@ class Coordinator:
             self.host_cache.store_published(req.id, fresh, table)
         if store and fresh_states and self.hosts:
             self.host_cache.store_states(req.id, fresh_states)
+        if store and fresh_windows and self.hosts:
+            self.host_cache.store_windows(req.id, fresh_windows)
 
     def _adopt(self, table: list, i: int, twin: int) -> None:
         """Slot i of the full-history table takes the cached page `twin`,

@@ -24,10 +24,12 @@ class Hit:
     `state_host` the host slot of the state checkpoint at the hit's end when
     the device has none (-1: it has, or there is no state group), and `disk`
     how many of the last pages the disk tier serves (slots [pages - disk,
-    pages), read through host pages; `with_disk`)."""
+    pages), read through host pages; `with_disk`), and `state_disk`
+    whether the state checkpoint at its end is read from disk with them
+    (`Coordinator.disk_hit`)."""
 
     __slots__ = ("pages", "device_end", "device", "first", "host", "tail", "state_host",
-                 "disk")
+                 "disk", "state_disk", "window_disk")
 
     def __init__(self, pages: int, device: list, first: list, host: list, tail: int,
                  state_host: int = -1, disk: int = 0):
@@ -39,6 +41,8 @@ class Hit:
         self.host = host
         self.tail = tail              # chain hash of the prefix [0, device_end)
         self.state_host = state_host
+        self.state_disk = False
+        self.window_disk = False      # each cached window's tail at its end read from disk
 
 
 def longest_hit(coord, req, max_pages: int, sliding: bool = True, use_host: bool = True) -> Hit:

@@ -148,6 +148,12 @@ class HostCache:
         host = self.tiers[self.state]
         return host.pool.num_free + host.index.num_idle > 0
 
+    def window_disk_room(self, g: int, n: int) -> bool:
+        """Could sliding group g's host tier stage `n` tail pages read from
+        disk now? Pure."""
+        host = self.tiers[g] if self.tiers else None
+        return host is not None and host.pool.num_free + host.index.num_idle >= n
+
     def load_from_disk(self, req_id: str, chains: list, first_page: int,
                        device_pages: list, plan, group: int = 0) -> None:
         """Read `chains` from disk into fresh host pages (a DiskLoadOp that
@@ -208,6 +214,25 @@ class HostCache:
                      [h for _, h in todo], [s for s, _ in todo], group=g)
         self.stores[op.id] = op
         self.pending_stores.append(op)
+
+    def store_windows(self, req_id: str, fresh: list) -> None:
+        """Pinned stores of newly published window pages of cached sliding
+        groups (`fresh`: (group, device page, chain hash) each), for the
+        disk tier to write through (best effort): they enter no host index
+        (a host hit never reads a window's tail), and each source page is
+        held until the ack."""
+        for g in sorted({f[0] for f in fresh}):
+            todo = [(p, h) for gg, p, h in fresh if gg == g]
+            host_pages = self.tiers[g].allocate(len(todo))
+            if host_pages is None:
+                continue
+            rc = self.groups[g].pool.refcount
+            for p, _ in todo:
+                rc[p] += 1
+            op = StoreOp(self._op_id(), req_id, [p for p, _ in todo], host_pages, True,
+                         [h for _, h in todo], [p for p, _ in todo], group=g)
+            self.stores[op.id] = op
+            self.pending_stores.append(op)
 
     def take_pending_stores(self) -> list[StoreOp]:
         out, self.pending_stores = self.pending_stores, []
@@ -294,10 +319,11 @@ class HostCache:
             assert isinstance(host.index, WindowIndex)  # the state group's tier is keyed
             for hp, h in zip(op.host_pages, op.entries):
                 host.index.insert(h, hp)             # dropped if h was cached meanwhile
-        else:
+        elif op.group == 0:
             assert isinstance(host.index, PrefixIndex)  # a page group's tier is a chain
             for hp, (parent, key) in zip(op.host_pages, op.entries):
                 host.index.insert(parent, key, hp)   # dropped if its parent left the host index
+        # a window tail's store (store_windows) was for the disk tier only
         host.release(op.host_pages)
         self._unpin(op)
 

@@ -474,13 +474,14 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     if req.disk_wait:
         b.waits.stop_line(Hold.DISK_PREFETCH, req)
         return None
-    # the peer sends each sliding group's last window: only the full
-    # history's hit counts here; host and disk hits where a disk tier can
-    # be read (one full-history group), the peer asked only for the rest
+    # the peer sends each sliding group's last window and the final state:
+    # only the full history's hit counts here; host and disk hits where a
+    # disk tier can be read, the peer asked only for the rest
     local = p.coord.landing_serves_disk
     hit = p.coord.match(req, (n - 1) // ps, sliding=False, use_host=local)
     if local and req.disk_pages > hit.pages:
-        hit = p.coord.disk_hit(req, hit, (n - 1) // ps, max(p.prefix_tokens // ps, 1))
+        hit = p.coord.disk_hit(req, hit, (n - 1) // ps, max(p.prefix_tokens // ps, 1),
+                               landing=True)
     headroom, remaining = _headroom(p, req)
     short = sliding_room(p, 1)
     if short is not None:

@@ -68,6 +68,7 @@ class Planner:
         pages = group_pages(cfg, groups)
         self.coord = Coordinator([make_group(g, n, ps) for g, n in zip(groups, pages)],
                                  host_pages=cfg.host_pages, host_slots=cfg.host_state_slots)
+        self.coord.window_disk = cfg.disk_cache is not None     # the tier stores window tails
         self._grammar = grammar_for(role, cfg.enable_mixed_prefill_decode)
         self.lora = AdapterSlots(lora_slots)
         self.waiting: deque[Request] = deque()
