@@ -15,7 +15,8 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint, window_files
+from pdserve.roles.disk_groups import window_files
+from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
 from pdserve.roles.engine import Engine
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig

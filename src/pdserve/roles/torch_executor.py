@@ -40,7 +40,8 @@ from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
-from pdserve.roles.disk_tier import DiskTier, StateFiles, check_model_served, window_files
+from pdserve.roles.disk_groups import StateFiles, window_files
+from pdserve.roles.disk_tier import DiskTier, check_model_served
 from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
