@@ -187,14 +187,8 @@ class HostCache:
         host_pages = host.allocate(len(todo))
         if host_pages is None:
             return                      # best effort: the device copy stays cached
-        rc = self.groups[0].pool.refcount
-        pins = table[:table.index(todo[-1][0]) + 1]
-        for page in pins:
-            rc[page] += 1               # pinned until the ack
-        op = StoreOp(self._op_id(), req_id, [f[0] for f in todo], host_pages, True,
-                     [(f[1], f[2]) for f in todo], pins)
-        self.stores[op.id] = op
-        self.pending_stores.append(op)
+        self._pinned_store(req_id, 0, [f[0] for f in todo], host_pages,
+                           [(f[1], f[2]) for f in todo], table[:table.index(todo[-1][0]) + 1])
 
     def store_states(self, req_id: str, fresh: list) -> None:
         """Pinned stores of newly published state checkpoints to the state
@@ -207,13 +201,8 @@ class HostCache:
         host_slots = host.allocate(len(todo)) if todo else None
         if not host_slots:
             return
-        rc = self.groups[g].pool.refcount
-        for slot, _ in todo:
-            rc[slot] += 1
-        op = StoreOp(self._op_id(), req_id, [s for s, _ in todo], host_slots, True,
-                     [h for _, h in todo], [s for s, _ in todo], group=g)
-        self.stores[op.id] = op
-        self.pending_stores.append(op)
+        slots = [s for s, _ in todo]
+        self._pinned_store(req_id, g, slots, host_slots, [h for _, h in todo], slots)
 
     def store_windows(self, req_id: str, fresh: list) -> None:
         """Pinned stores of newly published window pages of cached sliding
@@ -226,13 +215,19 @@ class HostCache:
             host_pages = self.tiers[g].allocate(len(todo))
             if host_pages is None:
                 continue
-            rc = self.groups[g].pool.refcount
-            for p, _ in todo:
-                rc[p] += 1
-            op = StoreOp(self._op_id(), req_id, [p for p, _ in todo], host_pages, True,
-                         [h for _, h in todo], [p for p, _ in todo], group=g)
-            self.stores[op.id] = op
-            self.pending_stores.append(op)
+            pages = [p for p, _ in todo]
+            self._pinned_store(req_id, g, pages, host_pages, [h for _, h in todo], pages)
+
+    def _pinned_store(self, req_id: str, g: int, src: list, dst: list, keys: list,
+                      pins: list) -> None:
+        """Queue a publication store of group `g`'s `src` to host `dst`,
+        `pins` held (a refcount each) until its ack."""
+        rc = self.groups[g].pool.refcount
+        for page in pins:
+            rc[page] += 1
+        op = StoreOp(self._op_id(), req_id, src, dst, True, keys, pins, group=g)
+        self.stores[op.id] = op
+        self.pending_stores.append(op)
 
     def take_pending_stores(self) -> list[StoreOp]:
         out, self.pending_stores = self.pending_stores, []
