@@ -1,9 +1,10 @@
-"""The draft-model proposer (kernels/draft_model.py, kernels/draft_pages.py,
-roles/spec_draft.py): a small model sharing the target's vocabulary drafts
-k candidates a round; greedy tokens are those plain decoding gives, fused
-and P/D, a drafter equal to the target has every candidate accepted, a
-sampling drafter's output follows the target's distribution, and drafts
-that cannot work are refused at load with the key and the fix."""
+"""The draft-model proposer (kernels/draft_model.py, roles/spec_draft.py):
+a small model sharing the target's vocabulary drafts k candidates a round;
+greedy tokens are those plain decoding gives, fused and P/D, a drafter
+equal to the target has every candidate accepted, a sampling drafter's
+output follows the target's distribution, and drafts that cannot work are
+refused at load with the key and the fix. The draft's K/V live in the
+target's pages (tests/test_spec_draft_pages.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from pdserve.benchmarks.spec_draft import write_random_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.kernels.attention import TorchAttention
 from pdserve.kernels.draft_model import DraftModelProposer
-from pdserve.kernels.draft_pages import DraftPages
 from pdserve.kernels.loader import TINY_SEED, attention_shape, build_model
 from pdserve.kernels.model import random_weights
 from pdserve.kernels.model_config import tiny_config
@@ -94,22 +94,25 @@ def test_greedy_tokens_are_identical_with_a_draft_model(reference, noisy, engine
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)] == reference
     c = llm.executor.spec.counts
     assert 0 < c.accepted_tokens < c.draft_tokens      # some kept, some rejected
-    drafter = llm.executor.spec.proposer
-    drafter.pages.check_invariants()
-    assert not drafter.pages.entries                   # every finished request let go
+    llm.engine.planner.check_invariants()
     llm.engine.planner.assert_idle()
 
 
 @pytest.mark.slow
-def test_prefix_hits_and_a_cold_drafter_draft_the_same(reference, noisy):
-    """The second pass hits the target's prefix cache; the drafter, keyed by
-    request, recomputes the prompt and the tokens do not change."""
+def test_prefix_hits_serve_the_drafts_k_v_too(reference, noisy):
+    """The second pass hits the target's prefix cache, whose pages hold the
+    draft's K/V beside the target's: the drafter computes only what the
+    target computes, and the tokens do not change."""
     llm = LLM(speculative=noisy, page_size=4)
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    drafter = llm.executor.spec.proposer
+    fed, computed = drafter.fed_rows, llm.executor.forward_tokens
     again = [o.token_ids for o in llm.generate(
         [p + t[:8] for p, t in zip(PROMPTS, first)], greedy(8), use_tqdm=False)]
     assert first == reference and again == [t[8:16] for t in reference]
     assert llm.engine.planner.hits.device_tokens > 0
+    # the draft fed no more rows than the target computed
+    assert drafter.fed_rows - fed <= llm.executor.forward_tokens - computed
 
 
 def test_p_drafts_on_the_completing_forward_and_d_verifies_to_the_fused_tokens(noisy):
@@ -120,8 +123,10 @@ def test_p_drafts_on_the_completing_forward_and_d_verifies_to_the_fused_tokens(n
     assert pd.generate(prompts, greedy(16)) == want
     assert pd.shipped_drafts > 0 and pd.first_verifies > 0
     assert pd.px.spec.proposer.forwards > 0          # P ran the drafter on its prompts
-    assert not pd.px.spec.proposer.pages.entries     # ... and let go once shipped
     assert pd.dx.spec.counts.accepted_tokens > 0
+    # D drafts from the pages P shipped, with the draft's K/V in them: it
+    # never fed a prompt's rows itself
+    assert pd.dx.spec.proposer.fed_rows < sum(len(p) for p in prompts)
 
 
 def test_a_pair_with_an_equal_draft_accepts_everything_d_verifies(reference):
@@ -140,16 +145,38 @@ def tiny_draft(vocab: int, seed: int, layers: int = 1):
                        TorchAttention(**attention_shape(cfg)))
 
 
+class Solo:
+    """A draft proposer over caches of its own (no target): each ask's
+    block table is a run of fresh pages, the last `scratch` pages spare."""
+
+    def __init__(self, model, pages: int, page_size: int, scratch: int = 8):
+        self.ps, self.next = page_size, 0
+        caches = model.new_caches([pages + scratch], page_size)
+        self.drafter = DraftModelProposer(model, caches, [list(range(pages, pages + scratch))],
+                                          page_size)
+
+    def ask(self, *args, **kw) -> DraftAsk:
+        """A DraftAsk whose table holds its context's positions (the new
+        token's page and the candidates' come from the scratch pages)."""
+        a = DraftAsk(*args, **kw)
+        n = -(-(len(a.context) - 1) // self.ps)
+        self.next += n
+        return dataclasses.replace(a, tables=(list(range(self.next - n, self.next)),))
+
+    def propose(self, asks):
+        return self.drafter.propose(asks)
+
+
 def test_sampled_output_with_a_draft_model_follows_the_target_distribution():
     """A real draft model on a 6-token vocabulary samples its candidates
     from q (its own logits under the request's temperature); each verify's
     first token, over 4,000 seeds, is distributed as the target's p
     (chi-squared at p = 0.001), though q is far from p."""
-    drafter = DraftModelProposer(tiny_draft(6, seed=3), pages=4000, page_size=8)
+    drafter = Solo(tiny_draft(6, seed=3), pages=1, page_size=8, scratch=4000)
     sp = SamplingParams(temperature=1.5)
     n = 4000
     # one-token contexts: every request's rows batch as decodes
-    asks = [DraftAsk(f"r{s}", [2], 2, sp, s, 0) for s in range(n)]
+    asks = [drafter.ask(f"r{s}", [2], 2, sp, s, 0) for s in range(n)]
     drafts = drafter.propose(asks)
     assert all(len(d.tokens) == 2 and d.probs.shape == (2, 6) for d in drafts)
     torch.manual_seed(7)
@@ -172,12 +199,11 @@ def test_sampled_output_with_a_draft_model_follows_the_target_distribution():
 
 
 def test_a_seeded_request_drafts_the_same_alone_or_batched():
-    drafter = DraftModelProposer(tiny_draft(98, seed=4), pages=64, page_size=4)
+    drafter = Solo(tiny_draft(98, seed=4), pages=64, page_size=4)
     sp = SamplingParams(temperature=1.0, seed=11)
-    ask = DraftAsk("a", list(range(1, 14)), 3, sp, 11, 5)
+    ask = drafter.ask("a", list(range(1, 14)), 3, sp, 11, 5)
     alone = drafter.propose([ask])[0].tokens
-    drafter.forget("a")
-    others = [DraftAsk(f"o{i}", list(range(i, i + 9)), 2, sp, i, 0) for i in range(5)]
+    others = [drafter.ask(f"o{i}", list(range(i, i + 9)), 2, sp, i, 0) for i in range(5)]
     batched = drafter.propose(others[:2] + [ask] + others[2:])[2].tokens
     assert batched == alone
 
@@ -185,26 +211,10 @@ def test_a_seeded_request_drafts_the_same_alone_or_batched():
 def test_a_draft_proposes_no_further_than_its_positions():
     model = tiny_draft(98, seed=4)
     model.cfg = dataclasses.replace(model.cfg, max_position=12)
-    drafter = DraftModelProposer(model, pages=16, page_size=4)
-    got = drafter.propose([DraftAsk("a", list(range(1, 11)), 5), DraftAsk("b", [1] * 13, 2)])
+    drafter = Solo(model, pages=16, page_size=4)
+    got = drafter.propose([drafter.ask("a", list(range(1, 11)), 5),
+                           drafter.ask("b", [1] * 13, 2)])
     assert [len(d.tokens) for d in got] == [3, 0]       # positions 10 and 11; none past 12
-
-
-def test_draft_pages_keep_the_common_prefix_evict_the_oldest_and_never_leak():
-    dp = DraftPages(pages=4, page_size=4)
-    assert dp.reserve("a", [1, 2, 3, 4, 5], 7, busy={"a"}) == 0
-    dp.wrote("a", [1, 2, 3, 4, 5, 9])
-    # the verify kept 5 and rejected 9: the K/V of [1..5] is reused
-    assert dp.reserve("a", [1, 2, 3, 4, 5, 6], 8, busy={"a"}) == 5
-    dp.wrote("a", [1, 2, 3, 4, 5, 6, 7])
-    assert dp.reserve("b", [8] * 9, 10, busy={"b"}) == 0    # a is let go of: b needs 3 pages
-    assert "a" not in dp.entries and dp.evictions == 1
-    assert dp.reserve("c", [1] * 9, 10, busy={"b", "c"}) is None   # b is drafting too
-    dp.check_invariants()
-    for r in ("b", "c"):
-        dp.drop(r)
-    dp.check_invariants()
-    assert len(dp.free) == 4
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_load(tmp_path):

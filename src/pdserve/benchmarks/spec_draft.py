@@ -7,7 +7,7 @@ advance: the target drafting for itself (every candidate accepted: mean
 acceptance length k + 1) and a random checkpoint with the target's
 vocabulary (written here, loaded through `draft_model: {path: ...}` as a
 user's would be; nearly every candidate rejected: about 1). Both run the
-whole path (the draft's own pages, catch-up after a verify, candidates
+whole path (the draft's K/V in the target's pages, keep-up after a verify, candidates
 into verify rows) and their greedy outputs must equal speculation off.
 Their tokens/s says what drafting costs on this host, not what a real
 draft would gain.

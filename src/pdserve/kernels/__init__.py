@@ -16,5 +16,5 @@ per request for each cache group (the layers sharing a window,
 that sample into tokens (and logprobs); `detokenize.py` turns tokens into
 text a constant amount of work at a time. Speculative decoding guesses
 candidates (`proposers.py`: prompt lookup; `draft_model.py`: a draft model
-in pages of its own, `draft_pages.py`) and verifies them (`rejection.py`).
+whose K/V share the target's pages) and verifies them (`rejection.py`).
 """

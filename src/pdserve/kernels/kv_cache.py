@@ -1,12 +1,31 @@
 """The paged KV cache's storage: one page-major tensor for every layer's K
 and V, so that a page is one contiguous region. A run of pages moves (to a
-host cache, or to a peer over NIXL) as one copy or one descriptor."""
+host cache, or to a peer over NIXL) as one copy or one descriptor.
+
+A page may also hold a second model's layers of the same cache group: a
+draft model's (engine.speculative.method: draft), whose K/V are computed
+for the same tokens as the target's, so they are cached, stored, read from
+disk and shipped to a peer with the page, under the planner's one block
+table. Such a page is laid out flat: the target's layers, then the
+companion's, each of its own head count and size (`companion`)."""
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A run of layers in every page: how many, and their K/V geometry."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def describe(self, page_size: int) -> str:
+        return f"{self.layers}x2x{page_size}x{self.kv_heads}x{self.head_dim}"
 
 from pdserve.transfer import page_runs
 
@@ -19,17 +38,26 @@ class KVCache:
     [pages, page_size, kv_heads, head_dim]."""
 
     def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, companion: KVShape | None = None):
         """`pin_memory`: a host cache page-locked for a GPU's DMA (see
         `_pin`); pages are then not zeroed, as a device pool's fresh pages
-        are not read before they are written."""
+        are not read before they are written. `companion`: a second
+        model's layers in the same pages, after these (layers `layers`
+        onwards; `draft_layers` is their view); `data` is then
+        [pages, elements of a page]."""
         self.page_size = page_size
-        shape = (pages, layers, 2, page_size, kv_heads, head_dim)
+        self.shapes = [KVShape(layers, kv_heads, head_dim)] + \
+            ([companion] if companion is not None else [])
+        if companion is None:
+            shape: tuple = (pages, layers, 2, page_size, kv_heads, head_dim)
+        else:
+            shape = (pages, sum(_elements(s, page_size) for s in self.shapes))
         if pin_memory:
             self.data = torch.empty(shape, dtype=dtype)
             self._pin()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self._layers = self._layer_views() if companion is not None else None
 
     def _pin(self) -> None:
         """Page-lock `data` in place with cudaHostRegister. torch's
@@ -50,12 +78,39 @@ class KVCache:
                 "locked-memory limit (ulimit -l)")
         weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
+    @property
+    def companion(self) -> KVShape | None:
+        return self.shapes[1] if len(self.shapes) > 1 else None
+
+    def _layer_views(self) -> list:
+        """Each layer's (K, V) views [pages, page_size, kv_heads, head_dim]
+        of a flat page, in page order."""
+        out, at, pages = [], 0, self.data.shape[0]
+        for s in self.shapes:
+            n = 2 * self.page_size * s.kv_heads * s.head_dim
+            for _ in range(s.layers):
+                kv = self.data[:, at:at + n].view(pages, 2, self.page_size, s.kv_heads,
+                                                   s.head_dim)
+                out.append((kv[:, 0], kv[:, 1]))
+                at += n
+        return out
+
     def layer(self, i):
+        if self._layers is not None:
+            return self._layers[i]
         return self.data[:, i, 0], self.data[:, i, 1]
+
+    def draft_layers(self) -> "CompanionLayers":
+        """The companion's layers, numbered from 0, as its model reads them."""
+        if self.companion is None:
+            raise ValueError("this cache's pages hold no second model's layers")
+        return CompanionLayers(self, self.shapes[0].layers)
 
     def layout(self) -> str:
         """The page's shape, as the disk tier names it (disk keys and headers)."""
-        return "kv:" + "x".join(str(n) for n in self.data.shape[1:])
+        if self.companion is None:
+            return "kv:" + "x".join(str(n) for n in self.data.shape[1:])
+        return "kv:" + "+".join(s.describe(self.page_size) for s in self.shapes)
 
     def read_page(self, page: int) -> bytes:
         """Page `page`'s bytes, every layer's K and V (a disk write's payload)."""
@@ -75,6 +130,22 @@ class KVCache:
         for s0, d0, n in page_runs(src_pages, dst_pages):
             self.data[d0:d0 + n].copy_(src.data[s0:s0 + n], non_blocking=True)
 
+
+
+class CompanionLayers:
+    """A companion model's view of a shared cache: its layer j is the
+    cache's layer `first + j` (kernels/model.py reads caches by `layer`)."""
+
+    def __init__(self, cache: KVCache, first: int):
+        self.cache, self.first = cache, first
+        self.page_size = cache.page_size
+
+    def layer(self, j: int):
+        return self.cache.layer(self.first + j)
+
+
+def _elements(s: KVShape, page_size: int) -> int:
+    return s.layers * 2 * page_size * s.kv_heads * s.head_dim
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:

@@ -133,15 +133,19 @@ class PagedDecoder:
         ModelConfig.cache_groups); `replayable` marks sliding groups §1.3's."""
         return self.cfg.cache_groups(replayable)
 
-    def new_caches(self, pages_per_group: list[int], page_size: int) -> list[KVCache]:
-        """One KVCache per cache group, of that group's pages and layers."""
+    def new_caches(self, pages_per_group: list[int], page_size: int,
+                   companions: list | None = None) -> list[KVCache]:
+        """One KVCache per cache group, of that group's pages and layers;
+        `companions`: per group, a draft model's layers its pages also hold
+        (a KVShape, or None)."""
         if len(pages_per_group) != len(self.groups):
             raise ValueError(f"{len(pages_per_group)} page counts for the model's "
                              f"{len(self.groups)} cache groups")
         c = self.cfg
+        extra = companions or [None] * len(self.groups)
         return [KVCache(len(spec.layers), pages, page_size, c.num_kv_heads, c.head_dim,
-                        self.dtype, self.device)
-                for spec, pages in zip(self.groups, pages_per_group)]
+                        self.dtype, self.device, companion=x)
+                for spec, pages, x in zip(self.groups, pages_per_group, extra)]
 
     def new_cache(self, pages: int, page_size: int) -> KVCache:
         """The one cache of a single-group model (every layer the same window)."""

@@ -32,13 +32,21 @@ from pdserve.kernels.sampling import SamplingParams
 class DraftAsk:
     req_id: str
     context: Sequence[int]      # prompt and output so far; the last one was just sampled
-    k: int                      # the most candidates this verify may carry (>= 1)
+    # the most candidates this verify may carry; 0: none, only keep up (a
+    # proposer that keeps K/V computes `context[start:]`, the round's rows,
+    # whose last token was not just sampled then)
+    k: int
     # how the request samples (a drafter that samples draws as the target
     # would); None: greedy. `seed` and `step` (the generation index of the
     # first candidate) key a sampling drafter's draws, as `sample`'s are keyed
     params: SamplingParams | None = None
     seed: int = 0
     step: int = 0
+    # for a proposer that keeps K/V in the planner's pages (`keeps_kv`): the
+    # round's first position (the pages hold K/V below it) and the
+    # request's block table in each of the proposer's cache groups
+    start: int = 0
+    tables: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,12 @@ class Draft:
 class Proposer(abc.ABC):
     name = ""
     needs_hidden = False        # EAGLE / MTP heads: the target's hidden states ride along
+    # K/V in the planner's pages (a draft model): asked after every round,
+    # for every request the round ran, so its K/V keep up with the target's
+    keeps_kv = False
+    # keeps_kv: per cache group of the proposer's, the target's page group
+    # whose block tables it reads (DraftAsk.tables)
+    target_groups: tuple = ()
 
     @abc.abstractmethod
     def propose(self, asks: list[DraftAsk], hidden=None) -> list[Draft]:

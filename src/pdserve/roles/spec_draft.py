@@ -6,16 +6,22 @@ target's device, and refused at load where it cannot draft for it.
 checkpoint directory; dtype and attention, by default the target's). The
 draft must share the target's vocabulary: a candidate is a token id the
 target scores, and a verify compares the two models' probabilities of the
-same id. Its K/V live in a paged cache of its own (kernels/draft_pages.py),
-of engine.total_pages pages of engine.page_size tokens: as many tokens as
-the target's pool holds.
+same id. Its K/V live in the target's pages (`DraftLayout`): each of the
+draft's cache groups joins the target's group of the same kind (full
+history, or a sliding window of the same size), whose pages then hold the
+draft's layers after the target's (kernels/kv_cache.py). So the planner
+admits, counts, caches and frees them with the target's, the host and
+disk tiers keep them, and P ships them to D in the same pages.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.kernels.draft_model import DraftModelProposer
+from pdserve.kernels.kv_cache import KVShape
 from pdserve.scheduler.config import ConfigError
 
 KEY = "engine.speculative.draft_model"
@@ -28,9 +34,20 @@ def draft_name(section: dict) -> str:
     return f"preset {section.get('preset', 'tiny')}"
 
 
-def load_draft(section: dict, target, page_size: int, pages: int) -> DraftModelProposer:
-    """The proposer over the draft model `section` names, checked against
-    the `target` model it drafts for."""
+@dataclass(frozen=True)
+class DraftLayout:
+    """Where a draft model's K/V live in the target's pages."""
+    groups: tuple           # per draft cache group: the target's page group (an index into `kv`)
+    shapes: tuple           # per target page group: the draft's layers in its pages, or None
+
+    def caches(self, target_caches: list) -> list:
+        """The draft's caches: its layers of the target's caches."""
+        return [target_caches[g].draft_layers() for g in self.groups]
+
+
+def load_draft_model(section: dict, target):
+    """The draft model `section` names, checked against the `target` model
+    it drafts for."""
     from pdserve.kernels.loader import load_model
 
     dtype = section.get("dtype", "auto")
@@ -43,7 +60,75 @@ def load_draft(section: dict, target, page_size: int, pages: int) -> DraftModelP
     if model.device != torch.device(target.device):
         raise ConfigError(f"{KEY} ({draft_name(section)}) loaded on {model.device}, the "
                           f"target on {target.device}; they must share a device")
-    return DraftModelProposer(model, pages, page_size)
+    if model.dtype != target.dtype:
+        raise ConfigError(f"{KEY}.dtype is {dtype}, the target's {target.dtype}: the draft's "
+                          "K/V share the target's pages, which hold one dtype; leave "
+                          f"{KEY}.dtype out (it follows the target's)")
+    return model
+
+
+def draft_layout(draft, target_groups: list, name: str) -> DraftLayout:
+    """Which of the target's page groups (`target_groups`, its
+    CacheGroupSpecs without the state group) each of the `draft`'s cache
+    groups joins, or a ConfigError naming the one that fits none."""
+    groups: list[int] = []
+    shapes: list[KVShape | None] = [None] * len(target_groups)
+    c = draft.cfg
+    for d in draft.cache_groups():
+        g = next((i for i, t in enumerate(target_groups)
+                  if t.retention == d.retention and t.window == d.window), None)
+        what = f"a sliding window of {d.window}" if d.sliding else "full history"
+        if g is None:
+            raise ConfigError(f"{KEY} ({name}) has layers attending over {what}, which no "
+                              "cache group of the target keeps; the draft's K/V live in the "
+                              "target's pages, so choose a draft whose layers attend as some "
+                              "of the target's do (full attention always fits a target with "
+                              "full-attention layers)")
+        if target_groups[g].replayable:
+            raise ConfigError(f"{KEY} ({name}) has layers attending over {what}, whose cache "
+                              "group the target regenerates after a prefix hit "
+                              "(engine.sliding_replay), which the draft would need to replay "
+                              "too; turn engine.sliding_replay off")
+        groups.append(g)
+        shapes[g] = KVShape(len(d.layers), c.num_kv_heads, c.head_dim)
+    return DraftLayout(tuple(groups), tuple(shapes))
+
+
+@dataclass
+class DraftSetup:
+    """An engine's draft model, where its K/V go, and the scratch pages its
+    candidates past a block table take (after each page group's pool)."""
+    model: object
+    layout: DraftLayout
+    scratch: int            # pages per target page group
+
+    def proposer(self, target_caches: list, pool_pages: list[int]) -> DraftModelProposer:
+        """The proposer over the draft, whose K/V are the companion layers
+        of `target_caches`; `pool_pages`: each page group's pool, the
+        pages the planner grants (the scratch pages follow them)."""
+        scratch = [list(range(pool_pages[g], pool_pages[g] + self.scratch))
+                   for g in self.layout.groups]
+        p = DraftModelProposer(self.model, self.layout.caches(target_caches), scratch,
+                               target_caches[0].page_size)
+        p.target_groups = self.layout.groups
+        return p
+
+
+def load_draft(cfg, target, target_groups: list) -> DraftSetup | None:
+    """The draft model engine.speculative names (None: no draft model),
+    loaded beside `target` and placed in its page groups `target_groups`."""
+    from pdserve.scheduler.speculation import SpecMethod
+
+    spec = cfg.speculative
+    if spec is None or spec.method is not SpecMethod.DRAFT:
+        return None
+    assert spec.draft_model is not None     # SpecConfig refuses draft without one
+    model = load_draft_model(spec.draft_model, target)
+    layout = draft_layout(model, target_groups, draft_name(spec.draft_model))
+    # a request's candidates reach at most ceil(k / page_size) pages past
+    # its table; room for 64 asking requests a round (more get none)
+    scratch = min(cfg.max_batch_size, 64) * -(-spec.num_speculative_tokens // cfg.page_size)
+    return DraftSetup(model, layout, scratch)
 
 
 def check_draft_section(section: dict, target_cfg) -> None:

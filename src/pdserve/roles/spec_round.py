@@ -11,6 +11,7 @@ come after every other sampling row.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.kernels.proposers import DraftAsk
@@ -64,3 +65,54 @@ def speculates_now(tracked, req, new: list) -> bool:
 
     return (not req.output or req.remaining_new_tokens - len(new) > 1) and \
         speculates(tracked.params, len(req.output) + len(new))
+
+
+@dataclass(frozen=True)
+class FedRows:
+    """Where a request's rows of one round began, and its block tables as
+    the round was staged (a proposer keeping K/V, a draft model, writes
+    the same slots after the round lands)."""
+    start: int
+    tables: tuple       # per page group (the executor's `kv`)
+
+
+def fed_rows(plan, kv: list[int], copy: bool) -> dict[str, FedRows]:
+    """Request id -> its FedRows, for every request `plan` runs. `copy`:
+    copy the tables, which the next round's build may change before this
+    round lands (engine.overlap)."""
+    def tables(req):
+        t = req.state.res.tables
+        return tuple(list(t[g]) if copy else t[g] for g in kv)
+    out = {op.req.id: FedRows(op.begin, tables(op.req)) for op in plan.prefills}
+    for req in plan.decodes:
+        out[req.id] = FedRows(req.num_tokens - 1, tables(req))
+    return out
+
+
+def keep_up_asks(plan, landed: dict, asks: list[DraftAsk], fed: dict[str, FedRows],
+                 groups: tuple, skip: set) -> list[DraftAsk]:
+    """Every request of the round as a proposer keeping K/V sees it: the
+    `asks` (requests that may carry candidates), each with where its rows
+    began and its tables in the proposer's `groups`, and a k = 0 ask for
+    every other request the round ran (its context cut where the target's
+    K/V now end), so the proposer's K/V keep up with the target's.
+    `landed`: request id -> the tokens the round gave it (a completing
+    prefill, a decode, a verify, a stop among them); `skip`: requests whose
+    rows are dropped (a disk read that missed)."""
+    asking = {a.req_id: a for a in asks}
+    out = []
+    for req in [op.req for op in plan.prefills] + list(plan.decodes):
+        if req.id in skip:
+            continue
+        f = fed[req.id]
+        tables = tuple(f.tables[g] for g in groups)
+        a = asking.get(req.id)
+        if a is not None:
+            out.append(dataclasses.replace(a, start=f.start, tables=tables))
+            continue
+        context = req.prompt.tokens + req.output + landed.get(req.id, [])
+        end = next((op.begin + op.tokens for op in plan.prefills if op.req is req), None)
+        if end is None:                 # a decode: its input, and what a verify kept
+            end = f.start + len(landed.get(req.id, ()))
+        out.append(DraftAsk(req.id, context[:end], 0, start=f.start, tables=tables))
+    return out

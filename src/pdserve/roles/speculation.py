@@ -27,6 +27,7 @@ tokens per candidate position.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -71,30 +72,29 @@ def speculates(params: SamplingParams, generated: int) -> bool:
     return not params.penalizes and params.logprobs is None and generated >= params.min_tokens
 
 
-def build_proposer(spec: SpecConfig, target=None, page_size: int = 16,
-                   pages: int = 0) -> Proposer:
-    """The proposer `spec` names; a draft model is loaded here, beside
-    `target` (the engine's model), with `pages` of `page_size` tokens."""
+def build_proposer(spec: SpecConfig) -> Proposer:
+    """The proposer `spec` names that needs no model (a draft model is
+    loaded by the executor, whose pages hold its K/V: roles/spec_draft.py)."""
     if spec.method is SpecMethod.NGRAM:
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method is SpecMethod.DRAFT and target is not None:
-        from pdserve.roles.spec_draft import load_draft
+    raise ValueError(f"speculative method {spec.method.value} needs its model loaded beside "
+                     "the target's (TorchExecutor)")
 
-        assert spec.draft_model is not None     # SpecConfig refuses draft without one
-        return load_draft(spec.draft_model, target, page_size, pages)
-    raise ValueError(f"speculative method {spec.method.value} has no proposer in this build")
+
+def _fed_context(a: DraftAsk):
+    """An ask's context as a k = 0 ask gives it: without the token just
+    sampled, whose K/V the target has not computed (k = 0 asks already are)."""
+    return a.context[:-1] if a.k >= 1 else a.context
 
 
 class Speculation:
     """One executor's speculation: its proposer, gate and counters."""
 
     def __init__(self, spec: SpecConfig, proposer: Proposer | None = None,
-                 gate: SpecGate | None = None, target=None, page_size: int = 16,
-                 pages: int = 0):
+                 gate: SpecGate | None = None):
         self.cfg = spec
         self.k = spec.k
-        self.proposer = proposer if proposer is not None else \
-            build_proposer(spec, target, page_size, pages)
+        self.proposer = proposer if proposer is not None else build_proposer(spec)
         # a sampling drafter's q for the candidates it gave each request last
         # (kernels/rejection.py's min(1, p/q)); a request absent here, or whose
         # verify carries other candidates (P's, landed on D), is verified as a
@@ -108,8 +108,15 @@ class Speculation:
         return self.gate is None or self.gate.on
 
     def propose(self, asks: list[DraftAsk]) -> dict:
-        """Request id -> its candidates (only those that got any)."""
-        if not asks or not self.proposing:
+        """Request id -> its candidates (only those that got any). While the
+        gate has proposing off, a proposer keeping K/V is still asked, for
+        none (k = 0): its K/V must keep up with the target's."""
+        if not asks:
+            return {}
+        if not self.proposing:
+            if self.proposer.keeps_kv:
+                self.proposer.propose([dataclasses.replace(a, k=0, context=_fed_context(a))
+                                       for a in asks])
             return {}
         out = {}
         for ask, d in zip(asks, self.proposer.propose(asks)):

@@ -42,7 +42,9 @@ from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
 from pdserve.roles.disk_groups import StateFiles, window_files
 from pdserve.roles.disk_tier import DiskTier, check_model_served
-from pdserve.roles.spec_round import SpecRound, check_speculation, draft_ask, speculates_now
+from pdserve.roles.spec_draft import load_draft
+from pdserve.roles.spec_round import (SpecRound, check_speculation, draft_ask, fed_rows,
+                                      keep_up_asks, speculates_now)
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import HOLE, StateBlocks
 from pdserve.scheduler.capacity import group_pages
@@ -77,6 +79,7 @@ class Launched:
     spec: SpecRound | None = None   # its verify rows, with speculation
     started: float = 0.0            # perf_counter at launch (the speculation gate's clock)
     cpu_started: float = 0.0        # process_time at launch (the gate's cost)
+    fed: dict | None = None         # a draft model's: where each request's rows began
 
 
 class TorchExecutor:
@@ -111,7 +114,15 @@ class TorchExecutor:
         capture, capture_why = choose_capture(cfg.capture, model)
         # a captured step's padding rows write into a page the planner never grants
         spare = 0 if capture is CaptureMode.OFF else 1
-        self.caches = model.new_caches([sizes[g] + spare for g in self.kv], cfg.page_size)
+        # a draft model's K/V share the target's pages (roles/spec_draft.py);
+        # its candidates past a block table go to scratch pages after the pool
+        if cfg.speculative is not None:
+            check_speculation(model, self.groups)
+        draft = load_draft(cfg, model, [self.groups[g] for g in self.kv])
+        companions = list(draft.layout.shapes) if draft is not None else None
+        scratch = draft.scratch if draft is not None else 0
+        self.caches = model.new_caches([sizes[g] + scratch + spare for g in self.kv],
+                                       cfg.page_size, companions)
         if self.state is not None:
             self.caches.append(model.new_state_cache(sizes[self.state]))
         self.hosts: list[KVCache | StateCache] = []
@@ -122,7 +133,8 @@ class TorchExecutor:
             # two): stores and loads are then DMA straight between the pools
             self.hosts = [KVCache(len(self.groups[g].layers), cfg.host_pages, cfg.page_size,
                                   c.num_kv_heads, c.head_dim, model.dtype, "cpu",
-                                  pin_memory=pin)
+                                  pin_memory=pin,
+                                  companion=companions[g] if companions else None)
                           for g in self.kv]
             if self.state is not None:
                 # the state group's host tier: engine.host_state_slots (0: as on the device)
@@ -164,9 +176,8 @@ class TorchExecutor:
         # speculative decoding (roles/speculation.py), engine.speculative's
         self.spec: Speculation | None = None
         if cfg.speculative is not None:
-            check_speculation(model, self.groups)
-            self.spec = Speculation(cfg.speculative, target=model, page_size=cfg.page_size,
-                                    pages=cfg.total_pages)
+            proposer = draft.proposer(self.caches, sizes) if draft is not None else None
+            self.spec = Speculation(cfg.speculative, proposer=proposer)
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
@@ -222,12 +233,13 @@ class TorchExecutor:
         if not (plan.prefills or plan.decodes):
             return result
         staged, rows, spec = self._stage(plan)
+        fed = self._fed(plan, copy=False)
         logits = self._compute(staged)
         n = len(rows)
         tokens, logprobs = sample(logits[:n], *self._sample_inputs(rows)) if rows else ([], [])
         if spec is not None:
             spec.tokens = verify(logits[n:], spec.rows)
-        self._land(plan, rows, tokens, logprobs, result, spec)
+        self._land(plan, rows, tokens, logprobs, result, spec, fed)
         if self.spec is not None:
             self.spec.round_done(plan, result, time.perf_counter() - t0,
                                  time.process_time() - c0)
@@ -251,7 +263,8 @@ class TorchExecutor:
             self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sampled = None        # until this round's tokens exist
         fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows))
-        return Launched(plan, result, rows, fut, spec, time.perf_counter(), time.process_time())
+        return Launched(plan, result, rows, fut, spec, time.perf_counter(), time.process_time(),
+                        self._fed(plan, copy=True))
 
     def wait(self, launched: Launched) -> StepResult:
         """The launched round's result, once its forward and sampling are done."""
@@ -260,7 +273,7 @@ class TorchExecutor:
             return result
         tokens, logprobs, on_device = launched.future.result()
         self._sampled = (on_device, {r.id: i for i, r in enumerate(rows)}) if rows else None
-        self._land(launched.plan, rows, tokens, logprobs, result, launched.spec)
+        self._land(launched.plan, rows, tokens, logprobs, result, launched.spec, launched.fed)
         if self.spec is not None:
             self.spec.round_done(launched.plan, result, time.perf_counter() - launched.started,
                                  time.process_time() - launched.cpu_started)
@@ -342,16 +355,24 @@ class TorchExecutor:
         return ([t.params for t in tracked], [len(r.output) for r in rows],
                 [t.seed for t in tracked], self._eos_ids, histories, earlier)
 
+    def _fed(self, plan: Plan, copy: bool) -> dict | None:
+        """Where each request's rows begin, for a proposer keeping K/V."""
+        if self.spec is None or not self.spec.proposer.keeps_kv:
+            return None
+        return fed_rows(plan, self.kv, copy)
+
     def _land(self, plan: Plan, rows, tokens, logprobs, result: StepResult,
-              spec: SpecRound | None = None) -> None:
+              spec: SpecRound | None = None, fed: dict | None = None) -> None:
         it = iter(zip(rows, tokens, logprobs))
         sampled = []                    # (request, its new tokens) for the proposer
+        landed: dict[str, list] = {}    # request id -> the tokens it took this round
         for op in plan.prefills:
             if op.completes:
                 req, tok, lp = next(it)
                 result.prefill_tokens.append(tok)
                 if req.id in self._disk_missed:
                     continue            # computed on unfilled pages: the planner drops it
+                landed[req.id] = [tok]
                 if self.on_token(req, tok, lp):
                     result.stopped.add(req)
                 else:
@@ -370,14 +391,20 @@ class TorchExecutor:
                 if len(new) > 1:
                     result.decode_more[req.id] = new[1:]
             result.decode_tokens.append(new[0])
+            landed[req.id] = new
             if ended:
                 result.stopped.add(req)
             else:
                 sampled.append((req, new))
-        if self.spec is not None and sampled:
-            result.drafts = self.spec.propose(
-                [draft_ask(req, new, self.spec.k, self.tracked[req.id]) for req, new in sampled
-                 if speculates_now(self.tracked[req.id], req, new)])
+        if self.spec is None:
+            return
+        asks = [draft_ask(req, new, self.spec.k, self.tracked[req.id]) for req, new in sampled
+                if speculates_now(self.tracked[req.id], req, new)]
+        if fed is not None:             # a draft model: its K/V follow every row
+            asks = keep_up_asks(plan, landed, asks, fed, self.spec.proposer.target_groups,
+                                self._disk_missed)
+        if asks:
+            result.drafts = self.spec.propose(asks)
 
     def _take_verified(self, req, got, spec) -> tuple[list, bool]:
         """A verify's tokens, each taken as a decode's would be, up to the

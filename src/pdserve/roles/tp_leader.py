@@ -132,8 +132,12 @@ class TpLeader:
     def cache_groups(self, replayable: bool = False) -> list:
         return self.model.cache_groups(replayable)
 
-    def new_caches(self, pages_per_group: list[int], page_size: int) -> list:
+    def new_caches(self, pages_per_group: list[int], page_size: int,
+                   companions: list | None = None) -> list:
         """Every rank's caches, the same pages each (its own heads of them)."""
+        if companions is not None:
+            raise TpError("a draft model's layers in the pages under tensor parallelism are "
+                          "not built")
         with self._turn:
             self._send(TpCaches(tuple(pages_per_group), page_size))
             self.caches = self.model.new_caches(pages_per_group, page_size)

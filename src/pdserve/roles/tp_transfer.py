@@ -14,14 +14,18 @@ from pdserve.transfer.kv_layout import KvLayout
 def kv_layout(model, executor, page_size: int) -> KvLayout:
     """This engine's KvLayout: the model's whole KV geometry, its size."""
     caches = [executor.caches[g] for g in executor.kv]
-    shard = caches[0].data
+    shard = caches[0].shapes[0]
     tp = model.model.tp if getattr(model, "tensor_parallel", False) else None
-    size, heads = 1, shard.shape[-2]
+    size, heads = 1, shard.kv_heads
     if tp is not None:
         size = tp.layout.size
         heads = tp.layout.kv_heads * size // tp.layout.kv_replicas
-    return KvLayout(size, heads, shard.shape[-1], str(shard.dtype).removeprefix("torch."),
-                    page_size, tuple(c.data.shape[1] for c in caches))
+    draft = tuple(c.companion.describe(page_size) if c.companion is not None else ""
+                  for c in caches)
+    return KvLayout(size, heads, shard.head_dim,
+                    str(caches[0].data.dtype).removeprefix("torch."), page_size,
+                    tuple(c.shapes[0].layers for c in caches),
+                    draft if any(draft) else ())
 
 
 def register_transfer_pools(transport, model, executor, page_size: int,
@@ -32,6 +36,10 @@ def register_transfer_pools(transport, model, executor, page_size: int,
     shard too: a size-1 engine's `LocalRanks`, a tensor-parallel one's
     `TpKvRanks` (its workers' agents driven over their pipes)."""
     layout = kv_layout(model, executor, page_size)
+    if layout.draft and (per_rank or layout.tensor_parallel_size > 1):
+        raise ValueError("a draft model's layers in the pages with tensor parallelism (or "
+                         "per-rank KV transfer) are not built; leave engine.speculative's "
+                         "draft model out of a deployment with a tensor-parallel role")
     if executor.state is not None and (per_rank or layout.tensor_parallel_size > 1):
         raise ValueError("state layers with tensor parallelism (or per-rank KV transfer) are "
                          "not built")

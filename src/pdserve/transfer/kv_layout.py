@@ -23,18 +23,24 @@ class KvLayout:
     dtype: str                  # torch's name: "float32", "bfloat16", ...
     page_size: int              # tokens per page
     layers: tuple               # layers per cache group
+    # a draft model's layers in each group's pages ("" per group without),
+    # as kernels/kv_cache.KVShape describes them; () when none has any
+    draft: tuple = ()
 
     def describe(self, name: str) -> str:
         return (f"{name} (tensor_parallel_size {self.tensor_parallel_size}: {self.kv_heads} KV "
                 f"heads x {self.head_dim}, {self.dtype}, pages of {self.page_size} tokens, "
-                f"{'+'.join(str(n) for n in self.layers)} layers)")
+                f"{'+'.join(str(n) for n in self.layers)} layers"
+                + (f", draft layers {'+'.join(d or '-' for d in self.draft)}" if self.draft
+                   else "") + ")")
 
     def mismatch(self, other: "KvLayout") -> list[str]:
         """What differs between the two that a page cannot be mapped across."""
         out = []
         for field, what in (("kv_heads", "KV heads"), ("head_dim", "head size"),
                             ("dtype", "dtype"), ("page_size", "page size"),
-                            ("layers", "layers per cache group")):
+                            ("layers", "layers per cache group"),
+                            ("draft", "draft model's layers in the pages")):
             if getattr(self, field) != getattr(other, field):
                 out.append(what)
         return out
@@ -50,6 +56,7 @@ class KvLayout:
     def as_json(self) -> dict:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        d["draft"] = list(self.draft)
         return d
 
     @classmethod
@@ -58,6 +65,7 @@ class KvLayout:
             raise ValueError(f"a KV layout must be a mapping, got {d!r}")
         try:
             return cls(int(d["tensor_parallel_size"]), int(d["kv_heads"]), int(d["head_dim"]),
-                       str(d["dtype"]), int(d["page_size"]), tuple(int(n) for n in d["layers"]))
+                       str(d["dtype"]), int(d["page_size"]), tuple(int(n) for n in d["layers"]),
+                       tuple(str(x) for x in d.get("draft", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a KV layout lacks or garbles {e}: {d!r}") from None
