@@ -183,3 +183,22 @@ def test_a_draft_of_another_dtype_is_refused():
     spec = dict(SAME, draft_model={"preset": "tiny", "dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="share the target's pages"):
         LLM(speculative=spec, dtype="float32")
+
+
+def test_the_disk_tier_keeps_the_drafts_k_v_and_only_a_drafting_engine_reads_them(tmp_path,
+                                                                                    want):
+    disk = {"path": str(tmp_path), "prefetch_policy": "wait_complete"}
+    engine = dict(page_size=4, total_pages=48, host_pages=12)
+    first = LLM(speculative=SAME, disk_cache=disk, **engine)
+    assert [o.token_ids for o in first.generate(SHARED, greedy(), use_tqdm=False)] == want
+    assert first.executor.disk.flush()
+    first.executor.close()
+    again = LLM(speculative=SAME, disk_cache=disk, **engine)      # a restart
+    assert [o.token_ids for o in again.generate(SHARED, greedy(), use_tqdm=False)] == want
+    assert again.engine.planner.hits.disk_tokens > 0
+    c = again.executor.spec.counts
+    assert c.accepted_tokens == c.draft_tokens > 0
+    assert_halves_equal(again.executor, cached_pages(again.engine.planner))
+    plain = LLM(disk_cache=disk, **engine)          # pages without the draft's layers
+    assert [o.token_ids for o in plain.generate(SHARED, greedy(), use_tqdm=False)] == want
+    assert plain.engine.planner.hits.disk_tokens == 0
