@@ -31,22 +31,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.lora import LoraRound, LoraSegments
 from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
-from pdserve.kernels.staging import stage_rows
-from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache
+from pdserve.kernels.state_cache import StateCache
 from pdserve.roles.disk_groups import StateFiles, window_files
 from pdserve.roles.disk_tier import DiskTier, check_model_served
+from pdserve.roles.round_stage import StagedRound, stage_round
 from pdserve.roles.spec_draft import load_draft
 from pdserve.roles.spec_round import (SpecRound, check_speculation, draft_ask, fed_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.roles.speculation import Speculation
-from pdserve.scheduler.cache_groups import HOLE, StateBlocks
+from pdserve.scheduler.cache_groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
@@ -425,162 +423,34 @@ class TorchExecutor:
         return self._compute(staged), rows
 
     def _stage(self, plan: Plan, feed=None, own_tables: bool = False):
-        """The forward's inputs on the device, and the requests of the rows
-        that sample. `feed`: (the last launched round's sampled tokens on the
-        device, request id -> row): a decode found there takes its input
-        token from it. `own_tables`: copy the block tables, which the next
-        round's build may change while this forward runs."""
-        ps = self.page_size
-        groups = [self.groups[g] for g in self.kv]
-        ids: list[int] = []
-        pos: list[int] = []
-        sample_rows, rows = [], []
-        seqs: list[list[SeqMeta]] = [[] for _ in groups]
-        slots: list[list[int]] = [[] for _ in groups]
-        skips = [False] * len(groups)
-        states = []
-        fed_to: list[int] = []
-        fed_from: list[int] = []
-        lora = self.adapters
-        row_slots: list[int] = []           # each row's LoRA slot (-1: base), with adapters
-        needs: dict[int, int] = {}          # LoRA slot -> the adapter load its rows run under
-        for op in plan.prefills:
-            req = op.req
-            toks = req.prompt.tokens + req.output
-            begin, end = op.begin - op.replay, op.begin + op.tokens
-            if lora is not None:
-                row_slots.extend([req.lora_slot] * (end - begin))
-                if req.lora_slot >= 0:
-                    needs[req.lora_slot] = req.adapter
-            q0 = len(ids)
-            ids.extend(toks[begin:end])
-            pos.extend(range(begin, end))
-            tables = req.state.res.tables
-            for g, spec in enumerate(groups):
-                table = tables[self.kv[g]]
-                # replay rows' K/V go only where the group regenerates them
-                keeps = not op.replay or spec.replayable
-                first = begin if keeps else op.begin
-                kv_start = 0
-                if spec.sliding:
-                    kv_start = begin if op.replay and spec.replayable \
-                        else max(begin - spec.window + 1, 0)
-                    _check_live(table, kv_start, end, ps, req, g)
-                seqs[g].append(SeqMeta(q0, end - begin, end,
-                                       list(table) if own_tables else table, kv_start))
-                if not keeps:
-                    slots[g].extend([-1] * op.replay)
-                    skips[g] = True
-                slots[g].extend(table[p // ps] * ps + p % ps for p in range(first, end))
-            if self.state is not None:
-                states.append(self._seq_state(req, tables[self.state], begin, end))
-            if op.completes:
-                sample_rows.append(len(ids) - 1)
-                rows.append(req)
-        fed = feed[1] if feed is not None else {}
-        verify = plan.verify
-        # verify rows first: attention batches the trailing one-token rows (spec_round.py)
-        decodes = [r for r in plan.decodes if r.id in verify] + \
-            [r for r in plan.decodes if r.id not in verify] if verify else plan.decodes
-        verify_rows: list[int] = []
-        for req in decodes:
-            p = req.num_tokens - 1
-            drafts = verify.get(req.id, ()) if verify else ()
-            m = 1 + len(drafts)
-            tables = req.state.res.tables
-            for g, spec in enumerate(groups):
-                table = tables[self.kv[g]]
-                kv_start = 0
-                if spec.sliding:
-                    kv_start = max(p - spec.window + 1, 0)
-                    _check_live(table, kv_start, p + m, ps, req, g)
-                seqs[g].append(SeqMeta(len(ids), m, p + m,
-                                       list(table) if own_tables else table, kv_start))
-                slots[g].extend(table[q // ps] * ps + q % ps for q in range(p, p + m))
-            if self.state is not None:
-                states.append(self._seq_state(req, tables[self.state], p, p + 1))
-            if lora is not None:
-                row_slots.extend([req.lora_slot] * m)
-                if req.lora_slot >= 0:
-                    needs[req.lora_slot] = req.adapter
-            row = fed.get(req.id)
-            if row is not None:
-                fed_to.append(len(ids))
-                fed_from.append(row)
-            ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
-            pos.extend(range(p, p + m))
-            if drafts:
-                ids.extend(drafts)
-                verify_rows.extend(range(len(ids) - m, len(ids)))
-            else:
-                sample_rows.append(len(ids) - 1)
-                rows.append(req)
-        spec_round = None
-        if verify:
-            assert self.spec is not None
-            sample_rows += verify_rows
-            pairs = [(r, verify[r.id]) for r in decodes if r.id in verify]
-            spec_round = SpecRound(pairs, self.spec.rows(pairs, self.tracked))
-        writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
-                  for sl, skip in zip(slots, skips)]
-        # one host tensor, one (asynchronous) copy for the round's lists
-        lists = [ids, pos, sample_rows, *slots, *writes]
-        segments = LoraSegments.of(row_slots) if needs else None
-        if segments is not None:
-            lists += segments.lists()
-        if fed_to:
-            lists += [fed_to, fed_from]
-        staged = stage_rows(lists, self.model.device)
-        ids_t, pos_t, rows_t = staged[:3]
-        n = len(groups)
-        metas = [BatchMeta(seqs[g], staged[3 + g], pos_t,
-                           num_decodes=len(plan.decodes) - len(verify),
-                           num_verifies=len(verify),
-                           window=spec.window if spec.sliding else None,
-                           write_rows=staged[3 + n + g] if skips[g] else None)
-                 for g, spec in enumerate(groups)]
-        self.forward_tokens += len(ids)
-        self.fed_on_device += len(fed_to)
-        states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
-            else None
-        fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
-        lora_round = (LoraRound(self.model.lora, segments, staged[3 + 2 * n:]),
-                      needs) if segments is not None else None
-        return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows, spec_round
+        """The round's StagedRound, the requests of its sampling rows and its
+        SpecRound (roles/round_stage.py). `feed`: (the last launched round's
+        sampled tokens on the device, request id -> row); `own_tables`:
+        copy the block tables, which the next round's build may change
+        while this forward runs."""
+        staged, rows, spec = stage_round(self, plan, feed, own_tables)
+        self.forward_tokens += int(staged.ids.numel())
+        self.fed_on_device += staged.fed_rows
+        return staged, rows, spec
 
-    def _compute(self, staged):
-        ids_t, rows_t, metas, states_b, fed_rows, lora_round = staged
-        if fed_rows is not None:
-            to, frm, tokens = fed_rows
-            ids_t.index_copy_(0, to, tokens.index_select(0, frm).to(ids_t.dtype))
+    def _compute(self, staged: StagedRound):
+        ids_t, metas = staged.ids, staged.metas
+        if staged.fed is not None:
+            f = staged.fed
+            ids_t.index_copy_(0, f.to, f.tokens.index_select(0, f.frm).to(ids_t.dtype))
         caches = [self.caches[g] for g in self.kv]
-        if lora_round is not None:
-            rnd, needs = lora_round
-            for slot, adapter in needs.items():     # on the forward thread: after the last forward
+        if staged.lora is not None:
+            # on the forward thread: after the last forward
+            for slot, adapter in staged.lora.needs.items():
                 self.adapters.ensure(slot, adapter)
-            return self.model.forward(ids_t, metas, caches, rows_t, lora=rnd)
-        if self.capture is not None and states_b is None and self.capture.covers(metas):
+            return self.model.forward(ids_t, metas, caches, staged.rows, lora=staged.lora.rnd)
+        if self.capture is not None and staged.states is None and self.capture.covers(metas):
             logits = self.capture.run(ids_t, metas)
             if logits is not None:
                 return logits
-        if states_b is None:
-            return self.model.forward(ids_t, metas, caches, rows_t)
-        return self.model.forward(ids_t, metas, caches, rows_t, states=states_b)
-
-    def _seq_state(self, req, table: list, begin: int, end: int) -> SeqState:
-        """Where a forward over [begin, end) finds its state and leaves it
-        (spec §1.2): the slot the planner gave the state after `begin`
-        tokens, the one for `end`, and the checkpoint between if any."""
-        grp = self._blocks
-        assert grp is not None      # called only for a model with a state group
-        read = table[grp.entry(begin)] if begin else -1
-        b = grp.checkpoint(begin, end)
-        ckpt = (b - begin, table[grp.entry(b)]) if b else None
-        seq = SeqState(read, table[grp.entry(end)], ckpt)
-        if HOLE in (seq.write_slot, ckpt[1] if ckpt else 0) or (begin and read == HOLE):
-            raise RuntimeError(f"request {req.id}: its state table {table} lacks a slot the "
-                               f"forward over [{begin}, {end}) reads or writes")
-        return seq
+        if staged.states is None:
+            return self.model.forward(ids_t, metas, caches, staged.rows)
+        return self.model.forward(ids_t, metas, caches, staged.rows, states=staged.states)
 
     # ---- what P -> D transfers move ---------------------------------------------
     def _state_tensors(self) -> list:
@@ -638,13 +508,3 @@ def _check_groups(groups, model) -> None:
         raise ValueError(f"cache groups {shape(groups)} (retention, window, layers) are not "
                          f"the model's {shape(want)}; build them with model.cache_groups() "
                          "and model.cfg.state_group()")
-
-
-def _check_live(table, kv_start: int, end: int, ps: int, req, g: int) -> None:
-    """A sliding group's forward reads and writes slots [kv_start // ps,
-    end / ps): none of them may be a page the group let go."""
-    live = table[kv_start // ps: -(-end // ps)]
-    if HOLE in live or len(live) < -(-end // ps) - kv_start // ps:
-        raise RuntimeError(f"request {req.id}: cache group {g}'s table {table} lacks a page "
-                           f"in slots [{kv_start // ps}, {-(-end // ps)}) that the forward "
-                           f"over positions [{kv_start}, {end}) reads")
