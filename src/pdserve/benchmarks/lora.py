@@ -15,7 +15,10 @@ every case in turn, `--rounds` forwards each; the table gives tokens a
 second (batch / the median round) over `--repeats`, its spread, and each
 case against the base of the same repeats: median against median, and
 best against best (on a shared host the fastest repeat is the one least
-disturbed by others). Then an
+disturbed by others), by wall time and, on a CPU, by the process's CPU
+time (with `--threads 1` every op runs on the calling thread, and time
+spent waiting for a core a shared host's other jobs hold is not counted;
+they still share the memory bus and the last-level cache). Then an
 adapter's load: its PEFT directory read into host memory, and host memory
 copied into a device slot.
 """
@@ -110,41 +113,55 @@ def run(args) -> int:
         slots = [i % k for i in range(args.batch)] if k else []
         rounds[label] = kernels[kernel](stacks, slots) if kernel else None
 
-    def timed(rnd) -> float:
+    def timed(rnd) -> tuple[float, float]:
+        """A round's wall time and the process's CPU time, each averaged."""
         if args.device != "cpu":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.rounds):
             model.forward(ids, meta, cache, rows, lora=rnd)
         if args.device != "cpu":
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.rounds
+        return ((time.perf_counter() - t0) / args.rounds,
+                (time.process_time() - c0) / args.rounds)
 
     for rnd in rounds.values():                # warm every path
         timed(rnd)
     rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
+    cpu_rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
     for _ in range(args.repeats):
         for label, _, _ in cases:
-            rates[label].append(args.batch / timed(rounds[label]))
-    base, base_best = statistics.median(rates["base"]), max(rates["base"])
+            wall, cpu = timed(rounds[label])
+            rates[label].append(args.batch / wall)
+            cpu_rates[label].append(args.batch / cpu)
     print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
           f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
           f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
           f"{torch.get_num_threads()} torch threads")
     width = max(len(label) for label in rates) + 2
-    print(f"{'case':<{width}} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8} "
-          f"{'best vs best':>13}")
-    for label, _, _ in cases:
-        r = rates[label]
-        med = statistics.median(r)
-        print(f"{label:<{width}} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
-              f"{med / base:>7.2f}x {max(r) / base_best:>12.2f}x")
+    _table("wall time", rates, width)
+    if args.device == "cpu":
+        # the time the process ran on a core: what a shared host's other
+        # jobs take away (waiting for a core) is not in it
+        _table("CPU time", cpu_rates, width)
     _lora_alone(model, stacks, rounds, cases, args, width)
     mb = adapter.nbytes() / 2 ** 20
     print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
           f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
           f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
     return 0
+
+
+def _table(clock: str, rates: dict[str, list[float]], width: int) -> None:
+    """tok/s by `clock`: median and spread over the repeats, and against the
+    base: median against median, fastest against fastest."""
+    base, base_best = statistics.median(rates["base"]), max(rates["base"])
+    print(f"{'case':<{width}} {f'tok/s by {clock}':>17} {'min..max':>17} {'vs base':>8} "
+          f"{'best vs best':>13}")
+    for label, r in rates.items():
+        med = statistics.median(r)
+        print(f"{label:<{width}} {med:>17.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
+              f"{med / base:>7.2f}x {max(r) / base_best:>12.2f}x")
 
 
 def _lora_alone(model, stacks, rounds, cases, args, width) -> None:

@@ -2,9 +2,12 @@
 
 `LoraStacks` holds `max_loras` device slots. Per layer, the projections
 that share one fused matmul in the decoder (q k v; o; gate up; down) share
-one A stack, [slots, modules * max_rank, in] (they read the same input), and
-each projection has its B stack, [slots, max_rank, out], already scaled
-(so one slot's expand reads one contiguous block).
+one A stack, [slots, in, modules * max_rank] (they read the same input),
+and each projection has its B stack, [slots, max_rank, out], already scaled.
+Both are the right-hand operand of their matmul as stored (x @ A[slot],
+shrink @ B[slot]): one slot's shrink and expand each read one contiguous
+block, and a batched matmul of one row per slot runs at twice the speed on
+a CPU it does with A stored [out, in] and read transposed.
 Ranks below max_rank are zero-padded, an untargeted module is zeros.
 
 `LoraSegments` plans a round's rows on the host: grouped by slot, base rows
@@ -52,7 +55,7 @@ class LoraStacks:
             a_row, b_row = [], []
             for mods in GROUPS:
                 inp = module_shape(cfg, mods[0])[1]
-                a_row.append(torch.zeros(slots, len(mods) * max_rank, inp, dtype=dtype,
+                a_row.append(torch.zeros(slots, inp, len(mods) * max_rank, dtype=dtype,
                                          device=device))
                 b_row.append([torch.zeros(slots, max_rank, module_shape(cfg, m)[0], dtype=dtype,
                                           device=device) for m in mods])
@@ -69,7 +72,7 @@ class LoraStacks:
         for (layer, module), (a, b) in adapter.weights.items():
             g, j = self._where[module]
             r = a.shape[0]
-            self.A[layer][g][slot, j * R:j * R + r].copy_(a)
+            self.A[layer][g][slot, :, j * R:j * R + r].copy_(a.t())
             self.B[layer][g][j][slot, :r].copy_(b.t())
 
     def clear(self, slot: int) -> None:
@@ -190,7 +193,7 @@ class LoraRound:
             self._batched(A, Bs, R, x, y)
         for slot, rows in self._alone:
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            shrink = xs @ A[slot].t()                                   # [k, m * R]
+            shrink = xs @ A[slot]                                       # [k, m * R]
             d = torch.cat([shrink[:, j * R:(j + 1) * R] @ B[slot]
                            for j, B in enumerate(Bs)], dim=1) if len(Bs) > 1 \
                 else shrink @ Bs[0][slot]
@@ -215,7 +218,7 @@ class LoraRound:
         else:
             xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
                                                             x.index_select(0, self._src))
-        shrink = torch.bmm(xs.reshape(n, w, -1), A.transpose(1, 2))       # [n, w, m * R]
+        shrink = torch.bmm(xs.reshape(n, w, -1), A)                       # [n, w, m * R]
         parts = [torch.bmm(shrink[:, :, j * R:(j + 1) * R], B)
                  for j, B in enumerate(Bs)]                            # each [n, w, out_j]
         d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(n * w, -1)

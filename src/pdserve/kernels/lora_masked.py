@@ -3,8 +3,8 @@ every row's shrink under every adapter the round uses, a mask keeping the
 row's own. Its cost grows with rows x adapters, which is why the segmented
 round (`kernels/lora.py`) replaced it; the bench compares the two.
 
-x @ A_active^T gives every row its shrink under every active adapter, the
-mask keeps the row's own, and each projection's @ B_active^T expands its
+x @ A_active gives every row its shrink under every active adapter, the
+mask keeps the row's own, and each projection's @ B_active expands its
 part. A gather of the active slots' stacks comes first unless every slot
 is active.
 """
@@ -41,8 +41,8 @@ class MaskedLoraRound:
             Bs = [B.index_select(0, self._index) for B in Bs]
         n, m, R = len(self.active), len(Bs), self.stacks.max_rank
         rows = x.shape[0]
-        shrink = x @ A.reshape(n * m * R, -1).t()                       # [rows, n * m * R]
-        shrink = shrink.view(rows, n, m, R) * self._mask.view(rows, n, 1, 1)
+        shrink = torch.matmul(x, A).transpose(0, 1).reshape(rows, n, m, R)  # [rows, n, m, R]
+        shrink = (shrink * self._mask.view(rows, n, 1, 1)).contiguous()
         if m == 1:
             return y + shrink.view(rows, n * R) @ Bs[0].reshape(n * R, -1)
         return y + torch.cat([shrink[:, :, j].reshape(rows, n * R) @ B.reshape(n * R, -1)
