@@ -10,7 +10,8 @@ through the model's forward (attention over the paged cache, every layer,
 the logits): all rows under the base model, all under one adapter, or spread
 round-robin over 4 or 16, under the segmented kernel (`kernels/lora.py`)
 and, with `--kernel both` (the default), the masked one it replaced
-(`kernels/lora_masked.py`), side by side in one run. Each repeat times
+(`kernels/lora_masked.py`) and, on CUDA with triton, the fused Triton
+kernels (`kernels/lora_fused.py`), side by side in one run. Each repeat times
 every case in turn, `--rounds` forwards each; the table gives tokens a
 second (batch / the median round) over `--repeats`, its spread, and each
 case against the base of the same repeats: median against median, and
@@ -47,9 +48,10 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive, default=None,
                    help="torch CPU threads (torch's default); 1 steadies a shared host")
-    p.add_argument("--kernel", choices=("segmented", "masked", "both"), default="both",
-                   help="the batched LoRA to time: the segmented one, the masked one it "
-                        "replaced, or both side by side (both)")
+    p.add_argument("--kernel", choices=("segmented", "masked", "fused", "both"), default="both",
+                   help="the batched LoRA to time: the torch segmented one, the masked one "
+                        "it replaced, the fused Triton one (CUDA), or all that run on the "
+                        "device side by side (both)")
 
 
 def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
@@ -81,9 +83,15 @@ def run(args) -> int:
 
     from pdserve.kernels.loader import load_model
     from pdserve.kernels.lora import LoraRound
-    from pdserve.kernels.lora_masked import MaskedLoraRound
     from pdserve.kernels.lora_adapter import load_adapter
+    from pdserve.kernels.lora_fused import FusedLoraRound, triton_available
+    from pdserve.kernels.lora_masked import MaskedLoraRound
 
+    fused = args.device.startswith("cuda") and triton_available()
+    if args.kernel == "fused" and not fused:
+        print("bench lora: --kernel fused runs Triton's kernels on a CUDA device: give "
+              "--device cuda and install triton (pip install 'pdserve[gpu]')")
+        return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     n = max(k for _, k in CASES)
@@ -104,8 +112,11 @@ def run(args) -> int:
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
     ids, meta, cache, rows = decode_round(model, args.batch, args.context)
-    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound}
-    chosen = list(kernels) if args.kernel == "both" else [args.kernel]
+    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound, "fused": FusedLoraRound.of}
+    if args.kernel != "both":
+        chosen = [args.kernel]
+    else:
+        chosen = ["segmented", "masked"] + (["fused"] if fused else [])
     cases = [("base", 0, None)] + [(f"{label}, {k}" if len(chosen) > 1 else label, n_ad, k)
                                     for k in chosen for label, n_ad in CASES if n_ad]
     rounds = {}

@@ -35,7 +35,8 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.kernels.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.lora import LoraRound, LoraSegments
+from pdserve.kernels.lora import LoraSegments
+from pdserve.kernels.lora_fused import lora_round as make_lora_round
 from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.staging import stage_rows
@@ -517,7 +518,7 @@ class TorchExecutor:
         states_b = StateBatch(self.caches[self.state], states) if self.state is not None \
             else None
         fed_rows = (staged[-2], staged[-1], feed[0]) if fed_to else None  # type: ignore[index]
-        lora_round = (LoraRound(self.model.lora, segments, staged[3 + 2 * n:]),
+        lora_round = (make_lora_round(self.model.lora, segments, staged[3 + 2 * n:]),
                       needs) if segments is not None else None
         return (ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows, spec_round
 
