@@ -26,35 +26,30 @@ Triton is optional (`pip install 'pdserve[gpu]'`): `lora_round` takes this
 kernel on a CUDA device when triton imports, the torch segmented path
 (`kernels/lora.py`) everywhere else. Triton's interpreter
 (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors; the tests
-check them that way on a host without a GPU. The kernels call only
-Triton's builtins (no `tl.cdiv` or `tl.zeros`: those are `@triton.jit`
-helpers of triton's own, which the interpreter cannot call when triton was
-imported before TRITON_INTERPRET was set, as in a test process).
+check them that way on a host without a GPU. The kernels themselves are
+`kernels/lora_triton.py`, imported only when a fused round is made.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
 
 import torch
 
 from pdserve.kernels.lora import BatchedLora, LoraRound, LoraSegments, LoraStacks
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:                      # the torch path serves without it
-    triton = None
-
 BLOCK_M = 16                   # rows a program takes of its segment (tl.dot's least)
 BLOCK_K = 64                   # input columns a shrink step reads
 
 
+@lru_cache(maxsize=1)
 def triton_available() -> bool:
-    return triton is not None
+    """Whether triton is installed (found, not imported: a CPU engine never
+    imports it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def lora_round(stacks: LoraStacks, segments: LoraSegments,
@@ -62,7 +57,7 @@ def lora_round(stacks: LoraStacks, segments: LoraSegments,
     """The round a forward on `stacks`' device runs: the fused Triton
     kernels on CUDA when triton is installed, else the torch segmented path
     (`staged`: its lists already on the device, see `LoraRound`)."""
-    if stacks.A[0][0].device.type == "cuda" and triton is not None:
+    if stacks.A[0][0].device.type == "cuda" and triton_available():
         return FusedLoraRound(stacks, segments)
     return LoraRound(stacks, segments, staged)
 
@@ -90,7 +85,7 @@ class FusedLoraRound:
     tensors under `TRITON_INTERPRET=1`)."""
 
     def __init__(self, stacks: LoraStacks, segments: LoraSegments):
-        if triton is None:
+        if not triton_available():
             raise RuntimeError("the fused LoRA kernels need triton: pip install 'pdserve[gpu]' "
                                "(or use LoraRound, the torch path)")
         self.stacks, self.seg = stacks, segments
@@ -107,7 +102,8 @@ class FusedLoraRound:
         n, k = len(rows), len(slots)
         self._rows, self._starts = packed[:n], packed[n:n + k]
         self._lens, self._slots = packed[n + k:n + 2 * k], packed[n + 2 * k:]
-        self._shrink, self._expand = _kernels(_interpreting())
+        from pdserve.kernels.lora_triton import kernels
+        self._shrink, self._expand = kernels(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
     @classmethod
     def of(cls, stacks: LoraStacks, row_slots: Sequence[int]) -> FusedLoraRound:
@@ -129,9 +125,9 @@ class FusedLoraRound:
         width = A.shape[2]                                  # modules * max_rank
         shrink = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
         fp32 = A.dtype == torch.float32
-        tiles_m = triton.cdiv(self.max_len, BLOCK_M)
+        tiles_m = -(-self.max_len // BLOCK_M)
         bn = _block(width, 64)
-        self._shrink[(tiles_m * triton.cdiv(width, bn), self.segments)](
+        self._shrink[(tiles_m * -(-width // bn), self.segments)](
             x, A, shrink, self._rows, self._starts, self._lens, self._slots,
             A.shape[1], width, x.stride(0), A.stride(0), A.stride(1), shrink.stride(0),
             BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, FP32=fp32)
@@ -139,7 +135,7 @@ class FusedLoraRound:
         for j, B in enumerate(Bs):
             out = B.shape[2]
             bn = _block(out, 128)
-            self._expand[(tiles_m * triton.cdiv(out, bn), self.segments)](
+            self._expand[(tiles_m * -(-out // bn), self.segments)](
                 shrink, B, y, self._rows, self._starts, self._lens, self._slots,
                 out, R, j * R, col, shrink.stride(0), B.stride(0), B.stride(1), y.stride(0),
                 BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_R=_block(R, 16), FP32=fp32)
@@ -150,84 +146,3 @@ class FusedLoraRound:
 def _block(n: int, most: int) -> int:
     """A tile side for n: the next power of two, at least 16, at most `most`."""
     return max(16, min(most, 1 << (n - 1).bit_length()))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@lru_cache(maxsize=2)
-def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """The two kernels, jitted (or wrapped for the interpreter, as
-    `triton.jit` does under TRITON_INTERPRET=1) on first use."""
-    assert triton is not None
-    return triton.jit(_shrink_kernel), triton.jit(_expand_kernel)
-
-
-def _shrink_kernel(x_ptr, a_ptr, s_ptr, rows_ptr, starts_ptr, lens_ptr, slots_ptr,
-                   K, N, stride_xm, stride_as, stride_ak, stride_sm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FP32: tl.constexpr):
-    """s[row, n] = sum_k x[row, k] * A[slot, k, n] for one segment's rows."""
-    seg = tl.program_id(1)
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    tile_m, tile_n = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
-    length = tl.load(lens_ptr + seg)
-    if tile_m * BLOCK_M >= length:
-        return
-    start = tl.load(starts_ptr + seg)
-    slot = tl.load(slots_ptr + seg)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_m = offs_m < length
-    rows = tl.load(rows_ptr + start + offs_m, mask=in_m, other=0)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = offs_n < N
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
-                    mask=in_m[:, None] & in_k[None, :], other=0.0)
-        a = tl.load(a_ptr + slot * stride_as + offs_k[:, None] * stride_ak + offs_n[None, :],
-                    mask=in_k[:, None] & in_n[None, :], other=0.0)
-        if FP32:
-            acc += tl.dot(x, a, input_precision="ieee")
-        else:
-            acc += tl.dot(x, a)
-    tl.store(s_ptr + rows[:, None] * stride_sm + offs_n[None, :], acc,
-             mask=in_m[:, None] & in_n[None, :])
-
-
-def _expand_kernel(s_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, lens_ptr, slots_ptr,
-                   N, R, s_col, y_col, stride_sm, stride_bs, stride_br, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   FP32: tl.constexpr):
-    """y[row, y_col + n] += sum_r s[row, s_col + r] * B[slot, r, n] for one
-    segment's rows."""
-    seg = tl.program_id(1)
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    tile_m, tile_n = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
-    length = tl.load(lens_ptr + seg)
-    if tile_m * BLOCK_M >= length:
-        return
-    start = tl.load(starts_ptr + seg)
-    slot = tl.load(slots_ptr + seg)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_m = offs_m < length
-    rows = tl.load(rows_ptr + start + offs_m, mask=in_m, other=0)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = offs_n < N
-    offs_r = tl.arange(0, BLOCK_R)
-    in_r = offs_r < R
-    s = tl.load(s_ptr + rows[:, None] * stride_sm + s_col + offs_r[None, :],
-                mask=in_m[:, None] & in_r[None, :], other=0.0)
-    b = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-                mask=in_r[:, None] & in_n[None, :], other=0.0)
-    if FP32:
-        d = tl.dot(s, b, input_precision="ieee")
-    else:
-        d = tl.dot(s.to(b.dtype), b)
-    out = y_ptr + rows[:, None] * stride_ym + y_col + offs_n[None, :]
-    keep = in_m[:, None] & in_n[None, :]
-    y = tl.load(out, mask=keep, other=0.0)
-    tl.store(out, (y.to(tl.float32) + d).to(y.dtype), mask=keep)
