@@ -192,15 +192,19 @@ class LoraRound:
         if self.seg.slots:
             self._batched(A, Bs, R, x, y)
         for slot, rows in self._alone:
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            shrink = xs @ A[slot]                                       # [k, m * R]
+            if isinstance(rows, slice):     # each projection's expand added in place
+                shrink = x[rows] @ A[slot]                              # [k, m * R]
+                col = 0
+                for j, B in enumerate(Bs):
+                    out = B.shape[2]
+                    y[rows, col:col + out].addmm_(shrink[:, j * R:(j + 1) * R], B[slot])
+                    col += out
+                continue
+            shrink = x.index_select(0, rows) @ A[slot]
             d = torch.cat([shrink[:, j * R:(j + 1) * R] @ B[slot]
                            for j, B in enumerate(Bs)], dim=1) if len(Bs) > 1 \
                 else shrink @ Bs[0][slot]
-            if isinstance(rows, slice):
-                y[rows] += d
-            else:
-                y.index_add_(0, rows, d)
+            y.index_add_(0, rows, d)
         return y
 
     def _batched(self, A, Bs, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -219,6 +223,14 @@ class LoraRound:
             xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
                                                             x.index_select(0, self._src))
         shrink = torch.bmm(xs.reshape(n, w, -1), A)                       # [n, w, m * R]
+        if self._identity and y.is_contiguous():
+            # the batch is y's rows: each projection's expand added in place
+            y3, col = y.view(n, w, -1), 0
+            for j, B in enumerate(Bs):
+                out = B.shape[2]
+                y3[:, :, col:col + out].baddbmm_(shrink[:, :, j * R:(j + 1) * R], B)
+                col += out
+            return
         parts = [torch.bmm(shrink[:, :, j * R:(j + 1) * R], B)
                  for j, B in enumerate(Bs)]                            # each [n, w, out_j]
         d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(n * w, -1)
