@@ -138,11 +138,13 @@ class FusedLoraRound:
             self._expand[(tiles_m * -(-out // bn), self.segments)](
                 shrink, B, y, self._rows, self._starts, self._lens, self._slots,
                 out, R, j * R, col, shrink.stride(0), B.stride(0), B.stride(1), y.stride(0),
-                BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_R=_block(R, 16), FP32=fp32)
+                BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_R=_block(R, max(R, 16)), FP32=fp32)
             col += out
         return y
 
 
 def _block(n: int, most: int) -> int:
-    """A tile side for n: the next power of two, at least 16, at most `most`."""
+    """A tile side for n: the next power of two, at least 16 (tl.dot's
+    least), at most `most` (the expand's rank tile is all of the rank: it
+    does not loop over it)."""
     return max(16, min(most, 1 << (n - 1).bit_length()))
