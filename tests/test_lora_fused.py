@@ -92,6 +92,43 @@ def test_a_rank_above_the_tiles_equals_the_torch_path(interpreted):
         assert torch.equal(got[base], y[base])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_kernels_compile_for_a_gpu_on_a_host_without_one(dtype, tmp_path, monkeypatch):
+    """The path the interpreter skips: Triton compiles both kernels for
+    sm_90 (an H100 or H200) down to a cubin through ptxas, here, with no
+    GPU. Float32 multiplies at IEEE precision (no TF32 in its PTX, no tensor
+    cores); bfloat16 uses the tensor cores."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels.lora_triton import kernels
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")          # its default, said aloud
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    shrink, expand = kernels(False)
+    index = {p: "*i64" for p in ("rows_ptr", "starts_ptr", "lens_ptr", "slots_ptr")}
+    built = {}
+    for name, fn, sig, const in (
+        ("shrink", shrink,
+         {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "s_ptr": "*fp32", **index,
+          **dict.fromkeys(("K", "N", "stride_xm", "stride_as", "stride_ak", "stride_sm"), "i32")},
+         {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "FP32": dtype == "fp32"}),
+        ("expand", expand,
+         {"s_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", **index,
+          **dict.fromkeys(("N", "R", "s_col", "y_col", "stride_sm", "stride_bs", "stride_br",
+                           "stride_ym"), "i32")},
+         {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_R": 16, "FP32": dtype == "fp32"})):
+        sig.update(dict.fromkeys(const, "constexpr"))
+        built[name] = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32))
+        assert built[name].asm["cubin"]
+    ptx = built["shrink"].asm["ptx"]
+    if dtype == "fp32":
+        assert "tf32" not in ptx and "mma" not in ptx
+    else:
+        assert "mma" in ptx
+
+
 def test_a_cpu_round_takes_the_torch_path(model):  # noqa: F811
     assert isinstance(lora_round(model.lora, LoraSegments.of([0, 1, -1])), LoraRound)
 
