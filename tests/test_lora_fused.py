@@ -66,21 +66,22 @@ def test_fused_rows_equal_the_torch_path_under_the_interpreter(model, interprete
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
 
 
-def test_a_rank_above_the_tiles_equals_the_torch_path(interpreted):
-    """max_rank 32 (past the 16-wide tiles of a rank-16 round) and a round
-    mixing a 20-row group, short groups and base rows: every fused matmul's
-    delta equals the torch path's, and base rows are left untouched."""
+@pytest.mark.parametrize("max_rank", [24, 32])
+def test_a_rank_above_the_tiles_equals_the_torch_path(interpreted, max_rank):
+    """max_rank 24 and 32 (past one 16-wide tile; 24 is no power of two)
+    and a round mixing a 20-row group, short groups and base rows: every
+    fused matmul's delta equals the torch path's, base rows untouched."""
     from pdserve.kernels.lora import GROUPS, LoraStacks
     from pdserve.kernels.model_config import ModelConfig
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, intermediate_size=128, max_position=512)
     g = torch.Generator().manual_seed(3)
-    stacks = LoraStacks(cfg, 4, 32, torch.float32, "cpu")
+    stacks = LoraStacks(cfg, 4, max_rank, torch.float32, "cpu")
     for group in range(len(GROUPS)):
         A = stacks.A[0][group]
         A.copy_(torch.randn(A.shape, generator=g) / A.shape[1] ** .5)
         for B in stacks.B[0][group]:
-            B.copy_(torch.randn(B.shape, generator=g) / 32 ** .5)
+            B.copy_(torch.randn(B.shape, generator=g) / max_rank ** .5)
     row_slots = [1, -1] + [3] * 20 + [0, 1, -1, 2]
     fused, torch_path = FusedLoraRound.of(stacks, row_slots), LoraRound.of(stacks, row_slots)
     base = [i for i, s in enumerate(row_slots) if s < 0]

@@ -40,6 +40,7 @@ from functools import lru_cache
 import torch
 
 from pdserve.kernels.lora import BatchedLora, LoraRound, LoraSegments, LoraStacks
+from pdserve.kernels.staging import stage_rows
 
 BLOCK_M = 16                   # rows a program takes of its segment (tl.dot's least)
 BLOCK_K = 64                   # input columns a shrink step reads
@@ -95,13 +96,9 @@ class FusedLoraRound:
         rows, starts, lens, slots = segment_table(segments)
         self.segments = len(slots)
         self.max_len = max(lens, default=0)
-        dev = stacks.A[0][0].device
-        packed = torch.tensor(rows + starts + lens + slots, dtype=torch.long)
-        if dev.type == "cuda":
-            packed = packed.pin_memory().to(dev, non_blocking=True)
-        n, k = len(rows), len(slots)
-        self._rows, self._starts = packed[:n], packed[n:n + k]
-        self._lens, self._slots = packed[n + k:n + 2 * k], packed[n + 2 * k:]
+        # one asynchronous copy of the four lists (kernels/staging.py)
+        self._rows, self._starts, self._lens, self._slots = stage_rows(
+            [rows, starts, lens, slots], stacks.A[0][0].device)
         from pdserve.kernels.lora_triton import kernels
         self._shrink, self._expand = kernels(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -126,7 +123,7 @@ class FusedLoraRound:
         shrink = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
         fp32 = A.dtype == torch.float32
         tiles_m = -(-self.max_len // BLOCK_M)
-        bn = _block(width, 64)
+        bn = min(64, _tile(width))
         self._shrink[(tiles_m * -(-width // bn), self.segments)](
             x, A, shrink, self._rows, self._starts, self._lens, self._slots,
             A.shape[1], width, x.stride(0), A.stride(0), A.stride(1), shrink.stride(0),
@@ -134,17 +131,17 @@ class FusedLoraRound:
         col = 0
         for j, B in enumerate(Bs):
             out = B.shape[2]
-            bn = _block(out, 128)
+            bn = min(128, _tile(out))
             self._expand[(tiles_m * -(-out // bn), self.segments)](
                 shrink, B, y, self._rows, self._starts, self._lens, self._slots,
                 out, R, j * R, col, shrink.stride(0), B.stride(0), B.stride(1), y.stride(0),
-                BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_R=_block(R, max(R, 16)), FP32=fp32)
+                BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_R=_tile(R), FP32=fp32)
             col += out
         return y
 
 
-def _block(n: int, most: int) -> int:
-    """A tile side for n: the next power of two, at least 16 (tl.dot's
-    least), at most `most` (the expand's rank tile is all of the rank: it
-    does not loop over it)."""
-    return max(16, min(most, 1 << (n - 1).bit_length()))
+def _tile(n: int) -> int:
+    """A tile side covering n: the next power of two (tl.arange's sizes),
+    at least 16 (tl.dot's least). The expand's rank tile is all of the
+    rank (it does not loop over it); the column tiles are capped."""
+    return max(16, 1 << (n - 1).bit_length())
