@@ -49,18 +49,29 @@ class LoraStacks:
         self.cfg, self.slots, self.max_rank = cfg, slots, max_rank
         self.A: list[list[torch.Tensor]] = []
         self.B: list[list[list[torch.Tensor]]] = []     # layer, group, module
+        # a group whose projections have one width (gate up): its B stacks
+        # are views of one [slots, modules, max_rank, out], so one matmul
+        # of slots x modules batches expands them all
+        self.B_joint: list[list[torch.Tensor | None]] = []
         # (group, index in the group) of each module
         self._where = {m: (g, j) for g, mods in enumerate(GROUPS) for j, m in enumerate(mods)}
         for _ in range(cfg.num_layers):
-            a_row, b_row = [], []
+            a_row, b_row, joint_row = [], [], []
             for mods in GROUPS:
                 inp = module_shape(cfg, mods[0])[1]
                 a_row.append(torch.zeros(slots, inp, len(mods) * max_rank, dtype=dtype,
                                          device=device))
-                b_row.append([torch.zeros(slots, max_rank, module_shape(cfg, m)[0], dtype=dtype,
-                                          device=device) for m in mods])
+                outs = [module_shape(cfg, m)[0] for m in mods]
+                joint = torch.zeros(slots, len(mods), max_rank, outs[0], dtype=dtype,
+                                    device=device) if len(mods) > 1 and len(set(outs)) == 1 \
+                    else None
+                joint_row.append(joint)
+                b_row.append([joint[:, j] for j in range(len(mods))] if joint is not None else
+                             [torch.zeros(slots, max_rank, out, dtype=dtype, device=device)
+                              for out in outs])
             self.A.append(a_row)
             self.B.append(b_row)
+            self.B_joint.append(joint_row)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in `slot`, replacing whatever was there."""
@@ -190,7 +201,7 @@ class LoraRound:
         A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
         R = self.stacks.max_rank
         if self.seg.slots:
-            self._batched(A, Bs, R, x, y)
+            self._batched(A, Bs, self.stacks.B_joint[layer][group], R, x, y)
         for slot, rows in self._alone:
             if isinstance(rows, slice):     # each projection's expand added in place
                 shrink = x[rows] @ A[slot]                              # [k, m * R]
@@ -207,14 +218,21 @@ class LoraRound:
             y.index_add_(0, rows, d)
         return y
 
-    def _batched(self, A, Bs, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _batched(self, A, Bs, joint, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
         seg = self.seg
         n, w = len(seg.slots), seg.width
+        # one row a slot, y's rows in order, and one B for the group's projections
+        joint = joint if joint is not None and w == 1 and self._identity and \
+            y.is_contiguous() else None
         if self._range is not None:
             A, Bs = A[self._range], [B[self._range] for B in Bs]
+            joint = joint[self._range] if joint is not None else None
         else:
             A = A.index_select(0, self._slots)
-            Bs = [B.index_select(0, self._slots) for B in Bs]
+            if joint is not None:
+                joint = joint.index_select(0, self._slots)
+            else:
+                Bs = [B.index_select(0, self._slots) for B in Bs]
         if self._identity:
             xs = x
         elif not seg.padded:
@@ -223,6 +241,11 @@ class LoraRound:
             xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
                                                             x.index_select(0, self._src))
         shrink = torch.bmm(xs.reshape(n, w, -1), A)                       # [n, w, m * R]
+        if joint is not None:
+            # [n * m, 1, R] @ [n * m, R, out] into y as [n * m, 1, out]: (row, projection)
+            m, out = joint.shape[1], joint.shape[3]
+            y.view(n * m, 1, out).baddbmm_(shrink.view(n * m, 1, R), joint.reshape(n * m, R, out))
+            return
         if self._identity and y.is_contiguous():
             # the batch is y's rows: each projection's expand added in place
             y3, col = y.view(n, w, -1), 0

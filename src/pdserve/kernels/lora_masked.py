@@ -32,10 +32,15 @@ class MaskedLoraRound:
         slots = torch.tensor(list(row_slots), device=dev, dtype=torch.long)
         # [rows, active]: 1 where the row's adapter is that active slot
         self._mask = (slots.view(-1, 1) == self._index.view(1, -1)).to(dtype)
+        # gate and up's B stacks are views of one joint stack (LoraStacks.B_joint);
+        # this kernel reads each as one [slots * rank, out] matrix, so with every
+        # slot active it takes contiguous copies once, not one per forward
+        self._B = [[[B if B.is_contiguous() or not self._all else B.contiguous() for B in Bs]
+                    for Bs in layer] for layer in stacks.B]
 
     def add(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` plus what the round's adapters add to fused matmul `group`."""
-        A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
+        A, Bs = self.stacks.A[layer][group], self._B[layer][group]
         if not self._all:
             A = A.index_select(0, self._index)
             Bs = [B.index_select(0, self._index) for B in Bs]
