@@ -6,8 +6,10 @@ one A stack, [slots, in, modules * max_rank] (they read the same input),
 and each projection has its B stack, [slots, max_rank, out], already scaled.
 Both are the right-hand operand of their matmul as stored (x @ A[slot],
 shrink @ B[slot]): one slot's shrink and expand each read one contiguous
-block, and a batched matmul of one row per slot runs at twice the speed on
-a CPU it does with A stored [out, in] and read transposed.
+block, and on a CPU a batched matmul of one row per slot reads A stored
+so about twice as fast as A stored [out, in] and read transposed.
+Projections of one width in one group (gate up) have their B stacks as
+views of one [slots, modules, max_rank, out] stack (`B_joint`).
 Ranks below max_rank are zero-padded, an untargeted module is zeros.
 
 `LoraSegments` plans a round's rows on the host: grouped by slot, base rows
@@ -15,9 +17,12 @@ in none. Short groups (decode rows, a few per adapter) are padded to one
 width and run as one batched matmul: a gather of their rows into
 [segments, width, in], a bmm with their A stacks (the shrink), a bmm per
 projection with their B stacks (the expand), and an index_add back into
-the rows. A group much longer than the others (a prefill chunk) runs alone
-as plain matmuls on its rows, so padding never costs more than twice the
-rows it pads. `LoraRound` is that plan on the device for one forward.
+the rows (or, when the batch is the rows in order, the expands added into
+y in place; gate and up's as one matmul). A group much longer than the
+others (a prefill chunk) runs alone as plain matmuls on its rows, so
+padding never costs more than twice the rows it pads. `LoraRound` is that
+plan on the device for one forward: the CPU's path (on CUDA,
+`lora_fused.py`'s Triton kernels).
 The cost grows with the rows under an adapter, not with rows x adapters (the
 masked kernel it replaced, kept in `lora_masked.py` for the bench), and a
 round of base rows only costs nothing.
