@@ -10,12 +10,16 @@ through the model's forward (attention over the paged cache, every layer,
 the logits): all rows under the base model, all under one adapter, or spread
 round-robin over 4 or 16, under the segmented kernel (`kernels/lora.py`)
 and, with `--kernel both` (the default), the masked one it replaced
-(`kernels/lora_masked.py`), side by side in one run. Each repeat times
+(`kernels/lora_masked.py`) and, on CUDA with triton, the fused Triton
+kernels (`kernels/lora_fused.py`), side by side in one run. Each repeat times
 every case in turn, `--rounds` forwards each; the table gives tokens a
 second (batch / the median round) over `--repeats`, its spread, and each
 case against the base of the same repeats: median against median, and
 best against best (on a shared host the fastest repeat is the one least
-disturbed by others). Then an
+disturbed by others), by wall time and, on a CPU, by the process's CPU
+time (with `--threads 1` every op runs on the calling thread, and time
+spent waiting for a core a shared host's other jobs hold is not counted;
+they still share the memory bus and the last-level cache). Then an
 adapter's load: its PEFT directory read into host memory, and host memory
 copied into a device slot.
 """
@@ -44,9 +48,10 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=positive, default=None,
                    help="torch CPU threads (torch's default); 1 steadies a shared host")
-    p.add_argument("--kernel", choices=("segmented", "masked", "both"), default="both",
-                   help="the batched LoRA to time: the segmented one, the masked one it "
-                        "replaced, or both side by side (both)")
+    p.add_argument("--kernel", choices=("segmented", "masked", "fused", "both"), default="both",
+                   help="the batched LoRA to time: the torch segmented one, the masked one "
+                        "it replaced, the fused Triton one (CUDA), or all that run on the "
+                        "device side by side (both)")
 
 
 def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
@@ -78,9 +83,15 @@ def run(args) -> int:
 
     from pdserve.kernels.loader import load_model
     from pdserve.kernels.lora import LoraRound
-    from pdserve.kernels.lora_masked import MaskedLoraRound
     from pdserve.kernels.lora_adapter import load_adapter
+    from pdserve.kernels.lora_fused import FusedLoraRound, triton_available
+    from pdserve.kernels.lora_masked import MaskedLoraRound
 
+    fused = args.device.startswith("cuda") and triton_available()
+    if args.kernel == "fused" and not fused:
+        print("bench lora: --kernel fused runs Triton's kernels on a CUDA device: give "
+              "--device cuda and install triton (pip install 'pdserve[gpu]')")
+        return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     n = max(k for _, k in CASES)
@@ -101,8 +112,11 @@ def run(args) -> int:
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
     ids, meta, cache, rows = decode_round(model, args.batch, args.context)
-    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound}
-    chosen = list(kernels) if args.kernel == "both" else [args.kernel]
+    kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound, "fused": FusedLoraRound.of}
+    if args.kernel != "both":
+        chosen = [args.kernel]
+    else:
+        chosen = ["segmented", "masked"] + (["fused"] if fused else [])
     cases = [("base", 0, None)] + [(f"{label}, {k}" if len(chosen) > 1 else label, n_ad, k)
                                     for k in chosen for label, n_ad in CASES if n_ad]
     rounds = {}
@@ -110,41 +124,55 @@ def run(args) -> int:
         slots = [i % k for i in range(args.batch)] if k else []
         rounds[label] = kernels[kernel](stacks, slots) if kernel else None
 
-    def timed(rnd) -> float:
+    def timed(rnd) -> tuple[float, float]:
+        """A round's wall time and the process's CPU time, each averaged."""
         if args.device != "cpu":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.rounds):
             model.forward(ids, meta, cache, rows, lora=rnd)
         if args.device != "cpu":
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.rounds
+        return ((time.perf_counter() - t0) / args.rounds,
+                (time.process_time() - c0) / args.rounds)
 
     for rnd in rounds.values():                # warm every path
         timed(rnd)
     rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
+    cpu_rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
     for _ in range(args.repeats):
         for label, _, _ in cases:
-            rates[label].append(args.batch / timed(rounds[label]))
-    base, base_best = statistics.median(rates["base"]), max(rates["base"])
+            wall, cpu = timed(rounds[label])
+            rates[label].append(args.batch / wall)
+            cpu_rates[label].append(args.batch / cpu)
     print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
           f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
           f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
           f"{torch.get_num_threads()} torch threads")
     width = max(len(label) for label in rates) + 2
-    print(f"{'case':<{width}} {'tok/s (median)':>15} {'min..max':>17} {'vs base':>8} "
-          f"{'best vs best':>13}")
-    for label, _, _ in cases:
-        r = rates[label]
-        med = statistics.median(r)
-        print(f"{label:<{width}} {med:>15.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
-              f"{med / base:>7.2f}x {max(r) / base_best:>12.2f}x")
+    _table("wall time", rates, width)
+    if args.device == "cpu":
+        # the time the process ran on a core: what a shared host's other
+        # jobs take away (waiting for a core) is not in it
+        _table("CPU time", cpu_rates, width)
     _lora_alone(model, stacks, rounds, cases, args, width)
     mb = adapter.nbytes() / 2 ** 20
     print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
           f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
           f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
     return 0
+
+
+def _table(clock: str, rates: dict[str, list[float]], width: int) -> None:
+    """tok/s by `clock`: median and spread over the repeats, and against the
+    base: median against median, fastest against fastest."""
+    base, base_best = statistics.median(rates["base"]), max(rates["base"])
+    print(f"{'case':<{width}} {f'tok/s by {clock}':>17} {'min..max':>17} {'vs base':>8} "
+          f"{'best vs best':>13}")
+    for label, r in rates.items():
+        med = statistics.median(r)
+        print(f"{label:<{width}} {med:>17.1f} {f'{min(r):.1f}..{max(r):.1f}':>17} "
+              f"{med / base:>7.2f}x {max(r) / base_best:>12.2f}x")
 
 
 def _lora_alone(model, stacks, rounds, cases, args, width) -> None:

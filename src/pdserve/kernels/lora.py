@@ -2,9 +2,14 @@
 
 `LoraStacks` holds `max_loras` device slots. Per layer, the projections
 that share one fused matmul in the decoder (q k v; o; gate up; down) share
-one A stack, [slots, modules * max_rank, in] (they read the same input), and
-each projection has its B stack, [slots, max_rank, out], already scaled
-(so one slot's expand reads one contiguous block).
+one A stack, [slots, in, modules * max_rank] (they read the same input),
+and each projection has its B stack, [slots, max_rank, out], already scaled.
+Both are the right-hand operand of their matmul as stored (x @ A[slot],
+shrink @ B[slot]): one slot's shrink and expand each read one contiguous
+block, and on a CPU a batched matmul of one row per slot reads A stored
+so about twice as fast as A stored [out, in] and read transposed.
+Projections of one width in one group (gate up) have their B stacks as
+views of one [slots, modules, max_rank, out] stack (`B_joint`).
 Ranks below max_rank are zero-padded, an untargeted module is zeros.
 
 `LoraSegments` plans a round's rows on the host: grouped by slot, base rows
@@ -12,9 +17,12 @@ in none. Short groups (decode rows, a few per adapter) are padded to one
 width and run as one batched matmul: a gather of their rows into
 [segments, width, in], a bmm with their A stacks (the shrink), a bmm per
 projection with their B stacks (the expand), and an index_add back into
-the rows. A group much longer than the others (a prefill chunk) runs alone
-as plain matmuls on its rows, so padding never costs more than twice the
-rows it pads. `LoraRound` is that plan on the device for one forward.
+the rows (or, when the batch is the rows in order, the expands added into
+y in place; gate and up's as one matmul). A group much longer than the
+others (a prefill chunk) runs alone as plain matmuls on its rows, so
+padding never costs more than twice the rows it pads. `LoraRound` is that
+plan on the device for one forward: the CPU's path (on CUDA,
+`lora_fused.py`'s Triton kernels).
 The cost grows with the rows under an adapter, not with rows x adapters (the
 masked kernel it replaced, kept in `lora_masked.py` for the bench), and a
 round of base rows only costs nothing.
@@ -46,18 +54,29 @@ class LoraStacks:
         self.cfg, self.slots, self.max_rank = cfg, slots, max_rank
         self.A: list[list[torch.Tensor]] = []
         self.B: list[list[list[torch.Tensor]]] = []     # layer, group, module
+        # a group whose projections have one width (gate up): its B stacks
+        # are views of one [slots, modules, max_rank, out], so one matmul
+        # of slots x modules batches expands them all
+        self.B_joint: list[list[torch.Tensor | None]] = []
         # (group, index in the group) of each module
         self._where = {m: (g, j) for g, mods in enumerate(GROUPS) for j, m in enumerate(mods)}
         for _ in range(cfg.num_layers):
-            a_row, b_row = [], []
+            a_row, b_row, joint_row = [], [], []
             for mods in GROUPS:
                 inp = module_shape(cfg, mods[0])[1]
-                a_row.append(torch.zeros(slots, len(mods) * max_rank, inp, dtype=dtype,
+                a_row.append(torch.zeros(slots, inp, len(mods) * max_rank, dtype=dtype,
                                          device=device))
-                b_row.append([torch.zeros(slots, max_rank, module_shape(cfg, m)[0], dtype=dtype,
-                                          device=device) for m in mods])
+                outs = [module_shape(cfg, m)[0] for m in mods]
+                joint = torch.zeros(slots, len(mods), max_rank, outs[0], dtype=dtype,
+                                    device=device) if len(mods) > 1 and len(set(outs)) == 1 \
+                    else None
+                joint_row.append(joint)
+                b_row.append([joint[:, j] for j in range(len(mods))] if joint is not None else
+                             [torch.zeros(slots, max_rank, out, dtype=dtype, device=device)
+                              for out in outs])
             self.A.append(a_row)
             self.B.append(b_row)
+            self.B_joint.append(joint_row)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in `slot`, replacing whatever was there."""
@@ -69,7 +88,7 @@ class LoraStacks:
         for (layer, module), (a, b) in adapter.weights.items():
             g, j = self._where[module]
             r = a.shape[0]
-            self.A[layer][g][slot, j * R:j * R + r].copy_(a)
+            self.A[layer][g][slot, :, j * R:j * R + r].copy_(a.t())
             self.B[layer][g][j][slot, :r].copy_(b.t())
 
     def clear(self, slot: int) -> None:
@@ -187,27 +206,38 @@ class LoraRound:
         A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
         R = self.stacks.max_rank
         if self.seg.slots:
-            self._batched(A, Bs, R, x, y)
+            self._batched(A, Bs, self.stacks.B_joint[layer][group], R, x, y)
         for slot, rows in self._alone:
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            shrink = xs @ A[slot].t()                                   # [k, m * R]
+            if isinstance(rows, slice):     # each projection's expand added in place
+                shrink = x[rows] @ A[slot]                              # [k, m * R]
+                col = 0
+                for j, B in enumerate(Bs):
+                    out = B.shape[2]
+                    y[rows, col:col + out].addmm_(shrink[:, j * R:(j + 1) * R], B[slot])
+                    col += out
+                continue
+            shrink = x.index_select(0, rows) @ A[slot]
             d = torch.cat([shrink[:, j * R:(j + 1) * R] @ B[slot]
                            for j, B in enumerate(Bs)], dim=1) if len(Bs) > 1 \
                 else shrink @ Bs[0][slot]
-            if isinstance(rows, slice):
-                y[rows] += d
-            else:
-                y.index_add_(0, rows, d)
+            y.index_add_(0, rows, d)
         return y
 
-    def _batched(self, A, Bs, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _batched(self, A, Bs, joint, R: int, x: torch.Tensor, y: torch.Tensor) -> None:
         seg = self.seg
         n, w = len(seg.slots), seg.width
+        # one row a slot, y's rows in order, and one B for the group's projections
+        joint = joint if joint is not None and w == 1 and self._identity and \
+            y.is_contiguous() else None
         if self._range is not None:
             A, Bs = A[self._range], [B[self._range] for B in Bs]
+            joint = joint[self._range] if joint is not None else None
         else:
             A = A.index_select(0, self._slots)
-            Bs = [B.index_select(0, self._slots) for B in Bs]
+            if joint is not None:
+                joint = joint.index_select(0, self._slots)
+            else:
+                Bs = [B.index_select(0, self._slots) for B in Bs]
         if self._identity:
             xs = x
         elif not seg.padded:
@@ -215,7 +245,20 @@ class LoraRound:
         else:
             xs = x.new_zeros(n * w, x.shape[1]).index_copy_(0, self._dst,
                                                             x.index_select(0, self._src))
-        shrink = torch.bmm(xs.reshape(n, w, -1), A.transpose(1, 2))       # [n, w, m * R]
+        shrink = torch.bmm(xs.reshape(n, w, -1), A)                       # [n, w, m * R]
+        if joint is not None:
+            # [n * m, 1, R] @ [n * m, R, out] into y as [n * m, 1, out]: (row, projection)
+            m, out = joint.shape[1], joint.shape[3]
+            y.view(n * m, 1, out).baddbmm_(shrink.view(n * m, 1, R), joint.reshape(n * m, R, out))
+            return
+        if self._identity and y.is_contiguous():
+            # the batch is y's rows: each projection's expand added in place
+            y3, col = y.view(n, w, -1), 0
+            for j, B in enumerate(Bs):
+                out = B.shape[2]
+                y3[:, :, col:col + out].baddbmm_(shrink[:, :, j * R:(j + 1) * R], B)
+                col += out
+            return
         parts = [torch.bmm(shrink[:, :, j * R:(j + 1) * R], B)
                  for j, B in enumerate(Bs)]                            # each [n, w, out_j]
         d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(n * w, -1)

@@ -3,8 +3,8 @@ every row's shrink under every adapter the round uses, a mask keeping the
 row's own. Its cost grows with rows x adapters, which is why the segmented
 round (`kernels/lora.py`) replaced it; the bench compares the two.
 
-x @ A_active^T gives every row its shrink under every active adapter, the
-mask keeps the row's own, and each projection's @ B_active^T expands its
+x @ A_active gives every row its shrink under every active adapter, the
+mask keeps the row's own, and each projection's @ B_active expands its
 part. A gather of the active slots' stacks comes first unless every slot
 is active.
 """
@@ -32,17 +32,22 @@ class MaskedLoraRound:
         slots = torch.tensor(list(row_slots), device=dev, dtype=torch.long)
         # [rows, active]: 1 where the row's adapter is that active slot
         self._mask = (slots.view(-1, 1) == self._index.view(1, -1)).to(dtype)
+        # gate and up's B stacks are views of one joint stack (LoraStacks.B_joint);
+        # this kernel reads each as one [slots * rank, out] matrix, so with every
+        # slot active it takes contiguous copies once, not one per forward
+        self._B = [[[B if B.is_contiguous() or not self._all else B.contiguous() for B in Bs]
+                    for Bs in layer] for layer in stacks.B]
 
     def add(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` plus what the round's adapters add to fused matmul `group`."""
-        A, Bs = self.stacks.A[layer][group], self.stacks.B[layer][group]
+        A, Bs = self.stacks.A[layer][group], self._B[layer][group]
         if not self._all:
             A = A.index_select(0, self._index)
             Bs = [B.index_select(0, self._index) for B in Bs]
         n, m, R = len(self.active), len(Bs), self.stacks.max_rank
         rows = x.shape[0]
-        shrink = x @ A.reshape(n * m * R, -1).t()                       # [rows, n * m * R]
-        shrink = shrink.view(rows, n, m, R) * self._mask.view(rows, n, 1, 1)
+        shrink = torch.matmul(x, A).transpose(0, 1).reshape(rows, n, m, R)  # [rows, n, m, R]
+        shrink = (shrink * self._mask.view(rows, n, 1, 1)).contiguous()
         if m == 1:
             return y + shrink.view(rows, n * R) @ Bs[0].reshape(n * R, -1)
         return y + torch.cat([shrink[:, :, j].reshape(rows, n * R) @ B.reshape(n * R, -1)

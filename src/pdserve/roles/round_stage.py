@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.kernels.lora import LoraRound, LoraSegments
+from pdserve.kernels.lora import BatchedLora, LoraSegments
+from pdserve.kernels.lora_fused import lora_round as make_lora_round
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.state_cache import SeqState, StateBatch
 from pdserve.roles.spec_round import SpecRound
@@ -33,7 +34,7 @@ class FedFromDevice:
 
 @dataclass(frozen=True)
 class LoraInputs:
-    rnd: LoraRound
+    rnd: BatchedLora        # a LoraRound, or on CUDA with triton a FusedLoraRound
     needs: dict             # LoRA slot -> the adapter load its rows run under
 
 
@@ -173,7 +174,7 @@ def stage_round(ex, plan: Plan, feed=None, own_tables: bool = False) -> tuple:
     if fed_to:
         assert feed is not None         # fed_to is filled from it
         fed_rows = FedFromDevice(staged[-2], staged[-1], feed[0])
-    lora_round = LoraInputs(LoraRound(ex.model.lora, segments, staged[3 + 2 * n:]),
+    lora_round = LoraInputs(make_lora_round(ex.model.lora, segments, staged[3 + 2 * n:]),
                             needs) if segments is not None else None
     return StagedRound(ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows, spec_round
 
