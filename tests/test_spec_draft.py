@@ -106,13 +106,13 @@ def test_prefix_hits_serve_the_drafts_k_v_too(reference, noisy):
     llm = LLM(speculative=noisy, page_size=4)
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
     drafter = llm.executor.spec.proposer
-    fed, computed = drafter.fed_rows, llm.executor.forward_tokens
+    fed, computed = drafter.kept_rows, llm.executor.forward_tokens
     again = [o.token_ids for o in llm.generate(
         [p + t[:8] for p, t in zip(PROMPTS, first)], greedy(8), use_tqdm=False)]
     assert first == reference and again == [t[8:16] for t in reference]
     assert llm.engine.planner.hits.device_tokens > 0
     # the draft fed no more rows than the target computed
-    assert drafter.fed_rows - fed <= llm.executor.forward_tokens - computed
+    assert drafter.kept_rows - fed <= llm.executor.forward_tokens - computed
 
 
 def test_p_drafts_on_the_completing_forward_and_d_verifies_to_the_fused_tokens(noisy):
@@ -126,7 +126,7 @@ def test_p_drafts_on_the_completing_forward_and_d_verifies_to_the_fused_tokens(n
     assert pd.dx.spec.counts.accepted_tokens > 0
     # D drafts from the pages P shipped, with the draft's K/V in them: it
     # never fed a prompt's rows itself
-    assert pd.dx.spec.proposer.fed_rows < sum(len(p) for p in prompts)
+    assert pd.dx.spec.proposer.kept_rows < sum(len(p) for p in prompts)
 
 
 def test_a_pair_with_an_equal_draft_accepts_everything_d_verifies(reference):

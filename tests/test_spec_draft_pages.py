@@ -23,12 +23,12 @@ from pdserve.kernels.model import random_weights
 from pdserve.kernels.model_config import tiny_config
 from pdserve.kernels.attention import TorchAttention
 from pdserve.roles.local_pair import LocalPair
-from pdserve.roles.spec_draft import draft_layout
+from pdserve.roles.spec_draft import check_draft_section, draft_layout
 from pdserve.roles.tp_transfer import kv_layout
 from pdserve.scheduler import ConfigError, EngineConfig
 from pdserve.scheduler.cache_groups import SLIDING_WINDOW, CacheGroupSpec, FULL
 
-from test_spec_draft import PROMPTS, SAME, greedy
+from test_spec_draft import PROMPTS, SAME, greedy, write_noisy_tiny
 
 # prompts that share pages at page size 4, so a later one hits an earlier one's
 SHARED = [PROMPTS[0] + [60, 61, 62, 63, 64], PROMPTS[1] + [60, 61], PROMPTS[0], PROMPTS[1]]
@@ -49,7 +49,10 @@ def assert_halves_equal(executor, pages: list[int], g: int = 0) -> None:
     target: the same tokens at the same positions give the same K/V)."""
     cache = executor.caches[g]
     n = cache.shapes[0].layers
-    assert cache.companion == KVShape(n, cache.shapes[0].kv_heads, cache.shapes[0].head_dim)
+    shape = cache.companion
+    assert shape.tag                                    # the draft's weights, named
+    assert dataclasses.replace(shape, tag="") == KVShape(n, cache.shapes[0].kv_heads,
+                                                         cache.shapes[0].head_dim)
     assert pages
     for j in range(n):
         (tk, tv), (dk, dv) = cache.layer(j), cache.layer(n + j)
@@ -90,7 +93,7 @@ def test_the_target_drafting_for_itself_fills_equal_halves_through_prefix_hits(w
     assert c.accepted_tokens == c.draft_tokens > 0     # no candidate lost to a stale K/V
     assert_halves_equal(ex, cached_pages(planner))
     # the draft fed no more rows than the target computed: a hit served both
-    assert 0 < ex.spec.proposer.fed_rows <= ex.forward_tokens
+    assert 0 < ex.spec.proposer.kept_rows <= ex.forward_tokens
     planner.check_invariants()
     planner.assert_idle()
 
@@ -119,7 +122,7 @@ def test_p_ships_the_drafts_k_v_and_d_drafts_from_them(want):
     c = pd.dx.spec.counts
     assert c.accepted_tokens == c.draft_tokens > 0
     # D never fed a prompt: the pages that landed held the draft's K/V
-    assert pd.dx.spec.proposer.fed_rows < sum(len(p) for p in SHARED)
+    assert pd.dx.spec.proposer.kept_rows < sum(len(p) for p in SHARED)
     assert_halves_equal(pd.dx, cached_pages(pd.D))
     assert_halves_equal(pd.px, cached_pages(pd.P))
 
@@ -168,14 +171,14 @@ def _tiny(**kw):
 
 
 def test_a_draft_joins_only_a_group_of_its_kind():
-    sliding = _tiny(sliding_window=8)
+    sliding = _tiny(sliding_window=8).cfg
     window = CacheGroupSpec(SLIDING_WINDOW, window=8)
     assert draft_layout(sliding, [FULL, window], "d").groups == (1,)
     with pytest.raises(ConfigError, match="sliding window of 8, which no cache group"):
         draft_layout(sliding, [FULL], "d")
     with pytest.raises(ConfigError, match="turn engine.sliding_replay off"):
         draft_layout(sliding, [FULL, dataclasses.replace(window, replayable=True)], "d")
-    full = draft_layout(_tiny(num_layers=1), [FULL, window], "d")
+    full = draft_layout(_tiny(num_layers=1).cfg, [FULL, window], "d")
     assert full.groups == (0,) and full.shapes[1] is None
 
 
@@ -202,3 +205,16 @@ def test_the_disk_tier_keeps_the_drafts_k_v_and_only_a_drafting_engine_reads_the
     plain = LLM(disk_cache=disk, **engine)          # pages without the draft's layers
     assert [o.token_ids for o in plain.generate(SHARED, greedy(), use_tqdm=False)] == want
     assert plain.engine.planner.hits.disk_tokens == 0
+    # another draft of the same shape: the pages name the draft's weights
+    other = dict(SAME, draft_model={"path": str(write_noisy_tiny(tmp_path / "noisy", 0.1))})
+    foreign = LLM(speculative=other, disk_cache=disk, **engine)
+    assert [o.token_ids for o in foreign.generate(SHARED, greedy(), use_tqdm=False)] == want
+    assert foreign.engine.planner.hits.disk_tokens == 0
+
+
+def test_a_draft_that_knows_fewer_positions_than_a_request_reaches_is_refused():
+    target = dataclasses.replace(tiny_config(), max_position=8192)
+    short = {"preset": "tiny"}                          # 4,096 positions
+    with pytest.raises(ConfigError, match="lower engine.max_context_tokens to at most 4,096"):
+        check_draft_section(short, target, EngineConfig(max_context_tokens=8192))
+    check_draft_section(short, target, EngineConfig(max_context_tokens=4096))

@@ -94,8 +94,8 @@ def run(args) -> int:
     if spec is not None and spec.draft_model is not None:
         from pdserve.kernels.model_config import ModelError
         from pdserve.roles.spec_draft import check_draft_section
-        try:                # a draft of another vocabulary, or one that keeps state
-            check_draft_section(spec.draft_model, mcfg)
+        try:                # a draft of another vocabulary or context, one that keeps state
+            check_draft_section(spec.draft_model, mcfg, cfg.engine)
         except (ConfigError, ModelError) as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2

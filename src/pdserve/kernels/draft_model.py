@@ -69,14 +69,17 @@ class DraftModelProposer(Proposer):
     name = "draft"
     keeps_kv = True
 
-    def __init__(self, model, caches: list, scratch: list[list[int]], page_size: int):
+    def __init__(self, model, caches: list, scratch: list[list[int]], page_size: int,
+                 target_groups: tuple | None = None):
         """`model`: the draft (a kernels model; its cache groups must keep
         K/V pages, not state). `caches`: per draft cache group, its layers
         (the companion layers of the target's pages, `KVCache.draft_layers`).
         `scratch`: per group, page ids no block table holds, for positions
         past a request's table (a request's candidates need at most
         ceil(k / page_size) of them; when a round's asks need more, the
-        last asking ones feed their rows but get no candidates)."""
+        last asking ones feed their rows but get no candidates).
+        `target_groups`: per draft group, the target's page group whose
+        block tables it reads (default: the same index)."""
         groups = model.cache_groups()
         if any(g.state for g in groups):
             raise ValueError("a draft model with state layers cannot be rolled back past a "
@@ -85,8 +88,8 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"{len(caches)} caches and {len(scratch)} scratch lists for the "
                              f"draft's {len(groups)} cache groups")
         self.model = model
-        # per draft group, the target's page group whose tables it reads
-        self.target_groups: tuple = tuple(range(len(groups)))
+        self.target_groups = target_groups if target_groups is not None \
+            else tuple(range(len(groups)))
         self.page_size = page_size
         self.max_position = model.cfg.max_position
         self.windows = [g.window if g.sliding else None for g in groups]
@@ -95,7 +98,7 @@ class DraftModelProposer(Proposer):
         self.forwards = 0           # draft forwards run
         # rows fed at positions whose target K/V the round kept (a request's
         # new token, fed for its candidates, comes again with the next round)
-        self.fed_rows = 0
+        self.kept_rows = 0
         self.starved = 0            # asks that got no candidates for want of scratch pages
 
     @torch.inference_mode()
@@ -134,7 +137,7 @@ class DraftModelProposer(Proposer):
             return out
         # longest feed first: the one-row ones batch as decodes behind it
         feeds.sort(key=lambda f: -len(f.tokens))
-        self.fed_rows += sum(len(f.tokens) - f.logits for f in feeds)
+        self.kept_rows += sum(len(f.tokens) - f.logits for f in feeds)
         cands: dict[int, list] = {i: [] for i in ks}
         probs: dict[int, list] = {i: [] for i in ks}
         table_of = {f.ask: f.tables for f in feeds}
@@ -149,6 +152,11 @@ class DraftModelProposer(Proposer):
         for i in ks:
             q = torch.stack(probs[i]) if probs[i] and probs[i][0] is not None else None
             out[i] = Draft(cands[i], q)
+        if self.model.device.type == "cuda":
+            # a keep-up-only round reads nothing back: its writes must land
+            # before a transfer (not ordered on the stream) reads or a peer
+            # writes these pages, or the pages go back to the pool
+            torch.cuda.current_stream(self.model.device).synchronize()
         return out
 
     def _forward(self, feeds: list[_Feed]) -> torch.Tensor:

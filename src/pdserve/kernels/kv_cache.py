@@ -16,25 +16,30 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class KVShape:
-    """A run of layers in every page: how many, and their K/V geometry."""
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    def describe(self, page_size: int) -> str:
-        return f"{self.layers}x2x{page_size}x{self.kv_heads}x{self.head_dim}"
-
 from pdserve.transfer import page_runs
 
 
+@dataclass(frozen=True)
+class KVShape:
+    """A run of layers in every page: how many, and their K/V geometry;
+    `tag` names the weights that computed them where the pages' readers
+    must tell two models of one shape apart (a draft's fingerprint)."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tag: str = ""
+
+    def describe(self, page_size: int) -> str:
+        return f"{self.layers}x2x{page_size}x{self.kv_heads}x{self.head_dim}" + \
+            (f"@{self.tag}" if self.tag else "")
+
 class KVCache:
     """One page-major tensor for every layer's K and V:
-    [pages, layers, 2, page_size, kv_heads, head_dim]. A page is one
-    contiguous region, so moving a run of pages (to host, or to a peer over
-    NIXL) is one copy or one descriptor; a layer's K (or V) is a strided view
+    [pages, layers, 2, page_size, kv_heads, head_dim], or with a companion
+    model's layers in the pages [pages, elements of a page], each layer's K
+    and V a run of it. Either way a page is one contiguous region, so
+    moving a run of pages (to host, or to a peer over NIXL) is one copy or
+    one descriptor; a layer's K (or V) is a strided view
     [pages, page_size, kv_heads, head_dim]."""
 
     def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device,
@@ -129,7 +134,6 @@ class KVCache:
         before any later kernel that touches the same pages."""
         for s0, d0, n in page_runs(src_pages, dst_pages):
             self.data[d0:d0 + n].copy_(src.data[s0:s0 + n], non_blocking=True)
-
 
 
 class CompanionLayers:

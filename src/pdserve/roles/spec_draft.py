@@ -16,6 +16,7 @@ disk tiers keep them, and P ships them to D in the same pages.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,14 +68,14 @@ def load_draft_model(section: dict, target):
     return model
 
 
-def draft_layout(draft, target_groups: list, name: str) -> DraftLayout:
+def draft_layout(c, target_groups: list, name: str) -> DraftLayout:
     """Which of the target's page groups (`target_groups`, its
-    CacheGroupSpecs without the state group) each of the `draft`'s cache
-    groups joins, or a ConfigError naming the one that fits none."""
+    CacheGroupSpecs without the state group) each cache group of the draft
+    (its ModelConfig `c`) joins, or a ConfigError naming the one that fits
+    none."""
     groups: list[int] = []
     shapes: list[KVShape | None] = [None] * len(target_groups)
-    c = draft.cfg
-    for d in draft.cache_groups():
+    for d in c.cache_groups():
         g = next((i for i, t in enumerate(target_groups)
                   if t.retention == d.retention and t.window == d.window), None)
         what = f"a sliding window of {d.window}" if d.sliding else "full history"
@@ -102,16 +103,21 @@ class DraftSetup:
     layout: DraftLayout
     scratch: int            # pages per target page group
 
+    def scratch_pages(self, g: int) -> int:
+        """Scratch pages after page group g's pool (none where the draft
+        has no layers)."""
+        return self.scratch if self.layout.shapes[g] is not None else 0
+
     def proposer(self, target_caches: list, pool_pages: list[int]) -> DraftModelProposer:
         """The proposer over the draft, whose K/V are the companion layers
-        of `target_caches`; `pool_pages`: each page group's pool, the
-        pages the planner grants (the scratch pages follow them)."""
+        of `target_caches`; `pool_pages`: each page group's pool (both
+        indexed as the executor's page groups), the pages the planner
+        grants (the scratch pages follow them)."""
         scratch = [list(range(pool_pages[g], pool_pages[g] + self.scratch))
                    for g in self.layout.groups]
-        p = DraftModelProposer(self.model, self.layout.caches(target_caches), scratch,
-                               target_caches[0].page_size)
-        p.target_groups = self.layout.groups
-        return p
+        return DraftModelProposer(self.model, self.layout.caches(target_caches), scratch,
+                                  target_caches[0].page_size, self.layout.groups)
+
 
 
 def load_draft(cfg, target, target_groups: list) -> DraftSetup | None:
@@ -124,21 +130,48 @@ def load_draft(cfg, target, target_groups: list) -> DraftSetup | None:
         return None
     assert spec.draft_model is not None     # SpecConfig refuses draft without one
     model = load_draft_model(spec.draft_model, target)
-    layout = draft_layout(model, target_groups, draft_name(spec.draft_model))
+    check_context(model.cfg, min(cfg.max_context_tokens, target.cfg.max_position),
+                  draft_name(spec.draft_model))
+    layout = draft_layout(model.cfg, target_groups, draft_name(spec.draft_model))
+    # the pages name the draft's weights: the disk tier's keys and the P/D
+    # layout then tell two drafts of one shape apart
+    from pdserve.roles.disk_tier import weights_fingerprint
+
+    tag = weights_fingerprint(model)
+    layout = DraftLayout(layout.groups, tuple(dataclasses.replace(s, tag=tag) if s else None
+                                              for s in layout.shapes))
     # a request's candidates reach at most ceil(k / page_size) pages past
     # its table; room for 64 asking requests a round (more get none)
     scratch = min(cfg.max_batch_size, 64) * -(-spec.num_speculative_tokens // cfg.page_size)
     return DraftSetup(model, layout, scratch)
 
 
-def check_draft_section(section: dict, target_cfg) -> None:
-    """The checks `load_draft` makes, from the draft's config alone (no
-    weights read): what `pdserve up` runs before Ray starts."""
+def check_draft_section(section: dict, target_cfg, engine=None) -> None:
+    """The checks `load_draft` makes, from the configs alone (no weights
+    read): what `pdserve up` runs before Ray starts. `engine`: the
+    EngineConfig the draft serves under (its context and sliding replay)."""
     from pdserve.kernels.loader import model_config_for
 
     path = section.get("path")
     cfg = model_config_for(path, None if path is not None else section.get("preset", "tiny"))
-    check_draft(cfg, target_cfg, draft_name(section))
+    name = draft_name(section)
+    check_draft(cfg, target_cfg, name)
+    if engine is not None:
+        check_context(cfg, min(engine.max_context_tokens, target_cfg.max_position), name)
+        groups = target_cfg.cache_groups(replayable=engine.sliding_replay)
+        draft_layout(cfg, [g for g in groups if not g.state], name)
+
+
+def check_context(draft_cfg, max_context_tokens: int, name: str) -> None:
+    """Refuse a draft that knows fewer positions than a request may reach
+    (`max_context_tokens`, at most the target's own positions): its K/V are
+    computed for every position the target computes."""
+    if draft_cfg.max_position < max_context_tokens:
+        raise ConfigError(f"{KEY} ({name}) knows {draft_cfg.max_position:,} positions, fewer "
+                          f"than engine.max_context_tokens ({max_context_tokens:,}): its K/V "
+                          "are computed beside the target's at every position a request "
+                          "reaches; lower engine.max_context_tokens to at most "
+                          f"{draft_cfg.max_position:,}, or choose a draft with a longer context")
 
 
 def check_draft(draft_cfg, target_cfg, name: str) -> None:

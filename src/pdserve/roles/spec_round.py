@@ -68,7 +68,7 @@ def speculates_now(tracked, req, new: list) -> bool:
 
 
 @dataclass(frozen=True)
-class FedRows:
+class RoundRows:
     """Where a request's rows of one round began, and its block tables as
     the round was staged (a proposer keeping K/V, a draft model, writes
     the same slots after the round lands)."""
@@ -76,20 +76,20 @@ class FedRows:
     tables: tuple       # per page group (the executor's `kv`)
 
 
-def fed_rows(plan, kv: list[int], copy: bool) -> dict[str, FedRows]:
-    """Request id -> its FedRows, for every request `plan` runs. `copy`:
+def round_rows(plan, kv: list[int], copy: bool) -> dict[str, RoundRows]:
+    """Request id -> its RoundRows, for every request `plan` runs. `copy`:
     copy the tables, which the next round's build may change before this
     round lands (engine.overlap)."""
     def tables(req):
         t = req.state.res.tables
         return tuple(list(t[g]) if copy else t[g] for g in kv)
-    out = {op.req.id: FedRows(op.begin, tables(op.req)) for op in plan.prefills}
+    out = {op.req.id: RoundRows(op.begin, tables(op.req)) for op in plan.prefills}
     for req in plan.decodes:
-        out[req.id] = FedRows(req.num_tokens - 1, tables(req))
+        out[req.id] = RoundRows(req.num_tokens - 1, tables(req))
     return out
 
 
-def keep_up_asks(plan, landed: dict, asks: list[DraftAsk], fed: dict[str, FedRows],
+def keep_up_asks(plan, landed: dict, asks: list[DraftAsk], rows: dict[str, RoundRows],
                  groups: tuple, skip: set) -> list[DraftAsk]:
     """Every request of the round as a proposer keeping K/V sees it: the
     `asks` (requests that may carry candidates), each with where its rows
@@ -104,7 +104,7 @@ def keep_up_asks(plan, landed: dict, asks: list[DraftAsk], fed: dict[str, FedRow
     for req in [op.req for op in plan.prefills] + list(plan.decodes):
         if req.id in skip:
             continue
-        f = fed[req.id]
+        f = rows[req.id]
         tables = tuple(f.tables[g] for g in groups)
         a = asking.get(req.id)
         if a is not None:

@@ -41,7 +41,7 @@ from pdserve.roles.disk_groups import StateFiles, window_files
 from pdserve.roles.disk_tier import DiskTier, check_model_served
 from pdserve.roles.round_stage import StagedRound, stage_round
 from pdserve.roles.spec_draft import load_draft
-from pdserve.roles.spec_round import (SpecRound, check_speculation, draft_ask, fed_rows,
+from pdserve.roles.spec_round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.roles.speculation import Speculation
 from pdserve.scheduler.cache_groups import StateBlocks
@@ -77,7 +77,7 @@ class Launched:
     spec: SpecRound | None = None   # its verify rows, with speculation
     started: float = 0.0            # perf_counter at launch (the speculation gate's clock)
     cpu_started: float = 0.0        # process_time at launch (the gate's cost)
-    fed: dict | None = None         # a draft model's: where each request's rows began
+    keep_up: dict | None = None     # a draft model's: request id -> its RoundRows
 
 
 class TorchExecutor:
@@ -118,9 +118,9 @@ class TorchExecutor:
             check_speculation(model, self.groups)
         draft = load_draft(cfg, model, [self.groups[g] for g in self.kv])
         companions = list(draft.layout.shapes) if draft is not None else None
-        scratch = draft.scratch if draft is not None else 0
-        self.caches = model.new_caches([sizes[g] + scratch + spare for g in self.kv],
-                                       cfg.page_size, companions)
+        self.caches = model.new_caches(
+            [sizes[g] + (draft.scratch_pages(i) if draft else 0) + spare
+             for i, g in enumerate(self.kv)], cfg.page_size, companions)
         if self.state is not None:
             self.caches.append(model.new_state_cache(sizes[self.state]))
         self.hosts: list[KVCache | StateCache] = []
@@ -174,7 +174,8 @@ class TorchExecutor:
         # speculative decoding (roles/speculation.py), engine.speculative's
         self.spec: Speculation | None = None
         if cfg.speculative is not None:
-            proposer = draft.proposer(self.caches, sizes) if draft is not None else None
+            proposer = draft.proposer(self.caches, [sizes[g] for g in self.kv]) \
+                if draft is not None else None
             self.spec = Speculation(cfg.speculative, proposer=proposer)
 
     # ---- per-request sampling state ---------------------------------------
@@ -231,13 +232,13 @@ class TorchExecutor:
         if not (plan.prefills or plan.decodes):
             return result
         staged, rows, spec = self._stage(plan)
-        fed = self._fed(plan, copy=False)
+        keep_up = self._keep_up(plan, copy=False)
         logits = self._compute(staged)
         n = len(rows)
         tokens, logprobs = sample(logits[:n], *self._sample_inputs(rows)) if rows else ([], [])
         if spec is not None:
             spec.tokens = verify(logits[n:], spec.rows)
-        self._land(plan, rows, tokens, logprobs, result, spec, fed)
+        self._land(plan, rows, tokens, logprobs, result, spec, keep_up)
         if self.spec is not None:
             self.spec.round_done(plan, result, time.perf_counter() - t0,
                                  time.process_time() - c0)
@@ -262,7 +263,7 @@ class TorchExecutor:
         self._sampled = None        # until this round's tokens exist
         fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows))
         return Launched(plan, result, rows, fut, spec, time.perf_counter(), time.process_time(),
-                        self._fed(plan, copy=True))
+                        self._keep_up(plan, copy=True))
 
     def wait(self, launched: Launched) -> StepResult:
         """The launched round's result, once its forward and sampling are done."""
@@ -271,7 +272,7 @@ class TorchExecutor:
             return result
         tokens, logprobs, on_device = launched.future.result()
         self._sampled = (on_device, {r.id: i for i, r in enumerate(rows)}) if rows else None
-        self._land(launched.plan, rows, tokens, logprobs, result, launched.spec, launched.fed)
+        self._land(launched.plan, rows, tokens, logprobs, result, launched.spec, launched.keep_up)
         if self.spec is not None:
             self.spec.round_done(launched.plan, result, time.perf_counter() - launched.started,
                                  time.process_time() - launched.cpu_started)
@@ -353,14 +354,14 @@ class TorchExecutor:
         return ([t.params for t in tracked], [len(r.output) for r in rows],
                 [t.seed for t in tracked], self._eos_ids, histories, earlier)
 
-    def _fed(self, plan: Plan, copy: bool) -> dict | None:
+    def _keep_up(self, plan: Plan, copy: bool) -> dict | None:
         """Where each request's rows begin, for a proposer keeping K/V."""
         if self.spec is None or not self.spec.proposer.keeps_kv:
             return None
-        return fed_rows(plan, self.kv, copy)
+        return round_rows(plan, self.kv, copy)
 
     def _land(self, plan: Plan, rows, tokens, logprobs, result: StepResult,
-              spec: SpecRound | None = None, fed: dict | None = None) -> None:
+              spec: SpecRound | None = None, keep_up: dict | None = None) -> None:
         it = iter(zip(rows, tokens, logprobs))
         sampled = []                    # (request, its new tokens) for the proposer
         landed: dict[str, list] = {}    # request id -> the tokens it took this round
@@ -398,8 +399,8 @@ class TorchExecutor:
             return
         asks = [draft_ask(req, new, self.spec.k, self.tracked[req.id]) for req, new in sampled
                 if speculates_now(self.tracked[req.id], req, new)]
-        if fed is not None:             # a draft model: its K/V follow every row
-            asks = keep_up_asks(plan, landed, asks, fed, self.spec.proposer.target_groups,
+        if keep_up is not None:         # a draft model: its K/V follow every row
+            asks = keep_up_asks(plan, landed, asks, keep_up, self.spec.proposer.target_groups,
                                 self._disk_missed)
         if asks:
             result.drafts = self.spec.propose(asks)
