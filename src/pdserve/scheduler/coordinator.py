@@ -40,7 +40,7 @@ window tail at the hit's end is read with the pages (`window_disk`: their
 published pages are stored to host for the disk), or a state group, whose
 checkpoint at the hit's end is read with the pages; `serves_disk`):
 a request carries what the engine's probe found (`Request.disk_pages`), and
-`disk_hit` continues a hit over those pages, shortened to the host pages
+`disk_hit` (disk_hit.py) continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
 §1). Admission reads them disk -> host -> device in the round; until the
 read is confirmed, publication stops below them (`Resources.disk_hold`),
@@ -50,8 +50,9 @@ so a miss publishes nothing empty (§4).
 from __future__ import annotations
 
 from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.disk_hit import continue_on_disk
 from pdserve.scheduler.group_pools import CacheGroup, GroupDemand
-from pdserve.scheduler.hit import Hit, longest_hit, with_disk
+from pdserve.scheduler.hit import Hit, longest_hit
 from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
 from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
@@ -206,51 +207,8 @@ class Coordinator:
     def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int,
                  landing: bool = False) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it
-        (`req.disk_pages`, at most `max_pages` in all), shortened to what
-        the host tier can stage and rounded down to `granularity` pages
-        (spec §1: a prefetch that cannot allocate every probed page is
-        shortened, never partly trusted). `landing`: D's remote admission,
-        whose state comes from the peer (no checkpoint is read). Pure."""
-        want = min(req.disk_pages, max_pages) - hit.pages
-        if want <= 0 or not self.serves_disk:
-            return hit
-        room = self.host_cache.disk_room(hit.host)
-        end = hit.pages + max(min(want, room), 0)
-        end -= end % granularity
-        if end <= hit.pages:
-            return hit
-        if self.cached_sliding and not landing:
-            return self._window_disk_hit(req, hit, end)
-        s = self.state
-        if s is not None and not landing:
-            # the state at the hit's end comes from disk: the probe found a
-            # checkpoint at req.disk_pages only, so nothing shorter is read
-            if end != req.disk_pages or not self.host_cache.state_disk_room():
-                return hit
-            device, first = list(hit.device), list(hit.first)
-            device[s], first[s] = [], 0
-            hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk),
-                            end - hit.pages)
-            hit.state_disk = True
-            return hit
-        return with_disk(hit, end - hit.pages)
-
-    def _window_disk_hit(self, req, hit: Hit, end: int) -> Hit:
-        """A disk hit beside cached sliding groups: it ends exactly where
-        the probe found each group's window tail (`req.disk_pages`), read
-        from disk with the full history's pages, through the group's host
-        tier; the device lookback of the shorter hit is not claimed."""
-        if end != req.disk_pages or any(
-                not self.host_cache.window_disk_room(g, len(self.window_tail(g, end)))
-                for g in self.cached_sliding):
-            return hit
-        device, first = list(hit.device), list(hit.first)
-        for g in self.cached_sliding:
-            device[g], first[g] = [], 0
-        hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, hit.state_host,
-                            hit.disk), end - hit.pages)
-        hit.window_disk = True
-        return hit
+        (disk_hit.py). Pure."""
+        return continue_on_disk(self, req, hit, max_pages, granularity, landing)
 
     def window_tail(self, g: int, end: int) -> range:
         """The slots of sliding group g the first query after a hit ending

@@ -92,6 +92,7 @@ def publish_slots(coord: Coordinator, req, res, upto: int, store: bool) -> None:
     if store and fresh_windows and coord.hosts:
         coord.host_cache.store_windows(req.id, fresh_windows)
 
+
 def _adopt(coord: Coordinator, table: list, i: int, twin: int) -> None:
     """Slot i of the full-history table takes the cached page `twin`,
     which holds the same content; the request's own copy goes back (no
