@@ -4,7 +4,7 @@ Subpackages, from the bottom up: `scheduler` (the planner every engine
 runs), `kernels` (model forward, sampling), `transfer` (KV movement), `roles`
 (the engine), `router` (requests, streams, the HTTP and gRPC fronts),
 `cluster` (a deployment on Ray), `sim` (simulation, plan search,
-calibration), `cli` (the `pdserve` command), `benchmarks`. `config.py` is
+calibration), `cli` (the `pdserve` command), `benchmarks`. `config` is
 the one config schema they share. The offline API,
 `pdserve.LLM` and `pdserve.SamplingParams`, loads torch on first use.
 """

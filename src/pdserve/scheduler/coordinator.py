@@ -6,7 +6,8 @@ the chunk reaches plus the reserve behind it) and the request's publication
 progress; it either grants every group's pages, claims the prefix hit and
 publishes the pages completed since the last admission, or changes nothing
 and returns False (spec §2: "resources and publication progress land when
-an admission succeeds").
+an admission succeeds"). What publishing a page means (which index takes
+it under which key, and the host stores that copy it) is publication.py's.
 
 Ownership of a page reference, so that every count is checkable:
   a request's block table     one ref per device page in it
@@ -39,7 +40,7 @@ window tail at the hit's end is read with the pages (`window_disk`: their
 published pages are stored to host for the disk), or a state group, whose
 checkpoint at the hit's end is read with the pages; `serves_disk`):
 a request carries what the engine's probe found (`Request.disk_pages`), and
-`disk_hit` continues a hit over those pages, shortened to the host pages
+`disk_hit` (disk_hit.py) continues a hit over those pages, shortened to the host pages
 that could stage them and rounded down to the prefix granularity (spec
 §1). Admission reads them disk -> host -> device in the round; until the
 read is confirmed, publication stops below them (`Resources.disk_hold`),
@@ -49,12 +50,14 @@ so a miss publishes nothing empty (§4).
 from __future__ import annotations
 
 from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.disk_hit import continue_on_disk
 from pdserve.scheduler.group_pools import CacheGroup, GroupDemand
-from pdserve.scheduler.hit import Hit, longest_hit, with_disk
+from pdserve.scheduler.hit import Hit, longest_hit
 from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
 from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
-from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex, WindowIndex, chain_hash
+from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.publication import publish_slots
 
 
 def chain_hashes(req, pages: int, page_size: int) -> list[int]:
@@ -204,51 +207,8 @@ class Coordinator:
     def disk_hit(self, req, hit: Hit, max_pages: int, granularity: int,
                  landing: bool = False) -> Hit:
         """`hit` continued over the pages the disk tier holds beyond it
-        (`req.disk_pages`, at most `max_pages` in all), shortened to what
-        the host tier can stage and rounded down to `granularity` pages
-        (spec §1: a prefetch that cannot allocate every probed page is
-        shortened, never partly trusted). `landing`: D's remote admission,
-        whose state comes from the peer (no checkpoint is read). Pure."""
-        want = min(req.disk_pages, max_pages) - hit.pages
-        if want <= 0 or not self.serves_disk:
-            return hit
-        room = self.host_cache.disk_room(hit.host)
-        end = hit.pages + max(min(want, room), 0)
-        end -= end % granularity
-        if end <= hit.pages:
-            return hit
-        if self.cached_sliding and not landing:
-            return self._window_disk_hit(req, hit, end)
-        s = self.state
-        if s is not None and not landing:
-            # the state at the hit's end comes from disk: the probe found a
-            # checkpoint at req.disk_pages only, so nothing shorter is read
-            if end != req.disk_pages or not self.host_cache.state_disk_room():
-                return hit
-            device, first = list(hit.device), list(hit.first)
-            device[s], first[s] = [], 0
-            hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, -1, hit.disk),
-                            end - hit.pages)
-            hit.state_disk = True
-            return hit
-        return with_disk(hit, end - hit.pages)
-
-    def _window_disk_hit(self, req, hit: Hit, end: int) -> Hit:
-        """A disk hit beside cached sliding groups: it ends exactly where
-        the probe found each group's window tail (`req.disk_pages`), read
-        from disk with the full history's pages, through the group's host
-        tier; the device lookback of the shorter hit is not claimed."""
-        if end != req.disk_pages or any(
-                not self.host_cache.window_disk_room(g, len(self.window_tail(g, end)))
-                for g in self.cached_sliding):
-            return hit
-        device, first = list(hit.device), list(hit.first)
-        for g in self.cached_sliding:
-            device[g], first[g] = [], 0
-        hit = with_disk(Hit(hit.pages, device, first, hit.host, hit.tail, hit.state_host,
-                            hit.disk), end - hit.pages)
-        hit.window_disk = True
-        return hit
+        (disk_hit.py). Pure."""
+        return continue_on_disk(self, req, hit, max_pages, granularity, landing)
 
     def window_tail(self, g: int, end: int) -> range:
         """The slots of sliding group g the first query after a hit ending
@@ -332,7 +292,7 @@ class Coordinator:
         for g in self._order:
             if g is None:
                 if publish_pages > res.published:
-                    self._publish(req, res, publish_pages, store=True)
+                    publish_slots(self, req, res, publish_pages, store=True)
                 continue
             grp, table = self.groups[g], res.tables[g]
             need, lo, entries, mark = grants[g]
@@ -446,92 +406,10 @@ class Coordinator:
                 grp.pool.put_free(p)
         return grp.pool.take(n)
 
-    # ---- publication -----------------------------------------------------
-    def _publish(self, req, res, upto: int, store: bool) -> None:
-        """Put the pages of slots [published, upto) into each group's prefix
-        index, in chain order, and (with a host tier, when `store`) queue
-        pinned stores that copy the full-history group's to host. Where
-        another page already caches the same content (two requests computed
-        a shared prefix, or a hit was cut back to a state checkpoint below
-        the cached chain), the request holds that page instead of its own
-        and the chain goes on, unless a forward of its own is out (it may
-        read its copy): then, as when the parent left the index, the chain
-        ends there. A sliding group caches the pages it still holds under
-        the same chain hashes, the state group the aligned checkpoints its
-        forwards recorded (§1.2: only materialized boundaries, never a
-        working state)."""
-        if res.disk_hold >= 0:
-            upto = min(upto, res.disk_hold)     # a disk read not yet confirmed
-            if upto <= res.published:
-                return
-        ps = self.groups[0].page_size
-        sliding = [(g, self.groups[g].index, res.tables[g]) for g in self.cached_sliding]
-        fresh_windows: list = []                    # (group, page, chain): window_disk
-        state = self.state is not None and res.marks
-        if state:
-            assert self.state is not None               # `state` implies a state group
-            sindex, stable, marks = self.groups[self.state].index, res.tables[self.state], res.marks
-        full = self.full is not None and res.publishing
-        index = self.groups[0].index if full else None
-        table = res.tables[0]
-        parent, h = res.chain_tail, res.content_tail
-        fresh, fresh_states = [], []
-        for i in range(res.published, upto):
-            key = req.page_key(i, ps)
-            if self.keyed:
-                h = chain_hash(h, key)
-                for g, windex, wtable in sliding:
-                    assert isinstance(windex, WindowIndex)  # a sliding group keys by chain hash
-                    if i < len(wtable) and wtable[i] != HOLE and not windex.contains(wtable[i]) \
-                            and windex.insert(h, wtable[i]) and self.window_disk:
-                        fresh_windows.append((g, wtable[i], h))
-                if state and i in marks:
-                    assert isinstance(sindex, WindowIndex)  # a state group keys by chain hash
-                    marks.discard(i)
-                    slot = stable[i] if i < len(stable) else HOLE
-                    if slot != HOLE and not sindex.contains(slot) and sindex.insert(h, slot):
-                        fresh_states.append((slot, h))
-            if full:
-                assert isinstance(index, PrefixIndex)   # `full`: group 0 keeps history
-                page = table[i]
-                hf = index.insert(parent, key, page)
-                if hf is None:
-                    twin = index.find(parent, key)
-                    if twin is None or res.forwards_out:
-                        full = res.publishing = False
-                        continue
-                    # another request cached this content first: hold its page
-                    # instead of ours, so the chain goes on under it
-                    self._adopt(table, i, twin)
-                    parent = index.hash_of(twin)
-                    continue
-                fresh.append((page, parent, key, hf))
-                parent = hf
-        res.chain_tail = parent
-        res.content_tail = h
-        res.published = upto
-        if store and fresh and self.host is not None:
-            self.host_cache.store_published(req.id, fresh, table)
-        if store and fresh_states and self.hosts:
-            self.host_cache.store_states(req.id, fresh_states)
-        if store and fresh_windows and self.hosts:
-            self.host_cache.store_windows(req.id, fresh_windows)
-
-    def _adopt(self, table: list, i: int, twin: int) -> None:
-        """Slot i of the full-history table takes the cached page `twin`,
-        which holds the same content; the request's own copy goes back (no
-        forward of the request is out to read it)."""
-        grp = self.groups[0]
-        rc = grp.pool.refcount
-        if rc[twin] == 0:
-            grp.index.claim(twin)
-        rc[twin] += 1
-        own, table[i] = table[i], twin
-        drop_refs(grp.pool, grp.index, [own])
-
+    # ---- publication (publication.py) --------------------------------------
     def publish(self, req, res, upto: int, store: bool = True) -> None:
         if upto > res.published:
-            self._publish(req, res, upto, store)
+            publish_slots(self, req, res, upto, store)
 
 
     # ---- fences ------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# how each field is spelt in the config file (config.py, `transfer:`)
+# how each field is spelt in the config file (config/serve.py, `transfer:`)
 CONFIG_NAMES = {"transfer_s": "transfer.timeout_s", "lease_s": "transfer.lease_s",
                 "heartbeat_s": "transfer.heartbeat_s"}
 # and as an engine option (cluster/actors.py `build_engine_server`, Deployment's

@@ -1,0 +1,32 @@
+"""`router:`: the router's limits (requests in flight, body size), who may
+read its metrics, how often a stream sends, and how many router processes
+share its ports."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pdserve.scheduler.config import ConfigError, check_keys
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_requests: int = 4096         # in flight at once; past it: HTTP 429 / RESOURCE_EXHAUSTED
+    max_body_bytes: int = 8 << 20    # an HTTP body or gRPC message; past it: 413
+    protect_metrics: bool = False    # with an API key, /health and /metrics need it too
+    stream_interval: int = 1         # send a stream's tokens every k (1: token by token)
+    replicas: int = 1                # router processes sharing the ports (SO_REUSEPORT)
+
+    @classmethod
+    def from_dict(cls, data) -> "RouterConfig":
+        data = check_keys(data, "router", {f.name for f in dataclasses.fields(cls)})
+        cfg = cls(**data)
+        for name in ("max_requests", "max_body_bytes", "stream_interval", "replicas"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"router.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(cfg.protect_metrics, bool):
+            raise ConfigError(f"router.protect_metrics must be true or false, "
+                              f"got {cfg.protect_metrics!r}")
+        return cfg
