@@ -162,7 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true",
                    help="also run the same requests through pdserve.LLM in-process (each "
                         "--config), the engine's own rate: at most --concurrency at once, "
-                        "--repeats times")
+                        "--repeats times, at the served engine's torch threads; its TPOT "
+                        "column is the median decode-only round, which each served row's "
+                        "TPOT is compared with")
     p.add_argument("--connections", type=positive,
                    help="gRPC connections each gRPC load spreads its streams over (default: "
                         "the config's router.replicas, 1 against --address)")
@@ -215,7 +217,19 @@ def run_offline(config: str, samples: list[Sample], seed: int,
     from pdserve.llm import LLM
 
     # the served engine's threads (engine.cpu_threads), not torch's default
+    before = torch.get_num_threads()
     torch.set_num_threads(served_threads(load_config(config), "fused"))
+    try:
+        return _offline_runs(config, samples, seed, concurrency, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _offline_runs(config: str, samples: list[Sample], seed: int, concurrency: int | None,
+                  repeats: int) -> dict:
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
     llm = LLM(config) if concurrency is None else LLM(config, max_batch_size=concurrency)
     llm.generate([s.prompt for s in samples[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(max_tokens=s.max_tokens, temperature=1.0, ignore_eos=True,
