@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli.main import main
 
@@ -176,9 +177,13 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
     from pdserve.sim.load import workload
 
     samples = workload(6, 8, 5, None, None, 1024, 0)
+    threads = torch.get_num_threads()
     r = serve.run_offline(TINY_CFG, samples, 0, concurrency=2, repeats=3)
     assert r["ok"] == 6 and r["output_tok_per_s"] * r["wall_s"] == pytest.approx(30)
     assert max(batches) == 2
+    # its TPOT is the engine's median decode-only round, the served rows' floor
+    assert 0 < r["tpot_s"]["p50"] <= r["tpot_s"]["p99"] < r["wall_s"]
+    assert torch.get_num_threads() == threads        # the served count, then put back
     runs = r["tok_per_s_runs"]
     assert len(runs) == 3 and runs == sorted(runs) and r["output_tok_per_s"] == runs[1]
 

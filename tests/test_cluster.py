@@ -11,7 +11,9 @@ import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client
+from pdserve.cluster.cpu_threads import served_threads
 from pdserve.cluster.deploy import niceness_warnings
+from pdserve.config import ServeConfig
 
 from deployed import deployed
 
@@ -101,6 +103,16 @@ def test_a_local_ray_runs_the_engines_at_nice_0(deployment):
     lines = niceness_warnings([{**infos[0], "niceness": 15}, infos[1]])
     assert len(lines) == 1 and infos[0]["engine"] in lines[0] and "nice 15" in lines[0] \
         and "RAY_worker_niceness=0" in lines[0]
+
+
+def test_cpu_engines_run_the_torch_threads_their_config_gives(deployment):
+    """Not Ray's OMP_NUM_THREADS=1 for an actor without CPUs: engine.cpu_threads
+    (auto here: one thread each)."""
+    cfg = ServeConfig.from_dict({"engine": ENGINE,
+                                 "cluster": {"prefill": 1, "decode": 1, "fused": 1}})
+    infos = ray.get([a.info.remote() for _, _, a in deployment.engines])
+    assert [i["torch_threads"] for i in infos] == \
+        [served_threads(cfg, role) for _, role, _ in deployment.engines]
 
 
 def test_tokens_stream_in_order_and_only_the_last_chunk_finishes(client):

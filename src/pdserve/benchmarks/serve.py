@@ -138,6 +138,11 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         if base in by_name and name != base:
             print(f"{name}: {r['output_tok_per_s'] / by_name[base]['output_tok_per_s']:.1%} "
                   "of the offline rate")
+            step, tpot = by_name[base]["tpot_s"]["p50"], r["tpot_s"]["p50"]
+            if step is not None and tpot is not None:
+                print(f"{name}: TPOT p50 {tpot * 1000:.1f} ms against the engine's own decode "
+                      f"round {step * 1000:.1f} ms: the served path adds "
+                      f"{(tpot - step) * 1000:+.1f} ms a token")
     if out:
         with open(out, "w") as f:
             json.dump({name: r for name, r in results}, f, indent=1)
@@ -157,7 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true",
                    help="also run the same requests through pdserve.LLM in-process (each "
                         "--config), the engine's own rate: at most --concurrency at once, "
-                        "--repeats times")
+                        "--repeats times, at the served engine's torch threads; its TPOT "
+                        "column is the median decode-only round, which each served row's "
+                        "TPOT is compared with")
     p.add_argument("--connections", type=positive,
                    help="gRPC connections each gRPC load spreads its streams over (default: "
                         "the config's router.replicas, 1 against --address)")
@@ -202,6 +209,24 @@ def run_offline(config: str, samples: list[Sample], seed: int,
     run with the median rate of `repeats` stands for it: on a shared
     two-core host the same offline run moved from 12,100 to 20,050 tok/s
     between minutes."""
+    import torch
+
+    from pdserve.cluster.cpu_threads import served_threads
+    from pdserve.config import load_config
+    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.llm import LLM
+
+    # the served engine's threads (engine.cpu_threads), not torch's default
+    before = torch.get_num_threads()
+    torch.set_num_threads(served_threads(load_config(config), "fused"))
+    try:
+        return _offline_runs(config, samples, seed, concurrency, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _offline_runs(config: str, samples: list[Sample], seed: int, concurrency: int | None,
+                  repeats: int) -> dict:
     from pdserve.kernels.sampling import SamplingParams
     from pdserve.llm import LLM
 
@@ -212,13 +237,43 @@ def run_offline(config: str, samples: list[Sample], seed: int,
     none = {"p50": None, "p90": None, "p99": None}
     runs = []
     for _ in range(repeats):
+        steps = DecodeSteps(llm.engine)
         t0 = time.perf_counter()
         outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
         wall = time.perf_counter() - t0
+        steps.close()
         tokens = sum(len(o.token_ids) for o in outs)
         runs.append({"requests": len(samples), "ok": len(outs), "failed": 0, "wall_s": wall,
                      "req_per_s": len(outs) / wall, "output_tok_per_s": tokens / wall,
-                     "ttft_s": none, "tpot_s": none, "itl_s": none, "e2e_s": none,
-                     "errors": []})
+                     "ttft_s": none, "tpot_s": steps.percentiles(), "itl_s": steps.percentiles(),
+                     "e2e_s": none, "errors": []})
     runs.sort(key=lambda r: r["output_tok_per_s"])  # type: ignore[arg-type, return-value]
     return {**runs[len(runs) // 2], "tok_per_s_runs": [r["output_tok_per_s"] for r in runs]}
+
+
+class DecodeSteps:
+    """The wall time of each decode-only round an offline engine runs while
+    it is attached: what a token costs the engine itself, the floor under
+    a served stream's inter-token latency (its TPOT and ITL columns)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds: list[float] = []
+        self._step = engine.step
+        engine.step = self._timed          # this instance only, until close()
+
+    def _timed(self):
+        t0 = time.perf_counter()
+        out = self._step()
+        if out is not None and out.plan.decodes and not out.plan.prefills:
+            self.seconds.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.engine.step = self._step
+
+    def percentiles(self) -> dict:
+        s = sorted(self.seconds)
+        if not s:
+            return {"p50": None, "p90": None, "p99": None}
+        return {f"p{q}": s[min(len(s) - 1, len(s) * q // 100)] for q in (50, 90, 99)}

@@ -19,6 +19,7 @@ import time
 import ray
 
 from pdserve.cluster.autoscaler import Autoscaler
+from pdserve.cluster.cpu_threads import thread_env
 from pdserve.config import ServeConfig, engine_for_model, role_engine
 from pdserve.proto.control_tls import ControlPlane, ControlTls
 from pdserve.roles.adapters import EngineAdapters
@@ -74,6 +75,11 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
         adapters.bind(planner.lora)
     capacity = capacity_report(engine_cfg, planner.groups, executor.group_bytes())
     log.info("%s: %s", name, capacity_line(capacity))
+    if device == "cpu":
+        import torch
+
+        log.info("%s: %d torch threads (engine.cpu_threads; OMP_NUM_THREADS=%s)", name,
+                 torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "unset"))
     transport = None
     if kind is not Role.FUSED:
         from pdserve.roles.tp_transfer import register_transfer_pools
@@ -126,8 +132,11 @@ class EngineHost:
     def info(self) -> dict:
         # a tensor-parallel engine's worker ranks (what a chaos test kills)
         ranks = [p.pid for p in getattr(self.server.executor.model, "procs", [])]
+        import torch
+
         return {**self.server.info(), "node_id": ray.get_runtime_context().get_node_id(),
-                "niceness": self.niceness, "tp_worker_pids": ranks}
+                "niceness": self.niceness, "tp_worker_pids": ranks,
+                "torch_threads": torch.get_num_threads()}
 
     def shutdown(self) -> None:
         self.server.shutdown()
@@ -228,7 +237,7 @@ def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
     restart by Ray serves the same one."""
     if device == "cpu":
         env = {**{k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ},
-               **(env or {})}
+               **thread_env(cfg, role), **(env or {})}
     # a tensor-parallel engine's actor holds all its ranks' GPUs: its workers see them too
     ranks = role_engine(cfg, role).tensor_parallel_size
     opts = dict(name=actor_name(role, index), namespace=NAMESPACE, max_restarts=-1,

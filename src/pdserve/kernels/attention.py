@@ -72,17 +72,16 @@ class TorchAttention:
         self.softcap = softcap
         self._scratch_bufs: dict[str, torch.Tensor] = {}
 
-    def _scratch(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+    def _scratch(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A grow-only buffer reused by every layer and round. Decode's page
         gathers are megabytes a layer; freshly allocated, each one faults its
         pages in from the OS, which on CPU cost more than the copy itself
         (index_select of 32 x 8 pages: 568 µs fresh, 79 µs into a reused buffer)."""
         n = math.prod(shape)
         buf = self._scratch_bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
             grown = n if buf is None else max(n, buf.numel() * 5 // 4)
-            buf = self._scratch_bufs[name] = torch.empty(grown, dtype=like.dtype,
-                                                          device=like.device)
+            buf = self._scratch_bufs[name] = torch.empty(grown, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
     def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
@@ -250,29 +249,38 @@ class TorchAttention:
         """One query row per sequence, as two batched matmuls with the softmax
         in float32 between them. The query heads sharing a KV head go in one
         matmul. On CPU this is faster than SDPA's masked path in float32 and
-        ~10x faster in bfloat16, whose SDPA has no fast masked kernel there."""
+        ~10x faster in bfloat16, whose SDPA has no fast masked kernel there.
+
+        On CPU both matmuls run in float32 whatever the cache's dtype (the
+        gather's head-major copy converts as it copies): torch's bfloat16
+        bmm at a decode's shapes (a few query rows over a few hundred keys)
+        cost about twice float32's, SmolLM2's 60 a step 2 ms of a 17 ms
+        step. The choice is the device's, never the batch's, so a row's
+        result does not depend on the rows beside it."""
         B, ps = tables.shape[0], k_pages.shape[1]
         L = tables.shape[1] * ps
         flat = tables.view(-1)
+        acc = torch.float32 if q.device.type == "cpu" else q.dtype
         heads = []
         for name, pages in (("k", k_pages), ("v", v_pages)):
             if torch.compiler.is_compiling():   # traced: the compiler plans its own buffers
                 gathered = pages.index_select(0, flat).view(B, L, self.kvh, self.d)
-                heads.append(gathered.transpose(1, 2).contiguous())
+                heads.append(gathered.transpose(1, 2).to(acc).contiguous())
                 continue
-            rows = self._scratch("rows", (flat.numel(),) + pages.shape[1:], pages)
+            rows = self._scratch("rows", (flat.numel(),) + pages.shape[1:], pages.dtype,
+                                 pages.device)
             torch.index_select(pages, 0, flat, out=rows)
             # head-major and contiguous: matmul on the transposed gather is ~3x slower
-            hm = self._scratch(name, (B, self.kvh, L, self.d), pages)
+            hm = self._scratch(name, (B, self.kvh, L, self.d), acc, pages.device)
             heads.append(hm.copy_(rows.view(B, L, self.kvh, self.d).transpose(1, 2)))
         keys, vals = heads
-        qg = q.reshape(B, self.kvh, self.group, self.d)
+        qg = q.reshape(B, self.kvh, self.group, self.d).to(acc)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores + bias
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, vals).reshape(B, self.h, self.d)
+        probs = torch.softmax(scores, dim=-1).to(acc)
+        return torch.matmul(probs, vals).to(q.dtype).reshape(B, self.h, self.d)
 
 
 

@@ -28,10 +28,12 @@ from pdserve.kernels.tensor_parallel import TpError, TpShard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """Hugging Face's LlamaRMSNorm: normalized in float32, cast back, then
+    scaled by `weight`. torch's fused rms_norm (no weight given) does the
+    first two in one call where the formula took six, to the same bits in
+    float32 and bfloat16 alike; the weight multiplies after the cast, as
+    there."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def weight_names(cfg: ModelConfig) -> list[str]:

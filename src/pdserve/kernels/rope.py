@@ -39,24 +39,27 @@ def inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Rotary:
-    """cos/sin tables for every position up to the model's context."""
+    """cos/sin tables for every position up to the model's context. The sin
+    table's first half is stored negated, so that rotating half a head is a
+    roll: x * cos + roll(x) * sin gives (x1 cos - x2 sin, x2 cos + x1 sin)
+    in four torch calls where cat(-x2, x1) took seven; the products are the
+    same numbers (negation is exact), so the result is bit for bit."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         freq, scale = inv_freq(cfg)
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         angles = torch.outer(pos, freq)
         emb = torch.cat((angles, angles), dim=-1)
+        sign = torch.cat((-torch.ones_like(freq), torch.ones_like(freq)))
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scale * sign).to(dtype=dtype, device=device)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The round's cos and sin rows, [tokens, 1, head_dim]: looked up once,
-        shared by every layer."""
+        """The round's cos and (signed) sin rows, [tokens, 1, head_dim]:
+        looked up once, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim]; cos, sin from `at`."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin

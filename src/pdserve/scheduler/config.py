@@ -108,6 +108,7 @@ class EngineConfig:
     overlap: bool = False               # build round N+1's plan while round N's forward runs (overlap.py)
     disk_cache: DiskCacheConfig | None = None   # the disk (L3) tier (None: none)
     capture: str = "auto"               # decode steps captured at load: auto, off or on (kernels/capture.py)
+    cpu_threads: int = 0                # a CPU engine's torch threads (0: auto, cluster/cpu_threads.py)
     tensor_parallel_size: int = 1       # ranks (processes, GPUs) one engine's model is split over
     tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs it
     tensor_parallel_check: bool = False # debug: the ranks compare digests of each round's view
@@ -160,6 +161,10 @@ class EngineConfig:
         if self.capture not in ("auto", "off", "on"):
             raise ConfigError(f"engine.capture is {self.capture!r}; use auto (CUDA graphs on a "
                               "GPU, eager on CPU), off, or on (also torch.compile on CPU)")
+        if isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) \
+                or self.cpu_threads < 0:
+            raise ConfigError(f"engine.cpu_threads must be an integer >= 0 (0: one, as "
+                              f"Ray gave engines), got {self.cpu_threads!r}")
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"engine.overlap must be true or false, got {self.overlap!r}")
         if not isinstance(self.sliding_replay, bool):
