@@ -74,6 +74,7 @@ class RoundRows:
     the same slots after the round lands)."""
     start: int
     tables: tuple       # per page group (the executor's `kv`)
+    end: int | None = None      # a prefill chunk's end; None: a decode's, known once it lands
 
 
 def round_rows(plan, kv: list[int], copy: bool) -> dict[str, RoundRows]:
@@ -83,7 +84,8 @@ def round_rows(plan, kv: list[int], copy: bool) -> dict[str, RoundRows]:
     def tables(req):
         t = req.state.res.tables
         return tuple(list(t[g]) if copy else t[g] for g in kv)
-    out = {op.req.id: RoundRows(op.begin, tables(op.req)) for op in plan.prefills}
+    out = {op.req.id: RoundRows(op.begin, tables(op.req), op.begin + op.tokens)
+           for op in plan.prefills}
     for req in plan.decodes:
         out[req.id] = RoundRows(req.num_tokens - 1, tables(req))
     return out
@@ -111,7 +113,7 @@ def keep_up_asks(plan, landed: dict, asks: list[DraftAsk], rows: dict[str, Round
             out.append(dataclasses.replace(a, start=f.start, tables=tables))
             continue
         context = req.prompt.tokens + req.output + landed.get(req.id, [])
-        end = next((op.begin + op.tokens for op in plan.prefills if op.req is req), None)
+        end = f.end
         if end is None:                 # a decode: its input, and what a verify kept
             end = f.start + len(landed.get(req.id, ()))
         out.append(DraftAsk(req.id, context[:end], 0, start=f.start, tables=tables))
