@@ -12,7 +12,8 @@ from pdserve.config import ConfigError, ServeConfig
 from pdserve.kernels.gguf import unpermute_rotary
 from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.quantized import (
-    QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse, linear)
+    MIN_GEMM_ROWS, QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse,
+    linear)
 
 
 def blocks(kind: T, rows: int = 48, cols: int = 96, seed: int = 0):
@@ -30,34 +31,48 @@ def test_blocks_read_as_the_file_holds_them(kind):
         assert int(qt.q.min()) >= 0 and int(qt.q.max()) <= 15
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind,tol", [(T.Q4_0, 0.01), (T.Q4_1, 0.01), (T.Q8_0, 0.03)])
-def test_the_kernels_multiply_what_the_file_holds(kind, tol):
+def test_the_kernels_multiply_what_the_file_holds(kind, tol, dtype):
     """The product against the dequantized weights: 4 bits differ only by
-    the group scales' bfloat16 rounding (and the input's); 8 bits are
-    requantized per row, a coarser grid."""
+    the group scales' rounding (and the input's); 8 bits are requantized
+    per row, a coarser grid. Inputs of either dtype."""
     raw, qt = blocks(kind)
-    x = torch.randn(5, 96).bfloat16()
+    x = torch.randn(5, 96).to(dtype)
     ref = x.float() @ qt.dequantize().t()
-    y = linear(x, QuantizedLinear(qt, torch.bfloat16, max_rows=8)).float()
-    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    y = linear(x, QuantizedLinear(qt, dtype))
+    assert y.dtype == dtype
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < tol
     # the plain bfloat16 path is no closer than 4 bits by more than the rounding
-    dense_err = ((x @ qt.dequantize().bfloat16().t()).float() - ref).abs().max() / \
+    dense_err = ((x.bfloat16() @ qt.dequantize().bfloat16().t()).float() - ref).abs().max() / \
         ref.abs().max()
     assert err < max(4 * dense_err.item(), tol)
 
 
-def test_a_batch_past_max_rows_multiplies_the_bfloat16_copy():
-    """The kernels' cost grows with the rows faster than a bfloat16
-    matmul's: more than max_rows rows (a prefill chunk) take the copy."""
-    _, qt = blocks(T.Q4_1)
-    lin = QuantizedLinear(qt, torch.bfloat16, max_rows=4)
-    dense = qt.dequantize().bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q8_0])
+def test_prefill_rows_take_the_dense_copy_and_a_decode_row_is_the_same_in_any_batch(kind, dtype):
+    """The split is by kind of row, never by the round's size: the first
+    dense_rows rows (prefill chunks) multiply the dense copy, the rest the
+    kernel, and a row's kernel product has the same bits alone, among 64
+    rows, or after a prefill chunk."""
+    _, qt = blocks(kind)
+    lin = QuantizedLinear(qt, dtype)
+    dense = qt.dequantize().to(dtype)
     assert torch.equal(lin.dense, dense)
-    many, few = torch.randn(5, 96).bfloat16(), torch.randn(4, 96).bfloat16()
-    assert torch.equal(lin(many), torch.nn.functional.linear(many, dense))
-    kernel = torch._weight_int4pack_mm_for_cpu(few, lin.packed, 32, lin.scales)
-    assert torch.equal(lin(few), kernel)
+    x = torch.randn(64, 96).to(dtype)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+    assert torch.equal(lin(x), alone)
+    assert torch.equal(lin(x, dense_rows=64), torch.nn.functional.linear(x, dense))
+    mixed = lin(x, dense_rows=40)
+    assert torch.equal(mixed[:40], torch.nn.functional.linear(x[:40], dense))
+    assert torch.equal(mixed[40:], alone[40:])
+    # a few prefill rows (a lone logits row) are padded to MIN_GEMM_ROWS:
+    # the same bits as among that many rows
+    four = lin(x[:MIN_GEMM_ROWS], dense_rows=MIN_GEMM_ROWS)
+    for k in range(1, MIN_GEMM_ROWS):
+        assert torch.equal(lin(x[:k], dense_rows=k), four[:k]), k
 
 
 def test_rows_permute_and_fuse_as_tensors_do():
@@ -83,14 +98,21 @@ def test_rows_permute_and_fuse_as_tensors_do():
 def test_the_choice_and_its_refusals():
     keep, why = choose_quantization("gguf", "Q4_1, Q8_0", "cpu", torch.bfloat16)
     assert keep and "Q4_1, Q8_0" in why
-    # auto dequantizes: kept weights would make a request's tokens depend on its batch
-    assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", torch.bfloat16) == \
-        (False, "auto: dequantized (model.quantization: gguf multiplies the Q4_1, Q8_0 "
-                "tensors as stored)")
+    # auto keeps them wherever the kernels run, in either dtype, and says so
+    for dtype in (torch.bfloat16, torch.float32):
+        assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", dtype) == \
+            (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (int4/int8 CPU kernels) for "
+                   "decode rows, a dense copy for prefill rows")
+    # ... and dequantizes, saying why, where they cannot
+    keep, why = choose_quantization("auto", "Q4_1", "cuda", torch.bfloat16)
+    assert not keep and why.startswith("auto: dequantized, since the model runs on cuda")
+    assert choose_quantization("auto", "Q4_1", "cpu", torch.bfloat16, tp_size=2)[0] is False
+    assert choose_quantization("auto", None, "cpu", torch.float32) == \
+        (False, "auto: no tensors to keep quantized")
     assert choose_quantization("none", "Q4_1", "cpu", torch.bfloat16) == \
         (False, "model.quantization is none")
-    with pytest.raises(ValueError, match="dtype is float32"):
-        choose_quantization("gguf", "Q4_1", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="dtype is float16.*bfloat16 or float32"):
+        choose_quantization("gguf", "Q4_1", "cpu", torch.float16)
     with pytest.raises(ValueError, match=r"no Q4_0, Q4_1 or Q8_0 tensors \(it has Q5_K\)"):
         choose_quantization("gguf", "Q5_K", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match=r"runs on cuda.*tensor_parallel_size is 2.*use "

@@ -24,8 +24,9 @@ class ModelConfig:
     attention: str = "auto"      # auto: flashinfer on CUDA where installed, else torch
     name: str | None = None      # the served model name (the API's "model"); see served_name
     device: str = "auto"         # auto: cpu, unless the command line says otherwise
-    quantization: str = "auto"   # gguf: a GGUF's Q4_0/Q4_1/Q8_0 weights multiplied quantized on
-                                 # CPU (kernels/quantized.py); none: dequantized; auto: see there
+    quantization: str = "auto"   # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights multiplied quantized on
+                                 # CPU where the kernels run (kernels/quantized.py), else
+                                 # dequantized; gguf: the same or an error; none: dequantized
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":

@@ -49,6 +49,16 @@ class BatchMeta:
     num_verifies: int = 0
     _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
 
+    def prefill_rows(self) -> int:
+        """The leading rows that belong to prefill chunks (every row before
+        the first verify or decode)."""
+        first = len(self.seqs) - self.num_decodes - self.num_verifies
+        if first <= 0:                  # decodes and verifies only (or a captured round's)
+            return 0
+        if first >= len(self.seqs):
+            return int(self.slot_mapping.shape[0])
+        return self.seqs[first].q_start
+
 
 
 class TorchAttention:

@@ -21,7 +21,7 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
 from pdserve.kernels.quantized import (
-    QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed)
+    QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed, quantized_linears)
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
 from pdserve.kernels.tensor_parallel import TpError, TpShard
@@ -123,10 +123,11 @@ class PagedDecoder:
         """A row-parallel layer's output: as it is, or summed over the ranks."""
         return x if self.tp is None else self.tp.reduce(x)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary (under TP: gathered)."""
+    def head(self, h: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        """Logits over the whole vocabulary (under TP: gathered); a quantized
+        head's first `dense_rows` rows (prefill chunks') through its dense copy."""
         if self.tp is None:
-            return linear(h, self.lm_head)
+            return linear(h, self.lm_head, dense_rows=dense_rows)
         assert isinstance(self.lm_head, torch.Tensor)     # shards are never quantized
         return self.tp.logits(h, self.lm_head)
 
@@ -250,6 +251,7 @@ class DecoderModel(PagedDecoder):
                                 fuse([w[p + "mlp.down_proj.weight"]], dtype, self.device)))
         self.rotary = Rotary(cfg, dtype, self.device)
         self.lora: LoraStacks | None = None
+        self.quantized = bool(quantized_linears(self))
 
     def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
         """Device stacks for `slots` LoRA adapters of rank up to `max_rank`;
@@ -275,9 +277,11 @@ class DecoderModel(PagedDecoder):
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
+        # quantized weights: prefill rows through the dense copies (kernels/quantized.py)
+        dense_rows = metas[0].prefill_rows() if self.quantized else 0
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = rms_norm(h, ln1, c.rms_norm_eps)
-            qkv = linear(x, qkv_w, qkv_b)
+            qkv = linear(x, qkv_w, qkv_b, dense_rows)
             if lora is not None:
                 qkv = lora.add(i, QKV, x, qkv)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]
@@ -287,15 +291,16 @@ class DecoderModel(PagedDecoder):
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             o = o.reshape(-1, q_dim)
-            h = h + self.reduce(linear(o, o_w) if lora is None
-                                else lora.add(i, O, o, linear(o, o_w)))
+            h = h + self.reduce(linear(o, o_w, dense_rows=dense_rows) if lora is None
+                                else lora.add(i, O, o, linear(o, o_w, dense_rows=dense_rows)))
             x = rms_norm(h, ln2, c.rms_norm_eps)
-            gu = linear(x, gate_up_w)
+            gu = linear(x, gate_up_w, dense_rows=dense_rows)
             if lora is not None:
                 gu = lora.add(i, GATE_UP, x, gu)
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            down = linear(act, down_w)
+            down = linear(act, down_w, dense_rows=dense_rows)
             h = h + self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
-        return self.head(h).float()
+        # the logits rows are in row order: a prefill's come before every decode's
+        return self.head(h, int((logits_indices < dense_rows).sum()) if dense_rows else 0).float()

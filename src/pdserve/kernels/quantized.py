@@ -17,14 +17,20 @@ Q4_1 blocks. torch ships weight-only CPU kernels for both widths:
   nearest of 255 levels over the row's largest magnitude).
 
 Both kernels dequantize as they go, so their cost grows with the rows
-much faster than a bfloat16 matmul's: on this 2-core CPU a q k v matmul of
-SmolLM2 costs 0.6x bfloat16's at one row, the same at about five, and 2x
-at 32 (`pdserve bench quantized`). A QuantizedLinear therefore also keeps
-the weights dequantized to bfloat16 and multiplies a batch of more than
-MAX_ROWS rows (a prefill chunk, a large decode batch) with those: the
-quantized path serves small decode batches, where a step is bound by
-reading the weights. The cost is memory: the bfloat16 copy `auto` held
-before, plus the packed weights (a quarter of it for 4 bits, half for 8).
+much faster than a dense matmul's: on a 2-core AVX2 CPU a quantized SmolLM2
+decode round costs about 0.8x a float32 one at one to eight rows and more
+than a dense one from about sixteen (`pdserve bench quantized`). A QuantizedLinear
+therefore also keeps the weights dequantized (in the model's dtype,
+bfloat16 or float32) and splits a round by the kind of row, never by the
+round's size: the leading rows of prefill chunks (`dense_rows`, hundreds
+of rows a chunk) multiply the dense copy, and decode and verify rows (a
+few per request) the kernels. A decode row therefore goes through the same
+kernel whether it runs alone, beside other decodes or beside a prefill
+chunk, and the kernels compute each row on its own (tests/test_gguf.py
+holds a row's bits alone and batched); with the dense products' padding
+(`dense_product`), a request's tokens do not depend on the batch it runs
+in. The cost is memory: the dense copy plus the
+packed weights (a quarter of a bfloat16 copy for 4 bits, half for 8).
 
 `QuantizedTensor` is the file's values as read (integers, per-group scale
 and zero), which the loader can permute and concatenate like a tensor
@@ -40,7 +46,6 @@ import numpy as np
 import torch
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
-MAX_ROWS = 4                   # rows up to which the quantized kernels beat bfloat16
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -110,34 +115,67 @@ def kernels_present() -> bool:
         hasattr(torch, "_weight_int8pack_mm")
 
 
+DTYPES = (torch.bfloat16, torch.float32)     # the model dtypes a QuantizedLinear serves
+# The kernels' fast path takes bfloat16 inputs: given float32 ones, torch
+# 2.13 runs a reference loop about 20x slower (measured on an AVX2 CPU), so
+# a float32 model's rows are rounded to bfloat16 on the way in.
+KERNEL_DTYPE = torch.bfloat16
+MIN_GEMM_ROWS = 4      # dense products of fewer rows are padded (QuantizedLinear.dense_product)
+
+
 class QuantizedLinear:
     """y = x @ w.T for a QuantizedTensor w, packed once for the CPU kernel
-    of its width, and dequantized to bfloat16 for inputs of more than
-    `max_rows` rows. Inputs are bfloat16 [rows, in]."""
+    of its width, and dequantized to `dtype` for a round's leading prefill
+    rows. Inputs and outputs are [rows, in] and [rows, out] of `dtype`
+    (bfloat16 or float32); the kernels compute from bfloat16 inputs."""
 
-    def __init__(self, t: QuantizedTensor, dtype: torch.dtype, max_rows: int = MAX_ROWS):
-        if dtype != torch.bfloat16:
-            raise ValueError(f"quantized matmuls run in bfloat16, not {dtype}")
+    def __init__(self, t: QuantizedTensor, dtype: torch.dtype):
+        if dtype not in DTYPES:
+            raise ValueError(f"quantized matmuls run in bfloat16 or float32, not {dtype}")
         self.out_features, self.in_features = t.shape
-        self.bits, self.max_rows = t.bits, max_rows
+        self.bits = t.bits
         self.dense = t.dequantize().to(dtype)
         if t.bits == 4:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(t.q.to(torch.int32), 1)
             # [groups, rows, 2]: the kernel's w = (q - 8) * scale + zero
             self.scales = torch.stack([t.scale.t(), (t.zero + 8 * t.scale).t()], -1) \
-                .to(dtype).contiguous()
+                .to(KERNEL_DTYPE).contiguous()
         else:
             w = t.dequantize()
             scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
             self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            self.scales = scale.to(dtype)
+            self.scales = scale.to(KERNEL_DTYPE)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        """The first `dense_rows` rows (prefill chunks) through the dense
+        copy, the rest (decodes, verifies) through the kernel."""
+        if dense_rows >= x.shape[0]:
+            return self.dense_product(x)
+        if dense_rows == 0:
+            return self.kernel(x)
+        return torch.cat([self.dense_product(x[:dense_rows]), self.kernel(x[dense_rows:])])
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ dense.T. A BLAS multiplies one to three rows another way than
+        more (on the AVX2 CPU measured, a float32 row alone or in a pair
+        differs from the same row among four or more in its last bits, at
+        SmolLM2's shapes), so such a few rows (a lone prefill's logits row,
+        a one-token chunk) are padded to MIN_GEMM_ROWS: a request's first
+        token then does not depend on how many prompts share its round."""
+        n = x.shape[0]
+        if n >= MIN_GEMM_ROWS:
             return torch.nn.functional.linear(x, self.dense)
+        padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])])
+        return torch.nn.functional.linear(padded, self.dense)[:n]
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row through the quantized kernel (in bfloat16), in x's dtype."""
+        xk = x.to(KERNEL_DTYPE)
         if self.bits == 4:
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
-        return torch._weight_int8pack_mm(x, self.packed, self.scales)
+            y = torch._weight_int4pack_mm_for_cpu(xk, self.packed, GROUP, self.scales)
+        else:
+            y = torch._weight_int8pack_mm(xk, self.packed, self.scales)
+        return y.to(x.dtype)
 
     def nbytes(self) -> int:
         """The packed weights' bytes (the bfloat16 copy aside)."""
@@ -146,16 +184,18 @@ class QuantizedLinear:
 
 
 def quantized_linears(model) -> list[QuantizedLinear]:
-    """A model's QuantizedLinear layers (to set max_rows in tests and benchmarks)."""
+    """A model's QuantizedLinear layers (what tests and benchmarks inspect)."""
     found = [w for layer in getattr(model, "layers", []) for w in layer
              if isinstance(w, QuantizedLinear)]
     return found + ([model.lm_head] if isinstance(model.lm_head, QuantizedLinear) else [])
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or a QuantizedLinear's matmul (plus `bias`)."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
+           dense_rows: int = 0) -> torch.Tensor:
+    """F.linear, or a QuantizedLinear's matmul (plus `bias`), its first
+    `dense_rows` rows (a round's prefill chunks) through the dense copy."""
     if isinstance(w, QuantizedLinear):
-        y = w(x)
+        y = w(x, dense_rows)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, w, bias)
 
@@ -187,34 +227,38 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
                         tp_size: int = 1) -> tuple[bool, str]:
     """(keep the GGUF's quantized weights, why). `file_kinds`: the file's
     quantized tensor types (ModelConfig.quantization; None for float
-    weights or a checkpoint directory). `gguf` asks for it and fails on
-    what prevents it. `auto` dequantizes for now: with the weights kept,
-    a round of more than MAX_ROWS rows takes the bfloat16 copy, so a
-    request's tokens would depend on the batch it runs in (a close greedy
-    choice can go either way), which serving does not do by default."""
+    weights or a checkpoint directory). `auto` keeps them wherever the
+    kernels can run (a decode step reads a quarter of the bytes, and the
+    split by kind of row keeps tokens independent of the batch) and
+    otherwise dequantizes, saying why; `gguf` asks for them and fails on
+    what prevents it; `none` dequantizes."""
     kinds = [k for k in (file_kinds or "").split(", ") if k]
     kept = [k for k in kinds if k in KINDS]
     if quantization == "none":
         return False, "model.quantization is none"
-    if quantization == "auto":
-        return False, ("auto: dequantized" + (f" (model.quantization: gguf multiplies the "
-                                              f"{', '.join(kept)} tensors as stored)"
-                                              if kept else ""))
     blockers = []
     if not kept:
         blockers.append("the checkpoint has no Q4_0, Q4_1 or Q8_0 tensors"
                         + (f" (it has {', '.join(kinds)})" if kinds else ""))
     if torch.device(device).type != "cpu":
         blockers.append(f"the model runs on {device}, and the kernels are CPU ones")
-    if dtype != torch.bfloat16:
-        blockers.append(f"dtype is {str(dtype).removeprefix('torch.')}, and the kernels take "
-                        "bfloat16 inputs (model.dtype: bfloat16 or auto)")
+    if dtype not in DTYPES:
+        blockers.append(f"dtype is {str(dtype).removeprefix('torch.')}, and quantized layers "
+                        "serve bfloat16 or float32 models (model.dtype: auto, bfloat16 or "
+                        "float32)")
     if tp_size > 1:
         blockers.append(f"tensor_parallel_size is {tp_size} (the shards are dequantized)")
     if not kernels_present():
         blockers.append("this torch lacks _weight_int4pack_mm_for_cpu")
+    how = (f"{', '.join(kept)} tensors multiplied quantized (int4/int8 CPU kernels) for "
+           "decode rows, a dense copy for prefill rows")
+    if quantization == "auto":
+        if not kept:
+            return False, "auto: no tensors to keep quantized"
+        if blockers:
+            return False, "auto: dequantized, since " + "; ".join(blockers)
+        return True, f"auto: {how}"
     if blockers:
         raise ValueError("model.quantization: gguf cannot keep the weights quantized: "
                          + "; ".join(blockers) + "; use model.quantization: none or auto")
-    return True, (f"model.quantization is gguf: {', '.join(kept)} tensors multiplied quantized "
-                  f"(int4/int8 CPU kernels) up to {MAX_ROWS} rows a round")
+    return True, f"model.quantization is gguf: {how}"
