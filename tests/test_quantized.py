@@ -12,7 +12,7 @@ from pdserve.config import ConfigError, ServeConfig
 from pdserve.kernels.gguf import unpermute_rotary
 from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.quantized import (
-    MIN_GEMM_ROWS, QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse,
+    GEMM_ROWS, QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse,
     linear)
 
 
@@ -68,11 +68,23 @@ def test_prefill_rows_take_the_dense_copy_and_a_decode_row_is_the_same_in_any_ba
     mixed = lin(x, dense_rows=40)
     assert torch.equal(mixed[:40], torch.nn.functional.linear(x[:40], dense))
     assert torch.equal(mixed[40:], alone[40:])
-    # a few prefill rows (a lone logits row) are padded to MIN_GEMM_ROWS:
-    # the same bits as among that many rows
-    four = lin(x[:MIN_GEMM_ROWS], dense_rows=MIN_GEMM_ROWS)
-    for k in range(1, MIN_GEMM_ROWS):
-        assert torch.equal(lin(x[:k], dense_rows=k), four[:k]), k
+    # prefill rows are padded to a multiple of GEMM_ROWS: a row has the bits
+    # it has among that many
+    for k in range(1, 12):
+        whole = -(-k // GEMM_ROWS) * GEMM_ROWS
+        assert torch.equal(lin(x[:k], dense_rows=k), lin(x[:whole], dense_rows=whole)[:k]), k
+
+
+@pytest.mark.parametrize("rows,cols", [(960, 576), (576, 1536)])
+def test_a_prefill_rows_bits_do_not_depend_on_the_chunk_at_smollm2s_shapes(rows, cols):
+    """At SmolLM2's shapes (q k v, down) a float32 prefill row has the same
+    bits among 1 to 40 rows: the padding meets the BLAS's blocking."""
+    _, qt = blocks(T.Q4_1, rows=rows, cols=cols)
+    lin = QuantizedLinear(qt, torch.float32)
+    x = torch.randn(40, cols)
+    full = lin(x, dense_rows=40)
+    for k in range(1, 40):
+        assert torch.equal(lin(x[:k], dense_rows=k), full[:k]), k
 
 
 def test_rows_permute_and_fuse_as_tensors_do():

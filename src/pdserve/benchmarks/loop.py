@@ -38,7 +38,7 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
     from pdserve.scheduler.request import Request, SamplingLimits
 
     torch.set_num_threads(threads)
-    m, tok = load_model(None, model)
+    m, tok = load_model(None, model, quantization="none")   # dense, as docs/benchmarks.md's tables ran
     pages = batch * (-(-(prompt_len + max_tokens) // 16) + 1) + 16
     cfg = EngineConfig(page_size=16, total_pages=pages, max_batch_size=batch,
                        max_scheduled_tokens=max(512, prompt_len))
@@ -93,7 +93,7 @@ def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, thread
     from pdserve.scheduler.request import Request, SamplingLimits
 
     torch.set_num_threads(threads)
-    m, tok = load_model(None, model)
+    m, tok = load_model(None, model, quantization="none")   # dense, as docs/benchmarks.md's tables ran
     pages = batch * (-(-(prompt_len + max_tokens) // 16) + 2) + 16
     cfg = EngineConfig(page_size=16, total_pages=pages, max_batch_size=batch,
                        max_scheduled_tokens=max(512, prompt_len), overlap=overlap)

@@ -96,7 +96,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     n = max(k for _, k in CASES)
     model, _ = load_model(None, args.preset, dtype="float32", device=args.device,
-                          attention="torch")
+                          attention="torch", quantization="none")   # dense, as its tables ran
     cfg = model.cfg
     stacks = model.enable_lora(n, args.rank)
     reads, copies = [], []

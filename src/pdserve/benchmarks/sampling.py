@@ -105,7 +105,7 @@ def real_logits(positions: int):
     from pdserve.kernels.attention import BatchMeta, SeqMeta
     from pdserve.kernels.loader import load_model
 
-    model, tok = load_model(None, "smollm2-135m")
+    model, tok = load_model(None, "smollm2-135m", quantization="none")   # dense, as docs/benchmarks.md's tables ran
     ids = tok.encode(TEXT * (1 + positions // 100), add_special_tokens=False)[:positions]
     if len(ids) < positions:
         raise ValueError(f"the text gives {len(ids)} tokens, fewer than {positions}")

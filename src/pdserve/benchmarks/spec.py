@@ -230,7 +230,8 @@ def run(args) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(None, args.preset, dtype=args.dtype, device="cpu")
+    model, tok = load_model(None, args.preset, dtype=args.dtype, device="cpu",
+                            quantization="none")   # dense, as docs/benchmarks.md's tables ran
     print(f"# pdserve bench spec: {args.preset} ({str(model.dtype).removeprefix('torch.')}) on "
           f"CPU, {torch.get_num_threads()} threads; {args.max_tokens} new tokens a request, "
           f"greedy; load average before: {_load()}")

@@ -1,6 +1,6 @@
 """What this CPU multiplies fast: whether it has bfloat16 instructions.
 
-`dtype: auto` runs a dequantized GGUF in bfloat16 only where the CPU has
+`dtype: auto` runs a quantized GGUF in bfloat16 only where the CPU has
 them (AVX512-BF16 or AMX-BF16): there oneDNN's bfloat16 matmuls run about
 twice as fast as float32's, and elsewhere bfloat16 is emulated and slower
 than float32. Read once per process (flags do not change under it)."""

@@ -133,8 +133,8 @@ def choose_dtype(dtype: str, cfg: ModelConfig, device,
                  cpu_bf16: Bfloat16Support | None = None) -> tuple[torch.dtype, str]:
     """(dtype, why). 'auto' is the checkpoint's dtype (float32 for the tiny
     preset), except on CPU: float16 runs as bfloat16 (CPUs multiply in
-    bfloat16 several times faster than in float16), and a quantized GGUF,
-    dequantized to float32, runs as bfloat16 where the CPU has bfloat16
+    bfloat16 several times faster than in float16), and a quantized GGUF
+    (stored 4- or 8-bit, read as float32) runs as bfloat16 where the CPU has bfloat16
     instructions (`cpu_bf16`, by default this machine's): 4- or 8-bit
     weights have no float32 precision to keep, and a step costs about half
     of float32's. On CUDA a quantized GGUF runs as bfloat16 too (flashinfer

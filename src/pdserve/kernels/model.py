@@ -229,7 +229,7 @@ class DecoderModel(PagedDecoder):
         head = w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self.lm_head = packed(head, dtype, self.device) if isinstance(head, QuantizedTensor) \
             else head
-        # a tied quantized head's bfloat16 copy is the embedding: one copy, not two
+        # a tied quantized head's dense copy is the embedding: one copy, not two
         self.embed = self.lm_head.dense if tied and isinstance(self.lm_head, QuantizedLinear) \
             else dense(w["model.embed_tokens.weight"], dtype, self.device)
         if tied and not isinstance(self.lm_head, QuantizedLinear):

@@ -1,6 +1,6 @@
 """A GGUF's quantized weights kept quantized on CPU (`model.quantization:
 gguf`): the linear layers multiply 4- or 8-bit weights directly instead of
-a bfloat16 copy dequantized at load.
+a dense copy dequantized at load.
 
 A decode step of a small model on CPU is bound by reading its weights:
 SmolLM2-135M's layers are 0.27 GB in bfloat16 and 0.08 GB as the file's
@@ -18,8 +18,8 @@ Q4_1 blocks. torch ships weight-only CPU kernels for both widths:
 
 Both kernels dequantize as they go, so their cost grows with the rows
 much faster than a dense matmul's: on a 2-core AVX2 CPU a quantized SmolLM2
-decode round costs about 0.8x a float32 one at one to eight rows and more
-than a dense one from about sixteen (`pdserve bench quantized`). A QuantizedLinear
+decode round costs 0.74x a float32 one at one row, 0.95x at eight, and
+more than a dense one from about sixteen (`pdserve bench quantized`). A QuantizedLinear
 therefore also keeps the weights dequantized (in the model's dtype,
 bfloat16 or float32) and splits a round by the kind of row, never by the
 round's size: the leading rows of prefill chunks (`dense_rows`, hundreds
@@ -27,9 +27,13 @@ of rows a chunk) multiply the dense copy, and decode and verify rows (a
 few per request) the kernels. A decode row therefore goes through the same
 kernel whether it runs alone, beside other decodes or beside a prefill
 chunk, and the kernels compute each row on its own (tests/test_gguf.py
-holds a row's bits alone and batched); with the dense products' padding
-(`dense_product`), a request's tokens do not depend on the batch it runs
-in. The cost is memory: the dense copy plus the
+holds a row's bits alone and batched); with the dense products padded to
+a multiple of four rows (`dense_product`), a request's tokens do not
+depend on the batch it runs in. One exception: a position's K/V computed
+by a decode row (the kernels) and recomputed by a prefill (the dense copy)
+differ by the quantization's rounding, so a prefix hit on generated
+tokens, a retracted request's recompute or the disk tier can lead to other
+tokens than an uninterrupted run. The cost is memory: the dense copy plus the
 packed weights (a quarter of a bfloat16 copy for 4 bits, half for 8).
 
 `QuantizedTensor` is the file's values as read (integers, per-group scale
@@ -120,7 +124,7 @@ DTYPES = (torch.bfloat16, torch.float32)     # the model dtypes a QuantizedLinea
 # 2.13 runs a reference loop about 20x slower (measured on an AVX2 CPU), so
 # a float32 model's rows are rounded to bfloat16 on the way in.
 KERNEL_DTYPE = torch.bfloat16
-MIN_GEMM_ROWS = 4      # dense products of fewer rows are padded (QuantizedLinear.dense_product)
+GEMM_ROWS = 4          # dense products are padded to a multiple (QuantizedLinear.dense_product)
 
 
 class QuantizedLinear:
@@ -156,16 +160,17 @@ class QuantizedLinear:
         return torch.cat([self.dense_product(x[:dense_rows]), self.kernel(x[dense_rows:])])
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ dense.T. A BLAS multiplies one to three rows another way than
-        more (on the AVX2 CPU measured, a float32 row alone or in a pair
-        differs from the same row among four or more in its last bits, at
-        SmolLM2's shapes), so such a few rows (a lone prefill's logits row,
-        a one-token chunk) are padded to MIN_GEMM_ROWS: a request's first
-        token then does not depend on how many prompts share its round."""
+        """x @ dense.T, its rows padded to a multiple of GEMM_ROWS. A BLAS
+        picks its blocking by the row count: on the AVX2 CPU measured, a
+        float32 row among 1-3, 5-7 or 9-11 rows came out with other last
+        bits than among a multiple of four, at SmolLM2's shapes (MKL at one
+        and two threads). Padded, a prefill's rows (a lone logits row, a
+        short chunk) have the same bits whatever else its round holds."""
         n = x.shape[0]
-        if n >= MIN_GEMM_ROWS:
+        pad = -n % GEMM_ROWS
+        if not pad:
             return torch.nn.functional.linear(x, self.dense)
-        padded = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])])
+        padded = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         return torch.nn.functional.linear(padded, self.dense)[:n]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +183,7 @@ class QuantizedLinear:
         return y.to(x.dtype)
 
     def nbytes(self) -> int:
-        """The packed weights' bytes (the bfloat16 copy aside)."""
+        """The packed weights' bytes (the dense copy aside)."""
         return self.packed.numel() * self.packed.element_size() + \
             self.scales.numel() * self.scales.element_size()
 

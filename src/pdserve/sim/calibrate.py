@@ -218,8 +218,12 @@ def model_facts(model, name: str) -> ModelPreset:
 def _numel(v, seen=None) -> int:
     import torch
 
+    from pdserve.kernels.quantized import QuantizedLinear
+
     if isinstance(v, torch.Tensor):
         return v.numel()
+    if isinstance(v, QuantizedLinear):          # its weights once, not copy + packed + scales
+        return v.dense.numel()
     if isinstance(v, (list, tuple)):
         return sum(_numel(x) for x in v)
     if isinstance(v, dict):
@@ -305,7 +309,7 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
 
     m = cfg.model
     model, tok = load_model(m.path, m.preset, dtype=m.dtype, device=device,
-                            attention=m.attention)
+                            attention=m.attention, quantization=m.quantization)
     engine_cfg = engine_for_model(cfg.engine, cfg.engine_overrides, model.cfg.max_position)
     grid = Grid.for_engine(engine_cfg, **(grid_args or {}))
     facts = model_facts(model, m.served_name)
