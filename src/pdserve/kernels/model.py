@@ -281,7 +281,7 @@ class DecoderModel(PagedDecoder):
         dense_rows = metas[0].prefill_rows() if self.quantized else 0
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = rms_norm(h, ln1, c.rms_norm_eps)
-            qkv = linear(x, qkv_w, qkv_b, dense_rows)
+            qkv = linear(x, qkv_w, qkv_b, dense_rows=dense_rows)
             if lora is not None:
                 qkv = lora.add(i, QKV, x, qkv)
             # q and k rotate together: one pass over [tokens, heads + kv_heads, d]

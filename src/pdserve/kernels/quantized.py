@@ -1,6 +1,7 @@
 """A GGUF's quantized weights kept quantized on CPU (`model.quantization:
-gguf`): the linear layers multiply 4- or 8-bit weights directly instead of
-a dense copy dequantized at load.
+auto` where the kernels run, or `gguf`): the linear layers multiply 4- or
+8-bit weights directly in decode steps instead of a dense copy dequantized
+at load.
 
 A decode step of a small model on CPU is bound by reading its weights:
 SmolLM2-135M's layers are 0.27 GB in bfloat16 and 0.08 GB as the file's
