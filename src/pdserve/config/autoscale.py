@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.scheduler.config import ConfigError, check_keys
+from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
 
 
 # the autoscaler's settings (cluster/autoscale_policy.py reads them)
@@ -45,9 +45,7 @@ class AutoscaleConfig:
         for role in ("prefill", "decode"):
             b = getattr(self, role)
             for k in ("min", "max"):
-                v = getattr(b, k)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"autoscale.{role}.{k} must be an integer >= 1, got {v!r}")
+                check_positive_int(getattr(b, k), f"autoscale.{role}.{k}")
             if b.min > b.max:
                 raise ConfigError(f"autoscale.{role}: min {b.min} is above max {b.max}; "
                                   "make min <= max")
@@ -56,9 +54,7 @@ class AutoscaleConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"autoscale.{k} must be a number > 0, got {v!r}")
-        v = self.queue_high
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"autoscale.queue_high must be an integer >= 1, got {v!r}")
+        check_positive_int(self.queue_high, "autoscale.queue_high")
         for k in ("kv_high", "low_water"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:

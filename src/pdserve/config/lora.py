@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.scheduler.config import ConfigError, check_keys
+from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ class LoraConfig:
             raise ConfigError(f"lora.runtime_updates must be true or false, got "
                               f"{self.runtime_updates!r}")
         for k in ("max_loras", "max_lora_rank"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"lora.{k} must be an integer >= 1, got {v!r}")
+            check_positive_int(getattr(self, k), f"lora.{k}")
         c = self.max_cpu_loras
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or
                               c < self.max_loras):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.scheduler.config import ConfigError, check_keys
+from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,7 @@ class RouterConfig:
         data = check_keys(data, "router", {f.name for f in dataclasses.fields(cls)})
         cfg = cls(**data)
         for name in ("max_requests", "max_body_bytes", "stream_interval", "replicas"):
-            v = getattr(cfg, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"router.{name} must be an integer >= 1, got {v!r}")
+            check_positive_int(getattr(cfg, name), f"router.{name}")
         if not isinstance(cfg.protect_metrics, bool):
             raise ConfigError(f"router.protect_metrics must be true or false, "
                               f"got {cfg.protect_metrics!r}")

@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A configuration value a user supplied is invalid."""
 
 
+def check_positive_int(value, key: str) -> None:
+    """A ConfigError naming `key` unless `value` is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+
+
 def check_keys(data, where: str, known) -> dict:
     """`data` as a mapping whose keys are all in `known`, or a ConfigError
     that names the stray key (and the likely one meant)."""
@@ -238,8 +244,7 @@ def check_tensor_parallel(cfg: EngineConfig, where: str = "engine") -> None:
     """engine.tensor_parallel_* and what a tensor-parallel engine does not
     run yet (roles/tp_leader.py): each refused by name."""
     t = cfg.tensor_parallel_size
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ConfigError(f"{where}.tensor_parallel_size must be an integer >= 1, got {t!r}")
+    check_positive_int(t, f"{where}.tensor_parallel_size")
     s = cfg.tensor_parallel_timeout_s
     if isinstance(s, bool) or not isinstance(s, (int, float)) or s <= 0:
         raise ConfigError(f"{where}.tensor_parallel_timeout_s must be a number of seconds > 0, "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pdserve.scheduler.config import ConfigError, check_keys
+from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
 
 
 class SpecMethod(enum.StrEnum):
@@ -61,9 +61,7 @@ class SpecConfig:
                               f"got {k!r}; to turn speculation off, leave out "
                               f"{w}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{w}.{name} must be an integer >= 1, got {v!r}")
+            check_positive_int(getattr(self, name), f"{w}.{name}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"{w}.prompt_lookup_min={self.prompt_lookup_min} exceeds "
                               f"prompt_lookup_max={self.prompt_lookup_max}; lower the one or "
