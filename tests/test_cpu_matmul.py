@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from pdserve.kernels import cpu_matmul
-from pdserve.kernels.cpu_matmul import (
-    GROUP, KERNELS_ENV, NativeMatmul, build, chosen_kernels, native_kernels)
+from pdserve.kernels import native
+from pdserve.kernels.cpu_matmul import GROUP, NativeMatmul
+from pdserve.kernels.native import KERNELS_ENV, build, chosen_kernels, native_kernels
 from pdserve.kernels.quantized import from_blocks
 
 LIB = native_kernels().lib
@@ -89,20 +89,20 @@ def test_a_build_is_reused_and_a_failed_one_says_why(tmp_path, monkeypatch):
     src = tmp_path / "k.c"
     src.write_text("int pd_one(void) { return 1; }\n")
     out = tmp_path / "cache"
-    first = build(src, out)
+    first = build((src,), out)
     stamp = first.stat().st_mtime_ns
-    assert build(src, out) == first and first.stat().st_mtime_ns == stamp
+    assert build((src,), out) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in out.iterdir()] == [first.name]   # no temporary left behind
     src.write_text("int pd_one(void) { return 2; }\n")
-    assert build(src, out) != first                           # new text, new library
+    assert build((src,), out) != first                           # new text, new library
     src.write_text("this is not C\n")
     with pytest.raises(RuntimeError, match="failed"):
-        build(src, out)
+        build((src,), out)
     assert len(list(out.iterdir())) == 2
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     src.write_text("int pd_two(void) { return 2; }\n")
     with pytest.raises((RuntimeError, OSError)):
-        build(src, out)
+        build((src,), out)
 
 
 def test_the_choice_of_kernels(monkeypatch):
@@ -122,7 +122,7 @@ def test_the_choice_of_kernels(monkeypatch):
 
 
 def test_a_cpu_without_avx2_gets_torchs_kernels(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2"})
     native_kernels.cache_clear()
     try:
         found = native_kernels()
@@ -134,8 +134,8 @@ def test_a_cpu_without_avx2_gets_torchs_kernels(monkeypatch):
 def test_engines_starting_together_build_one_library(tmp_path):
     """Processes building at once (engines on one host) all end with the
     same working library."""
-    code = ("import sys; from pathlib import Path; from pdserve.kernels.cpu_matmul import "
-            "build, SOURCE; print(build(SOURCE, Path(sys.argv[1])))")
+    code = ("import sys; from pathlib import Path; from pdserve.kernels.native import "
+            "build, SOURCES; print(build(SOURCES, Path(sys.argv[1])))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,

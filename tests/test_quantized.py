@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pdserve.config import ConfigError, ServeConfig
-from pdserve.kernels.cpu_matmul import KERNELS_ENV, native_kernels
+from pdserve.kernels.native import KERNELS_ENV, native_kernels
 from pdserve.kernels.gguf import unpermute_rotary
 from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.quantized import (
@@ -121,13 +121,21 @@ def test_rows_permute_and_fuse_as_tensors_do():
         QuantizedTensor.cat([a, c])
 
 
-def test_the_choice_and_its_refusals():
+def test_the_choice_and_its_refusals(monkeypatch):
     keep, why = choose_quantization("gguf", "Q4_1, Q8_0", "cpu", torch.bfloat16)
     assert keep and "Q4_1, Q8_0" in why
     # auto keeps them wherever the kernels run, in either dtype, and says so
+    # with whose kernels
+    monkeypatch.setenv(KERNELS_ENV, "torch")
     for dtype in (torch.bfloat16, torch.float32):
         assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", dtype) == \
-            (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (int4/int8 CPU kernels) for "
+            (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (torch's int4/int8 kernels; "
+                   "pdserve's do not run here: PDSERVE_CPU_KERNELS is torch) for decode rows, "
+                   "a dense copy for prefill rows")
+    monkeypatch.delenv(KERNELS_ENV)
+    if native_kernels().lib is not None:
+        assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", torch.float32) == \
+            (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (pdserve's AVX2 kernels) for "
                    "decode rows, a dense copy for prefill rows")
     # ... and dequantizes, saying why, where they cannot
     keep, why = choose_quantization("auto", "Q4_1", "cuda", torch.bfloat16)

@@ -30,7 +30,7 @@ import time
 
 from pdserve.benchmarks.args import positive
 
-# (label, dtype, quantization, kernels: PDSERVE_QUANTIZED_KERNELS while it loads)
+# (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads)
 CASES = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
          ("quantized float32, pdserve kernels", "float32", "gguf", "native"),
          ("quantized float32, torch kernels", "float32", "gguf", "torch"),
@@ -98,7 +98,7 @@ def run(args) -> int:
 
     import torch
 
-    from pdserve.kernels.cpu_matmul import KERNELS_ENV, native_kernels
+    from pdserve.kernels.native import KERNELS_ENV, native_kernels
     from pdserve.kernels.loader import load_model
 
     if args.threads is not None:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_attention
+from pdserve.kernels.native import chosen_kernels
+
 
 @dataclass
 class SeqMeta:
@@ -94,6 +97,13 @@ class TorchAttention:
             buf = self._scratch_bufs[name] = torch.empty(grown, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
+    def _native_lib(self):
+        """pdserve's CPU kernels for decode rows (kernels/native.py), looked
+        up on the first CPU decode: the library, or None to keep torch's path."""
+        if not hasattr(self, "_native"):
+            self._native = chosen_kernels().lib
+        return self._native
+
     def plan(self, meta: BatchMeta, k_pages: torch.Tensor, dtype) -> None:
         """Prepare the round now (forward's first layer does it otherwise)."""
         self._prepare(meta, k_pages.shape[1], k_pages.device)
@@ -147,6 +157,12 @@ class TorchAttention:
             # an additive float32 mask: 0 where a key counts, -inf past the end
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])  # type: ignore[assignment]
+            if device.type == "cpu":
+                # the same keys as spans, for pdserve's kernel (cpu_attention.py)
+                base = torch.tensor(lo) * ps
+                ctx = ctx.to(torch.long)
+                begin = base if window is None else torch.maximum(base, ctx - window)
+                prep["dec_span"] = (base, begin, ctx)  # type: ignore[assignment]
         meta._prep = prep
         return prep
 
@@ -234,8 +250,15 @@ class TorchAttention:
             out.index_copy_(0, rows_v, o)
         if "dec" in prep:
             first, B, tables, bias = prep["dec"]
-            out[first:first + B] = self._decode(q[first:first + B], k_pages, v_pages, tables,
-                                                bias)
+            rows = slice(first, first + B)
+            lib = self._native_lib() if "dec_span" in prep else None
+            if lib is not None and cpu_attention.fits(q, k_pages, v_pages) and \
+                    not torch.compiler.is_compiling():
+                out[rows] = cpu_attention.decode_attention(
+                    lib, q[rows], k_pages, v_pages, tables, *prep["dec_span"], self.scale,
+                    self.softcap, torch.get_num_threads())
+            else:
+                out[rows] = self._decode(q[rows], k_pages, v_pages, tables, bias)
         return out
 
     def _prefill(self, q, keys, vals, mask):

@@ -13,7 +13,7 @@ Q4_1 blocks. Two sets of kernels multiply them:
   round costs about 0.7x torch's kernels' at one row and 0.8x at eight
   (`pdserve bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
-  PDSERVE_QUANTIZED_KERNELS=torch), from bfloat16 rows:
+  PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
   `_weight_int4pack_mm_for_cpu` for 4 bits, groups of 32 along the input,
   each with a scale and a zero, w = (q - 8) * scale + zero (a Q4_1 block,
   w = q * d + m, is such a group with zero = m + 8d; a Q4_0 block, w = (q -
@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.cpu_matmul import NativeMatmul, chosen_kernels
+from pdserve.kernels.cpu_matmul import NativeMatmul
+from pdserve.kernels.native import chosen_kernels
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
 KINDS = ("Q4_0", "Q4_1", "Q8_0")

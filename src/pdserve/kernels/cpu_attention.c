@@ -1,0 +1,139 @@
+/* pdserve's CPU attention for decode rows (AVX2 and FMA): one query row
+ * per sequence against its keys where they lie in the paged cache, with
+ * no gather into a contiguous copy.
+ *
+ * For sequence b and query head h (KV head h / group): the scores
+ * scale * q . k over positions begin[b] <= p < end[b] (optionally
+ * softcap * tanh(s / softcap)), their softmax in float32, and the
+ * probability-weighted sum of the values. Position p lies in page
+ * table[b][(p - base[b]) / page_size] at slot (p - base[b]) % page_size.
+ *
+ * Pages are [page_size][kv_heads][head_dim] of float32 or bfloat16, page
+ * after page `page_stride` elements apart (a layer's view of the cache's
+ * page-major storage). Each (sequence, KV head) is computed by one thread
+ * in one order, so a row's output does not depend on the rows beside it
+ * or the thread count. Built and loaded by native.py. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* e^x for x <= 0 (Cephes' single precision polynomial, ~1 ulp) */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* eight values of a key or value row as float32 */
+static inline __m256 load8(const void *row, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* q, out: [batch][heads][head_dim] float32, head_dim a multiple of 8 (the
+ * caller checks); returns 0, or -1 when scratch could not be allocated. */
+int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
+                        int64_t page_stride, int64_t page_size, int64_t kv_heads,
+                        int64_t head_dim, int64_t heads, const int64_t *tables,
+                        int64_t table_width, const int64_t *base, const int64_t *begin,
+                        const int64_t *end, int64_t batch, float scale, float softcap,
+                        float *out, int threads) {
+    const int64_t group = heads / kv_heads, d = head_dim;
+    const int64_t elem = bf16 ? 2 : 4;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < batch; b++)
+        if (end[b] - begin[b] > longest) longest = end[b] - begin[b];
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t w = 0; w < batch * kv_heads; w++) {
+            if (!scores) continue;
+            const int64_t b = w / kv_heads, g = w % kv_heads;
+            const int64_t n = end[b] - begin[b];
+            const float *qg = q + (b * heads + g * group) * d;
+            float *og = out + (b * heads + g * group) * d;
+            const int64_t *table = tables + b * table_width;
+            for (int64_t p = 0; p < n; p++) {
+                const int64_t at = begin[b] + p - base[b];
+                const int64_t off = (table[at / page_size] * page_stride +
+                                     (at % page_size) * kv_heads * d + g * d) * elem;
+                const char *k = (const char *)k_pages + off;
+                for (int64_t j = 0; j < group; j++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < d; i += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d + i), load8(k, i, bf16),
+                                              acc);
+                    float s = hsum(acc) * scale;
+                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                    scores[j * n + p] = s;
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *sj = scores + j * n, top = -INFINITY, total = 0.0f;
+                for (int64_t p = 0; p < n; p++) top = sj[p] > top ? sj[p] : top;
+                int64_t p = 0;
+                __m256 sum = _mm256_setzero_ps();
+                for (; p + 8 <= n; p += 8) {
+                    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sj + p),
+                                                          _mm256_set1_ps(top)));
+                    _mm256_storeu_ps(sj + p, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                total = hsum(sum);
+                for (; p < n; p++) {
+                    float tail[8] = {sj[p] - top};
+                    const float e = _mm256_cvtss_f32(exp_ps(_mm256_loadu_ps(tail)));
+                    sj[p] = e;
+                    total += e;
+                }
+                const float inv = 1.0f / total;
+                for (p = 0; p < n; p++) sj[p] *= inv;
+            }
+            for (int64_t j = 0; j < group; j++)
+                for (int64_t i = 0; i < d; i++) og[j * d + i] = 0.0f;
+            for (int64_t p = 0; p < n; p++) {
+                const int64_t at = begin[b] + p - base[b];
+                const int64_t off = (table[at / page_size] * page_stride +
+                                     (at % page_size) * kv_heads * d + g * d) * elem;
+                const char *v = (const char *)v_pages + off;
+                for (int64_t i = 0; i < d; i += 8) {
+                    const __m256 vi = load8(v, i, bf16);
+                    for (int64_t j = 0; j < group; j++)
+                        _mm256_storeu_ps(og + j * d + i,
+                                         _mm256_fmadd_ps(_mm256_set1_ps(scores[j * n + p]), vi,
+                                                         _mm256_loadu_ps(og + j * d + i)));
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

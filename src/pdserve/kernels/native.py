@@ -1,0 +1,119 @@
+"""pdserve's own CPU kernels, in C with AVX2: built with the machine's C
+compiler on first use and loaded with ctypes.
+
+- cpu_matmul.c (used by cpu_matmul.py): a GGUF's Q4_0, Q4_1 and Q8_0
+  blocks times activation rows quantized to 8-bit blocks, in integers.
+- cpu_attention.c (used by cpu_attention.py): decode rows' attention read
+  from the paged cache in place.
+
+They exist where torch's own CPU kernels spend most of a small model's
+decode step on something other than arithmetic (dequantizing weights,
+gathering pages, one operator per step of a softmax): docs/benchmarks.md
+has the measurements.
+
+The library is compiled once per source text into a cache directory
+(`PDSERVE_KERNEL_CACHE`, default `$XDG_CACHE_HOME/pdserve` or
+`~/.cache/pdserve`), each process building to a name of its own and
+renaming it into place, so engines starting together on one host do not
+trip on each other. `native_kernels()` says whether they can run here and
+why not: no AVX2 and FMA, or no C compiler (`CC`, else `cc`), or a failed
+build (its compiler output in the reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.kernels.cpu_features import cpu_flags
+
+KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_matmul.c", "cpu_attention.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """Whether the native kernels run here; `lib` when they do."""
+    lib: ctypes.CDLL | None
+    why: str
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
+
+
+def build(sources: tuple[Path, ...], out_dir: Path, name: str = "pdserve-cpu") -> Path:
+    """One shared library of `sources`, compiled unless a build of these
+    exact texts is already there. Raises RuntimeError with the compiler's
+    message when it fails."""
+    text = b"".join(s.read_bytes() for s in sources)
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = out_dir / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def native_kernels() -> NativeKernels:
+    """This process's library, built on first call (None, and why, where
+    it cannot run)."""
+    missing = [f for f in ("avx2", "fma") if f not in cpu_flags()]
+    if missing:
+        return NativeKernels(None, f"this CPU lacks {' and '.join(missing)}")
+    try:
+        path = build(SOURCES, cache_dir())
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        return NativeKernels(None, f"the kernels did not build: {e}")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pd_linear.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.pd_linear.restype = ctypes.c_int
+    lib.pd_decode_attention.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, p, i64,
+                                        p, p, p, i64, ctypes.c_float, ctypes.c_float, p,
+                                        ctypes.c_int]
+    lib.pd_decode_attention.restype = ctypes.c_int
+    return NativeKernels(lib, f"built in {path.parent}")
+
+
+def chosen_kernels() -> NativeKernels:
+    """The kernels a QuantizedLinear or CPU attention built now uses: the
+    native ones wherever they run, unless PDSERVE_CPU_KERNELS says `torch`
+    (to compare them, as `pdserve bench quantized` does) or `native` (an
+    error where they cannot run)."""
+    want = os.environ.get(KERNELS_ENV, "auto")
+    if want == "torch":
+        return NativeKernels(None, f"{KERNELS_ENV} is torch")
+    if want not in ("auto", "native"):
+        raise ValueError(f"{KERNELS_ENV}={want!r}: use auto, native or torch")
+    found = native_kernels()
+    if want == "native" and found.lib is None:
+        raise ValueError(f"{KERNELS_ENV} is native, but {found.why}; unset it to use "
+                         "torch's kernels")
+    return found
