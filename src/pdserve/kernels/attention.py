@@ -254,8 +254,9 @@ class TorchAttention:
             lib = self._native_lib() if "dec_span" in prep else None
             if lib is not None and cpu_attention.fits(q, k_pages, v_pages) and \
                     not torch.compiler.is_compiling():
+                base, begin, end = prep["dec_span"]
                 out[rows] = cpu_attention.decode_attention(
-                    lib, q[rows], k_pages, v_pages, tables, *prep["dec_span"], self.scale,
+                    lib, q[rows], k_pages, v_pages, tables, base, begin, end, self.scale,
                     self.softcap, torch.get_num_threads())
             else:
                 out[rows] = self._decode(q[rows], k_pages, v_pages, tables, bias)
