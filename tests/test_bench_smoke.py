@@ -222,7 +222,7 @@ def test_bench_disk_read_behind_writes(capsys):
     assert "one FIFO worker (before)" in out and "separate lanes" in out
 
 
-@pytest.mark.slow                          # ~2 min: SmolLM2 loaded six ways
+@pytest.mark.slow                          # ~2 min: SmolLM2 loaded seven ways
 def test_bench_quantized(capsys):
     from pdserve.kernels.native import native_kernels
 
@@ -230,8 +230,10 @@ def test_bench_quantized(capsys):
                 "--context", "16")
     rows = {ln.split("|")[2].strip(): ln for ln in out.splitlines()
             if ln.startswith("| 1 |")}
-    quantized = {f"quantized {d}, {k} kernels" for d in ("float32", "bfloat16")
-                 for k in (["pdserve", "torch"] if native_kernels().lib else ["torch"])}
+    quantized = {"quantized float32, torch kernels", "quantized bfloat16, torch kernels"}
+    if native_kernels().lib:
+        quantized |= {"quantized float32, pdserve layer", "quantized bfloat16, pdserve layer",
+                      "quantized bfloat16, pdserve ops"}
     assert set(rows) == {"float32", "bfloat16"} | quantized
     agree = [ln for ln in out.splitlines() if ln.startswith("| quantized ")]
     assert len(agree) == len(quantized)

@@ -1,7 +1,9 @@
 """`pdserve bench quantized`: a GGUF's decode round with its weights kept
 quantized (kernels/quantized.py, what `model.quantization: auto` runs on
-CPU), through pdserve's own kernels (kernels/cpu_matmul.py, auto's choice
-where they build) and through torch's, in float32 and bfloat16 models,
+CPU), through pdserve's own kernels (auto's choice where they build: the
+decode rows' layers in one C call each, kernels/cpu_decode_layer.py, or
+only its matmul and attention between torch's operators) and through
+torch's, in float32 and bfloat16 models,
 against the same file dequantized to float32 and to bfloat16, side by side
 in one process.
 
@@ -30,11 +32,13 @@ import time
 
 from pdserve.benchmarks.args import positive
 
-# (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads)
+# (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads,
+# or "ops": pdserve's matmul and attention without its decode layer)
 CASES = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
-         ("quantized float32, pdserve kernels", "float32", "gguf", "native"),
+         ("quantized float32, pdserve layer", "float32", "gguf", "native"),
          ("quantized float32, torch kernels", "float32", "gguf", "torch"),
-         ("quantized bfloat16, pdserve kernels", "bfloat16", "gguf", "native"),
+         ("quantized bfloat16, pdserve layer", "bfloat16", "gguf", "native"),
+         ("quantized bfloat16, pdserve ops", "bfloat16", "gguf", "ops"),
          ("quantized bfloat16, torch kernels", "bfloat16", "gguf", "torch"))
 TEXT = ("The river ran through the old town, past the mill and under three stone bridges. "
         "In spring the water rose to the arches, and children dropped sticks from one side "
@@ -112,13 +116,15 @@ def run(args) -> int:
     before = os.environ.get(KERNELS_ENV)
     try:
         for label, dtype, quant, kernels in CASES:
-            if kernels == "native" and native.lib is None:
+            if kernels in ("native", "ops") and native.lib is None:
                 continue
-            os.environ[KERNELS_ENV] = kernels
+            os.environ[KERNELS_ENV] = "native" if kernels == "ops" else kernels
             t0 = time.perf_counter()
             models[label], tok = load_model(None, args.preset, dtype=dtype, attention="torch",
                                             quantization=quant)
             loads[label] = time.perf_counter() - t0
+            if kernels == "ops":
+                models[label].native_decode = None
     finally:
         if before is None:
             os.environ.pop(KERNELS_ENV, None)

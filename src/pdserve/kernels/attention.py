@@ -12,7 +12,7 @@ from its `kv_start` on, so it never touches them."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,39 @@ class BatchMeta:
             return int(self.slot_mapping.shape[0])
         return self.seqs[first].q_start
 
+    def decode_start(self) -> int:
+        """The first decode row (every row when there are none)."""
+        if not self.num_decodes:
+            return int(self.slot_mapping.shape[0])
+        return self.seqs[len(self.seqs) - self.num_decodes].q_start
+
+    def without_decodes(self) -> BatchMeta:
+        """The round's prefill chunks and verifies alone: its first
+        `decode_start()` rows, for a caller that computes the decodes
+        another way."""
+        rows = self.decode_start()
+        write = self.write_rows
+        return replace(self, seqs=self.seqs[:len(self.seqs) - self.num_decodes],
+                       slot_mapping=self.slot_mapping[:rows], positions=self.positions[:rows],
+                       num_decodes=0, write_rows=None if write is None else write[write < rows],
+                       _prep=None)
+
+
+
+def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
+    """Decode sequences' keys, on CPU: (tables [B, width] int64, each row's
+    pages from its kv_start's page on, padded with its own first page;
+    base [B], the position of a table's first slot; begin and end [B], the
+    positions a row attends, begin <= p < end)."""
+    lo = [s.kv_start // ps for s in seqs]
+    n = [-(-s.ctx_len // ps) - a for s, a in zip(seqs, lo)]
+    width = max(n)
+    tables = torch.tensor([s.block_table[a:a + k] + [s.block_table[a]] * (width - k)
+                           for s, a, k in zip(seqs, lo, n)], dtype=torch.long)
+    end = torch.tensor([s.ctx_len for s in seqs], dtype=torch.long)
+    base = torch.tensor(lo, dtype=torch.long) * ps
+    begin = base if window is None else torch.maximum(base, end - window)
+    return tables, base, begin, end
 
 
 class TorchAttention:
@@ -141,27 +174,18 @@ class TorchAttention:
             prep["pre"].append((s, lo * ps, table, mask))  # type: ignore[union-attr]
         if meta.num_decodes:
             seqs = meta.seqs[n_pre:]
-            lo = [s.kv_start // ps for s in seqs]
-            n = [-(-s.ctx_len // ps) - a for s, a in zip(seqs, lo)]
-            width = max(n)
-            # padded with the sequence's own first page: masked, but a page it holds
-            tables = torch.tensor([s.block_table[a:a + k] + [s.block_table[a]] * (width - k)
-                                   for s, a, k in zip(seqs, lo, n)], dtype=torch.long)
-            ctx = torch.tensor([s.ctx_len for s in seqs], device=device)
-            kpos = torch.arange(width * ps, device=device)[None, :]
-            if any(lo):
-                kpos = kpos + torch.tensor(lo, device=device)[:, None] * ps
-            mask = kpos < ctx[:, None]
+            tables, base, begin, ctx = decode_spans(seqs, ps, window)
+            ctx_d = ctx.to(device)
+            kpos = torch.arange(tables.shape[1] * ps, device=device)[None, :] + \
+                base.to(device)[:, None]
+            mask = kpos < ctx_d[:, None]
             if window is not None:
-                mask &= kpos > (ctx[:, None] - 1 - window)
+                mask &= kpos > (ctx_d[:, None] - 1 - window)
             # an additive float32 mask: 0 where a key counts, -inf past the end
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])  # type: ignore[assignment]
             if device.type == "cpu":
                 # the same keys as spans, for pdserve's kernel (cpu_attention.py)
-                base = torch.tensor(lo) * ps
-                ctx = ctx.to(torch.long)
-                begin = base if window is None else torch.maximum(base, ctx - window)
                 prep["dec_span"] = (base, begin, ctx)  # type: ignore[assignment]
         meta._prep = prep
         return prep

@@ -6,7 +6,8 @@
  * 127, q = round(x / xd)). A block's product is then an exact integer dot
  * product of bytes, scaled once: scale * xd * sum(qw * qx) + zero * xd *
  * sum(qx). Integer products read a quarter of the bytes of float32 ones and
- * multiply 32 pairs per instruction (vpmaddubsw).
+ * multiply 32 pairs per instruction (vpmaddubsw, or AVX512-VNNI's vpdpbusd
+ * where the CPU has it, chosen at run time).
  *
  * Every output is computed by one thread in one order (blocks in turn, then
  * the zero terms), whatever the rows beside it, the tile it falls in or the
@@ -80,50 +81,95 @@ static inline __m256i nibbles(const uint8_t *src) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
+/* Four adjacent byte products summed into each int32 lane, unsigned u by
+ * signed s: AVX2 needs two instructions (vpmaddubsw's int16 pairs cannot
+ * overflow here: |u| <= 128, |s| <= 127), AVX512-VNNI one (vpdpbusd). The
+ * sums are exact integers either way, so both give the same bits. */
+static inline __m256i dot4_avx2(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+#define VNNI __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
+static inline VNNI __m256i dot4_vnni(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
 /* One group of 8 outputs for rows [r0, r0 + rows). bits 4: w's nibbles are
- * unsigned (0..15) and zero applies; bits 8: w's bytes are signed. */
-static inline __attribute__((always_inline)) void group_rows(int bits, const int8_t *xq, const float *xd, const float *xs,
-                       int64_t r0, int rows, int64_t nb, const uint8_t *wg, const float *sg,
+ * unsigned (0..15) and zero applies; bits 8: w's bytes are signed, and
+ * vpmaddubsw/vpdpbusd multiply unsigned by signed bytes, so a signed weight
+ * lends its sign to the activation. Defined once per dot product. */
+#define GROUP_ROWS(NAME, DOT, ATTR)                                                          \
+static inline __attribute__((always_inline)) ATTR void NAME(                                \
+        int bits, const int8_t *xq, const float *xd, const float *xs, int64_t r0, int rows, \
+        int64_t nb, const uint8_t *wg, const float *sg, const float *zg, int64_t n,         \
+        float *y) {                                                                         \
+    __m256 acc[TILE];                                                                       \
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();                            \
+    for (int64_t b = 0; b < nb; b++) {                                                      \
+        __m256i wq[COLS];                                                                   \
+        if (bits == 4)                                                                      \
+            for (int c = 0; c < COLS; c++) wq[c] = nibbles(wg + (b * COLS + c) * 16);       \
+        else                                                                                \
+            for (int c = 0; c < COLS; c++)                                                  \
+                wq[c] = _mm256_loadu_si256((const __m256i *)(wg + (b * COLS + c) * GROUP)); \
+        const __m256 sc = _mm256_loadu_ps(sg + b * COLS);                                   \
+        for (int r = 0; r < rows; r++) {                                                    \
+            const int64_t xi = (r0 + r) * nb + b;                                           \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * GROUP));      \
+            __m256i p[COLS];                                                                \
+            for (int c = 0; c < COLS; c++)                                                  \
+                p[c] = bits == 4 ? DOT(wq[c], xv)                                           \
+                                 : DOT(_mm256_sign_epi8(wq[c], wq[c]),                      \
+                                       _mm256_sign_epi8(xv, wq[c]));                        \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(p)),                        \
+                                     _mm256_mul_ps(sc, _mm256_set1_ps(xd[xi])), acc[r]);    \
+        }                                                                                   \
+    }                                                                                       \
+    for (int r = 0; r < rows; r++) {                                                        \
+        __m256 out = acc[r];                                                                \
+        if (bits == 4) {                                                                    \
+            __m256 z = _mm256_setzero_ps();                                                 \
+            for (int64_t b = 0; b < nb; b++)                                                \
+                z = _mm256_fmadd_ps(_mm256_loadu_ps(zg + b * COLS),                         \
+                                    _mm256_set1_ps(xs[(r0 + r) * nb + b]), z);              \
+            out = _mm256_add_ps(out, z);                                                    \
+        }                                                                                   \
+        _mm256_storeu_ps(y + (r0 + r) * n, out);                                            \
+    }                                                                                       \
+}
+
+GROUP_ROWS(group_rows_avx2, dot4_avx2, )
+GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI)
+
+/* All of a group's rows, each width's loop compiled on its own */
+static void group_avx2(int bits, const int8_t *xq, const float *xd, const float *xs,
+                       int64_t m, int64_t nb, const uint8_t *wg, const float *sg,
                        const float *zg, int64_t n, float *y) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i wq[COLS];
-        if (bits == 4)
-            for (int c = 0; c < COLS; c++) wq[c] = nibbles(wg + (b * COLS + c) * 16);
-        else
-            for (int c = 0; c < COLS; c++)
-                wq[c] = _mm256_loadu_si256((const __m256i *)(wg + (b * COLS + c) * GROUP));
-        const __m256 sc = _mm256_loadu_ps(sg + b * COLS);
-        for (int r = 0; r < rows; r++) {
-            const int64_t xi = (r0 + r) * nb + b;
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * GROUP));
-            __m256i p[COLS];
-            for (int c = 0; c < COLS; c++) {
-                /* vpmaddubsw multiplies unsigned by signed bytes: a signed
-                 * weight lends its sign to the activation */
-                const __m256i pair = bits == 4
-                    ? _mm256_maddubs_epi16(wq[c], xv)
-                    : _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]),
-                                           _mm256_sign_epi8(xv, wq[c]));
-                p[c] = _mm256_madd_epi16(pair, ones);
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(p)),
-                                     _mm256_mul_ps(sc, _mm256_set1_ps(xd[xi])), acc[r]);
-        }
+    for (int64_t r0 = 0; r0 < m; r0 += TILE) {
+        const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
+        if (bits == 4) group_rows_avx2(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);
+        else group_rows_avx2(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);
     }
-    for (int r = 0; r < rows; r++) {
-        __m256 out = acc[r];
-        if (bits == 4) {
-            __m256 z = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++)
-                z = _mm256_fmadd_ps(_mm256_loadu_ps(zg + b * COLS),
-                                    _mm256_set1_ps(xs[(r0 + r) * nb + b]), z);
-            out = _mm256_add_ps(out, z);
-        }
-        _mm256_storeu_ps(y + (r0 + r) * n, out);
+}
+
+static VNNI void group_vnni(int bits, const int8_t *xq, const float *xd, const float *xs,
+                            int64_t m, int64_t nb, const uint8_t *wg, const float *sg,
+                            const float *zg, int64_t n, float *y) {
+    for (int64_t r0 = 0; r0 < m; r0 += TILE) {
+        const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
+        if (bits == 4) group_rows_vnni(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);
+        else group_rows_vnni(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);
     }
+}
+
+/* 1 where this CPU has AVX512-VNNI (with VL for 256-bit vectors), unless
+ * PDSERVE_NO_VNNI is set (to compare the two paths) */
+int pd_has_vnni(void) {
+    static int known = -1;
+    if (known < 0)
+        known = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                !getenv("PDSERVE_NO_VNNI");
+    return known;
 }
 
 /* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32. Returns 0, or -1
@@ -140,19 +186,14 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
         return -1;
     }
     quantize_rows(x, m * nb, xq, xd, xs);
+    const int vnni = pd_has_vnni();
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *wg = w + g * nb * COLS * wbytes;
         const float *sg = scale + g * nb * COLS;
-        for (int64_t r0 = 0; r0 < m; r0 += TILE) {
-            const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
-            /* two call sites, so each width's loop is compiled on its own */
-            if (bits == 4)
-                group_rows(4, xq, xd, xs, r0, rows, nb, wg, sg, zero + g * nb * COLS, n,
-                           y + g * COLS);
-            else
-                group_rows(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y + g * COLS);
-        }
+        const float *zg = bits == 4 ? zero + g * nb * COLS : NULL;
+        if (vnni) group_vnni(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
+        else group_avx2(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
     }
     free(xq); free(xd); free(xs);
     return 0;

@@ -5,6 +5,9 @@ compiler on first use and loaded with ctypes.
   blocks times activation rows quantized to 8-bit blocks, in integers.
 - cpu_attention.c (used by cpu_attention.py): decode rows' attention read
   from the paged cache in place.
+- cpu_decode_layer.c (used by cpu_decode_layer.py): a whole Llama-family
+  layer for a round's decode rows, the two above and the small steps
+  between them in one call.
 
 They exist where torch's own CPU kernels spend most of a small model's
 decode step on something other than arithmetic (dequantizing weights,
@@ -35,7 +38,8 @@ from pathlib import Path
 from pdserve.kernels.cpu_features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_matmul.c", "cpu_attention.c"))
+SOURCES = tuple(Path(__file__).with_name(f)
+                for f in ("cpu_matmul.c", "cpu_attention.c", "cpu_decode_layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -99,6 +103,8 @@ def native_kernels() -> NativeKernels:
                                         p, p, p, i64, ctypes.c_float, ctypes.c_float, p,
                                         ctypes.c_int]
     lib.pd_decode_attention.restype = ctypes.c_int
+    lib.pd_decode_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]
+    lib.pd_decode_layer.restype = ctypes.c_int
     return NativeKernels(lib, f"built in {path.parent}")
 
 

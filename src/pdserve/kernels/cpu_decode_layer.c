@@ -1,0 +1,154 @@
+/* One Llama-family decoder layer for a round's decode rows, in one call:
+ * what DecoderModel's forward runs eagerly as about 60 torch calls a layer,
+ * whose dispatch costs more than a small model's arithmetic at one row.
+ *
+ *   x = rms_norm(h) * ln1;  q, k, v = x . Wqkv (+ bias);  rotate q and k;
+ *   write k, v into the paged cache at each row's slot;  o = attention;
+ *   h += o . Wo;  x = rms_norm(h) * ln2;  g, u = x . Wgate_up;
+ *   h += (silu(g) * u) . Wdown
+ *
+ * h stays float32 between layers (the caller rounds it to the model's dtype
+ * after the last); K/V are stored in the cache's dtype. The matmuls are
+ * cpu_matmul.c's and the attention cpu_attention.c's; every step computes a
+ * row on its own in one order, so a row's result does not depend on the
+ * rows beside it or the thread count. Built and loaded by native.py, driven
+ * by cpu_decode_layer.py. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
+              const float *scale, const float *zero, int64_t n, float *y, int threads);
+int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
+                        int64_t page_stride, int64_t page_size, int64_t kv_heads,
+                        int64_t head_dim, int64_t heads, const int64_t *tables,
+                        int64_t table_width, const int64_t *base, const int64_t *begin,
+                        const int64_t *end, int64_t batch, float scale, float softcap,
+                        float *out, int threads);
+
+/* A packed quantized weight (cpu_matmul.py's NativeMatmul): `rows` output
+ * rows (n padded to a multiple of 8) of k inputs */
+struct pd_matmul {
+    int64_t bits, n, rows, k;
+    const uint8_t *w;
+    const float *scale, *zero;
+};
+
+struct pd_layer {
+    struct pd_matmul qkv, o, gate_up, down;
+    const float *ln1, *ln2;     /* [hidden] */
+    const float *qkv_bias;      /* [q + 2 kv] or NULL */
+};
+
+/* What every layer shares: the shapes and the rotary tables, [positions][head_dim]
+ * float32, the sin table's first half negated (rope.py's Rotary) */
+struct pd_model {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *cos, *sin;
+};
+
+/* A round's decode rows: each one's position and cache slot (-1: not
+ * written), and its keys as cpu_attention.c reads them */
+struct pd_round {
+    int64_t batch;
+    const int64_t *positions, *slots;
+    const int64_t *tables, *base, *begin, *end;
+    int64_t table_width, page_size, page_stride;
+    int bf16;                   /* the cache's dtype: bfloat16, else float32 */
+};
+
+static void rms_norm_rows(const float *h, const float *w, int64_t rows, int64_t n, float eps,
+                          float *x) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *hr = h + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += hr[i] * hr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) x[r * n + i] = hr[i] * inv * w[i];
+    }
+}
+
+/* round to nearest even, as torch converts float32 to bfloat16 */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void store_row(void *pages, int64_t at, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)pages + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+    } else {
+        memcpy((float *)pages + at, src, sizeof(float) * (size_t)n);
+    }
+}
+
+/* x . w for rows, into y [rows][w.rows] */
+static int mm(const struct pd_matmul *w, const float *x, int64_t rows, float *y, int threads) {
+    return pd_linear((int)w->bits, x, rows, w->k, w->w, w->scale, w->zero, w->rows, y, threads);
+}
+
+/* h [batch][hidden], updated in place. Returns 0, or -1 when scratch could
+ * not be allocated (the round is then lost: the caller raises). */
+int pd_decode_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd_round *R,
+                    float *h, void *k_pages, void *v_pages, int threads) {
+    const int64_t B = R->batch, hid = M->hidden, d = M->head_dim, half = d / 2;
+    const int64_t qd = M->heads * d, kvd = M->kv_heads * d, inter = M->inter;
+    const int64_t widest = L->gate_up.rows > L->qkv.rows ? L->gate_up.rows : L->qkv.rows;
+    float *x = malloc(sizeof(float) * (size_t)(B * (hid > inter ? hid : inter)));
+    float *y = malloc(sizeof(float) * (size_t)(B * widest));
+    float *q = malloc(sizeof(float) * (size_t)(B * qd));
+    float *o = malloc(sizeof(float) * (size_t)(B * qd));
+    float *res = malloc(sizeof(float) * (size_t)(B * (L->o.rows > L->down.rows ? L->o.rows
+                                                                              : L->down.rows)));
+    int rc = -1;
+    if (!x || !y || !q || !o || !res) goto done;
+
+    rms_norm_rows(h, L->ln1, B, hid, M->eps, x);
+    if (mm(&L->qkv, x, B, y, threads)) goto done;
+    for (int64_t b = 0; b < B; b++) {
+        float *row = y + b * L->qkv.rows;
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < qd + 2 * kvd; i++) row[i] += L->qkv_bias[i];
+        const float *c = M->cos + R->positions[b] * d, *s = M->sin + R->positions[b] * d;
+        /* q's and k's heads rotate alike: x * cos + roll(x, d / 2) * sin */
+        for (int64_t head = 0; head < M->heads + M->kv_heads; head++) {
+            float *v = row + head * d, rot[d];
+            for (int64_t i = 0; i < d; i++) rot[i] = v[i] * c[i] + v[(i + half) % d] * s[i];
+            memcpy(head < M->heads ? q + b * qd + head * d : v, rot, sizeof(float) * (size_t)d);
+        }
+        const int64_t slot = R->slots[b];
+        if (slot >= 0) {
+            const int64_t at = (slot / R->page_size) * R->page_stride +
+                               (slot % R->page_size) * kvd;
+            store_row(k_pages, at, row + qd, kvd, R->bf16);
+            store_row(v_pages, at, row + qd + kvd, kvd, R->bf16);
+        }
+    }
+    if (pd_decode_attention(q, k_pages, v_pages, R->bf16, R->page_stride, R->page_size,
+                            M->kv_heads, d, M->heads, R->tables, R->table_width, R->base,
+                            R->begin, R->end, B, M->scale, 0.0f, o, threads))
+        goto done;
+    if (mm(&L->o, o, B, res, threads)) goto done;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < hid; i++) h[b * hid + i] += res[b * L->o.rows + i];
+
+    rms_norm_rows(h, L->ln2, B, hid, M->eps, x);
+    if (mm(&L->gate_up, x, B, y, threads)) goto done;
+    for (int64_t b = 0; b < B; b++) {
+        const float *g = y + b * L->gate_up.rows, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) x[b * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    if (mm(&L->down, x, B, res, threads)) goto done;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < hid; i++) h[b * hid + i] += res[b * L->down.rows + i];
+    rc = 0;
+done:
+    free(x); free(y); free(q); free(o); free(res);
+    return rc;
+}

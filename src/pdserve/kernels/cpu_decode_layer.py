@@ -1,0 +1,133 @@
+"""A round's decode rows through pdserve's own CPU layer (cpu_decode_layer.c,
+built by native.py): one C call a layer instead of DecoderModel's eager
+torch calls, where the model's weights are kept quantized on a CPU with
+the native kernels.
+
+At one row a SmolLM2 decode step is mostly dispatch: about 60 torch calls
+a layer (norms, the rotary roll, the cache write, dtype conversions, the
+residual adds), each a few microseconds, around a few tens of microseconds
+of matmul and attention. The C layer runs the same arithmetic on each row
+on its own (cpu_matmul.c's products, cpu_attention.c's attention, the
+small steps between them in plain loops), with the residual stream kept
+in float32 between layers.
+
+Decode rows take this path in every round, alone or beside prefill chunks
+and verify rows (which stay on torch's path), so a decode row's bits do
+not depend on what shares its round; a model it does not fit (other
+layer kinds, LoRA enabled, dense weights, PDSERVE_CPU_KERNELS=torch) never
+takes it. `native_decode_for` says which, and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pdserve.kernels import cpu_attention
+from pdserve.kernels.attention import BatchMeta, TorchAttention, decode_spans
+from pdserve.kernels.cpu_matmul import NativeMatmul
+from pdserve.kernels.native import chosen_kernels
+from pdserve.kernels.quantized import QuantizedLinear
+from pdserve.kernels.rope import Rotary
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Matmul(ctypes.Structure):
+    _fields_ = [("bits", _i64), ("n", _i64), ("rows", _i64), ("k", _i64), ("w", _ptr),
+                ("scale", _ptr), ("zero", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul), ("down", _Matmul),
+                ("ln1", _ptr), ("ln2", _ptr), ("qkv_bias", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", _ptr), ("sin", _ptr)]
+
+
+class _Round(ctypes.Structure):
+    _fields_ = [("batch", _i64), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
+                ("base", _ptr), ("begin", _ptr), ("end", _ptr), ("table_width", _i64),
+                ("page_size", _i64), ("page_stride", _i64), ("bf16", ctypes.c_int)]
+
+
+def _matmul(m: NativeMatmul) -> _Matmul:
+    return _Matmul(m.bits, m.n, m.rows, m.k, m.weights.data_ptr(), m.scale.data_ptr(),
+                   m.zero.data_ptr())
+
+
+def native_decode_for(model) -> tuple[NativeDecode | None, str]:
+    """The C layer for a DecoderModel, or None and why it does not fit."""
+    c = model.cfg
+    lib = chosen_kernels().lib
+    why = []
+    if lib is None:
+        why.append(f"pdserve's kernels do not run here ({chosen_kernels().why})")
+    if model.device.type != "cpu" or model.dtype not in cpu_attention.PAGE_DTYPES:
+        why.append(f"the model runs on {model.device} in {model.dtype}")
+    if model.tp is not None:
+        why.append("tensor parallelism")
+    attn = model.attention
+    if type(attn) is not TorchAttention or attn.softcap is not None:
+        why.append(f"attention is {type(attn).__name__}")
+    if c.hidden_act != "silu" or c.partial_rotary_factor != 1.0 or c.head_dim % 8:
+        why.append("the layer is not Llama's (silu, full rotary, head_dim a multiple of 8)")
+    weights = [w for layer in model.layers for w in (layer[3], layer[5], layer[7], layer[8])]
+    if not all(isinstance(w, QuantizedLinear) and w.native is not None for w in weights):
+        why.append("not every projection is quantized for pdserve's matmul")
+    if why or lib is None:
+        return None, "; ".join(why)
+    return NativeDecode(model, lib), "pdserve's decode layer"
+
+
+class NativeDecode:
+    """A DecoderModel's layers as the C layer reads them, built once."""
+
+    def __init__(self, model, lib: ctypes.CDLL):
+        c = model.cfg
+        self.lib, self.model = lib, model
+        rot = Rotary(c, torch.float32, "cpu")
+        self._keep: list[torch.Tensor] = [rot.cos, rot.sin]
+        self.shape = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.intermediate_size, c.rms_norm_eps, model.attention.scale,
+                            rot.cos.data_ptr(), rot.sin.data_ptr())
+        self.layers = []
+        for (_g, _j, ln1, qkv, bias, o, ln2, gate_up, down) in model.layers:
+            f32 = [t.float().contiguous() for t in (ln1, ln2)] + \
+                ([bias.float().contiguous()] if bias is not None else [])
+            self._keep += f32
+            self.layers.append(_Layer(_matmul(qkv.native), _matmul(o.native),
+                                      _matmul(gate_up.native), _matmul(down.native),
+                                      f32[0].data_ptr(), f32[1].data_ptr(),
+                                      f32[2].data_ptr() if bias is not None else None))
+
+    def run(self, h: torch.Tensor, meta: BatchMeta, pages: list) -> torch.Tensor | None:
+        """The decode rows' hidden states after every layer, float32 [B,
+        hidden], from theirs before (`h`, the round's last B rows). `pages`:
+        each layer's (k_pages, v_pages). None where the cache's layout is
+        not the kernel's (then torch's path runs, for every round alike)."""
+        k0, v0 = pages[0]
+        if not cpu_attention.fits(h, k0, v0):
+            return None
+        seqs = meta.seqs[len(meta.seqs) - meta.num_decodes:]
+        first = seqs[0].q_start
+        tables, base, begin, end = decode_spans(seqs, k0.shape[1], meta.window)
+        positions = meta.positions[first:].to(torch.long).contiguous()
+        slots = meta.slot_mapping[first:].to(torch.long).contiguous()
+        x = h.to(torch.float32, copy=True).contiguous()
+        rnd = _Round(len(seqs), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                     base.data_ptr(), begin.data_ptr(), end.data_ptr(), tables.shape[1],
+                     k0.shape[1], k0.stride(0), int(k0.dtype == torch.bfloat16))
+        threads = torch.get_num_threads()
+        shape, at = ctypes.addressof(self.shape), ctypes.addressof(rnd)
+        for layer, (k, v) in zip(self.layers, pages):
+            if self.lib.pd_decode_layer(shape, ctypes.addressof(layer), at, x.data_ptr(),
+                                        k.data_ptr(), v.data_ptr(), threads):
+                raise MemoryError(f"pd_decode_layer could not allocate {len(seqs)} rows' "
+                                  "scratch")
+        return x

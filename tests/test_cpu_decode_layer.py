@@ -1,0 +1,121 @@
+"""pdserve's C decoder layer for decode rows (kernels/cpu_decode_layer.c and
+.py): the same layer as DecoderModel's torch path, its K/V in the same
+slots, on SmolLM2 and on small random models with what SmolLM2 lacks (q/k/v
+biases, a sliding window); and where it does not fit, the reason."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+from pdserve.kernels.loader import load_model
+from pdserve.kernels.model import DecoderModel, random_weights
+from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.native import KERNELS_ENV, native_kernels
+from pdserve.kernels.quantized import from_blocks
+
+needs_lib = pytest.mark.skipif(native_kernels().lib is None,
+                               reason=f"no native kernels: {native_kernels().why}")
+PS = 16
+
+
+def one_by_one(model, tokens: list[int], path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits at every position of `tokens` fed as decode rows, one round
+    each (teacher-forced), through the C layer (`path`) or torch's, and the
+    cache they leave."""
+    keep, model.native_decode = model.native_decode, model.native_decode if path else None
+    try:
+        table = list(range(-(-len(tokens) // PS)))
+        cache = model.new_cache(len(table), PS)
+        out = []
+        for t, tok in enumerate(tokens):
+            meta = BatchMeta([SeqMeta(0, 1, t + 1, table)], torch.tensor([t]),
+                             torch.tensor([t]), num_decodes=1,
+                             window=model.cfg.sliding_window)
+            out.append(model.forward(torch.tensor([tok]), meta, cache, torch.tensor([0]))[0])
+        return torch.stack(out), cache.data.float()
+    finally:
+        model.native_decode = keep
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tok = load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
+    return model, tok
+
+
+@needs_lib
+def test_smollm2s_decode_rows_take_the_c_layer_and_track_torchs_path(smollm2):
+    """Teacher-forced over a sentence, decode rows through the C layer give
+    torch's path's top token nearly everywhere and close logits (the two
+    differ by float32 rounding, which can flip a value's 8-bit rounding
+    into the next matmul), and leave the same K/V in the same slots."""
+    model, tok = smollm2
+    assert model.native_decode is not None, model.native_decode_why
+    ids = tok.encode("The river ran through the old town, past the mill and under three "
+                     "stone bridges, and in spring the water rose to the arches.")
+    got, got_cache = one_by_one(model, ids, path=True)
+    want, want_cache = one_by_one(model, ids, path=False)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    assert ((got - want).abs().amax(-1) < 0.1 * want.abs().amax(-1)).all()
+    assert (got_cache - want_cache).norm() < 0.02 * want_cache.norm()
+
+
+def small_model(bias: bool, window: int | None, dtype: torch.dtype, seed: int = 0):
+    """A 2-layer Llama (Qwen2's biases, Mistral's window where asked) whose
+    projections are Q4_0 blocks and LM head Q8_0."""
+    cfg = ModelConfig(arch="mistral" if window else "llama", vocab_size=256, hidden_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                      intermediate_size=256, max_position=512, sliding_window=window,
+                      attention_bias=bias)
+    w = random_weights(cfg, seed)
+    for name, t in list(w.items()):
+        if t.dim() == 2:
+            kind = T.Q8_0 if name == "lm_head.weight" else T.Q4_0
+            w[name] = from_blocks(quantize(t.numpy().astype(np.float32), kind), kind.name,
+                                  *t.shape)
+    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+    return DecoderModel(cfg, w, dtype, "cpu", attn)
+
+
+@needs_lib
+@pytest.mark.parametrize("bias,window,dtype", [(True, None, torch.float32),
+                                               (False, 24, torch.bfloat16)])
+def test_biases_windows_and_bfloat16_pages_as_torchs_path(bias, window, dtype):
+    model = small_model(bias, window, dtype)
+    assert model.native_decode is not None, model.native_decode_why
+    tokens = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, got_cache = one_by_one(model, tokens, path=True)
+    want, want_cache = one_by_one(model, tokens, path=False)
+    tol = 0.05 if dtype == torch.float32 else 0.1        # bfloat16: torch's path rounds more
+    assert (got - want).norm() < tol * want.norm()
+    assert (got_cache - want_cache).norm() < tol * want_cache.norm()
+
+
+@needs_lib
+def test_a_bad_slot_is_not_written():
+    """A decode row whose slot is -1 (a group that keeps no K/V for it)
+    writes nothing: the cache is as it was."""
+    model = small_model(False, None, torch.float32)
+    cache = model.new_cache(2, PS)
+    cache.data.normal_(generator=torch.Generator().manual_seed(0))
+    before = cache.data.clone()
+    meta = BatchMeta([SeqMeta(0, 1, 5, [0])], torch.tensor([-1]), torch.tensor([4]),
+                     num_decodes=1)
+    model.forward(torch.tensor([7]), meta, cache, torch.tensor([0]))
+    assert torch.equal(cache.data, before)
+
+
+def test_where_the_layer_does_not_fit_it_says_why(monkeypatch):
+    dense = small_model(False, None, torch.float32)
+    dense_w = random_weights(dense.cfg, 0)
+    plain = DecoderModel(dense.cfg, dense_w, torch.float32, "cpu", dense.attention)
+    assert plain.native_decode is None
+    assert "not every projection is quantized" in plain.native_decode_why
+    monkeypatch.setenv(KERNELS_ENV, "torch")
+    torch_only = small_model(False, None, torch.float32)
+    assert torch_only.native_decode is None
+    assert f"{KERNELS_ENV} is torch" in torch_only.native_decode_why
