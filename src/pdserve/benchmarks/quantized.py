@@ -18,9 +18,9 @@ Decode rows always go through the kernels (only prefill rows take the
 dense copy), so the rows show where the kernels stop paying.
 
 Then what the quantized weights change in the answers: one prompt of real
-text prefilled by every case (the quantized one through its kernels on
-every row), its logits at every position against float32
-dequantized (the file's values in full precision): the share of positions
+text fed to every case a token a round, as decode rows (the path a served
+token takes), its logits at every position against float32 dequantized
+prefilled (the file's values in full precision): the share of positions
 whose top token agrees, and the largest logit difference. bfloat16 is the
 yardstick: its rounding is what `auto` accepts on a bfloat16 CPU.
 """
@@ -82,9 +82,7 @@ def decode_round(model, batch: int, context: int, page: int = 16):
 
 
 def prefill_logits(model, ids: list[int], page: int = 16):
-    """float32 logits at every position of one prompt, prefilled at once,
-    every row through a quantized model's kernels (as decode rows go: the
-    rows are marked as one speculative verify)."""
+    """float32 logits at every position of one prompt, prefilled at once."""
     import torch
 
     from pdserve.kernels.attention import BatchMeta, SeqMeta
@@ -92,9 +90,25 @@ def prefill_logits(model, ids: list[int], page: int = 16):
     n = len(ids)
     pages = -(-n // page)
     cache = model.new_cache(pages, page)
-    meta = BatchMeta([SeqMeta(0, n, n, list(range(pages)))], torch.arange(n),
-                     torch.arange(n), num_verifies=1)
+    meta = BatchMeta([SeqMeta(0, n, n, list(range(pages)))], torch.arange(n), torch.arange(n))
     return model.forward(torch.tensor(ids), meta, cache, torch.arange(n)).float()
+
+
+def decode_logits(model, ids: list[int], page: int = 16):
+    """float32 logits at every position of one prompt fed a token a round
+    as decode rows (teacher-forced): the path a served token takes."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
+    table = list(range(-(-len(ids) // page)))
+    cache = model.new_cache(len(table), page)
+    out = []
+    for t, tok in enumerate(ids):
+        meta = BatchMeta([SeqMeta(0, 1, t + 1, table)], torch.tensor([t]), torch.tensor([t]),
+                         num_decodes=1)
+        out.append(model.forward(torch.tensor([tok]), meta, cache, torch.tensor([0]))[0])
+    return torch.stack(out).float()
 
 
 def run(args) -> int:
@@ -162,7 +176,7 @@ def run(args) -> int:
     print("| case | top token agrees | largest logit difference | load s |")
     print("| --- | ---: | ---: | ---: |")
     for label, m in models.items():
-        lg = prefill_logits(m, ids)
+        lg = decode_logits(m, ids)
         agree = (lg.argmax(-1) == truth.argmax(-1)).float().mean().item()
         print(f"| {label} | {100 * agree:.1f}% | {(lg - truth).abs().max().item():.2f} | "
               f"{loads[label]:.1f} |")

@@ -64,10 +64,11 @@ def _matmul(m: NativeMatmul) -> _Matmul:
 def native_decode_for(model) -> tuple[NativeDecode | None, str]:
     """The C layer for a DecoderModel, or None and why it does not fit."""
     c = model.cfg
-    lib = chosen_kernels().lib
+    found = chosen_kernels()
+    lib = found.lib
     why = []
     if lib is None:
-        why.append(f"pdserve's kernels do not run here ({chosen_kernels().why})")
+        why.append(f"pdserve's kernels do not run here ({found.why})")
     if model.device.type != "cpu" or model.dtype not in cpu_attention.PAGE_DTYPES:
         why.append(f"the model runs on {model.device} in {model.dtype}")
     if model.tp is not None:
@@ -92,6 +93,7 @@ class NativeDecode:
         c = model.cfg
         self.lib, self.model = lib, model
         rot = Rotary(c, torch.float32, "cpu")
+        self.max_position = rot.cos.shape[0]
         self._keep: list[torch.Tensor] = [rot.cos, rot.sin]
         self.shape = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                             c.intermediate_size, c.rms_norm_eps, model.attention.scale,
@@ -118,6 +120,9 @@ class NativeDecode:
         first = seqs[0].q_start
         tables, base, begin, end = decode_spans(seqs, k0.shape[1], meta.window)
         positions = meta.positions[first:].to(torch.long).contiguous()
+        if int(positions.max()) >= self.max_position:   # the C layer reads the table unchecked
+            raise IndexError(f"position {int(positions.max())} is past the model's "
+                             f"{self.max_position}")
         slots = meta.slot_mapping[first:].to(torch.long).contiguous()
         x = h.to(torch.float32, copy=True).contiguous()
         rnd = _Round(len(seqs), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
