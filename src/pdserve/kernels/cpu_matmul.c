@@ -14,17 +14,19 @@
  * thread count: a row's result has the same bits alone or batched.
  *
  * Weights come in groups of 8 output rows (the caller pads n to a multiple
- * of 8), block-major within a group, so one vector load gives the 8 rows'
- * scales of a block:
- *   4 bits: w [n/8][k/32][8][16] bytes, element e < 16 of a block the low
- *           nibble of byte e, element e >= 16 the high nibble of byte e-16
- *           (the GGUF order); scale, zero [n/8][k/32][8] floats.
- *   8 bits: w [n/8][k/32][8][32] signed bytes; scale [n/8][k/32][8].
+ * of 8), block-major within a group, and within a block as 8 vectors whose
+ * int32 lane c holds 4 consecutive weights of output c (see GROUP_ROWS):
+ *   4 bits: w [n/8][k/32][4][8][4] bytes, byte [p][c][t] being byte 4p + t
+ *           of column c's GGUF block (weights 4p + t and 16 + 4p + t in its
+ *           low and high nibble); scale, zero [n/8][k/32][8] floats.
+ *   8 bits: w [n/8][k/32][8][8][4] signed bytes, [j][c][t] being column
+ *           c's weight 4j + t; scale [n/8][k/32][8].
  * Built and loaded by cpu_matmul.py. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define GROUP 32            /* weights per block, and activations per scale */
 #define COLS 8              /* output rows per weight group */
@@ -64,64 +66,62 @@ static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, f
     }
 }
 
-/* eight vectors of int32 partial sums -> one vector of their eight totals */
-static inline __m256i totals8(const __m256i p[COLS]) {
-    const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
-                                         _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]),
-                                         _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
-                            _mm256_permute2x128_si256(t0, t1, 0x31));
-}
-
-/* a block's 16 bytes as its 32 nibbles in order, one per byte */
-static inline __m256i nibbles(const uint8_t *src) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)src);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-}
-
-/* Four adjacent byte products summed into each int32 lane, unsigned u by
- * signed s: AVX2 needs two instructions (vpmaddubsw's int16 pairs cannot
+/* acc plus four adjacent byte products summed into each int32 lane,
+ * unsigned u by signed s: AVX2 needs three instructions (vpmaddubsw's int16 pairs cannot
  * overflow here: |u| <= 128, |s| <= 127), AVX512-VNNI one (vpdpbusd). The
  * sums are exact integers either way, so both give the same bits. */
-static inline __m256i dot4_avx2(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+static inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
 }
 
 #define VNNI __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
-static inline VNNI __m256i dot4_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+static inline VNNI __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
 }
 
-/* One group of 8 outputs for rows [r0, r0 + rows). bits 4: w's nibbles are
- * unsigned (0..15) and zero applies; bits 8: w's bytes are signed, and
- * vpmaddubsw/vpdpbusd multiply unsigned by signed bytes, so a signed weight
- * lends its sign to the activation. Defined once per dot product. */
+/* One group of 8 outputs for rows [r0, r0 + rows). A block's weights are 8
+ * vectors, vector j's int32 lane c holding column c's weights 4j..4j+3, so
+ * multiplying vector j by the row's bytes 4j..4j+3 (broadcast to every lane)
+ * adds to each lane its own column's products: the 8 vectors give the 8
+ * columns' block sums with no horizontal adds. 4 bits: vectors j and j + 4
+ * share 32 bytes, j's weights in the low nibbles (the GGUF block's byte
+ * pairing), unsigned, and zero applies; 8 bits: signed bytes, and
+ * vpmaddubsw/vpdpbusd multiply unsigned by signed, so a signed weight lends
+ * its sign to the activation. Defined once per dot product. */
 #define GROUP_ROWS(NAME, DOT, ATTR)                                                          \
 static inline __attribute__((always_inline)) ATTR void NAME(                                \
         int bits, const int8_t *xq, const float *xd, const float *xs, int64_t r0, int rows, \
         int64_t nb, const uint8_t *wg, const float *sg, const float *zg, int64_t n,         \
         float *y) {                                                                         \
+    const __m256i low = _mm256_set1_epi8(0x0F);                                             \
     __m256 acc[TILE];                                                                       \
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();                            \
     for (int64_t b = 0; b < nb; b++) {                                                      \
-        __m256i wq[COLS];                                                                   \
+        __m256i wq[8];                                                                      \
         if (bits == 4)                                                                      \
-            for (int c = 0; c < COLS; c++) wq[c] = nibbles(wg + (b * COLS + c) * 16);       \
+            for (int j = 0; j < 4; j++) {                                                   \
+                const __m256i raw = _mm256_loadu_si256(                                     \
+                    (const __m256i *)(wg + (b * 4 + j) * 32));                              \
+                wq[j] = _mm256_and_si256(raw, low);                                         \
+                wq[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);               \
+            }                                                                               \
         else                                                                                \
-            for (int c = 0; c < COLS; c++)                                                  \
-                wq[c] = _mm256_loadu_si256((const __m256i *)(wg + (b * COLS + c) * GROUP)); \
+            for (int j = 0; j < 8; j++)                                                     \
+                wq[j] = _mm256_loadu_si256((const __m256i *)(wg + (b * 8 + j) * 32));       \
         const __m256 sc = _mm256_loadu_ps(sg + b * COLS);                                   \
         for (int r = 0; r < rows; r++) {                                                    \
             const int64_t xi = (r0 + r) * nb + b;                                           \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * GROUP));      \
-            __m256i p[COLS];                                                                \
-            for (int c = 0; c < COLS; c++)                                                  \
-                p[c] = bits == 4 ? DOT(wq[c], xv)                                           \
-                                 : DOT(_mm256_sign_epi8(wq[c], wq[c]),                      \
-                                       _mm256_sign_epi8(xv, wq[c]));                        \
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(p)),                        \
+            const int8_t *xb = xq + xi * GROUP;                                             \
+            __m256i sum = _mm256_setzero_si256();                                           \
+            for (int j = 0; j < 8; j++) {                                                   \
+                int32_t four;                                                               \
+                memcpy(&four, xb + 4 * j, 4);                                               \
+                const __m256i xv = _mm256_set1_epi32(four);                                 \
+                sum = bits == 4 ? DOT(sum, wq[j], xv)                                       \
+                    : DOT(sum, _mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));   \
+            }                                                                               \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                               \
                                      _mm256_mul_ps(sc, _mm256_set1_ps(xd[xi])), acc[r]);    \
         }                                                                                   \
     }                                                                                       \

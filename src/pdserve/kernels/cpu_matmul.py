@@ -41,11 +41,14 @@ class NativeMatmul:
         self.lib, self.bits, self.n, self.k = lib, bits, n, k
         self.rows = -(-n // COLS) * COLS
         blocks = q.view(n, k // GROUP, GROUP)
-        if bits == 4:
+        if bits == 4:      # the GGUF's byte e: weight e in the low nibble, e + 16 the high
             packed = (blocks[..., :16] | (blocks[..., 16:] << 4)).to(torch.uint8)
         else:
             packed = blocks.to(torch.int8)
-        self.weights = _grouped(packed, self.rows)
+        # [groups, blocks, 8 columns, bytes] -> [groups, blocks, bytes / 4, 8 columns, 4]:
+        # each 32 bytes one vector, lane c four of column c's bytes
+        g = _grouped(packed, self.rows)
+        self.weights = g.view(*g.shape[:3], -1, 4).transpose(2, 3).contiguous()
         self.scale = _grouped(scale.float(), self.rows)
         self.zero = _grouped(zero.float(), self.rows)
 
