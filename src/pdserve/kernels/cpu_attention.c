@@ -19,7 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* e^x for x <= 0 (Cephes' single precision polynomial, ~1 ulp) */
+/* e^x for x <= 0 (Cephes' single precision polynomial, ~1 ulp); shared
+ * with cpu_decode_layer.c as pd_exp_ps */
 static inline __m256 exp_ps(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -37,6 +38,8 @@ static inline __m256 exp_ps(__m256 x) {
                                                          _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+__m256 pd_exp_ps(__m256 x) { return exp_ps(x); }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
