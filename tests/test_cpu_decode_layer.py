@@ -119,3 +119,16 @@ def test_where_the_layer_does_not_fit_it_says_why(monkeypatch):
     torch_only = small_model(False, None, torch.float32)
     assert torch_only.native_decode is None
     assert f"{KERNELS_ENV} is torch" in torch_only.native_decode_why
+
+
+@needs_lib
+def test_the_load_says_which_path_decode_rows_take(caplog, monkeypatch):
+    with caplog.at_level("INFO", logger="pdserve.kernels"):
+        load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
+    assert "decode rows: pdserve's decode layer" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(KERNELS_ENV, "torch")
+    with caplog.at_level("INFO", logger="pdserve.kernels"):
+        load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
+    assert f"decode rows: torch's operators, since pdserve's kernels do not run here " \
+        f"({KERNELS_ENV} is torch)" in caplog.text

@@ -217,7 +217,11 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
         return load_shard(cfg, read_weights(torch_dtype), tp, torch_dtype, device, attention,
                           dtype_why), tok
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)
-    return build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend), tok
+    model = build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend)
+    if keep and hasattr(model, "native_decode_why"):   # a Llama-family model kept quantized
+        log.info("decode rows: %s", model.native_decode_why if model.native_decode
+                 else f"torch's operators, since {model.native_decode_why}")
+    return model, tok
 
 
 def load_shard(cfg: ModelConfig, weights: dict, tp: TpComm, dtype: torch.dtype, device,
