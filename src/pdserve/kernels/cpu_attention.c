@@ -71,14 +71,16 @@ int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        /* per thread: the scores [group][n] and each position's offset */
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));
-        if (!scores) {
+        int64_t *offs = malloc(sizeof(int64_t) * (size_t)longest);
+        if (!scores || !offs) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
         for (int64_t w = 0; w < batch * kv_heads; w++) {
-            if (!scores) continue;
+            if (!scores || !offs) continue;
             const int64_t b = w / kv_heads, g = w % kv_heads;
             const int64_t n = end[b] - begin[b];
             const float *qg = q + (b * heads + g * group) * d;
@@ -86,17 +88,19 @@ int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages
             const int64_t *table = tables + b * table_width;
             for (int64_t p = 0; p < n; p++) {
                 const int64_t at = begin[b] + p - base[b];
-                const int64_t off = (table[at / page_size] * page_stride +
-                                     (at % page_size) * kv_heads * d + g * d) * elem;
-                const char *k = (const char *)k_pages + off;
+                offs[p] = (table[at / page_size] * page_stride +
+                           (at % page_size) * kv_heads * d + g * d) * elem;
+            }
+            for (int64_t p = 0; p < n; p++) {
+                const char *k = (const char *)k_pages + offs[p];
                 for (int64_t j = 0; j < group; j++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int64_t i = 0; i < d; i += 8)
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d + i), load8(k, i, bf16),
                                               acc);
-                    float s = hsum(acc) * scale;
-                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                    scores[j * n + p] = s;
+                    float sc = hsum(acc) * scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    scores[j * n + p] = sc;
                 }
             }
             for (int64_t j = 0; j < group; j++) {
@@ -120,23 +124,33 @@ int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages
                 const float inv = 1.0f / total;
                 for (p = 0; p < n; p++) sj[p] *= inv;
             }
-            for (int64_t j = 0; j < group; j++)
-                for (int64_t i = 0; i < d; i++) og[j * d + i] = 0.0f;
-            for (int64_t p = 0; p < n; p++) {
-                const int64_t at = begin[b] + p - base[b];
-                const int64_t off = (table[at / page_size] * page_stride +
-                                     (at % page_size) * kv_heads * d + g * d) * elem;
-                const char *v = (const char *)v_pages + off;
-                for (int64_t i = 0; i < d; i += 8) {
-                    const __m256 vi = load8(v, i, bf16);
-                    for (int64_t j = 0; j < group; j++)
-                        _mm256_storeu_ps(og + j * d + i,
-                                         _mm256_fmadd_ps(_mm256_set1_ps(scores[j * n + p]), vi,
-                                                         _mm256_loadu_ps(og + j * d + i)));
+            /* the values' weighted sum, 16 outputs of up to 4 query heads at a
+             * time held in registers over every position */
+            for (int64_t j0 = 0; j0 < group; j0 += 4) {
+                const int64_t jn = group - j0 < 4 ? group - j0 : 4;
+                for (int64_t i = 0; i < d; i += 16) {
+                    const int two = i + 8 < d;
+                    __m256 a0[4], a1[4];
+                    for (int64_t j = 0; j < jn; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+                    for (int64_t p = 0; p < n; p++) {
+                        const char *v = (const char *)v_pages + offs[p];
+                        const __m256 v0 = load8(v, i, bf16);
+                        const __m256 v1 = two ? load8(v, i + 8, bf16) : v0;
+                        for (int64_t j = 0; j < jn; j++) {
+                            const __m256 sp = _mm256_set1_ps(scores[(j0 + j) * n + p]);
+                            a0[j] = _mm256_fmadd_ps(sp, v0, a0[j]);
+                            a1[j] = _mm256_fmadd_ps(sp, v1, a1[j]);
+                        }
+                    }
+                    for (int64_t j = 0; j < jn; j++) {
+                        _mm256_storeu_ps(og + (j0 + j) * d + i, a0[j]);
+                        if (two) _mm256_storeu_ps(og + (j0 + j) * d + i + 8, a1[j]);
+                    }
                 }
             }
         }
         free(scores);
+        free(offs);
     }
     return failed ? -1 : 0;
 }
