@@ -132,3 +132,21 @@ def test_the_load_says_which_path_decode_rows_take(caplog, monkeypatch):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
     assert f"decode rows: torch's operators, since pdserve's kernels do not run here " \
         f"({KERNELS_ENV} is torch)" in caplog.text
+
+
+@needs_lib
+def test_capture_stays_off_and_a_bad_position_is_refused():
+    """A captured step would take torch's path for some rounds; the C layer
+    reads its rotary table unchecked, so a position outside it is an error
+    before the call."""
+    from pdserve.kernels.capture import CaptureMode, choose_capture
+
+    model = small_model(False, None, torch.float32)
+    assert choose_capture("on", model) == (CaptureMode.OFF,
+                                           "decode rows run pdserve's C decode layer")
+    cache = model.new_cache(2, PS)
+    for pos in (-1, model.cfg.max_position):
+        meta = BatchMeta([SeqMeta(0, 1, 5, [0])], torch.tensor([4]), torch.tensor([pos]),
+                         num_decodes=1)
+        with pytest.raises(IndexError, match="outside the model's"):
+            model.forward(torch.tensor([7]), meta, cache, torch.tensor([0]))

@@ -28,7 +28,9 @@ def reference(x: torch.Tensor, qt) -> torch.Tensor:
     m, k = x.shape
     xb = x.view(m, k // GROUP, GROUP)
     d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1)), 0)
+    # times the scale's reciprocal in float32, as the kernel (x / d can
+    # round the other way at a half)
+    q = torch.where(d > 0, torch.round(xb * (1 / torch.where(d > 0, d, 1))), 0)
     xq = (q * d).view(m, k).double()
     return xq @ qt.dequantize().double().t()
 
@@ -77,3 +79,20 @@ def test_rows_of_zeros_and_wrong_inputs():
     with pytest.raises(ValueError, match="blocks of 32"):
         NativeMatmul(torch.zeros(8, 40, dtype=torch.int16), torch.zeros(8, 1),
                      torch.zeros(8, 1), 4, LIB)
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q8_0])
+def test_a_nan_in_a_row_makes_that_rows_products_nan(kind):
+    """The block's largest magnitude would skip a NaN: the kernel gives the
+    row NaN products, as a float matmul does, and leaves other rows alone."""
+    qt = qtensor(kind, 16, 128)
+    mm = NativeMatmul(qt.q, qt.scale, qt.zero, qt.bits, LIB)
+    x = torch.randn(3, 128)
+    clean = mm(x)
+    for at in (0, 37, 127):
+        x2 = x.clone()
+        x2[1, at] = float("nan")
+        y = mm(x2)
+        assert y[1].isnan().all(), at
+        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])

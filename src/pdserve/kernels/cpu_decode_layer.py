@@ -120,9 +120,10 @@ class NativeDecode:
         first = seqs[0].q_start
         tables, base, begin, end = decode_spans(seqs, k0.shape[1], meta.window)
         positions = meta.positions[first:].to(torch.long).contiguous()
-        if int(positions.max()) >= self.max_position:   # the C layer reads the table unchecked
-            raise IndexError(f"position {int(positions.max())} is past the model's "
-                             f"{self.max_position}")
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= self.max_position:     # the C layer reads the table unchecked
+            raise IndexError(f"positions {lo}..{hi} are outside the model's 0.."
+                             f"{self.max_position - 1}")
         slots = meta.slot_mapping[first:].to(torch.long).contiguous()
         x = h.to(torch.float32, copy=True).contiguous()
         rnd = _Round(len(seqs), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),

@@ -24,6 +24,7 @@
  * Built and loaded by cpu_matmul.py. */
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +46,11 @@ static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, f
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float di = _mm_cvtss_f32(h) / 127.0f;
+        /* max drops NaNs: a block holding one gets a NaN scale, so its
+         * products are NaN, as a float matmul's would be */
+        __m256 nan = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+        const float di = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(h) / 127.0f;
         const __m256 inv = _mm256_set1_ps(di != 0.0f ? 1.0f / di : 0.0f);
         __m256i qi[4];
         for (int j = 0; j < 4; j++)
@@ -75,10 +80,15 @@ static inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i s) {
                                                    _mm256_set1_epi16(1)));
 }
 
+/* compilers that know AVX512-VNNI's 256-bit form (gcc 8, clang 6 on) build
+ * both paths; older ones build AVX2's alone */
+#if (defined(__clang__) && __clang_major__ >= 6) || (!defined(__clang__) && __GNUC__ >= 8)
+#define HAVE_VNNI 1
 #define VNNI __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
 static inline VNNI __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(acc, u, s);
 }
+#endif
 
 /* One group of 8 outputs for rows [r0, r0 + rows). A block's weights are 8
  * vectors, vector j's int32 lane c holding column c's weights 4j..4j+3, so
@@ -139,7 +149,9 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
 }
 
 GROUP_ROWS(group_rows_avx2, dot4_avx2, )
+#ifdef HAVE_VNNI
 GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI)
+#endif
 
 /* All of a group's rows, each width's loop compiled on its own */
 static void group_avx2(int bits, const int8_t *xq, const float *xd, const float *xs,
@@ -152,6 +164,7 @@ static void group_avx2(int bits, const int8_t *xq, const float *xd, const float 
     }
 }
 
+#ifdef HAVE_VNNI
 static VNNI void group_vnni(int bits, const int8_t *xq, const float *xd, const float *xs,
                             int64_t m, int64_t nb, const uint8_t *wg, const float *sg,
                             const float *zg, int64_t n, float *y) {
@@ -162,14 +175,23 @@ static VNNI void group_vnni(int bits, const int8_t *xq, const float *xd, const f
     }
 }
 
-/* 1 where this CPU has AVX512-VNNI (with VL for 256-bit vectors), unless
- * PDSERVE_NO_VNNI is set (to compare the two paths) */
+#endif
+
+/* 1 where this build and CPU have AVX512-VNNI (with VL for 256-bit
+ * vectors), unless PDSERVE_NO_VNNI is set (to compare the two paths) */
 int pd_has_vnni(void) {
-    static int known = -1;
-    if (known < 0)
-        known = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                !getenv("PDSERVE_NO_VNNI");
-    return known;
+#ifdef HAVE_VNNI
+    static int known = -1;                 /* threads may race to the same answer */
+    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (have < 0) {
+        have = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw") && !getenv("PDSERVE_NO_VNNI");
+        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
+    }
+    return have;
+#else
+    return 0;
+#endif
 }
 
 /* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32. Returns 0, or -1
@@ -192,8 +214,13 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
         const uint8_t *wg = w + g * nb * COLS * wbytes;
         const float *sg = scale + g * nb * COLS;
         const float *zg = bits == 4 ? zero + g * nb * COLS : NULL;
-        if (vnni) group_vnni(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
-        else group_avx2(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
+#ifdef HAVE_VNNI
+        if (vnni) {
+            group_vnni(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
+            continue;
+        }
+#endif
+        group_avx2(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
     }
     free(xq); free(xd); free(xs);
     return 0;

@@ -279,7 +279,8 @@ class DecoderModel(PagedDecoder):
         h = self.embed_rows(input_ids)
         decoded = None
         if self.native_decode is not None and lora is None and self.lora is None and \
-                len(metas) == 1 and metas[0].num_decodes and not torch.compiler.is_compiling():
+                self.tp is None and len(metas) == 1 and metas[0].num_decodes and \
+                metas[0].seqs and not torch.compiler.is_compiling():
             # the decode rows through pdserve's C layer, the rest below
             m = metas[0]
             first = m.decode_start()
