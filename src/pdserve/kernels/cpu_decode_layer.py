@@ -91,7 +91,7 @@ class NativeDecode:
 
     def __init__(self, model, lib: ctypes.CDLL):
         c = model.cfg
-        self.lib, self.model = lib, model
+        self.lib = lib
         rot = Rotary(c, torch.float32, "cpu")
         self.max_position = rot.cos.shape[0]
         self._keep: list[torch.Tensor] = [rot.cos, rot.sin]

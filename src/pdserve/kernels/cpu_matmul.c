@@ -148,33 +148,23 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
     }                                                                                       \
 }
 
+/* All of a group's rows, each width's loop compiled on its own */
+#define ALL_ROWS(NAME, ROWS, ATTR)                                                             \
+static ATTR void NAME(int bits, const int8_t *xq, const float *xd, const float *xs,         \
+                      int64_t m, int64_t nb, const uint8_t *wg, const float *sg,            \
+                      const float *zg, int64_t n, float *y) {                               \
+    for (int64_t r0 = 0; r0 < m; r0 += TILE) {                                              \
+        const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;                              \
+        if (bits == 4) ROWS(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);                 \
+        else ROWS(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);                         \
+    }                                                                                       \
+}
+
 GROUP_ROWS(group_rows_avx2, dot4_avx2, )
+ALL_ROWS(group_avx2, group_rows_avx2, )
 #ifdef HAVE_VNNI
 GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI)
-#endif
-
-/* All of a group's rows, each width's loop compiled on its own */
-static void group_avx2(int bits, const int8_t *xq, const float *xd, const float *xs,
-                       int64_t m, int64_t nb, const uint8_t *wg, const float *sg,
-                       const float *zg, int64_t n, float *y) {
-    for (int64_t r0 = 0; r0 < m; r0 += TILE) {
-        const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
-        if (bits == 4) group_rows_avx2(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);
-        else group_rows_avx2(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);
-    }
-}
-
-#ifdef HAVE_VNNI
-static VNNI void group_vnni(int bits, const int8_t *xq, const float *xd, const float *xs,
-                            int64_t m, int64_t nb, const uint8_t *wg, const float *sg,
-                            const float *zg, int64_t n, float *y) {
-    for (int64_t r0 = 0; r0 < m; r0 += TILE) {
-        const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;
-        if (bits == 4) group_rows_vnni(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);
-        else group_rows_vnni(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);
-    }
-}
-
+ALL_ROWS(group_vnni, group_rows_vnni, VNNI)
 #endif
 
 /* 1 where this build and CPU have AVX512-VNNI (with VL for 256-bit

@@ -10,8 +10,10 @@ Q4_1 blocks. Two sets of kernels multiply them:
 - pdserve's own (kernels/cpu_matmul.py, AVX2), wherever they build: the
   file's blocks as stored, times each row quantized to 8-bit blocks of 32,
   in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
-  round costs about 0.7x torch's kernels' at one row and 0.8x at eight
-  (`pdserve bench quantized`).
+  round costs about 0.7x torch's kernels' at one row and 0.8x at eight;
+  with a Llama-family model's decode rows in one C call a layer
+  (cpu_decode_layer.py), 0.49x and 0.65x on an AVX-512 host (`pdserve
+  bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
   PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
   `_weight_int4pack_mm_for_cpu` for 4 bits, groups of 32 along the input,
