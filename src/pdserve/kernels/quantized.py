@@ -12,7 +12,7 @@ Q4_1 blocks. Two sets of kernels multiply them:
   in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
   round costs about 0.7x torch's kernels' at one row and 0.8x at eight;
   with a Llama-family model's decode rows in one C call a layer
-  (cpu_decode_layer.py), 0.49x and 0.65x on an AVX-512 host (`pdserve
+  (cpu_decode_layer.py), 0.44x and 0.52x on an AVX-512 host (`pdserve
   bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
   PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
