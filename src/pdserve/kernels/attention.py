@@ -80,7 +80,6 @@ class BatchMeta:
                        _prep=None)
 
 
-
 def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
     """Decode sequences' keys, on CPU: (tables [B, width] int64, each row's
     pages from its kv_start's page on, padded with its own first page;
