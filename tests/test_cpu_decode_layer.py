@@ -150,3 +150,39 @@ def test_capture_stays_off_and_a_bad_position_is_refused():
                          num_decodes=1)
         with pytest.raises(IndexError, match="outside the model's"):
             model.forward(torch.tensor([7]), meta, cache, torch.tensor([0]))
+
+
+@needs_lib
+def test_a_decode_rows_bits_are_the_same_beside_verify_rows_and_with_lora_enabled_it_is_torchs():
+    """Verify rows (a speculative round) stay on torch's path and leave the
+    decode row's bits alone; once LoRA adapters are enabled every decode row
+    takes torch's path, adapter or not, so a base row does not change with
+    what shares its round."""
+    model = small_model(False, None, torch.float32)
+    cache = model.new_cache(8, PS)
+    cache.data.normal_(generator=torch.Generator().manual_seed(2))
+
+    def round_(verify: bool):
+        seqs, slots, pos, toks = [], [], [], []
+        if verify:                      # 3 verify rows at positions 20..22: page 5
+            seqs.append(SeqMeta(0, 3, 23, [4, 5]))
+            slots += [5 * PS + 4, 5 * PS + 5, 5 * PS + 6]
+            pos += [20, 21, 22]
+            toks += [9, 10, 11]
+        seqs.append(SeqMeta(len(toks), 1, 30, [0, 1]))      # the decode row at 29
+        slots.append(1 * PS + 13)
+        pos.append(29)
+        toks.append(12)
+        meta = BatchMeta(seqs, torch.tensor(slots), torch.tensor(pos), num_decodes=1,
+                         num_verifies=1 if verify else 0)
+        return model.forward(torch.tensor(toks), meta, cache,
+                             torch.arange(len(toks)))[-1]
+
+    alone = round_(False)
+    assert torch.equal(round_(True), alone)
+    model.native_decode, layer = None, model.native_decode
+    torch_path = round_(False)
+    model.native_decode = layer
+    assert not torch.equal(torch_path, alone)     # the two paths round differently
+    model.enable_lora(2, 4)
+    assert torch.equal(round_(False), torch_path)
