@@ -81,7 +81,7 @@ class BatchMeta:
 
 
 def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
-    """Decode sequences' keys, on CPU: (tables [B, width] int64, each row's
+    """Decode (or verify) sequences' keys, on CPU: (tables [B, width] int64, each row's
     pages from its kv_start's page on, padded with its own first page;
     base [B], the position of a table's first slot; begin and end [B], the
     positions a row attends, begin <= p < end)."""
@@ -195,16 +195,12 @@ class TorchAttention:
         longest (a pad repeats its last row, and its output is dropped), its
         pages padded as a decode's are, and a causal mask per query row."""
         M = max(s.q_len for s in seqs)
-        lo = [s.kv_start // ps for s in seqs]
-        n = [-(-s.ctx_len // ps) - a for s, a in zip(seqs, lo)]
-        width = max(n)
-        tables = torch.tensor([s.block_table[a:a + k] + [s.block_table[a]] * (width - k)
-                               for s, a, k in zip(seqs, lo, n)], dtype=torch.long)
+        tables, base, _, _ = decode_spans(seqs, ps, None)
         qrows = [s.q_start + min(j, s.q_len - 1) for s in seqs for j in range(M)]
         qpos = torch.tensor([[s.ctx_len - s.q_len + min(j, s.q_len - 1) for j in range(M)]
                              for s in seqs], device=device)
-        kpos = torch.arange(width * ps, device=device)[None, :] + \
-            torch.tensor(lo, device=device)[:, None] * ps
+        kpos = torch.arange(tables.shape[1] * ps, device=device)[None, :] + \
+            base.to(device)[:, None]
         mask = kpos[:, None, :] <= qpos[:, :, None]                 # [B, M, L]
         if window is not None:
             mask &= kpos[:, None, :] > qpos[:, :, None] - window
