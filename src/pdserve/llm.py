@@ -52,13 +52,17 @@ class LLM:
         engine = cfg.engine
         if engine_overrides:
             engine = dataclasses.replace(engine, **engine_overrides)
+        on = cfg.model.device_for(device)
         # tensor_parallel_size > 1: rank 0 here, the other ranks in processes it starts
         self.model, self.tokenizer = load_engine_model(
             cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
-            device=cfg.model.device_for(device), attention=attention or cfg.model.attention,
+            device=on, attention=attention or cfg.model.attention,
             tensor_parallel_size=engine.tensor_parallel_size,
             timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check,
             quantization=cfg.model.quantization)
+        if on == "cpu":
+            from pdserve.cluster.cpu_threads import share_kernel_cores
+            share_kernel_cores(engine.cpu_threads)
         engine = engine_for_model(engine, cfg.engine_overrides | set(engine_overrides),
                                   self.model.cfg.max_position)
         self.engine_config = engine

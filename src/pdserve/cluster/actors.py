@@ -19,7 +19,7 @@ import time
 import ray
 
 from pdserve.cluster.autoscaler import Autoscaler
-from pdserve.cluster.cpu_threads import thread_env
+from pdserve.cluster.cpu_threads import share_kernel_cores, thread_env
 from pdserve.config import ServeConfig, engine_for_model, role_engine
 from pdserve.proto.control_tls import ControlPlane, ControlTls
 from pdserve.roles.adapters import EngineAdapters
@@ -78,8 +78,9 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     if device == "cpu":
         import torch
 
-        log.info("%s: %d torch threads (engine.cpu_threads; OMP_NUM_THREADS=%s)", name,
-                 torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "unset"))
+        log.info("%s: %d torch threads (engine.cpu_threads; OMP_NUM_THREADS=%s), pdserve's "
+                 "kernels shared among %d", name, torch.get_num_threads(),
+                 os.environ.get("OMP_NUM_THREADS", "unset"), share_kernel_cores(base.cpu_threads))
     transport = None
     if kind is not Role.FUSED:
         from pdserve.roles.tp_transfer import register_transfer_pools

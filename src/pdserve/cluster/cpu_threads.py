@@ -19,6 +19,13 @@ issue 40). The count is now the config's, said at load:
   step): more threads pay only on cores the engine has to itself;
 - an `OMP_NUM_THREADS` in the driver's own environment wins over both, as
   it did before (and as the malloc settings beside it do).
+
+pdserve's own C kernels (kernels/cpu_pool.c) share their work differently:
+the engine's thread takes every piece no helper has claimed, so a helper
+that is not running costs nothing and one that runs takes a core's idle
+time. They share among `engine.cpu_threads` threads where it is set, and
+by default among every core the engine's process may run on
+(`kernel_workers`).
 """
 
 from __future__ import annotations
@@ -53,3 +60,18 @@ def thread_env(cfg: ServeConfig, role: str) -> dict[str, str]:
     if ENV in os.environ:
         return {}
     return {ENV: str(engine_threads(cfg, role))}
+
+
+def kernel_workers(cpu_threads: int) -> int:
+    """The threads pdserve's C kernels share a job among, for an engine
+    whose `engine.cpu_threads` is `cpu_threads`: that many where set, else
+    every core this process may run on."""
+    return cpu_threads or len(os.sched_getaffinity(0))
+
+
+def share_kernel_cores(cpu_threads: int) -> int:
+    """Start the C kernels' helpers for this engine process (`kernel_workers`);
+    returns how many threads share their work (1 where they do not run)."""
+    from pdserve.kernels.native import share_cores
+
+    return share_cores(kernel_workers(cpu_threads))

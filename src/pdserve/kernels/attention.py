@@ -276,7 +276,7 @@ class TorchAttention:
                 base, begin, end = prep["dec_span"]
                 out[rows] = cpu_attention.decode_attention(
                     lib, q[rows], k_pages, v_pages, tables, base, begin, end, self.scale,
-                    self.softcap, torch.get_num_threads())
+                    self.softcap)
             else:
                 out[rows] = self._decode(q[rows], k_pages, v_pages, tables, bias)
         return out

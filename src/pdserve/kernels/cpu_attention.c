@@ -55,102 +55,128 @@ static inline __m256 load8(const void *row, int64_t i, int bf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+typedef void (*pd_task)(void *ctx, int64_t item, int worker);
+void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
+int pd_pool_workers(void);
+
+struct attention {
+    const float *q;
+    const void *k_pages, *v_pages;
+    int bf16;
+    int64_t page_stride, page_size, kv_heads, head_dim, heads, table_width, longest;
+    const int64_t *tables, *base, *begin, *end;
+    float scale, softcap;
+    float *out;
+    float *scores;              /* per worker: [group][longest] */
+    int64_t *offs;              /* per worker: [longest], each position's byte offset */
+};
+
+/* one (sequence, KV head): its query heads' outputs */
+static void attend(void *ctx, int64_t w, int worker) {
+    const struct attention *A = ctx;
+    const int64_t kv_heads = A->kv_heads, d = A->head_dim, heads = A->heads;
+    const int64_t group = heads / kv_heads, page_size = A->page_size;
+    const int64_t elem = A->bf16 ? 2 : 4;
+    const int bf16 = A->bf16;
+    const float scale = A->scale, softcap = A->softcap;
+    float *scores = A->scores + worker * group * A->longest;
+    int64_t *offs = A->offs + worker * A->longest;
+    const int64_t b = w / kv_heads, g = w % kv_heads;
+    const int64_t n = A->end[b] - A->begin[b];
+    const float *qg = A->q + (b * heads + g * group) * d;
+    float *og = A->out + (b * heads + g * group) * d;
+    const int64_t *table = A->tables + b * A->table_width;
+    const void *k_pages = A->k_pages, *v_pages = A->v_pages;
+    for (int64_t p = 0; p < n; p++) {
+        const int64_t at = A->begin[b] + p - A->base[b];
+        offs[p] = (table[at / page_size] * A->page_stride +
+                   (at % page_size) * kv_heads * d + g * d) * elem;
+    }
+    for (int64_t p = 0; p < n; p++) {
+        const char *k = (const char *)k_pages + offs[p];
+        for (int64_t j = 0; j < group; j++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d + i), load8(k, i, bf16),
+                                      acc);
+            float sc = hsum(acc) * scale;
+            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+            scores[j * n + p] = sc;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * n, top = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < n; p++) top = sj[p] > top ? sj[p] : top;
+        int64_t p = 0;
+        __m256 sum = _mm256_setzero_ps();
+        for (; p + 8 <= n; p += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sj + p),
+                                                  _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sj + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        total = hsum(sum);
+        for (; p < n; p++) {
+            float tail[8] = {sj[p] - top};
+            const float e = _mm256_cvtss_f32(exp_ps(_mm256_loadu_ps(tail)));
+            sj[p] = e;
+            total += e;
+        }
+        const float inv = 1.0f / total;
+        for (p = 0; p < n; p++) sj[p] *= inv;
+    }
+    /* the values' weighted sum, 16 outputs of up to 4 query heads at a
+     * time held in registers over every position */
+    for (int64_t j0 = 0; j0 < group; j0 += 4) {
+        const int64_t jn = group - j0 < 4 ? group - j0 : 4;
+        for (int64_t i = 0; i < d; i += 16) {
+            const int two = i + 8 < d;
+            __m256 a0[4], a1[4];
+            for (int64_t j = 0; j < jn; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < n; p++) {
+                const char *v = (const char *)v_pages + offs[p];
+                const __m256 v0 = load8(v, i, bf16);
+                const __m256 v1 = two ? load8(v, i + 8, bf16) : v0;
+                for (int64_t j = 0; j < jn; j++) {
+                    const __m256 sp = _mm256_set1_ps(scores[(j0 + j) * n + p]);
+                    a0[j] = _mm256_fmadd_ps(sp, v0, a0[j]);
+                    a1[j] = _mm256_fmadd_ps(sp, v1, a1[j]);
+                }
+            }
+            for (int64_t j = 0; j < jn; j++) {
+                _mm256_storeu_ps(og + (j0 + j) * d + i, a0[j]);
+                if (two) _mm256_storeu_ps(og + (j0 + j) * d + i + 8, a1[j]);
+            }
+        }
+    }
+}
+
 /* q, out: [batch][heads][head_dim] float32, head_dim a multiple of 8 (the
- * caller checks); returns 0, or -1 when scratch could not be allocated. */
+ * caller checks); (sequence, KV head) pairs shared with up to `threads`
+ * workers (cpu_pool.c's pd_run: 0 is every worker). Returns 0, or -1 when scratch could not be
+ * allocated. */
 int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
                         int64_t page_stride, int64_t page_size, int64_t kv_heads,
                         int64_t head_dim, int64_t heads, const int64_t *tables,
                         int64_t table_width, const int64_t *base, const int64_t *begin,
                         const int64_t *end, int64_t batch, float scale, float softcap,
                         float *out, int threads) {
-    const int64_t group = heads / kv_heads, d = head_dim;
-    const int64_t elem = bf16 ? 2 : 4;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++)
         if (end[b] - begin[b] > longest) longest = end[b] - begin[b];
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        /* per thread: the scores [group][n] and each position's offset */
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
-        int64_t *offs = malloc(sizeof(int64_t) * (size_t)longest);
-        if (!scores || !offs) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t w = 0; w < batch * kv_heads; w++) {
-            if (!scores || !offs) continue;
-            const int64_t b = w / kv_heads, g = w % kv_heads;
-            const int64_t n = end[b] - begin[b];
-            const float *qg = q + (b * heads + g * group) * d;
-            float *og = out + (b * heads + g * group) * d;
-            const int64_t *table = tables + b * table_width;
-            for (int64_t p = 0; p < n; p++) {
-                const int64_t at = begin[b] + p - base[b];
-                offs[p] = (table[at / page_size] * page_stride +
-                           (at % page_size) * kv_heads * d + g * d) * elem;
-            }
-            for (int64_t p = 0; p < n; p++) {
-                const char *k = (const char *)k_pages + offs[p];
-                for (int64_t j = 0; j < group; j++) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t i = 0; i < d; i += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d + i), load8(k, i, bf16),
-                                              acc);
-                    float sc = hsum(acc) * scale;
-                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                    scores[j * n + p] = sc;
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *sj = scores + j * n, top = -INFINITY, total = 0.0f;
-                for (int64_t p = 0; p < n; p++) top = sj[p] > top ? sj[p] : top;
-                int64_t p = 0;
-                __m256 sum = _mm256_setzero_ps();
-                for (; p + 8 <= n; p += 8) {
-                    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sj + p),
-                                                          _mm256_set1_ps(top)));
-                    _mm256_storeu_ps(sj + p, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                total = hsum(sum);
-                for (; p < n; p++) {
-                    float tail[8] = {sj[p] - top};
-                    const float e = _mm256_cvtss_f32(exp_ps(_mm256_loadu_ps(tail)));
-                    sj[p] = e;
-                    total += e;
-                }
-                const float inv = 1.0f / total;
-                for (p = 0; p < n; p++) sj[p] *= inv;
-            }
-            /* the values' weighted sum, 16 outputs of up to 4 query heads at a
-             * time held in registers over every position */
-            for (int64_t j0 = 0; j0 < group; j0 += 4) {
-                const int64_t jn = group - j0 < 4 ? group - j0 : 4;
-                for (int64_t i = 0; i < d; i += 16) {
-                    const int two = i + 8 < d;
-                    __m256 a0[4], a1[4];
-                    for (int64_t j = 0; j < jn; j++) a0[j] = a1[j] = _mm256_setzero_ps();
-                    for (int64_t p = 0; p < n; p++) {
-                        const char *v = (const char *)v_pages + offs[p];
-                        const __m256 v0 = load8(v, i, bf16);
-                        const __m256 v1 = two ? load8(v, i + 8, bf16) : v0;
-                        for (int64_t j = 0; j < jn; j++) {
-                            const __m256 sp = _mm256_set1_ps(scores[(j0 + j) * n + p]);
-                            a0[j] = _mm256_fmadd_ps(sp, v0, a0[j]);
-                            a1[j] = _mm256_fmadd_ps(sp, v1, a1[j]);
-                        }
-                    }
-                    for (int64_t j = 0; j < jn; j++) {
-                        _mm256_storeu_ps(og + (j0 + j) * d + i, a0[j]);
-                        if (two) _mm256_storeu_ps(og + (j0 + j) * d + i + 8, a1[j]);
-                    }
-                }
-            }
-        }
-        free(scores);
-        free(offs);
+    const int64_t all = pd_pool_workers();       /* scratch for every worker that may take part */
+    const int64_t workers = threads <= 0 || threads > all ? all : threads;
+    struct attention A = {q, k_pages, v_pages, bf16, page_stride, page_size, kv_heads,
+                          head_dim, heads, table_width, longest, tables, base, begin, end,
+                          scale, softcap, out, NULL, NULL};
+    A.scores = malloc(sizeof(float) * (size_t)(workers * (heads / kv_heads) * longest));
+    A.offs = malloc(sizeof(int64_t) * (size_t)(workers * longest));
+    int rc = -1;
+    if (A.scores && A.offs) {
+        pd_run(attend, &A, batch * kv_heads, 1, threads <= 0 ? 0 : (int)workers);
+        rc = 0;
     }
-    return failed ? -1 : 0;
+    free(A.scores);
+    free(A.offs);
+    return rc;
 }

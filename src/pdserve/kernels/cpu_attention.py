@@ -34,10 +34,10 @@ def fits(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pages: torch.Tensor,
                      v_pages: torch.Tensor, tables: torch.Tensor, base: torch.Tensor,
                      begin: torch.Tensor, end: torch.Tensor, scale: float,
-                     softcap: float | None, threads: int = 1) -> torch.Tensor:
+                     softcap: float | None, threads: int = 0) -> torch.Tensor:
     """q [B, H, d] -> [B, H, d] in q's dtype. Row b attends positions
     begin[b] <= p < end[b]; `tables` [B, width] (int64) holds its pages from
-    position base[b] on. The caller checks `fits`."""
+    position base[b] on; `threads` as NativeMatmul's. The caller checks `fits`."""
     B, H, d = q.shape
     qf = q.float().contiguous()
     out = torch.empty(B, H, d)

@@ -129,11 +129,10 @@ class NativeDecode:
         rnd = _Round(len(seqs), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                      base.data_ptr(), begin.data_ptr(), end.data_ptr(), tables.shape[1],
                      k0.shape[1], k0.stride(0), int(k0.dtype == torch.bfloat16))
-        threads = torch.get_num_threads()
         shape, at = ctypes.addressof(self.shape), ctypes.addressof(rnd)
         for layer, (k, v) in zip(self.layers, pages):
             if self.lib.pd_decode_layer(shape, ctypes.addressof(layer), at, x.data_ptr(),
-                                        k.data_ptr(), v.data_ptr(), threads):
+                                        k.data_ptr(), v.data_ptr(), 0):
                 raise MemoryError(f"pd_decode_layer could not allocate {len(seqs)} rows' "
                                   "scratch")
         return x

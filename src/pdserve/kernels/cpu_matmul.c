@@ -11,7 +11,8 @@
  *
  * Every output is computed by one thread in one order (blocks in turn, then
  * the zero terms), whatever the rows beside it, the tile it falls in or the
- * thread count: a row's result has the same bits alone or batched.
+ * threads sharing the work (cpu_pool.c): a row's result has the same bits
+ * alone or batched.
  *
  * Weights come in groups of 8 output rows (the caller pads n to a multiple
  * of 8), block-major within a group, and within a block as 8 vectors whose
@@ -184,12 +185,41 @@ int pd_has_vnni(void) {
 #endif
 }
 
-/* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32. Returns 0, or -1
- * when the activations' scratch could not be allocated. */
+typedef void (*pd_task)(void *ctx, int64_t item, int worker);
+void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
+
+struct product {
+    int bits, vnni;
+    const int8_t *xq;
+    const float *xd, *xs;
+    int64_t m, nb, n, wbytes;
+    const uint8_t *w;
+    const float *scale, *zero;
+    float *y;
+};
+
+/* one group of COLS output columns, every row */
+static void product_group(void *ctx, int64_t g, int worker) {
+    (void)worker;
+    const struct product *p = ctx;
+    const uint8_t *wg = p->w + g * p->nb * COLS * p->wbytes;
+    const float *sg = p->scale + g * p->nb * COLS;
+    const float *zg = p->bits == 4 ? p->zero + g * p->nb * COLS : NULL;
+#ifdef HAVE_VNNI
+    if (p->vnni) {
+        group_vnni(p->bits, p->xq, p->xd, p->xs, p->m, p->nb, wg, sg, zg, p->n, p->y + g * COLS);
+        return;
+    }
+#endif
+    group_avx2(p->bits, p->xq, p->xd, p->xs, p->m, p->nb, wg, sg, zg, p->n, p->y + g * COLS);
+}
+
+/* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32; groups shared
+ * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker). Returns 0, or -1 when the
+ * activations' scratch could not be allocated. */
 int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
               const float *scale, const float *zero, int64_t n, float *y, int threads) {
-    const int64_t nb = k / GROUP, groups = n / COLS;
-    const int64_t wbytes = bits == 4 ? 16 : GROUP;
+    const int64_t nb = k / GROUP;
     int8_t *xq = malloc((size_t)(m * k));
     float *xd = malloc(sizeof(float) * (size_t)(m * nb));
     float *xs = malloc(sizeof(float) * (size_t)(m * nb));
@@ -198,20 +228,10 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
         return -1;
     }
     quantize_rows(x, m * nb, xq, xd, xs);
-    const int vnni = pd_has_vnni();
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = w + g * nb * COLS * wbytes;
-        const float *sg = scale + g * nb * COLS;
-        const float *zg = bits == 4 ? zero + g * nb * COLS : NULL;
-#ifdef HAVE_VNNI
-        if (vnni) {
-            group_vnni(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
-            continue;
-        }
-#endif
-        group_avx2(bits, xq, xd, xs, m, nb, wg, sg, zg, n, y + g * COLS);
-    }
+    struct product p = {bits, pd_has_vnni(), xq, xd, xs, m, nb, n, bits == 4 ? 16 : GROUP,
+                        w, scale, zero, y};
+    /* a chunk of about 16 rows' worth of groups: enough work to pay for its claim */
+    pd_run(product_group, &p, n / COLS, m >= 16 ? 1 : 16 / m, threads);
     free(xq); free(xd); free(xs);
     return 0;
 }

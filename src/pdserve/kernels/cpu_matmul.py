@@ -52,7 +52,9 @@ class NativeMatmul:
         self.scale = _grouped(scale.float(), self.rows)
         self.zero = _grouped(zero.float(), self.rows)
 
-    def __call__(self, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
+        """x [m, k] float32 -> [m, n] float32; `threads`: at most this many of
+        the kernels' workers share it (0: all, native.share_cores)."""
         x = x.contiguous()
         if x.dtype != torch.float32:
             raise TypeError(f"the native kernels take float32 rows, not {x.dtype}")

@@ -8,6 +8,9 @@ compiler on first use and loaded with ctypes.
 - cpu_decode_layer.c (used by cpu_decode_layer.py): a whole Llama-family
   layer for a round's decode rows, the two above and the small steps
   between them in one call.
+- cpu_pool.c: the threads the others share a job's pieces among
+  (`share_cores`), where the calling thread never waits for a helper
+  that has not started.
 
 They exist where torch's own CPU kernels spend most of a small model's
 decode step on something other than arithmetic (dequantizing weights,
@@ -39,8 +42,8 @@ from pdserve.kernels.cpu_features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("cpu_matmul.c", "cpu_attention.c", "cpu_decode_layer.c"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_attention.c", "cpu_decode_layer.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,12 @@ def native_kernels() -> NativeKernels:
     lib.pd_decode_attention.restype = ctypes.c_int
     lib.pd_decode_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]
     lib.pd_decode_layer.restype = ctypes.c_int
+    lib.pd_pool_share.argtypes = [ctypes.c_int]
+    lib.pd_pool_share.restype = ctypes.c_int
+    lib.pd_pool_workers.argtypes = []
+    lib.pd_pool_workers.restype = ctypes.c_int
+    lib.pd_pool_helped.argtypes = []
+    lib.pd_pool_helped.restype = ctypes.c_longlong
     return NativeKernels(lib, f"built in {path.parent}")
 
 
@@ -123,3 +132,14 @@ def chosen_kernels() -> NativeKernels:
         raise ValueError(f"{KERNELS_ENV} is native, but {found.why}; unset it to use "
                          "torch's kernels")
     return found
+
+
+def share_cores(workers: int) -> int:
+    """From now on pdserve's kernels share each job among `workers`
+    threads: the calling one and workers - 1 helpers (cpu_pool.c), started
+    as needed and kept for the process. Returns how many share (1 where
+    the kernels do not run here)."""
+    lib = chosen_kernels().lib
+    if lib is None:
+        return 1
+    return lib.pd_pool_share(workers)

@@ -188,10 +188,10 @@ class QuantizedLinear:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Every row through the quantized kernel, in x's dtype: the native
-        one (from float32 rows, on the torch threads' count) or torch's
+        one (from float32 rows, on native.share_cores' threads) or torch's
         (from bfloat16 rows)."""
         if self.native is not None:
-            return self.native(x.float(), torch.get_num_threads()).to(x.dtype)
+            return self.native(x.float()).to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         if self.bits == 4:
             y = torch._weight_int4pack_mm_for_cpu(xk, self.packed, GROUP, self.scales)
