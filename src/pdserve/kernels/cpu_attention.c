@@ -12,7 +12,15 @@
  * after page `page_stride` elements apart (a layer's view of the cache's
  * page-major storage). Each (sequence, KV head) is computed by one thread
  * in one order, so a row's output does not depend on the rows beside it
- * or the thread count. Built and loaded by native.py. */
+ * or the thread count.
+ *
+ * A decode round reads every key and value once from memory, in pages
+ * scattered over the cache, so the loops are arranged for that: the keys
+ * are read (and bfloat16 ones widened) once for the group's query heads,
+ * with the keys a few positions on and the values prefetched; the scores
+ * are taken eight positions at a time, eight independent sums reduced
+ * together, where one sum a position waited on its own chain of
+ * multiply-adds. Built and loaded by native.py. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -48,6 +56,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* lane t: the sum of a[t]'s eight lanes */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                         _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
 /* eight values of a key or value row as float32 */
 static inline __m256 load8(const void *row, int64_t i, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)row + i);
@@ -69,6 +85,8 @@ struct attention {
     float *out;
     float *scores;              /* per worker: [group][longest] */
     int64_t *offs;              /* per worker: [longest], each position's byte offset */
+    float *keys;                /* per worker: [longest][head_dim], bfloat16 keys widened */
+    const float **krows;        /* per worker: [longest], each position's float32 key */
 };
 
 /* one (sequence, KV head): its query heads' outputs */
@@ -81,6 +99,7 @@ static void attend(void *ctx, int64_t w, int worker) {
     const float scale = A->scale, softcap = A->softcap;
     float *scores = A->scores + worker * group * A->longest;
     int64_t *offs = A->offs + worker * A->longest;
+    const float **krows = A->krows + worker * A->longest;
     const int64_t b = w / kv_heads, g = w % kv_heads;
     const int64_t n = A->end[b] - A->begin[b];
     const float *qg = A->q + (b * heads + g * group) * d;
@@ -92,17 +111,49 @@ static void attend(void *ctx, int64_t w, int worker) {
         offs[p] = (table[at / page_size] * A->page_stride +
                    (at % page_size) * kv_heads * d + g * d) * elem;
     }
+    /* float32 keys read in place; bfloat16 ones widened once for every query
+     * head. The pages are scattered: the keys a few positions ahead, and
+     * each position's values (read after the softmax), are fetched early. */
+    float *kf = A->keys + worker * A->longest * d;
+    const int64_t row_bytes = d * elem;
     for (int64_t p = 0; p < n; p++) {
         const char *k = (const char *)k_pages + offs[p];
-        for (int64_t j = 0; j < group; j++) {
+        const char *ahead = (const char *)k_pages + offs[p + 16 < n ? p + 16 : p];
+        const char *v = (const char *)v_pages + offs[p];
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+            _mm_prefetch(ahead + c, _MM_HINT_T0);
+            _mm_prefetch(v + c, _MM_HINT_T1);
+        }
+        if (!bf16) {
+            krows[p] = (const float *)k;
+            continue;
+        }
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(kf + p * d + i, load8(k, i, 1));
+        krows[p] = kf + p * d;
+    }
+    /* scores eight positions at a time: eight independent sums, reduced together */
+    const int64_t n8 = n - n % 8;
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = qg + j * d;
+        float *sj = scores + j * n;
+        for (int64_t p = 0; p < n8; p += 8) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qj + i);
+                for (int t = 0; t < 8; t++)
+                    acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[p + t] + i), acc[t]);
+            }
+            _mm256_storeu_ps(sj + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+        }
+        for (int64_t p = n8; p < n; p++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j * d + i), load8(k, i, bf16),
-                                      acc);
-            float sc = hsum(acc) * scale;
-            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-            scores[j * n + p] = sc;
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(krows[p] + i), acc);
+            sj[p] = hsum(acc) * scale;
         }
+        if (softcap > 0.0f)
+            for (int64_t p = 0; p < n; p++) sj[p] = softcap * tanhf(sj[p] / softcap);
     }
     for (int64_t j = 0; j < group; j++) {
         float *sj = scores + j * n, top = -INFINITY, total = 0.0f;
@@ -168,15 +219,19 @@ int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages
     const int64_t workers = threads <= 0 || threads > all ? all : threads;
     struct attention A = {q, k_pages, v_pages, bf16, page_stride, page_size, kv_heads,
                           head_dim, heads, table_width, longest, tables, base, begin, end,
-                          scale, softcap, out, NULL, NULL};
+                          scale, softcap, out, NULL, NULL, NULL, NULL};
     A.scores = malloc(sizeof(float) * (size_t)(workers * (heads / kv_heads) * longest));
     A.offs = malloc(sizeof(int64_t) * (size_t)(workers * longest));
+    A.keys = bf16 ? malloc(sizeof(float) * (size_t)(workers * longest * head_dim)) : NULL;
+    A.krows = malloc(sizeof(float *) * (size_t)(workers * longest));
     int rc = -1;
-    if (A.scores && A.offs) {
+    if (A.scores && A.offs && A.krows && (A.keys || !bf16)) {
         pd_run(attend, &A, batch * kv_heads, 1, threads <= 0 ? 0 : (int)workers);
         rc = 0;
     }
     free(A.scores);
     free(A.offs);
+    free(A.keys);
+    free(A.krows);
     return rc;
 }
