@@ -180,17 +180,19 @@ def test_auto_runs_the_preset_quantized_in_the_cpus_fast_dtype(auto_llm):
 
 
 def test_auto_greedy_chat_starts_as_float32s(auto_llm, llm):
-    """auto's greedy answers to these chats begin as float32 dequantized's
-    do, token for token (the quantized LM head and bfloat16 kernel inputs
-    round some close choice apart later: 13 to 17 tokens in, on this
-    file), and they are real answers; how often the top token agrees is
+    """auto's greedy answers to these chats are real answers (not an
+    early end) that begin with float32 dequantized's first token. Past it
+    a close call can go either way: with the prompt too through 8-bit
+    activations, as llama.cpp multiplies, the haiku and the CPU answers
+    are the ones llama.cpp's own server gives on this file (checked by
+    hand), not float32's. How often the top token agrees is
     test_quantized_logits_track_float32's bound."""
     texts = [render(llm.tokenizer, chat) for chat in CHATS]
     p = SamplingParams(max_tokens=20, temperature=0)
     want = [o.token_ids for o in llm.generate(texts, p, use_tqdm=False)]
     got = [o.token_ids for o in auto_llm.generate(texts, p, use_tqdm=False)]
-    assert all(len(w) >= 16 and len(g) >= 16 for w, g in zip(want, got))
-    assert all(g[:10] == w[:10] for w, g in zip(want, got)), (got, want)
+    assert all(len(w) >= 10 and len(g) >= 10 for w, g in zip(want, got)), (got, want)
+    assert all(g[0] == w[0] for w, g in zip(want, got)), (got, want)
 
 
 def prompt_logits(m, prompt, kernels: bool = False):
@@ -228,10 +230,9 @@ def test_quantized_logits_track_float32(auto_llm, dense_llm, llm):
 
 @pytest.mark.skipif(not kernels_present(), reason="this torch lacks the int4 CPU kernels")
 def test_a_decode_rows_logits_do_not_depend_on_its_round(auto_llm):
-    """Decode rows go through the kernels and prefill rows through the
-    dense copy whatever the round holds, so a decode row's logits have the
-    same bits alone, beside seven other decodes, and after a prefill chunk
-    in the same round; the chunk's rows are the dense model's."""
+    """Every row goes through the kernels, each on its own, so a decode
+    row's logits have the same bits alone, beside seven other decodes, and
+    after a prefill chunk in the same round."""
     model = auto_llm.model
     ps, ctx = 16, 40
     cache = model.new_cache(64, ps)

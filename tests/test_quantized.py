@@ -131,12 +131,12 @@ def test_the_choice_and_its_refusals(monkeypatch):
         assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", dtype) == \
             (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (torch's int4/int8 kernels; "
                    "pdserve's do not run here: PDSERVE_CPU_KERNELS is torch) for decode rows, "
-                   "a dense copy for prefill rows")
+                   "a dense copy for prefill rows outside pdserve's C layers")
     monkeypatch.delenv(KERNELS_ENV)
     if native_kernels().lib is not None:
         assert choose_quantization("auto", "Q4_1, Q8_0", "cpu", torch.float32) == \
             (True, "auto: Q4_1, Q8_0 tensors multiplied quantized (pdserve's AVX2 kernels) for "
-                   "decode rows, a dense copy for prefill rows")
+                   "decode rows, a dense copy for prefill rows outside pdserve's C layers")
     # ... and dequantizes, saying why, where they cannot
     keep, why = choose_quantization("auto", "Q4_1", "cuda", torch.bfloat16)
     assert not keep and why.startswith("auto: dequantized, since the model runs on cuda")

@@ -1,7 +1,7 @@
 """`pdserve bench quantized`: a GGUF's decode round with its weights kept
 quantized (kernels/quantized.py, what `model.quantization: auto` runs on
 CPU), through pdserve's own kernels (auto's choice where they build: the
-decode rows' layers in one C call each, kernels/cpu_decode_layer.py, or
+decode rows' layers in one C call each, kernels/cpu_layer.py, or
 only its matmul and attention between torch's operators) and through
 torch's, in float32 and bfloat16 models,
 against the same file dequantized to float32 and to bfloat16, side by side
@@ -138,7 +138,7 @@ def run(args) -> int:
                                             quantization=quant)
             loads[label] = time.perf_counter() - t0
             if kernels == "ops":
-                models[label].native_decode = None
+                models[label].native_layers = None
     finally:
         if before is None:
             os.environ.pop(KERNELS_ENV, None)

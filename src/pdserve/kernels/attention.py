@@ -12,7 +12,7 @@ from its `kv_start` on, so it never touches them."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,23 +62,6 @@ class BatchMeta:
             return int(self.slot_mapping.shape[0])
         return self.seqs[first].q_start
 
-    def decode_start(self) -> int:
-        """The first decode row (every row when there are none)."""
-        if not self.num_decodes:
-            return int(self.slot_mapping.shape[0])
-        return self.seqs[len(self.seqs) - self.num_decodes].q_start
-
-    def without_decodes(self) -> BatchMeta:
-        """The round's prefill chunks and verifies alone: its first
-        `decode_start()` rows, for a caller that computes the decodes
-        another way."""
-        rows = self.decode_start()
-        write = self.write_rows
-        return replace(self, seqs=self.seqs[:len(self.seqs) - self.num_decodes],
-                       slot_mapping=self.slot_mapping[:rows], positions=self.positions[:rows],
-                       num_decodes=0, write_rows=None if write is None else write[write < rows],
-                       _prep=None)
-
 
 def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
     """Decode (or verify) sequences' keys, on CPU: (tables [B, width] int64, each row's
@@ -94,6 +77,29 @@ def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
     base = torch.tensor(lo, dtype=torch.long) * ps
     begin = base if window is None else torch.maximum(base, end - window)
     return tables, base, begin, end
+
+
+def row_spans(meta: BatchMeta, ps: int) -> tuple:
+    """decode_spans for every row of a round, each a query of its own: a
+    prefill chunk's or a verify's row j attends its sequence's keys up to
+    its own position (ctx_len - q_len + j), the chunk's earlier rows
+    included, so their K/V must be written first. (tables [T, width],
+    base, begin, end [T]); a decode row's are decode_spans' own."""
+    seqs = meta.seqs
+    rows = int(meta.slot_mapping.shape[0])
+    q_len = torch.tensor([s.q_len for s in seqs], dtype=torch.long)
+    if int(q_len.sum()) != rows or any(s.q_start != a for s, a in
+                                       zip(seqs, [0, *q_len.cumsum(0)[:-1].tolist()])):
+        raise ValueError("row_spans needs a round's sequences to cover its rows in order")
+    tables, base, _, _ = decode_spans(seqs, ps, None)
+    seq = torch.repeat_interleave(torch.arange(len(seqs)), q_len)
+    first = torch.tensor([s.q_start for s in seqs], dtype=torch.long)
+    past = torch.tensor([s.ctx_len - s.q_len for s in seqs], dtype=torch.long)
+    end = past[seq] + torch.arange(rows) - first[seq] + 1
+    begin = torch.maximum(base, torch.tensor([s.kv_start for s in seqs], dtype=torch.long))[seq]
+    if meta.window is not None:
+        begin = torch.maximum(begin, end - meta.window)
+    return tables[seq], base[seq], begin, end
 
 
 class TorchAttention:

@@ -62,10 +62,10 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
                                  "sent to its other ranks before the forward")
     if not isinstance(model.attention, TorchAttention):
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
-    if getattr(model, "native_decode", None) is not None:
+    if getattr(model, "native_layers", None) is not None:
         # one C call a layer already; a captured step would take torch's
         # path, and a decode row's bits would then depend on the round
-        return CaptureMode.OFF, "decode rows run pdserve's C decode layer"
+        return CaptureMode.OFF, "every row runs pdserve's C layers"
     if model.device.type == "cuda":
         return CaptureMode.CUDA_GRAPH, f"engine.capture is {setting}: CUDA graphs"
     if setting == "on":

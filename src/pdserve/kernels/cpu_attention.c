@@ -28,7 +28,7 @@
 #include <stdlib.h>
 
 /* e^x for x <= 0 (Cephes' single precision polynomial, ~1 ulp); shared
- * with cpu_decode_layer.c as pd_exp_ps */
+ * with cpu_layer.c as pd_exp_ps */
 static inline __m256 exp_ps(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

@@ -218,9 +218,9 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
                           dtype_why), tok
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)
     model = build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend)
-    if keep and hasattr(model, "native_decode_why"):   # a Llama-family model kept quantized
-        log.info("decode rows: %s", model.native_decode_why if model.native_decode
-                 else f"torch's operators, since {model.native_decode_why}")
+    if keep and hasattr(model, "native_layers_why"):   # a Llama-family model kept quantized
+        log.info("layers: %s", model.native_layers_why if model.native_layers
+                 else f"torch's operators, since {model.native_layers_why}")
     return model, tok
 
 

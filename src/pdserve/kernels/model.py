@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
-from pdserve.kernels.cpu_decode_layer import native_decode_for
+from pdserve.kernels.cpu_layer import native_layers_for
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
@@ -253,8 +253,8 @@ class DecoderModel(PagedDecoder):
         self.rotary = Rotary(cfg, dtype, self.device)
         self.lora: LoraStacks | None = None
         self.quantized = bool(quantized_linears(self))
-        # decode rows through one C call a layer, where it fits (cpu_decode_layer.py)
-        self.native_decode, self.native_decode_why = native_decode_for(self)
+        # every row through one C call a layer, where it fits (cpu_layer.py)
+        self.native_layers, self.native_layers_why = native_layers_for(self)
 
     def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
         """Device stacks for `slots` LoRA adapters of rank up to `max_rank`;
@@ -277,17 +277,15 @@ class DecoderModel(PagedDecoder):
             lora = None
         metas, caches = self.per_group(meta, cache)
         h = self.embed_rows(input_ids)
-        decoded = None
-        if self.native_decode is not None and lora is None and self.lora is None and \
-                self.tp is None and len(metas) == 1 and metas[0].num_decodes and \
-                metas[0].seqs and not torch.compiler.is_compiling():
-            # the decode rows through pdserve's C layer, the rest below
-            m = metas[0]
-            first = m.decode_start()
-            decoded = self.native_decode.run(h[first:], m, [caches[layer[0]].layer(layer[1])
-                                                            for layer in self.layers])
-            if decoded is not None:
-                h, metas = h[:first], [m.without_decodes()]
+        if self.native_layers is not None and lora is None and self.lora is None and \
+                self.tp is None and len(metas) == 1 and metas[0].seqs and \
+                not torch.compiler.is_compiling():
+            # every row through pdserve's C layers (cpu_layer.py)
+            out = self.native_layers.run(h, metas[0], [caches[layer[0]].layer(layer[1])
+                                                       for layer in self.layers])
+            if out is not None:
+                h = rms_norm(out[logits_indices].to(h.dtype), self.norm, c.rms_norm_eps)
+                return self.head(h).float()
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
@@ -317,8 +315,6 @@ class DecoderModel(PagedDecoder):
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             down = linear(act, down_w, dense_rows=dense_rows)
             h = h + self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
-        if decoded is not None:
-            h = torch.cat([h, decoded.to(h.dtype)])
         h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         # the logits rows are in row order: a prefill's come before every decode's
         return self.head(h, int((logits_indices < dense_rows).sum()) if dense_rows else 0).float()

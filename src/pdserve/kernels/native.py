@@ -5,7 +5,7 @@ compiler on first use and loaded with ctypes.
   blocks times activation rows quantized to 8-bit blocks, in integers.
 - cpu_attention.c (used by cpu_attention.py): decode rows' attention read
   from the paged cache in place.
-- cpu_decode_layer.c (used by cpu_decode_layer.py): a whole Llama-family
+- cpu_layer.c (used by cpu_layer.py): a whole Llama-family
   layer for a round's decode rows, the two above and the small steps
   between them in one call.
 - cpu_pool.c: the threads the others share a job's pieces among
@@ -42,7 +42,7 @@ from pdserve.kernels.cpu_features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_attention.c", "cpu_decode_layer.c"))
+                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_attention.c", "cpu_layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 
 
@@ -106,8 +106,8 @@ def native_kernels() -> NativeKernels:
                                         p, p, p, i64, ctypes.c_float, ctypes.c_float, p,
                                         ctypes.c_int]
     lib.pd_decode_attention.restype = ctypes.c_int
-    lib.pd_decode_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]
-    lib.pd_decode_layer.restype = ctypes.c_int
+    lib.pd_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]
+    lib.pd_layer.restype = ctypes.c_int
     lib.pd_pool_share.argtypes = [ctypes.c_int]
     lib.pd_pool_share.restype = ctypes.c_int
     lib.pd_pool_workers.argtypes = []

@@ -12,7 +12,7 @@ Q4_1 blocks. Two sets of kernels multiply them:
   in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
   round costs about 0.7x torch's kernels' at one row and 0.8x at eight;
   with a Llama-family model's decode rows in one C call a layer
-  (cpu_decode_layer.py), 0.44x and 0.52x on an AVX-512 host (`pdserve
+  (cpu_layer.py), 0.44x and 0.52x on an AVX-512 host (`pdserve
   bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
   PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
@@ -280,7 +280,7 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
     kernels = "pdserve's AVX2 kernels" if native and native.lib else \
         f"torch's int4/int8 kernels; pdserve's do not run here: {native.why}" if native else ""
     how = (f"{', '.join(kept)} tensors multiplied quantized ({kernels}) for decode rows, "
-           "a dense copy for prefill rows")
+           "a dense copy for prefill rows outside pdserve's C layers")
     if quantization == "auto":
         if not kept:
             return False, "auto: no tensors to keep quantized"

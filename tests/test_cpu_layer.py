@@ -1,7 +1,8 @@
-"""pdserve's C decoder layer for decode rows (kernels/cpu_decode_layer.c and
-.py): the same layer as DecoderModel's torch path, its K/V in the same
+"""pdserve's C decoder layer for every row of a round (kernels/cpu_layer.c
+and .py): the same layer as DecoderModel's torch path, its K/V in the same
 slots, on SmolLM2 and on small random models with what SmolLM2 lacks (q/k/v
-biases, a sliding window); and where it does not fit, the reason."""
+biases, a sliding window); a row's bits whatever its round; and where it
+does not fit, the reason."""
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def one_by_one(model, tokens: list[int], path: bool) -> tuple[torch.Tensor, torc
     """Logits at every position of `tokens` fed as decode rows, one round
     each (teacher-forced), through the C layer (`path`) or torch's, and the
     cache they leave."""
-    keep, model.native_decode = model.native_decode, model.native_decode if path else None
+    keep, model.native_layers = model.native_layers, model.native_layers if path else None
     try:
         table = list(range(-(-len(tokens) // PS)))
         cache = model.new_cache(len(table), PS)
@@ -37,7 +38,7 @@ def one_by_one(model, tokens: list[int], path: bool) -> tuple[torch.Tensor, torc
             out.append(model.forward(torch.tensor([tok]), meta, cache, torch.tensor([0]))[0])
         return torch.stack(out), cache.data.float()
     finally:
-        model.native_decode = keep
+        model.native_layers = keep
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_smollm2s_decode_rows_take_the_c_layer_and_track_torchs_path(smollm2):
     differ by float32 rounding, which can flip a value's 8-bit rounding
     into the next matmul), and leave the same K/V in the same slots."""
     model, tok = smollm2
-    assert model.native_decode is not None, model.native_decode_why
+    assert model.native_layers is not None, model.native_layers_why
     ids = tok.encode("The river ran through the old town, past the mill and under three "
                      "stone bridges, and in spring the water rose to the arches.")
     got, got_cache = one_by_one(model, ids, path=True)
@@ -86,13 +87,47 @@ def small_model(bias: bool, window: int | None, dtype: torch.dtype, seed: int = 
                                                (False, 24, torch.bfloat16)])
 def test_biases_windows_and_bfloat16_pages_as_torchs_path(bias, window, dtype):
     model = small_model(bias, window, dtype)
-    assert model.native_decode is not None, model.native_decode_why
+    assert model.native_layers is not None, model.native_layers_why
     tokens = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     got, got_cache = one_by_one(model, tokens, path=True)
     want, want_cache = one_by_one(model, tokens, path=False)
     tol = 0.05 if dtype == torch.float32 else 0.1        # bfloat16: torch's path rounds more
     assert (got - want).norm() < tol * want.norm()
     assert (got_cache - want_cache).norm() < tol * want_cache.norm()
+
+
+def chunked(model, tokens: list[int], chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits at every position of `tokens` prefilled in rounds of
+    `chunks` rows each (a chunk's rows attend each other causally), and
+    the cache they leave."""
+    table = list(range(-(-len(tokens) // PS)))
+    cache = model.new_cache(len(table), PS)
+    out, at = [], 0
+    for n in chunks:
+        rows = torch.arange(at, at + n)
+        meta = BatchMeta([SeqMeta(0, n, at + n, table)], rows, rows,
+                         window=model.cfg.sliding_window)
+        out.append(model.forward(torch.tensor(tokens[at:at + n]), meta, cache,
+                                 torch.arange(n)))
+        at += n
+    return torch.cat(out), cache.data.float()
+
+
+@needs_lib
+@pytest.mark.parametrize("bias,window,dtype", [(True, None, torch.float32),
+                                               (False, 24, torch.bfloat16)])
+def test_a_prompt_has_the_same_bits_prefilled_at_once_in_chunks_or_token_by_token(
+        bias, window, dtype):
+    """Every row takes the C layer, each computed on its own: a prompt's
+    logits and K/V are the same bits whether it is prefilled in one chunk,
+    in uneven chunks over several rounds, or fed a token a round."""
+    model = small_model(bias, window, dtype)
+    tokens = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    fed, fed_cache = one_by_one(model, tokens, path=True)
+    for chunks in ([70], [5, 33, 32], [1, 16, 53]):
+        got, got_cache = chunked(model, tokens, chunks)
+        assert torch.equal(got, fed), chunks
+        assert torch.equal(got_cache, fed_cache), chunks
 
 
 @needs_lib
@@ -113,24 +148,24 @@ def test_where_the_layer_does_not_fit_it_says_why(monkeypatch):
     dense = small_model(False, None, torch.float32)
     dense_w = random_weights(dense.cfg, 0)
     plain = DecoderModel(dense.cfg, dense_w, torch.float32, "cpu", dense.attention)
-    assert plain.native_decode is None
-    assert "not every projection is quantized" in plain.native_decode_why
+    assert plain.native_layers is None
+    assert "not every projection is quantized" in plain.native_layers_why
     monkeypatch.setenv(KERNELS_ENV, "torch")
     torch_only = small_model(False, None, torch.float32)
-    assert torch_only.native_decode is None
-    assert f"{KERNELS_ENV} is torch" in torch_only.native_decode_why
+    assert torch_only.native_layers is None
+    assert f"{KERNELS_ENV} is torch" in torch_only.native_layers_why
 
 
 @needs_lib
-def test_the_load_says_which_path_decode_rows_take(caplog, monkeypatch):
+def test_the_load_says_which_path_the_rows_take(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
-    assert "decode rows: pdserve's decode layer" in caplog.text
+    assert "layers: pdserve's C layers" in caplog.text
     caplog.clear()
     monkeypatch.setenv(KERNELS_ENV, "torch")
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
-    assert f"decode rows: torch's operators, since pdserve's kernels do not run here " \
+    assert f"layers: torch's operators, since pdserve's kernels do not run here " \
         f"({KERNELS_ENV} is torch)" in caplog.text
 
 
@@ -143,7 +178,7 @@ def test_capture_stays_off_and_a_bad_position_is_refused():
 
     model = small_model(False, None, torch.float32)
     assert choose_capture("on", model) == (CaptureMode.OFF,
-                                           "decode rows run pdserve's C decode layer")
+                                           "every row runs pdserve's C layers")
     cache = model.new_cache(2, PS)
     for pos in (-1, model.cfg.max_position):
         meta = BatchMeta([SeqMeta(0, 1, 5, [0])], torch.tensor([4]), torch.tensor([pos]),
@@ -154,10 +189,10 @@ def test_capture_stays_off_and_a_bad_position_is_refused():
 
 @needs_lib
 def test_a_decode_rows_bits_are_the_same_beside_verify_rows_and_with_lora_enabled_it_is_torchs():
-    """Verify rows (a speculative round) stay on torch's path and leave the
-    decode row's bits alone; once LoRA adapters are enabled every decode row
-    takes torch's path, adapter or not, so a base row does not change with
-    what shares its round."""
+    """Verify rows (a speculative round) take the C layer too and leave the
+    decode row's bits alone; once LoRA adapters are enabled every row takes
+    torch's path, adapter or not, so a base row does not change with what
+    shares its round."""
     model = small_model(False, None, torch.float32)
     cache = model.new_cache(8, PS)
     cache.data.normal_(generator=torch.Generator().manual_seed(2))
@@ -180,9 +215,9 @@ def test_a_decode_rows_bits_are_the_same_beside_verify_rows_and_with_lora_enable
 
     alone = round_(False)
     assert torch.equal(round_(True), alone)
-    model.native_decode, layer = None, model.native_decode
+    model.native_layers, layer = None, model.native_layers
     torch_path = round_(False)
-    model.native_decode = layer
+    model.native_layers = layer
     assert not torch.equal(torch_path, alone)     # the two paths round differently
     model.enable_lora(2, 4)
     assert torch.equal(round_(False), torch_path)

@@ -1,4 +1,4 @@
-/* One Llama-family decoder layer for a round's decode rows, in one call:
+/* One Llama-family decoder layer for a round's rows, in one call:
  * what DecoderModel's forward runs eagerly as about 60 torch calls a layer,
  * whose dispatch costs more than a small model's arithmetic at one row.
  *
@@ -7,12 +7,15 @@
  *   h += o . Wo;  x = rms_norm(h) * ln2;  g, u = x . Wgate_up;
  *   h += (silu(g) * u) . Wdown
  *
- * h stays float32 between layers (the caller rounds it to the model's dtype
+ * Every row (a decode's, a verify's, a prefill chunk's) is a query at its
+ * position over its sequence's keys up to its own: every row's K/V is
+ * written before any row attends, so a chunk's rows see each other. h
+ * stays float32 between layers (the caller rounds it to the model's dtype
  * after the last); K/V are stored in the cache's dtype. The matmuls are
  * cpu_matmul.c's and the attention cpu_attention.c's; every step computes a
  * row on its own in one order, so a row's result does not depend on the
  * rows beside it or the thread count. Built and loaded by native.py, driven
- * by cpu_decode_layer.py. */
+ * by cpu_layer.py. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -52,8 +55,8 @@ struct pd_model {
     const float *cos, *sin;
 };
 
-/* A round's decode rows: each one's position and cache slot (-1: not
- * written), and its keys as cpu_attention.c reads them */
+/* A round's rows: each one's position and cache slot (-1: not written),
+ * and its keys as cpu_attention.c reads them */
 struct pd_round {
     int64_t batch;
     const int64_t *positions, *slots;
@@ -110,7 +113,7 @@ static int mm(const struct pd_matmul *w, const float *x, int64_t rows, float *y,
 
 /* h [batch][hidden], updated in place. Returns 0, or -1 when scratch could
  * not be allocated (the round is then lost: the caller raises). */
-int pd_decode_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd_round *R,
+int pd_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd_round *R,
                     float *h, void *k_pages, void *v_pages, int threads) {
     const int64_t B = R->batch, hid = M->hidden, d = M->head_dim, half = d / 2;
     const int64_t qd = M->heads * d, kvd = M->kv_heads * d, inter = M->inter;

@@ -1,7 +1,7 @@
-"""A round's decode rows through pdserve's own CPU layer (cpu_decode_layer.c,
-built by native.py): one C call a layer instead of DecoderModel's eager
-torch calls, where the model's weights are kept quantized on a CPU with
-the native kernels.
+"""A round's rows through pdserve's own CPU layer (cpu_layer.c, built by
+native.py): one C call a layer instead of DecoderModel's eager torch
+calls, where the model's weights are kept quantized on a CPU with the
+native kernels.
 
 At one row a SmolLM2 decode step is mostly dispatch: about 60 torch calls
 a layer (norms, the rotary roll, the cache write, dtype conversions, the
@@ -11,11 +11,17 @@ on its own (cpu_matmul.c's products, cpu_attention.c's attention, the
 small steps between them in plain loops), with the residual stream kept
 in float32 between layers.
 
-Decode rows take this path in every round, alone or beside prefill chunks
-and verify rows (which stay on torch's path), so a decode row's bits do
-not depend on what shares its round; a model it does not fit (other
-layer kinds, LoRA enabled, dense weights, PDSERVE_CPU_KERNELS=torch) never
-takes it. `native_decode_for` says which, and why.
+Every row takes it, a decode row, a verify row or a prefill chunk's: each
+is a query at its position over its sequence's keys up to its own
+(attention.row_spans; a chunk's K/V are written before any of its rows
+attends), computed on its own. So a row's bits depend neither on what
+shares its round nor on how its prompt was chunked: a prompt prefilled at
+once leaves the same logits and K/V as one fed a token a round. Prefill
+rows also multiply the quantized weights rather than a dense copy, as
+llama.cpp does, which is what took a 16-row prefill from 65 to 28 ms
+served. A model it does not fit (other layer kinds, LoRA enabled, dense
+weights, PDSERVE_CPU_KERNELS=torch) never takes it, for any row.
+`native_layers_for` says which, and why.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import ctypes
 import torch
 
 from pdserve.kernels import cpu_attention
-from pdserve.kernels.attention import BatchMeta, TorchAttention, decode_spans
+from pdserve.kernels.attention import BatchMeta, TorchAttention, row_spans
 from pdserve.kernels.cpu_matmul import NativeMatmul
 from pdserve.kernels.native import chosen_kernels
 from pdserve.kernels.quantized import QuantizedLinear
@@ -61,7 +67,7 @@ def _matmul(m: NativeMatmul) -> _Matmul:
                    m.zero.data_ptr())
 
 
-def native_decode_for(model) -> tuple[NativeDecode | None, str]:
+def native_layers_for(model) -> tuple[NativeLayers | None, str]:
     """The C layer for a DecoderModel, or None and why it does not fit."""
     c = model.cfg
     found = chosen_kernels()
@@ -83,10 +89,10 @@ def native_decode_for(model) -> tuple[NativeDecode | None, str]:
         why.append("not every projection is quantized for pdserve's matmul")
     if why or lib is None:
         return None, "; ".join(why)
-    return NativeDecode(model, lib), "pdserve's decode layer"
+    return NativeLayers(model, lib), "pdserve's C layers"
 
 
-class NativeDecode:
+class NativeLayers:
     """A DecoderModel's layers as the C layer reads them, built once."""
 
     def __init__(self, model, lib: ctypes.CDLL):
@@ -109,30 +115,28 @@ class NativeDecode:
                                       f32[2].data_ptr() if bias is not None else None))
 
     def run(self, h: torch.Tensor, meta: BatchMeta, pages: list) -> torch.Tensor | None:
-        """The decode rows' hidden states after every layer, float32 [B,
-        hidden], from theirs before (`h`, the round's last B rows). `pages`:
-        each layer's (k_pages, v_pages). None where the cache's layout is
-        not the kernel's (then torch's path runs, for every round alike)."""
+        """Every row's hidden state after every layer, float32 [T, hidden],
+        from theirs before (`h`). `pages`: each layer's (k_pages, v_pages).
+        None where the cache's layout is not the kernel's (then torch's path
+        runs, for every round alike)."""
         k0, v0 = pages[0]
         if not cpu_attention.fits(h, k0, v0):
             return None
-        seqs = meta.seqs[len(meta.seqs) - meta.num_decodes:]
-        first = seqs[0].q_start
-        tables, base, begin, end = decode_spans(seqs, k0.shape[1], meta.window)
-        positions = meta.positions[first:].to(torch.long).contiguous()
+        tables, base, begin, end = row_spans(meta, k0.shape[1])
+        positions = meta.positions.to(torch.long).contiguous()
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= self.max_position:     # the C layer reads the table unchecked
             raise IndexError(f"positions {lo}..{hi} are outside the model's 0.."
                              f"{self.max_position - 1}")
-        slots = meta.slot_mapping[first:].to(torch.long).contiguous()
+        slots = meta.slot_mapping.to(torch.long).contiguous()
         x = h.to(torch.float32, copy=True).contiguous()
-        rnd = _Round(len(seqs), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        rows = x.shape[0]
+        rnd = _Round(rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                      base.data_ptr(), begin.data_ptr(), end.data_ptr(), tables.shape[1],
                      k0.shape[1], k0.stride(0), int(k0.dtype == torch.bfloat16))
         shape, at = ctypes.addressof(self.shape), ctypes.addressof(rnd)
         for layer, (k, v) in zip(self.layers, pages):
-            if self.lib.pd_decode_layer(shape, ctypes.addressof(layer), at, x.data_ptr(),
+            if self.lib.pd_layer(shape, ctypes.addressof(layer), at, x.data_ptr(),
                                         k.data_ptr(), v.data_ptr(), 0):
-                raise MemoryError(f"pd_decode_layer could not allocate {len(seqs)} rows' "
-                                  "scratch")
+                raise MemoryError(f"pd_layer could not allocate {rows} rows' scratch")
         return x
