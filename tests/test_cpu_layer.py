@@ -62,7 +62,7 @@ def test_smollm2s_decode_rows_take_the_c_layer_and_track_torchs_path(smollm2):
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
     assert ((got - want).abs().amax(-1) < 0.1 * want.abs().amax(-1)).all()
-    assert (got_cache - want_cache).norm() < 0.02 * want_cache.norm()
+    assert (got_cache - want_cache).norm() < 0.03 * want_cache.norm()
 
 
 def small_model(bias: bool, window: int | None, dtype: torch.dtype, seed: int = 0):
@@ -72,14 +72,19 @@ def small_model(bias: bool, window: int | None, dtype: torch.dtype, seed: int = 
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       intermediate_size=256, max_position=512, sliding_window=window,
                       attention_bias=bias)
+    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+    return DecoderModel(cfg, quantized_weights(cfg, seed), dtype, "cpu", attn)
+
+
+def quantized_weights(cfg: ModelConfig, seed: int) -> dict:
+    """Random weights with every matrix as Q4_0 blocks, the LM head Q8_0."""
     w = random_weights(cfg, seed)
     for name, t in list(w.items()):
         if t.dim() == 2:
             kind = T.Q8_0 if name == "lm_head.weight" else T.Q4_0
             w[name] = from_blocks(quantize(t.numpy().astype(np.float32), kind), kind.name,
                                   *t.shape)
-    attn = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
-    return DecoderModel(cfg, w, dtype, "cpu", attn)
+    return w
 
 
 @needs_lib
@@ -116,18 +121,23 @@ def chunked(model, tokens: list[int], chunks: list[int]) -> tuple[torch.Tensor, 
 @needs_lib
 @pytest.mark.parametrize("bias,window,dtype", [(True, None, torch.float32),
                                                (False, 24, torch.bfloat16)])
-def test_a_prompt_has_the_same_bits_prefilled_at_once_in_chunks_or_token_by_token(
-        bias, window, dtype):
+def test_a_prompt_has_the_same_bits_however_it_is_chunked(bias, window, dtype):
     """Every row takes the C layer, each computed on its own: a prompt's
-    logits and K/V are the same bits whether it is prefilled in one chunk,
-    in uneven chunks over several rounds, or fed a token a round."""
+    logits and K/V are the same bits prefilled in one chunk or in uneven
+    chunks over several rounds. Its rows multiply at about 15 bits of
+    activation precision, decode rows at 8: fed a token a round, the same
+    tokens come out close, not equal."""
     model = small_model(bias, window, dtype)
     tokens = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
-    fed, fed_cache = one_by_one(model, tokens, path=True)
-    for chunks in ([70], [5, 33, 32], [1, 16, 53]):
+    whole, whole_cache = chunked(model, tokens, [70])
+    for chunks in ([5, 33, 32], [1, 16, 53]):
         got, got_cache = chunked(model, tokens, chunks)
-        assert torch.equal(got, fed), chunks
-        assert torch.equal(got_cache, fed_cache), chunks
+        assert torch.equal(got, whole), chunks
+        assert torch.equal(got_cache, whole_cache), chunks
+    fed, fed_cache = one_by_one(model, tokens, path=True)
+    assert not torch.equal(fed, whole)
+    assert (fed - whole).norm() < 0.05 * whole.norm()
+    assert (fed_cache - whole_cache).norm() < 0.05 * whole_cache.norm()
 
 
 @needs_lib
@@ -221,3 +231,22 @@ def test_a_decode_rows_bits_are_the_same_beside_verify_rows_and_with_lora_enable
     assert not torch.equal(torch_path, alone)     # the two paths round differently
     model.enable_lora(2, 4)
     assert torch.equal(round_(False), torch_path)
+
+
+@needs_lib
+def test_a_prompts_rows_are_nearer_the_files_exact_values_than_decode_rows():
+    """The file's weights dequantized in float32 are what both paths
+    approximate: a prompt's rows (two 8-bit passes, the logits through the
+    head's dense copy) land over ten times nearer them than the same
+    tokens fed as decode rows (one pass; about 280x here)."""
+    model = small_model(False, None, torch.float32)
+    exact_w = {name: (t.dequantize() if hasattr(t, "dequantize") else t)
+               for name, t in quantized_weights(model.cfg, 0).items()}
+    exact = DecoderModel(model.cfg, exact_w, torch.float32, "cpu", model.attention)
+    assert exact.native_layers is None
+    tokens = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(4)).tolist()
+    want, _ = chunked(exact, tokens, [64])
+    prompt, _ = chunked(model, tokens, [64])
+    fed, _ = one_by_one(model, tokens, path=True)
+    assert (prompt - want).norm() * 10 < (fed - want).norm()
+

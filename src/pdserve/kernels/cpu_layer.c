@@ -26,6 +26,9 @@
 __m256 pd_exp_ps(__m256 x);
 int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
               const float *scale, const float *zero, int64_t n, float *y, int threads);
+int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                      const float *scale, const float *zero, int64_t n, float *y,
+                      int threads);
 int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
                         int64_t page_stride, int64_t page_size, int64_t kv_heads,
                         int64_t head_dim, int64_t heads, const int64_t *tables,
@@ -59,6 +62,7 @@ struct pd_model {
  * and its keys as cpu_attention.c reads them */
 struct pd_round {
     int64_t batch;
+    int64_t precise;            /* the leading rows (a prompt's) multiplied precisely */
     const int64_t *positions, *slots;
     const int64_t *tables, *base, *begin, *end;
     int64_t table_width, page_size, page_stride;
@@ -78,12 +82,19 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
     }
 }
 
+/* n a multiple of 8: the squares summed in eight lanes, then across */
 static void rms_norm_rows(const float *h, const float *w, int64_t rows, int64_t n, float eps,
                           float *x) {
     for (int64_t r = 0; r < rows; r++) {
         const float *hr = h + r * n;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) sum += hr[i] * hr[i];
+        __m256 lanes = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(hr + i);
+            lanes = _mm256_fmadd_ps(v, v, lanes);
+        }
+        float part[8], sum = 0.0f;
+        _mm256_storeu_ps(part, lanes);
+        for (int i = 0; i < 8; i++) sum += part[i];
         const float inv = 1.0f / sqrtf(sum / (float)n + eps);
         for (int64_t i = 0; i < n; i++) x[r * n + i] = hr[i] * inv * w[i];
     }
@@ -107,8 +118,16 @@ static void store_row(void *pages, int64_t at, const float *src, int64_t n, int 
 }
 
 /* x . w for rows, into y [rows][w.rows] */
-static int mm(const struct pd_matmul *w, const float *x, int64_t rows, float *y, int threads) {
-    return pd_linear((int)w->bits, x, rows, w->k, w->w, w->scale, w->zero, w->rows, y, threads);
+static int mm(const struct pd_matmul *w, const float *x, int64_t rows, int64_t precise,
+              float *y, int threads) {
+    const int bits = (int)w->bits;
+    if (precise > 0 && pd_linear_precise(bits, x, precise, w->k, w->w, w->scale, w->zero,
+                                         w->rows, y, threads))
+        return -1;
+    return rows > precise ? pd_linear(bits, x + precise * w->k, rows - precise, w->k, w->w,
+                                      w->scale, w->zero, w->rows, y + precise * w->rows,
+                                      threads)
+                          : 0;
 }
 
 /* h [batch][hidden], updated in place. Returns 0, or -1 when scratch could
@@ -128,7 +147,7 @@ int pd_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd
     if (!x || !y || !q || !o || !res) goto done;
 
     rms_norm_rows(h, L->ln1, B, hid, M->eps, x);
-    if (mm(&L->qkv, x, B, y, threads)) goto done;
+    if (mm(&L->qkv, x, B, R->precise, y, threads)) goto done;
     for (int64_t b = 0; b < B; b++) {
         float *row = y + b * L->qkv.rows;
         if (L->qkv_bias)
@@ -137,7 +156,8 @@ int pd_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd
         /* q's and k's heads rotate alike: x * cos + roll(x, d / 2) * sin */
         for (int64_t head = 0; head < M->heads + M->kv_heads; head++) {
             float *v = row + head * d, rot[d];
-            for (int64_t i = 0; i < d; i++) rot[i] = v[i] * c[i] + v[(i + half) % d] * s[i];
+            for (int64_t i = 0; i < half; i++) rot[i] = v[i] * c[i] + v[i + half] * s[i];
+            for (int64_t i = half; i < d; i++) rot[i] = v[i] * c[i] + v[i - half] * s[i];
             memcpy(head < M->heads ? q + b * qd + head * d : v, rot, sizeof(float) * (size_t)d);
         }
         const int64_t slot = R->slots[b];
@@ -152,15 +172,15 @@ int pd_layer(const struct pd_model *M, const struct pd_layer *L, const struct pd
                             M->kv_heads, d, M->heads, R->tables, R->table_width, R->base,
                             R->begin, R->end, B, M->scale, 0.0f, o, threads))
         goto done;
-    if (mm(&L->o, o, B, res, threads)) goto done;
+    if (mm(&L->o, o, B, R->precise, res, threads)) goto done;
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < hid; i++) h[b * hid + i] += res[b * L->o.rows + i];
 
     rms_norm_rows(h, L->ln2, B, hid, M->eps, x);
-    if (mm(&L->gate_up, x, B, y, threads)) goto done;
+    if (mm(&L->gate_up, x, B, R->precise, y, threads)) goto done;
     for (int64_t b = 0; b < B; b++)
         silu_mul(y + b * L->gate_up.rows, y + b * L->gate_up.rows + inter, inter, x + b * inter);
-    if (mm(&L->down, x, B, res, threads)) goto done;
+    if (mm(&L->down, x, B, R->precise, res, threads)) goto done;
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < hid; i++) h[b * hid + i] += res[b * L->down.rows + i];
     rc = 0;

@@ -15,13 +15,19 @@ Every row takes it, a decode row, a verify row or a prefill chunk's: each
 is a query at its position over its sequence's keys up to its own
 (attention.row_spans; a chunk's K/V are written before any of its rows
 attends), computed on its own. So a row's bits depend neither on what
-shares its round nor on how its prompt was chunked: a prompt prefilled at
-once leaves the same logits and K/V as one fed a token a round. Prefill
-rows also multiply the quantized weights rather than a dense copy, as
-llama.cpp does, which is what took a 16-row prefill from 65 to 28 ms
-served. A model it does not fit (other layer kinds, LoRA enabled, dense
-weights, PDSERVE_CPU_KERNELS=torch) never takes it, for any row.
-`native_layers_for` says which, and why.
+shares its round nor on how its prompt was chunked.
+
+A prompt's rows (a round's leading prefill rows) multiply at about 15
+bits of activation precision: two 8-bit passes, the activations and
+their rounding error (cpu_matmul.c's pd_linear_precise), and their
+logits take the head's dense copy. One 8-bit pass, as llama.cpp runs a
+prompt, changed SmolLM2's answer to "What is the capital of France?" to
+llama.cpp's own ("L'Étoile, la Marseillaise, ..."); decode rows, whose
+error is not read back by every later token, keep one pass. Served, a
+16-row prefill took 42-58 ms this way, against 65-74 ms through the dense
+copy and 28 ms in one pass. A model it does not fit (other layer kinds,
+LoRA enabled, dense weights, PDSERVE_CPU_KERNELS=torch) never takes it,
+for any row. `native_layers_for` says which, and why.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class _Model(ctypes.Structure):
 
 
 class _Round(ctypes.Structure):
-    _fields_ = [("batch", _i64), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
+    _fields_ = [("batch", _i64), ("precise", _i64), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
                 ("base", _ptr), ("begin", _ptr), ("end", _ptr), ("table_width", _i64),
                 ("page_size", _i64), ("page_stride", _i64), ("bf16", ctypes.c_int)]
 
@@ -131,7 +137,9 @@ class NativeLayers:
         slots = meta.slot_mapping.to(torch.long).contiguous()
         x = h.to(torch.float32, copy=True).contiguous()
         rows = x.shape[0]
-        rnd = _Round(rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        # a prompt's rows (first in row order) at 15 bits of activation precision
+        rnd = _Round(rows, meta.prefill_rows(), positions.data_ptr(), slots.data_ptr(),
+                     tables.data_ptr(),
                      base.data_ptr(), begin.data_ptr(), end.data_ptr(), tables.shape[1],
                      k0.shape[1], k0.stride(0), int(k0.dtype == torch.bfloat16))
         shape, at = ctypes.addressof(self.shape), ctypes.addressof(rnd)

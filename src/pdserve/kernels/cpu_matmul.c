@@ -32,7 +32,6 @@
 
 #define GROUP 32            /* weights per block, and activations per scale */
 #define COLS 8              /* output rows per weight group */
-#define TILE 4              /* rows of x that share one pass over a group */
 
 /* x's rows as blocks of GROUP signed bytes q, their scales d and d * sum(q) */
 static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, float *s) {
@@ -100,7 +99,7 @@ static inline VNNI __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) {
  * pairing), unsigned, and zero applies; 8 bits: signed bytes, and
  * vpmaddubsw/vpdpbusd multiply unsigned by signed, so a signed weight lends
  * its sign to the activation. Defined once per dot product. */
-#define GROUP_ROWS(NAME, DOT, ATTR)                                                          \
+#define GROUP_ROWS(NAME, DOT, ATTR, TILE)                                                   \
 static inline __attribute__((always_inline)) ATTR void NAME(                                \
         int bits, const int8_t *xq, const float *xd, const float *xs, int64_t r0, int rows, \
         int64_t nb, const uint8_t *wg, const float *sg, const float *zg, int64_t n,         \
@@ -150,7 +149,7 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
 }
 
 /* All of a group's rows, each width's loop compiled on its own */
-#define ALL_ROWS(NAME, ROWS, ATTR)                                                             \
+#define ALL_ROWS(NAME, ROWS, ATTR, TILE)                                                    \
 static ATTR void NAME(int bits, const int8_t *xq, const float *xd, const float *xs,         \
                       int64_t m, int64_t nb, const uint8_t *wg, const float *sg,            \
                       const float *zg, int64_t n, float *y) {                               \
@@ -161,11 +160,13 @@ static ATTR void NAME(int bits, const int8_t *xq, const float *xd, const float *
     }                                                                                       \
 }
 
-GROUP_ROWS(group_rows_avx2, dot4_avx2, )
-ALL_ROWS(group_avx2, group_rows_avx2, )
+/* TILE: rows of x that share one pass over a group's weights; AVX2's 16
+ * vector registers hold 4 rows' sums beside the weights, AVX-512's 32 hold 8 */
+GROUP_ROWS(group_rows_avx2, dot4_avx2, , 4)
+ALL_ROWS(group_avx2, group_rows_avx2, , 4)
 #ifdef HAVE_VNNI
-GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI)
-ALL_ROWS(group_vnni, group_rows_vnni, VNNI)
+GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI, 8)
+ALL_ROWS(group_vnni, group_rows_vnni, VNNI, 8)
 #endif
 
 /* 1 where this build and CPU have AVX512-VNNI (with VL for 256-bit
@@ -234,4 +235,30 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
     pd_run(product_group, &p, n / COLS, m >= 16 ? 1 : 16 / m, threads);
     free(xq); free(xd); free(xs);
     return 0;
+}
+
+/* pd_linear with about 15 bits of activation precision where 8 fall
+ * short (a prompt's rows, whose K/V every later token reads): x's 8-bit
+ * blocks times w, plus their rounding error's own 8-bit blocks times w.
+ * Twice the integer work; the weights stay the file's. */
+int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                      const float *scale, const float *zero, int64_t n, float *y,
+                      int threads) {
+    const int64_t nb = k / GROUP;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xd = malloc(sizeof(float) * (size_t)(m * nb));
+    float *xs = malloc(sizeof(float) * (size_t)(m * nb));
+    float *r = malloc(sizeof(float) * (size_t)(m * k));
+    float *y2 = malloc(sizeof(float) * (size_t)(m * n));
+    int rc = -1;
+    if (xq && xd && xs && r && y2) {
+        quantize_rows(x, m * nb, xq, xd, xs);
+        for (int64_t i = 0; i < m * k; i++) r[i] = x[i] - (float)xq[i] * xd[i / GROUP];
+        rc = pd_linear(bits, x, m, k, w, scale, zero, n, y, threads) ||
+             pd_linear(bits, r, m, k, w, scale, zero, n, y2, threads) ? -1 : 0;
+        if (!rc)
+            for (int64_t i = 0; i < m * n; i++) y[i] += y2[i];
+    }
+    free(xq); free(xd); free(xs); free(r); free(y2);
+    return rc;
 }

@@ -285,7 +285,9 @@ class DecoderModel(PagedDecoder):
                                                        for layer in self.layers])
             if out is not None:
                 h = rms_norm(out[logits_indices].to(h.dtype), self.norm, c.rms_norm_eps)
-                return self.head(h).float()
+                # a prompt's logits rows (first in row order) through the head's dense copy
+                prompt = int((logits_indices < metas[0].prefill_rows()).sum())
+                return self.head(h, prompt).float()
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
