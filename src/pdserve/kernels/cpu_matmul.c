@@ -231,8 +231,13 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
     quantize_rows(x, m * nb, xq, xd, xs);
     struct product p = {bits, pd_has_vnni(), xq, xd, xs, m, nb, n, bits == 4 ? 16 : GROUP,
                         w, scale, zero, y};
-    /* a chunk of about 16 rows' worth of groups: enough work to pay for its claim */
-    pd_run(product_group, &p, n / COLS, m >= 16 ? 1 : 16 / m, threads);
+    /* chunks of about 128 rows' worth of groups, so that a claim (a cache
+     * line the workers pass between them) is paid for, but at least 16 of
+     * them, so that the workers end together */
+    const int64_t groups = n / COLS;
+    int64_t chunk = m >= 128 ? 1 : 128 / m;
+    if (chunk > groups / 16) chunk = groups / 16 > 0 ? groups / 16 : 1;
+    pd_run(product_group, &p, groups, chunk, threads);
     free(xq); free(xd); free(xs);
     return 0;
 }
