@@ -38,7 +38,8 @@ struct job {
     void *ctx;
     int64_t n, chunk;
     int workers;                /* helpers 1..workers-1 take part */
-    atomic_llong next, done;
+    _Alignas(64) atomic_llong next;     /* claimed and finished items, each on */
+    _Alignas(64) atomic_llong done;     /* a cache line of its own */
 };
 
 static struct job *_Atomic current;         /* the job in flight, or NULL */
