@@ -11,9 +11,8 @@ Q4_1 blocks. Two sets of kernels multiply them:
   file's blocks as stored, times each row quantized to 8-bit blocks of 32,
   in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
   round costs about 0.7x torch's kernels' at one row and 0.8x at eight;
-  with a Llama-family model's decode rows in one C call a layer
-  (cpu_layer.py), 0.44x and 0.52x on an AVX-512 host (`pdserve
-  bench quantized`).
+  with a Llama-family model's rows in one C call a layer (cpu_layer.py),
+  0.38x and 0.48x on an AVX-512 host (`pdserve bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
   PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
   `_weight_int4pack_mm_for_cpu` for 4 bits, groups of 32 along the input,
@@ -39,6 +38,9 @@ differ by the quantization's rounding, so a prefix hit on generated
 tokens, a retracted request's recompute or the disk tier can lead to other
 tokens than an uninterrupted run. The cost is memory: the dense copy plus the
 packed weights (a quarter of a bfloat16 copy for 4 bits, half for 8).
+Where a model's rows run pdserve's C layers (cpu_layer.py) every row,
+prompts included, takes the packed weights there, and the dense copy serves
+only a prompt's logits rows through the head.
 
 `QuantizedTensor` is the file's values as read (integers, per-group scale
 and zero), which the loader can permute and concatenate like a tensor
