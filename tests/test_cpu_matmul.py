@@ -96,3 +96,41 @@ def test_a_nan_in_a_row_makes_that_rows_products_nan(kind):
         y = mm(x2)
         assert y[1].isnan().all(), at
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
+
+
+_PRODUCT = """
+import sys, torch
+from tests.test_cpu_matmul import LIB, NativeMatmul, T, qtensor
+out = []
+for kind in (T.Q8_0, T.Q4_1, T.Q4_0):
+    qt = qtensor(kind, 64, 576, seed=3)
+    torch.manual_seed(0)
+    out.append(NativeMatmul(qt.q, qt.scale, qt.zero, qt.bits, LIB)(torch.randn(11, 576) * 3, 1))
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_lib
+def test_vnni_and_avx2_give_the_same_bits(tmp_path):
+    """Both dot products sum the same integers (VNNI's 8-bit weights biased
+    by 128 and the bias taken back out of the sum, AVX2's signs moved onto
+    the activations), then take the same float steps: PDSERVE_NO_VNNI
+    changes the speed, never the bits (on a CPU without VNNI both runs
+    take AVX2's path)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    outs = []
+    for no_vnni in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_NO_VNNI"}
+        if no_vnni:
+            env["PDSERVE_NO_VNNI"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+        path = tmp_path / f"{no_vnni}.pt"
+        subprocess.run([sys.executable, "-c", _PRODUCT, str(path)], env=env, check=True,
+                       cwd=root, timeout=300)
+        outs.append(torch.load(path))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

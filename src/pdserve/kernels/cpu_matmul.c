@@ -33,8 +33,10 @@
 #define GROUP 32            /* weights per block, and activations per scale */
 #define COLS 8              /* output rows per weight group */
 
-/* x's rows as blocks of GROUP signed bytes q, their scales d and d * sum(q) */
-static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, float *s) {
+/* x's rows as blocks of GROUP signed bytes q, their scales d, d * sum(q)
+ * and sum(q) */
+static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, float *s,
+                          int32_t *sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < blocks; i++) {
         const float *xb = x + i * GROUP;
@@ -67,7 +69,8 @@ static void quantize_rows(const float *x, int64_t blocks, int8_t *q, float *d, f
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + i * GROUP), p);
         d[i] = di;
-        s[i] = di * (float)_mm_cvtsi128_si32(s4);
+        sums[i] = _mm_cvtsi128_si32(s4);
+        s[i] = di * (float)sums[i];
     }
 }
 
@@ -99,11 +102,11 @@ static inline VNNI __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) {
  * pairing), unsigned, and zero applies; 8 bits: signed bytes, and
  * vpmaddubsw/vpdpbusd multiply unsigned by signed, so a signed weight lends
  * its sign to the activation. Defined once per dot product. */
-#define GROUP_ROWS(NAME, DOT, ATTR, TILE)                                                   \
+#define GROUP_ROWS(NAME, DOT, ATTR, TILE, BIASED)                                           \
 static inline __attribute__((always_inline)) ATTR void NAME(                                \
-        int bits, const int8_t *xq, const float *xd, const float *xs, int64_t r0, int rows, \
-        int64_t nb, const uint8_t *wg, const float *sg, const float *zg, int64_t n,         \
-        float *y) {                                                                         \
+        int bits, const int8_t *xq, const float *xd, const float *xs, const int32_t *xn,    \
+        int64_t r0, int rows, int64_t nb, const uint8_t *wg, const float *sg,               \
+        const float *zg, int64_t n, float *y) {                                             \
     const __m256i low = _mm256_set1_epi8(0x0F);                                             \
     __m256 acc[TILE];                                                                       \
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();                            \
@@ -117,8 +120,10 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
                 wq[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);               \
             }                                                                               \
         else                                                                                \
-            for (int j = 0; j < 8; j++)                                                     \
+            for (int j = 0; j < 8; j++) {                                                   \
                 wq[j] = _mm256_loadu_si256((const __m256i *)(wg + (b * 8 + j) * 32));       \
+                if (BIASED) wq[j] = _mm256_xor_si256(wq[j], _mm256_set1_epi8((char)0x80));  \
+            }                                                                               \
         const __m256 sc = _mm256_loadu_ps(sg + b * COLS);                                   \
         for (int r = 0; r < rows; r++) {                                                    \
             const int64_t xi = (r0 + r) * nb + b;                                           \
@@ -128,9 +133,11 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
                 int32_t four;                                                               \
                 memcpy(&four, xb + 4 * j, 4);                                               \
                 const __m256i xv = _mm256_set1_epi32(four);                                 \
-                sum = bits == 4 ? DOT(sum, wq[j], xv)                                       \
+                sum = bits == 4 || BIASED ? DOT(sum, wq[j], xv)                             \
                     : DOT(sum, _mm256_sign_epi8(wq[j], wq[j]), _mm256_sign_epi8(xv, wq[j]));   \
             }                                                                               \
+            if (bits == 8 && BIASED)            /* sum((w + 128) q) - 128 sum(q) */          \
+                sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * xn[xi]));               \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                               \
                                      _mm256_mul_ps(sc, _mm256_set1_ps(xd[xi])), acc[r]);    \
         }                                                                                   \
@@ -151,21 +158,21 @@ static inline __attribute__((always_inline)) ATTR void NAME(                    
 /* All of a group's rows, each width's loop compiled on its own */
 #define ALL_ROWS(NAME, ROWS, ATTR, TILE)                                                    \
 static ATTR void NAME(int bits, const int8_t *xq, const float *xd, const float *xs,         \
-                      int64_t m, int64_t nb, const uint8_t *wg, const float *sg,            \
-                      const float *zg, int64_t n, float *y) {                               \
+                      const int32_t *xn, int64_t m, int64_t nb, const uint8_t *wg,          \
+                      const float *sg, const float *zg, int64_t n, float *y) {              \
     for (int64_t r0 = 0; r0 < m; r0 += TILE) {                                              \
         const int rows = m - r0 < TILE ? (int)(m - r0) : TILE;                              \
-        if (bits == 4) ROWS(4, xq, xd, xs, r0, rows, nb, wg, sg, zg, n, y);                 \
-        else ROWS(8, xq, xd, xs, r0, rows, nb, wg, sg, NULL, n, y);                         \
+        if (bits == 4) ROWS(4, xq, xd, xs, xn, r0, rows, nb, wg, sg, zg, n, y);             \
+        else ROWS(8, xq, xd, xs, xn, r0, rows, nb, wg, sg, NULL, n, y);                     \
     }                                                                                       \
 }
 
 /* TILE: rows of x that share one pass over a group's weights; AVX2's 16
  * vector registers hold 4 rows' sums beside the weights, AVX-512's 32 hold 8 */
-GROUP_ROWS(group_rows_avx2, dot4_avx2, , 4)
+GROUP_ROWS(group_rows_avx2, dot4_avx2, , 4, 0)
 ALL_ROWS(group_avx2, group_rows_avx2, , 4)
 #ifdef HAVE_VNNI
-GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI, 8)
+GROUP_ROWS(group_rows_vnni, dot4_vnni, VNNI, 8, 1)
 ALL_ROWS(group_vnni, group_rows_vnni, VNNI, 8)
 #endif
 
@@ -193,6 +200,7 @@ struct product {
     int bits, vnni;
     const int8_t *xq;
     const float *xd, *xs;
+    const int32_t *xn;
     int64_t m, nb, n, wbytes;
     const uint8_t *w;
     const float *scale, *zero;
@@ -208,28 +216,31 @@ static void product_group(void *ctx, int64_t g, int worker) {
     const float *zg = p->bits == 4 ? p->zero + g * p->nb * COLS : NULL;
 #ifdef HAVE_VNNI
     if (p->vnni) {
-        group_vnni(p->bits, p->xq, p->xd, p->xs, p->m, p->nb, wg, sg, zg, p->n, p->y + g * COLS);
+        group_vnni(p->bits, p->xq, p->xd, p->xs, p->xn, p->m, p->nb, wg, sg, zg, p->n,
+                   p->y + g * COLS);
         return;
     }
 #endif
-    group_avx2(p->bits, p->xq, p->xd, p->xs, p->m, p->nb, wg, sg, zg, p->n, p->y + g * COLS);
+    group_avx2(p->bits, p->xq, p->xd, p->xs, p->xn, p->m, p->nb, wg, sg, zg, p->n,
+               p->y + g * COLS);
 }
 
 /* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32; groups shared
- * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker). Returns 0, or -1 when the
- * activations' scratch could not be allocated. */
+ * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker).
+ * Returns 0, or -1 when the activations' scratch could not be allocated. */
 int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
               const float *scale, const float *zero, int64_t n, float *y, int threads) {
     const int64_t nb = k / GROUP;
     int8_t *xq = malloc((size_t)(m * k));
     float *xd = malloc(sizeof(float) * (size_t)(m * nb));
     float *xs = malloc(sizeof(float) * (size_t)(m * nb));
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
+    int32_t *xn = malloc(sizeof(int32_t) * (size_t)(m * nb));
+    if (!xq || !xd || !xs || !xn) {
+        free(xq); free(xd); free(xs); free(xn);
         return -1;
     }
-    quantize_rows(x, m * nb, xq, xd, xs);
-    struct product p = {bits, pd_has_vnni(), xq, xd, xs, m, nb, n, bits == 4 ? 16 : GROUP,
+    quantize_rows(x, m * nb, xq, xd, xs, xn);
+    struct product p = {bits, pd_has_vnni(), xq, xd, xs, xn, m, nb, n, bits == 4 ? 16 : GROUP,
                         w, scale, zero, y};
     /* chunks of about 128 rows' worth of groups, so that a claim (a cache
      * line the workers pass between them) is paid for, but at least 16 of
@@ -238,7 +249,7 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
     int64_t chunk = m >= 128 ? 1 : 128 / m;
     if (chunk > groups / 16) chunk = groups / 16 > 0 ? groups / 16 : 1;
     pd_run(product_group, &p, groups, chunk, threads);
-    free(xq); free(xd); free(xs);
+    free(xq); free(xd); free(xs); free(xn);
     return 0;
 }
 
@@ -253,17 +264,18 @@ int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint
     int8_t *xq = malloc((size_t)(m * k));
     float *xd = malloc(sizeof(float) * (size_t)(m * nb));
     float *xs = malloc(sizeof(float) * (size_t)(m * nb));
+    int32_t *xn = malloc(sizeof(int32_t) * (size_t)(m * nb));
     float *r = malloc(sizeof(float) * (size_t)(m * k));
     float *y2 = malloc(sizeof(float) * (size_t)(m * n));
     int rc = -1;
-    if (xq && xd && xs && r && y2) {
-        quantize_rows(x, m * nb, xq, xd, xs);
+    if (xq && xd && xs && xn && r && y2) {
+        quantize_rows(x, m * nb, xq, xd, xs, xn);
         for (int64_t i = 0; i < m * k; i++) r[i] = x[i] - (float)xq[i] * xd[i / GROUP];
         rc = pd_linear(bits, x, m, k, w, scale, zero, n, y, threads) ||
              pd_linear(bits, r, m, k, w, scale, zero, n, y2, threads) ? -1 : 0;
         if (!rc)
             for (int64_t i = 0; i < m * n; i++) y[i] += y2[i];
     }
-    free(xq); free(xd); free(xs); free(r); free(y2);
+    free(xq); free(xd); free(xs); free(xn); free(r); free(y2);
     return rc;
 }
