@@ -78,9 +78,10 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     if device == "cpu":
         import torch
 
+        shared = share_kernel_cores(base.cpu_threads)
         log.info("%s: %d torch threads (engine.cpu_threads; OMP_NUM_THREADS=%s), pdserve's "
                  "kernels shared among %d", name, torch.get_num_threads(),
-                 os.environ.get("OMP_NUM_THREADS", "unset"), share_kernel_cores(base.cpu_threads))
+                 os.environ.get("OMP_NUM_THREADS", "unset"), shared)
     transport = None
     if kind is not Role.FUSED:
         from pdserve.roles.tp_transfer import register_transfer_pools

@@ -63,8 +63,9 @@ class _Model(ctypes.Structure):
 
 
 class _Round(ctypes.Structure):
-    _fields_ = [("batch", _i64), ("precise", _i64), ("positions", _ptr), ("slots", _ptr), ("tables", _ptr),
-                ("base", _ptr), ("begin", _ptr), ("end", _ptr), ("table_width", _i64),
+    _fields_ = [("batch", _i64), ("precise", _i64), ("positions", _ptr), ("slots", _ptr),
+                ("tables", _ptr), ("base", _ptr), ("begin", _ptr), ("end", _ptr),
+                ("table_width", _i64),
                 ("page_size", _i64), ("page_stride", _i64), ("bf16", ctypes.c_int)]
 
 
@@ -139,12 +140,12 @@ class NativeLayers:
         rows = x.shape[0]
         # a prompt's rows (first in row order) at 15 bits of activation precision
         rnd = _Round(rows, meta.prefill_rows(), positions.data_ptr(), slots.data_ptr(),
-                     tables.data_ptr(),
-                     base.data_ptr(), begin.data_ptr(), end.data_ptr(), tables.shape[1],
-                     k0.shape[1], k0.stride(0), int(k0.dtype == torch.bfloat16))
+                     tables.data_ptr(), base.data_ptr(), begin.data_ptr(), end.data_ptr(),
+                     tables.shape[1], k0.shape[1], k0.stride(0),
+                     int(k0.dtype == torch.bfloat16))
         shape, at = ctypes.addressof(self.shape), ctypes.addressof(rnd)
         for layer, (k, v) in zip(self.layers, pages):
             if self.lib.pd_layer(shape, ctypes.addressof(layer), at, x.data_ptr(),
-                                        k.data_ptr(), v.data_ptr(), 0):
+                                 k.data_ptr(), v.data_ptr(), 0):
                 raise MemoryError(f"pd_layer could not allocate {rows} rows' scratch")
         return x
