@@ -250,3 +250,23 @@ def test_a_prompts_rows_are_nearer_the_files_exact_values_than_decode_rows():
     fed, _ = one_by_one(model, tokens, path=True)
     assert (prompt - want).norm() * 10 < (fed - want).norm()
 
+
+
+@needs_lib
+def test_verify_rows_compute_as_decode_rows():
+    """A speculative round's verify rows take the same one-pass path as
+    decode rows: three tokens verified at once give the bits they give fed
+    a round each."""
+    model = small_model(True, None, torch.float32)
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    fed, _ = one_by_one(model, tokens, path=True)
+    table = list(range(-(-len(tokens) // PS)))
+    cache = model.new_cache(len(table), PS)
+    for t, tok in enumerate(tokens[:37]):          # the history, as decode rows
+        meta = BatchMeta([SeqMeta(0, 1, t + 1, table)], torch.tensor([t]), torch.tensor([t]),
+                         num_decodes=1)
+        model.forward(torch.tensor([tok]), meta, cache, torch.tensor([0]))
+    rows = torch.arange(37, 40)
+    meta = BatchMeta([SeqMeta(0, 3, 40, table)], rows, rows, num_verifies=1)
+    verified = model.forward(torch.tensor(tokens[37:]), meta, cache, torch.arange(3))
+    assert torch.equal(verified, fed[37:])
