@@ -65,8 +65,8 @@ class _Model(ctypes.Structure):
 class _Round(ctypes.Structure):
     _fields_ = [("batch", _i64), ("precise", _i64), ("positions", _ptr), ("slots", _ptr),
                 ("tables", _ptr), ("base", _ptr), ("begin", _ptr), ("end", _ptr),
-                ("table_width", _i64),
-                ("page_size", _i64), ("page_stride", _i64), ("bf16", ctypes.c_int)]
+                ("table_width", _i64), ("page_size", _i64), ("page_stride", _i64),
+                ("bf16", ctypes.c_int)]
 
 
 def _matmul(m: NativeMatmul) -> _Matmul:

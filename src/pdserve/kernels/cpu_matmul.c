@@ -225,23 +225,38 @@ static void product_group(void *ctx, int64_t g, int worker) {
                p->y + g * COLS);
 }
 
-/* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32; groups shared
- * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker).
- * Returns 0, or -1 when the activations' scratch could not be allocated. */
-int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
-              const float *scale, const float *zero, int64_t n, float *y, int threads) {
-    const int64_t nb = k / GROUP;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xd = malloc(sizeof(float) * (size_t)(m * nb));
-    float *xs = malloc(sizeof(float) * (size_t)(m * nb));
-    int32_t *xn = malloc(sizeof(int32_t) * (size_t)(m * nb));
-    if (!xq || !xd || !xs || !xn) {
-        free(xq); free(xd); free(xs); free(xn);
+/* m rows of k activations as quantize_rows leaves them */
+struct activations {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sums;
+};
+
+static void release(struct activations *a) {
+    free(a->q); free(a->d); free(a->s); free(a->sums);
+}
+
+/* x's rows quantized into a; -1 (a released) when scratch is short */
+static int quantize(const float *x, int64_t m, int64_t k, struct activations *a) {
+    const int64_t blocks = m * (k / GROUP);
+    a->q = malloc((size_t)(m * k));
+    a->d = malloc(sizeof(float) * (size_t)blocks);
+    a->s = malloc(sizeof(float) * (size_t)blocks);
+    a->sums = malloc(sizeof(int32_t) * (size_t)blocks);
+    if (!a->q || !a->d || !a->s || !a->sums) {
+        release(a);
         return -1;
     }
-    quantize_rows(x, m * nb, xq, xd, xs, xn);
-    struct product p = {bits, pd_has_vnni(), xq, xd, xs, xn, m, nb, n, bits == 4 ? 16 : GROUP,
-                        w, scale, zero, y};
+    quantize_rows(x, blocks, a->q, a->d, a->s, a->sums);
+    return 0;
+}
+
+/* y [m, n] = a . w^T, groups shared with up to `threads` workers */
+static void multiply(int bits, const struct activations *a, int64_t m, int64_t k,
+                     const uint8_t *w, const float *scale, const float *zero, int64_t n,
+                     float *y, int threads) {
+    struct product p = {bits, pd_has_vnni(), a->q, a->d, a->s, a->sums, m, k / GROUP, n,
+                        bits == 4 ? 16 : GROUP, w, scale, zero, y};
     /* chunks of about 128 rows' worth of groups, so that a claim (a cache
      * line the workers pass between them) is paid for, but at least 16 of
      * them, so that the workers end together */
@@ -249,7 +264,17 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
     int64_t chunk = m >= 128 ? 1 : 128 / m;
     if (chunk > groups / 16) chunk = groups / 16 > 0 ? groups / 16 : 1;
     pd_run(product_group, &p, groups, chunk, threads);
-    free(xq); free(xd); free(xs); free(xn);
+}
+
+/* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32; groups shared
+ * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker).
+ * Returns 0, or -1 when the activations' scratch could not be allocated. */
+int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
+              const float *scale, const float *zero, int64_t n, float *y, int threads) {
+    struct activations a;
+    if (quantize(x, m, k, &a)) return -1;
+    multiply(bits, &a, m, k, w, scale, zero, n, y, threads);
+    release(&a);
     return 0;
 }
 
@@ -260,22 +285,21 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
 int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
                       const float *scale, const float *zero, int64_t n, float *y,
                       int threads) {
-    const int64_t nb = k / GROUP;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xd = malloc(sizeof(float) * (size_t)(m * nb));
-    float *xs = malloc(sizeof(float) * (size_t)(m * nb));
-    int32_t *xn = malloc(sizeof(int32_t) * (size_t)(m * nb));
+    struct activations a, e;
     float *r = malloc(sizeof(float) * (size_t)(m * k));
     float *y2 = malloc(sizeof(float) * (size_t)(m * n));
     int rc = -1;
-    if (xq && xd && xs && xn && r && y2) {
-        quantize_rows(x, m * nb, xq, xd, xs, xn);
-        for (int64_t i = 0; i < m * k; i++) r[i] = x[i] - (float)xq[i] * xd[i / GROUP];
-        rc = pd_linear(bits, x, m, k, w, scale, zero, n, y, threads) ||
-             pd_linear(bits, r, m, k, w, scale, zero, n, y2, threads) ? -1 : 0;
-        if (!rc)
+    if (r && y2 && !quantize(x, m, k, &a)) {
+        for (int64_t i = 0; i < m * k; i++) r[i] = x[i] - (float)a.q[i] * a.d[i / GROUP];
+        if (!quantize(r, m, k, &e)) {
+            multiply(bits, &a, m, k, w, scale, zero, n, y, threads);
+            multiply(bits, &e, m, k, w, scale, zero, n, y2, threads);
             for (int64_t i = 0; i < m * n; i++) y[i] += y2[i];
+            release(&e);
+            rc = 0;
+        }
+        release(&a);
     }
-    free(xq); free(xd); free(xs); free(xn); free(r); free(y2);
+    free(r); free(y2);
     return rc;
 }
