@@ -9,6 +9,9 @@
 # steps shrink or are skipped when it runs out; PDSERVE_CHECK_BUDGET_S):
 #   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions
 #   import    torch sees the GPU; flashinfer and nixl import
+#   capture   the captured decode step against the eager one: the device test
+#             (tests/test_capture_device.py) and pdserve bench capture
+#             (issue 40's GPU figures; first, since it needs no flashinfer)
 #   warm      flashinfer's kernels compiled, every module the later steps use
 #             (tools/gpu/warm_kernels.py: the loader's warm_up, in parallel)
 #   tests     pytest -m device tests/test_device.py
@@ -16,9 +19,9 @@
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
 #   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
 #   keep      the compiled flashinfer modules, for a later run to reuse
-# OUTDIR receives at most 8 files: log.txt (everything), steps.tsv (step, exit
-# status, seconds), warm.json, device-tests.xml, per_row.json,
-# bench_llm.txt, bench_transfer.txt and flashinfer-jit.tar.xz.
+# OUTDIR receives at most 8 files: log.txt (everything, the tests' results
+# too), steps.tsv (step, exit status, seconds), warm.json, per_row.json,
+# bench_capture.txt, bench_llm.txt, bench_transfer.txt and flashinfer-jit.tar.xz.
 #
 # --dry-run runs the same steps on this machine's CPU: the wheelhouse's
 # archives are verified instead of installed, flashinfer is the stand-in
@@ -34,7 +37,7 @@ while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z $OUT ]] && OUT=$1 || usage ;;
     esac
@@ -112,6 +115,9 @@ except ImportError as e:
 else:
     raise SystemExit("ray imported, but the GPU host has none")
 print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
+    step capture 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device \
+        tests/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
+        '$PY' -m pdserve.cli.main bench capture --device cuda"
     step warm 120 "$PY" tools/gpu/warm_kernels.py "${FAKE[@]}" --out "$OUT/warm.json"
     step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/test_device.py \
         --collect-only
@@ -143,9 +149,11 @@ print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda,
       torch.cuda.get_device_name(0), "sm%d%d" % torch.cuda.get_device_capability(0))
 import flashinfer, nixl, pdserve
 print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pdserve.__file__)'
+    step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
+        -rA -s tests/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
+        --device cuda 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
     step warm 240 "$PY" tools/gpu/warm_kernels.py --out "$OUT/warm.json"
-    step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/test_device.py -rA \
-        --junitxml="$OUT/device-tests.xml"
+    step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/test_device.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \

@@ -60,6 +60,9 @@ BENCHMARKS = [
     Subcommand("loop", "pdserve.benchmarks.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),
+    Subcommand("capture", "pdserve.benchmarks.capture",
+               "the captured decode step (CUDA graphs; torch.compile on CPU) against the eager "
+               "one at batch 1, 16 and 64, and the capture's time at load"),
     Subcommand("tp-plan", "pdserve.benchmarks.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),

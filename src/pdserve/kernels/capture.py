@@ -132,6 +132,11 @@ class DecodeCapture:
         self.capture_s = 0.0
         self.replays = 0
 
+    @property
+    def steps(self) -> int:
+        """How many (batch, width) buckets are built."""
+        return len(self._buckets)
+
     # ---- building ------------------------------------------------------
 
     def _bucket(self, b: int, w: int) -> _Bucket:

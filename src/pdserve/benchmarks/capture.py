@@ -1,0 +1,194 @@
+"""`pdserve bench capture`: the captured decode step (kernels/capture.py)
+against the eager one, on the same model, side by side in one process.
+
+Each model is a shape with seeded random weights (nothing downloaded):
+`smollm2-135m` is the default model's shape (30 layers, hidden 576, 9
+query and 3 KV heads of 64, a 49152-token vocabulary), `llama-110m` the
+one `bench llm` uses. Attention is torch's, the backend a captured step
+runs (flashinfer rounds stay eager).
+
+First the capture as an engine does it at load: every batch bucket up to
+`--max-batch-size` times every table-width bucket up to `--max-context`
+tokens, recorded (CUDA graphs on a GPU) or compiled (torch.compile on
+CPU); its seconds, how many steps, and the device memory they keep.
+Then decode rounds of each `--batches` size, every row `--context` tokens
+into its history: the eager forward and the captured one take turns,
+`--rounds` of each a turn, `--repeats` turns; the table gives each one's
+median and the spread of the turns' medians, the ratio, and the largest
+logit difference between the two (what the capture must keep under 1e-5
+in float32).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from pdserve.benchmarks.args import positive
+
+# ModelConfig fields of each shape (Llama architecture, random weights)
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, max_position=8192,
+                         tie_word_embeddings=True),
+    "llama-110m": dict(vocab_size=16000, hidden_size=768, num_layers=12, num_heads=12,
+                       num_kv_heads=4, head_dim=64, intermediate_size=2048, max_position=4096),
+    "tiny": dict(vocab_size=98, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, intermediate_size=160),
+}
+MODES = ("cuda_graph", "compile", "static")
+PAGE = 16
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--models", nargs="+", choices=list(SHAPES), default=["smollm2-135m"],
+                   help="model shapes, random weights (smollm2-135m)")
+    p.add_argument("--dtype", nargs="+", choices=["bfloat16", "float32"],
+                   default=["bfloat16", "float32"], help="dtypes (both)")
+    p.add_argument("--batches", type=positive, nargs="+", default=[1, 16, 64],
+                   help="decode rows a round (1 16 64)")
+    p.add_argument("--context", type=positive, default=160,
+                   help="tokens of history per row (160: a 128-token prompt, 32 generated)")
+    p.add_argument("--max-batch-size", type=positive, default=256,
+                   help="the largest batch bucket captured, engine.max_batch_size (256)")
+    p.add_argument("--max-context", type=positive, default=8192,
+                   help="the widest table captured, in tokens (8192: SmolLM2's context, which "
+                        "an engine's max_context_tokens defaults to)")
+    p.add_argument("--rounds", type=positive, default=20, help="forwards a turn (20)")
+    p.add_argument("--repeats", type=positive, default=3, help="turns (3)")
+    p.add_argument("--device", default="cuda", help="cuda (CUDA graphs) or cpu (cuda)")
+    p.add_argument("--mode", choices=MODES,
+                   help="how the step is captured (default: cuda_graph on a GPU, compile on "
+                        "CPU; static runs the captured buffers eagerly)")
+
+
+def build(shape: str, dtype: str, device):
+    """The model of `shape` in `dtype` on `device`, torch attention."""
+    import torch
+
+    from pdserve.kernels.loader import attention_shape, build_model, load_backend
+    from pdserve.kernels.model import random_weights
+    from pdserve.kernels.model_config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", **SHAPES[shape])  # type: ignore[arg-type]
+    torch_dtype = getattr(torch, dtype)
+    backend = load_backend("torch", device, torch_dtype, attention_shape(cfg))
+    return build_model(cfg, random_weights(cfg, seed=0), torch_dtype, device, backend)
+
+
+def decode_round(model, batch: int, context: int, rng: random.Random):
+    """(ids, metas) of a decode round: `batch` rows, each decoding the token
+    after a `context`-token history in its own shuffled pages."""
+    import torch
+
+    from pdserve.kernels.attention import BatchMeta, SeqMeta
+
+    per = -(-(context + 1) // PAGE)
+    free = list(range(batch * per))
+    rng.shuffle(free)
+    seqs, slots = [], []
+    for i in range(batch):
+        table = [free.pop() for _ in range(per)]
+        seqs.append(SeqMeta(i, 1, context + 1, table))
+        slots.append(table[context // PAGE] * PAGE + context % PAGE)
+    dev = model.device
+    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
+                     torch.full((batch,), context, device=dev), num_decodes=batch)
+    ids = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(batch)], device=dev)
+    return ids, meta
+
+
+def _fresh(meta):
+    """The round's metas as the engine builds them each round (nothing
+    prepared yet), for the eager forward."""
+    from pdserve.kernels.attention import BatchMeta
+
+    return [BatchMeta(meta.seqs, meta.slot_mapping, meta.positions, meta.num_decodes,
+                      meta.window)]
+
+
+def _median_ms(fn, rounds: int, sync) -> float:
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}" if len(xs) > 1 else "-"
+
+
+def run(args) -> int:
+    from pdserve.kernels.loader import check_device
+
+    dev = check_device(args.device)     # first: a clear one-line error, nothing built
+    if max(args.batches) > args.max_batch_size or args.context + 1 > args.max_context:
+        raise SystemExit(f"pdserve bench capture: rounds of up to {max(args.batches)} rows of "
+                         f"{args.context + 1} tokens run eagerly past --max-batch-size "
+                         f"{args.max_batch_size} and --max-context {args.max_context}; raise "
+                         f"those or lower --batches and --context")
+    import torch
+
+    from pdserve.kernels.capture import CaptureMode, DecodeCapture
+
+    mode = CaptureMode(args.mode or ("cuda_graph" if dev.type == "cuda" else "compile"))
+    if mode is CaptureMode.CUDA_GRAPH and dev.type != "cuda":
+        raise SystemExit("pdserve bench capture: --mode cuda_graph needs --device cuda")
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    print(f"decode step captured ({mode.value}) against eager, on {name}, torch "
+          f"{torch.__version__}; rows of {args.context} tokens of history, pages of {PAGE}")
+    loads, rows = [], []
+    for shape in args.models:
+        for dtype in args.dtype:
+            model = build(shape, dtype, dev)
+            per = -(-(args.context + 1) // PAGE)
+            pages = max(args.batches) * per
+            caches = model.new_caches([pages + 1], PAGE)     # the last page: the scratch
+            torch.manual_seed(1)
+            for c in caches:
+                c.data.normal_()
+            cap = DecodeCapture(model, caches, mode, max_batch=args.max_batch_size,
+                                max_pages=-(-args.max_context // PAGE), windows=[None])
+            kept = torch.cuda.memory_reserved(dev) if cuda else 0
+            seconds = cap.capture()
+            kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
+            loads.append((shape, dtype, seconds, cap.steps, kept))
+            rng = random.Random(0)
+            for b in args.batches:
+                ids, meta = decode_round(model, b, args.context, rng)
+                eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
+                                                  torch.arange(b, device=dev))
+                captured_run = lambda: cap.run(ids, [meta])  # noqa: E731
+                diff = (captured_run().float() - eager_run().float()).abs().max().item()
+                eager, captured = [], []
+                for _ in range(args.repeats):
+                    eager.append(_median_ms(eager_run, args.rounds, sync))
+                    captured.append(_median_ms(captured_run, args.rounds, sync))
+                e, c = statistics.median(eager), statistics.median(captured)
+                rows.append((shape, dtype, b, e, _spread(eager), c, _spread(captured), e / c,
+                             diff))
+            del cap, caches, model
+            if cuda:
+                torch.cuda.empty_cache()
+    print("\ncapture at load (batch buckets up to", args.max_batch_size, "x table buckets up to",
+          args.max_context, "tokens):")
+    print("| model | dtype | capture s | steps | device memory kept |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for shape, dtype, seconds, steps, kept in loads:
+        print(f"| {shape} | {dtype} | {seconds:.1f} | {steps} | {kept / 2**20:.0f} MiB |")
+    print("\ndecode round, median ms (spread of the turns' medians):")
+    print("| model | dtype | batch | eager ms | captured ms | eager / captured | "
+          "max |logit diff| |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for shape, dtype, b, e, es, c, cs, ratio, diff in rows:
+        print(f"| {shape} | {dtype} | {b} | {e:.2f} ({es}) | {c:.2f} ({cs}) | {ratio:.2f}x | "
+              f"{diff:.1e} |")
+    return 0
