@@ -60,7 +60,9 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
     if getattr(model, "tensor_parallel", False):
         return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "
                                  "sent to its other ranks before the forward")
-    if not isinstance(model.attention, TorchAttention):
+    if type(model.attention) is not TorchAttention:
+        # not isinstance: flashinfer's backend subclasses torch's, and plans
+        # its kernels each round from the round's sequences, outside the buffers
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
     if getattr(model, "native_layers", None) is not None:
         # one C call a layer already; a captured step would take torch's
