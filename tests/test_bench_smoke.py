@@ -51,8 +51,29 @@ def test_bench_llm(capsys):
     out = bench(capsys, "llm", "--models", "tiny", "--dtype", "float32", "--workload",
                 "uniform", "--batches", "1")
     row = next(ln.split() for ln in out.splitlines() if ln.startswith("tiny "))
-    assert row[2:5] == ["float32", "uniform", "1"]
+    assert row[2:6] == ["float32", "eager", "uniform", "1"]   # auto leaves CPU eager
     assert row[-1] == "1/1"                 # float32: pdserve's tokens equal transformers'
+
+
+def test_bench_capture(capsys):
+    """On CPU, the capture's static buffers run eagerly (what a CUDA graph
+    records): its logits are the eager forward's within 1e-5 in float32."""
+    out = bench(capsys, "capture", "--device", "cpu", "--mode", "static", "--models", "tiny",
+                "--dtype", "float32", "--batches", "1", "3", "--max-batch-size", "4",
+                "--max-context", "256", "--rounds", "2", "--repeats", "2")
+    load = next(ln for ln in out.splitlines() if ln.startswith("| tiny | float32 |") and
+                ln.endswith("MiB |"))
+    assert load.split("|")[4].strip() == "15"       # 3 batch buckets x 5 width buckets
+    rounds = [ln.split("|") for ln in out.splitlines()
+              if ln.startswith("| tiny | float32 |") and ln.endswith(" |") and "x |" in ln]
+    assert [r[3].strip() for r in rounds] == ["1", "3"]
+    assert all(float(r[7]) < 1e-5 for r in rounds), rounds
+
+
+def test_bench_capture_refuses_rounds_past_its_buckets():
+    with pytest.raises(SystemExit, match="raise those or lower --batches and --context"):
+        main(["bench", "capture", "--device", "cpu", "--models", "tiny", "--batches", "8",
+              "--max-batch-size", "4"])
 
 
 def test_bench_transfer(capsys, monkeypatch):

@@ -157,6 +157,7 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \
+        --capture auto off \
         2>&1 | tee '$OUT/bench_llm.txt'"
     step bench-transfer 60 bash -c "'$PY' -m pdserve.cli.main bench transfer --device cuda \
         2>&1 | tee '$OUT/bench_transfer.txt'"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -107,9 +108,11 @@ def run_hf(hf, reqs, batch: int) -> tuple[float, list]:
 
 def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
          workloads=("uniform", "trace"), trace: Path | None = None, scale: int = 8,
-         device: str = "cpu") -> int:
+         device: str = "cpu", captures=("auto",)) -> int:
     """`device="cuda"`: both sides on the GPU (pdserve with the attention its
-    config picks: flashinfer for bfloat16 where installed)."""
+    config picks: flashinfer for bfloat16 where installed). `captures`:
+    engine.capture settings, each its own rows (the step column says what
+    the engine ran: eager, or the captured step's mode)."""
     from pdserve.kernels.loader import check_device
 
     dev = check_device(device)          # first: a clear one-line error, nothing built
@@ -130,11 +133,14 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
             base.save_pretrained(d, safe_serialization=True)
             for dtype in dtypes:
                 hf = copy.deepcopy(base).to(dtype=getattr(torch, dtype), device=dev)
-                for b in batches:
+                for b, capture in itertools.product(batches, captures):
                     llm = LLM({"model": {"path": d, "dtype": dtype},
                                "engine": {"page_size": 16, "total_pages": 8192,
-                                          "max_scheduled_tokens": 4096, "max_batch_size": b}},
+                                          "max_scheduled_tokens": 4096, "max_batch_size": b,
+                                          "capture": capture}},
                               device=device)
+                    cap = llm.executor.capture
+                    step = cap.mode.value if cap is not None else "eager"
                     for kind in workloads:
                         warm = workload(kind, b, SIZES[name]["vocab_size"], trace, scale,  # type: ignore[arg-type]
                                         warm=True)
@@ -145,16 +151,16 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
                         theirs, h = run_hf(hf, reqs, b)
                         tokens = sum(n for _, n in reqs)
                         same = sum(x == y for x, y in zip(a, h))
-                        rows.append((name, _params(base), dtype, kind, b, len(reqs),
+                        rows.append((name, _params(base), dtype, step, kind, b, len(reqs),
                                      tokens / ours, tokens / theirs, same))
     where = f"CUDA ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "CPU"
     print(f"greedy; uniform: 64-token prompts, 64 new tokens; trace: Azure conversation "
           f"lengths / {scale}; {torch.get_num_threads()} torch threads, {where}")
-    print(f"{'model':<11} {'params':>7} {'dtype':>8} {'workload':>8} {'batch':>5} {'reqs':>4} "
-          f"{'pdserve tok/s':>14} {'HF tok/s':>9} {'speedup':>8} {'same':>7}")
-    for name, n, dtype, kind, b, nreq, a, h, same in rows:
-        print(f"{name:<11} {n / 1e6:>6.1f}M {dtype:>8} {kind:>8} {b:>5} {nreq:>4} {a:>14.1f} "
-              f"{h:>9.1f} {a / h:>7.2f}x {same:>3}/{nreq:<3}")
+    print(f"{'model':<11} {'params':>7} {'dtype':>8} {'step':>10} {'workload':>8} {'batch':>5} "
+          f"{'reqs':>4} {'pdserve tok/s':>14} {'HF tok/s':>9} {'speedup':>8} {'same':>7}")
+    for name, n, dtype, step, kind, b, nreq, a, h, same in rows:
+        print(f"{name:<11} {n / 1e6:>6.1f}M {dtype:>8} {step:>10} {kind:>8} {b:>5} {nreq:>4} "
+              f"{a:>14.1f} {h:>9.1f} {a / h:>7.2f}x {same:>3}/{nreq:<3}")
     print("same: requests whose tokens equal HF's exactly; float32 should match every one, "
           "bfloat16 drifts (8-bit mantissa, different kernel order)")
     return 0
@@ -174,10 +180,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=positive,
                    help="divide the trace's lengths by this (default 8)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--capture", nargs="+", choices=["auto", "off", "on"],
+                   help="engine.capture settings, each its own rows (default auto)")
 
 
 def run(args) -> int:
     kw = {k: v for k, v in (("sizes", args.models), ("dtypes", args.dtype),
                             ("workloads", args.workload), ("batches", args.batches),
-                            ("trace", args.trace), ("scale", args.scale)) if v}
+                            ("trace", args.trace), ("scale", args.scale),
+                            ("captures", args.capture)) if v}
     return main(**kw, device=args.device)
