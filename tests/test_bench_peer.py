@@ -69,3 +69,20 @@ def test_the_same_prompts_go_to_every_server():
     a, b = peer.samples(3, 16, 4, seed=0), peer.samples(3, 16, 4, seed=0)
     assert [s.prompt for s in a] == [s.prompt for s in b]
     assert all(peer.PROMPT_TOKENS[0] <= t < peer.PROMPT_TOKENS[1] for s in a for t in s.prompt)
+
+
+def test_every_cell_sends_fresh_prompts_the_same_to_every_server(monkeypatch):
+    """No cell's prompt hits a prefix an earlier cell cached (guidellm's
+    synthetic prompts are fresh too); within a cell both servers get the same."""
+    sent = []
+    monkeypatch.setattr("pdserve.sim.load.drive", lambda url, load, *a, **kw: (
+        sent.append((url, [tuple(s.prompt) for s in load])) or {"failed": 0}))
+    peer.measure([peer.Server("ours", "a"), peer.Server("llama.cpp", "b")], [1, 8],
+                 repeats=2, prompt_len=8, max_tokens=4, per_stream=1)
+    timed = sent[2:]                                  # after one warm-up each
+    assert [u for u, _ in timed] == ["a", "b"] * 4
+    cells = [p for (_, p), (_, q) in zip(timed[::2], timed[1::2]) if p == q]
+    assert len(cells) == 4                            # both servers, the same prompts
+    assert sent[0][1] == sent[1][1]                   # one warm-up, the same for both
+    prompts = [p for cell in cells for p in cell] + sent[0][1]
+    assert len(set(prompts)) == len(prompts)          # none repeats, warm-up's included

@@ -7,9 +7,10 @@ then alternates between them, concurrency by concurrency and repeat by
 repeat, so a drift of a shared machine hits every server alike. The load is
 the project's own (sim/load.py: streamed /v1/completions over aiohttp, a
 closed loop of `concurrency` workers, the same seeded token-id prompts to
-each server, `ignore_eos` so every answer is `--max-tokens` long; a
-connection per request, since llama-server drops kept-alive connections
-after a few requests).
+each server, fresh in every run so that no prompt hits a cached prefix
+(as with guidellm's synthetic prompts), `ignore_eos` so every answer is
+`--max-tokens` long, a connection per request, since llama-server drops
+kept-alive connections after a few requests).
 
 The table is the issue's: output tokens a second, ITL p50 and TTFT p50 at
 each concurrency, a row per server (the median run of `--repeats`, with the
@@ -157,9 +158,13 @@ def measure(servers: list[Server], concurrencies: list[int], repeats: int, promp
         drive(s.url, samples(4, prompt_len, max_tokens, seed + 1), 4, None, seed,
               progress=False, api="http", keep_alive=False)
     cells: dict = {(s.name, c): Cell() for s in servers for c in concurrencies}
-    for _ in range(repeats):
+    for rep in range(repeats):
         for c in concurrencies:
-            load = samples(requests_at(c, per_stream), prompt_len, max_tokens, seed)
+            # fresh prompts in every cell, as guidellm's synthetic data: a
+            # cell's prompts hit nothing an earlier cell left in either
+            # server's cache (both servers get the same ones)
+            load = samples(requests_at(c, per_stream), prompt_len, max_tokens,
+                           seed + 1000 * (rep + 1) + c)
             for s in servers:
                 r = drive(s.url, load, c, None, seed, progress=False, api="http",
                           keep_alive=False)
