@@ -29,6 +29,8 @@ int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
 int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
                       const float *scale, const float *zero, int64_t n, float *y,
                       int threads);
+int pd_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                   float *y, int threads);
 int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
                         int64_t page_stride, int64_t page_size, int64_t kv_heads,
                         int64_t head_dim, int64_t heads, const int64_t *tables,
@@ -37,11 +39,14 @@ int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages
                         float *out, int threads);
 
 /* A packed quantized weight (cpu_matmul.py's NativeMatmul): `rows` output
- * rows (n padded to a multiple of 8) of k inputs */
+ * rows (n padded to a multiple of 8) of k inputs; `dense`, its bfloat16
+ * copy for a prompt's rows (cpu_bf16.c), or NULL where they take two
+ * 8-bit passes */
 struct pd_matmul {
     int64_t bits, n, rows, k;
     const uint8_t *w;
     const float *scale, *zero;
+    const uint16_t *dense;
 };
 
 struct pd_layer {
@@ -121,8 +126,10 @@ static void store_row(void *pages, int64_t at, const float *src, int64_t n, int 
 static int mm(const struct pd_matmul *w, const float *x, int64_t rows, int64_t precise,
               float *y, int threads) {
     const int bits = (int)w->bits;
-    if (precise > 0 && pd_linear_precise(bits, x, precise, w->k, w->w, w->scale, w->zero,
-                                         w->rows, y, threads))
+    if (precise > 0 && (w->dense ? pd_linear_bf16(x, precise, w->k, w->dense, w->rows, y,
+                                                  threads)
+                                 : pd_linear_precise(bits, x, precise, w->k, w->w, w->scale,
+                                                     w->zero, w->rows, y, threads)))
         return -1;
     return rows > precise ? pd_linear(bits, x + precise * w->k, rows - precise, w->k, w->w,
                                       w->scale, w->zero, w->rows, y + precise * w->rows,

@@ -38,7 +38,7 @@ import torch
 
 from pdserve.kernels import cpu_attention
 from pdserve.kernels.attention import BatchMeta, TorchAttention, row_spans
-from pdserve.kernels.cpu_matmul import NativeMatmul
+from pdserve.kernels.cpu_matmul import NativeMatmul, pack_bf16
 from pdserve.kernels.native import chosen_kernels
 from pdserve.kernels.quantized import QuantizedLinear
 from pdserve.kernels.rope import Rotary
@@ -48,7 +48,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class _Matmul(ctypes.Structure):
     _fields_ = [("bits", _i64), ("n", _i64), ("rows", _i64), ("k", _i64), ("w", _ptr),
-                ("scale", _ptr), ("zero", _ptr)]
+                ("scale", _ptr), ("zero", _ptr), ("dense", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -69,9 +69,9 @@ class _Round(ctypes.Structure):
                 ("bf16", ctypes.c_int)]
 
 
-def _matmul(m: NativeMatmul) -> _Matmul:
+def _matmul(m: NativeMatmul, dense: torch.Tensor | None) -> _Matmul:
     return _Matmul(m.bits, m.n, m.rows, m.k, m.weights.data_ptr(), m.scale.data_ptr(),
-                   m.zero.data_ptr())
+                   m.zero.data_ptr(), dense.data_ptr() if dense is not None else None)
 
 
 def native_layers_for(model) -> tuple[NativeLayers | None, str]:
@@ -111,14 +111,21 @@ class NativeLayers:
         self.shape = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                             c.intermediate_size, c.rms_norm_eps, model.attention.scale,
                             rot.cos.data_ptr(), rot.sin.data_ptr())
+        # a bfloat16 model's prompt rows multiply its bfloat16 weights where
+        # the CPU can (cpu_bf16.c); else two 8-bit passes
+        self.prompt_bf16 = model.dtype == torch.bfloat16 and bool(lib.pd_has_bf16())
         self.layers = []
         for (_g, _j, ln1, qkv, bias, o, ln2, gate_up, down) in model.layers:
             f32 = [t.float().contiguous() for t in (ln1, ln2)] + \
                 ([bias.float().contiguous()] if bias is not None else [])
             self._keep += f32
-            self.layers.append(_Layer(_matmul(qkv.native), _matmul(o.native),
-                                      _matmul(gate_up.native), _matmul(down.native),
-                                      f32[0].data_ptr(), f32[1].data_ptr(),
+            mms = []
+            for w in (qkv, o, gate_up, down):
+                dense = pack_bf16(w.dense, w.native.rows) if self.prompt_bf16 else None
+                if dense is not None:
+                    self._keep.append(dense)
+                mms.append(_matmul(w.native, dense))
+            self.layers.append(_Layer(*mms, f32[0].data_ptr(), f32[1].data_ptr(),
                                       f32[2].data_ptr() if bias is not None else None))
 
     def run(self, h: torch.Tensor, meta: BatchMeta, pages: list) -> torch.Tensor | None:

@@ -68,3 +68,13 @@ class NativeMatmul:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weights, self.scale, self.zero))
+
+
+def pack_bf16(dense: torch.Tensor, rows: int) -> torch.Tensor:
+    """A weight's dense copy [n, k] as cpu_bf16.c's pd_linear_bf16 reads it:
+    bfloat16, n padded with zero rows to `rows` (a multiple of COLS),
+    [rows / COLS][k / 2][COLS][2]."""
+    n, k = dense.shape
+    w = torch.zeros(rows, k, dtype=torch.bfloat16)
+    w[:n] = dense
+    return w.view(rows // COLS, COLS, k // 2, 2).transpose(1, 2).contiguous()

@@ -42,7 +42,8 @@ from pdserve.kernels.cpu_features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_attention.c", "cpu_layer.c"))
+                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_bf16.c", "cpu_attention.c",
+                          "cpu_layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 
 
@@ -106,6 +107,10 @@ def native_kernels() -> NativeKernels:
                                         p, p, p, i64, ctypes.c_float, ctypes.c_float, p,
                                         ctypes.c_int]
     lib.pd_decode_attention.restype = ctypes.c_int
+    lib.pd_linear_bf16.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+    lib.pd_linear_bf16.restype = ctypes.c_int
+    lib.pd_has_bf16.argtypes = []
+    lib.pd_has_bf16.restype = ctypes.c_int
     lib.pd_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]
     lib.pd_layer.restype = ctypes.c_int
     lib.pd_pool_share.argtypes = [ctypes.c_int]
