@@ -12,7 +12,8 @@
  * written before any row attends, so a chunk's rows see each other. h
  * stays float32 between layers (the caller rounds it to the model's dtype
  * after the last); K/V are stored in the cache's dtype. The matmuls are
- * cpu_matmul.c's and the attention cpu_attention.c's; every step computes a
+ * cpu_matmul.c's (a prompt's rows: cpu_bf16.c's, where the weights have a
+ * bfloat16 copy) and the attention cpu_attention.c's; every step computes a
  * row on its own in one order, so a row's result does not depend on the
  * rows beside it or the thread count. Built and loaded by native.py, driven
  * by cpu_layer.py. */
