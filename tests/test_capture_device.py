@@ -5,27 +5,20 @@ tests/test_capture_device.py`); the `slow` one compiles on CPU. Each
 prints its step times and capture time (-s shows them)."""
 
 import random
-import time
 
 import pytest
 import torch
 
+from pdserve.benchmarks.capture import median_ms
 from pdserve.kernels.capture import CaptureMode, DecodeCapture
 from pdserve.kernels.loader import load_model
 from test_capture import PS, decode_round, fresh_metas
 
 
-def _timed(fn, n=20) -> float:
-    """The median of `n` calls, in ms (synchronised on a GPU)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(n):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[n // 2] * 1e3
+def _timed(fn) -> float:
+    """The median of 20 calls, in ms (synchronised on a GPU)."""
+    return median_ms(fn, 20, torch.cuda.synchronize if torch.cuda.is_available() else
+                     (lambda: None))
 
 
 def captured_against_eager(device, mode, dtype, batches, tol):

@@ -109,7 +109,8 @@ def _fresh(meta):
                       meta.window)]
 
 
-def _median_ms(fn, rounds: int, sync) -> float:
+def median_ms(fn, rounds: int, sync) -> float:
+    """The median of `rounds` calls of `fn`, in ms, each between two `sync`s."""
     times = []
     for _ in range(rounds):
         sync()
@@ -170,8 +171,8 @@ def run(args) -> int:
                 diff = (captured_run().float() - eager_run().float()).abs().max().item()
                 eager, captured = [], []
                 for _ in range(args.repeats):
-                    eager.append(_median_ms(eager_run, args.rounds, sync))
-                    captured.append(_median_ms(captured_run, args.rounds, sync))
+                    eager.append(median_ms(eager_run, args.rounds, sync))
+                    captured.append(median_ms(captured_run, args.rounds, sync))
                 e, c = statistics.median(eager), statistics.median(captured)
                 rows.append((shape, dtype, b, e, _spread(eager), c, _spread(captured), e / c,
                              diff))
