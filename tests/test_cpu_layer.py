@@ -170,7 +170,7 @@ def test_where_the_layer_does_not_fit_it_says_why(monkeypatch):
 def test_the_load_says_which_path_the_rows_take(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
-    assert "layers: pdserve's C layers" in caplog.text
+    assert "layers: pdserve's C layers, a prompt's rows in two 8-bit passes" in caplog.text
     caplog.clear()
     monkeypatch.setenv(KERNELS_ENV, "torch")
     with caplog.at_level("INFO", logger="pdserve.kernels"):

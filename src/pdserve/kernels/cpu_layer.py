@@ -27,9 +27,10 @@ One 8-bit pass, as llama.cpp runs a prompt, changed SmolLM2's answer to
 "What is the capital of France?" to llama.cpp's own ("L'Étoile, la
 Marseillaise, ..."). Decode rows keep one pass, since their error is not
 read back by every later token. At 160 rows one thread multiplies about
-107 GMAC/s in bfloat16, against about 90 per 8-bit pass. A model it does not fit (other layer kinds,
-LoRA enabled, dense weights, PDSERVE_CPU_KERNELS=torch) never takes it,
-for any row. `native_layers_for` says which, and why.
+107 GMAC/s in bfloat16, against about 90 per 8-bit pass. A model it does
+not fit (other layer kinds, LoRA enabled, dense weights,
+PDSERVE_CPU_KERNELS=torch) never takes it, for any row.
+`native_layers_for` says which, and why.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def native_layers_for(model) -> tuple[NativeLayers | None, str]:
         why.append("not every projection is quantized for pdserve's matmul")
     if why or lib is None:
         return None, "; ".join(why)
-    return NativeLayers(model, lib), "pdserve's C layers"
+    layers = NativeLayers(model, lib)
+    return layers, ("pdserve's C layers, a prompt's rows in one bfloat16 pass" if
+                    layers.prompt_bf16 else "pdserve's C layers, a prompt's rows in two 8-bit "
+                    "passes")
 
 
 class NativeLayers:
