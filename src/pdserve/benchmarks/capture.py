@@ -168,7 +168,9 @@ def run(args) -> int:
                 eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
                                                   torch.arange(b, device=dev))
                 captured_run = lambda: cap.run(ids, [meta])  # noqa: E731
-                diff = (captured_run().float() - eager_run().float()).abs().max().item()
+                got = cap.run(ids, [meta])
+                assert got is not None          # the options were checked against the buckets
+                diff = (got.float() - eager_run().float()).abs().max().item()
                 eager, captured = [], []
                 for _ in range(args.repeats):
                     eager.append(median_ms(eager_run, args.rounds, sync))
