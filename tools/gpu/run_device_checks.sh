@@ -37,7 +37,7 @@ while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
-        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z $OUT ]] && OUT=$1 || usage ;;
     esac
