@@ -62,3 +62,26 @@ def test_without_bf16_the_kernel_refuses_and_says_so():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PDSERVE_NO_BF16": "1"}, timeout=120)
     assert out.stdout.split() == ["0", "-1", "0.0"], out.stderr
+
+
+@needs_bf16
+def test_a_linear_trades_its_dense_copy_for_the_packed_one():
+    """use_bf16 keeps one bfloat16 copy of a weight: the rows that took the
+    dense copy (prefill rows outside the C layers) multiply the packed one,
+    giving what torch's bfloat16 product gives, to bfloat16's rounding."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from pdserve.kernels.quantized import QuantizedLinear, from_blocks
+
+    n, k = 200, 256
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    lin = QuantizedLinear(from_blocks(quantize(w, T.Q4_1), "Q4_1", n, k), torch.bfloat16)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    before = lin.dense_product(x)
+    packed = lin.use_bf16(LIB)
+    assert lin.dense is None and lin.bf16 is packed
+    after = lin.dense_product(x)
+    assert after.dtype == torch.bfloat16 and after.shape == (5, n)
+    assert (after.float() - before.float()).abs().max() < 0.01 * before.float().abs().max()

@@ -264,6 +264,8 @@ def test_a_bfloat16_models_prompt_rows_take_one_bfloat16_pass():
 
     model = small_model(False, None, torch.bfloat16)
     assert model.native_layers.prompt_bf16
+    weights = [w for layer in model.layers for w in (layer[3], layer[5], layer[7], layer[8])]
+    assert all(w.dense is None and w.bf16 is not None for w in weights)   # one copy each
     exact_w = {name: (t.dequantize() if hasattr(t, "dequantize") else t)
                for name, t in quantized_weights(model.cfg, 0).items()}
     exact = DecoderModel(model.cfg, exact_w, torch.float32, "cpu", model.attention)

@@ -41,7 +41,7 @@ import torch
 
 from pdserve.kernels import cpu_attention
 from pdserve.kernels.attention import BatchMeta, TorchAttention, row_spans
-from pdserve.kernels.cpu_matmul import NativeMatmul, pack_bf16
+from pdserve.kernels.cpu_matmul import NativeMatmul
 from pdserve.kernels.native import chosen_kernels
 from pdserve.kernels.quantized import QuantizedLinear
 from pdserve.kernels.rope import Rotary
@@ -118,7 +118,8 @@ class NativeLayers:
                             c.intermediate_size, c.rms_norm_eps, model.attention.scale,
                             rot.cos.data_ptr(), rot.sin.data_ptr())
         # a bfloat16 model's prompt rows multiply its bfloat16 weights where
-        # the CPU can (cpu_bf16.c); else two 8-bit passes
+        # the CPU can (cpu_bf16.c: each weight's dense copy, packed in place
+        # of it); else two 8-bit passes
         self.prompt_bf16 = model.dtype == torch.bfloat16 and bool(lib.pd_has_bf16())
         self.layers = []
         for (_g, _j, ln1, qkv, bias, o, ln2, gate_up, down) in model.layers:
@@ -127,10 +128,9 @@ class NativeLayers:
             self._keep += f32
             mms = []
             for w in (qkv, o, gate_up, down):
-                dense = pack_bf16(w.dense, w.native.rows) if self.prompt_bf16 else None
-                if dense is not None:
-                    self._keep.append(dense)
-                mms.append(_matmul(w.native, dense))
+                if self.prompt_bf16 and w.bf16 is None:
+                    w.use_bf16(lib)
+                mms.append(_matmul(w.native, w.bf16.weights if self.prompt_bf16 else None))
             self.layers.append(_Layer(*mms, f32[0].data_ptr(), f32[1].data_ptr(),
                                       f32[2].data_ptr() if bias is not None else None))
 

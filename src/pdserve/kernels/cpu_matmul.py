@@ -78,3 +78,24 @@ def pack_bf16(dense: torch.Tensor, rows: int) -> torch.Tensor:
     w = torch.zeros(rows, k, dtype=torch.bfloat16)
     w[:n] = dense
     return w.view(rows // COLS, COLS, k // 2, 2).transpose(1, 2).contiguous()
+
+
+class Bf16Matmul:
+    """A bfloat16 weight [n, k] packed for pd_linear_bf16 (`weights`, `rows`
+    output rows, n padded to a multiple of COLS). `__call__(x)`: [m, k] ->
+    float32 [m, n], x rounded to bfloat16 on the way in. Needs a CPU with
+    AVX512-BF16 (the library's pd_has_bf16)."""
+
+    def __init__(self, dense: torch.Tensor, rows: int, lib: ctypes.CDLL):
+        self.lib, self.n, self.k, self.rows = lib, dense.shape[0], dense.shape[1], rows
+        self.weights = pack_bf16(dense, rows)
+
+    def __call__(self, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.rows)
+        if m and self.lib.pd_linear_bf16(x.data_ptr(), m, self.k, self.weights.data_ptr(),
+                                         self.rows, y.data_ptr(), threads):
+            raise MemoryError(f"pd_linear_bf16 could not take {m} rows (scratch, or no "
+                              "AVX512-BF16)")
+        return y if self.rows == self.n else y[:, :self.n]

@@ -231,7 +231,9 @@ class DecoderModel(PagedDecoder):
         self.lm_head = packed(head, dtype, self.device) if isinstance(head, QuantizedTensor) \
             else head
         # a tied quantized head's dense copy is the embedding: one copy, not two
-        self.embed = self.lm_head.dense if tied and isinstance(self.lm_head, QuantizedLinear) \
+        # (the head keeps it: only layer weights trade theirs for a packed one)
+        head_dense = self.lm_head.dense if isinstance(self.lm_head, QuantizedLinear) else None
+        self.embed = head_dense if tied and head_dense is not None \
             else dense(w["model.embed_tokens.weight"], dtype, self.device)
         if tied and not isinstance(self.lm_head, QuantizedLinear):
             self.lm_head = self.embed

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.cpu_matmul import NativeMatmul
+from pdserve.kernels.cpu_matmul import Bf16Matmul, NativeMatmul
 from pdserve.kernels.native import chosen_kernels
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
@@ -148,7 +148,8 @@ class QuantizedLinear:
             raise ValueError(f"quantized matmuls run in bfloat16 or float32, not {dtype}")
         self.out_features, self.in_features = t.shape
         self.bits = t.bits
-        self.dense = t.dequantize().to(dtype)
+        self.dense: torch.Tensor | None = t.dequantize().to(dtype)
+        self.bf16: Bf16Matmul | None = None     # the dense copy packed (use_bf16)
         lib = chosen_kernels().lib
         # pdserve's own kernels where they run (kernels/cpu_matmul.py), else torch's
         self.native = NativeMatmul(t.q, t.scale, t.zero, t.bits, lib) if lib else None
@@ -174,13 +175,27 @@ class QuantizedLinear:
             return self.kernel(x)
         return torch.cat([self.dense_product(x[:dense_rows]), self.kernel(x[dense_rows:])])
 
+    def use_bf16(self, lib) -> Bf16Matmul:
+        """Pack the (bfloat16) dense copy for cpu_bf16.c and drop it: the
+        rows that took the copy multiply the packed one instead, so the
+        weight keeps one bfloat16 copy (cpu_layer.py reads it too)."""
+        assert self.dense is not None and self.dense.dtype == torch.bfloat16
+        assert self.native is not None
+        self.bf16 = Bf16Matmul(self.dense, self.native.rows, lib)
+        self.dense = None
+        return self.bf16
+
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dense.T, its rows padded to a multiple of GEMM_ROWS. A BLAS
         picks its blocking by the row count: on the AVX2 CPU measured, a
         float32 row among 1-3, 5-7 or 9-11 rows came out with other last
         bits than among a multiple of four, at SmolLM2's shapes (MKL at one
         and two threads). Padded, a prefill's rows (a lone logits row, a
-        short chunk) have the same bits whatever else its round holds."""
+        short chunk) have the same bits whatever else its round holds.
+        Packed for cpu_bf16.c (use_bf16), each row is computed on its own."""
+        if self.bf16 is not None:
+            return self.bf16(x).to(x.dtype)
+        assert self.dense is not None
         n = x.shape[0]
         pad = -n % GEMM_ROWS
         if not pad:

@@ -223,7 +223,7 @@ def _numel(v, seen=None) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel()
     if isinstance(v, QuantizedLinear):          # its weights once, not copy + packed + scales
-        return v.dense.numel()
+        return v.out_features * v.in_features
     if isinstance(v, (list, tuple)):
         return sum(_numel(x) for x in v)
     if isinstance(v, dict):
