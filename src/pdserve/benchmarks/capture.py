@@ -21,11 +21,11 @@ in float32).
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 
 from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.quantized import decode_meta
 
 # ModelConfig fields of each shape (Llama architecture, random weights)
 SHAPES = {
@@ -76,28 +76,6 @@ def build(shape: str, dtype: str, device):
     torch_dtype = getattr(torch, dtype)
     backend = load_backend("torch", device, torch_dtype, attention_shape(cfg))
     return build_model(cfg, random_weights(cfg, seed=0), torch_dtype, device, backend)
-
-
-def decode_round(model, batch: int, context: int, rng: random.Random):
-    """(ids, metas) of a decode round: `batch` rows, each decoding the token
-    after a `context`-token history in its own shuffled pages."""
-    import torch
-
-    from pdserve.kernels.attention import BatchMeta, SeqMeta
-
-    per = -(-(context + 1) // PAGE)
-    free = list(range(batch * per))
-    rng.shuffle(free)
-    seqs, slots = [], []
-    for i in range(batch):
-        table = [free.pop() for _ in range(per)]
-        seqs.append(SeqMeta(i, 1, context + 1, table))
-        slots.append(table[context // PAGE] * PAGE + context % PAGE)
-    dev = model.device
-    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
-                     torch.full((batch,), context, device=dev), num_decodes=batch)
-    ids = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(batch)], device=dev)
-    return ids, meta
 
 
 def _fresh(meta):
@@ -162,9 +140,8 @@ def run(args) -> int:
             seconds = cap.capture()
             kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
             loads.append((shape, dtype, seconds, cap.steps, kept))
-            rng = random.Random(0)
             for b in args.batches:
-                ids, meta = decode_round(model, b, args.context, rng)
+                ids, meta = decode_meta(model, b, args.context, PAGE)
                 eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
                                                   torch.arange(b, device=dev))
                 captured_run = lambda: cap.run(ids, [meta])  # noqa: E731

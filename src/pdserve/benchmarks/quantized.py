@@ -65,10 +65,19 @@ def decode_round(model, batch: int, context: int, page: int = 16):
     matter to the time)."""
     import torch
 
+    ids, meta = decode_meta(model, batch, context, page)
+    cache = model.new_cache(batch * -(-(context + 1) // page), page)
+    return ids, meta, cache, torch.arange(batch, device=model.device)
+
+
+def decode_meta(model, batch: int, context: int, page: int = 16):
+    """(ids, meta) of decode_round, for a cache the caller has: row i's
+    pages are i * per .. (i + 1) * per - 1, per = pages of context + 1."""
+    import torch
+
     from pdserve.kernels.attention import BatchMeta, SeqMeta
 
     per = -(-(context + 1) // page)
-    cache = model.new_cache(batch * per, page)
     seqs, slots = [], []
     for i in range(batch):
         table = list(range(i * per, (i + 1) * per))
@@ -78,7 +87,7 @@ def decode_round(model, batch: int, context: int, page: int = 16):
     meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
                      torch.full((batch,), context, device=dev), num_decodes=batch)
     ids = torch.arange(batch, device=dev) + 1
-    return ids, meta, cache, torch.arange(batch, device=dev)
+    return ids, meta
 
 
 def prefill_logits(model, ids: list[int], page: int = 16):

@@ -5,9 +5,11 @@ compiler on first use and loaded with ctypes.
   blocks times activation rows quantized to 8-bit blocks, in integers.
 - cpu_attention.c (used by cpu_attention.py): decode rows' attention read
   from the paged cache in place.
-- cpu_layer.c (used by cpu_layer.py): a whole Llama-family
-  layer for a round's decode rows, the two above and the small steps
-  between them in one call.
+- cpu_bf16.c (used by cpu_matmul.py's Bf16Matmul and cpu_layer.c): a
+  prompt's rows times a bfloat16 model's weights in one AVX512-BF16 pass.
+- cpu_layer.c (used by cpu_layer.py): a whole Llama-family layer for
+  every row of a round, the products and attention above and the small
+  steps between them in one call.
 - cpu_pool.c: the threads the others share a job's pieces among
   (`share_cores`), where the calling thread never waits for a helper
   that has not started.

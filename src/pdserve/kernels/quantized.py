@@ -40,7 +40,9 @@ tokens than an uninterrupted run. The cost is memory: the dense copy plus the
 packed weights (a quarter of a bfloat16 copy for 4 bits, half for 8).
 Where a model's rows run pdserve's C layers (cpu_layer.py) every row,
 prompts included, takes the packed weights there, and the dense copy serves
-only a prompt's logits rows through the head.
+only a prompt's logits rows through the head; in a bfloat16 model on a CPU
+with AVX512-BF16 a layer weight's dense copy is packed for cpu_bf16.c in its
+place (`use_bf16`), for its prompt rows.
 
 `QuantizedTensor` is the file's values as read (integers, per-group scale
 and zero), which the loader can permute and concatenate like a tensor
