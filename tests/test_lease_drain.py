@@ -162,3 +162,33 @@ def test_a_drain_deadline_on_p_mid_write_keeps_the_source_pages_until_the_write_
     assert "x" not in p.planner.requests and p.peer.idle() and p.nothing_live()
     p.planner.assert_idle()
     assert w.req_id == "x"
+
+
+def test_a_lease_that_runs_out_mid_round_posts_no_write():
+    """P checks its leases before a round and ships after it, and a CPU
+    round can outlast a lease: a twin whose lease ran out while it was
+    prefilled is never posted, even with no timer pass between (D frees
+    fenced pages once the lease is over, so a late write could land in
+    pages it reused). The next timer pass lets the twin go."""
+    p, d = pair()
+    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
+    r.peer = "prefill-0"
+    d.planner.submit(r)
+    d.owner["x"] = "router"
+    one_round(d)
+    (_, method, ask), = sent(d)
+    assert method is PeerRpc.REMOTE_PREFILL
+    p.transport.hold_writes = True
+    p.peer.remote_prefill(ask)                             # the lease is granted now
+    late = time.monotonic() + LEASE_S + 1
+    p.peer.clock = lambda: late                            # ... and runs out mid-round
+    for _ in range(20):
+        if one_round(p) is None:
+            break
+    assert "x" in p.planner.transferring, "the twin never reached its ship"
+    assert not p.transport.in_flight("x") and p.counts.transfers == 0
+    poll(d)
+    assert torch.all(d.transport.pool == 0)
+    p.peer.timers(late)
+    assert p.counts.lease_expiries == 1 and p.peer.idle() and p.nothing_live()
+    p.planner.assert_idle()

@@ -42,8 +42,10 @@ def test_a_refused_remote_prefill_is_prefilled_on_d_at_once_and_fences_nothing(c
 def test_a_late_ack_for_an_earlier_attempt_leaves_the_live_copy_alone():
     """P prefills x for decode-1 (a resubmission) when decode-0's release
     ack for its own, earlier attempt at x arrives: P keeps decode-1's copy
-    (it dropped it and told no one, so decode-1 waited out its timeout). The
-    ack from decode-1 itself releases it."""
+    (it dropped it and told no one, so decode-1 waited out its timeout). So
+    does a late ack from decode-1 for its own earlier attempt (epoch 3: the
+    same D, resubmitted the id after P's lease ran out). The ack from
+    decode-1 for this attempt releases it."""
     from pdserve.proto import control_pb2 as pb
 
     p = server("prefill", "prefill-0", "decode-1")
@@ -52,6 +54,9 @@ def test_a_late_ack_for_an_earlier_attempt_leaves_the_live_copy_alone():
         target_engine="decode-1", target_incarnation=1))
     p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
                                               engine="decode-0", epoch=3))
+    assert "x" in p.planner.requests and "x" in p.peer.remote
+    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
+                                              engine="decode-1", epoch=3))
     assert "x" in p.planner.requests and "x" in p.peer.remote
     p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
                                               engine="decode-1", epoch=7))

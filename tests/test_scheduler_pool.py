@@ -171,3 +171,33 @@ def test_check_invariants_catches_a_leaked_refcount():
     with pytest.raises(PoolError):
         c.check_invariants([])          # the pages are held by a table it was not told of
     c.check_invariants([res.tables])
+
+
+@pytest.mark.parametrize("page", [2, 4, 16])
+def test_prompts_that_differ_only_in_a_page_s_last_token_never_share_that_page(page):
+    """A page's key holds every one of its tokens, its last included: b
+    differs from a only in token `page - 1` and shares no cached page with
+    it, while c, a's very prompt, hits both of a's pages."""
+    c = coord(total=8, page=page)
+    a = req("a", list(range(1, 2 * page + 1)))
+    res = Resources(1)
+    assert c.admit(a, res, [GroupDemand(a.prompt_len, 0)], 2, Plan(0))
+    c.release(res)
+    b_prompt = list(a.prompt.tokens)
+    b_prompt[page - 1] += 100
+    assert c.match(req("b", b_prompt), 2).pages == 0
+    assert c.match(req("c", list(a.prompt.tokens)), 2).pages == 2
+    c.check_invariants([])
+
+
+@pytest.mark.parametrize("page", [2, 4, 16])
+def test_a_page_that_straddles_the_prompt_s_end_is_keyed_by_its_last_output_token(page):
+    """A page that holds the prompt's tail and the first outputs is keyed
+    by all of them: two requests of one prompt whose outputs differ only
+    in the page's last token have different keys for it."""
+    prompt = list(range(1, page + page // 2 + 1))
+    a, b = req("a", prompt), req("b", prompt)
+    for r, last in ((a, 7), (b, 8)):
+        r.output.extend([5] * (page - page // 2 - 1) + [last])
+    assert a.page_key(0, page) == b.page_key(0, page)
+    assert a.page_key(1, page) != b.page_key(1, page)

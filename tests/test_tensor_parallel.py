@@ -85,11 +85,16 @@ def test_tp2_equals_tp1_for_the_llama_family():
     tiny preset (4 query heads, 2 KV heads split, vocabulary 98: 49 rows a
     rank); and a Llama with q/k/v biases (Qwen2's), one KV head (held by
     both ranks) and a vocabulary of 97 (the second rank's rows padded with
-    a zero row, cut from the gathered logits). One spawn runs both:
-    starting the two processes is most of the cost."""
+    a zero row, cut from the gathered logits); and 8 heads over 4 KV heads
+    and 16 over 8 (2 and 4 KV heads a rank, as Llama 3 8B's 8 KV heads at
+    TP 2: a rank's K/V rows are all of its heads', not its first head's).
+    One spawn runs them all: starting the two processes is most of the
+    cost."""
     odd = dataclasses.replace(tiny_config(), num_kv_heads=1, vocab_size=97,
                               attention_bias=True, arch="qwen2")
-    _check([None, odd])
+    two_a_rank = dataclasses.replace(tiny_config(), num_heads=8, num_kv_heads=4, head_dim=8)
+    four_a_rank = dataclasses.replace(tiny_config(), num_heads=16, num_kv_heads=8, head_dim=4)
+    _check([None, odd, two_a_rank, four_a_rank])
 
 
 @pytest.mark.slow       # transformers' checkpoints, four models on each rank: ~40 s on 2 cores

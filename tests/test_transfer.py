@@ -273,6 +273,21 @@ def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
     assert leases.expiries == 2
 
 
+def test_a_lease_holds_until_its_deadline_and_not_at_it():
+    """`holds` is what P asks before it posts a write: a lease is good
+    strictly before its deadline, a renewal moves the deadline, and an id
+    never granted or already released holds nothing."""
+    leases = LeaseTable(lease_s=10.0)
+    d0 = Incarnation("decode-0", 1)
+    leases.grant("a", d0, now=0.0)
+    leases.grant("b", d0, now=0.0)
+    assert leases.holds("a", 9.9) and not leases.holds("a", 10.0)
+    leases.renew(d0, ["b"], now=8.0)
+    assert leases.holds("b", 17.9) and not leases.holds("b", 18.0)
+    leases.release("a")
+    assert not leases.holds("a", 0.0) and not leases.holds("never", 0.0)
+
+
 def test_fault_rules_only_spend_their_count_where_their_action_applies():
     inj = FaultInjector([FaultRule("notification", "fail")])
     assert inj.match("notification", "r", ("delay", "drop")) is None    # fail cannot apply

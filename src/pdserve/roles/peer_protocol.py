@@ -91,6 +91,9 @@ class PeerProtocol:
                                     margin_s=timeouts.fence_margin_s)
         self.leases = LeaseTable(timeouts.lease_s)                            # P
         self.heartbeat_s = timeouts.heartbeat_s
+        # what the protocol stamps and checks its deadlines by (the loop passes
+        # timers() its own reading): a test moves it past a lease mid-round
+        self.clock: Callable[[], float] = time.monotonic
         self.peers: dict[str, Peer] = {}
         self.remote: dict[str, tuple] = {}      # P: req -> (D name, incarnation, pages, epoch)
         self.epochs: dict[str, int] = {}        # D: req -> landing epoch
@@ -165,7 +168,7 @@ class PeerProtocol:
             return
         # every group's pages (a state slot as its two rows), one list
         landing = self.transport.page_ids(self.executor.transfer_lists(op.landing))
-        epoch = self.landing.expect(req.id, landing, time.monotonic())
+        epoch = self.landing.expect(req.id, landing, self.clock())
         self.epochs[req.id] = epoch
         sp, prior = self.executor.params(req.id), self.executor.prior_output(req.id)
         peer = req.peer
@@ -207,7 +210,7 @@ class PeerProtocol:
             return
         key = None
         if fence:
-            self.counts.fences += self.landing.fence(req_id, epoch, time.monotonic()) is not None
+            self.counts.fences += self.landing.fence(req_id, epoch, self.clock()) is not None
             key = (req_id, epoch)
         self.epochs.pop(req_id, None)
         self.counts.transfer_failed(stage)
@@ -218,7 +221,7 @@ class PeerProtocol:
         may still land, so fence the pages, then let go and tell P."""
         epoch = self.epochs.pop(req.id, None)
         fenced = epoch is not None and \
-            self.landing.fence(req.id, epoch, time.monotonic()) is not None
+            self.landing.fence(req.id, epoch, self.clock()) is not None
         self.counts.fences += fenced
         self.planner.transfer_failed(req.id, reason,
                                      fence_key=(req.id, epoch) if fenced else None)
@@ -330,14 +333,14 @@ class PeerProtocol:
         self.planner.submit(twin)
         self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
                                 r.epoch)
-        self.leases.grant(twin.id, r.target_engine, time.monotonic())
+        self.leases.grant(twin.id, r.target_engine, self.clock())
 
     def ship(self, op) -> None:
         info = self.remote.get(op.req.id)
         if info is None:
             return
         d_name, d_inc, pages, epoch = info
-        if not self.leases.holds(op.req.id, time.monotonic()):
+        if not self.leases.holds(op.req.id, self.clock()):
             return                  # the lease ran out: the timers release it, nothing is posted
         t = self.executor.tracked.get(op.req.id)
         payload = logprob_pb(t.logprobs[-1]).SerializeToString() if t and t.logprobs else b""
