@@ -14,6 +14,7 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.model import DecoderModel, random_weights
 from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.cpu_features import cpu_flags
 from pdserve.kernels.native import KERNELS_ENV, native_kernels
 from pdserve.kernels.quantized import from_blocks
 
@@ -121,6 +122,7 @@ def chunked(model, tokens: list[int], chunks: list[int]) -> tuple[torch.Tensor, 
 @needs_lib
 @pytest.mark.parametrize("bias,window,dtype", [(True, None, torch.float32),
                                                (False, 24, torch.bfloat16)])
+@pytest.mark.invariance
 def test_a_prompt_has_the_same_bits_however_it_is_chunked(bias, window, dtype):
     """Every row takes the C layer, each computed on its own: a prompt's
     logits and K/V are the same bits prefilled in one chunk or in uneven
@@ -171,12 +173,17 @@ def test_the_load_says_which_path_the_rows_take(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
     assert "layers: pdserve's C layers, a prompt's rows in two 8-bit passes" in caplog.text
+    assert "prompt rows: two 8-bit passes in pdserve's order (cpu_matmul.c); their logits: " \
+        "float32 in pdserve's order (cpu_dense.c)" in caplog.text
+    assert ("which pdserve's kernels do not use" in caplog.text) == ("amx_bf16" in cpu_flags())
     caplog.clear()
     monkeypatch.setenv(KERNELS_ENV, "torch")
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
     assert f"layers: torch's operators, since pdserve's kernels do not run here " \
         f"({KERNELS_ENV} is torch)" in caplog.text
+    assert "prompt rows: torch's BLAS (a row's bits may depend on its round); their logits: " \
+        "torch's BLAS" in caplog.text
 
 
 @needs_lib
@@ -197,6 +204,7 @@ def test_capture_stays_off_and_a_bad_position_is_refused():
             model.forward(torch.tensor([7]), meta, cache, torch.tensor([0]))
 
 
+@pytest.mark.invariance
 @needs_lib
 def test_a_decode_rows_bits_are_the_same_beside_verify_rows_and_with_lora_enabled_it_is_torchs():
     """Verify rows (a speculative round) take the C layer too and leave the

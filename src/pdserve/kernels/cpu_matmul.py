@@ -99,3 +99,33 @@ class Bf16Matmul:
             raise MemoryError(f"pd_linear_bf16 could not take {m} rows (scratch, or no "
                               "AVX512-BF16)")
         return y if self.rows == self.n else y[:, :self.n]
+
+
+DENSE_DTYPES = (torch.float32, torch.bfloat16)     # the weights pd_linear_dense reads
+
+
+def fits_dense(w: torch.Tensor) -> bool:
+    """Whether pd_linear_dense takes this weight: float32 or bfloat16 on
+    CPU, its inputs a multiple of 8."""
+    return w.device.type == "cpu" and w.dtype in DENSE_DTYPES and w.dim() == 2 and \
+        w.shape[1] % 8 == 0
+
+
+def dense_product(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL,
+                  threads: int = 0) -> torch.Tensor:
+    """x [m, k] @ w.T for a dense weight w [n, k] (float32 or bfloat16, as
+    stored), float32 [m, n], by cpu_dense.c: each output summed in the
+    order the file fixes, so a row's bits do not depend on the rows beside
+    it, on the threads, or on the CPU (AVX2 and FMA only). x is taken as
+    float32 (bfloat16 rows widen exactly)."""
+    if not fits_dense(w):
+        raise ValueError(f"pd_linear_dense takes a float32 or bfloat16 [n, k] CPU weight with "
+                         f"k a multiple of 8, not {w.dtype} {tuple(w.shape)} on {w.device}")
+    x = x.to(torch.float32).contiguous()
+    w = w.contiguous()
+    m, n = x.shape[0], w.shape[0]
+    y = torch.empty(m, n)
+    if m and lib.pd_linear_dense(x.data_ptr(), m, x.shape[1], w.data_ptr(),
+                                 int(w.dtype == torch.bfloat16), n, y.data_ptr(), threads):
+        raise ValueError(f"pd_linear_dense refused {m} rows of {x.shape[1]} inputs")
+    return y

@@ -18,7 +18,7 @@ from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
-from pdserve.kernels.quantized import choose_quantization
+from pdserve.kernels.quantized import choose_quantization, row_paths
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
@@ -221,6 +221,7 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
     if keep and hasattr(model, "native_layers_why"):   # a Llama-family model kept quantized
         log.info("layers: %s", model.native_layers_why if model.native_layers
                  else f"torch's operators, since {model.native_layers_why}")
+        log.info("%s", row_paths(model))
     return model, tok
 
 

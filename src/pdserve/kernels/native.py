@@ -7,6 +7,10 @@ compiler on first use and loaded with ctypes.
   from the paged cache in place.
 - cpu_bf16.c (used by cpu_matmul.py's Bf16Matmul and cpu_layer.c): a
   prompt's rows times a bfloat16 model's weights in one AVX512-BF16 pass.
+- cpu_dense.c (used by cpu_matmul.py's dense_product): a dense weight
+  (float32 or bfloat16) times rows, each output summed in an order the
+  file fixes, whatever the rows beside it: what a QuantizedLinear's dense
+  copy multiplies.
 - cpu_layer.c (used by cpu_layer.py): a whole Llama-family layer for
   every row of a round, the products and attention above and the small
   steps between them in one call.
@@ -44,8 +48,8 @@ from pdserve.kernels.cpu_features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_bf16.c", "cpu_attention.c",
-                          "cpu_layer.c"))
+                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_bf16.c", "cpu_dense.c",
+                          "cpu_attention.c", "cpu_layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 
 
@@ -111,6 +115,8 @@ def native_kernels() -> NativeKernels:
     lib.pd_decode_attention.restype = ctypes.c_int
     lib.pd_linear_bf16.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
     lib.pd_linear_bf16.restype = ctypes.c_int
+    lib.pd_linear_dense.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p, ctypes.c_int]
+    lib.pd_linear_dense.restype = ctypes.c_int
     lib.pd_has_bf16.argtypes = []
     lib.pd_has_bf16.restype = ctypes.c_int
     lib.pd_layer.argtypes = [p, p, p, p, p, p, ctypes.c_int]

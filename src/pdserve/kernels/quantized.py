@@ -30,8 +30,9 @@ of rows a chunk) multiply the dense copy, and decode and verify rows (a
 few per request) the kernels. A decode row therefore goes through the same
 kernel whether it runs alone, beside other decodes or beside a prefill
 chunk, and the kernels compute each row on its own (tests/test_gguf.py
-holds a row's bits alone and batched); with the dense products padded to
-a multiple of four rows (`dense_product`), a request's tokens do not
+holds a row's bits alone and batched); with the dense copy's products in
+an order pdserve's kernels fix (`dense_product`: cpu_dense.c or
+cpu_bf16.c, never torch's BLAS where they run), a request's tokens do not
 depend on the batch it runs in. One exception: a position's K/V computed
 by a decode row (the kernels) and recomputed by a prefill (the dense copy)
 differ by the quantization's rounding, so a prefix hit on generated
@@ -57,7 +58,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.cpu_matmul import Bf16Matmul, NativeMatmul
+from pdserve.kernels.cpu_matmul import Bf16Matmul, NativeMatmul, dense_product, fits_dense
+from pdserve.kernels.cpu_features import cpu_flags
 from pdserve.kernels.native import chosen_kernels
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
@@ -135,7 +137,6 @@ DTYPES = (torch.bfloat16, torch.float32)     # the model dtypes a QuantizedLinea
 # 2.13 runs a reference loop about 20x slower (measured on an AVX2 CPU), so
 # a float32 model's rows are rounded to bfloat16 on the way in to them.
 KERNEL_DTYPE = torch.bfloat16
-GEMM_ROWS = 4          # dense products are padded to a multiple (QuantizedLinear.dense_product)
 
 
 class QuantizedLinear:
@@ -188,22 +189,28 @@ class QuantizedLinear:
         return self.bf16
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ dense.T, its rows padded to a multiple of GEMM_ROWS. A BLAS
-        picks its blocking by the row count: on the AVX2 CPU measured, a
-        float32 row among 1-3, 5-7 or 9-11 rows came out with other last
-        bits than among a multiple of four, at SmolLM2's shapes (MKL at one
-        and two threads). Padded, a prefill's rows (a lone logits row, a
-        short chunk) have the same bits whatever else its round holds.
-        Packed for cpu_bf16.c (use_bf16), each row is computed on its own."""
+        """x @ dense.T, each row computed on its own wherever pdserve's
+        kernels run: the packed bfloat16 copy through cpu_bf16.c
+        (use_bf16), else the dense copy through cpu_dense.c, both summing
+        every output in an order they fix. torch's BLAS picks its kernel
+        by the row count (on an Intel CPU with AMX a float32 row among 1
+        to 15 rows had other last bits than among 40, however padded), so
+        it serves only where pdserve's kernels do not run, and there a
+        row's bits may depend on its round (`prompt_path` says which)."""
         if self.bf16 is not None:
             return self.bf16(x).to(x.dtype)
         assert self.dense is not None
-        n = x.shape[0]
-        pad = -n % GEMM_ROWS
-        if not pad:
-            return torch.nn.functional.linear(x, self.dense)
-        padded = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        return torch.nn.functional.linear(padded, self.dense)[:n]
+        if self.native is not None and fits_dense(self.dense):
+            return dense_product(x, self.dense, self.native.lib).to(x.dtype)
+        return torch.nn.functional.linear(x, self.dense)
+
+    def prompt_path(self) -> str:
+        """Who multiplies this weight's prompt rows, for the load's log."""
+        if self.bf16 is not None:
+            return "one bfloat16 pass in pdserve's order (cpu_bf16.c)"
+        if self.native is not None and self.dense is not None and fits_dense(self.dense):
+            return f"{_name(self.dense.dtype)} in pdserve's order (cpu_dense.c)"
+        return "torch's BLAS (a row's bits may depend on its round)"
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Every row through the quantized kernel, in x's dtype: the native
@@ -226,11 +233,35 @@ class QuantizedLinear:
             self.scales.numel() * self.scales.element_size()
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def quantized_linears(model) -> list[QuantizedLinear]:
     """A model's QuantizedLinear layers (what tests and benchmarks inspect)."""
     found = [w for layer in getattr(model, "layers", []) for w in layer
              if isinstance(w, QuantizedLinear)]
     return found + ([model.lm_head] if isinstance(model.lm_head, QuantizedLinear) else [])
+
+
+def row_paths(model) -> str:
+    """Who multiplies a quantized model's prompt rows and their logits, for
+    the load's log: pdserve's fixed-order kernels (a row's bits its own)
+    or torch's BLAS; and, on a CPU with AMX tiles, that they are unused."""
+    layers = [w for layer in getattr(model, "layers", []) for w in layer
+              if isinstance(w, QuantizedLinear)]
+    native = getattr(model, "native_layers", None)
+    if native is not None:
+        prompt = "one bfloat16 pass in pdserve's order (cpu_bf16.c)" if native.prompt_bf16 \
+            else "two 8-bit passes in pdserve's order (cpu_matmul.c)"
+    else:
+        prompt = layers[0].prompt_path() if layers else "dense weights, torch's BLAS"
+    head = model.lm_head.prompt_path() if isinstance(model.lm_head, QuantizedLinear) \
+        else "dense weights, torch's BLAS"
+    said = f"prompt rows: {prompt}; their logits: {head}"
+    if "amx_bf16" in cpu_flags():
+        said += "; this CPU has AMX tiles (amx_bf16), which pdserve's kernels do not use"
+    return said
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None,
