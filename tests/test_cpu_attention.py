@@ -80,6 +80,7 @@ def test_softcap_and_bfloat16_pages():
     assert ((native.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
 
 
+@pytest.mark.invariance
 def test_a_rows_bits_do_not_depend_on_its_batch():
     ctxs = [33, 250, 7, 128, 64]
     meta, q, k, v, kp, vp = decode_round(ctxs)

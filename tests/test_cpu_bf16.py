@@ -38,6 +38,7 @@ def test_the_product_is_the_rounded_operands_product(n, k):
     assert torch.equal(got[:, n:], torch.zeros(13, rows - n))
 
 
+@pytest.mark.invariance
 @needs_bf16
 def test_a_row_has_the_same_bits_alone_batched_and_on_two_workers():
     n, k = 264, 576

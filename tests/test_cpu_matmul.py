@@ -51,6 +51,7 @@ def test_the_product_is_the_blocks_times_8_bit_rows(kind, rows):
     assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 0.02
 
 
+@pytest.mark.invariance
 @needs_lib
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q8_0])
 def test_a_rows_bits_depend_neither_on_its_batch_nor_on_the_threads(kind):

@@ -228,6 +228,7 @@ def test_quantized_logits_track_float32(auto_llm, dense_llm, llm):
         share
 
 
+@pytest.mark.invariance
 @pytest.mark.skipif(not kernels_present(), reason="this torch lacks the int4 CPU kernels")
 def test_a_decode_rows_logits_do_not_depend_on_its_round(auto_llm):
     """Every row goes through the kernels, each on its own, so a decode

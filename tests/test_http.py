@@ -431,6 +431,40 @@ def test_fuzzed_bodies_never_get_a_500_and_the_server_stays_up(dep, model, path,
         assert err["message"] and err["type"]
 
 
+EIGHT_QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+                   "How many legs does a spider have?", "Write a haiku about rain.",
+                   "What is 12 times 12?", "Who wrote Hamlet?",
+                   "Give me a synonym for happy.", "Why is the sky blue?"]
+
+
+@pytest.mark.invariance
+def test_eight_chat_prompts_get_the_same_greedy_text_one_at_a_time_and_all_at_once(oai, model):
+    """A request's tokens do not depend on what shares its rounds: on the
+    fused engine, eight different chat prompts answered one after another
+    and then all at once (their prompts' rows and decodes in shared rounds)
+    give the same greedy text, and the same bits in every token's logprob,
+    every row's product in pdserve's order."""
+    def ask(question: str) -> tuple:
+        choice = oai.chat.completions.create(
+            model=model, max_tokens=24, temperature=0, logprobs=True,
+            extra_body={"route": "fused"},
+            messages=[{"role": "user", "content": question}]).choices[0]
+        return choice.message.content, [t.logprob for t in choice.logprobs.content]
+    alone = [ask(q) for q in EIGHT_QUESTIONS]
+    together: list = [None] * len(EIGHT_QUESTIONS)
+
+    def run(i: int) -> None:
+        together[i] = ask(EIGHT_QUESTIONS[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(EIGHT_QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+    texts = [text for text, _ in alone]
+    assert len(set(texts)) == len(texts) and "Paris" in texts[0]
+
+
 def test_the_deployment_is_idle_after_everything(grpc_client):
     wait_idle(grpc_client)
 
