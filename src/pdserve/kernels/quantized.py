@@ -248,8 +248,7 @@ def row_paths(model) -> str:
     """Who multiplies a quantized model's prompt rows and their logits, for
     the load's log: pdserve's fixed-order kernels (a row's bits its own)
     or torch's BLAS; and, on a CPU with AMX tiles, that they are unused."""
-    layers = [w for layer in getattr(model, "layers", []) for w in layer
-              if isinstance(w, QuantizedLinear)]
+    layers = [w for w in quantized_linears(model) if w is not model.lm_head]
     native = getattr(model, "native_layers", None)
     if native is not None:
         prompt = "one bfloat16 pass in pdserve's order (cpu_bf16.c)" if native.prompt_bf16 \
