@@ -105,6 +105,19 @@ def test_add_peer_with_metadata_the_transport_refuses_keeps_nothing_of_the_peer(
     assert (sorted(p.peer.peers), p.transport.peers()) == before
 
 
+def test_an_add_peer_older_than_the_incarnation_known_is_refused_and_the_newer_kept():
+    """A late AddPeer for an engine's earlier incarnation (it restarted
+    since) would point the engine back at a process that is gone."""
+    p, _ = pair()
+    s = EngineControlServicer(p)
+    fields = dict(engine="decode-1", address="127.0.0.1:9")
+    assert rpc(s, "AddPeer", pb.AddPeerRequest(incarnation=2, nixl_metadata=b"decode-1@2",
+                                               **fields)) is None
+    assert rpc(s, "AddPeer", pb.AddPeerRequest(incarnation=1, nixl_metadata=b"decode-1@1",
+                                               **fields)) is INVALID
+    assert p.peer.peers["decode-1"].incarnation == 2
+
+
 @pytest.mark.parametrize("hostile", [
     dict(engine="prefill-0"),                 # itself
     dict(incarnation=0), dict(address="nowhere"), dict(address="h:99999"),

@@ -192,3 +192,20 @@ def test_a_lease_that_runs_out_mid_round_posts_no_write():
     p.peer.timers(late)
     assert p.counts.lease_expiries == 1 and p.peer.idle() and p.nothing_live()
     p.planner.assert_idle()
+
+
+def test_d_heartbeats_each_prefill_peer_once_a_heartbeat_period():
+    """D renews P's leases with one heartbeat a peer every heartbeat_s,
+    naming every request it waits on, not one on each pass of its loop
+    (a pass can come every millisecond)."""
+    p, d = pair()
+    ask_and_ship(p, d)
+    def beats():
+        return [m for _, rpc, m in sent(d) if rpc is PeerRpc.LEASE_HEARTBEAT]
+    now = time.monotonic()
+    d.peer.timers(now)
+    assert [list(m.request_ids) for m in beats()] == [["x"]]
+    d.peer.timers(now + d.peer.heartbeat_s / 2)
+    assert len(beats()) == 1
+    d.peer.timers(now + d.peer.heartbeat_s)
+    assert len(beats()) == 2

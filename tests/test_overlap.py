@@ -200,6 +200,43 @@ def test_an_abort_with_a_forward_in_flight_takes_effect_after_it():
     assert len(a.output) == n                     # no token landed after the abort
 
 
+def _out_after(engine, out):
+    """The plan whose forward is still out once `out` was applied, if any."""
+    launched = engine.executor.launched
+    return launched[-1] if launched and launched[-1].round != out.plan.round else None
+
+
+def _read_by(plan, req) -> bool:
+    return plan is not None and (any(r is req for r in plan.decodes)
+                                 or any(op.req is req for op in plan.prefills))
+
+
+@pytest.mark.parametrize("end", ["stop", "abort"])
+def test_nothing_is_released_while_a_forward_of_it_is_out(end):
+    """The rule behind the planner's FsmError guards, held by the test
+    itself: a request that stops, or is aborted, while a forward of it is
+    out keeps its pages until that forward lands. No request a step (or
+    an abort) releases is in the forward still running after it."""
+    e = _engine(stop_at={"a": 3} if end == "stop" else None)
+    e.submit(req("a", 5, max_new=50))
+    e.submit(req("b", 5, max_new=6))
+    late = []
+
+    def each(engine, out):
+        late.extend(engine.planner.ending)
+        for r in out.finished + out.aborted:
+            assert not _read_by(_out_after(engine, out), r), f"{r.id} released mid-forward"
+    if end == "abort":
+        for _ in range(3):
+            each(e, e.step())
+        a = e.planner.requests["a"]
+        assert a.state.res.forwards_out == 1
+        assert e.abort("a", "client went away") is None, "aborted with its forward out"
+        late.extend(e.planner.ending)
+    _drive(e, each)
+    assert "a" in late                                       # the late path ran
+
+
 def test_an_abort_with_nothing_in_flight_is_immediate():
     e = _engine()
     e.submit(req("a", 5, max_new=5))

@@ -62,3 +62,66 @@ def test_a_late_ack_for_an_earlier_attempt_leaves_the_live_copy_alone():
                                               engine="decode-1", epoch=7))
     assert "x" not in p.planner.requests and not p.peer.remote
     p.planner.assert_idle()
+
+
+def test_a_transfer_failed_for_a_landing_d_already_fenced_leaves_the_fence_to_run_out():
+    """D timed out x's landing and fenced its pages; P's TransferFailed
+    for that attempt comes after. The fence stays until it runs out (P's
+    report says the write failed, not that no write of it is still on the
+    wire), and then every page goes: nothing of x is leaked."""
+    from pdserve.proto import control_pb2 as pb
+
+    d = server("decode", "decode-0", "prefill-0")
+    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
+    r.peer = "prefill-0"
+    d.planner.submit(r)
+    d.owner["x"] = "router"
+    one_round(d)
+    (_, _, ask), = sent(d)
+    now = time.monotonic()
+    d.peer.timers(now + 31)                                # the landing times out
+    assert d.counts.fences == 1
+    d.peer.transfer_failed_from_peer(pb.TransferFailedRequest(
+        request_id="x", epoch=ask.epoch, reason="the write failed"))
+    for _ in range(50):
+        if not one_round(d):
+            break
+    assert "x" not in d.planner.requests
+    d.peer.timers(now + 31 + d.peer.landing.lease_s + d.peer.landing.margin_s)
+    d.planner.assert_idle()
+
+
+def test_p_posts_no_write_whose_pages_do_not_match_the_landing_and_tells_d_why():
+    """P's pages for x and D's landing pages differ in number (the engines
+    group the model's layers differently): P writes nothing, and tells D,
+    naming what to make the same; D's release then lets the twin go."""
+    from pdserve.proto import control_pb2 as pb
+
+    p = server("prefill", "prefill-0", "decode-1")
+    p.peer.remote_prefill(pb.RemotePrefillRequest(
+        request_id="x", token_ids=list(range(1, 18)), landing_pages=[0, 1], epoch=7,
+        target_engine="decode-1", target_incarnation=1))
+    for _ in range(20):
+        if one_round(p) is None:
+            break
+    (failed,) = [m for _, rpc, m in sent(p) if rpc is PeerRpc.TRANSFER_FAILED]
+    assert failed.epoch == 7 and "engine.page_size on both roles" in failed.reason
+    assert not p.transport.in_flight("x") and p.counts.transfers == 0
+    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
+                                              engine="decode-1", epoch=7))
+    assert p.peer.idle()
+    p.planner.assert_idle()
+
+
+def test_a_remote_prefill_whose_prior_output_exceeds_its_tokens_is_refused_by_p_itself():
+    """The RPC edge refuses it (control_checks); so does the protocol, for
+    a caller that did not come through the edge, before it holds anything."""
+    from pdserve.proto import control_pb2 as pb
+    from pdserve.scheduler.planner import RejectedRequest
+
+    p = server("prefill", "prefill-0", "decode-1")
+    with pytest.raises(RejectedRequest, match="prior_output=18 exceeds"):
+        p.peer.remote_prefill(pb.RemotePrefillRequest(
+            request_id="x", token_ids=list(range(1, 18)), landing_pages=list(range(5)),
+            epoch=7, target_engine="decode-1", target_incarnation=1, prior_output=18))
+    assert p.peer.idle() and not p.planner.requests

@@ -194,10 +194,14 @@ def test_prompts_that_differ_only_in_a_page_s_last_token_never_share_that_page(p
 def test_a_page_that_straddles_the_prompt_s_end_is_keyed_by_its_last_output_token(page):
     """A page that holds the prompt's tail and the first outputs is keyed
     by all of them: two requests of one prompt whose outputs differ only
-    in the page's last token have different keys for it."""
+    in the page's last token have different keys for it; and a full
+    page's key stays what it was as the request grows past it."""
     prompt = list(range(1, page + page // 2 + 1))
     a, b = req("a", prompt), req("b", prompt)
     for r, last in ((a, 7), (b, 8)):
         r.output.extend([5] * (page - page // 2 - 1) + [last])
     assert a.page_key(0, page) == b.page_key(0, page)
     assert a.page_key(1, page) != b.page_key(1, page)
+    key = a.page_key(1, page)
+    a.output.extend([9] * page)
+    assert a.page_key(1, page) == key

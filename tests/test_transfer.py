@@ -262,6 +262,18 @@ def test_a_fence_whose_write_never_drains_is_released_by_the_lease():
     assert len(t) == 0
 
 
+def test_a_fenced_landing_neither_times_out_again_nor_moves_its_release():
+    """Once fenced, a landing is past D's timeout: a later pass does not
+    report it again (D would recover it, and ack P, on every pass), and a
+    second fence neither counts nor pushes its release later."""
+    t = LandingTable(timeout_s=1.0, lease_s=5.0)
+    e = t.expect("r", [3], now=0.0)
+    assert t.fence("r", e, now=2.0) is not None
+    assert t.timed_out(3.0) == []
+    assert t.fence("r", e, now=4.0) is None
+    assert [ld.pages for ld in t.expired_fences(12.0)] == [(3,)]
+
+
 def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
     leases = LeaseTable(lease_s=10.0)
     d0, d1 = Incarnation("decode-0", 1), Incarnation("decode-1", 1)
