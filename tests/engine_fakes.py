@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.roles.engine_server import EngineServer
 from pdserve.scheduler import Planner

@@ -2,7 +2,7 @@
 
 from pdserve.config import ServeConfig
 from pdserve.router.router import Router
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.tokenizer import PrintableTokenizer
 
 
 def router(shape):

@@ -159,7 +159,7 @@ def test_router_cost_streams_every_token_through_a_real_router():
     """The router rows time a real Router's stream and front: each token an
     event, each event a message out (it raises if a token went missing)."""
     from pdserve.benchmarks.tokens import _router_now
-    from pdserve.kernels.tokenizer import PrintableTokenizer
+    from pdserve.text.tokenizer import PrintableTokenizer
 
     tok = PrintableTokenizer()
     ids = tok.encode("disaggregated serving", add_special_tokens=False)

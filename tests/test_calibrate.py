@@ -324,7 +324,7 @@ def test_calibrated_tiny_profile_predicts_the_real_engine_within_3x(tmp_path):
     bound is 3x, still far inside what a unit or wiring error costs."""
     import torch
 
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     out = tmp_path / "tiny.yaml"

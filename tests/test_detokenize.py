@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.kernels.detokenize import Detokenizer
+from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.loader import load_tokenizer
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.tokenizer import PrintableTokenizer
 
 TEXTS = ["Paris is the capital of France.", "naïve café, 日本語のテキスト, emoji 🙂🚀 ok",
          "  leading spaces\n\nnew lines\ttabs", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
@@ -143,7 +143,7 @@ def _engine_text(tok, prompt, tokens, stop, prior=(0, 0), final=False) -> str:
     """The text an engine's output thread sends for request r: opened as
     an engine opens it (`prior`: a resubmission's tokens and characters
     out already), then `tokens` one round each (the last one final)."""
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)

@@ -5,8 +5,9 @@ Every module under src/pdserve is parsed (not imported), and each import of
 folder it names (`scheduler`, `roles`, ...; the root modules `config`,
 `client` and `llm` count as themselves). The folders must form no cycle, and
 a few explicit rules hold: the planner imports nothing of pdserve, the engine
-neither the router nor the deployment, the router not the engine, and the CLI
-and the benchmarks sit on top.
+neither the router nor the deployment, the router neither the engine nor the
+model code (text/ is its torch-free side), and the CLI and the benchmarks
+sit on top.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,7 +26,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "pdserve"
 FORBIDDEN = {
     "scheduler": "*",   # the pure planner: no other pdserve folder
     "roles": {"router", "cluster", "sim", "cli", "config", "benchmarks"},
-    "router": {"roles", "cluster", "sim", "cli", "benchmarks"},
+    "router": {"roles", "kernels", "cluster", "sim", "cli", "benchmarks"},
+    "text": "*",        # tokenizers, chat, detokenizing, sampling parameters: no torch
 }
 ONLY_IMPORTED_BY = {
     "cli": {"cli"},
@@ -178,6 +182,18 @@ def test_explicit_layer_rules():
         for w in where:
             bad.append(f"{why}: {w[0]}:{w[1]} imports {w[2]}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_http_front_and_the_text_side_load_no_torch():
+    """The router's process tokenizes and renders chats through text/, so
+    importing its HTTP front loads neither torch nor a model family."""
+    code = ("import sys, pdserve.router.http_api, pdserve.text.tokenizer, pdserve.text.chat, "
+            "pdserve.text.detokenize, pdserve.text.sampling_params\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pdserve.kernels')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 # Nothing in the package reads outside it at run time: no sys.path edits, no

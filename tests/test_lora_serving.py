@@ -225,7 +225,7 @@ def test_a_restarted_engine_gets_the_runtime_loads_and_unloads_again(dep, oai, w
 def test_runtime_updates_are_off_unless_enabled():
     from starlette.testclient import TestClient
 
-    from pdserve.kernels.tokenizer import PrintableTokenizer
+    from pdserve.text.tokenizer import PrintableTokenizer
     from pdserve.router.http_api import build_app
     from pdserve.router.router import Router
     r = Router(ServeConfig.from_dict({"cluster": {"fused": 1}}), PrintableTokenizer(), 98,

@@ -3,7 +3,7 @@ with no live link): each one names the field and what to change."""
 
 from pdserve.config import ServeConfig
 from pdserve.router.router import Router
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.tokenizer import PrintableTokenizer
 
 
 def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_asked():

@@ -9,7 +9,7 @@ import pytest
 from pdserve.config import ServeConfig
 from pdserve.router.pairing import AFFINITY_SLACK_TOKENS
 from pdserve.router.router import RequestError, Router, Security
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.tokenizer import PrintableTokenizer
 
 from router_fakes import router
 

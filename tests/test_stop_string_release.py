@@ -3,8 +3,8 @@ moved on: the request is let go only if it is still the one the stop string
 was found for. An id may be live again by then (a client that cancelled and
 retried with its request_id, a resubmission to the same engine)."""
 
-from pdserve.kernels.sampling import SamplingParams
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.sampling_params import SamplingParams
+from pdserve.text.tokenizer import PrintableTokenizer
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
 from pdserve.roles.outputs import OutputItem, Outputs

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.config import ServeConfig
 from pdserve.router.router import RequestError, Router
-from pdserve.kernels.tokenizer import PrintableTokenizer
+from pdserve.text.tokenizer import PrintableTokenizer
 
 from router_fakes import leave_during_submit, linked, router
 

@@ -19,7 +19,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from pdserve.kernels.sampling import SamplingParams
+        from pdserve.text.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.config import ServeConfig, engine_for_model, load_config
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.roles.engine import Engine
 from pdserve.roles.tp_leader import load_engine_model
 from pdserve.roles.torch_executor import TorchExecutor

@@ -72,7 +72,7 @@ def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int, warm: b
 
 
 def run_ours(llm, reqs) -> tuple[float, list]:
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
 
     sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()

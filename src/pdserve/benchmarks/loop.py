@@ -30,7 +30,7 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
     import torch
 
     from pdserve.kernels.loader import load_model
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
     from pdserve.scheduler.grammar import Role
@@ -84,7 +84,7 @@ def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, thread
     import torch
 
     from pdserve.kernels.loader import load_model
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.engine import Engine
     from pdserve.roles.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig

@@ -213,7 +213,7 @@ def run_offline(config: str, samples: list[Sample], seed: int,
 
     from pdserve.cluster.cpu_threads import served_threads
     from pdserve.config import load_config
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     # the served engine's threads (engine.cpu_threads), not torch's default
@@ -227,7 +227,7 @@ def run_offline(config: str, samples: list[Sample], seed: int,
 
 def _offline_runs(config: str, samples: list[Sample], seed: int, concurrency: int | None,
                   repeats: int) -> dict:
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     llm = LLM(config) if concurrency is None else LLM(config, max_batch_size=concurrency)

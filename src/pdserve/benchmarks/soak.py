@@ -150,7 +150,7 @@ def _settle(dep, bound: float = 60.0) -> dict:
 
 def _workload(seed: int) -> tuple[list, dict]:
     """Prompts sharing six prefixes, and each one's greedy answer offline."""
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     rng = random.Random(seed)

@@ -141,7 +141,7 @@ class Measure:
 def prompts_for(tokenizer, n: int) -> list:
     """`n` prompts: each passage under each task, through the chat template
     (the plain text for a model without one)."""
-    from pdserve.kernels.chat import render_chat
+    from pdserve.text.chat import render_chat
 
     out: list[list[int]] = []
     i = 0
@@ -224,7 +224,7 @@ def run(args) -> int:
     import torch
 
     from pdserve.kernels.loader import load_model
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
 
     ks = [int(k) for k in args.ks.split(",") if k]
     levels = [int(c) for c in args.concurrency.split(",") if c]

@@ -45,7 +45,7 @@ def _tokens(tok, n: int) -> list[int]:
 
 def _loop_now(tok, ids) -> float:
     """CPU seconds per token on the loop thread: on_token, then one handoff."""
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.outputs import OutputItem, Outputs
     from pdserve.roles.torch_executor import TorchExecutor
 
@@ -72,7 +72,7 @@ def _loop_now(tok, ids) -> float:
 
 def _outputs_now(tok, ids) -> float:
     """Seconds per token in the output thread: text, stop strings, message."""
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)
@@ -143,7 +143,7 @@ def _router_now(tok, ids, front: str) -> float:
         else:
             from pdserve.router.http_api import HttpFront
             from pdserve.router.openai_protocol import CompletionRequest
-            from pdserve.kernels.sampling import SamplingParams
+            from pdserve.text.sampling_params import SamplingParams
 
             body = CompletionRequest(prompt=prompt, max_tokens=len(ids), stream=True)
             stream = r.open(prompt, SamplingParams(max_tokens=len(ids)))

@@ -31,7 +31,7 @@ def main(config: str | None = None) -> int:
     from pdserve.client import Client
     from pdserve.cluster.deploy import Deployment
     from pdserve.config import load_config
-    from pdserve.kernels.chat import render_chat
+    from pdserve.text.chat import render_chat
 
     path = config or "deploy/local-pd.yaml"          # the shipped one unless a file is here
     cfg = load_config(path)

@@ -59,7 +59,7 @@ def _remote(args) -> int:
 
 
 def _offline(args) -> int:
-    from pdserve.kernels.sampling import SamplingParams
+    from pdserve.text.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

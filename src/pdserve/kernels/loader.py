@@ -22,7 +22,7 @@ from pdserve.kernels.quantized import choose_quantization, row_paths
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
-from pdserve.kernels.tokenizer import HFTokenizer, PrintableTokenizer
+from pdserve.text.tokenizer import HFTokenizer, PrintableTokenizer
 
 log = logging.getLogger("pdserve.kernels")
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ repetition_penalty 0 are 1.0."""
 
 from __future__ import annotations
 
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import router_pb2 as pb
 
 

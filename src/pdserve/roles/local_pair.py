@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.grammar import Role

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.kernels.detokenize import Detokenizer
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.detokenize import Detokenizer
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
 

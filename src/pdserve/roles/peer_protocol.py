@@ -33,7 +33,7 @@ from typing import Callable
 
 import grpc
 
-from pdserve.kernels.sampling import Logprob
+from pdserve.text.sampling_params import Logprob
 from pdserve.proto.control_tls import ControlTls, channel
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg

@@ -34,7 +34,7 @@ import torch
 
 from pdserve.kernels.proposers import DraftAsk, NgramProposer, Proposer
 from pdserve.kernels.rejection import VerifyRow
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.roles.spec_gate import SpecGate
 from pdserve.scheduler.speculation import SpecConfig, SpecMethod
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
-from pdserve.kernels.detokenize import Detokenizer
+from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample

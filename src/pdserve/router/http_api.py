@@ -318,7 +318,7 @@ class HttpFront:
         if not template:
             raise Unsupported("messages", f"model {self.r.model_name!r} has no chat template; "
                               "use /v1/completions with a prompt")
-        from pdserve.kernels.chat import render_chat
+        from pdserve.text.chat import render_chat
 
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
                     for m in body.messages]

@@ -13,7 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       field_validator, model_validator)
 
 from pdserve.router.pairing import ROUTES
-from pdserve.kernels.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.text.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16

@@ -40,7 +40,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto.control_tls import ControlTls

@@ -21,7 +21,7 @@ import grpc
 from pdserve.router.engine_link import LOST, EngineLink
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.pairing import EngineRef
-from pdserve.kernels.sampling import SamplingParams
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto.sampling import to_options

@@ -128,7 +128,7 @@ class Harness:
         return [self.rng.randrange(vocab) for _ in range(n)]
 
     def submit(self, prompt: list, max_new: int):
-        from pdserve.kernels.sampling import SamplingParams
+        from pdserve.text.sampling_params import SamplingParams
         from pdserve.scheduler.request import Request, SamplingLimits
 
         rid = f"cal-{self._next}"
