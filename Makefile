@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo sim-demo typecheck test test-all bench proto clean
+.PHONY: demo sim-demo typecheck test test-all bench proto mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/pdserve bench planner
+
+# by hand, not in CI: a list of one-line bugs, each applied to a copy of HEAD
+# and run against its test files; fails if the suite lets one through
+mutate: $(STAMP)
+	$(PY) tools/mutate.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache
