@@ -245,7 +245,7 @@ def test_bench_disk_read_behind_writes(capsys):
 
 @pytest.mark.slow                          # ~2 min: SmolLM2 loaded seven ways
 def test_bench_quantized(capsys):
-    from pdserve.kernels.native import native_kernels
+    from pdserve.kernels.cpu.native import native_kernels
 
     out = bench(capsys, "quantized", "--batches", "1", "--rounds", "1", "--repeats", "1",
                 "--context", "16")

@@ -1,4 +1,4 @@
-"""pdserve's CPU decode attention (kernels/cpu_attention.c and .py) against
+"""pdserve's CPU decode attention (kernels/cpu/attention.c and .py) against
 torch's path in TorchAttention: the same outputs for every kind of decode
 row (grouped query heads, sliding windows, a window's first page, softcaps,
 bfloat16 pages, a layer's strided view of the cache), and each row's bits
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
-from pdserve.kernels.native import native_kernels
+from pdserve.kernels.cpu.native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels().lib is None,
                                 reason=f"no native kernels: {native_kernels().why}")

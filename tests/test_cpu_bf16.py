@@ -1,4 +1,4 @@
-"""A prompt's rows multiplied in bfloat16 (kernels/cpu_bf16.c): the
+"""A prompt's rows multiplied in bfloat16 (kernels/cpu/bf16.c): the
 products of the rounded operands, a row's bits whatever its batch or the
 workers sharing it, and a clear refusal where the CPU lacks AVX512-BF16."""
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from pdserve.kernels.cpu_matmul import COLS, pack_bf16
-from pdserve.kernels.native import native_kernels
+from pdserve.kernels.cpu.matmul import COLS, pack_bf16
+from pdserve.kernels.cpu.native import native_kernels
 
 LIB = native_kernels().lib
 needs_bf16 = pytest.mark.skipif(LIB is None or not LIB.pd_has_bf16(),
@@ -55,7 +55,7 @@ def test_a_row_has_the_same_bits_alone_batched_and_on_two_workers():
 def test_without_bf16_the_kernel_refuses_and_says_so():
     """PDSERVE_NO_BF16 stands in for a CPU without the instructions: the
     kernel reports it and returns -1 rather than computing anything."""
-    code = ("import torch\nfrom pdserve.kernels.native import native_kernels\n"
+    code = ("import torch\nfrom pdserve.kernels.cpu.native import native_kernels\n"
             "lib = native_kernels().lib\nx, y = torch.ones(1, 64), torch.zeros(1, 8)\n"
             "w = torch.ones(8 * 64, dtype=torch.bfloat16)\n"
             "print(lib.pd_has_bf16(), lib.pd_linear_bf16(x.data_ptr(), 1, 64, w.data_ptr(), 8, "
@@ -74,7 +74,7 @@ def test_a_linear_trades_its_dense_copy_for_the_packed_one():
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize
 
-    from pdserve.kernels.quantized import QuantizedLinear, from_blocks
+    from pdserve.kernels.cpu.quantized import QuantizedLinear, from_blocks
 
     n, k = 200, 256
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""A dense weight's product in pdserve's order (kernels/cpu_dense.c): the
+"""A dense weight's product in pdserve's order (kernels/cpu/dense.c): the
 float64 product within float32's rounding, a bfloat16 weight exactly its
 float32 widening, a row's bits whatever its batch, tile or the workers
 sharing it, and a clear refusal of what it does not take."""
@@ -6,8 +6,8 @@ sharing it, and a clear refusal of what it does not take."""
 import pytest
 import torch
 
-from pdserve.kernels.cpu_matmul import dense_product, fits_dense
-from pdserve.kernels.native import native_kernels, share_cores
+from pdserve.kernels.cpu.matmul import dense_product, fits_dense
+from pdserve.kernels.cpu.native import native_kernels, share_cores
 
 LIB = native_kernels().lib
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"no native kernels: {native_kernels().why}")

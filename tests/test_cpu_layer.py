@@ -1,4 +1,4 @@
-"""pdserve's C decoder layer for every row of a round (kernels/cpu_layer.c
+"""pdserve's C decoder layer for every row of a round (kernels/cpu/layer.c
 and .py): the same layer as DecoderModel's torch path, its K/V in the same
 slots, on SmolLM2 and on small random models with what SmolLM2 lacks (q/k/v
 biases, a sliding window); a row's bits whatever its round; and where it
@@ -14,9 +14,9 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
 from pdserve.kernels.loader import load_model
 from pdserve.kernels.model import DecoderModel, random_weights
 from pdserve.kernels.model_config import ModelConfig
-from pdserve.kernels.cpu_features import cpu_flags
-from pdserve.kernels.native import KERNELS_ENV, native_kernels
-from pdserve.kernels.quantized import from_blocks
+from pdserve.kernels.cpu.features import cpu_flags
+from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
+from pdserve.kernels.cpu.quantized import from_blocks
 
 needs_lib = pytest.mark.skipif(native_kernels().lib is None,
                                reason=f"no native kernels: {native_kernels().why}")
@@ -173,8 +173,8 @@ def test_the_load_says_which_path_the_rows_take(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="pdserve.kernels"):
         load_model(None, "smollm2-135m", dtype="float32", quantization="gguf")
     assert "layers: pdserve's C layers, a prompt's rows in two 8-bit passes" in caplog.text
-    assert "prompt rows: two 8-bit passes in pdserve's order (cpu_matmul.c); their logits: " \
-        "float32 in pdserve's order (cpu_dense.c)" in caplog.text
+    assert "prompt rows: two 8-bit passes in pdserve's order (cpu/matmul.c); their logits: " \
+        "float32 in pdserve's order (cpu/dense.c)" in caplog.text
     assert ("which pdserve's kernels do not use" in caplog.text) == ("amx_bf16" in cpu_flags())
     caplog.clear()
     monkeypatch.setenv(KERNELS_ENV, "torch")
@@ -265,10 +265,10 @@ def test_a_prompts_rows_are_nearer_the_files_exact_values_than_decode_rows():
                     reason="this CPU has no AVX512-BF16")
 def test_a_bfloat16_models_prompt_rows_take_one_bfloat16_pass():
     """Where the CPU multiplies bfloat16, a bfloat16 model's prompt rows
-    multiply its bfloat16 weights once (cpu_bf16.c) instead of taking two
+    multiply its bfloat16 weights once (cpu/bf16.c) instead of taking two
     8-bit passes: other bits, still well nearer the file's exact values than
     decode rows (about 1.9x here), and not far from the two passes (1.4x)."""
-    from pdserve.kernels import cpu_layer
+    from pdserve.kernels.cpu import layer as cpu_layer
 
     model = small_model(False, None, torch.bfloat16)
     assert model.native_layers.prompt_bf16

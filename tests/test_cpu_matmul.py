@@ -1,4 +1,4 @@
-"""pdserve's own CPU matmuls (kernels/cpu_matmul.c and .py): the product
+"""pdserve's own CPU matmuls (kernels/cpu/matmul.c and .py): the product
 of the file's exact blocks and 8-bit activation blocks, each row's bits
 independent of its batch and of the thread count."""
 
@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from pdserve.kernels.cpu_matmul import GROUP, NativeMatmul
-from pdserve.kernels.native import native_kernels
-from pdserve.kernels.quantized import from_blocks
+from pdserve.kernels.cpu.matmul import GROUP, NativeMatmul
+from pdserve.kernels.cpu.native import native_kernels
+from pdserve.kernels.cpu.quantized import from_blocks
 
 LIB = native_kernels().lib
 needs_lib = pytest.mark.skipif(LIB is None, reason=f"no native kernels: {native_kernels().why}")

@@ -1,4 +1,4 @@
-"""The threads pdserve's CPU kernels share work among (kernels/cpu_pool.c):
+"""The threads pdserve's CPU kernels share work among (kernels/cpu/pool.c):
 helpers that take part give the same bits as the caller alone, two
 callers at once each get their own answer, and a forked child computes
 alone."""
@@ -13,10 +13,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, decode_spans
-from pdserve.kernels.cpu_attention import decode_attention
-from pdserve.kernels.cpu_matmul import NativeMatmul
-from pdserve.kernels.native import native_kernels, share_cores
-from pdserve.kernels.quantized import from_blocks
+from pdserve.kernels.cpu.attention import decode_attention
+from pdserve.kernels.cpu.matmul import NativeMatmul
+from pdserve.kernels.cpu.native import native_kernels, share_cores
+from pdserve.kernels.cpu.quantized import from_blocks
 
 LIB = native_kernels().lib
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"no native kernels: {native_kernels().why}")

@@ -13,12 +13,12 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.text.chat import render_chat
-from pdserve.kernels.cpu_features import Bfloat16Support, bfloat16_from_flags, cpu_bfloat16
+from pdserve.kernels.cpu.features import Bfloat16Support, bfloat16_from_flags, cpu_bfloat16
 from pdserve.kernels.gguf import open_gguf
 from pdserve.kernels.loader import choose_dtype, load_model, load_tokenizer, model_config_for, \
     resolve_model_path
 from pdserve.kernels.model_config import ModelError, read_config, tiny_config
-from pdserve.kernels.quantized import kernels_present, quantized_linears
+from pdserve.kernels.cpu.quantized import kernels_present, quantized_linears
 from pdserve.text.tokenizer import HFTokenizer, PrintableTokenizer
 
 import gguf  # noqa: E402  (the test extra installs both: a missing one fails, never skips)

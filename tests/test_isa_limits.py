@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels.cpu_features import cpu_flags
+from pdserve.kernels.cpu.features import cpu_flags
 
 FILES = ["test_quantized.py", "test_cpu_dense.py", "test_cpu_layer.py", "test_cpu_bf16.py",
          "test_cpu_matmul.py", "test_cpu_attention.py", "test_gguf.py", "test_isa_limits.py"]

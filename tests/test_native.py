@@ -1,4 +1,4 @@
-"""Building and choosing pdserve's own CPU kernels (kernels/native.py): a
+"""Building and choosing pdserve's own CPU kernels (kernels/cpu/native.py): a
 build reused by its text, a failed one that says why, engines building at
 once, and the choice between them and torch's kernels."""
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pdserve.kernels import native
-from pdserve.kernels.native import KERNELS_ENV, build, chosen_kernels, native_kernels
+from pdserve.kernels.cpu import native
+from pdserve.kernels.cpu.native import KERNELS_ENV, build, chosen_kernels, native_kernels
 
 LIB = native_kernels().lib
 
@@ -63,7 +63,7 @@ def test_a_cpu_without_avx2_gets_torchs_kernels(monkeypatch):
 def test_engines_starting_together_build_one_library(tmp_path):
     """Processes building at once (engines on one host) all end with the
     same working library."""
-    code = ("import sys; from pathlib import Path; from pdserve.kernels.native import "
+    code = ("import sys; from pathlib import Path; from pdserve.kernels.cpu.native import "
             "build, SOURCES; print(build(SOURCES, Path(sys.argv[1])))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]))

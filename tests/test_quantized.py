@@ -1,4 +1,4 @@
-"""A GGUF's quantized weights kept quantized on CPU (kernels/quantized.py):
+"""A GGUF's quantized weights kept quantized on CPU (kernels/cpu/quantized.py):
 the file's blocks read exactly, the kernels' products against the
 dequantized weights, the loader's choice and its refusals."""
 
@@ -9,10 +9,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pdserve.config import ConfigError, ServeConfig
-from pdserve.kernels.native import KERNELS_ENV, native_kernels
+from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
 from pdserve.kernels.gguf import unpermute_rotary
 from pdserve.kernels.model_config import ModelError
-from pdserve.kernels.quantized import (
+from pdserve.kernels.cpu.quantized import (
     QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse,
     linear)
 
@@ -29,7 +29,7 @@ def blocks(kind: T, rows: int = 48, cols: int = 96, seed: int = 0):
 
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch):
-    """Each kernel test twice: pdserve's own kernels (kernels/cpu_matmul.py)
+    """Each kernel test twice: pdserve's own kernels (kernels/cpu/matmul.py)
     and torch's weight-only ones (where the native ones cannot run)."""
     if request.param == "native" and native_kernels().lib is None:
         pytest.skip(f"pdserve's kernels do not run here: {native_kernels().why}")
@@ -54,7 +54,8 @@ def test_the_kernels_multiply_what_the_file_holds(kind, tol, dtype, kernels):
     torch's kernels, to 8-bit blocks for pdserve's); torch's 8 bits are
     requantized per row, a coarser grid. Inputs of either dtype."""
     raw, qt = blocks(kind)
-    x = torch.randn(5, 96).to(dtype)
+    # seeded: 8-bit activation blocks put about 1 input in 700 past 1% (a flaky test)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = x.float() @ qt.dequantize().t()
     y = linear(x, QuantizedLinear(qt, dtype))
     assert y.dtype == dtype
@@ -100,7 +101,7 @@ def test_prefill_rows_take_the_dense_copy_and_a_decode_row_is_the_same_in_any_ba
 @pytest.mark.parametrize("rows,cols", [(960, 576), (576, 1536), (40, 64)])
 def test_a_prefill_rows_bits_do_not_depend_on_the_rows_beside_it(rows, cols, dtype, packed):
     """A prefill row's dense product is computed on its own, in an order
-    pdserve's kernels fix (cpu_dense.c; cpu_bf16.c when packed): the same
+    pdserve's kernels fix (cpu/dense.c; cpu/bf16.c when packed): the same
     bits among 1 to 40 rows, at any offset, at SmolLM2's shapes and a
     small one, whatever BLAS and instruction set the CPU has."""
     lib = native_kernels().lib

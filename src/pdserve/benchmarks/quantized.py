@@ -1,7 +1,7 @@
 """`pdserve bench quantized`: a GGUF's decode round with its weights kept
-quantized (kernels/quantized.py, what `model.quantization: auto` runs on
+quantized (kernels/cpu/quantized.py, what `model.quantization: auto` runs on
 CPU), through pdserve's own kernels (auto's choice where they build: the
-decode rows' layers in one C call each, kernels/cpu_layer.py, or
+decode rows' layers in one C call each, kernels/cpu/layer.py, or
 only its matmul and attention between torch's operators) and through
 torch's, in float32 and bfloat16 models,
 against the same file dequantized to float32 and to bfloat16, side by side
@@ -125,7 +125,7 @@ def run(args) -> int:
 
     import torch
 
-    from pdserve.kernels.native import KERNELS_ENV, native_kernels
+    from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
     from pdserve.kernels.loader import load_model
 
     if args.threads is not None:

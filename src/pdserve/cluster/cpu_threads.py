@@ -20,7 +20,7 @@ issue 40). The count is now the config's, said at load:
 - an `OMP_NUM_THREADS` in the driver's own environment wins over both, as
   it did before (and as the malloc settings beside it do).
 
-pdserve's own C kernels (kernels/cpu_pool.c) share their work differently:
+pdserve's own C kernels (kernels/cpu/pool.c) share their work differently:
 the engine's thread takes every piece no helper has claimed, so a helper
 that is not running costs nothing and one that runs takes a core's idle
 time. They share among `engine.cpu_threads` threads where it is set, and
@@ -72,6 +72,6 @@ def kernel_workers(cpu_threads: int) -> int:
 def share_kernel_cores(cpu_threads: int) -> int:
     """Start the C kernels' helpers for this engine process (`kernel_workers`);
     returns how many threads share their work (1 where they do not run)."""
-    from pdserve.kernels.native import share_cores
+    from pdserve.kernels.cpu.native import share_cores
 
     return share_cores(kernel_workers(cpu_threads))

@@ -25,7 +25,7 @@ class ModelConfig:
     name: str | None = None      # the served model name (the API's "model"); see served_name
     device: str = "auto"         # auto: cpu, unless the command line says otherwise
     quantization: str = "auto"   # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights multiplied quantized on
-                                 # CPU where the kernels run (kernels/quantized.py), else
+                                 # CPU where the kernels run (kernels/cpu/quantized.py), else
                                  # dequantized; gguf: the same or an error; none: dequantized
 
     @classmethod

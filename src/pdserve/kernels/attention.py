@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_attention
-from pdserve.kernels.native import chosen_kernels
+from pdserve.kernels.cpu import attention as cpu_attention
+from pdserve.kernels.cpu.native import chosen_kernels
 
 
 @dataclass
@@ -136,7 +136,7 @@ class TorchAttention:
         return buf[:n].view(shape)
 
     def _native_lib(self):
-        """pdserve's CPU kernels for decode rows (kernels/native.py), looked
+        """pdserve's CPU kernels for decode rows (kernels/cpu/native.py), looked
         up on the first CPU decode: the library, or None to keep torch's path."""
         if not hasattr(self, "_native"):
             self._native = chosen_kernels().lib
@@ -190,7 +190,7 @@ class TorchAttention:
             bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
             prep["dec"] = (seqs[0].q_start, len(seqs), tables.to(device), bias[:, None, None, :])  # type: ignore[assignment]
             if device.type == "cpu":
-                # the same keys as spans, for pdserve's kernel (cpu_attention.py)
+                # the same keys as spans, for pdserve's kernel (cpu/attention.py)
                 prep["dec_span"] = (base, begin, ctx)  # type: ignore[assignment]
         meta._prep = prep
         return prep

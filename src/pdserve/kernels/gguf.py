@@ -21,7 +21,7 @@ import torch
 
 from pdserve.kernels.model import weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError
-from pdserve.kernels.quantized import KINDS, from_blocks
+from pdserve.kernels.cpu.quantized import KINDS, from_blocks
 
 ARCHS = ("llama",)          # general.architecture values pdserve runs
 
@@ -191,7 +191,7 @@ class GGUFCheckpoint:
         """Every tensor under its Hugging Face name: dequantized to float32,
         then cast to `dtype`, with Q and K rows back in Hugging Face's order.
         `keep_quantized`: tensors stored as Q4_0, Q4_1 or Q8_0 come as
-        QuantizedTensor (kernels/quantized.py), the file's integers."""
+        QuantizedTensor (kernels/cpu/quantized.py), the file's integers."""
         from gguf.quants import dequantize
 
         cfg = self.config

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels.attention import TorchAttention, choose_backend
-from pdserve.kernels.cpu_features import Bfloat16Support, cpu_bfloat16
+from pdserve.kernels.cpu.features import Bfloat16Support, cpu_bfloat16
 from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
 from pdserve.kernels.model import DecoderModel, random_weights, weight_names
 from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
 from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
-from pdserve.kernels.quantized import choose_quantization, row_paths
+from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
@@ -186,7 +186,7 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
     """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset.
     `tp`: this process's rank of a tensor-parallel engine; the model is then
     that rank's shard (kernels/tensor_parallel.py). `quantization`: whether
-    a GGUF's quantized weights stay quantized (kernels/quantized.py)."""
+    a GGUF's quantized weights stay quantized (kernels/cpu/quantized.py)."""
     check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
-from pdserve.kernels.cpu_layer import native_layers_for
+from pdserve.kernels.cpu.layer import native_layers_for
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.model_config import ModelConfig, ModelError
-from pdserve.kernels.quantized import (
+from pdserve.kernels.cpu.quantized import (
     QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed, quantized_linears)
 from pdserve.kernels.rope import Rotary
 from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
@@ -99,7 +99,7 @@ class PagedDecoder:
     `slots[i][1]`."""
 
     embed: torch.Tensor          # [vocab (a rank's rows under TP), hidden]: the subclass's
-    lm_head: torch.Tensor | QuantizedLinear   # quantized: a GGUF's (kernels/quantized.py)
+    lm_head: torch.Tensor | QuantizedLinear   # quantized: a GGUF's (kernels/cpu/quantized.py)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, attention):
         self.cfg = cfg
@@ -222,7 +222,7 @@ class DecoderModel(PagedDecoder):
     def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device,
                  attention):
         super().__init__(cfg, dtype, device, attention)
-        # a GGUF's quantized tensors stay quantized (kernels/quantized.py)
+        # a GGUF's quantized tensors stay quantized (kernels/cpu/quantized.py)
         w: dict[str, Any] = {k: v if isinstance(v, QuantizedTensor) else v.to(dtype=dtype, device=self.device)
              for k, v in weights.items()}
         self.norm = w["model.norm.weight"]
@@ -255,7 +255,7 @@ class DecoderModel(PagedDecoder):
         self.rotary = Rotary(cfg, dtype, self.device)
         self.lora: LoraStacks | None = None
         self.quantized = bool(quantized_linears(self))
-        # every row through one C call a layer, where it fits (cpu_layer.py)
+        # every row through one C call a layer, where it fits (cpu/layer.py)
         self.native_layers, self.native_layers_why = native_layers_for(self)
 
     def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
@@ -282,7 +282,7 @@ class DecoderModel(PagedDecoder):
         if self.native_layers is not None and lora is None and self.lora is None and \
                 self.tp is None and len(metas) == 1 and metas[0].seqs and \
                 not torch.compiler.is_compiling():
-            # every row through pdserve's C layers (cpu_layer.py)
+            # every row through pdserve's C layers (cpu/layer.py)
             out = self.native_layers.run(h, metas[0], [caches[layer[0]].layer(layer[1])
                                                        for layer in self.layers])
             if out is not None:
@@ -293,7 +293,7 @@ class DecoderModel(PagedDecoder):
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
-        # quantized weights: prefill rows through the dense copies (kernels/quantized.py)
+        # quantized weights: prefill rows through the dense copies (kernels/cpu/quantized.py)
         dense_rows = metas[0].prefill_rows() if self.quantized else 0
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             if not h.shape[0]:

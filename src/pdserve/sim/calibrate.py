@@ -218,7 +218,7 @@ def model_facts(model, name: str) -> ModelPreset:
 def _numel(v, seen=None) -> int:
     import torch
 
-    from pdserve.kernels.quantized import QuantizedLinear
+    from pdserve.kernels.cpu.quantized import QuantizedLinear
 
     if isinstance(v, torch.Tensor):
         return v.numel()

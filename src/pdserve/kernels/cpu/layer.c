@@ -12,11 +12,11 @@
  * written before any row attends, so a chunk's rows see each other. h
  * stays float32 between layers (the caller rounds it to the model's dtype
  * after the last); K/V are stored in the cache's dtype. The matmuls are
- * cpu_matmul.c's (a prompt's rows: cpu_bf16.c's, where the weights have a
- * bfloat16 copy) and the attention cpu_attention.c's; every step computes a
+ * cpu/matmul.c's (a prompt's rows: cpu/bf16.c's, where the weights have a
+ * bfloat16 copy) and the attention cpu/attention.c's; every step computes a
  * row on its own in one order, so a row's result does not depend on the
  * rows beside it or the thread count. Built and loaded by native.py, driven
- * by cpu_layer.py. */
+ * by cpu/layer.py. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -24,24 +24,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-__m256 pd_exp_ps(__m256 x);
-int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
-              const float *scale, const float *zero, int64_t n, float *y, int threads);
-int pd_linear_precise(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
-                      const float *scale, const float *zero, int64_t n, float *y,
-                      int threads);
-int pd_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-                   float *y, int threads);
-int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
-                        int64_t page_stride, int64_t page_size, int64_t kv_heads,
-                        int64_t head_dim, int64_t heads, const int64_t *tables,
-                        int64_t table_width, const int64_t *base, const int64_t *begin,
-                        const int64_t *end, int64_t batch, float scale, float softcap,
-                        float *out, int threads);
+#include "pdserve_cpu.h"
 
-/* A packed quantized weight (cpu_matmul.py's NativeMatmul): `rows` output
+/* A packed quantized weight (cpu/matmul.py's NativeMatmul): `rows` output
  * rows (n padded to a multiple of 8) of k inputs; `dense`, its bfloat16
- * copy for a prompt's rows (cpu_bf16.c), or NULL where they take two
+ * copy for a prompt's rows (cpu/bf16.c), or NULL where they take two
  * 8-bit passes */
 struct pd_matmul {
     int64_t bits, n, rows, k;
@@ -65,7 +52,7 @@ struct pd_model {
 };
 
 /* A round's rows: each one's position and cache slot (-1: not written),
- * and its keys as cpu_attention.c reads them */
+ * and its keys as cpu/attention.c reads them */
 struct pd_round {
     int64_t batch;
     int64_t precise;            /* the leading rows (a prompt's) multiplied precisely */

@@ -1,27 +1,6 @@
-"""pdserve's own CPU kernels, in C with AVX2: built with the machine's C
-compiler on first use and loaded with ctypes.
-
-- cpu_matmul.c (used by cpu_matmul.py): a GGUF's Q4_0, Q4_1 and Q8_0
-  blocks times activation rows quantized to 8-bit blocks, in integers.
-- cpu_attention.c (used by cpu_attention.py): decode rows' attention read
-  from the paged cache in place.
-- cpu_bf16.c (used by cpu_matmul.py's Bf16Matmul and cpu_layer.c): a
-  prompt's rows times a bfloat16 model's weights in one AVX512-BF16 pass.
-- cpu_dense.c (used by cpu_matmul.py's dense_product): a dense weight
-  (float32 or bfloat16) times rows, each output summed in an order the
-  file fixes, whatever the rows beside it: what a QuantizedLinear's dense
-  copy multiplies.
-- cpu_layer.c (used by cpu_layer.py): a whole Llama-family layer for
-  every row of a round, the products and attention above and the small
-  steps between them in one call.
-- cpu_pool.c: the threads the others share a job's pieces among
-  (`share_cores`), where the calling thread never waits for a helper
-  that has not started.
-
-They exist where torch's own CPU kernels spend most of a small model's
-decode step on something other than arithmetic (dequantizing weights,
-gathering pages, one operator per step of a softmax): docs/benchmarks.md
-has the measurements.
+"""pdserve's CPU kernels (the C files beside this one, declared in
+pdserve_cpu.h): built with the machine's C compiler on first use and loaded
+with ctypes.
 
 The library is compiled once per source text into a cache directory
 (`PDSERVE_KERNEL_CACHE`, default `$XDG_CACHE_HOME/pdserve` or
@@ -44,12 +23,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.kernels.cpu_features import cpu_flags
+from pdserve.kernels.cpu.features import cpu_flags
 
 KERNELS_ENV = "PDSERVE_CPU_KERNELS"   # auto | native | torch: whose CPU kernels serve
-SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("cpu_pool.c", "cpu_matmul.c", "cpu_bf16.c", "cpu_dense.c",
-                          "cpu_attention.c", "cpu_layer.c"))
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / f for f in ("pool.c", "matmul.c", "bf16.c", "dense.c", "attention.c",
+                                   "layer.c"))
+HEADER = HERE / "pdserve_cpu.h"       # every export declared once; part of a build's digest
 FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC")
 
 
@@ -71,7 +51,7 @@ def build(sources: tuple[Path, ...], out_dir: Path, name: str = "pdserve-cpu") -
     """One shared library of `sources`, compiled unless a build of these
     exact texts is already there. Raises RuntimeError with the compiler's
     message when it fails."""
-    text = b"".join(s.read_bytes() for s in sources)
+    text = b"".join(s.read_bytes() for s in (*sources, HEADER))
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = out_dir / f"{name}-{digest}.so"
     if target.exists():
@@ -83,7 +63,8 @@ def build(sources: tuple[Path, ...], out_dir: Path, name: str = "pdserve-cpu") -
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp],
+        done = subprocess.run([compiler, *FLAGS, f"-I{HEADER.parent}", *map(str, sources),
+                               "-o", tmp],
                               capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -149,7 +130,7 @@ def chosen_kernels() -> NativeKernels:
 
 def share_cores(workers: int) -> int:
     """From now on pdserve's kernels share each job among `workers`
-    threads: the calling one and workers - 1 helpers (cpu_pool.c), started
+    threads: the calling one and workers - 1 helpers (cpu/pool.c), started
     as needed and kept for the process. Returns how many share (1 where
     the kernels do not run here)."""
     lib = chosen_kernels().lib

@@ -1,4 +1,4 @@
-"""A round's rows through pdserve's own CPU layer (cpu_layer.c, built by
+"""A round's rows through pdserve's own CPU layer (cpu/layer.c, built by
 native.py): one C call a layer instead of DecoderModel's eager torch
 calls, where the model's weights are kept quantized on a CPU with the
 native kernels.
@@ -7,7 +7,7 @@ At one row a SmolLM2 decode step is mostly dispatch: about 60 torch calls
 a layer (norms, the rotary roll, the cache write, dtype conversions, the
 residual adds), each a few microseconds, around a few tens of microseconds
 of matmul and attention. The C layer runs the same arithmetic on each row
-on its own (cpu_matmul.c's products, cpu_attention.c's attention, the
+on its own (cpu/matmul.c's products, cpu/attention.c's attention, the
 small steps between them in plain loops), with the residual stream kept
 in float32 between layers.
 
@@ -20,9 +20,9 @@ shares its round nor on how its prompt was chunked.
 A prompt's rows (a round's leading prefill rows) are multiplied more
 precisely than decode rows, and their logits take the head's dense copy.
 In a bfloat16 model on a CPU with AVX512-BF16 they multiply the weights'
-bfloat16 copy in one pass (cpu_bf16.c, packed here at load). Elsewhere
+bfloat16 copy in one pass (cpu/bf16.c, packed here at load). Elsewhere
 they get about 15 bits of activation precision from two 8-bit passes: the
-activations, then their rounding error (cpu_matmul.c's pd_linear_precise).
+activations, then their rounding error (cpu/matmul.c's pd_linear_precise).
 One 8-bit pass, as llama.cpp runs a prompt, changed SmolLM2's answer to
 "What is the capital of France?" to llama.cpp's own ("L'Étoile, la
 Marseillaise, ..."). Decode rows keep one pass, since their error is not
@@ -39,11 +39,11 @@ import ctypes
 
 import torch
 
-from pdserve.kernels import cpu_attention
+from pdserve.kernels.cpu import attention as cpu_attention
 from pdserve.kernels.attention import BatchMeta, TorchAttention, row_spans
-from pdserve.kernels.cpu_matmul import NativeMatmul
-from pdserve.kernels.native import chosen_kernels
-from pdserve.kernels.quantized import QuantizedLinear
+from pdserve.kernels.cpu.matmul import NativeMatmul
+from pdserve.kernels.cpu.native import chosen_kernels
+from pdserve.kernels.cpu.quantized import QuantizedLinear
 from pdserve.kernels.rope import Rotary
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -118,7 +118,7 @@ class NativeLayers:
                             c.intermediate_size, c.rms_norm_eps, model.attention.scale,
                             rot.cos.data_ptr(), rot.sin.data_ptr())
         # a bfloat16 model's prompt rows multiply its bfloat16 weights where
-        # the CPU can (cpu_bf16.c: each weight's dense copy, packed in place
+        # the CPU can (cpu/bf16.c: each weight's dense copy, packed in place
         # of it); else two 8-bit passes
         self.prompt_bf16 = model.dtype == torch.bfloat16 and bool(lib.pd_has_bf16())
         self.layers = []

@@ -14,12 +14,14 @@
  * and FMA instructions run, so the bits are the same on every x86 CPU that
  * has them (AMD or Intel, with AVX-512 and AMX or without), whatever the
  * rows beside it, the tile it falls in or the threads sharing the work
- * (cpu_pool.c). A tile of 4 rows by 3 weight rows keeps 12 sums in
+ * (cpu/pool.c). A tile of 4 rows by 3 weight rows keeps 12 sums in
  * registers; a lone row (a prompt's logits, bound by reading the weight)
  * takes 8 weight rows a tile. Built and loaded by native.py. */
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "pdserve_cpu.h"
 
 #define TR 4               /* rows of x a tile */
 #define TC 3               /* weight rows (outputs) a tile */
@@ -27,9 +29,6 @@
 #define ITEM_COLS 48       /* outputs a work item (16 tiles of TC) */
 
 #define FMA __attribute__((target("avx2,fma")))
-
-typedef void (*pd_task)(void *ctx, int64_t item, int worker);
-void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
 
 struct dense_product {
     const float *x;

@@ -1,5 +1,5 @@
 """What this CPU multiplies fast: whether it has bfloat16 instructions
-(and its flags, which kernels/cpu_matmul.py reads for AVX2).
+(and its flags, which kernels/cpu/matmul.py reads for AVX2).
 
 `dtype: auto` runs a quantized GGUF in bfloat16 only where the CPU has
 them (AVX512-BF16 or AMX-BF16): there oneDNN's bfloat16 matmuls run about

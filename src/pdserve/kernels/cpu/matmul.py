@@ -1,5 +1,5 @@
 """A GGUF's Q4_0, Q4_1 and Q8_0 blocks multiplied by pdserve's own CPU
-kernel (cpu_matmul.c, built by native.py): what a QuantizedLinear's decode
+kernel (cpu/matmul.c, built by native.py): what a QuantizedLinear's decode
 rows run where the kernels build.
 
 torch's weight-only kernels (`_weight_int4pack_mm_for_cpu`) dequantize the
@@ -71,7 +71,7 @@ class NativeMatmul:
 
 
 def pack_bf16(dense: torch.Tensor, rows: int) -> torch.Tensor:
-    """A weight's dense copy [n, k] as cpu_bf16.c's pd_linear_bf16 reads it:
+    """A weight's dense copy [n, k] as cpu/bf16.c's pd_linear_bf16 reads it:
     bfloat16, n padded with zero rows to `rows` (a multiple of COLS),
     [rows / COLS][k / 2][COLS][2]."""
     n, k = dense.shape
@@ -114,7 +114,7 @@ def fits_dense(w: torch.Tensor) -> bool:
 def dense_product(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL,
                   threads: int = 0) -> torch.Tensor:
     """x [m, k] @ w.T for a dense weight w [n, k] (float32 or bfloat16, as
-    stored), float32 [m, n], by cpu_dense.c: each output summed in the
+    stored), float32 [m, n], by cpu/dense.c: each output summed in the
     order the file fixes, so a row's bits do not depend on the rows beside
     it, on the threads, or on the CPU (AVX2 and FMA only). x is taken as
     float32 (bfloat16 rows widen exactly)."""

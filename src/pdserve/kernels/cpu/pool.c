@@ -28,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef void (*pd_task)(void *ctx, int64_t item, int worker);
+#include "pdserve_cpu.h"
 
 #define MAX_HELPERS 15
 #define SPIN_NS 100000          /* a helper's wait for the next job before it sleeps */

@@ -7,11 +7,11 @@ A decode step of a small model on CPU is bound by reading its weights:
 SmolLM2-135M's layers are 0.27 GB in bfloat16 and 0.08 GB as the file's
 Q4_1 blocks. Two sets of kernels multiply them:
 
-- pdserve's own (kernels/cpu_matmul.py, AVX2), wherever they build: the
+- pdserve's own (kernels/cpu/matmul.py, AVX2), wherever they build: the
   file's blocks as stored, times each row quantized to 8-bit blocks of 32,
   in integers, as llama.cpp does. On a 2-core AVX2 host a SmolLM2 decode
   round costs about 0.7x torch's kernels' at one row and 0.8x at eight;
-  with a Llama-family model's rows in one C call a layer (cpu_layer.py),
+  with a Llama-family model's rows in one C call a layer (cpu/layer.py),
   0.38x and 0.48x on an AVX-512 host (`pdserve bench quantized`).
 - torch's weight-only kernels otherwise (no AVX2, no C compiler, or
   PDSERVE_CPU_KERNELS=torch), from bfloat16 rows:
@@ -31,18 +31,18 @@ few per request) the kernels. A decode row therefore goes through the same
 kernel whether it runs alone, beside other decodes or beside a prefill
 chunk, and the kernels compute each row on its own (tests/test_gguf.py
 holds a row's bits alone and batched); with the dense copy's products in
-an order pdserve's kernels fix (`dense_product`: cpu_dense.c or
-cpu_bf16.c, never torch's BLAS where they run), a request's tokens do not
+an order pdserve's kernels fix (`dense_product`: cpu/dense.c or
+cpu/bf16.c, never torch's BLAS where they run), a request's tokens do not
 depend on the batch it runs in. One exception: a position's K/V computed
 by a decode row (the kernels) and recomputed by a prefill (the dense copy)
 differ by the quantization's rounding, so a prefix hit on generated
 tokens, a retracted request's recompute or the disk tier can lead to other
 tokens than an uninterrupted run. The cost is memory: the dense copy plus the
 packed weights (a quarter of a bfloat16 copy for 4 bits, half for 8).
-Where a model's rows run pdserve's C layers (cpu_layer.py) every row,
+Where a model's rows run pdserve's C layers (cpu/layer.py) every row,
 prompts included, takes the packed weights there, and the dense copy serves
 only a prompt's logits rows through the head; in a bfloat16 model on a CPU
-with AVX512-BF16 a layer weight's dense copy is packed for cpu_bf16.c in its
+with AVX512-BF16 a layer weight's dense copy is packed for cpu/bf16.c in its
 place (`use_bf16`), for its prompt rows.
 
 `QuantizedTensor` is the file's values as read (integers, per-group scale
@@ -58,9 +58,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.cpu_matmul import Bf16Matmul, NativeMatmul, dense_product, fits_dense
-from pdserve.kernels.cpu_features import cpu_flags
-from pdserve.kernels.native import chosen_kernels
+from pdserve.kernels.cpu.matmul import Bf16Matmul, NativeMatmul, dense_product, fits_dense
+from pdserve.kernels.cpu.features import cpu_flags
+from pdserve.kernels.cpu.native import chosen_kernels
 
 GROUP = 32                     # elements per GGUF block, and per kernel group
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
@@ -154,7 +154,7 @@ class QuantizedLinear:
         self.dense: torch.Tensor | None = t.dequantize().to(dtype)
         self.bf16: Bf16Matmul | None = None     # the dense copy packed (use_bf16)
         lib = chosen_kernels().lib
-        # pdserve's own kernels where they run (kernels/cpu_matmul.py), else torch's
+        # pdserve's own kernels where they run (kernels/cpu/matmul.py), else torch's
         self.native = NativeMatmul(t.q, t.scale, t.zero, t.bits, lib) if lib else None
         if self.native is not None:
             return
@@ -179,9 +179,9 @@ class QuantizedLinear:
         return torch.cat([self.dense_product(x[:dense_rows]), self.kernel(x[dense_rows:])])
 
     def use_bf16(self, lib) -> Bf16Matmul:
-        """Pack the (bfloat16) dense copy for cpu_bf16.c and drop it: the
+        """Pack the (bfloat16) dense copy for cpu/bf16.c and drop it: the
         rows that took the copy multiply the packed one instead, so the
-        weight keeps one bfloat16 copy (cpu_layer.py reads it too)."""
+        weight keeps one bfloat16 copy (cpu/layer.py reads it too)."""
         assert self.dense is not None and self.dense.dtype == torch.bfloat16
         assert self.native is not None
         self.bf16 = Bf16Matmul(self.dense, self.native.rows, lib)
@@ -190,8 +190,8 @@ class QuantizedLinear:
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dense.T, each row computed on its own wherever pdserve's
-        kernels run: the packed bfloat16 copy through cpu_bf16.c
-        (use_bf16), else the dense copy through cpu_dense.c, both summing
+        kernels run: the packed bfloat16 copy through cpu/bf16.c
+        (use_bf16), else the dense copy through cpu/dense.c, both summing
         every output in an order they fix. torch's BLAS picks its kernel
         by the row count (on an Intel CPU with AMX a float32 row among 1
         to 15 rows had other last bits than among 40, however padded), so
@@ -207,9 +207,9 @@ class QuantizedLinear:
     def prompt_path(self) -> str:
         """Who multiplies this weight's prompt rows, for the load's log."""
         if self.bf16 is not None:
-            return "one bfloat16 pass in pdserve's order (cpu_bf16.c)"
+            return "one bfloat16 pass in pdserve's order (cpu/bf16.c)"
         if self.native is not None and self.dense is not None and fits_dense(self.dense):
-            return f"{_name(self.dense.dtype)} in pdserve's order (cpu_dense.c)"
+            return f"{_name(self.dense.dtype)} in pdserve's order (cpu/dense.c)"
         return "torch's BLAS (a row's bits may depend on its round)"
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,8 +251,8 @@ def row_paths(model) -> str:
     layers = [w for w in quantized_linears(model) if w is not model.lm_head]
     native = getattr(model, "native_layers", None)
     if native is not None:
-        prompt = "one bfloat16 pass in pdserve's order (cpu_bf16.c)" if native.prompt_bf16 \
-            else "two 8-bit passes in pdserve's order (cpu_matmul.c)"
+        prompt = "one bfloat16 pass in pdserve's order (cpu/bf16.c)" if native.prompt_bf16 \
+            else "two 8-bit passes in pdserve's order (cpu/matmul.c)"
     else:
         prompt = layers[0].prompt_path() if layers else "dense weights, torch's BLAS"
     head = model.lm_head.prompt_path() if isinstance(model.lm_head, QuantizedLinear) \

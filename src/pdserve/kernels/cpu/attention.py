@@ -1,4 +1,4 @@
-"""Decode rows' attention by pdserve's own CPU kernel (cpu_attention.c,
+"""Decode rows' attention by pdserve's own CPU kernel (cpu/attention.c,
 built by native.py): what TorchAttention runs for a round's decode rows on
 CPU where the kernels build.
 

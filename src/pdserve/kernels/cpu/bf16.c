@@ -7,7 +7,7 @@
  * products are bound by the multiply rate, not by reading the weights:
  * vdpbf16ps multiplies 16 pairs an instruction, as vpdpbusd does 32 byte
  * pairs, so one bfloat16 pass costs what one 8-bit pass does and half of
- * the two 8-bit passes (cpu_matmul.c's pd_linear_precise) that give a
+ * the two 8-bit passes (cpu/matmul.c's pd_linear_precise) that give a
  * prompt's rows their precision where this path is absent.
  *
  * w [n/8][k/2][8][2]: per group of 8 output columns, per pair of inputs,
@@ -16,21 +16,20 @@
  * rows by 4 groups keeps 24 sums in registers while the 4 weight vectors
  * of a pair are loaded once for the 6 rows. Each output is one thread's
  * sum over the pairs in order, whatever the tile, the rows beside it or
- * the threads sharing the work (cpu_pool.c): a row's bits do not depend on
- * its round. Built and loaded by native.py, driven by cpu_layer.c. */
+ * the threads sharing the work (cpu/pool.c): a row's bits do not depend on
+ * its round. Built and loaded by native.py, driven by cpu/layer.c. */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "pdserve_cpu.h"
 
 #define COLS 8             /* output columns a weight group */
 #define ROWS 6             /* rows of x a tile */
 #define GROUPS 4           /* weight groups a tile (a work item) */
 
 #define BF16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512bf16")))
-
-typedef void (*pd_task)(void *ctx, int64_t item, int worker);
-void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
 
 /* 1 where the CPU multiplies bfloat16 (AVX512-BF16 with VL), unless
  * PDSERVE_NO_BF16 is set (to compare with the 8-bit path) */

@@ -11,7 +11,7 @@
  *
  * Every output is computed by one thread in one order (blocks in turn, then
  * the zero terms), whatever the rows beside it, the tile it falls in or the
- * threads sharing the work (cpu_pool.c): a row's result has the same bits
+ * threads sharing the work (cpu/pool.c): a row's result has the same bits
  * alone or batched.
  *
  * Weights come in groups of 8 output rows (the caller pads n to a multiple
@@ -22,13 +22,15 @@
  *           low and high nibble); scale, zero [n/8][k/32][8] floats.
  *   8 bits: w [n/8][k/32][8][8][4] signed bytes, [j][c][t] being column
  *           c's weight 4j + t; scale [n/8][k/32][8].
- * Built and loaded by cpu_matmul.py. */
+ * Built and loaded by cpu/matmul.py. */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pdserve_cpu.h"
 
 #define GROUP 32            /* weights per block, and activations per scale */
 #define COLS 8              /* output rows per weight group */
@@ -193,9 +195,6 @@ int pd_has_vnni(void) {
 #endif
 }
 
-typedef void (*pd_task)(void *ctx, int64_t item, int worker);
-void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
-
 struct product {
     int bits, vnni;
     const int8_t *xq;
@@ -267,7 +266,7 @@ static void multiply(int bits, const struct activations *a, int64_t m, int64_t k
 }
 
 /* y [m, n] = x [m, k] . w^T; n a multiple of 8, k of 32; groups shared
- * with up to `threads` workers (cpu_pool.c's pd_run: 0 is every worker).
+ * with up to `threads` workers (cpu/pool.c's pd_run: 0 is every worker).
  * Returns 0, or -1 when the activations' scratch could not be allocated. */
 int pd_linear(int bits, const float *x, int64_t m, int64_t k, const uint8_t *w,
               const float *scale, const float *zero, int64_t n, float *y, int threads) {

@@ -27,8 +27,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pdserve_cpu.h"
+
 /* e^x for x <= 0 (Cephes' single precision polynomial, ~1 ulp); shared
- * with cpu_layer.c as pd_exp_ps */
+ * with cpu/layer.c as pd_exp_ps */
 static inline __m256 exp_ps(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -70,10 +72,6 @@ static inline __m256 load8(const void *row, int64_t i, int bf16) {
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-
-typedef void (*pd_task)(void *ctx, int64_t item, int worker);
-void pd_run(pd_task fn, void *ctx, int64_t n, int64_t chunk, int threads);
-int pd_pool_workers(void);
 
 struct attention {
     const float *q;
@@ -204,7 +202,7 @@ static void attend(void *ctx, int64_t w, int worker) {
 
 /* q, out: [batch][heads][head_dim] float32, head_dim a multiple of 8 (the
  * caller checks); (sequence, KV head) pairs shared with up to `threads`
- * workers (cpu_pool.c's pd_run: 0 is every worker). Returns 0, or -1 when scratch could not be
+ * workers (cpu/pool.c's pd_run: 0 is every worker). Returns 0, or -1 when scratch could not be
  * allocated. */
 int pd_decode_attention(const float *q, const void *k_pages, const void *v_pages, int bf16,
                         int64_t page_stride, int64_t page_size, int64_t kv_heads,
