@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.rank_agent import KvRankAgent, decode_piece_notif, encode_piece_notif
+from pdserve.transfer.notification import KvNote, PieceNote
+from pdserve.transfer.transport import Incarnation
+from pdserve.transfer.rank_agent import KvRankAgent
 from pdserve.transfer.tp_pieces import (
     KvPiece, PieceWire, bytes_per_rank, heads_of, piece_wire, plan_pieces)
 
@@ -56,10 +58,18 @@ def test_a_piece_crosses_as_one_block_a_page_packed_where_the_page_holds_more_he
         PieceWire(plane, False, True, plane)
 
 
-def test_piece_notifications_carry_the_pages_and_the_write():
-    msg = encode_piece_notif(KvPiece(1, 0, 1, 1, 0, 1), [[3, 4], []], b"pdkv|1|r|x")
-    assert decode_piece_notif(msg) == (1, 0, ((3, 4), ()), b"pdkv|1|r|x")
-    assert decode_piece_notif(b"pdkv|1|2|3") is None
+def test_notes_round_trip_typed_and_a_foreign_message_is_none():
+    """A write's KvNote and a piece's PieceNote come back as sent, a
+    request id with any characters included; a message of another kind
+    (the other note, text, a torn protobuf) reads as None."""
+    note = KvNote("req|7:x", 3, Incarnation("decode-1", 12), 42, (5, 6), b"\x08\x01")
+    assert KvNote.decode(note.encode()) == note
+    piece = PieceNote(1, 0, ((3, 4), ()), note.encode())
+    assert PieceNote.decode(piece.encode()) == piece
+    assert KvNote.decode(PieceNote.decode(piece.encode()).note) == note
+    for foreign in (piece.encode(), b"pdkv|1|2|3", note.encode()[:-3] + b"\xff\xff\xff", b""):
+        assert KvNote.decode(foreign) is None
+    assert PieceNote.decode(note.encode()) is None
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (2, 4)])

@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from pdserve.transfer.kv_layout import KvLayout
+from pdserve.transfer.notification import KvNote
 from pdserve.transfer.transport import (
-    Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind, decode_notif,
-    encode_notif)
+    Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind)
 
 
 PROGRESS_WAKE_US = 10_000     # the progress thread's longest sleep between UCX events
@@ -186,7 +186,7 @@ class NixlTransport(KvTransport):
             t0 = time.perf_counter()
             handle = self.agent.make_prepped_xfer(
                 "WRITE", self._local, np.asarray(w.src_pages, dtype=np.int64), entry[2],
-                np.asarray(w.dst_pages, dtype=np.int64), encode_notif(w))
+                np.asarray(w.dst_pages, dtype=np.int64), KvNote.of(w).encode())
             self.metrics.setup_seconds += time.perf_counter() - t0
         except Exception as e:            # the binding raises on a dead peer
             self._emit(TransferEvent(TransferEventKind.FAILED, w.req_id, w.epoch, w.target,
@@ -244,14 +244,14 @@ class NixlTransport(KvTransport):
                                          err))
         for agent_name, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
-                parsed = decode_notif(msg)
-                if parsed is None or parsed[2] != self.incarnation:
+                note = KvNote.decode(msg)
+                if note is None or note.target != self.incarnation:
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
-                req_id, epoch, _, token, payload, drafts = parsed
-                out.append(TransferEvent(TransferEventKind.LANDED, req_id, epoch,
-                                         Incarnation.parse(agent_name), first_token=token,
-                                         payload=payload, drafts=drafts))
+                out.append(TransferEvent(TransferEventKind.LANDED, note.req_id, note.epoch,
+                                         Incarnation.parse(agent_name),
+                                         first_token=note.first_token, payload=note.payload,
+                                         drafts=note.drafts))
         return out
 
     def _backend_in_flight(self, req_id: str) -> bool:

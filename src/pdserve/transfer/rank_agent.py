@@ -13,8 +13,8 @@ this rank sends, a local and a remote descriptor list of one row a page
 (the local one over a registered send buffer of one slot a page when the
 piece is packed), so a write names row indices only. `post` packs what must
 be packed and starts one NIXL write per piece, each with its own
-notification (`encode_piece_notif`: the piece's P and D ranks, the
-destination pages, the write's own notification); `poll` reports the ends
+notification (a `PieceNote`: the piece's P and D ranks, the destination
+pages, the write's own note); `poll` reports the ends
 of this rank's writes (`PieceEnd`).
 
 D's side: `accept` learns which pieces a P engine owes this rank; `poll`
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.transfer.kv_layout import KvLayout
+from pdserve.transfer.notification import PieceNote
 from pdserve.transfer.tp_pieces import KvPiece, piece_wire, plan_pieces
 
 
@@ -107,30 +108,6 @@ class _Owed:
     agents: set                 # the P ranks' agent names
     pieces: list                # the pieces to this rank
     wires: list                 # per piece, per group: PieceWire
-
-
-def _pages_text(pages) -> str:
-    return ";".join(",".join(str(int(x)) for x in g) for g in pages)
-
-
-def _pages_of(text: str) -> tuple:
-    return tuple(tuple(int(x) for x in g.split(",") if x) for g in text.split(";"))
-
-
-def encode_piece_notif(piece: KvPiece, dst, notif: bytes) -> bytes:
-    return f"pdkvp|{piece.p_rank}|{piece.d_rank}|{_pages_text(dst)}|".encode() + notif
-
-
-def decode_piece_notif(msg: bytes) -> tuple[int, int, tuple, bytes] | None:
-    """(P rank, D rank, destination pages per cache group, the write's own
-    notification), or None if foreign."""
-    try:
-        tag, p, d, pages, rest = msg.split(b"|", 4)
-        if tag != b"pdkvp":
-            return None
-        return int(p), int(d), _pages_of(pages.decode()), rest
-    except ValueError:
-        return None
 
 
 class KvRankAgent:
@@ -277,9 +254,11 @@ class KvRankAgent:
                     self.packed_bytes += buf[0].nbytes * len(pages)
             li = _indices(r.local_starts, src)
             ri = _indices(r.far_starts, dst)
+            note = PieceNote(r.piece.p_rank, r.piece.d_rank,
+                             tuple(tuple(int(x) for x in g) for g in dst), notif)
             try:
                 handle = self.agent.make_prepped_xfer("WRITE", r.local, li, r.far, ri,
-                                                      encode_piece_notif(r.piece, dst, notif))
+                                                      note.encode())
                 state = self.agent.transfer(handle)
             except Exception as e:
                 failed.append(PieceEnd(tag, r.piece, False, f"post: {e}"))
@@ -306,11 +285,11 @@ class KvRankAgent:
         return len(pieces)
 
     def _landed(self, sender: str, msg: bytes) -> RankLanded | None:
-        parsed = decode_piece_notif(msg)
+        note = PieceNote.decode(msg)
         peer = next((p for p, o in self._owed.items() if sender in o.agents), None)
-        if parsed is None or peer is None:
+        if note is None or peer is None:
             return None
-        p_rank, d_rank, dst, inner = parsed
+        p_rank, d_rank, dst, inner = note.p_rank, note.d_rank, note.pages, note.note
         owed = self._owed[peer]
         key = (peer, inner)
         got = self._arrived.setdefault(key, set())
@@ -364,8 +343,7 @@ class KvRankAgent:
         for sender, msgs in self.agent.get_new_notifs().items():
             name = sender.decode() if isinstance(sender, bytes) else sender
             for m in msgs:
-                parsed = decode_piece_notif(m)
-                if parsed is None or name not in {a for o in self._owed.values()
+                if PieceNote.decode(m) is None or name not in {a for o in self._owed.values()
                                                   for a in o.agents}:
                     dropped += 1
                     continue

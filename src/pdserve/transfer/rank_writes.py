@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.transfer.kv_layout import KvLayout
+from pdserve.transfer.notification import KvNote
 from pdserve.transfer.tp_pieces import plan_pieces
 from pdserve.transfer.transport import (
-    Incarnation, KvWrite, TransferEvent, TransferEventKind, decode_notif, encode_notif)
+    Incarnation, KvWrite, TransferEvent, TransferEventKind)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class RankWrites:
         tag = f"{next(self._tags)}|{w.req_id}"
         self._pending[tag] = _Pending(w, len(plan_pieces(self.layout, peer.layout)),
                                       time.perf_counter())
-        self.ranks.post(w.target.engine_id, tag, src, dst, encode_notif(w))
+        self.ranks.post(w.target.engine_id, tag, src, dst, KvNote.of(w).encode())
         return None
 
     def in_flight(self, req_id: str) -> bool:
@@ -116,8 +117,8 @@ class RankWrites:
 
     def _landed(self, landed, me: Incarnation) -> list[TransferEvent]:
         peer = self._peers.get(landed.peer)
-        parsed = decode_notif(landed.notif)
-        if peer is None or parsed is None or parsed[2] != me:
+        note = KvNote.decode(landed.notif)
+        if peer is None or note is None or note.target != me:
             self.dropped += 1                   # meant for another incarnation
             return []
         key = (landed.peer, landed.notif)
@@ -126,9 +127,9 @@ class RankWrites:
             self._tally[key] = got
             return []
         self._tally.pop(key, None)
-        req_id, epoch, _, token, payload, drafts = parsed
-        return [TransferEvent(TransferEventKind.LANDED, req_id, epoch, peer.incarnation,
-                              first_token=token, payload=payload, drafts=drafts)]
+        return [TransferEvent(TransferEventKind.LANDED, note.req_id, note.epoch,
+                              peer.incarnation, first_token=note.first_token,
+                              payload=note.payload, drafts=note.drafts)]
 
     def close(self) -> None:
         for engine_id in list(self._peers):

@@ -110,25 +110,6 @@ def page_runs(src, dst) -> list[tuple[int, int, int]]:
     return runs
 
 
-def encode_notif(w: KvWrite) -> bytes:
-    drafts = ",".join(str(t) for t in w.drafts)
-    return (f"pdkv|{w.epoch}|{w.first_token}|{drafts}|{w.target.agent_name}|"
-            f"{w.payload.hex()}|{w.req_id}").encode()
-
-
-def decode_notif(msg: bytes):
-    """(req_id, epoch, target incarnation, first token, payload, drafts), or
-    None for a foreign message. The request id goes last: it may contain '|'."""
-    try:
-        tag, epoch, token, drafts, target, payload, req_id = msg.decode().split("|", 6)
-        if tag != "pdkv":
-            return None
-        return (req_id, int(epoch), Incarnation.parse(target), int(token),
-                bytes.fromhex(payload), tuple(int(t) for t in drafts.split(",") if t))
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
 class KvTransport(abc.ABC):
     def __init__(self, incarnation: Incarnation, faults=None):
         from pdserve.transfer.faults import FaultInjector
