@@ -1,4 +1,4 @@
-"""The draft-model proposer (kernels/draft_model.py, roles/spec_draft.py):
+"""The draft-model proposer (kernels/spec/draft_model.py, roles/spec_draft.py):
 a small model sharing the target's vocabulary drafts k candidates a round;
 greedy tokens are those plain decoding gives, fused and P/D, a drafter
 equal to the target has every candidate accepted, a sampling drafter's
@@ -17,12 +17,12 @@ from pdserve import LLM, SamplingParams
 from pdserve.benchmarks.spec_draft import write_random_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.kernels.attention import TorchAttention
-from pdserve.kernels.draft_model import DraftModelProposer
+from pdserve.kernels.spec.draft_model import DraftModelProposer
 from pdserve.kernels.loader import TINY_SEED, attention_shape, build_model
 from pdserve.kernels.model import random_weights
 from pdserve.kernels.model_config import tiny_config
-from pdserve.kernels.proposers import DraftAsk
-from pdserve.kernels.rejection import VerifyRow, verify
+from pdserve.kernels.spec.proposers import DraftAsk
+from pdserve.kernels.spec.rejection import VerifyRow, verify
 from pdserve.roles.local_pair import LocalPair
 from pdserve.roles.spec_draft import check_draft_section
 from pdserve.roles.speculation import check_peer_spec

@@ -1,5 +1,5 @@
-"""Speculative proposals and their verification (kernels/proposers.py,
-kernels/rejection.py): lookup finds what followed, greedy verify is exact,
+"""Speculative proposals and their verification (kernels/spec/proposers.py,
+kernels/spec/rejection.py): lookup finds what followed, greedy verify is exact,
 and sampled verify follows the target's distribution."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from pdserve.kernels.proposers import DraftAsk, NgramProposer, lookup
-from pdserve.kernels.rejection import VerifyRow, verify
+from pdserve.kernels.spec.proposers import DraftAsk, NgramProposer, lookup
+from pdserve.kernels.spec.rejection import VerifyRow, verify
 from pdserve.kernels.sampling import SamplingParams, row_uniform, sample
 
 # chi-squared critical values at p = 0.001, by degrees of freedom

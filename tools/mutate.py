@@ -88,7 +88,7 @@ MUTATIONS = [
              "return (ADAPTER_SALT, self._page_key(0, page_size))",
              ("lora_cache", "lora_serving", "lora_replay"),
              "two LoRA adapters share a cached prefix"),
-    Mutation("spec-accept-ratio", "kernels/rejection.py",
+    Mutation("spec-accept-ratio", "kernels/spec/rejection.py",
              "ratio = torch.clamp(ratio / qx, max=1.0)",
              "ratio = (ratio >= 0.5 * qx).to(ratio.dtype)",
              ("spec_rejection", "spec_engine", "spec_draft"),

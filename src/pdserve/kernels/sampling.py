@@ -194,7 +194,7 @@ def _sample_rows(logits, sps: list[SamplingParams], rows: list[int], draws: list
 def weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's sampling weights, as `sample` draws from them (temperature,
     min-p, top-k, top-p; unnormalized, a float tensor of its own): what a
-    speculative verify compares a draft against (kernels/rejection.py)."""
+    speculative verify compares a draft against (kernels/spec/rejection.py)."""
     return _weights(logits, params, list(range(len(params))), [0.0] * len(params))[0]
 
 

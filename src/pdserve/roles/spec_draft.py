@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.draft_model import DraftModelProposer
+from pdserve.kernels.spec.draft_model import DraftModelProposer
 from pdserve.kernels.kv_cache import KVShape
 from pdserve.scheduler.config import ConfigError
 

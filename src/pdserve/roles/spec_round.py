@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdserve.kernels.proposers import DraftAsk
+from pdserve.kernels.spec.proposers import DraftAsk
 
 
 @dataclass

@@ -2,11 +2,11 @@
 row samples, and what acceptance has been.
 
 After a round lands, every request that sampled a token and may speculate
-asks the proposer (kernels/proposers.py) for up to k candidates; they go
+asks the proposer (kernels/spec/proposers.py) for up to k candidates; they go
 back in the round's result (`StepResult.drafts`), the planner keeps them on
 the request and the next decode carries them (`Plan.verify`, at most as
 many as its budget and generation allow). That decode's 1 + k rows are
-verified by kernels/rejection.py, and the executor takes the accepted
+verified by kernels/spec/rejection.py, and the executor takes the accepted
 tokens one by one, as if each had been a decode of its own (a stop among
 them ends the request there).
 
@@ -15,7 +15,7 @@ token where a verify does not pass it (repetition, frequency and presence
 penalties, a logit bias), asks for logprobs, or is still short of
 min_tokens: those decode one token a round as before.
 
-A draft model (spec_draft.py, kernels/draft_model.py) that sampled its
+A draft model (spec_draft.py, kernels/spec/draft_model.py) that sampled its
 candidates gives its q with them; it is kept here by request until the
 verify that carries them, and handed to the rejection sampler.
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.proposers import DraftAsk, NgramProposer, Proposer
-from pdserve.kernels.rejection import VerifyRow
+from pdserve.kernels.spec.proposers import DraftAsk, NgramProposer, Proposer
+from pdserve.kernels.spec.rejection import VerifyRow
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.roles.spec_gate import SpecGate
 from pdserve.scheduler.speculation import SpecConfig, SpecMethod
@@ -96,7 +96,7 @@ class Speculation:
         self.k = spec.k
         self.proposer = proposer if proposer is not None else build_proposer(spec)
         # a sampling drafter's q for the candidates it gave each request last
-        # (kernels/rejection.py's min(1, p/q)); a request absent here, or whose
+        # (kernels/spec/rejection.py's min(1, p/q)); a request absent here, or whose
         # verify carries other candidates (P's, landed on D), is verified as a
         # point mass, which is exact whatever drew the candidates
         self.q: dict[str, tuple[list, torch.Tensor]] = {}

@@ -34,7 +34,7 @@ import torch
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.rejection import verify
+from pdserve.kernels.spec.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.state_cache import StateCache
 from pdserve.roles.disk_groups import StateFiles, window_files

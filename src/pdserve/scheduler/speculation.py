@@ -27,8 +27,8 @@ from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
 
 
 class SpecMethod(enum.StrEnum):
-    NGRAM = "ngram"         # prompt lookup: no weights (kernels/proposers.py)
-    DRAFT = "draft"         # a smaller model sharing the vocabulary (kernels/draft_model.py)
+    NGRAM = "ngram"         # prompt lookup: no weights (kernels/spec/proposers.py)
+    DRAFT = "draft"         # a smaller model sharing the vocabulary (kernels/spec/draft_model.py)
 
 
 MAX_SPEC_TOKENS = 16

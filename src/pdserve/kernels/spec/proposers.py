@@ -1,5 +1,5 @@
 """Speculative proposers: what guesses a request's next tokens cheaply, for
-one target forward to verify (kernels/rejection.py).
+one target forward to verify (kernels/spec/rejection.py).
 
 A proposer answers a batch of `DraftAsk`s (a request's tokens so far, and
 how many candidates it may carry) with one `Draft` each: the candidate
@@ -11,7 +11,7 @@ probability. A proposer may answer fewer candidates than asked, or none.
 `NgramProposer` (prompt lookup, vLLM's `prompt_lookup_min` /
 `prompt_lookup_max`) needs no weights: it finds the request's last n tokens
 earlier in its own prompt and output, n from the longest down, and proposes
-what followed them there. `DraftModelProposer` (kernels/draft_model.py)
+what followed them there. `DraftModelProposer` (kernels/spec/draft_model.py)
 runs a small model sharing the target's vocabulary. Heads that read the target's hidden states
 (EAGLE, MTP) fit the same interface: `needs_hidden` asks the executor to
 pass the last forward's hidden states beside the asks.

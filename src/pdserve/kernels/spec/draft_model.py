@@ -34,7 +34,7 @@ logits under the request's own temperature, min-p, top-k and top-p, at
 `row_uniform(seed ^ DRAFT_SALT, step)` for the candidate of generation
 step `step`, so its candidates depend on its context and seed, never on
 its batch; q rides with the candidates (`Draft.probs`) for the min(1, p/q)
-test (kernels/rejection.py).
+test (kernels/spec/rejection.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.kernels.proposers import Draft, DraftAsk, Proposer
+from pdserve.kernels.spec.proposers import Draft, DraftAsk, Proposer
 from pdserve.kernels.sampling import draw, row_uniform, weights
 
 DRAFT_SALT = 0x2545F4914F6CDD1D
