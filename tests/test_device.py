@@ -132,7 +132,7 @@ def test_a_model_logs_the_attention_and_dtype_it_chose_and_why(caplog):
 
 
 def test_auto_on_cuda_says_why_it_fell_back(fake_flashinfer):
-    from pdserve.kernels.attention import choose_backend
+    from pdserve.kernels.backends import choose_backend
 
     backend, why = choose_backend("auto", "cuda", torch.float32, **SHAPE)
     assert backend.name == "torch"

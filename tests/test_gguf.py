@@ -108,7 +108,9 @@ def test_preset_config_is_transformers_config(llm, hf_model, smollm_path):
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (want.bos_token_id, (want.eos_token_id,))
     assert llm.model.dtype == torch.float32            # as asked
     # the metadata alone gives the same config, by path or by preset
-    assert read_config(smollm_path) == model_config_for(None, PRESET) == cfg
+    assert model_config_for(str(smollm_path), None) == model_config_for(None, PRESET) == cfg
+    with pytest.raises(ModelError, match="is a GGUF file: its config is loader.model_config_for's"):
+        read_config(smollm_path)
 
 
 def test_chat_prompts_render_and_encode_as_transformers_does(llm, hf_tokenizer):
@@ -417,9 +419,9 @@ def test_llama3_split_and_bos_are_built_as_transformers_builds_them(smollm_path,
 
 def test_a_non_llama_gguf_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "falcon.gguf", arch="falcon")
-    for load in (load_model, read_config, load_tokenizer):
+    for load in (load_model, model_config_for, load_tokenizer):
         with pytest.raises(ModelError, match="GGUF architecture 'falcon' is not supported"):
-            load(str(path)) if load is read_config else load(str(path), None)
+            load(str(path), None)
 
 
 def test_a_gguf_lacking_weights_is_refused(tmp_path):
@@ -431,7 +433,7 @@ def test_a_gguf_lacking_weights_is_refused(tmp_path):
 def test_a_missing_gguf_path_says_so(tmp_path):
     path = str(tmp_path / "nowhere.gguf")
     for call in (lambda: load_model(path, None), lambda: load_tokenizer(path, None),
-                 lambda: read_config(path), lambda: LLM({"model": {"path": path}})):
+                 lambda: model_config_for(path, None), lambda: LLM({"model": {"path": path}})):
         with pytest.raises(ModelError, match="GGUF file .*nowhere.gguf' does not exist"):
             call()
 

@@ -318,7 +318,7 @@ def test_flashinfer_backend_hands_flashinfer_the_right_plans(tmp_path, arch, fak
 
 
 def test_attention_auto_and_flashinfer_respect_what_flashinfer_has(fake_flashinfer):
-    from pdserve.kernels.attention import make_backend
+    from pdserve.kernels.backends import make_backend
 
     kw = dict(num_heads=8, num_kv_heads=2, head_dim=64)
     assert make_backend("auto", "cuda", torch.bfloat16, **kw).name == "flashinfer"
@@ -360,7 +360,7 @@ def test_bench_and_generate_flags_are_checked(capsys):
 def test_flashinfer_without_the_gpu_extra_is_a_clear_error(monkeypatch):
     import sys
 
-    from pdserve.kernels.attention import make_backend
+    from pdserve.kernels.backends import make_backend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)       # import fails
     kw = dict(num_heads=8, num_kv_heads=2, head_dim=64)

@@ -1,5 +1,5 @@
 """flashinfer's paged attention (CUDA): the `attention: flashinfer` backend,
-and what it has kernels for. `choose_backend` (attention.py) decides when a
+and what it has kernels for. `choose_backend` (backends.py) decides when a
 model gets it."""
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.attention import TorchAttention, choose_backend
+from pdserve.kernels.attention import TorchAttention
+from pdserve.kernels.backends import choose_backend
 from pdserve.kernels.cpu.features import Bfloat16Support, cpu_bfloat16
 from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
 from pdserve.kernels.gguf import is_gguf_path, open_gguf
-from pdserve.kernels.model import DecoderModel, random_weights, weight_names
-from pdserve.kernels.model_config import ModelConfig, ModelError, read_config, tiny_config
+from pdserve.kernels.model import DecoderModel, random_weights
+from pdserve.kernels.model_config import (ModelConfig, ModelError, read_config, tiny_config,
+                                          weight_names)
 from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
 from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
@@ -73,7 +75,9 @@ def model_config_for(path, preset: str | None) -> ModelConfig:
     """The architecture of what `load_model(path, preset)` would load, without
     reading weights."""
     resolved = resolve_model_path(path, preset)
-    return tiny_config() if resolved is None else read_config(resolved)
+    if resolved is None:
+        return tiny_config()
+    return open_gguf(resolved).config if is_gguf_path(resolved) else read_config(resolved)
 
 
 def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:

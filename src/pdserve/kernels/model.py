@@ -20,7 +20,7 @@ from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.cpu.layer import native_layers_for
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
-from pdserve.kernels.model_config import ModelConfig, ModelError
+from pdserve.kernels.model_config import ModelConfig, ModelError, weight_names
 from pdserve.kernels.cpu.quantized import (
     QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed, quantized_linears)
 from pdserve.kernels.rope import Rotary
@@ -35,21 +35,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     float32 and bfloat16 alike; the weight multiplies after the cast, as
     there."""
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
-def weight_names(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q", "k", "v", "o"):
-            names.append(f"{p}self_attn.{proj}_proj.weight")
-        if cfg.attention_bias:
-            names += [f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
-        names += [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
-    return names
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:

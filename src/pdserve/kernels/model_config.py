@@ -188,13 +188,12 @@ def tiny_config() -> ModelConfig:
 
 
 def read_config(path) -> ModelConfig:
-    """The config of a checkpoint directory, or of a .gguf file (its metadata
-    only: no tensor is read)."""
+    """The config of a checkpoint directory (a .gguf file's is
+    loader.model_config_for's: its metadata, no tensor read)."""
     d = Path(path)
     if str(d).lower().endswith(".gguf"):
-        from pdserve.kernels.gguf import open_gguf
-
-        return open_gguf(d).config
+        raise ModelError(f"{str(d)!r} is a GGUF file: its config is loader.model_config_for's "
+                         "(read_config reads checkpoint directories)")
     if not d.is_dir():
         what = "is a file, not a directory" if d.exists() else "does not exist"
         raise ModelError(f"model directory {str(d)!r} {what}; set model.path to a Hugging "
@@ -431,3 +430,19 @@ def _lfm2_config(d: Path, raw: dict) -> ModelConfig:
         eos_token_ids=_eos_ids(raw),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )
+
+
+def weight_names(cfg: ModelConfig) -> list[str]:
+    """The tensors a Llama-family checkpoint of `cfg` holds, by Hugging Face's names."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q", "k", "v", "o"):
+            names.append(f"{p}self_attn.{proj}_proj.weight")
+        if cfg.attention_bias:
+            names += [f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v")]
+        names += [f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+    return names
