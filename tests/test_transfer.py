@@ -38,7 +38,8 @@ class Pair:
 
     def make(self, inc, faults=None):
         if self.backend.startswith("nixl"):
-            from pdserve.transfer.nixl_transport import PROGRESS_WAKE_US, NixlTransport
+            from pdserve.transfer.nixl_agent import PROGRESS_WAKE_US
+            from pdserve.transfer.nixl_transport import NixlTransport
 
             wake = None if self.backend == "nixl-polled" else PROGRESS_WAKE_US
             return NixlTransport(inc, faults, telemetry=True, progress_wake_us=wake)

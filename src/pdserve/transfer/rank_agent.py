@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.transfer.kv_layout import KvLayout
+from pdserve.transfer.nixl_agent import PROGRESS_WAKE_US, new_agent
 from pdserve.transfer.notification import PieceNote
 from pdserve.transfer.tp_pieces import KvPiece, piece_wire, plan_pieces
 
@@ -113,17 +114,15 @@ class _Owed:
 class KvRankAgent:
     def __init__(self, name: str, rank: int, pools: list, layout: KvLayout,
                  progress_wake_us: int | None = None):
-        from pdserve.transfer.nixl_transport import PROGRESS_WAKE_US, _new_agent
-
         for pool in pools:
             if not pool.is_contiguous():
                 raise ValueError("each KV shard must be one contiguous page-major tensor")
         self.name, self.rank, self.layout = name, rank, layout
         self.pools = pools
         self.itemsize = pools[0].element_size()
-        self.agent = _new_agent(name, ("UCX",), False,
-                                progress_wake_us if progress_wake_us is not None
-                                else PROGRESS_WAKE_US)
+        self.agent = new_agent(name, ("UCX",), False,
+                               progress_wake_us if progress_wake_us is not None
+                               else PROGRESS_WAKE_US)
         self._reg = [self.agent.register_memory(p) for p in pools]
         self._routes: dict[str, list[_Route]] = {}      # peer -> this rank's pieces to it
         self._remote: dict[str, set] = {}               # peer -> D agents added for it
