@@ -2,15 +2,23 @@
 
     from pdserve import LLM, SamplingParams
     llm = LLM()                                   # the embedded tiny model
-    llm = LLM("deploy/local-fused.yaml")          # or a config YAML
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    with LLM("deploy/local-fused.yaml") as llm:   # or a config YAML; closed at the end
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     print(out[0].text)
+
+An LLM holds what it started (a tensor-parallel model's other ranks, in
+processes of their own, and this process's torch.distributed group; the
+forward thread; the disk tier's writer) until `close()`, the end of its
+`with` block, or its collection, whichever comes first: `del llm` and a
+new LLM works, tensor-parallel included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
+import weakref
 from dataclasses import dataclass
 
 from pdserve.config import ServeConfig, engine_for_model, load_config
@@ -53,6 +61,8 @@ class LLM:
         if engine_overrides:
             engine = dataclasses.replace(engine, **engine_overrides)
         on = cfg.model.device_for(device)
+        if engine.tensor_parallel_size > 1:
+            _free_process_group()
         # tensor_parallel_size > 1: rank 0 here, the other ranks in processes it starts
         self.model, self.tokenizer = load_engine_model(
             cfg.model.path, cfg.model.preset, dtype=dtype or cfg.model.dtype,
@@ -60,6 +70,18 @@ class LLM:
             tensor_parallel_size=engine.tensor_parallel_size,
             timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check,
             quantization=cfg.model.quantization)
+        self._held = _Held(self.model)
+        # run on close(), or when the LLM is collected: never twice (a later
+        # LLM's process group is not this one's to destroy)
+        self._finalizer = weakref.finalize(self, self._held.close)
+        try:
+            self._start(cfg, engine, engine_overrides, on)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg: ServeConfig, engine, engine_overrides: dict, on: str) -> None:
+        """Everything after the model's load: the engine that drives it."""
         if on == "cpu":
             from pdserve.cluster.cpu_threads import share_kernel_cores
             share_kernel_cores(engine.cpu_threads)
@@ -80,12 +102,21 @@ class LLM:
                              self.executor, forget_finished=False)
         if self.adapters is not None:
             self.adapters.bind(self.engine.planner.lora)
+        self._held.executor = self.executor
         self._next = 0
 
     def close(self) -> None:
         """Stop what the LLM started: the forward thread, the disk tier's
-        writer, a tensor-parallel model's other ranks."""
-        self.executor.close()
+        writer, a tensor-parallel model's other ranks and its process group.
+        Once is enough: a second close, or the collection after it, does
+        nothing."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -177,3 +208,40 @@ class LLM:
         return RequestOutput(req.id, prompt_text, list(req.prompt.tokens), t.detok.text,  # type: ignore[union-attr]
                              list(req.output), reason,
                              t.logprobs if sp.logprobs is not None else None, sum(req.cached))
+
+
+class _Held:
+    """What an LLM stops when it closes: its model until its executor, which
+    owns the model, exists. A finalizer's target must not hold the LLM
+    itself, or the LLM would never be collected."""
+
+    def __init__(self, model):
+        self.model = model
+        self.executor = None
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            return
+        close = getattr(self.model, "close", None)
+        if close is not None:               # a tensor-parallel model's worker ranks
+            close()
+
+
+def _free_process_group() -> None:
+    """A tensor-parallel LLM's rank 0 joins torch.distributed's default
+    process group, of which a process has one. A former LLM that is
+    unreachable but not yet collected (in a reference cycle) still holds it:
+    collected here, its finalizer leaves the group. One still reachable is
+    an error that says what to do."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    gc.collect()
+    if dist.is_initialized():
+        raise ValueError("torch.distributed's default process group is in use in this "
+                         "process (another tensor-parallel LLM still open, or the program's "
+                         "own), and a tensor-parallel LLM's rank 0 needs it: close() the "
+                         "other LLM, leave its `with` block or drop every reference to it "
+                         "first")
