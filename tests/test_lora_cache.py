@@ -117,21 +117,27 @@ def test_up_takes_lora_modules_and_refuses_a_bad_adapter_before_starting_ray(tmp
     from lora_support import tiny_adapter
     from pdserve.cli.main import main
     from pdserve.cluster import deploy
-    from pdserve.config import LoraConfig
+    from pdserve.config import Flags, LoraConfig, ServeConfig, with_flags
+
+    def flagged(data: dict, *modules: str, max_loras=None) -> LoraConfig:
+        return ServeConfig.from_dict(with_flags(data, Flags(lora_modules=modules,
+                                                            max_loras=max_loras))).lora
 
     lora = LoraConfig.from_dict({"adapters": {"a": "rel/a"}, "max_loras": 2}, tmp_path)
     assert lora.adapters == (("a", str(tmp_path / "rel/a")),)
-    more = lora.with_modules(["b=/x/b", "a=/x/a2"], max_loras=3)
+    file = {"lora": {"adapters": {"a": "/x/a"}, "max_loras": 2}}
+    more = flagged(file, "b=/x/b", "a=/x/a2", max_loras=3)
     assert (more.adapters, more.max_loras) == ((("a", "/x/a2"), ("b", "/x/b")), 3)
     # vLLM's JSON form, which can also pin; a later name=path of the same name unpins it
-    pin = lora.with_modules(['{"name": "c", "path": "/x/c", "pinned": true}'], max_loras=3)
+    pin = flagged(file, '{"name": "c", "path": "/x/c", "pinned": true}', max_loras=3)
     assert (dict(pin.adapters)["c"], pin.pinned) == ("/x/c", ("c",))
-    assert pin.with_modules(["c=/x/c2"]).pinned == ()
+    pinned = {"lora": {"adapters": {"c": {"path": "/x/c", "pinned": True}}, "max_loras": 3}}
+    assert flagged(pinned, "c=/x/c2").pinned == ()
     for bad, says in (('{"name": "c"', "is not valid JSON"),
                       ('{"name": "c", "path": "/p", "pin": true}', "unknown keys ['pin']"),
                       ('{"name": "c", "path": "/p", "pinned": "yes"}', "pinned true or false")):
         with pytest.raises(ConfigError, match=re.escape(says)):
-            lora.with_modules([bad])
+            flagged(file, bad)
     monkeypatch.setattr(deploy, "Deployment", None)      # never reached
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cluster: {fused: 1}\n")

@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve import LLM, SamplingParams
 from pdserve.cli.stats import spec_summary
-from pdserve.cli.up import speculative_from_flag
-from pdserve.config import ServeConfig
+from pdserve.config import Flags, ServeConfig, with_flags
 from pdserve.proto import router_pb2 as pb
 from pdserve.roles.engine_stats import spec_fields
 from pdserve.router.metrics import _EngineCollector
@@ -20,21 +19,26 @@ from pdserve.scheduler import ConfigError
 from pdserve.scheduler.speculation import SpecMethod
 
 
+def speculative_from_flag(data: dict, text: str) -> ServeConfig:
+    """`data` with `pdserve up --speculative-config TEXT` over it."""
+    return ServeConfig.from_dict(with_flags(data, Flags(speculative_config=text)))
+
+
 def test_the_top_level_key_and_the_flag_set_the_engines_speculation():
-    cfg = ServeConfig.from_dict({"speculative": {"method": "ngram",
-                                                 "num_speculative_tokens": 5}})
+    file = {"speculative": {"method": "ngram", "num_speculative_tokens": 5}}
+    cfg = ServeConfig.from_dict(file)
     assert cfg.engine.speculative.method is SpecMethod.NGRAM
     assert cfg.engine.decode_input_tokens == 6
-    flagged = speculative_from_flag(cfg, '{"method": "ngram", "num_speculative_tokens": 2, '
-                                         '"prompt_lookup_max": 3}')
+    flagged = speculative_from_flag(file, '{"method": "ngram", "num_speculative_tokens": 2, '
+                                          '"prompt_lookup_max": 3}')
     assert flagged.engine.speculative.k == 2 and flagged.engine.decode_input_tokens == 3
     with pytest.raises(ConfigError, match="set both at the top level and as engine"):
         ServeConfig.from_dict({"speculative": {}, "engine": {"speculative": {}}})
     with pytest.raises(ConfigError, match="not JSON"):
-        speculative_from_flag(cfg, "{method: ngram}")
+        speculative_from_flag(file, "{method: ngram}")
     with pytest.raises(ConfigError, match="method is 'medusa', which does not exist; use one "
                                           "of ngram, draft"):
-        speculative_from_flag(cfg, '{"method": "medusa"}')
+        speculative_from_flag(file, '{"method": "medusa"}')
     with pytest.raises(ConfigError, match="draft_model"):
         ServeConfig.from_dict({"speculative": {"method": "draft"}})
 

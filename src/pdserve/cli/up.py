@@ -8,13 +8,16 @@ import sys
 from pathlib import Path
 
 from pdserve.benchmarks.args import client_key
+from pdserve.cli.model_flags import add_model_arguments
 
 DEFAULT_CONFIG = "deploy/local-pd.yaml"    # shipped: found in the package (config.shipped)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help="config YAML (default: deploy/local-pd.yaml, SmolLM2 on 1P+1D)")
+                   help="config YAML (default: deploy/local-pd.yaml, SmolLM2 on 1P+1D); the "
+                        "flags below replace what it says of the same setting")
+    add_model_arguments(p, positional=True)
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
@@ -30,7 +33,7 @@ def add_arguments(p) -> None:
                         "with a CA made at start); anyone who reaches an engine's port can "
                         "then drive it. Also control_plane.insecure in the config")
     p.add_argument("--device", choices=["cpu", "cuda"],
-                   help="where engines run (default: the config's model.device; auto is cpu)")
+                   help="where engines run (model.device; default: the config's, auto is cpu)")
     p.add_argument("--gpus-per-engine", type=float,
                    help="Ray GPUs each engine takes (default 1 on cuda, 0 on cpu; 0 on cuda "
                         "is refused: every engine would share cuda:0)")
@@ -52,30 +55,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pdserve.config import engine_gpus, load_config
-
-    import dataclasses
-
+    from pdserve.cli.model_flags import flags_from
+    from pdserve.config import engine_gpus, load_with_flags
     from pdserve.scheduler.config import ConfigError
 
-    cfg = load_config(args.config)
-    if args.insecure_control_plane:
-        cfg = dataclasses.replace(cfg, control_plane=dataclasses.replace(
-            cfg.control_plane, insecure=True, ca_cert=None, ca_key=None, cert=None, key=None))
-    if args.lora_modules or args.max_loras is not None:
-        try:
-            cfg = dataclasses.replace(cfg, lora=cfg.lora.with_modules(args.lora_modules,
-                                                                      args.max_loras))
-        except ConfigError as e:
-            print(f"pdserve: error: {e}", file=sys.stderr)
-            return 2
-    if args.speculative_config is not None:
-        try:
-            cfg = speculative_from_flag(cfg, args.speculative_config)
-        except ConfigError as e:
-            print(f"pdserve: error: --speculative-config: {e}", file=sys.stderr)
-            return 2
-    device = cfg.model.device_for(args.device)
+    cfg, merged = load_with_flags(args.config, flags_from(args))
+    print_config(merged)
+    device = cfg.model.device_for()
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
     from pdserve.kernels.loader import model_config_for
 
@@ -217,18 +203,13 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def speculative_from_flag(cfg, text: str):
-    """`cfg` with --speculative-config's JSON as its speculative settings."""
-    import json
 
-    from pdserve.config import with_speculative
-    from pdserve.scheduler.config import ConfigError
+def print_config(merged: dict) -> None:
+    """The config this deployment runs, the flags over the file, as one YAML
+    document: saved as a file, `--config` starts the same deployment."""
+    import yaml
 
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"not JSON ({e}); give an object such as "
-                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"give a JSON object, got {type(spec).__name__}")
-    return with_speculative(cfg, spec)
+    print("pdserve: the config this runs (save it and pass it to --config to run it again):",
+          flush=True)
+    print(yaml.safe_dump(merged, sort_keys=False, explicit_start=True, explicit_end=True),
+          end="", flush=True)

@@ -23,19 +23,22 @@ Each section is a frozen, validated dataclass in a module of its own
 `lora.py`, `autoscale.py`; `engine:` is scheduler/config.py's
 `EngineConfig`, `transfer:` transfer/timeouts.py's `PeerTimeouts`);
 `serve.py` joins them into `ServeConfig` and checks what spans sections;
-`load.py` reads a file. Everything is imported from `pdserve.config`.
+`load.py` reads a file; `flags.py` puts the command line's flags over a
+file's mapping (`pdserve up MODEL -tp 2`). Everything is imported from
+`pdserve.config`.
 """
 
 from pdserve.config.autoscale import AutoscaleConfig, RoleBounds
 from pdserve.config.cluster import ClusterShape, check_cluster_tp
 from pdserve.config.control_plane import ControlPlaneConfig
-from pdserve.config.load import load_config, shipped, shipped_names
+from pdserve.config.flags import Flags, model_source, with_flags
+from pdserve.config.load import load_config, load_with_flags, shipped, shipped_names
 from pdserve.config.lora import LoraConfig
 from pdserve.config.model import ATTENTION, DEVICES, DTYPES, QUANTIZATION, ModelConfig
 from pdserve.config.router import RouterConfig
 from pdserve.config.serve import (
     ServeConfig, engine_for_model, engine_gpus, role_engine, speculative_engine,
-    transfer_from_dict, with_speculative)
+    transfer_from_dict)
 from pdserve.config.simulate import SimulateConfig
 from pdserve.scheduler.config import ConfigError, EngineConfig
 
@@ -49,6 +52,7 @@ __all__ = [
     "ConfigError",
     "ControlPlaneConfig",
     "EngineConfig",
+    "Flags",
     "LoraConfig",
     "ModelConfig",
     "RoleBounds",
@@ -59,10 +63,12 @@ __all__ = [
     "engine_for_model",
     "engine_gpus",
     "load_config",
+    "load_with_flags",
+    "model_source",
     "role_engine",
     "shipped",
     "shipped_names",
     "speculative_engine",
     "transfer_from_dict",
-    "with_speculative",
+    "with_flags",
 ]

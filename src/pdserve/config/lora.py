@@ -1,9 +1,8 @@
-"""`lora:`: the LoRA adapters a deployment serves, and `pdserve up
---lora-modules`' additions to them (docs/lora.md)."""
+"""`lora:`: the LoRA adapters a deployment serves, and how one `pdserve up
+--lora-modules` value reads (flags.py adds them to the file's; docs/lora.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,26 +78,8 @@ class LoraConfig:
         """Engines get adapter slots: adapters are named, or may be loaded."""
         return bool(self.adapters) or self.runtime_updates
 
-    def with_modules(self, modules: list[str], max_loras: int | None = None) -> "LoraConfig":
-        """These adapters and `pdserve up --lora-modules name=path ...`'s, the
-        command line's over the file's under the same name; `max_loras`
-        (--max-loras) over the file's."""
-        pairs = dict(self.adapters)
-        pinned = list(self.pinned)
-        for m in modules:
-            name, path, pin = _lora_module(m)
-            pairs[name] = path
-            if pin and name not in pinned:
-                pinned.append(name)
-            elif not pin and name in pinned:
-                pinned.remove(name)
-        cfg = dataclasses.replace(self, adapters=tuple(pairs.items()), pinned=tuple(pinned),
-                                  max_loras=self.max_loras if max_loras is None else max_loras)
-        cfg.validate()
-        return cfg
 
-
-def _lora_module(m: str) -> tuple[str, str, bool]:
+def lora_module(m: str) -> tuple[str, str, bool]:
     """One --lora-modules value: `name=path`, or vLLM's JSON form
     `{"name": ..., "path": ..., "pinned": true}`; (name, path, pinned)."""
     usage = ('give name=path (a PEFT directory) or JSON such as '

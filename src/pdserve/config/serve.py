@@ -110,26 +110,15 @@ def role_engine(cfg: "ServeConfig", role: str) -> EngineConfig:
         return cfg.engine
     return dataclasses.replace(cfg.engine, tensor_parallel_size=t)
 def speculative_engine(engine, spec) -> dict:
-    """The engine section with the top-level `speculative:` (or `pdserve up
-    --speculative-config`) as its `speculative` key; refused if the engine
-    section sets one too."""
+    """The engine section with the top-level `speculative:` (where `pdserve
+    up --speculative-config` puts its JSON) as its `speculative` key;
+    refused if the engine section sets one too."""
     if not isinstance(engine, dict):
         raise ConfigError(f"engine must be a mapping, got {type(engine).__name__}")
     if engine.get("speculative") is not None:
         raise ConfigError("speculative: is set both at the top level and as "
                           "engine.speculative; keep one")
     return {**engine, "speculative": spec}
-
-
-def with_speculative(cfg: ServeConfig, spec: dict) -> ServeConfig:
-    """`cfg` with `spec` as its speculative settings (`--speculative-config`),
-    replacing any the file gave."""
-    from pdserve.scheduler.speculation import SpecConfig
-
-    engine = dataclasses.replace(cfg.engine, speculative=None, decode_input_tokens=1)
-    engine = dataclasses.replace(engine, speculative=SpecConfig.from_dict(spec))
-    return dataclasses.replace(cfg, engine=engine,
-                               engine_overrides=cfg.engine_overrides | {"speculative"})
 
 
 def engine_gpus(device: str, gpus_per_engine: float | None) -> float:
