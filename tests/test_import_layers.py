@@ -209,7 +209,6 @@ KNOWN_FILE_CIRCLES = {
                "pdserve.scheduler.phases", "pdserve.scheduler.planner",
                "pdserve.scheduler.retraction"}),
     frozenset({"pdserve.roles.engine_server", "pdserve.roles.loop"}),
-    frozenset({"pdserve.router.router", "pdserve.router.stream"}),
     frozenset({"pdserve.cluster.actors", "pdserve.cluster.autoscaler"}),
     frozenset({"pdserve.benchmarks.spec", "pdserve.benchmarks.spec_draft"}),
     frozenset({"pdserve.sim.calibrate", "pdserve.sim.calibrate_served"}),

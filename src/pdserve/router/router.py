@@ -39,7 +39,7 @@ from pdserve.router.event_loop import new_event_loop
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
 from pdserve.router.errors import ErrorKind, RequestError
-from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream
+from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream, StreamContext
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
@@ -122,6 +122,9 @@ class Router:
         self.counters = {"resubmitted": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
         self.metrics = RouterMetrics()
+        # what each Stream uses of this router (the dicts shared, not copied)
+        self._streams = StreamContext(self.pairing, self.links, self.active, self.counters,
+                                      self.metrics, cfg.router.stream_interval, self.background)
         # where its fronts serve: set by whoever started them (serve.py)
         self.address: str | None = None
         self.http_address: str | None = None
@@ -239,7 +242,7 @@ class Router:
             raise RequestError(ErrorKind.EXISTS, f"request id {rid!r} is running; use a fresh id",
                                "request_id")
         self.active[rid] = None
-        return Stream(self, rid, ids, sp, route, adapter)
+        return Stream(self._streams, rid, ids, sp, route, adapter)
 
     async def abort(self, rid: str) -> bool:
         """True when the engine that owns `rid` aborted it; False when it is

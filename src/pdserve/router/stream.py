@@ -14,20 +14,21 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from pdserve.router.engine_link import LOST, EngineLink
 from pdserve.router.errors import ErrorKind, RequestError
-from pdserve.router.pairing import EngineRef
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pairing import EngineRef, Pairing
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto.sampling import to_options
 
 if TYPE_CHECKING:
-    from pdserve.router.router import Router
     from pdserve.scheduler.adapters import AdapterRef
 
 log = logging.getLogger("pdserve.router")
@@ -60,13 +61,28 @@ class Delta:
     cached_tokens: int = 0       # on the last delta: prompt tokens the engine found cached
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamContext:
+    """What a Stream uses of the router that admitted it, built once by the
+    router and shared by its streams: the dicts are the router's own, so a
+    stream's entries are the router's."""
+    pairing: Pairing                         # picks the engines of each attempt
+    links: dict[str, EngineLink]             # engine name -> its event stream
+    active: dict[str, tuple | None]          # request id -> (engine, P) once paired
+    counters: dict[str, int]                 # "resubmitted"
+    metrics: RouterMetrics
+    stream_interval: int                     # router.stream_interval: tokens a delta holds
+    # runs an abort off the stream, kept referenced until it ends
+    background: Callable[[Coroutine[Any, Any, None]], None]
+
+
 class Stream:
     """One admitted request: `events()` yields its Deltas; the router forgets
     it when the generator ends, however it ends."""
 
-    def __init__(self, router: Router, rid: str, ids: list[int], sp: SamplingParams,
+    def __init__(self, ctx: StreamContext, rid: str, ids: list[int], sp: SamplingParams,
                  route: str, adapter: AdapterRef | None = None):
-        self.router = router
+        self.ctx = ctx
         self.adapter = adapter          # the LoRA adapter its model names (None: the base)
         self.id = rid
         self.ids = ids
@@ -81,7 +97,7 @@ class Stream:
         stopped: under greedy decoding, or sampling with a seed (the engine
         is told how many tokens are output already: `prior_output`), the
         client sees exactly the tokens an undisturbed run produces."""
-        r = self.router
+        r = self.ctx
         streamed: list[int] = []
         chars = 0                         # of their text, what the client has
         timing = r.metrics.request(len(self.ids), self.arrived)
@@ -89,8 +105,8 @@ class Stream:
             for attempt in range(MAX_RESUBMITS + 1):
                 try:
                     attempt_deltas = self._attempt(streamed, chars)
-                    if r.cfg.router.stream_interval > 1:
-                        attempt_deltas = _every(attempt_deltas, r.cfg.router.stream_interval)
+                    if r.stream_interval > 1:
+                        attempt_deltas = _every(attempt_deltas, r.stream_interval)
                     async with contextlib.aclosing(attempt_deltas) as deltas:
                         async for d in deltas:
                             # what the client has: tokens an engine made and
@@ -122,7 +138,7 @@ class Stream:
         """One submission, to the engines picked now, and its deltas until
         it finishes: raises _EngineLost if that engine did not see it
         through, and aborts it there if the client leaves first."""
-        r, done = self.router, len(streamed)
+        r, done = self.ctx, len(streamed)
         ids = self.ids + streamed
         try:
             target, peer = r.pairing.pick(self.route, ids,
@@ -211,7 +227,7 @@ class Stream:
         except asyncio.CancelledError:
             # the client left while the engine was taking the request: abort
             # it there once it has it (an Abort sent now could overtake it)
-            self.router.background(_abort_once_taken(submit, target, self.id,
+            self.ctx.background(_abort_once_taken(submit, target, self.id,
                                                      "client went away"))
             raise
         except grpc.aio.AioRpcError as e:
@@ -229,7 +245,7 @@ class Stream:
         if code == grpc.StatusCode.ABORTED:
             return _NotTaken(e.details())
         # the call broke: whatever the engine took of it is aborted there
-        self.router.background(_abort(target, self.id, "its submission broke off"))
+        self.ctx.background(_abort(target, self.id, "its submission broke off"))
         if code == grpc.StatusCode.CANCELLED:
             # not the engine (gRPC resets calls a server has no room for):
             # it stays live, and the client hears it may retry
