@@ -9,38 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdserve.scheduler.speculation import SpecConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value a user supplied is invalid."""
-
-
-def check_positive_int(value, key: str) -> None:
-    """A ConfigError naming `key` unless `value` is an int >= 1 (a bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
-
-
-def check_keys(data, where: str, known) -> dict:
-    """`data` as a mapping whose keys are all in `known`, or a ConfigError
-    that names the stray key (and the likely one meant)."""
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    for key in data:
-        if key not in known:
-            import difflib
-
-            near = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {where}.{near[0]}? " if near else ""
-            raise ConfigError(f"unknown key {where}.{key}; {hint}known keys are: "
-                              f"{', '.join(sorted(known))}")
-    return data
+# ConfigError and the shared checks: every config section imports them from here
+from pdserve.scheduler.config_checks import ConfigError, check_keys, check_positive_int
+from pdserve.scheduler.speculation import SpecConfig
 
 
 class WritePolicy(enum.StrEnum):
@@ -210,8 +182,6 @@ class EngineConfig:
 
     def _speculation(self) -> None:
         """engine.speculative, and the decode slot it implies: 1 + k."""
-        from pdserve.scheduler.speculation import SpecConfig
-
         spec = self.speculative
         if isinstance(spec, dict):
             spec = SpecConfig.from_dict(spec)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pdserve.scheduler.config import ConfigError, check_keys, check_positive_int
+from pdserve.scheduler.config_checks import ConfigError, check_keys, check_positive_int
 
 
 class SpecMethod(enum.StrEnum):
