@@ -12,15 +12,33 @@ disk pages through host pages (coordinator.py). Pure: nothing is claimed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdserve.scheduler.hit import Hit, with_disk
-
-if TYPE_CHECKING:
-    from pdserve.scheduler.coordinator import Coordinator
+from pdserve.scheduler.host_tier import HostCache
 
 
-def continue_on_disk(coord: Coordinator, req, hit: Hit, max_pages: int,
+class DiskHitView(Protocol):
+    """What a disk continuation reads of the coordinator (coordinator.py,
+    which calls it): whether a disk hit can be read there, the groups it
+    must end exactly at, and the host tier that stages it."""
+
+    @property
+    def serves_disk(self) -> bool: ...
+
+    @property
+    def host_cache(self) -> HostCache: ...
+
+    @property
+    def cached_sliding(self) -> list[int]: ...
+
+    @property
+    def state(self) -> int | None: ...
+
+    def window_tail(self, g: int, end: int) -> range: ...
+
+
+def continue_on_disk(coord: DiskHitView, req, hit: Hit, max_pages: int,
                      granularity: int, landing: bool = False) -> Hit:
     """`hit` continued over the pages the disk tier holds beyond it
     (`req.disk_pages`, at most `max_pages` in all), shortened to what
@@ -53,7 +71,7 @@ def continue_on_disk(coord: Coordinator, req, hit: Hit, max_pages: int,
     return with_disk(hit, end - hit.pages)
 
 
-def _window_disk_hit(coord: Coordinator, req, hit: Hit, end: int) -> Hit:
+def _window_disk_hit(coord: DiskHitView, req, hit: Hit, end: int) -> Hit:
     """A disk hit beside cached sliding groups: it ends exactly where
     the probe found each group's window tail (`req.disk_pages`), read
     from disk with the full history's pages, through the group's host

@@ -12,17 +12,49 @@ publishes a finished prompt's and a retracted victim's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.group_pools import CacheGroup
+from pdserve.scheduler.host_tier import HostCache, HostTier
 from pdserve.scheduler.pool import drop_refs
 from pdserve.scheduler.prefix import PrefixIndex, WindowIndex, chain_hash
 
-if TYPE_CHECKING:
-    from pdserve.scheduler.coordinator import Coordinator
+
+class PublicationView(Protocol):
+    """What publication reads of the coordinator (coordinator.py, which
+    calls it): the groups and which of them cache what, and the host
+    tiers its stores go to."""
+
+    @property
+    def groups(self) -> list[CacheGroup]: ...
+
+    @property
+    def full(self) -> int | None: ...
+
+    @property
+    def cached_sliding(self) -> list[int]: ...
+
+    @property
+    def state(self) -> int | None: ...
+
+    @property
+    def keyed(self) -> list[int]: ...
+
+    @property
+    def window_disk(self) -> bool: ...
+
+    @property
+    def host(self) -> HostTier | None: ...
+
+    @property
+    def hosts(self) -> list[HostTier]: ...
+
+    @property
+    def host_cache(self) -> HostCache: ...
 
 
-def publish_slots(coord: Coordinator, req, res, upto: int, store: bool) -> None:
+def publish_slots(coord: PublicationView, req, res, upto: int, store: bool) -> None:
     """Put the pages of slots [published, upto) into each group's prefix
     index, in chain order, and (with a host tier, when `store`) queue
     pinned stores that copy the full-history group's to host. Where
@@ -93,7 +125,7 @@ def publish_slots(coord: Coordinator, req, res, upto: int, store: bool) -> None:
         coord.host_cache.store_windows(req.id, fresh_windows)
 
 
-def _adopt(coord: Coordinator, table: list, i: int, twin: int) -> None:
+def _adopt(coord: PublicationView, table: list, i: int, twin: int) -> None:
     """Slot i of the full-history table takes the cached page `twin`,
     which holds the same content; the request's own copy goes back (no
     forward of the request is out to read it)."""
