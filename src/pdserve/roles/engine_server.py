@@ -36,7 +36,7 @@ from pdserve.roles.engine import Engine
 from pdserve.roles.engine_rpc import EngineControlServicer, StaleView
 from pdserve.roles.speculation import spec_line
 from pdserve.roles.engine_stats import EngineCounters, stats_pb
-from pdserve.roles.loop import EngineLoop, Inbox
+from pdserve.roles.loop import EngineLoop, Inbox, LoopHooks
 from pdserve.roles.outputs import ErrorKind, Outputs, StreamError
 from pdserve.roles.peer_messages import PeerSender
 from pdserve.roles.peer_protocol import PeerProtocol, PeerTimeouts
@@ -90,18 +90,23 @@ class EngineServer:
         self.drain = Drain(name)
         self.counts = EngineCounters()
         self.owner: dict[str, str] = {}         # req -> the subscription its events go to
-        self.emitted: dict[str, int] = {}       # req -> tokens handed to the output thread
         # engine.overlap: what to do once an abort that waited for its
         # request's forward takes effect (EngineLoop.after_round runs it)
         self.after_abort: dict[str, Callable[[], None]] = {}
         self.outputs = make_outputs(self._stop_string_hit)
         self.inbox = Inbox()
-        self.loop = EngineLoop(self)
         self.peer = PeerProtocol(Incarnation(name, incarnation), role, planner, executor,
                                  self.counts, self.drain, transport,
                                  sender or PeerSender(name), timeouts,
                                  post_job=self.post_job, delivered=self._delivered,
                                  control_tls=control_tls)
+        self.loop = EngineLoop(name, role, self.engine, planner, executor, transport, self.peer,
+                               self.inbox, self.drain, self.counts, self.outputs,
+                               self.after_abort,
+                               LoopHooks(finished=self.request_finished, fail=self.fail,
+                                         abort_left=self.abort_left,
+                                         stop_drained=self.stop_drained,
+                                         reap_adapters=self.reap_adapters))
         self.address = ""                       # host:port, once started
         self._server: grpc.Server | None = None
         self._shut = False
@@ -173,7 +178,7 @@ class EngineServer:
                  len(self.planner.requests), deadline_s)
 
     def nothing_live(self) -> bool:
-        return not self.engine.has_work() and self.peer.idle()
+        return self.loop.nothing_live()
 
     def abort_left(self) -> None:
         """Loop thread: the drain's deadline passed: end every live request
@@ -269,7 +274,7 @@ class EngineServer:
 
     def _close(self, req_id: str) -> None:
         self.owner.pop(req_id, None)
-        self.emitted.pop(req_id, None)
+        self.loop.forget(req_id)
         self.counts.forget(req_id)
         self.executor.forget(req_id)
 

@@ -12,7 +12,9 @@ executor and transport.
 `Inbox` is how other threads reach it; `EngineLoop` runs the passes and
 hands each round's results to the output thread (`output_item`). The
 server it serves (engine_server.py) owns both, and the requests' bookkeeping
-(whose subscription, what ended) that the loop reports to.
+(whose subscription, what ended) that the loop reports to: the loop is
+given the parts it drives and `LoopHooks`, the server's calls it makes,
+not the server.
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from pdserve.roles.outputs import ErrorKind, OutputItem
+from pdserve.roles.drain import Drain
+from pdserve.roles.engine import Engine
+from pdserve.roles.engine_stats import EngineCounters
+from pdserve.roles.outputs import ErrorKind, OutputItem, Outputs
+from pdserve.roles.peer_protocol import PeerProtocol
 from pdserve.roles.rounds import round_of
 from pdserve.scheduler.grammar import Role
-
-if TYPE_CHECKING:
-    from pdserve.roles.engine_server import EngineServer
+from pdserve.scheduler.planner import Planner
+from pdserve.scheduler.request import Request
+from pdserve.transfer import KvTransport
 
 log = logging.getLogger("pdserve.engine")
 
@@ -84,21 +91,53 @@ class Inbox:
             job()
 
 
-class EngineLoop:
-    """The passes of one engine server's loop thread."""
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the loop calls back on the server that owns the requests'
+    bookkeeping (whose subscription, what ended), its drain and adapters."""
+    finished: Callable[[Request], None]              # a request ended: forget it
+    fail: Callable[[str, str, ErrorKind], None]      # end it with an error its router hears
+    abort_left: Callable[[], None]                   # the drain's deadline passed
+    stop_drained: Callable[[], None]                 # drained and idle: stop serving
+    reap_adapters: Callable[[], None]                # free unloaded adapters nothing runs under
 
-    def __init__(self, server: EngineServer):
-        self.s = server
+
+class EngineLoop:
+    """The passes of one engine server's loop thread, over the parts it
+    drives (all used from this thread only)."""
+
+    def __init__(self, name: str, role: Role, engine: Engine, planner: Planner, executor: Any,
+                 transport: KvTransport | None, peer: PeerProtocol, inbox: Inbox, drain: Drain,
+                 counts: EngineCounters, outputs: Outputs,
+                 after_abort: dict[str, Callable[[], None]], hooks: LoopHooks):
+        """`executor`: the server's (roles/torch_executor.py), read for a
+        request's logprobs; `after_abort`: the server's own dict of what to
+        do once an abort that waited for its request's forward takes effect
+        (engine.overlap): this loop runs and drops them."""
+        self.name = name
+        self.role = role
+        self.engine = engine
+        self.planner = planner
+        self.executor = executor
+        self.transport = transport
+        self.peer = peer
+        self.inbox = inbox
+        self.drain = drain
+        self.counts = counts
+        self.outputs = outputs
+        self.after_abort = after_abort
+        self.hooks = hooks
+        self.emitted: dict[str, int] = {}   # req -> tokens handed to the output thread
         # each round's features and time, as calibrate times them (plan, forward, apply)
         self.rounds: collections.deque = collections.deque(maxlen=ROUNDS_KEPT)
         self.errors: list[str] = []         # what `round failed` logged (tests assert none)
-        self._window = next((g.window for g in server.planner.groups if g.sliding), 0)
+        self._window = next((g.window for g in planner.groups if g.sliding), 0)
         self._stalls_logged = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"{self.s.name}-loop",
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop",
                                         daemon=True)
         self._thread.start()
 
@@ -115,10 +154,10 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 if self.tick():
-                    self.s.stop_drained()
+                    self.hooks.stop_drained()
                     return
             except Exception as e:                   # keep serving; the log says what broke
-                log.exception("%s: round failed", self.s.name)
+                log.exception("%s: round failed", self.name)
                 self.failed(e)
                 time.sleep(0.05)
 
@@ -126,80 +165,86 @@ class EngineLoop:
         """One pass: jobs, transfer events, timers, a round. True when the
         engine drains and this pass was idle with nothing live: time to stop
         (a pass that did work is not idle; the next one decides)."""
-        s = self.s
-        live = s.engine.has_work()
+        live = self.engine.has_work()
         busy = live and not self._only_waiting_on_peer()
-        wait = 0 if busy else POLL_S if live or not s.peer.idle() else IDLE_WAIT_S
-        ran = s.inbox.run(wait)
+        wait = 0 if busy else POLL_S if live or not self.peer.idle() else IDLE_WAIT_S
+        ran = self.inbox.run(wait)
         now = time.monotonic()
-        if s.transport is not None:
-            events = s.transport.poll()
+        if self.transport is not None:
+            events = self.transport.poll()
             ran |= bool(events)
             for ev in events:
-                s.peer.on_transfer_event(ev)
-            s.peer.timers(now)
-        if s.drain.due(now):
-            s.abort_left()
+                self.peer.on_transfer_event(ev)
+            self.peer.timers(now)
+        if self.drain.due(now):
+            self.hooks.abort_left()
             ran = True
-        if s.engine.has_work():
+        if self.engine.has_work():
             ran = True
             self._round()
-        s.reap_adapters()
-        return s.drain.active and not ran and s.nothing_live()
+        self.hooks.reap_adapters()
+        return self.drain.active and not ran and self.nothing_live()
+
+    def nothing_live(self) -> bool:
+        """No request in the engine, nothing outstanding with a peer."""
+        return not self.engine.has_work() and self.peer.idle()
+
+    def forget(self, req_id: str) -> None:
+        """`req_id` has ended: nothing more of it goes to the output thread."""
+        self.emitted.pop(req_id, None)
 
     def _round(self) -> None:
-        s = self.s
         start, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
-        out = s.engine.step()
+        out = self.engine.step()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         if out is not None:
             timed = round_of(out.plan, wall, self._window, start)
             if timed.computed:                # what a cost profile is held against
                 self.rounds.append(timed)
-            s.counts.round_done(wall, cpu,
-                                sum(n for _, n in timed.prefills) + timed.num_decodes)
-        for msg in s.planner.stalls[self._stalls_logged:]:
-            log.warning("%s: liveness last resort: %s", s.name, msg)
-        self._stalls_logged = len(s.planner.stalls)
+            self.counts.round_done(wall, cpu,
+                                   sum(n for _, n in timed.prefills) + timed.num_decodes)
+        for msg in self.planner.stalls[self._stalls_logged:]:
+            log.warning("%s: liveness last resort: %s", self.name, msg)
+        self._stalls_logged = len(self.planner.stalls)
         if out is not None:
             self.after_round(out)
 
     def _only_waiting_on_peer(self) -> bool:
-        p = self.s.planner
+        p = self.planner
         return p.waiting_on_peer() and not (p.waiting or p.prefilling or p.running or p.retracted)
 
     def after_round(self, out) -> None:
         """A round's results: to the output thread, the counters and the peers."""
-        s, plan = self.s, out.plan
+        plan = out.plan
         if out.error:
-            log.error("%s: round %d failed: %s", s.name, plan.round, out.error)
+            log.error("%s: round %d failed: %s", self.name, plan.round, out.error)
             for req in out.failed:
-                s.after_abort.pop(req.id, None)
-                if s.role is Role.PREFILL:      # D hears it now and prefills itself
-                    s.peer.give_up(req.id, out.error)
-                    s.peer.release_twin(req.id)
-                s.fail(req.id, out.error, ErrorKind.FAILED)
+                self.after_abort.pop(req.id, None)
+                if self.role is Role.PREFILL:      # D hears it now and prefills itself
+                    self.peer.give_up(req.id, out.error)
+                    self.peer.release_twin(req.id)
+                self.hooks.fail(req.id, out.error, ErrorKind.FAILED)
             self.peer_work(plan)
             return
-        c = s.counts
+        c = self.counts
         c.retractions += len(plan.retracts)
         c.readmissions += len(plan.readmits)
         for op in plan.prefills:
             c.prefix_lookup(op.req.id, len(op.req.prompt.tokens), op.begin)
         for op in plan.remote_prefills:
             c.prefix_lookup(op.req.id, len(op.req.prompt.tokens),
-                            op.first_page * s.planner.page_size)
-        if s.role is not Role.PREFILL:
+                            op.first_page * self.planner.page_size)
+        if self.role is not Role.PREFILL:
             finished, gone = set(out.finished), set(out.aborted)
             items = [self.output_item(op.req, op.req in finished) for op in plan.prefills
                      if op.completes and op.req not in gone]
             items += [self.output_item(req, req in finished) for req in plan.decodes
                       if req not in gone]
-            s.outputs.post(items)
+            self.outputs.post(items)
         for req in out.finished:
-            s.request_finished(req)
+            self.hooks.finished(req)
         for req in out.aborted:                 # engine.overlap: aborts that waited for it
-            then = s.after_abort.pop(req.id, None)
+            then = self.after_abort.pop(req.id, None)
             if then is not None:
                 then()
         self.peer_work(plan)
@@ -209,21 +254,19 @@ class EngineLoop:
         remote admission's pages are reserved and a shipped prompt's KV was
         computed in an earlier round (left undone, each waited for a peer
         that was never asked, with no timeout)."""
-        s = self.s
         for op in plan.remote_prefills:
-            if op.req.id in s.planner.landing:
-                s.peer.ask_prefill(op)
+            if op.req.id in self.planner.landing:
+                self.peer.ask_prefill(op)
         for op in plan.remote_decodes:
-            if op.req.id in s.planner.transferring:
-                s.peer.ship(op)
+            if op.req.id in self.planner.transferring:
+                self.peer.ship(op)
 
     def output_item(self, req, final: bool = False) -> OutputItem:
         """The tokens `req` produced since the last handoff, for the output
         thread; with `final`, its finish reason."""
-        s = self.s
-        sent = s.emitted.get(req.id, 0)
-        s.emitted[req.id] = len(req.output)
-        t = s.executor.tracked.get(req.id)
+        sent = self.emitted.get(req.id, 0)
+        self.emitted[req.id] = len(req.output)
+        t = self.executor.tracked.get(req.id)
         lps = ()
         if t is not None and t.logprobs:
             lps, t.logprobs = t.logprobs, []
