@@ -10,7 +10,9 @@ asks Ray for the GPU it needs (so on a cluster Ray's autoscaler adds a
 node), then tells the router to serve it. A removal drains the engine
 through the router (it finishes what it holds; the router retires it),
 off the look loop, so the next looks see it pending and act on nothing.
-`events` keeps what happened, for `history()`.
+`events` keeps what happened, for `history()`. How an engine actor starts
+is given to it (`start_engine`, cluster/actors.py's), so this module does
+not import the actors it runs among.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any, Callable
 
 from pdserve.cluster.autoscale_policy import EngineView, Observation, PolicyState, decide
 
 log = logging.getLogger("pdserve.autoscaler")
+
+# (cfg, role, index, device, gpus_per_engine, options, *, host, control) ->
+# (engine name, its actor): cluster/actors.py's start_engine
+StartEngine = Callable[..., tuple[str, Any]]
 
 
 def p95_since(bounds, now_counts, before_counts) -> float | None:
@@ -43,10 +50,12 @@ def p95_since(bounds, now_counts, before_counts) -> float | None:
 class Autoscaler:
     def __init__(self, router_address: str, cfg, device: str = "cpu", gpus_per_engine: float = 0,
                  options: dict | None = None, host: str | None = None, api_key: str | None = None,
-                 control=None):
+                 control=None, *, start_engine: StartEngine):
         """`control`: the deployment's ControlPlane (proto/control_tls.py),
-        which issues the engines it adds their leaves; None: plaintext."""
+        which issues the engines it adds their leaves; None: plaintext;
+        `start_engine`: how it starts an engine actor it adds."""
         self.address = router_address
+        self.start_engine = start_engine
         self.control = control
         self.cfg = cfg
         self.policy = cfg.autoscale
@@ -132,13 +141,12 @@ class Autoscaler:
         import ray
 
         from pdserve.client import Client
-        from pdserve.cluster.actors import start_engine
 
         index = self._next_index(role)
         self.events.append({"t": None, "kind": "starting", "role": role,
                             "engine": f"{role}-{index}", "why": ""})
-        name, actor = start_engine(self.cfg, role, index, self.device, self.gpus, self.options,
-                                   host=self.host, control=self.control)
+        name, actor = self.start_engine(self.cfg, role, index, self.device, self.gpus,
+                                        self.options, host=self.host, control=self.control)
         self._actors[name] = actor
         try:
             address = ray.get(actor.info.remote(), timeout=600)["address"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from pdserve.cluster.actors import (
-    NAMESPACE, AutoscalerActor, RouterActor, actor_name, start_engines)
+    NAMESPACE, AutoscalerActor, RouterActor, actor_name, start_engine, start_engines)
 from pdserve.config import ServeConfig, engine_for_model, engine_gpus
 from pdserve.cluster.local_ray import init_local
 from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
@@ -146,7 +146,7 @@ class Deployment:
             self.autoscaler = AutoscalerActor.options(  # type: ignore[assignment]
                 num_cpus=0, namespace=NAMESPACE).remote(
                 address, cfg, self.device, self.gpus_per_engine, self.engine_options,
-                engine_host, self.security.api_key, self.control)
+                engine_host, self.security.api_key, self.control, start_engine=start_engine)
         return address
 
     def _control_plane(self) -> ControlPlane | None:
