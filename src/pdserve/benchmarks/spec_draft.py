@@ -21,6 +21,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from pdserve.benchmarks.spec_workload import Case, base_config, build, drive, prompts_for
+
 
 def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,
                             seed: int = 1, noise_of: dict | None = None,
@@ -54,8 +56,6 @@ def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,
 
 
 def run_draft(args, model, tok, sp, levels: list) -> None:
-    from pdserve.benchmarks.spec import Case, _base, build, drive, prompts_for
-
     k = 3
     with tempfile.TemporaryDirectory() as tmp:
         rnd = write_random_checkpoint(Path(tmp) / "random-draft", model.cfg.vocab_size,
@@ -71,7 +71,7 @@ def run_draft(args, model, tok, sp, levels: list) -> None:
                                               "gate": False})]
         for c in levels:
             prompts = prompts_for(tok, args.requests * c)
-            engines = {case.name: build(model, tok, case.engine_config(_base(c)))
+            engines = {case.name: build(model, tok, case.engine_config(base_config(c)))
                        for case in cases}
             for e in engines.values():
                 drive(e, prompts[:1], sp, 1)
