@@ -584,6 +584,7 @@ def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
     """On the tiny model: the sweep, then a deployment of two fused engines
     serving two short loads; every served round counts, and the profile is
     the sweep's form times the fitted scale."""
+    from pdserve.sim.calibrate import calibrate
     from pdserve.sim.calibrate_served import calibrate_served
 
     cfg = load_config(ROOT / "deploy/local-tiny.yaml")
@@ -592,7 +593,7 @@ def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
     prof, rounds, report = calibrate_served(cfg, "local-tiny.yaml", loads=loads,
                                             progress=False,
                                             grid_args={"chunks": [16], "batches": [1, 4],
-                                                       "contexts": [64]})
+                                                       "contexts": [64]}, sweep=calibrate)
     served = prof.measured["served"]
     assert served["rounds"] >= 40 and served["loads"] == [list(x) for x in loads]
     assert len(rounds) == prof.measured["rounds"] + served["rounds"]

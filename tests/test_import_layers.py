@@ -205,7 +205,6 @@ KNOWN_FILE_CIRCLES = {
     frozenset({"pdserve.scheduler", "pdserve.scheduler.grammar", "pdserve.scheduler.overlap",
                "pdserve.scheduler.phases", "pdserve.scheduler.planner",
                "pdserve.scheduler.retraction"}),
-    frozenset({"pdserve.sim.calibrate", "pdserve.sim.calibrate_served"}),
 }
 
 

@@ -407,7 +407,8 @@ def main(*, config: str, out: str, device: str | None, threads: int | None, chun
     if served:
         from pdserve.sim.calibrate_served import calibrate_served
 
-        profile, rounds, report = calibrate_served(cfg, config, seed, grid_args=grid_args)
+        profile, rounds, report = calibrate_served(cfg, config, seed, grid_args=grid_args,
+                                                   sweep=calibrate)
     else:
         profile, rounds, report = calibrate(cfg, grid_args, device, threads, seed,
                                             source=config, clock=clock, copies=copies)

@@ -7,8 +7,9 @@ and its host with the router, the client and the other engines. On the
 2-core machine its lone rounds ran 10-18% longer than the sweep's with the
 same features, so a simulator priced by the sweep ran fast at every load.
 
-This mode runs the sweep (the form's shape: its grid varies one feature at
-a time), then starts the config's deployment, drives closed-loop loads
+This mode runs the sweep it is given (`calibrate`'s, the form's shape: its
+grid varies one feature at a time; given, so this module does not import
+the one that dispatches to it), then starts the config's deployment, drives closed-loop loads
 through its router (`LOADS`: lone prefills at several contexts, lone
 decodes, batches of growing size) and takes the rounds each engine timed,
 with the same features and clock, plus each round's wall-clock start, from
@@ -29,8 +30,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Callable
 
-from pdserve.sim.cost_profile import Round, RoundCost, neighbours
+from pdserve.sim.cost_profile import Profile, Round, RoundCost, neighbours
+
+# calibrate(cfg, grid_args, *, seed, progress, source) -> (profile, rounds, report):
+# sim/calibrate.py's sweep
+Sweep = Callable[..., tuple[Profile, list[Round], dict]]
 
 # (concurrency, prompt tokens, output tokens, requests), each a closed loop
 LOADS = ((1, 48, 48, 4), (1, 512, 4, 3), (1, 1000, 4, 2),
@@ -65,11 +71,11 @@ def served_rounds(dep, loads, seed: int, say) -> tuple[list[Round], list[int]]:
 
 
 def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: bool = True,
-                     grid_args: dict | None = None):
+                     grid_args: dict | None = None, *, sweep: Sweep):
     """(profile, every round, the held-out report): the sweep's form
-    (`calibrate` on `grid_args`, the host to itself), scaled to the rounds
-    the deployment `cfg` describes times while serving `loads`."""
-    from pdserve.sim.calibrate import calibrate
+    (`sweep`, sim/calibrate.py's `calibrate`, on `grid_args`, the host to
+    itself), scaled to the rounds the deployment `cfg` describes times
+    while serving `loads`."""
     from pdserve.sim.host_load import ForeignLoad
     from pdserve.sim.profile_fit import (HOLD_OUT_EVERY, fit_factors, fit_serving,
                                              held_out_report)
@@ -81,8 +87,8 @@ def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: boo
         if progress:
             print(f"pdserve calibrate: {what} ({n} served rounds, "
                   f"{time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    swept, swept_rounds, _ = calibrate(cfg, grid_args, seed=seed, progress=progress,
-                                       source=source)
+    swept, swept_rounds, _ = sweep(cfg, grid_args, seed=seed, progress=progress,
+                                   source=source)
     facts = swept.model
     dep = Deployment(cfg)
     dep.start()
