@@ -19,10 +19,12 @@ one remote admission beside it, then retraction.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from pdserve.scheduler.phases import (
     PlanBuild, decode_phase, local_recovery_phase, new_prompt_phase, readmission_phase,
     remote_admission_phase, resident_prefill_phase, ship_phase)
+from pdserve.scheduler.plan_state import PlannerState
 from pdserve.scheduler.retraction import maybe_retract_for_capacity
 
 
@@ -32,7 +34,7 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
-def fused_mixed(p, b: PlanBuild) -> None:
+def fused_mixed(p: PlannerState, b: PlanBuild) -> None:
     decode_phase(p, b)
     readmission_phase(p, b)
     resident_prefill_phase(p, b)
@@ -40,7 +42,7 @@ def fused_mixed(p, b: PlanBuild) -> None:
     maybe_retract_for_capacity(p, b)
 
 
-def fused_non_mixed(p, b: PlanBuild) -> None:
+def fused_non_mixed(p: PlannerState, b: PlanBuild) -> None:
     readmission_phase(p, b)
     resident_prefill_phase(p, b)
     new_prompt_phase(p, b)
@@ -49,13 +51,13 @@ def fused_non_mixed(p, b: PlanBuild) -> None:
     maybe_retract_for_capacity(p, b)
 
 
-def prefill_worker(p, b: PlanBuild) -> None:
+def prefill_worker(p: PlannerState, b: PlanBuild) -> None:
     ship_phase(p, b)
     resident_prefill_phase(p, b)
     new_prompt_phase(p, b)
 
 
-def decode_worker(p, b: PlanBuild) -> None:
+def decode_worker(p: PlannerState, b: PlanBuild) -> None:
     if local_recovery_phase(p, b):
         return
     decode_phase(p, b)
@@ -63,7 +65,7 @@ def decode_worker(p, b: PlanBuild) -> None:
     maybe_retract_for_capacity(p, b)
 
 
-def grammar_for(role: Role, mixed: bool):
+def grammar_for(role: Role, mixed: bool) -> Callable[[PlannerState, PlanBuild], None]:
     if role is Role.FUSED:
         return fused_mixed if mixed else fused_non_mixed
     if role is Role.PREFILL:

@@ -9,16 +9,18 @@ AssertionError (or the pools' PoolError) naming the request and the rule.
 
 from __future__ import annotations
 
-from pdserve.scheduler import fsm
+import pdserve.scheduler.fsm as fsm
 from pdserve.scheduler.cache_groups import HOLE
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import (
     Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
     Transferring)
+from pdserve.scheduler.group_pools import SnapshotStateGroup
 from pdserve.scheduler.overlap import check_ending
+from pdserve.scheduler.plan_state import PlannerState
 
 
-def check_invariants(planner) -> None:
+def check_invariants(planner: PlannerState) -> None:
     """Pool and index consistency, and that every live request is in
     exactly the collection its state says."""
     planner.lora.check_invariants(planner.requests.values())
@@ -41,6 +43,7 @@ def check_invariants(planner) -> None:
         if where != want:
             raise AssertionError(f"{req.id} in {where}, state {type(st).__name__}")
         if st.holds_pages:
+            assert isinstance(st, fsm.Holding)
             live.append(st.res.tables)
             live_ids.append(req.id)
             if req.capacity != min(len(t) for t in st.res.tables) * planner.page_size:
@@ -61,7 +64,7 @@ def check_invariants(planner) -> None:
     planner.coord.check_invariants(live, snapshots, live_ids)
 
 
-def _check_windows(planner, req) -> None:
+def _check_windows(planner: PlannerState, req) -> None:
     """A sliding group holds no slot below the window of the forward it
     was last admitted for, and every slot from there to its end."""
     for g, table in zip(planner.groups, req.state.res.tables):
@@ -80,7 +83,7 @@ def _check_windows(planner, req) -> None:
                                  "its window, a chunk and its decode slot")
 
 
-def _check_states(planner, req) -> None:
+def _check_states(planner: PlannerState, req) -> None:
     """A state group holds slots only at block ends, the state of the
     computed frontier among them (unless it is still arriving), and no
     more than one chunk's read, checkpoint and final state beside its
@@ -89,6 +92,7 @@ def _check_states(planner, req) -> None:
     if g is None:
         return
     grp, table = planner.coord.groups[g], req.state.res.tables[g]
+    assert isinstance(grp, SnapshotStateGroup)      # make_group: a state spec's group
     held = [i for i, s in enumerate(table) if s != HOLE]
     if any((i + 1) % grp.per_block for i in held):
         raise AssertionError(f"{req.id}: a state slot off a block end: {table}")
@@ -100,7 +104,7 @@ def _check_states(planner, req) -> None:
         raise AssertionError(f"{req.id}: holds {len(held)} state slots: {table}")
 
 
-def assert_idle(planner) -> None:
+def assert_idle(planner: PlannerState) -> None:
     """Nothing live and no page held: what every lifecycle ends with."""
     check_invariants(planner)
     if planner.requests:

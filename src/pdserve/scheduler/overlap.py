@@ -30,21 +30,15 @@ With overlap off no forward is ever out at build(), and none of this runs.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from pdserve.scheduler import fsm
+import pdserve.scheduler.fsm as fsm
+from pdserve.scheduler.demands import demands
 from pdserve.scheduler.fsm import Decoding
+from pdserve.scheduler.plan import Plan, StepResult
+from pdserve.scheduler.plan_state import Ending, PlannerState
 
 
-@dataclass(slots=True)
-class Ending:
-    """A request that ends once its forwards in flight land."""
-    req: object
-    reason: str
-    aborted: bool
-
-
-def runs_ahead(p, b, req) -> bool:
+def runs_ahead(p: PlannerState, plan: Plan, req) -> bool:
     """Decode phase, a request with a forward out: may it decode again in
     the round being built? Only a decode in flight (Decoding, one forward
     out) that N's token does not end by length, with the page for position
@@ -59,14 +53,13 @@ def runs_ahead(p, b, req) -> bool:
     n = req.num_tokens + 1              # N's token included
     if n <= req.capacity:
         return True
-    from pdserve.scheduler.phases import demands  # phases imports this module
     ps = p.page_size
     # publish only what N's forward does not write: positions below num_tokens - 1
     return p.coord.admit(req, st.res, demands(p, n - 1, n, 0, 0, decode=True),
-                         (req.num_tokens - 1) // ps, b.plan)
+                         (req.num_tokens - 1) // ps, plan)
 
 
-def end_after_forward(p, req_id: str, reason: str):
+def end_after_forward(p: PlannerState, req_id: str, reason: str):
     """Abort `req_id` now if no forward of its own is out (returns it), else
     once the last one lands (returns None; `apply` reports it then). A
     request already ending by a stop finishes as it was going to."""
@@ -74,21 +67,21 @@ def end_after_forward(p, req_id: str, reason: str):
     if req is None:
         raise KeyError(f"no live request {req_id!r}")
     st = req.state
-    if not (st.holds_pages and st.res.forwards_out):
+    if not (isinstance(st, fsm.Holding) and st.res.forwards_out):
         return p.abort(req_id, reason)
     if req_id not in p.ending:
         _hold(p, req, reason, aborted=True)
     return None
 
 
-def _hold(p, req, reason: str, aborted: bool) -> None:
+def _hold(p: PlannerState, req, reason: str, aborted: bool) -> None:
     """Off the schedule until its forwards land (invariants.py knows)."""
     p.prefilling.pop(req.id, None)
     p.running.pop(req.id, None)
     p.ending[req.id] = Ending(req, reason, aborted)
 
 
-def apply(p, plan, result):
+def apply(p: PlannerState, plan: Plan, result: StepResult):
     """`Planner.apply` with ends one round late; returns (finished, aborted):
     the requests released this round."""
     ending = p.ending
@@ -137,7 +130,7 @@ def _without(plan, result, ending):
     return plan, result
 
 
-def fail_plans(p, plans, reason: str) -> list:
+def fail_plans(p: PlannerState, plans, reason: str) -> list:
     """The executor lost the round in flight: it and every later plan built
     on it fail together (`Planner.fail_plan` for each, their forwards given
     back first so none is aborted with a forward still counted)."""
@@ -161,7 +154,7 @@ def fail_plans(p, plans, reason: str) -> list:
     return failed
 
 
-def check_ending(p, req, where) -> None:
+def check_ending(p: PlannerState, req, where) -> None:
     """An ending request sits in no other collection and still has a
     forward out (with none out it would have been released)."""
     st = req.state

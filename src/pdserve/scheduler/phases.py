@@ -16,14 +16,15 @@ operator's `Planner.waiting_reasons()`; the plan never reads it.
 
 from __future__ import annotations
 
-from pdserve.scheduler import fsm
-from pdserve.scheduler.capacity import sliding_request_pages
+import pdserve.scheduler.fsm as fsm
 from pdserve.scheduler.chunking import (
     admission_headroom, prefill_chunk_tokens, prefill_reserve, replay_rows)
-from pdserve.scheduler.group_pools import GroupDemand
+from pdserve.scheduler.demands import demands, sliding_room
 from pdserve.scheduler.overlap import runs_ahead
 from pdserve.scheduler.fsm import PrefillDone, RemotePrefillDone, Resources
+from pdserve.scheduler.group_pools import SnapshotStateGroup
 from pdserve.scheduler.plan import Plan, PrefillOp, RemoteDecodeOp, RemotePrefillOp
+from pdserve.scheduler.plan_state import PlannerState
 from pdserve.scheduler.request import Request
 from pdserve.scheduler.speculation import verify_width
 from pdserve.scheduler.waiting import Hold, Stop, WaitFacts
@@ -80,70 +81,9 @@ class PlanBuild:
         res.forwards_out += 1
 
 
-def demands(p, begin: int, end: int, reserve: int, sliding_reserve: int,
-            replay: int = 0, decode: bool = False, lands: bool = False) -> list[GroupDemand]:
-    """One demand per group for a forward computing rows [begin - replay,
-    end): the full-history group holds `reserve` beyond end, each sliding
-    group only `sliding_reserve` (§1: the decode slot, never headroom) and
-    lets go of what slid out of the window of its first row. A state group
-    (§1.2) reserves a growth block where the prompt's shaping ends on a
-    decoding role (the completing chunk or the landing: `sliding_reserve`
-    set), nothing elsewhere; a decode (`decode`) records no checkpoint, nor
-    does anything with engine.state_checkpoints off; a landing (`lands`)
-    receives its state instead of computing it."""
-    full = GroupDemand(end, reserve, begin)
-    if len(p.groups) == 1 and p.coord.full == 0:
-        return [full]
-    out = []
-    for g in p.groups:
-        if g.state:
-            grows = sliding_reserve and p.decodes_locally
-            out.append(GroupDemand(end, p.state_reserve if grows else 0, begin, lands=lands,
-                                   records=not decode and p.cfg.state_checkpoints))
-        elif not g.sliding:
-            out.append(full)
-        elif replay:
-            # the replayed rows are the first this group has: its table
-            # starts at their (page-aligned) first row, so the window of a
-            # re-fed row reads only rows this forward writes
-            out.append(GroupDemand(end, sliding_reserve, begin - replay + g.window - 1))
-        else:
-            out.append(GroupDemand(end, sliding_reserve, begin))
-    return out
-
-
-def sliding_room(p, chunk_tokens: int) -> tuple[int, int] | None:
-    """A new resident (a first chunk, a readmission, a landing) joins a
-    sliding-window pool only while every resident can still grow to its
-    decode footprint (lookback, decode slot, a window starting mid-page)
-    beside the newcomer's own worst case for this chunk. A sliding group
-    holds no headroom (§1), so without this check two residents can each
-    wait for a page the other holds, and when one of them is exempt from
-    retraction (its full-history prepay covers its generation) nothing
-    frees it: the liveness last resort runs. A pool sized by default
-    (capacity.group_pages) holds max_batch_size such footprints and a chunk,
-    so the check binds only on a smaller engine.sliding_pages. None if
-    there is room, else (pages needed, pages free) of the first short pool."""
-    cfg = p.cfg
-    for gi, g in enumerate(p.coord.groups):
-        if not g.spec.sliding:
-            continue
-        grown = sliding_request_pages(cfg, g.spec.window, 1)
-        owed = 0
-        for coll in (p.prefilling, p.running, p.landing):
-            for r in coll.values():
-                held = sum(1 for pg in r.state.res.tables[gi] if pg >= 0)
-                owed += max(0, grown - held)
-        needed = owed + sliding_request_pages(cfg, g.spec.window, chunk_tokens)
-        free = p.coord.available_pages(gi)
-        if free < needed:
-            return needed, free
-    return None
-
-
 # ---- decode -----------------------------------------------------------------
 
-def try_decode(p, b: PlanBuild, req, width: int = 0) -> bool:
+def try_decode(p: PlannerState, b: PlanBuild, req, width: int = 0) -> bool:
     """Admit the page a decode crosses into (a verify row: every page its
     `width` candidates write too), and, on the first decode, publish the
     prompt's pages; False if the pool cannot supply it."""
@@ -158,7 +98,7 @@ def try_decode(p, b: PlanBuild, req, width: int = 0) -> bool:
     return True
 
 
-def decode_phase(p, b: PlanBuild) -> None:
+def decode_phase(p: PlannerState, b: PlanBuild) -> None:
     """Every PrefillDone first decode and Decoding step, FIFO, while batch
     slots (and, where decodes spend it, token budget) last. A decode that
     stays inside its held pages does no allocator work."""
@@ -176,9 +116,10 @@ def decode_phase(p, b: PlanBuild) -> None:
     n = extra = 0
     for req in p.running.values():
         st = req.state
+        assert isinstance(st, fsm.Holding)      # running: PrefillDone, Decoding, RemotePrefillDone
         width = 0
         if st.res.forwards_out:
-            if not runs_ahead(p, b, req):   # engine.overlap: a decode in flight goes again
+            if not runs_ahead(p, b.plan, req):  # engine.overlap: a decode in flight goes again
                 continue
         else:
             if req.drafts:                  # a verify row (speculation.py)
@@ -192,6 +133,7 @@ def decode_phase(p, b: PlanBuild) -> None:
                 if req.num_tokens + width > req.capacity:
                     width = 0
                 st = req.state
+                assert isinstance(st, fsm.Holding)  # try_decode began its decoding
         st.res.forwards_out += 1
         decodes.append(req)
         if width:
@@ -207,7 +149,7 @@ def decode_phase(p, b: PlanBuild) -> None:
 
 # ---- local prefill ----------------------------------------------------------
 
-def _headroom(p, req) -> tuple[int, int]:
+def _headroom(p: PlannerState, req) -> tuple[int, int]:
     """(headroom, remaining): the decode room an admission must secure (§4)."""
     remaining = req.remaining_new_tokens
     if not p.decodes_locally:
@@ -217,7 +159,7 @@ def _headroom(p, req) -> tuple[int, int]:
     return admission_headroom(remaining, p.cfg.safe_steps, req.retractions), remaining
 
 
-def yields(p, req, b: PlanBuild | None = None) -> bool:
+def yields(p: PlannerState, req: Request, b: PlanBuild | None = None) -> bool:
     """§2's anti-thrash rule: a retraction victim does not re-enter (by
     readmission, or by admission as a re-queued newcomer) ahead of the
     request it was retracted for. It yields while that one is live and
@@ -256,7 +198,7 @@ def resume_point(computed: int, target: int, page_size: int) -> int:
     return computed // page_size * page_size
 
 
-def readmission_phase(p, b: PlanBuild) -> bool:
+def readmission_phase(p: PlannerState, b: PlanBuild) -> bool:
     """At most one readmission a round: the retracted request that resumes a
     generation a client is reading first, then the oldest retraction. It
     re-probes the device cache, loads the rest of its snapshot, and resumes
@@ -272,6 +214,7 @@ def readmission_phase(p, b: PlanBuild) -> bool:
         b.waits.readmission = Stop(Hold.YIELDS, req.id)
         return False
     st = req.state
+    assert isinstance(st, fsm.Retracted)        # next_readmission picks from `retracted`
     ps = p.page_size
     hit = p.coord.match(req, (st.target - 1) // ps, use_host=False)
     start = max(resume_point(st.computed, st.target, ps), hit.pages * ps)
@@ -307,7 +250,7 @@ def readmission_phase(p, b: PlanBuild) -> bool:
     return True
 
 
-def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
+def try_resident_chunk(p: PlannerState, b: PlanBuild, req) -> bool | None:
     """Schedule the next chunk of an admitted prefill. None: the budget
     cannot reach a boundary; False: admission failed."""
     st = req.state
@@ -336,13 +279,15 @@ def try_resident_chunk(p, b: PlanBuild, req) -> bool | None:
     return True
 
 
-def resident_prefill_phase(p, b: PlanBuild) -> None:
+def resident_prefill_phase(p: PlannerState, b: PlanBuild) -> None:
     """Next chunks of prefills already admitted, FIFO. An incomplete chunk,
     or a resident that cannot advance, seals the line behind it."""
     for req in list(p.prefilling.values()):
         if b.sealed or not b.can_prefill():
             return
-        if req.state.res.disk_hold >= 0:
+        st = req.state
+        assert isinstance(st, fsm.Prefilling)   # `prefilling` holds Prefilling requests only
+        if st.res.disk_hold >= 0:
             # engine.overlap: a round built while its admission's forward
             # runs, its disk read not yet confirmed (a miss retracts it
             # at that round's apply); its next chunk waits (never without
@@ -363,7 +308,7 @@ def resident_prefill_phase(p, b: PlanBuild) -> None:
                               "could not advance: its next chunk failed admission for pages")
 
 
-def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
+def try_new_prompt(p: PlannerState, b: PlanBuild, req) -> bool | None:
     """Admit a waiting request with its first chunk. None: the budget cannot
     reach a boundary; False: admission failed."""
     cfg = p.cfg
@@ -425,7 +370,7 @@ def try_new_prompt(p, b: PlanBuild, req) -> bool | None:
     return True
 
 
-def adapter_slot_free(p, b: PlanBuild, req) -> bool:
+def adapter_slot_free(p: PlannerState, b: PlanBuild, req) -> bool:
     """Whether `req`'s adapter holds a slot or a quiescent one is there to
     take; if not, it holds the line (adapter_slots.py) until a slot drains."""
     if p.lora.can_take(req.adapter):
@@ -438,7 +383,7 @@ def adapter_slot_free(p, b: PlanBuild, req) -> bool:
     return False
 
 
-def new_prompt_phase(p, b: PlanBuild) -> None:
+def new_prompt_phase(p: PlannerState, b: PlanBuild) -> None:
     """Admit waiting requests in FIFO order, each with its first chunk. The
     first one that does not fit stops the phase: nobody overtakes it."""
     while not b.sealed and not b.new_prompts_sealed and b.can_prefill():
@@ -457,14 +402,14 @@ def new_prompt_phase(p, b: PlanBuild) -> None:
         b.waits.line_closed(b, req)
 
 
-def first_in_line(p, b: PlanBuild, skip=None):
+def first_in_line(p: PlannerState, b: PlanBuild | None, skip=None):
     """The first waiting request, FIFO, that does not yield (`yields`)."""
     return next((r for r in p.waiting if r is not skip and not yields(p, r, b)), None)
 
 
 # ---- disaggregation ---------------------------------------------------------
 
-def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
+def try_remote_admission(p: PlannerState, b: PlanBuild, req) -> bool | None:
     """D: reserve the whole prompt's landing pages plus the admission
     headroom (the peer prefills it: there is no mid-way), reuse what the
     local prefix cache holds, and ask a peer for the rest. None: a sliding
@@ -516,7 +461,7 @@ def try_remote_admission(p, b: PlanBuild, req) -> bool | None:
     return True
 
 
-def remote_admission_phase(p, b: PlanBuild) -> None:
+def remote_admission_phase(p: PlannerState, b: PlanBuild) -> None:
     """D: at most one remote admission a round (each reserves a whole
     prompt; a queue's worth at once would drain the pool before any KV
     arrives). It rides beside the batch: no token budget, no batch slot."""
@@ -532,7 +477,7 @@ def remote_admission_phase(p, b: PlanBuild) -> None:
         b.fail(req)
 
 
-def local_recovery_phase(p, b: PlanBuild) -> bool:
+def local_recovery_phase(p: PlannerState, b: PlanBuild) -> bool:
     """D: a resident recovery chunk if one is mid-prompt, else the one
     readmission this round may start; either claims the round to itself.
     Returns whether it did."""
@@ -554,12 +499,14 @@ def local_recovery_phase(p, b: PlanBuild) -> bool:
     return False
 
 
-def ship_phase(p, b: PlanBuild) -> None:
+def ship_phase(p: PlannerState, b: PlanBuild) -> None:
     """P: completed prompts out first. Their pages stay pinned until the
     peer acks, so releasing them outranks feeding more prompt work."""
     ps = p.page_size
     for req in list(p.running.values()):
-        res = req.state.res
+        st = req.state
+        assert isinstance(st, fsm.Holding)      # running on P: PrefillDone
+        res = st.res
         p.coord.publish(req, res, (req.num_tokens - 1) // ps)
         p.coord.trim(res, req.num_tokens - 1)      # pinned until the ack: only what travels
         fsm.start_transfer(req)
@@ -569,7 +516,7 @@ def ship_phase(p, b: PlanBuild) -> None:
         b.plan.remote_decodes.append(RemoteDecodeOp(req, src, req.output[0], list(req.drafts)))
 
 
-def transfer_slots(p, res, prompt_len: int, first_page: int) -> list[list[int]]:
+def transfer_slots(p: PlannerState, res, prompt_len: int, first_page: int) -> list[list[int]]:
     """Per group, the pages a P -> D transfer of a `prompt_len`-token prompt
     moves: the full history from the first page D lacks, each sliding
     group's last window (the slots D's first decode reads), never the whole
@@ -579,6 +526,7 @@ def transfer_slots(p, res, prompt_len: int, first_page: int) -> list[list[int]]:
     out = []
     for g, table in zip(p.coord.groups, res.tables):
         if g.spec.state:
+            assert isinstance(g, SnapshotStateGroup)    # make_group: a state spec's group
             e = g.entry(prompt_len)     # the final state alone (§1.2: endpoint-only landing)
             out.append(table[e:e + 1])
             continue

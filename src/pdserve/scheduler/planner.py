@@ -22,7 +22,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from pdserve.scheduler import fsm, invariants
+import pdserve.scheduler.fsm as fsm
+import pdserve.scheduler.invariants as invariants
 from pdserve.scheduler.adapter_slots import AdapterSlots
 from pdserve.scheduler.cache_groups import FULL, check_groups, describe
 from pdserve.scheduler.capacity import context_bound, group_bounds, group_pages, ingest_error
@@ -34,6 +35,7 @@ from pdserve.scheduler.hit import HitCounts
 from pdserve.scheduler.group_pools import make_group
 from pdserve.scheduler.phases import PlanBuild
 from pdserve.scheduler.plan import Plan, StepResult
+from pdserve.scheduler.plan_state import Ending
 from pdserve.scheduler.request import Request
 from pdserve.scheduler.retraction import ensure_progress
 from pdserve.scheduler.waiting import WaitFacts, WaitReason, wait_reasons
@@ -80,7 +82,7 @@ class Planner:
         self.requests: dict[str, Request] = {}     # every live request, by id
         # engine.overlap: ended while a forward of its own is out; released
         # when the last lands (overlap.py)
-        self.ending: dict = {}
+        self.ending: dict[str, Ending] = {}
         self.round = 0
         self.stalls: list[str] = []                # rounds the liveness last resort ran
         self.hits = HitCounts()                    # prompt tokens found cached, by tier

@@ -23,16 +23,17 @@ Where retraction cannot help, or grants a waiting request, it notes why in
 
 from __future__ import annotations
 
-from pdserve.scheduler import fsm
+import pdserve.scheduler.fsm as fsm
 from pdserve.scheduler.fsm import Prefilling
 from pdserve.scheduler.phases import (
     PlanBuild, decode_phase, first_in_line, new_prompt_phase, readmission_phase,
     resident_prefill_phase, try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
 from pdserve.scheduler.plan import RetractOp
+from pdserve.scheduler.plan_state import PlannerState
 from pdserve.scheduler.waiting import Hold
 
 
-def _releasable(p, req) -> int:
+def _releasable(p: PlannerState, req) -> int:
     """Pages the victim alone holds: what retracting it returns to the pools."""
     n = 0
     for grp, table in zip(p.coord.groups, req.state.res.tables):
@@ -41,11 +42,13 @@ def _releasable(p, req) -> int:
     return n
 
 
-def choose_victim(p, ignore_exemption: bool = False):
+def choose_victim(p: PlannerState, ignore_exemption: bool = False):
     """The best-ranked retractable resident, or None."""
     best, best_key = None, None
     for req in p.prefilling.values():
-        res = req.state.res
+        st = req.state
+        assert isinstance(st, Prefilling)       # `prefilling` holds Prefilling requests only
+        res = st.res
         if res.covers_generation and not ignore_exemption:
             continue
         key: tuple[int, ...] = (len(res.tables[0]), req.seq)   # largest first, then youngest
@@ -54,7 +57,9 @@ def choose_victim(p, ignore_exemption: bool = False):
     if best is not None:
         return best
     for req in p.running.values():
-        res = req.state.res
+        st = req.state
+        assert isinstance(st, fsm.Holding)      # running: PrefillDone, Decoding, RemotePrefillDone
+        res = st.res
         if res.covers_generation and not ignore_exemption:
             continue
         key = (_releasable(p, req), -req.num_tokens, req.seq)
@@ -63,7 +68,7 @@ def choose_victim(p, ignore_exemption: bool = False):
     return best
 
 
-def retract(p, b: PlanBuild, victim, for_req=None) -> None:
+def retract(p: PlannerState, b: PlanBuild, victim, for_req=None) -> None:
     """Take the victim off the device. Its computed full pages are
     published; with a host tier its KV is snapshotted by a stream-ordered
     store and it waits as Retracted, otherwise it waits to re-prefill.
@@ -89,7 +94,7 @@ def retract(p, b: PlanBuild, victim, for_req=None) -> None:
     b.plan.retracts.append(RetractOp(victim, stored))
 
 
-def _retry(p, b: PlanBuild, req) -> bool:
+def _retry(p: PlannerState, b: PlanBuild, req) -> bool:
     """Give the blocker its admission again; True if it was granted."""
     st = req.state
     if isinstance(st, (fsm.PrefillDone, fsm.Decoding, fsm.RemotePrefillDone)):
@@ -112,7 +117,7 @@ def _retry(p, b: PlanBuild, req) -> bool:
     return True
 
 
-def _grant_new_prompt(p, b: PlanBuild, req) -> bool | None:
+def _grant_new_prompt(p: PlannerState, b: PlanBuild, req) -> bool | None:
     """try_new_prompt for the request retraction freed room for. Whoever
     waits behind a grant that completes its prompt waits for the next round."""
     ok = try_new_prompt(p, b, req)
@@ -121,7 +126,7 @@ def _grant_new_prompt(p, b: PlanBuild, req) -> bool | None:
     return ok
 
 
-def _grant_next_resident(p, b: PlanBuild, victim) -> bool:
+def _grant_next_resident(p: PlannerState, b: PlanBuild, victim) -> bool:
     """The room a retracted blocker freed goes to the next admitted prefill
     its failure held behind it, if one can advance: it holds pages and
     progress already, which a newcomer would not. True if one did."""
@@ -137,14 +142,14 @@ def _grant_next_resident(p, b: PlanBuild, victim) -> bool:
     return False
 
 
-def _beneficiary(p, victim):
+def _beneficiary(p: PlannerState, victim):
     """Whom a retracted blocker's room goes to (the grants below, in their
     order): the next admitted prefill, else the first waiting prompt."""
     nxt = next((r for r in p.prefilling.values() if r is not victim), None)
     return nxt if nxt is not None else first_in_line(p, None, skip=victim)
 
 
-def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
+def _grant_first_waiting(p: PlannerState, b: PlanBuild, victim) -> None:
     if b.new_prompts_sealed:
         return
     req = first_in_line(p, b, skip=victim)
@@ -160,7 +165,7 @@ def _grant_first_waiting(p, b: PlanBuild, victim) -> None:
         b.waits.line_closed(b, req)
 
 
-def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
+def maybe_retract_for_capacity(p: PlannerState, b: PlanBuild) -> None:
     if b.prefill_progressed or not b.admission_failed:
         if b.admission_failed:
             b.waits.retraction = "no retraction: a prefill progressed this round (§2)"
@@ -198,7 +203,7 @@ def maybe_retract_for_capacity(p, b: PlanBuild) -> None:
             return
 
 
-def ensure_progress(p, b: PlanBuild) -> None:
+def ensure_progress(p: PlannerState, b: PlanBuild) -> None:
     """A round that built nothing while requests wait, with no copy in
     flight, would repeat forever. Record the stall, retract one victim
     judging the exemption away, and run the phases again: decodes first,
@@ -208,8 +213,11 @@ def ensure_progress(p, b: PlanBuild) -> None:
             or p.waiting_on_peer() or p.ending:    # ending: its forward lands (overlap.py)
         return
     for coll in (p.prefilling, p.running):
-        if any(r.state.res.forwards_out for r in coll.values()):
-            return                      # a landing result will change the state
+        for r in coll.values():
+            st = r.state
+            assert isinstance(st, fsm.Holding)  # residents hold pages
+            if st.res.forwards_out:
+                return                  # a landing result will change the state
     victim = choose_victim(p, ignore_exemption=True)
     p.record_stall(victim)
     if victim is None:

@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 
 from pdserve.scheduler.fsm import Retracted
+from pdserve.scheduler.plan import Plan
+from pdserve.scheduler.plan_state import PlannerState
 
 
 class Hold(enum.StrEnum):
@@ -219,7 +221,8 @@ def _not_planned(req) -> WaitReason:
                       "arrived after the last round was planned; the next round considers it")
 
 
-def wait_reasons(p, last) -> list[WaitReason]:
+def wait_reasons(p: PlannerState, last: tuple[WaitFacts, Plan, int, int] | None
+                 ) -> list[WaitReason]:
     """One WaitReason per request in `p.waiting` (FIFO), `p.retracted`
     (readmission order) and `p.landing`. `last` is what the most recent
     build left: (facts, plan, next submission seq, last retraction epoch),
@@ -240,7 +243,7 @@ def wait_reasons(p, last) -> list[WaitReason]:
     return out
 
 
-def _line_reasons(p, facts: WaitFacts, victims, seq_mark: int) -> list[WaitReason]:
+def _line_reasons(p: PlannerState, facts: WaitFacts, victims, seq_mark: int) -> list[WaitReason]:
     stop = facts.line
     retraction = facts.retraction
     if not p.decodes_locally:
@@ -264,13 +267,23 @@ def _line_reasons(p, facts: WaitFacts, victims, seq_mark: int) -> list[WaitReaso
     return out
 
 
-def _retracted_reasons(p, facts: WaitFacts, victims, epoch_mark: int) -> list[WaitReason]:
+def _readmission_order(req) -> tuple[bool, int]:
+    """Planner.next_readmission's: generations a client is reading first,
+    then the oldest retraction."""
+    st = req.state
+    assert isinstance(st, Retracted)            # `retracted` holds Retracted requests only
+    return not st.resumes_generation, st.epoch
+
+
+def _retracted_reasons(p: PlannerState, facts: WaitFacts, victims,
+                       epoch_mark: int) -> list[WaitReason]:
     stop = facts.readmission
-    order = sorted(p.retracted.values(),
-                   key=lambda r: (not r.state.resumes_generation, r.state.epoch))
+    order = sorted(p.retracted.values(), key=_readmission_order)
     out = []
     for req in order:
-        if req.state.epoch > epoch_mark:
+        st = req.state
+        assert isinstance(st, Retracted)
+        if st.epoch > epoch_mark:
             out.append(_not_planned(req))            # e.g. its transfer failed since
         elif stop is not None and stop.who == req.id and stop.rule is Hold.CAPACITY:
             out.append(_also_victim(_readmission_reason(req, stop, facts), victims, facts))
