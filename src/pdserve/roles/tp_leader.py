@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 from pdserve.kernels.model_config import ModelError
 from pdserve.kernels.tensor_parallel import TpComm, TpError, TpLost
 from pdserve.roles.tp_messages import (
-    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop)
+    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStarted, TpStop)
+from pdserve.roles.main_module import check_main_module, exited_before_start
 from pdserve.roles.tp_worker import TpSpec, compare_views, move_pages, worker_main
 
 log = logging.getLogger("pdserve.tp")
@@ -69,6 +70,7 @@ class TpLeader:
         self.caches: list = []
         init = f"tcp://127.0.0.1:{_free_port()}"
         spec.share_cpu()            # before the workers start: they inherit the count
+        check_main_module(spec.size)    # a script from stdin: said here, not in each rank
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, spec.size):
@@ -80,6 +82,9 @@ class TpLeader:
             self.procs.append(proc)
             self.conns.append(mine)
         try:
+            # a rank that died re-running the program (a script without the
+            # main guard) would leave rank 0 waiting in the group for minutes
+            self._await_started()
             device = spec.rank_device(0)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -94,12 +99,28 @@ class TpLeader:
         log.info("tensor-parallel engine: %d ranks (pids %s), collectives bounded by %g s",
                  spec.size, [p.pid for p in self.procs], spec.timeout_s)
 
+    def _await_started(self) -> None:
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if not conn.poll(READY_S):
+                raise TpError(f"tensor-parallel rank {rank} did not start in {READY_S:g} s")
+            try:
+                started = conn.recv()
+            except EOFError:            # it exited: its pipe closed unwritten
+                proc.join(5)
+                raise exited_before_start(rank, proc.pid, proc.exitcode) from None
+            assert isinstance(started, TpStarted)
+
     def _await_ready(self) -> None:
-        for rank, conn in enumerate(self.conns, start=1):
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             if not conn.poll(READY_S):
                 raise TpError(f"tensor-parallel rank {rank} did not load its shard in "
                               f"{READY_S:g} s")
-            ready = conn.recv()
+            try:
+                ready = conn.recv()
+            except EOFError:
+                proc.join(5)
+                raise TpError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                              f"{proc.exitcode} while loading its shard") from None
             assert isinstance(ready, TpReady)
             if ready.error is not None:
                 raise TpError(f"tensor-parallel rank {rank} failed to start: {ready.error}")

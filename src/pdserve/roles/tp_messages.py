@@ -25,6 +25,13 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta
 
 
 @dataclass(frozen=True)
+class TpStarted:
+    """A rank, to rank 0, first of all: it runs (the program's main module
+    re-run, main_module.py), so rank 0 may wait for it in the group."""
+    rank: int
+
+
+@dataclass(frozen=True)
 class TpReady:
     """A rank, to rank 0: its shard is loaded (or `error`: why not)."""
     rank: int

@@ -18,7 +18,7 @@ import torch
 from pdserve.kernels.tensor_parallel import TpComm, TpLost
 from pdserve.roles.tp_kv_ranks import TP_KV_MESSAGES, serve_kv
 from pdserve.roles.tp_messages import (
-    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStop, digest)
+    TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStarted, TpStop, digest)
 
 log = logging.getLogger("pdserve.tp")
 
@@ -51,6 +51,8 @@ class TpSpec:
 def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
     """The process's body (a spawn target)."""
     from pdserve.kernels.loader import load_model
+
+    conn.send(TpStarted(rank))
 
     device = spec.rank_device(rank)
     spec.share_cpu()
