@@ -40,10 +40,12 @@ def reference() -> list[list[int]]:
 
 
 def with_store(store, policy: str = "wait_complete", **kw) -> LLM:
-    """An engine whose disk tier is `store` (a fake, shared like a directory)."""
+    """An engine whose disk tier is a handle of its own on `store` (a fake,
+    shared like a directory: the engine closes its handle when it is closed
+    or collected)."""
     l = llm()
     cfg = DiskCacheConfig(path="fake", prefetch_policy=policy, **kw)
-    l.executor.disk = DiskTier(cfg, store, model_id=weights_fingerprint(l.model),
+    l.executor.disk = DiskTier(cfg, store.reopened(), model_id=weights_fingerprint(l.model),
                                dtype="float32", layout=l.executor.caches[0].layout(),
                                page_size=ENGINE["page_size"])
     return l

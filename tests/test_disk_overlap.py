@@ -88,7 +88,8 @@ def test_overlap_holds_the_next_chunk_until_the_read_is_confirmed_and_a_miss_ret
 
 def with_store(store, policy: str = "wait_complete") -> LLM:
     l = llm(True)
-    l.executor.disk = DiskTier(DiskCacheConfig(path="fake", prefetch_policy=policy), store,
+    l.executor.disk = DiskTier(DiskCacheConfig(path="fake", prefetch_policy=policy),
+                               store.reopened(),
                                model_id=weights_fingerprint(l.model), dtype="float32",
                                layout=l.executor.caches[0].layout(), page_size=PS)
     return l

@@ -39,6 +39,15 @@ class FakeStore(DiskStore):
         self.writing = threading.Event()            # a PUT has started (tests wait on it)
         super().__init__()
 
+    def reopened(self) -> FakeStore:
+        """A second handle on the same files, faults and log, as a second
+        FileStore opened on one directory: closing one (an engine that
+        stops) leaves the other open."""
+        other = FakeStore(self.faults, self.max_bytes)
+        other.files, other.log, other._files_lock = self.files, self.log, self._files_lock
+        other.writing = self.writing
+        return other
+
     def _delay(self) -> None:
         if self.faults.latency_s:
             time.sleep(self.faults.latency_s)   # the injected latency itself
