@@ -1,7 +1,8 @@
 """Options more than one command shares: argument types, option groups two
 benchmarks define alike, the API key of a command that calls a router, and
 the usage error. The `pdserve` command imports them from here; no benchmark
-imports the command."""
+imports the command (the model flags, which `bench serve` shares with `up`,
+are cli/model_flags.py, a leaf that imports only the config)."""
 
 from __future__ import annotations
 

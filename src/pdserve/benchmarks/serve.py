@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 from pdserve.benchmarks.args import (client_key, client_key_argument, positive, usage_error,
                                      workload_arguments)
 from pdserve.benchmarks.up_process import served
+from pdserve.cli.model_flags import add_model_arguments, flags_from
+from pdserve.config import Flags
 from pdserve.sim.load import Sample, arrivals, drive, workload
 
 
@@ -151,7 +155,10 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append",
-                   help="config YAML: start this deployment (repeat to compare)")
+                   help="config YAML: start this deployment (repeat to compare); the model "
+                        "flags below go over each, as `pdserve up` takes them (model flags "
+                        "alone: over up's default config)")
+    add_model_arguments(p)
     p.add_argument("--address", help="a running deployment's router")
     p.add_argument("--http-address", help="a running deployment's HTTP API, "
                                           "e.g. http://127.0.0.1:8000")
@@ -188,14 +195,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if not args.address and not args.config and not args.http_address:
-        return usage_error("bench serve needs --address HOST:PORT or --config FILE "
-                           "(repeat --config to compare deployments)")
-    return main(args.address, args.config or [], args.requests, args.prompt_len,
-                args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
-                args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
-                repeats=args.repeats, offline=args.offline, api_key=client_key(args),
-                connections=args.connections, control_planes=tuple(args.control_plane))
+    from pdserve.config import UP_CONFIG
+
+    flags = flags_from(args)
+    configs = args.config or ([UP_CONFIG] if flags != Flags() else [])
+    if not args.address and not configs and not args.http_address:
+        return usage_error("bench serve needs --address HOST:PORT, or --config FILE or "
+                           "--model PATH (repeat --config to compare deployments)")
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as folder:
+        if flags != Flags():
+            configs = [with_model_flags(c, flags, Path(folder) / f"{i}-{Path(c).stem}.yaml")
+                       for i, c in enumerate(configs)]
+        return main(args.address, configs, args.requests, args.prompt_len,
+                    args.max_tokens, args.concurrency, args.rate, args.trace, args.limit,
+                    args.max_prompt, args.out, apis=args.api, http_address=args.http_address,
+                    repeats=args.repeats, offline=args.offline, api_key=client_key(args),
+                    connections=args.connections, control_planes=tuple(args.control_plane))
+
+
+def with_model_flags(config: str, flags: Flags, path: Path) -> str:
+    """`config` with the model flags over it, saved as `path`: the file the
+    deployment (`pdserve up --config`) and the offline row both start from."""
+    import yaml
+
+    from pdserve.config import load_with_flags
+
+    _, merged = load_with_flags(config, flags)
+    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    print(f"bench serve: {config} with the model flags is {path}:\n"
+          f"{yaml.safe_dump(merged, sort_keys=False)}", end="", flush=True)
+    return str(path)
 
 
 def run_offline(config: str, samples: list[Sample], seed: int,

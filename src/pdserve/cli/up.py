@@ -9,12 +9,11 @@ from pathlib import Path
 
 from pdserve.benchmarks.args import client_key
 from pdserve.cli.model_flags import add_model_arguments
-
-DEFAULT_CONFIG = "deploy/local-pd.yaml"    # shipped: found in the package (config.shipped)
+from pdserve.config import UP_CONFIG
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+    p.add_argument("--config", default=UP_CONFIG,
                    help="config YAML (default: deploy/local-pd.yaml, SmolLM2 on 1P+1D); the "
                         "flags below replace what it says of the same setting")
     add_model_arguments(p, positional=True)

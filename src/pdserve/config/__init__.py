@@ -32,7 +32,8 @@ from pdserve.config.autoscale import AutoscaleConfig, RoleBounds
 from pdserve.config.cluster import ClusterShape, check_cluster_tp
 from pdserve.config.control_plane import ControlPlaneConfig
 from pdserve.config.flags import Flags, model_source, with_flags
-from pdserve.config.load import load_config, load_with_flags, shipped, shipped_names
+from pdserve.config.load import (
+    UP_CONFIG, load_config, load_with_flags, shipped, shipped_names)
 from pdserve.config.lora import LoraConfig
 from pdserve.config.model import ATTENTION, DEVICES, DTYPES, QUANTIZATION, ModelConfig
 from pdserve.config.router import RouterConfig
@@ -43,6 +44,7 @@ from pdserve.config.simulate import SimulateConfig
 from pdserve.scheduler.config import ConfigError, EngineConfig
 
 __all__ = [
+    "UP_CONFIG",
     "ATTENTION",
     "DEVICES",
     "DTYPES",

@@ -15,6 +15,10 @@ from pdserve.config.flags import CERTIFICATES, Flags, with_flags
 from pdserve.config.serve import ServeConfig
 from pdserve.scheduler.config import ConfigError
 
+# what `pdserve up` (and `bench serve` given model flags alone) starts from
+# when given no --config: SmolLM2 on 1P+1D, found in the package (shipped)
+UP_CONFIG = "deploy/local-pd.yaml"
+
 
 def shipped(name: str) -> Path:
     """A file pdserve ships in its `deploy/` folder (configs, the demo trace,
