@@ -35,7 +35,7 @@ from pathlib import Path
 from pdserve.benchmarks.args import (client_key, client_key_argument, positive, usage_error,
                                      workload_arguments)
 from pdserve.benchmarks.up_process import served
-from pdserve.cli.model_flags import add_model_arguments, flags_from
+from pdserve.benchmarks.args import add_model_arguments, flags_from
 from pdserve.config import Flags
 from pdserve.sim.load import Sample, arrivals, drive, workload
 
@@ -200,8 +200,8 @@ def run(args) -> int:
     flags = flags_from(args)
     configs = args.config or ([UP_CONFIG] if flags != Flags() else [])
     if not args.address and not configs and not args.http_address:
-        return usage_error("bench serve needs --address HOST:PORT, or --config FILE or "
-                           "--model PATH (repeat --config to compare deployments)")
+        return usage_error("bench serve needs --address HOST:PORT or --config FILE (or "
+                           "--model PATH; repeat --config to compare deployments)")
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-serve-") as folder:
         if flags != Flags():
             configs = [with_model_flags(c, flags, Path(folder) / f"{i}-{Path(c).stem}.yaml")

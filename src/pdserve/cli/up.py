@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pdserve.benchmarks.args import client_key
-from pdserve.cli.model_flags import add_model_arguments
+from pdserve.benchmarks.args import add_model_arguments
 from pdserve.config import UP_CONFIG
 
 
@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pdserve.cli.model_flags import flags_from
+    from pdserve.benchmarks.args import flags_from
     from pdserve.config import engine_gpus, load_with_flags
     from pdserve.scheduler.config import ConfigError
 
