@@ -2,7 +2,8 @@
 types it, serves the tokens `pdserve up --config` serves from the YAML that
 says the same, and the config it prints at start is that YAML's config.
 Served, two deployments in turn (slow); the config the command line hands
-the Deployment, in-process with none started (fast)."""
+the Deployment, in-process with none started (fast). `generate` and `bench
+serve` take the same flags."""
 
 from __future__ import annotations
 
@@ -118,3 +119,27 @@ def test_up_with_model_flags_serves_the_tokens_of_the_equivalent_yaml(checkpoint
         want = greedy(serving(filed))
     assert got == want
     assert all(len(t) == MAX_TOKENS for t in got)
+
+
+def test_offline_generate_takes_the_model_flags_without_a_config(checkpoint, capsys):
+    from pdserve import LLM, SamplingParams
+    from pdserve.cli.main import main
+
+    assert main(["generate", "--model", "tiny", "--dtype", "float32", "--max-tokens", "5",
+                 "hello"]) == 0
+    want = LLM(dtype="float32").generate("hello", SamplingParams(max_tokens=5, temperature=0),
+                                         use_tqdm=False)[0].text
+    assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", "--address", "127.0.0.1:1", "--model", str(checkpoint),
+                 "hi"]) == 2
+    assert "--model with --address" in capsys.readouterr().err
+
+
+def test_bench_serve_starts_the_file_up_would_run_with_the_same_flags(checkpoint, tmp_path):
+    from pdserve.benchmarks.serve import with_model_flags
+    from pdserve.config import UP_CONFIG, Flags, load_with_flags
+
+    flags = Flags(model_path=str(checkpoint), fused=1, max_num_seqs=4)
+    saved = with_model_flags(UP_CONFIG, flags, tmp_path / "flagged.yaml")
+    assert load_config(saved) == load_with_flags(UP_CONFIG, flags)[0]
+
