@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.lora_adapter import MODULES
+from pdserve.kernels.lora.adapter import MODULES
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

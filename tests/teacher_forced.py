@@ -34,8 +34,8 @@ import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
 from pdserve.kernels.flashinfer_attention import FlashInferAttention
-from pdserve.kernels.model import DecoderModel, random_weights
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.models.model import DecoderModel, random_weights
+from pdserve.kernels.models.model_config import ModelConfig
 
 PAGE = 16
 TOL_FACTOR = 4.0

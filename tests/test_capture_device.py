@@ -11,7 +11,7 @@ import torch
 
 from pdserve.benchmarks.capture import median_ms
 from pdserve.kernels.capture import CaptureMode, DecodeCapture
-from pdserve.kernels.loader import load_model
+from pdserve.kernels.models.loader import load_model
 from test_capture import PS, decode_round, fresh_metas
 
 

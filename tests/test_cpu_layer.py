@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.model import DecoderModel, random_weights
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.models.loader import load_model
+from pdserve.kernels.models.model import DecoderModel, random_weights
+from pdserve.kernels.models.model_config import ModelConfig
 from pdserve.kernels.cpu.features import cpu_flags
 from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
 from pdserve.kernels.cpu.quantized import from_blocks

@@ -158,7 +158,7 @@ def test_up_refuses_an_unknown_preset_before_starting_ray(tmp_path, capsys, monk
 def test_llm_and_offline_generate_read_model_device(tmp_path, capsys):
     from pdserve import LLM
     from pdserve.cli.main import main
-    from pdserve.kernels.model_config import ModelError
+    from pdserve.kernels.models.model_config import ModelError
 
     conf = {"model": {"preset": "tiny", "device": "cuda"}}
     with pytest.raises(ModelError, match="device 'cuda': no CUDA GPU is usable here"):

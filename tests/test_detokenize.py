@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.text.detokenize import Detokenizer
-from pdserve.kernels.loader import load_tokenizer
+from pdserve.kernels.models.loader import load_tokenizer
 from pdserve.text.tokenizer import PrintableTokenizer
 
 TEXTS = ["Paris is the capital of France.", "naïve café, 日本語のテキスト, emoji 🙂🚀 ok",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdserve.kernels.flashinfer_attention import FlashInferAttention
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.models.model_config import ModelError
 from tests import flashinfer_fake
 from tests import teacher_forced as tf
 
@@ -89,7 +89,7 @@ def test_a_flashinfer_model_s_decode_step_is_never_captured(fake_flashinfer):
     first H200 run the capture's warm-up planned a prefill of no rows and
     every flashinfer engine failed at load.)"""
     from pdserve.kernels.capture import CaptureMode, choose_capture
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
     assert choose_capture("on", model)[0] is CaptureMode.COMPILE
@@ -99,7 +99,7 @@ def test_a_flashinfer_model_s_decode_step_is_never_captured(fake_flashinfer):
 
 def test_the_loader_compiles_at_load_and_auto_falls_back_if_the_build_fails(
         fake_flashinfer, monkeypatch, caplog):
-    from pdserve.kernels import loader
+    from pdserve.kernels.models import loader
 
     monkeypatch.setattr(loader, "choose_backend", lambda name, device, dtype, **kw: (
         FlashInferAttention(**kw), "the stand-in"))
@@ -157,7 +157,7 @@ def test_the_row_check_catches_a_window_one_key_too_wide_on_cuda():
 
 @cuda
 def test_flashinfer_compiles_at_load_on_cuda(caplog):
-    from pdserve.kernels.loader import load_backend
+    from pdserve.kernels.models.loader import load_backend
 
     with caplog.at_level(logging.INFO, logger="pdserve.kernels"):
         backend = load_backend("auto", "cuda", torch.bfloat16, SHAPE)

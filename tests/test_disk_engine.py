@@ -286,7 +286,7 @@ def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
     import dataclasses
     import re
 
-    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.models.model_config import tiny_config
     from pdserve.roles.disk_tier import check_model_served
 
     disk = DiskCacheConfig(path="unused")
@@ -304,7 +304,7 @@ def test_windows_and_states_with_checkpoints_are_served(arch, extra):
     the pages): the tier serves them all."""
     import dataclasses
 
-    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.models.model_config import tiny_config
     from pdserve.roles.disk_tier import check_model_served
 
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.state_cache import StateCache
+from pdserve.kernels.models.state_cache import StateCache
 from pdserve.transfer.disk_fake import FakeStore, Faults
 from pdserve.transfer.disk_store import (
     DiskKey, DiskOp, DiskStoreError, FileStore, Miss, decode, encode)

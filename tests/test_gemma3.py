@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
-from pdserve.kernels.loader import attention_shape, load_model
-from pdserve.kernels.model_config import ModelError, read_config
+from pdserve.kernels.models.loader import attention_shape, load_model
+from pdserve.kernels.models.model_config import ModelError, read_config
 from pdserve.roles.torch_executor import TorchExecutor
 from pdserve.scheduler.cache_groups import FULL, HOLE
 from pdserve.scheduler.config import EngineConfig
@@ -206,7 +206,7 @@ def test_the_multimodal_gemma3_checkpoint_is_refused_by_name(tmp_path):
 
 
 def test_llama_has_one_full_group_and_mistral_one_sliding_group(tmp_path):
-    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.models.model_config import tiny_config
 
     (only,) = tiny_config().cache_groups()
     assert not only.sliding and only.layers == (0, 1)

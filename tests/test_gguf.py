@@ -14,10 +14,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.text.chat import render_chat
 from pdserve.kernels.cpu.features import Bfloat16Support, bfloat16_from_flags, cpu_bfloat16
-from pdserve.kernels.gguf import open_gguf
-from pdserve.kernels.loader import choose_dtype, load_model, load_tokenizer, model_config_for, \
+from pdserve.kernels.models.gguf import open_gguf
+from pdserve.kernels.models.loader import choose_dtype, load_model, load_tokenizer, model_config_for, \
     resolve_model_path
-from pdserve.kernels.model_config import ModelError, read_config, tiny_config
+from pdserve.kernels.models.model_config import ModelError, read_config, tiny_config
 from pdserve.kernels.cpu.quantized import kernels_present, quantized_linears
 from pdserve.text.tokenizer import HFTokenizer, PrintableTokenizer
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.models.model_config import ModelError
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.model_config import read_config
-from pdserve.kernels.state_cache import SeqState, StateBatch
+from pdserve.kernels.models.loader import load_model
+from pdserve.kernels.models.model_config import read_config
+from pdserve.kernels.models.state_cache import SeqState, StateBatch
 from support import save_with_noisy_norms
 
 transformers = pytest.importorskip("transformers")

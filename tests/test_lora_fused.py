@@ -1,4 +1,4 @@
-"""The fused batched LoRA (Triton, `kernels/lora_fused.py`): under Triton's
+"""The fused batched LoRA (Triton, `kernels/lora/fused.py`): under Triton's
 interpreter on CPU tensors, its rows equal the merged weights and the torch
 segmented path; on a GPU (marked `device`), the compiled kernels do too.
 The CPU picks the torch path."""
@@ -6,9 +6,9 @@ The CPU picks the torch path."""
 import pytest
 import torch
 
-from pdserve.kernels.lora import LoraRound, LoraSegments
-from pdserve.kernels.lora_adapter import load_adapter, merged
-from pdserve.kernels.lora_fused import FusedLoraRound, lora_round, segment_table
+from pdserve.kernels.lora.batched import LoraRound, LoraSegments
+from pdserve.kernels.lora.adapter import load_adapter, merged
+from pdserve.kernels.lora.fused import FusedLoraRound, lora_round, segment_table
 from test_lora_kernels import PROMPTS, base_weights, batch, logits, ours, setup  # noqa: F401
 from test_lora_segments import model  # noqa: F401
 
@@ -71,8 +71,8 @@ def test_a_rank_above_the_tiles_equals_the_torch_path(interpreted, max_rank):
     """max_rank 24 and 32 (past one 16-wide tile; 24 is no power of two)
     and a round mixing a 20-row group, short groups and base rows: every
     fused matmul's delta equals the torch path's, base rows untouched."""
-    from pdserve.kernels.lora import GROUPS, LoraStacks
-    from pdserve.kernels.model_config import ModelConfig
+    from pdserve.kernels.lora.batched import GROUPS, LoraStacks
+    from pdserve.kernels.models.model_config import ModelConfig
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, intermediate_size=128, max_position=512)
     g = torch.Generator().manual_seed(3)
@@ -103,7 +103,7 @@ def test_the_kernels_compile_for_a_gpu_on_a_host_without_one(dtype, tmp_path, mo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pdserve.kernels.lora_triton import kernels
+    from pdserve.kernels.lora.triton_kernels import kernels
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")          # its default, said aloud
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -138,7 +138,7 @@ def test_a_cpu_round_takes_the_torch_path(model):  # noqa: F811
 def test_fused_lora_on_cuda_equals_the_merged_weights(setup):
     """On a GPU the executor's round is the fused one; compiled, its mixed
     batch's rows equal the merged models' on the CPU (float32, IEEE dots)."""
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
     _, base, a_dir, b_dir = setup
     model, _ = load_model(str(base), None, dtype="float32", device="cuda", attention="torch")
     a, b = load_adapter(a_dir, model.cfg), load_adapter(b_dir, model.cfg)

@@ -11,7 +11,7 @@ import torch
 
 from lora_support import tiny_adapter, tiny_llama
 from pdserve.config import ConfigError, LoraConfig
-from pdserve.kernels.lora_adapter import load_adapter
+from pdserve.kernels.lora.adapter import load_adapter
 from pdserve.roles.adapter_host import AdapterChanged, HostAdapters
 from pdserve.scheduler import Planner
 from support import config
@@ -32,7 +32,7 @@ def host(dirs, capacity, seen=None):
     `seen`: a list each read appends its thread's name to."""
     import threading
 
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
     base, ads = dirs
     cfg = load_model(str(base), None, dtype="float32", device="cpu", attention="torch")[0].cfg
 

@@ -7,9 +7,9 @@ import torch
 
 from lora_support import tiny_adapter, tiny_llama
 from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.lora import LoraRound
-from pdserve.kernels.lora_adapter import AdapterError, load_adapter, merged
+from pdserve.kernels.models.loader import load_model
+from pdserve.kernels.lora.batched import LoraRound
+from pdserve.kernels.lora.adapter import AdapterError, load_adapter, merged
 
 PROMPTS = [[5, 17, 42, 9, 3, 77, 12, 8, 30, 2, 61], [94, 3, 7], list(range(1, 20))]
 PAGE = 4
@@ -52,7 +52,7 @@ def setup(tmp_path_factory):
 def ours(path, weights=None):
     model, _ = load_model(str(path), None, dtype="float32", device="cpu", attention="torch")
     if weights is not None:
-        from pdserve.kernels.model import DecoderModel
+        from pdserve.kernels.models.model import DecoderModel
         model = DecoderModel(model.cfg, weights, torch.float32, "cpu", model.attention)
     return model
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lora_support import tiny_adapter, tiny_llama
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.lora import LoraRound, LoraSegments
-from pdserve.kernels.lora_adapter import load_adapter
-from pdserve.kernels.lora_masked import MaskedLoraRound
+from pdserve.kernels.models.loader import load_model
+from pdserve.kernels.lora.batched import LoraRound, LoraSegments
+from pdserve.kernels.lora.adapter import load_adapter
+from pdserve.kernels.lora.masked import MaskedLoraRound
 from test_lora_kernels import PROMPTS, batch
 
 ADAPTERS = 16

@@ -195,7 +195,7 @@ def test_a_logprob_names_a_special_token_by_its_text():
     """An end of turn scored in logprobs is '<|im_end|>', not '' (decoding
     it as answer text drops it, and two special tokens then shared one key
     in a completion's top_logprobs)."""
-    from pdserve.kernels.loader import load_tokenizer
+    from pdserve.kernels.models.loader import load_tokenizer
 
     from pdserve.router.http_api import HttpFront
 

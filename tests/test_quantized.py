@@ -10,8 +10,8 @@ from gguf.quants import dequantize, quantize
 
 from pdserve.config import ConfigError, ServeConfig
 from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
-from pdserve.kernels.gguf import unpermute_rotary
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.models.gguf import unpermute_rotary
+from pdserve.kernels.models.model_config import ModelError
 from pdserve.kernels.cpu.quantized import (
     QuantizedLinear, QuantizedTensor, choose_quantization, from_blocks, fuse,
     linear)
@@ -192,7 +192,7 @@ def test_config_names_the_key():
 
 
 def test_a_float_checkpoint_refuses_gguf_at_load():
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     with pytest.raises(ModelError, match="no Q4_0, Q4_1 or Q8_0 tensors"):
         load_model(None, "tiny", quantization="gguf")

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta
-from pdserve.kernels.gated_delta import chunked_delta_rule, delta_rule_step
-from pdserve.kernels.loader import load_model
-from pdserve.kernels.model_config import ModelError, read_config
-from pdserve.kernels.state_cache import SeqState, StateBatch
+from pdserve.kernels.models.gated_delta import chunked_delta_rule, delta_rule_step
+from pdserve.kernels.models.loader import load_model
+from pdserve.kernels.models.model_config import ModelError, read_config
+from pdserve.kernels.models.state_cache import SeqState, StateBatch
 from support import save_with_noisy_norms
 
 transformers = pytest.importorskip("transformers")

@@ -155,7 +155,7 @@ def test_a_small_client_body_limit_does_not_bound_what_engines_send_the_router()
     on the router's own channels, every engine looked dead and every request
     got 503. A P, a D and a router in this process, no Ray."""
     from pdserve.client import Client
-    from pdserve.kernels.loader import load_tokenizer
+    from pdserve.kernels.models.loader import load_tokenizer
     from pdserve.cluster.actors import build_engine_server
     from pdserve.router.serve import serve
 

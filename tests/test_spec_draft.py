@@ -18,9 +18,9 @@ from pdserve.benchmarks.spec_draft import write_random_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.kernels.attention import TorchAttention
 from pdserve.kernels.spec.draft_model import DraftModelProposer
-from pdserve.kernels.loader import TINY_SEED, attention_shape, build_model
-from pdserve.kernels.model import random_weights
-from pdserve.kernels.model_config import tiny_config
+from pdserve.kernels.models.loader import TINY_SEED, attention_shape, build_model
+from pdserve.kernels.models.model import random_weights
+from pdserve.kernels.models.model_config import tiny_config
 from pdserve.kernels.spec.proposers import DraftAsk
 from pdserve.kernels.spec.rejection import VerifyRow, verify
 from pdserve.roles.local_pair import LocalPair

@@ -18,9 +18,9 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.kv_cache import KVCache, KVShape
-from pdserve.kernels.loader import TINY_SEED, attention_shape, build_model
-from pdserve.kernels.model import random_weights
-from pdserve.kernels.model_config import tiny_config
+from pdserve.kernels.models.loader import TINY_SEED, attention_shape, build_model
+from pdserve.kernels.models.model import random_weights
+from pdserve.kernels.models.model_config import tiny_config
 from pdserve.kernels.attention import TorchAttention
 from pdserve.roles.local_pair import LocalPair
 from pdserve.roles.spec_draft import check_draft_section, draft_layout

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
-from pdserve.kernels.model import rms_norm
-from pdserve.kernels.model_config import tiny_config
-from pdserve.kernels.rope import Rotary
+from pdserve.kernels.models.model import rms_norm
+from pdserve.kernels.models.model_config import tiny_config
+from pdserve.kernels.models.rope import Rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import TorchAttention
-from pdserve.kernels.loader import attention_shape, build_model, load_model, load_shard
-from pdserve.kernels.model import random_weights
-from pdserve.kernels.model_config import ModelConfig, tiny_config
+from pdserve.kernels.models.loader import attention_shape, build_model, load_model, load_shard
+from pdserve.kernels.models.model import random_weights
+from pdserve.kernels.models.model_config import ModelConfig, tiny_config
 from pdserve.kernels.tensor_parallel import TpError, tp_layout
 from tp_support import greedy, run_ranks
 

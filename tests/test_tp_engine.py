@@ -169,7 +169,7 @@ def test_a_cluster_count_may_carry_its_tensor_parallel_size():
 
 def test_a_family_not_sharded_is_refused_for_its_role():
     from pdserve.config import ServeConfig
-    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.models.model_config import tiny_config
     from pdserve.kernels.tensor_parallel import TpError, check_roles
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": {"count": 1, "tensor_parallel_size": 2}}})

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from pdserve.kernels.loader import load_model
+from pdserve.kernels.models.loader import load_model
 from pdserve.roles.tp_leader import TpLeader
 from pdserve.roles.tp_worker import TpSpec
 from pdserve.transfer import Incarnation, KvWrite, TransferEventKind

@@ -122,7 +122,7 @@ def _model(positional: str | None, flag: str | None) -> dict:
     value = positional if positional is not None else flag
     if value is None:
         return {}
-    from pdserve.kernels.loader import PRESETS      # torch: only once a model is named
+    from pdserve.kernels.models.loader import PRESETS      # torch: only once a model is named
 
     return model_source(value, PRESETS)
 

@@ -68,9 +68,9 @@ def build(shape: str, dtype: str, device):
     """The model of `shape` in `dtype` on `device`, torch attention."""
     import torch
 
-    from pdserve.kernels.loader import attention_shape, build_model, load_backend
-    from pdserve.kernels.model import random_weights
-    from pdserve.kernels.model_config import ModelConfig
+    from pdserve.kernels.models.loader import attention_shape, build_model, load_backend
+    from pdserve.kernels.models.model import random_weights
+    from pdserve.kernels.models.model_config import ModelConfig
 
     cfg = ModelConfig(arch="llama", **SHAPES[shape])  # type: ignore[arg-type]
     torch_dtype = getattr(torch, dtype)
@@ -104,7 +104,7 @@ def _spread(xs: list[float]) -> str:
 
 
 def run(args) -> int:
-    from pdserve.kernels.loader import check_device
+    from pdserve.kernels.models.loader import check_device
 
     dev = check_device(args.device)     # first: a clear one-line error, nothing built
     if max(args.batches) > args.max_batch_size or args.context + 1 > args.max_context:

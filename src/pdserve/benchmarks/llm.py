@@ -113,7 +113,7 @@ def main(batches=(1, 8, 32), sizes=tuple(SIZES), dtypes=("float32", "bfloat16"),
     config picks: flashinfer for bfloat16 where installed). `captures`:
     engine.capture settings, each its own rows (the step column says what
     the engine ran: eager, or the captured step's mode)."""
-    from pdserve.kernels.loader import check_device
+    from pdserve.kernels.models.loader import check_device
 
     dev = check_device(device)          # first: a clear one-line error, nothing built
     import torch

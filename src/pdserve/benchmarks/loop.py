@@ -29,7 +29,7 @@ from pdserve.benchmarks.args import positive
 def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:
     import torch
 
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
@@ -83,7 +83,7 @@ def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, thread
     """The workload of `_run` through `Engine.step`, overlap off or on."""
     import torch
 
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
     from pdserve.roles.engine import Engine
     from pdserve.roles.torch_executor import TorchExecutor

@@ -8,10 +8,10 @@ down, written to a temporary directory as PEFT saves them). A decode round
 of `--batch` sequences, each `--context` tokens into its history, is timed
 through the model's forward (attention over the paged cache, every layer,
 the logits): all rows under the base model, all under one adapter, or spread
-round-robin over 4 or 16, under the segmented kernel (`kernels/lora.py`)
+round-robin over 4 or 16, under the segmented kernel (`kernels/lora/batched.py`)
 and, with `--kernel both` (the default), the masked one it replaced
-(`kernels/lora_masked.py`) and, on CUDA with triton, the fused Triton
-kernels (`kernels/lora_fused.py`), side by side in one run. Each repeat times
+(`kernels/lora/masked.py`) and, on CUDA with triton, the fused Triton
+kernels (`kernels/lora/fused.py`), side by side in one run. Each repeat times
 every case in turn, `--rounds` forwards each; the table gives tokens a
 second (batch / the median round) over `--repeats`, its spread, and each
 case against the base of the same repeats: median against median, and
@@ -59,7 +59,7 @@ def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from pdserve.kernels.lora_adapter import MODULES, module_shape
+    from pdserve.kernels.lora.adapter import MODULES, module_shape
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -81,11 +81,11 @@ def write_random_adapter(d: Path, cfg, rank: int, seed: int) -> Path:
 def run(args) -> int:
     import torch
 
-    from pdserve.kernels.loader import load_model
-    from pdserve.kernels.lora import LoraRound
-    from pdserve.kernels.lora_adapter import load_adapter
-    from pdserve.kernels.lora_fused import FusedLoraRound, triton_available
-    from pdserve.kernels.lora_masked import MaskedLoraRound
+    from pdserve.kernels.models.loader import load_model
+    from pdserve.kernels.lora.batched import LoraRound
+    from pdserve.kernels.lora.adapter import load_adapter
+    from pdserve.kernels.lora.fused import FusedLoraRound, triton_available
+    from pdserve.kernels.lora.masked import MaskedLoraRound
 
     fused = args.device.startswith("cuda") and triton_available()
     if args.kernel == "fused" and not fused:
@@ -181,8 +181,8 @@ def _lora_alone(model, stacks, rounds, cases, args, width) -> None:
     the fastest of 5 x `--repeats` tries, cases interleaved."""
     import torch
 
-    from pdserve.kernels.lora import GROUPS
-    from pdserve.kernels.lora_adapter import module_shape
+    from pdserve.kernels.lora.batched import GROUPS
+    from pdserve.kernels.lora.adapter import module_shape
 
     cfg, dev = model.cfg, model.device
     shapes = [(module_shape(cfg, mods[0])[1], sum(module_shape(cfg, m)[0] for m in mods))

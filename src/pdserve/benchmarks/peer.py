@@ -76,8 +76,8 @@ def find_llama_server(given: str | None) -> str | None:
 def gguf_of(config: str) -> str:
     """The GGUF file a pdserve config serves (llama.cpp reads only GGUF)."""
     from pdserve.config import load_config
-    from pdserve.kernels.gguf import is_gguf_path
-    from pdserve.kernels.loader import resolve_model_path
+    from pdserve.kernels.models.gguf import is_gguf_path
+    from pdserve.kernels.models.loader import resolve_model_path
 
     m = load_config(config).model
     path = resolve_model_path(m.path, m.preset)

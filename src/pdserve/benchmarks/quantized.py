@@ -126,7 +126,7 @@ def run(args) -> int:
     import torch
 
     from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

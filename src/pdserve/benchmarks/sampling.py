@@ -103,7 +103,7 @@ def real_logits(positions: int):
     import torch
 
     from pdserve.kernels.attention import BatchMeta, SeqMeta
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     model, tok = load_model(None, "smollm2-135m", quantization="none")   # dense, as docs/benchmarks.md's tables ran
     ids = tok.encode(TEXT * (1 + positions // 100), add_special_tokens=False)[:positions]

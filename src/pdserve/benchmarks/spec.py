@@ -70,7 +70,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
 
     ks = [int(k) for k in args.ks.split(",") if k]

@@ -34,8 +34,8 @@ def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,
     import torch
     from safetensors.torch import save_file
 
-    from pdserve.kernels.model import random_weights
-    from pdserve.kernels.model_config import tiny_config
+    from pdserve.kernels.models.model import random_weights
+    from pdserve.kernels.models.model_config import tiny_config
 
     c = dataclasses.replace(tiny_config(), vocab_size=vocab)
     g = torch.Generator().manual_seed(seed)

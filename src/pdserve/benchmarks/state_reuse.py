@@ -156,8 +156,8 @@ def write_random_qwen3_5(d: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from pdserve.kernels.model_config import read_config
-    from pdserve.kernels.qwen3_5 import qwen3_5_weight_names
+    from pdserve.kernels.models.model_config import read_config
+    from pdserve.kernels.models.qwen3_5 import qwen3_5_weight_names
 
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(SMALL))

@@ -185,7 +185,7 @@ def _router_now(tok, ids, front: str) -> float:
 
 
 def main(lengths=(64, 1000, 8000), model: str = "smollm2-135m") -> int:
-    from pdserve.kernels.loader import load_tokenizer
+    from pdserve.kernels.models.loader import load_tokenizer
 
     tok = load_tokenizer(None, model) if model in ("tiny", "smollm2-135m") else \
         load_tokenizer(model, None)

@@ -65,7 +65,7 @@ class _Engine:
     def __init__(self, name: str, size: int, pages: int):
         import torch
 
-        from pdserve.kernels.loader import load_model
+        from pdserve.kernels.models.loader import load_model
         from pdserve.roles.tp_kv_ranks import TpKvRanks
         from pdserve.roles.tp_leader import TpLeader
         from pdserve.roles.tp_worker import TpSpec

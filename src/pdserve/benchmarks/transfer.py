@@ -192,7 +192,7 @@ def main(repeats: int = REPEATS, device: str = "cpu") -> int:
     import numpy as np
     import torch
 
-    from pdserve.kernels.loader import check_device
+    from pdserve.kernels.models.loader import check_device
 
     dev = check_device(device)          # first: a clear one-line error, nothing spawned
     os.environ.setdefault("UCX_NET_DEVICES", "lo")       # read by UCX as each agent starts

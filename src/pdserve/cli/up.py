@@ -62,7 +62,7 @@ def run(args) -> int:
     print_config(merged)
     device = cfg.model.device_for()
     gpus = engine_gpus(device, args.gpus_per_engine)    # refused before Ray starts
-    from pdserve.kernels.loader import model_config_for
+    from pdserve.kernels.models.loader import model_config_for
 
     # a preset unknown or not installed, a path that holds no checkpoint, a port
     # in use: refused here, not in each engine's actor or after Ray has started
@@ -77,7 +77,7 @@ def run(args) -> int:
         return 2
     spec = cfg.engine.speculative
     if spec is not None and spec.draft_model is not None:
-        from pdserve.kernels.model_config import ModelError
+        from pdserve.kernels.models.model_config import ModelError
         from pdserve.roles.spec_draft import check_draft_section
         try:                # a draft of another vocabulary or context, one that keeps state
             check_draft_section(spec.draft_model, mcfg, cfg.engine)
@@ -85,7 +85,7 @@ def run(args) -> int:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
     if cfg.lora.enabled:
-        from pdserve.kernels.lora_adapter import AdapterError, load_adapter
+        from pdserve.kernels.lora.adapter import AdapterError, load_adapter
         try:
             for _, path in cfg.lora.adapters:
                 load_adapter(path, mcfg, cfg.lora.max_lora_rank)

@@ -168,7 +168,7 @@ class RouterHost:
                  http_port: int | None):
         from pdserve.router.router import Router
         from pdserve.router.serve import serve
-        from pdserve.kernels.loader import load_tokenizer, model_config_for
+        from pdserve.kernels.models.loader import load_tokenizer, model_config_for
 
         m = cfg.model
         tok = load_tokenizer(m.path, m.preset)

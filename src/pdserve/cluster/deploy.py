@@ -31,7 +31,7 @@ from pdserve.cluster.local_ray import init_local
 from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
                                     Security)
 from pdserve.router.serve import serve
-from pdserve.kernels.loader import load_tokenizer, model_config_for
+from pdserve.kernels.models.loader import load_tokenizer, model_config_for
 from pdserve.proto.control_tls import ControlPlane
 
 if TYPE_CHECKING:

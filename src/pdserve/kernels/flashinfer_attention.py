@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.models.model_config import ModelError
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)

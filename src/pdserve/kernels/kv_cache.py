@@ -138,7 +138,7 @@ class KVCache:
 
 class CompanionLayers:
     """A companion model's view of a shared cache: its layer j is the
-    cache's layer `first + j` (kernels/model.py reads caches by `layer`)."""
+    cache's layer `first + j` (kernels/models/model.py reads caches by `layer`)."""
 
     def __init__(self, cache: KVCache, first: int):
         self.cache, self.first = cache, first

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pdserve.kernels.model_config import ModelConfig, ModelError
+from pdserve.kernels.models.model_config import ModelConfig, ModelError
 
 SHARDED = ("llama", "mistral", "qwen2", "gemma3")
 MEET_S = 600.0          # the longest the ranks wait for each other to start

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.kernels.lora_adapter import AdapterError, LoraAdapter
+from pdserve.kernels.lora.adapter import AdapterError, LoraAdapter
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 

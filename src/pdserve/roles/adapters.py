@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from pdserve.kernels.lora_adapter import LoraAdapter, load_adapter
+from pdserve.kernels.lora.adapter import LoraAdapter, load_adapter
 from pdserve.roles.adapter_host import AdapterChanged, HostAdapters, fingerprint
 from pdserve.scheduler.adapter_slots import AdapterSlots
 from pdserve.scheduler.adapters import BASE, AdapterRef, AdapterRegistry

@@ -49,7 +49,7 @@ class DraftLayout:
 def load_draft_model(section: dict, target):
     """The draft model `section` names, checked against the `target` model
     it drafts for."""
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     dtype = section.get("dtype", "auto")
     if dtype == "auto":
@@ -150,7 +150,7 @@ def check_draft_section(section: dict, target_cfg, engine=None) -> None:
     """The checks `load_draft` makes, from the configs alone (no weights
     read): what `pdserve up` runs before Ray starts. `engine`: the
     EngineConfig the draft serves under (its context and sliding replay)."""
-    from pdserve.kernels.loader import model_config_for
+    from pdserve.kernels.models.loader import model_config_for
 
     path = section.get("path")
     cfg = model_config_for(path, None if path is not None else section.get("preset", "tiny"))

@@ -36,7 +36,7 @@ from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.spec.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
-from pdserve.kernels.state_cache import StateCache
+from pdserve.kernels.models.state_cache import StateCache
 from pdserve.roles.disk_groups import StateFiles, window_files
 from pdserve.roles.disk_tier import DiskTier, check_model_served
 from pdserve.roles.round_stage import StagedRound, stage_round

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from pdserve.kernels.model_config import ModelError
+from pdserve.kernels.models.model_config import ModelError
 from pdserve.kernels.tensor_parallel import TpComm, TpError, TpLost
 from pdserve.roles.tp_messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStarted, TpStop)
@@ -54,7 +54,7 @@ class TpLeader:
     tensor_parallel = True      # what choose_capture reads: rounds are sent, not captured
 
     def __init__(self, spec: TpSpec, on_lost=_raise):
-        from pdserve.kernels.loader import load_model
+        from pdserve.kernels.models.loader import load_model
 
         if spec.size < 2:
             raise TpError(f"a TpLeader needs tensor_parallel_size >= 2, got {spec.size}")
@@ -298,7 +298,7 @@ def load_engine_model(path: str | None, preset: str | None, *, dtype: str = "aut
     rank 0 of a group of `tensor_parallel_size` (a TpLeader, its workers
     started). The ranks' shards are dequantized (`quantization` gguf refused)."""
     if tensor_parallel_size == 1:
-        from pdserve.kernels.loader import load_model
+        from pdserve.kernels.models.loader import load_model
 
         return load_model(path, preset, dtype=dtype, device=device, attention=attention,
                           quantization=quantization)

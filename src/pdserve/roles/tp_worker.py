@@ -50,7 +50,7 @@ class TpSpec:
 
 def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
     """The process's body (a spawn target)."""
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     conn.send(TpStarted(rank))
 

@@ -305,7 +305,7 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
                as_load, started):
     import torch
 
-    from pdserve.kernels.loader import load_model
+    from pdserve.kernels.models.loader import load_model
 
     m = cfg.model
     model, tok = load_model(m.path, m.preset, dtype=m.dtype, device=device,

@@ -44,7 +44,7 @@ from pdserve.kernels.attention import BatchMeta, TorchAttention, row_spans
 from pdserve.kernels.cpu.matmul import NativeMatmul
 from pdserve.kernels.cpu.native import chosen_kernels
 from pdserve.kernels.cpu.quantized import QuantizedLinear
-from pdserve.kernels.rope import Rotary
+from pdserve.kernels.models.rope import Rotary
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

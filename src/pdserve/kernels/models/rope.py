@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from pdserve.kernels.model_config import ModelConfig, ModelError
+from pdserve.kernels.models.model_config import ModelConfig, ModelError
 
 
 def inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

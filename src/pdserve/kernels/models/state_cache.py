@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.kv_cache import _from_bytes, _to_bytes
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.models.model_config import ModelConfig
 
 
 class StateCache:

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
-from pdserve.kernels.model_config import ModelConfig
-from pdserve.kernels.state_cache import StateRound
+from pdserve.kernels.models.model_config import ModelConfig
+from pdserve.kernels.models.state_cache import StateRound
 
 CHUNK = 64      # rows per chunk: transformers' and flash-linear-attention's
 

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
-from pdserve.kernels.gated_delta import GatedDeltaNet
-from pdserve.kernels.gemma3 import gemma_norm
+from pdserve.kernels.models.gated_delta import GatedDeltaNet
+from pdserve.kernels.models.gemma3 import gemma_norm
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.model import HybridLayer, PagedDecoder
-from pdserve.kernels.model_config import ModelConfig, ModelError
-from pdserve.kernels.rope import Rotary
-from pdserve.kernels.state_cache import StateBatch
+from pdserve.kernels.models.model import HybridLayer, PagedDecoder
+from pdserve.kernels.models.model_config import ModelConfig, ModelError
+from pdserve.kernels.models.rope import Rotary
+from pdserve.kernels.models.state_cache import StateBatch
 
 GDN_WEIGHTS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
                "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")

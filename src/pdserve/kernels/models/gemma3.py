@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.model import PagedDecoder
-from pdserve.kernels.model_config import ModelConfig
-from pdserve.kernels.rope import Rotary
+from pdserve.kernels.models.model import PagedDecoder
+from pdserve.kernels.models.model_config import ModelConfig
+from pdserve.kernels.models.rope import Rotary
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
          "post_feedforward_layernorm")

@@ -24,10 +24,10 @@ torch path's do.
 
 Triton is optional (`pip install 'pdserve[gpu]'`): `lora_round` takes this
 kernel on a CUDA device when triton imports, the torch segmented path
-(`kernels/lora.py`) everywhere else. Triton's interpreter
+(`kernels/lora/batched.py`) everywhere else. Triton's interpreter
 (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors; the tests
 check them that way on a host without a GPU. The kernels themselves are
-`kernels/lora_triton.py`, imported only when a fused round is made.
+`kernels/lora/triton_kernels.py`, imported only when a fused round is made.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.kernels.lora import BatchedLora, LoraRound, LoraSegments, LoraStacks
+from pdserve.kernels.lora.batched import BatchedLora, LoraRound, LoraSegments, LoraStacks
 from pdserve.kernels.staging import stage_rows
 
 BLOCK_M = 16                   # rows a program takes of its segment (tl.dot's least)
@@ -99,7 +99,7 @@ class FusedLoraRound:
         # one asynchronous copy of the four lists (kernels/staging.py)
         self._rows, self._starts, self._lens, self._slots = stage_rows(
             [rows, starts, lens, slots], stacks.A[0][0].device)
-        from pdserve.kernels.lora_triton import kernels
+        from pdserve.kernels.lora.triton_kernels import kernels
         self._shrink, self._expand = kernels(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The Triton kernels of the fused batched LoRA (`kernels/lora_fused.py`
+"""The Triton kernels of the fused batched LoRA (`kernels/lora/fused.py`
 launches them): the shrink, x @ A[slot] into a float32 buffer, and the
 expand, buffer @ B[slot] added into y, each over a grid of (row tile x
 column tile, segment). Imports triton; nothing else in pdserve does.

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.cpu.layer import native_layers_for
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.lora import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
-from pdserve.kernels.model_config import ModelConfig, ModelError, weight_names
+from pdserve.kernels.lora.batched import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
+from pdserve.kernels.models.model_config import ModelConfig, ModelError, weight_names
 from pdserve.kernels.cpu.quantized import (
     QuantizedLinear, QuantizedTensor, dense, fuse, linear, packed, quantized_linears)
-from pdserve.kernels.rope import Rotary
-from pdserve.kernels.state_cache import SeqState, StateBatch, StateCache, StateRound
+from pdserve.kernels.models.rope import Rotary
+from pdserve.kernels.models.state_cache import SeqState, StateBatch, StateCache, StateRound
 from pdserve.kernels.tensor_parallel import TpError, TpShard
 
 

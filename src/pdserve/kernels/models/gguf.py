@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.kernels.model_config import ModelConfig, ModelError, weight_names
+from pdserve.kernels.models.model_config import ModelConfig, ModelError, weight_names
 from pdserve.kernels.cpu.quantized import KINDS, from_blocks
 
 ARCHS = ("llama",)          # general.architecture values pdserve runs

@@ -1,7 +1,7 @@
 """The first batched LoRA, kept for `pdserve bench lora --kernel masked`:
 every row's shrink under every adapter the round uses, a mask keeping the
 row's own. Its cost grows with rows x adapters, which is why the segmented
-round (`kernels/lora.py`) replaced it; the bench compares the two.
+round (`kernels/lora/batched.py`) replaced it; the bench compares the two.
 
 x @ A_active gives every row its shrink under every active adapter, the
 mask keeps the row's own, and each projection's @ B_active expands its
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.kernels.lora import LoraStacks
+from pdserve.kernels.lora.batched import LoraStacks
 
 
 class MaskedLoraRound:

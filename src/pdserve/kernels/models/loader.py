@@ -14,14 +14,14 @@ import torch
 from pdserve.kernels.attention import TorchAttention
 from pdserve.kernels.backends import choose_backend
 from pdserve.kernels.cpu.features import Bfloat16Support, cpu_bfloat16
-from pdserve.kernels.gemma3 import Gemma3Model, gemma3_weight_names
-from pdserve.kernels.gguf import is_gguf_path, open_gguf
-from pdserve.kernels.model import DecoderModel, random_weights
-from pdserve.kernels.model_config import (ModelConfig, ModelError, read_config, tiny_config,
+from pdserve.kernels.models.gemma3 import Gemma3Model, gemma3_weight_names
+from pdserve.kernels.models.gguf import is_gguf_path, open_gguf
+from pdserve.kernels.models.model import DecoderModel, random_weights
+from pdserve.kernels.models.model_config import (ModelConfig, ModelError, read_config, tiny_config,
                                           weight_names)
-from pdserve.kernels.lfm2 import Lfm2Model, lfm2_weight_names
+from pdserve.kernels.models.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
-from pdserve.kernels.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
+from pdserve.kernels.models.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
 from pdserve.text.tokenizer import HFTokenizer, PrintableTokenizer

@@ -22,9 +22,9 @@ y in place; gate and up's as one matmul). A group much longer than the
 others (a prefill chunk) runs alone as plain matmuls on its rows, so
 padding never costs more than twice the rows it pads. `LoraRound` is that
 plan on the device for one forward: the CPU's path (on CUDA,
-`lora_fused.py`'s Triton kernels).
+`fused.py`'s Triton kernels).
 The cost grows with the rows under an adapter, not with rows x adapters (the
-masked kernel it replaced, kept in `lora_masked.py` for the bench), and a
+masked kernel it replaced, kept in `masked.py` for the bench), and a
 round of base rows only costs nothing.
 """
 
@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from pdserve.kernels.lora_adapter import LoraAdapter, module_shape
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.lora.adapter import LoraAdapter, module_shape
+from pdserve.kernels.models.model_config import ModelConfig
 
 # the decoder's fused matmuls, each the projections it concatenates, in order
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.model_config import ModelConfig
+from pdserve.kernels.models.model_config import ModelConfig
 
 ARCHS = ("llama", "mistral", "qwen2")      # the decoder (model.py) that applies LoRA
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

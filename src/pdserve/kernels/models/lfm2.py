@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
-from pdserve.kernels.gated_delta import depthwise_conv
+from pdserve.kernels.models.gated_delta import depthwise_conv
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.kernels.model import HybridLayer, PagedDecoder, rms_norm
-from pdserve.kernels.model_config import ModelConfig
-from pdserve.kernels.rope import Rotary
-from pdserve.kernels.state_cache import StateBatch, StateRound
+from pdserve.kernels.models.model import HybridLayer, PagedDecoder, rms_norm
+from pdserve.kernels.models.model_config import ModelConfig
+from pdserve.kernels.models.rope import Rotary
+from pdserve.kernels.models.state_cache import StateBatch, StateRound
 
 
 def lfm2_weight_names(cfg: ModelConfig) -> list[str]:
