@@ -10,7 +10,7 @@ import torch
 
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as pb
-from pdserve.roles.engine_server import EngineServer
+from pdserve.engine.server import EngineServer
 from pdserve.scheduler import Planner
 from pdserve.scheduler.grammar import Role
 from pdserve.transfer import Incarnation

@@ -1,5 +1,5 @@
 """Each control message is checked before it changes anything
-(roles/control_checks.py at the RPC edge, the peer protocol for what
+(engine/control_checks.py at the RPC edge, the peer protocol for what
 depends on its state): a malformed or hostile one is INVALID_ARGUMENT and
 leaves no request, page, peer or lease behind."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
-from pdserve.roles.engine_rpc import EngineControlServicer
+from pdserve.engine.rpc import EngineControlServicer
 from pdserve.transfer.loopback import LoopbackFabric
 
 from engine_fakes import rpc, server

@@ -1,6 +1,6 @@
 """Every control call's fields, fuzzed (hypothesis) against a P and a D
 engine built from parts (no model, no port): the handlers of
-roles/engine_rpc.py are called as gRPC would call them, on sequences of
+engine/rpc.py are called as gRPC would call them, on sequences of
 messages that mix well formed values (known ids, pages in range, the
 peer's real NIXL metadata) with hostile ones (empty and overlong ids,
 control characters, token ids past the vocabulary, pages past the pool,
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
-from pdserve.roles.engine_rpc import EngineControlServicer
+from pdserve.engine.rpc import EngineControlServicer
 
 from engine_fakes import one_round, rpc, run_jobs, server
 

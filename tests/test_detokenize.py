@@ -144,7 +144,7 @@ def _engine_text(tok, prompt, tokens, stop, prior=(0, 0), final=False) -> str:
     an engine opens it (`prior`: a resubmission's tokens and characters
     out already), then `tokens` one round each (the last one final)."""
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.roles.outputs import OutputItem, Outputs
+    from pdserve.engine.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)
     q = out.subscribe("s")

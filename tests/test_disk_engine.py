@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk_fake import FakeStore, Faults
@@ -90,7 +90,7 @@ def test_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_path, refe
     assert hits.disk_tokens >= 44 and hits.disk_missed == 0
     again.engine.planner.assert_idle()
     # what `pdserve stats` and /metrics read
-    from pdserve.roles.engine_stats import EngineCounters, stats_pb
+    from pdserve.engine.stats import EngineCounters, stats_pb
     from pdserve.scheduler.grammar import Role
     s = stats_pb(again.engine.planner, Role.FUSED, EngineCounters(), {"groups": [], "tokens": 0},
                  "float32", "torch", again.executor.disk.stats())
@@ -287,7 +287,7 @@ def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
     import re
 
     from pdserve.kernels.models.model_config import tiny_config
-    from pdserve.roles.disk_tier import check_model_served
+    from pdserve.engine.disk.tier import check_model_served
 
     disk = DiskCacheConfig(path="unused")
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
@@ -305,7 +305,7 @@ def test_windows_and_states_with_checkpoints_are_served(arch, extra):
     import dataclasses
 
     from pdserve.kernels.models.model_config import tiny_config
-    from pdserve.roles.disk_tier import check_model_served
+    from pdserve.engine.disk.tier import check_model_served
 
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     for replay in (True, False):

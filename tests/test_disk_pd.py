@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_groups import window_files
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
-from pdserve.roles.engine import Engine
-from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.engine.disk.groups import window_files
+from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.engine import Engine
+from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner

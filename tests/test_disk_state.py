@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.disk_groups import WindowFiles
-from pdserve.roles.disk_tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.groups import WindowFiles
+from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.plan import DiskLoadOp, Plan, StepResult, StoreOp
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from pdserve.roles.drain import DEADLINE_ABORT, Drain, EngineDraining
+from pdserve.engine.drain import DEADLINE_ABORT, Drain, EngineDraining
 
 from deployed import deployed, engine_channel
 

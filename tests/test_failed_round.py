@@ -5,8 +5,8 @@ happens, so nothing waits forever."""
 import time
 
 from pdserve.proto import control_pb2 as pb
-from pdserve.roles.outputs import StreamError
-from pdserve.roles.peer_messages import PeerRpc
+from pdserve.engine.outputs import StreamError
+from pdserve.engine.peer.messages import PeerRpc
 from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import Incarnation
 from pdserve.transfer.transport import TransferEvent, TransferEventKind

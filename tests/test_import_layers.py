@@ -25,8 +25,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "pdserve"
 # Folder (or root module) -> the folders it must not import.
 FORBIDDEN = {
     "scheduler": "*",   # the pure planner: no other pdserve folder
-    "roles": {"router", "cluster", "sim", "cli", "config", "benchmarks"},
-    "router": {"roles", "kernels", "cluster", "sim", "cli", "benchmarks"},
+    "engine": {"router", "cluster", "sim", "cli", "config", "benchmarks"},
+    "router": {"engine", "kernels", "cluster", "sim", "cli", "benchmarks"},
     "text": "*",        # tokenizers, chat, detokenizing, sampling parameters: no torch
 }
 ONLY_IMPORTED_BY = {
@@ -146,7 +146,7 @@ def test_the_walk_sees_the_package():
     edges = _edges()
     units = {u for pair in edges for u in pair}
     # the walk found the folders and the imports it is meant to judge
-    assert {"scheduler", "kernels", "transfer", "roles", "router", "cluster", "sim", "cli",
+    assert {"scheduler", "kernels", "transfer", "engine", "router", "cluster", "sim", "cli",
             "benchmarks", "config"} <= units
     assert ("cli", "benchmarks") in edges
     assert not units - {p.stem for p in PKG.iterdir() if _is_module(p.stem)}, "not a module"

@@ -15,7 +15,7 @@ import time
 import torch
 
 from pdserve.proto import control_pb2 as pb
-from pdserve.roles.peer_messages import PeerRpc
+from pdserve.engine.peer.messages import PeerRpc
 from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import FaultInjector, FaultRule, TransferEventKind
 from pdserve.transfer.loopback import LoopbackFabric

@@ -15,7 +15,7 @@ import weakref
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.main_module import (
+from pdserve.engine.tp.main_module import (
     GUARD, MainModuleError, check_main_module, exited_before_start, rerun_path)
 
 TP2 = dict(dtype="float32", attention="torch", tensor_parallel_size=2, page_size=4,
@@ -77,7 +77,7 @@ def test_a_script_without_the_guard_fails_at_once_naming_it(tmp_path):
                          timeout=300, cwd=tmp_path)
     assert run.returncode != 0 and "made" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("pdserve.roles.main_module.MainModuleError: tensor-parallel rank 1")
+    assert last.startswith("pdserve.engine.tp.main_module.MainModuleError: tensor-parallel rank 1")
     assert f"re-runs this program's main module ({script})" in last and GUARD in last
 
 

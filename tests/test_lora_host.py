@@ -12,7 +12,7 @@ import torch
 from lora_support import tiny_adapter, tiny_llama
 from pdserve.config import ConfigError, LoraConfig
 from pdserve.kernels.lora.adapter import load_adapter
-from pdserve.roles.adapter_host import AdapterChanged, HostAdapters
+from pdserve.engine.lora.host import AdapterChanged, HostAdapters
 from pdserve.scheduler import Planner
 from support import config
 from test_lora_kernels import PROMPTS, greedy
@@ -82,7 +82,7 @@ def test_an_evicted_adapter_whose_directory_changed_is_refused(dirs, tmp_path):
     h, ads = host(dirs, 1)
     d = tmp_path / "moving"
     shutil.copytree(ads["A"][1], d)
-    from pdserve.roles.adapter_host import fingerprint
+    from pdserve.engine.lora.host import fingerprint
     h.add(1, str(d), ads["A"][2], stamp=fingerprint(str(d)))
     h.add(2, ads["B"][1], ads["B"][2])                       # evicts load 1
     f = d / "adapter_model.safetensors"
@@ -180,7 +180,7 @@ def test_a_request_under_an_evicted_adapter_whose_directory_changed_is_refused(d
     import shutil
 
     from pdserve import LLM
-    from pdserve.roles.adapters import AdapterMissing
+    from pdserve.engine.lora.adapters import AdapterMissing
     base, ads = dirs
     moving = tmp_path / "moving"
     shutil.copytree(ads["A"], moving)

@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.client import Client
 from pdserve.config import ServeConfig
 from pdserve.proto import control_pb2 as cpb
-from pdserve.roles.adapters import AdapterMissing
+from pdserve.engine.lora.adapters import AdapterMissing
 
 ENGINE = {"page_size": 4, "total_pages": 256, "max_scheduled_tokens": 32, "max_batch_size": 16}
 PROMPT = [5, 17, 42, 9, 3, 77, 12, 8, 30, 2, 61]

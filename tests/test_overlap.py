@@ -17,7 +17,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import load_config
-from pdserve.roles.engine import Engine
+from pdserve.engine.engine import Engine
 from pdserve.scheduler import ConfigError, EngineConfig, Planner, fsm, retraction
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import read_trace
@@ -348,7 +348,7 @@ def test_overlap_on_a_gpu_keeps_tokens_and_reports_its_rate():
 def _overlap_server():
     from engine_fakes import Executor, Outputs, Sender
 
-    from pdserve.roles.engine_server import EngineServer
+    from pdserve.engine.server import EngineServer
     from pdserve.scheduler.grammar import Role
 
     class Ahead(Executor):

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.roles.peer_messages import PeerRpc
+from pdserve.engine.peer.messages import PeerRpc
 from pdserve.scheduler import Request, SamplingLimits
 
 from engine_fakes import one_round, sent, server

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.kernels.sampling import SamplingParams, _penalize, sample
-from pdserve.roles.torch_executor import Tracked, _history
+from pdserve.engine.torch_executor import Tracked, _history
 
 VOCAB = 50
 

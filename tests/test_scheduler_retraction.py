@@ -413,7 +413,7 @@ def test_a_failed_round_aborts_what_it_touched_and_leaves_the_rest_running():
 
 
 def test_an_executor_that_raises_fails_its_round_cleanly():
-    from pdserve.roles.engine import Engine
+    from pdserve.engine.engine import Engine
 
     class Broken:
         def run(self, plan):

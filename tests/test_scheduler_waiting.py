@@ -444,7 +444,7 @@ def test_random_pd_workloads_give_every_waiting_request_exactly_one_reason(w):
 def test_the_stats_message_carries_each_waiting_request_and_its_rule():
     """What `pdserve stats` and gRPC Stats show: the rule's stable string and,
     for capacity, the pages needed against free."""
-    from pdserve.roles.engine_stats import waiting_requests_pb
+    from pdserve.engine.stats import waiting_requests_pb
 
     p = Planner(config(page_size=4, total_pages=20, max_scheduled_tokens=64))
     p.submit(req("big0", 40, max_new=4))

@@ -1,4 +1,4 @@
-"""The draft-model proposer (kernels/spec/draft_model.py, roles/spec_draft.py):
+"""The draft-model proposer (kernels/spec/draft_model.py, engine/spec/draft.py):
 a small model sharing the target's vocabulary drafts k candidates a round;
 greedy tokens are those plain decoding gives, fused and P/D, a drafter
 equal to the target has every candidate accepted, a sampling drafter's
@@ -23,9 +23,9 @@ from pdserve.kernels.models.model import random_weights
 from pdserve.kernels.models.model_config import tiny_config
 from pdserve.kernels.spec.proposers import DraftAsk
 from pdserve.kernels.spec.rejection import VerifyRow, verify
-from pdserve.roles.local_pair import LocalPair
-from pdserve.roles.spec_draft import check_draft_section
-from pdserve.roles.speculation import check_peer_spec
+from pdserve.engine.local_pair import LocalPair
+from pdserve.engine.spec.draft import check_draft_section
+from pdserve.engine.spec.speculation import check_peer_spec
 from pdserve.scheduler import ConfigError, EngineConfig, RejectedRequest
 
 from test_spec_pd import RealPD, make_prompts

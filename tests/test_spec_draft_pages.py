@@ -1,4 +1,4 @@
-"""A draft model's K/V in the planner's pages (roles/spec_draft.py,
+"""A draft model's K/V in the planner's pages (engine/spec/draft.py,
 kernels/kv_cache.py): each page holds the draft's layers after the
 target's, so the draft's K/V are admitted, counted, cached, stored to the
 host tier and shipped P -> D with the target's, and the drafter computes
@@ -22,9 +22,9 @@ from pdserve.kernels.models.loader import TINY_SEED, attention_shape, build_mode
 from pdserve.kernels.models.model import random_weights
 from pdserve.kernels.models.model_config import tiny_config
 from pdserve.kernels.attention import TorchAttention
-from pdserve.roles.local_pair import LocalPair
-from pdserve.roles.spec_draft import check_draft_section, draft_layout
-from pdserve.roles.tp_transfer import kv_layout
+from pdserve.engine.local_pair import LocalPair
+from pdserve.engine.spec.draft import check_draft_section, draft_layout
+from pdserve.engine.tp.transfer import kv_layout
 from pdserve.scheduler import ConfigError, EngineConfig
 from pdserve.scheduler.cache_groups import SLIDING_WINDOW, CacheGroupSpec, FULL
 

@@ -1,4 +1,4 @@
-"""Speculative decoding in the fused engine (roles/speculation.py,
+"""Speculative decoding in the fused engine (engine/spec/speculation.py,
 scheduler/speculation.py): a verify row scores the last token and its
 candidates in one forward, and greedy tokens are those plain decoding
 gives, whatever the chunking, prefix hits, retraction or overlap."""

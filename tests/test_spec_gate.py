@@ -1,4 +1,4 @@
-"""The speculation gate (roles/spec_gate.py): a cost-model prior picks a
+"""The speculation gate (engine/spec/gate.py): a cost-model prior picks a
 batch bucket's first side, measured tokens per CPU second with speculation
 against without it decide after that, and spaced probes see a regime
 change. Measurements are injected (synthetic costs), so every decision here
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from pdserve import LLM, SamplingParams
-from pdserve.roles.spec_gate import GateMode, SpecGate, bucket, prior_gain
+from pdserve.engine.spec.gate import GateMode, SpecGate, bucket, prior_gain
 
 
 class Host:

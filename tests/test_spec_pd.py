@@ -13,7 +13,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.proto import control_pb2 as pb
-from pdserve.roles.local_pair import LocalPair
+from pdserve.engine.local_pair import LocalPair
 from pdserve.scheduler import EngineConfig, RejectedRequest
 
 from engine_fakes import server
@@ -39,7 +39,7 @@ def greedy(n=16):
 
 
 class RealPD(LocalPair):
-    """roles/local_pair.py's pair, checking at each D round that a request
+    """engine/local_pair.py's pair, checking at each D round that a request
     landed with P's candidates verifies them in its first decode."""
 
     def __init__(self, llm: LLM, **engine):

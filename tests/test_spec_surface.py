@@ -13,7 +13,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cli.stats import spec_summary
 from pdserve.config import Flags, ServeConfig, with_flags
 from pdserve.proto import router_pb2 as pb
-from pdserve.roles.engine_stats import spec_fields
+from pdserve.engine.stats import spec_fields
 from pdserve.router.metrics import _EngineCollector
 from pdserve.scheduler import ConfigError
 from pdserve.scheduler.speculation import SpecMethod

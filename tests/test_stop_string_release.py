@@ -7,7 +7,7 @@ from pdserve.text.sampling_params import SamplingParams
 from pdserve.text.tokenizer import PrintableTokenizer
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import router_pb2 as rpb
-from pdserve.roles.outputs import OutputItem, Outputs
+from pdserve.engine.outputs import OutputItem, Outputs
 
 from engine_fakes import one_round, run_jobs, server
 

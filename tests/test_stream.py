@@ -594,7 +594,7 @@ def test_an_engine_refuses_a_submit_for_a_subscription_it_does_not_have_as_stale
 
     from pdserve.proto import control_pb2 as cpb
     from pdserve.proto import router_pb2 as rpb
-    from pdserve.roles.engine_rpc import StaleView
+    from pdserve.engine.rpc import StaleView
 
     from engine_fakes import server
 

@@ -14,9 +14,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.tensor_parallel import TpLost
-from pdserve.roles.tp_leader import TpLeader
-from pdserve.roles.tp_messages import TpForward
-from pdserve.roles.tp_worker import TpDivergence, TpSpec
+from pdserve.engine.tp.leader import TpLeader
+from pdserve.engine.tp.messages import TpForward
+from pdserve.engine.tp.worker import TpDivergence, TpSpec
 from pdserve.scheduler.config import ConfigError, EngineConfig
 from tp_support import greedy
 

@@ -1,6 +1,6 @@
 """P/D between engines of different (or equal) tensor-parallel sizes, below
 the cluster, KV moved rank to rank: every rank of the TP 2 engine (rank 0
-and its worker process) its own NIXL agent (roles/tp_kv_ranks.py). For P TP
+and its worker process) its own NIXL agent (engine/tp/kv_ranks.py). For P TP
 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2, each D rank ends with
 exactly its heads of the pages, every byte (against the TP 1 engine's
 pages, and the TP 2 engine's own); through the transports, P's write is
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.kernels.models.loader import load_model
-from pdserve.roles.tp_leader import TpLeader
-from pdserve.roles.tp_worker import TpSpec
+from pdserve.engine.tp.leader import TpLeader
+from pdserve.engine.tp.worker import TpSpec
 from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
 from pdserve.transfer.kv_layout import KvLayout
 from pdserve.transfer.loopback import LoopbackFabric, LoopbackTransport
@@ -100,7 +100,7 @@ def test_prefill_and_decode_roles_may_be_tensor_parallel():
     assert role_engine(cfg, "decode").tensor_parallel_size == 1
 
 
-# ---- per-rank: every rank of the TP 2 engine its own NIXL agent (roles/tp_kv_ranks.py) ----
+# ---- per-rank: every rank of the TP 2 engine its own NIXL agent (engine/tp/kv_ranks.py) ----
 
 def _until(cond, bound_s=30.0):
     deadline = time.monotonic() + bound_s
@@ -131,7 +131,7 @@ class _Polled:
         self.agent = agent
 
     def __call__(self):
-        from pdserve.roles.tp_kv_ranks import TpKvPolled
+        from pdserve.engine.tp.kv_ranks import TpKvPolled
 
         ends, landed, dropped = self.agent.poll()
         assert dropped == 0
@@ -142,7 +142,7 @@ def test_per_rank_p_tp2_to_d_tp1_each_p_rank_writes_its_head(engines):
     """P's two ranks (rank 0 and the worker process) each write their own
     head of the pages straight into D's one rank; D's pages are P's ranks'
     heads side by side, every byte, and match the TP 1 engine's."""
-    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.engine.tp.kv_ranks import TpKvRanks
     from pdserve.transfer.rank_agent import KvRankAgent
 
     ref, leader = engines
@@ -170,7 +170,7 @@ def test_per_rank_p_tp1_to_d_tp2_each_d_rank_gets_its_head(engines):
     """A TP 1 P packs each head and writes it to the D rank that owns it:
     each of D's ranks (rank 0 and the worker process) holds exactly the
     reference's head of the pages, every byte."""
-    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.engine.tp.kv_ranks import TpKvRanks
     from pdserve.transfer.rank_agent import KvRankAgent
 
     ref, leader = engines
@@ -197,7 +197,7 @@ def test_per_rank_p_tp2_to_d_tp2_rank_to_rank_whole_pages(engines):
     """The same TP 2 engine as P (its first pages) and as D (empty pages),
     an agent per rank for each: rank r writes rank r whole pages, nothing
     packed; D's pages on each rank equal P's, every byte."""
-    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.engine.tp.kv_ranks import TpKvRanks
 
     ref, leader = engines
     p = TpKvRanks(leader, "prefill-0@1", _layout(2))
@@ -220,7 +220,7 @@ def test_per_rank_through_nixl_transports_p_tp2_to_d_tp1(engines):
     DONE once both P ranks' pieces ended, D's LANDED once its rank has both
     pieces, with the first token; D's pages are P's ranks' heads, every
     byte; nothing stays in flight."""
-    from pdserve.roles.tp_kv_ranks import TpKvRanks
+    from pdserve.engine.tp.kv_ranks import TpKvRanks
     from pdserve.transfer.nixl_transport import NixlTransport
     from pdserve.transfer.rank_agent import LocalRanks
 

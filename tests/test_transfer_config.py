@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pdserve.config import ServeConfig
-from pdserve.roles.peer_protocol import PeerTimeouts
+from pdserve.engine.peer.protocol import PeerTimeouts
 from pdserve.scheduler.config import ConfigError
 
 

@@ -1,8 +1,10 @@
 """pdserve: LLM serving with prefill and decode disaggregated across a Ray cluster.
 
 Subpackages, from the bottom up: `scheduler` (the planner every engine
-runs), `kernels` (model forward, sampling), `transfer` (KV movement), `roles`
-(the engine), `router` (requests, streams, the HTTP and gRPC fronts),
+runs), `text` (tokenizers, chat, detokenizing, sampling parameters; no
+torch), `kernels` (model forward, sampling), `transfer` (KV movement),
+`engine` (one engine of any role: its loop, RPC, peers, TP ranks, disk tier,
+adapters, speculation), `router` (requests, streams, the HTTP and gRPC fronts),
 `cluster` (a deployment on Ray), `sim` (simulation, plan search,
 calibration), `cli` (the `pdserve` command), `benchmarks`. `config` is
 the one config schema they share. The offline API,

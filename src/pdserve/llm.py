@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from pdserve.config import ServeConfig, engine_for_model, load_config
 from pdserve.text.sampling_params import SamplingParams
-from pdserve.roles.engine import Engine
-from pdserve.roles.tp_leader import load_engine_model
-from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.engine.engine import Engine
+from pdserve.engine.tp.leader import load_engine_model
+from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.capacity import ingest_error
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request, SamplingLimits
@@ -90,7 +90,7 @@ class LLM:
         self.engine_config = engine
         self.adapters = None
         if cfg.lora.enabled:
-            from pdserve.roles.adapters import EngineAdapters
+            from pdserve.engine.lora.adapters import EngineAdapters
             self.adapters = EngineAdapters(self.model, "fused-0", cfg.lora.adapters,
                                            cfg.lora.max_loras, cfg.lora.max_lora_rank,
                                            cfg.model.served_name, cfg.lora.cpu_loras,

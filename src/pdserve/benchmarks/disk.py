@@ -94,9 +94,9 @@ class Bench:
         """A fresh engine (empty device and host tiers) with the disk tier
         on directory `disk` (`lanes=False`: its store's one FIFO worker, as
         before reads had their own), or none: (executor, engine)."""
-        from pdserve.roles.disk_tier import DiskTier
-        from pdserve.roles.engine import Engine
-        from pdserve.roles.torch_executor import TorchExecutor
+        from pdserve.engine.disk.tier import DiskTier
+        from pdserve.engine.engine import Engine
+        from pdserve.engine.torch_executor import TorchExecutor
         from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
         from pdserve.scheduler.planner import Planner
         from pdserve.transfer.disk_store import FileStore

@@ -31,7 +31,7 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
 
     from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.roles.torch_executor import TorchExecutor
+    from pdserve.engine.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
     from pdserve.scheduler.grammar import Role
     from pdserve.scheduler.planner import Planner
@@ -85,8 +85,8 @@ def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, thread
 
     from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.roles.engine import Engine
-    from pdserve.roles.torch_executor import TorchExecutor
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
     from pdserve.scheduler.grammar import Role
     from pdserve.scheduler.planner import Planner

@@ -22,7 +22,7 @@ rounds a request (forwards: what acceptance saves, independent of the host).
 Beside each table, the gate's rounds per batch bucket (spec_gate_log.py).
 `--threads 1` on a shared host keeps CPU time a token this process's own.
 
-`--pd`: the same prompts through a P/D pair (roles/local_pair.py, pages
+`--pd`: the same prompts through a P/D pair (engine/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
 first token, D verifies first; the mean acceptance lengths side by side.
 `--draft`: the draft-model proposer's cases (benchmarks/spec_draft.py).
@@ -139,7 +139,7 @@ def _sweep(args, model, tok, ks, levels, sp) -> None:
 
 
 def _pd(args, model, tok, sp) -> None:
-    from pdserve.roles.local_pair import LocalPair
+    from pdserve.engine.local_pair import LocalPair
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
             "prompt_lookup_max": 4, "gate": False}

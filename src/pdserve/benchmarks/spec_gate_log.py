@@ -1,4 +1,4 @@
-"""The speculation gate's round log (roles/spec_gate.py `GateRound`s), as
+"""The speculation gate's round log (engine/spec/gate.py `GateRound`s), as
 `pdserve bench spec` prints it beside its table: for each gated case and
 batch bucket, how many decode-only rounds ran each side, the tokens they
 delivered per CPU second (what the gate compares), the probes and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.roles.spec_gate import GateMode, GateRound, bucket
+from pdserve.engine.spec.gate import GateMode, GateRound, bucket
 
 
 @dataclass

@@ -100,8 +100,8 @@ def prompts_for(tokenizer, n: int) -> list:
 
 
 def build(model, tokenizer, cfg):
-    from pdserve.roles.engine import Engine
-    from pdserve.roles.torch_executor import TorchExecutor
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.torch_executor import TorchExecutor
     from pdserve.scheduler.planner import Planner
 
     ex = TorchExecutor(model, tokenizer, cfg, detokenize=False)

@@ -46,8 +46,8 @@ def _tokens(tok, n: int) -> list[int]:
 def _loop_now(tok, ids) -> float:
     """CPU seconds per token on the loop thread: on_token, then one handoff."""
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.roles.outputs import OutputItem, Outputs
-    from pdserve.roles.torch_executor import TorchExecutor
+    from pdserve.engine.outputs import OutputItem, Outputs
+    from pdserve.engine.torch_executor import TorchExecutor
 
     ex = TorchExecutor.__new__(TorchExecutor)         # the per-token state only, no model
     ex.detokenize, ex.tokenizer, ex.eos, ex.tracked = False, tok, {tok.eos_token_id}, {}
@@ -73,7 +73,7 @@ def _loop_now(tok, ids) -> float:
 def _outputs_now(tok, ids) -> float:
     """Seconds per token in the output thread: text, stop strings, message."""
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.roles.outputs import OutputItem, Outputs
+    from pdserve.engine.outputs import OutputItem, Outputs
 
     out = Outputs(tok, lambda rid, key: None)
     out.close()                                      # drive it here, in this thread

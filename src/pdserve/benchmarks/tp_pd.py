@@ -2,7 +2,7 @@
 decode engine of tensor-parallel sizes P TP 1 -> D TP 2, P TP 2 -> D TP 1
 and P TP 2 -> D TP 2 (and TP 1 -> TP 1 as the baseline), over NIXL (UCX,
 host DRAM), the tiny model (float32), rank to rank as the engines move it
-(roles/tp_transfer.py): every rank, worker processes included, its own
+(engine/tp/transfer.py): every rank, worker processes included, its own
 agent; each P rank writes each D rank the heads it owns, packing a piece
 whose page holds other heads too, and D's ranks unpack theirs.
 
@@ -66,9 +66,9 @@ class _Engine:
         import torch
 
         from pdserve.kernels.models.loader import load_model
-        from pdserve.roles.tp_kv_ranks import TpKvRanks
-        from pdserve.roles.tp_leader import TpLeader
-        from pdserve.roles.tp_worker import TpSpec
+        from pdserve.engine.tp.kv_ranks import TpKvRanks
+        from pdserve.engine.tp.leader import TpLeader
+        from pdserve.engine.tp.worker import TpSpec
         from pdserve.transfer import Incarnation
         from pdserve.transfer.nixl_transport import NixlTransport
         from pdserve.transfer.rank_agent import LocalRanks

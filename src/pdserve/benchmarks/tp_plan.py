@@ -96,8 +96,8 @@ def measure(n: int, context: int, rounds: int, conn) -> dict:
     shard while the thread writes, so the write is in the round trip)."""
     import concurrent.futures as cf
 
-    from pdserve.roles.tp_leader import IN_PLACE_BYTES
-    from pdserve.roles.tp_messages import TpForward
+    from pdserve.engine.tp.leader import IN_PLACE_BYTES
+    from pdserve.engine.tp.messages import TpForward
 
     sender = cf.ThreadPoolExecutor(1)
 

@@ -78,7 +78,7 @@ def run(args) -> int:
     spec = cfg.engine.speculative
     if spec is not None and spec.draft_model is not None:
         from pdserve.kernels.models.model_config import ModelError
-        from pdserve.roles.spec_draft import check_draft_section
+        from pdserve.engine.spec.draft import check_draft_section
         try:                # a draft of another vocabulary or context, one that keeps state
             check_draft_section(spec.draft_model, mcfg, cfg.engine)
         except (ConfigError, ModelError) as e:
@@ -93,7 +93,7 @@ def run(args) -> int:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
     if cfg.engine.disk_cache is not None:
-        from pdserve.roles.disk_tier import check_model_served
+        from pdserve.engine.disk.tier import check_model_served
         from pdserve.transfer.disk_store import DiskStoreError, check_directory
 
         try:

@@ -2,7 +2,7 @@
 
 `build_engine_server` wires an engine from a deployment's config (the model,
 its executor and planner, the KV transport and its fault rules); the engine
-itself (roles/) never reads the config.
+itself (engine/) never reads the config.
 
 Each engine is named `pdserve:<role>-<index>` in namespace `pdserve` and is
 restarted by Ray when its process dies (a restart is a new incarnation; the
@@ -22,12 +22,12 @@ from pdserve.cluster.autoscaler import Autoscaler
 from pdserve.cluster.cpu_threads import share_kernel_cores, thread_env
 from pdserve.config import ServeConfig, engine_for_model, role_engine
 from pdserve.proto.control_tls import ControlPlane, ControlTls
-from pdserve.roles.adapters import EngineAdapters
-from pdserve.roles.engine_server import EngineServer
-from pdserve.roles.outputs import Outputs
-from pdserve.roles.peer_protocol import PeerTimeouts
-from pdserve.roles.torch_executor import TorchExecutor
-from pdserve.roles.tp_leader import load_engine_model
+from pdserve.engine.lora.adapters import EngineAdapters
+from pdserve.engine.server import EngineServer
+from pdserve.engine.outputs import Outputs
+from pdserve.engine.peer.protocol import PeerTimeouts
+from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.tp.leader import load_engine_model
 from pdserve.scheduler.capacity import capacity_line, capacity_report
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
@@ -84,7 +84,7 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                  os.environ.get("OMP_NUM_THREADS", "unset"), shared)
     transport = None
     if kind is not Role.FUSED:
-        from pdserve.roles.tp_transfer import register_transfer_pools
+        from pdserve.engine.tp.transfer import register_transfer_pools
         from pdserve.transfer.nixl_transport import NixlTransport
 
         transport = NixlTransport(Incarnation(name, incarnation),

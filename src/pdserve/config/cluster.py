@@ -61,7 +61,7 @@ class ClusterShape:
 def check_cluster_tp(engine: EngineConfig, cluster: ClusterShape) -> None:
     """Each role's engine settings at its tensor-parallel size (what a
     tensor-parallel engine does not run is refused by name, scheduler/config.py).
-    Prefill and decode engines of any sizes pair (KV moved rank to rank: roles/tp_transfer.py)."""
+    Prefill and decode engines of any sizes pair (KV moved rank to rank: engine/tp/transfer.py)."""
     for role in ("fused", "prefill", "decode"):
         if not getattr(cluster, role):
             continue

@@ -180,7 +180,7 @@ class _EngineCollector:
                                       labels=["engine", "role", "tier"])
         disk = CounterMetricFamily(P + "disk_cache", "The disk tier's counters: probes, "
                                    "prefetch outcomes, reads hit and missed, bytes read and "
-                                   "written (roles/disk_tier.py)",
+                                   "written (engine/disk/tier.py)",
                                    labels=["engine", "role", "counter"])
         lora = GaugeMetricFamily(P + "lora_requests_info", "Each engine's LoRA adapters in "
                                  "use, as labels (vLLM's metric): those of running and of "
@@ -227,7 +227,7 @@ class SpecMetrics:
     """Speculative decoding's metrics, by vLLM's names where the meaning is
     the same (vllm:spec_decode_*): drafts (verifies run), draft tokens (the
     candidates they carried), accepted tokens, accepted tokens per
-    candidate position; and the gate (roles/spec_gate.py): 1 while the
+    candidate position; and the gate (engine/spec/gate.py): 1 while the
     engine proposes, and the tokens/s it measured with and without."""
 
     def __init__(self) -> None:

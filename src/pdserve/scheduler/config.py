@@ -212,7 +212,7 @@ class EngineConfig:
 
 def check_tensor_parallel(cfg: EngineConfig, where: str = "engine") -> None:
     """engine.tensor_parallel_* and what a tensor-parallel engine does not
-    run yet (roles/tp_leader.py): each refused by name."""
+    run yet (engine/tp/leader.py): each refused by name."""
     t = cfg.tensor_parallel_size
     check_positive_int(t, f"{where}.tensor_parallel_size")
     s = cfg.tensor_parallel_timeout_s

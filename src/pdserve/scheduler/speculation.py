@@ -45,7 +45,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2          # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4          # ngram: the longest, tried first
     draft_model: dict | None = None     # draft: its model section (as `model:`)
-    gate: bool = True                   # speculate only while it pays (roles/spec_gate.py)
+    gate: bool = True                   # speculate only while it pays (engine/spec/gate.py)
 
     def __post_init__(self) -> None:
         w = "engine.speculative"
@@ -103,7 +103,7 @@ class SpecConfig:
 
 def _check_draft_model(d: dict, where: str) -> None:
     """draft_model's keys, as `model:` takes them (the weights are checked
-    against the target's when the engine loads them: roles/spec_draft.py)."""
+    against the target's when the engine loads them: engine/spec/draft.py)."""
     check_keys(d, where, set(DRAFT_MODEL_KEYS))
     if "path" in d and "preset" in d:
         raise ConfigError(f"{where} takes either path or preset, not both; remove one")

@@ -101,7 +101,7 @@ class Harness:
         """`clock`: "wall" (perf_counter), or "cpu": this thread's CPU time,
         which leaves out the time other processes held the core (a CPU
         engine of one thread computes on the calling thread)."""
-        from pdserve.roles.torch_executor import TorchExecutor
+        from pdserve.engine.torch_executor import TorchExecutor
 
         self.model = model
         self.cfg = engine_cfg
@@ -114,7 +114,7 @@ class Harness:
         self._clock = time.thread_time if clock == "cpu" else time.perf_counter
 
     def stage(self, **overrides) -> None:
-        from pdserve.roles.engine import Engine
+        from pdserve.engine.engine import Engine
         from pdserve.scheduler.planner import Planner
 
         if self.engine is not None:

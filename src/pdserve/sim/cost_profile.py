@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.roles.rounds import Round, computes, neighbours, round_kind, round_of  # noqa: F401
+from pdserve.engine.rounds import Round, computes, neighbours, round_kind, round_of  # noqa: F401
 from pdserve.sim.cost_model import GPUS, MODELS, CostModel, ModelPreset, preset, window_pairs
 from pdserve.scheduler.config import ConfigError, check_keys
 

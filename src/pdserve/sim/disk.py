@@ -4,7 +4,7 @@ read and write bandwidths.
 
 `SimDisk` is the store: chain hashes of full-history pages, least recently
 used evicted beyond `capacity_pages`. `SimDiskEdge` is one engine's edge,
-with the methods the engine loop calls on a real tier (roles/disk_tier.py):
+with the methods the engine loop calls on a real tier (engine/disk/tier.py):
 at arrival a request's probe is the run of its pages the store holds
 beyond what device and host hold (instant: the read is what costs);
 a plan's reads hit if their pages are still stored (one evicted since the

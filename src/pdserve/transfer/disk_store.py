@@ -379,7 +379,7 @@ def _lowest_priority() -> None:
     """The calling thread at the lowest CPU priority (Linux: nice 19 for
     this thread alone): write-through then never takes a core from the
     engine's forward, and a disk that falls behind fills the write backlog,
-    whose bound drops writes (roles/disk_tier.py), instead of slowing
+    whose bound drops writes (engine/disk/tier.py), instead of slowing
     requests. Elsewhere, or where refused, the thread keeps its priority."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -4,7 +4,7 @@ Every request P holds for a peer carries a deadline. The peer's heartbeat
 (one message per peer, naming every request it still waits on) renews
 them; a request whose deadline passes is let go: no more renewals and no
 more posts, and its pages are released once no write of it still reads
-them (roles/peer_protocol.py drains it). Time is passed in, so the table is
+them (engine/peer/protocol.py drains it). Time is passed in, so the table is
 deterministic under test.
 """
 

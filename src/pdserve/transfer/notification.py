@@ -29,7 +29,7 @@ class KvNote:
     target: Incarnation          # the D incarnation the pages belong to
     first_token: int
     drafts: tuple[int, ...] = ()
-    payload: bytes = b""         # a TokenLogprob, serialized (roles/peer_protocol.py)
+    payload: bytes = b""         # a TokenLogprob, serialized (engine/peer/protocol.py)
 
     @classmethod
     def of(cls, w: KvWrite) -> KvNote:

@@ -381,7 +381,7 @@ def _indices(starts: list, pages: list) -> np.ndarray:
 
 class LocalRanks:
     """A size-1 engine's one rank, behind the interface a tensor-parallel
-    engine's rank 0 offers for all its ranks (roles/tp_kv_ranks.TpKvRanks)."""
+    engine's rank 0 offers for all its ranks (engine/tp/kv_ranks.TpKvRanks)."""
 
     def __init__(self, name: str, pools: list, layout: KvLayout):
         self.agent = KvRankAgent(f"{name}#0", 0, pools, layout)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.kv_cache import KVCache
-from pdserve.roles.disk_groups import REMEMBERED, HostCheckpoints, StateFiles, WindowFiles
+from pdserve.engine.disk.groups import REMEMBERED, HostCheckpoints, StateFiles, WindowFiles
 from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.text.sampling_params import SamplingParams
-from pdserve.roles.torch_executor import TorchExecutor
+from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner

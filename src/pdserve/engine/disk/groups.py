@@ -1,4 +1,4 @@
-"""The disk tier's files beyond full-history pages (roles/disk_tier.py):
+"""The disk tier's files beyond full-history pages (engine/disk/tier.py):
 a state model's checkpoints (`StateFiles`, and `HostCheckpoints`, which host
 slot holds which chain's checkpoint under selective writes) and a sliding
 group's window tails (`WindowFiles`)."""

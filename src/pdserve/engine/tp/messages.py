@@ -117,7 +117,7 @@ class TpPageMoveKind(enum.Enum):
 class TpPageMove:
     """Meet rank 0 in a gather of `pages` of cache group `group`: every
     rank's heads of them, to see a TP engine's KV whole (tests; KV moves
-    between engines rank to rank, roles/tp_kv_ranks.py)."""
+    between engines rank to rank, engine/tp/kv_ranks.py)."""
     kind: TpPageMoveKind
     group: int
     pages: np.ndarray

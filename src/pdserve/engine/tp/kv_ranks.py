@@ -9,7 +9,7 @@ whose every piece reached it). The workers keep no clock: rank 0 decides
 when to poll, and a write is done on P when every P rank's pieces ended,
 landed on D when every D rank reported it.
 
-roles/tp_transfer.py gives an engine's transport these agents; the
+engine/tp/transfer.py gives an engine's transport these agents; the
 transport's side of a write is transfer/rank_writes.py."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pdserve.kernels.lora.batched import BatchedLora, LoraSegments
 from pdserve.kernels.lora.fused import lora_round as make_lora_round
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.models.state_cache import SeqState, StateBatch
-from pdserve.roles.spec_round import SpecRound
+from pdserve.engine.spec.round import SpecRound
 from pdserve.scheduler.cache_groups import HOLE
 from pdserve.scheduler.plan import Plan
 

@@ -61,7 +61,7 @@ def speculates_now(tracked, req, new: list) -> bool:
     own token (else proposing, a draft model's k forwards, is wasted). A
     first token is always proposed after: on P the request's limit is its
     twin's one token, and D verifies what P ships."""
-    from pdserve.roles.speculation import speculates
+    from pdserve.engine.spec.speculation import speculates
 
     return (not req.output or req.remaining_new_tokens - len(new) > 1) and \
         speculates(tracked.params, len(req.output) + len(new))

@@ -3,7 +3,7 @@
 Order within a round is the spec's stream order: host stores first (the
 retraction snapshots among them read pages the plan has already granted to
 someone else), then disk reads into host pages, then loads back from host,
-then the forward. With a disk tier (roles/disk_tier.py), a pinned store of
+then the forward. With a disk tier (engine/disk/tier.py), a pinned store of
 the full history is written through to disk, and a request whose disk read
 missed samples nothing this round (the planner retracts it). Fresh pages are
 not zeroed: attention reads only positions a request has written. Every copy
@@ -37,13 +37,13 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.spec.rejection import verify
 from pdserve.kernels.sampling import Logprob, SamplingParams, sample
 from pdserve.kernels.models.state_cache import StateCache
-from pdserve.roles.disk_groups import StateFiles, window_files
-from pdserve.roles.disk_tier import DiskTier, check_model_served
-from pdserve.roles.round_stage import StagedRound, stage_round
-from pdserve.roles.spec_draft import load_draft
-from pdserve.roles.spec_round import (SpecRound, check_speculation, draft_ask, round_rows,
+from pdserve.engine.disk.groups import StateFiles, window_files
+from pdserve.engine.disk.tier import DiskTier, check_model_served
+from pdserve.engine.round_stage import StagedRound, stage_round
+from pdserve.engine.spec.draft import load_draft
+from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
-from pdserve.roles.speculation import Speculation
+from pdserve.engine.spec.speculation import Speculation
 from pdserve.scheduler.cache_groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
@@ -84,13 +84,13 @@ class TorchExecutor:
     def __init__(self, model, tokenizer, cfg: EngineConfig, detokenize: bool = True,
                  groups=None, adapters=None, disk: DiskTier | None = None):
         """`detokenize=False`: tokens only; stop strings are then found by
-        whoever makes the text (roles/outputs.py). `groups`: the planner's
+        whoever makes the text (engine/outputs.py). `groups`: the planner's
         CacheGroupSpecs, by default the model's `cache_groups()` (sliding
         groups replayable when engine.sliding_replay is set) and its state
         group (`state_group`, checkpointed every engine.state_block tokens);
         they must lay out the model's layers as the model does (replayable
         and the state block may differ). `adapters`: the engine's LoRA
-        adapters (roles/adapters.py), each request's rows run under its
+        adapters (engine/lora/adapters.py), each request's rows run under its
         `Request.adapter`'s slot; None: no adapters.
         `disk`: the disk tier (default:
         engine.disk_cache's file tier, opened here; a path that cannot be
@@ -112,7 +112,7 @@ class TorchExecutor:
         capture, capture_why = choose_capture(cfg.capture, model)
         # a captured step's padding rows write into a page the planner never grants
         spare = 0 if capture is CaptureMode.OFF else 1
-        # a draft model's K/V share the target's pages (roles/spec_draft.py);
+        # a draft model's K/V share the target's pages (engine/spec/draft.py);
         # its candidates past a block table go to scratch pages after the pool
         if cfg.speculative is not None:
             check_speculation(model, self.groups)
@@ -171,7 +171,7 @@ class TorchExecutor:
                                  self.state_files(), window_files(self.groups, self.caches))
         self.disk = disk
         self._disk_missed: set[str] = set()     # requests whose disk read missed this round
-        # speculative decoding (roles/speculation.py), engine.speculative's
+        # speculative decoding (engine/spec/speculation.py), engine.speculative's
         self.spec: Speculation | None = None
         if cfg.speculative is not None:
             proposer = draft.proposer(self.caches, [sizes[g] for g in self.kv]) \
@@ -425,7 +425,7 @@ class TorchExecutor:
 
     def _stage(self, plan: Plan, feed=None, own_tables: bool = False):
         """The round's StagedRound, the requests of its sampling rows and its
-        SpecRound (roles/round_stage.py). `feed`: (the last launched round's
+        SpecRound (engine/round_stage.py). `feed`: (the last launched round's
         sampled tokens on the device, request id -> row); `own_tables`:
         copy the block tables, which the next round's build may change
         while this forward runs."""

@@ -33,10 +33,10 @@ import torch.multiprocessing as mp
 
 from pdserve.kernels.models.model_config import ModelError
 from pdserve.kernels.tensor_parallel import TpComm, TpError, TpLost
-from pdserve.roles.tp_messages import (
+from pdserve.engine.tp.messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStarted, TpStop)
-from pdserve.roles.main_module import check_main_module, exited_before_start
-from pdserve.roles.tp_worker import TpSpec, compare_views, move_pages, worker_main
+from pdserve.engine.tp.main_module import check_main_module, exited_before_start
+from pdserve.engine.tp.worker import TpSpec, compare_views, move_pages, worker_main
 
 log = logging.getLogger("pdserve.tp")
 

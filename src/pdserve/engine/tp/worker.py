@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.tensor_parallel import TpComm, TpLost
-from pdserve.roles.tp_kv_ranks import TP_KV_MESSAGES, serve_kv
-from pdserve.roles.tp_messages import (
+from pdserve.engine.tp.kv_ranks import TP_KV_MESSAGES, serve_kv
+from pdserve.engine.tp.messages import (
     TpCaches, TpForward, TpPageMove, TpPageMoveKind, TpReady, TpStarted, TpStop, digest)
 
 log = logging.getLogger("pdserve.tp")

@@ -1,5 +1,5 @@
 """What every control message must be before an engine acts on it: one
-check per message, run at the RPC edge (roles/engine_rpc.py) before the
+check per message, run at the RPC edge (engine/rpc.py) before the
 call reaches the loop thread. A message that fails its check is refused
 with INVALID_ARGUMENT and changes nothing: no request created, no page
 held, no peer known.

@@ -1,15 +1,15 @@
 """An engine as a service: the planner loop on its own thread
-(roles/loop.py), a gRPC control server, and (for P and D) the KV transport
-and the peer protocol (roles/peer_protocol.py: fences, leases, acks). A
+(engine/loop.py), a gRPC control server, and (for P and D) the KV transport
+and the peer protocol (engine/peer/protocol.py: fences, leases, acks). A
 plain class built from its parts (planner, executor, outputs, transport);
 cluster/actors.py wires them from a deployment's config and makes it a Ray
-actor. Told to drain (roles/drain.py), it takes no new request, finishes
+actor. Told to drain (engine/drain.py), it takes no new request, finishes
 what it holds and stops by itself.
 
 Threads: gRPC handlers never touch the planner. They put a closure on the
 inbox; the loop thread runs it between rounds, so the planner, executor and
 transport are only ever used from one thread. Results leave the loop thread
-as one handoff a round to the output thread (roles/outputs.py), which
+as one handoff a round to the output thread (engine/outputs.py), which
 detokenizes them and batches them into one message a round for each router
 subscribed (the Subscribe stream).
 
@@ -30,19 +30,19 @@ from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto.control_tls import ControlTls, add_port
 from pdserve.proto.sampling import from_options
-from pdserve.roles.control_checks import Bounds
-from pdserve.roles.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
-from pdserve.roles.engine import Engine
-from pdserve.roles.engine_rpc import EngineControlServicer, StaleView
-from pdserve.roles.speculation import spec_line
-from pdserve.roles.engine_stats import EngineCounters, stats_pb
-from pdserve.roles.loop import EngineLoop, Inbox, LoopHooks
-from pdserve.roles.outputs import ErrorKind, Outputs, StreamError
-from pdserve.roles.peer_messages import PeerSender
-from pdserve.roles.peer_protocol import PeerProtocol, PeerTimeouts
-from pdserve.roles.rounds import Round
+from pdserve.engine.control_checks import Bounds
+from pdserve.engine.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
+from pdserve.engine.engine import Engine
+from pdserve.engine.rpc import EngineControlServicer, StaleView
+from pdserve.engine.spec.speculation import spec_line
+from pdserve.engine.stats import EngineCounters, stats_pb
+from pdserve.engine.loop import EngineLoop, Inbox, LoopHooks
+from pdserve.engine.outputs import ErrorKind, Outputs, StreamError
+from pdserve.engine.peer.messages import PeerSender
+from pdserve.engine.peer.protocol import PeerProtocol, PeerTimeouts
+from pdserve.engine.rounds import Round
 from pdserve.scheduler.grammar import Role
-from pdserve.roles.adapters import adapter_of, adapters_in_use
+from pdserve.engine.lora.adapters import adapter_of, adapters_in_use
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
@@ -65,7 +65,7 @@ class EngineServer:
                  incarnation: int, capacity: dict | None = None,
                  timeouts: PeerTimeouts = PeerTimeouts(), sender: PeerSender | None = None,
                  control_tls: ControlTls | None = None, vocab_size: int | None = None):
-        """`executor`: runs a plan (roles/torch_executor.py); `make_outputs`:
+        """`executor`: runs a plan (engine/torch_executor.py); `make_outputs`:
         builds the output thread's end, given what it calls on a stop string;
         `transport`: the KvTransport of a P or D (None on a fused engine), of
         this `incarnation`; `capacity`: the KV capacity report the engine's

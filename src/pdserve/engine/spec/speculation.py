@@ -35,7 +35,7 @@ import torch
 from pdserve.kernels.spec.proposers import DraftAsk, NgramProposer, Proposer
 from pdserve.kernels.spec.rejection import VerifyRow
 from pdserve.text.sampling_params import SamplingParams
-from pdserve.roles.spec_gate import SpecGate
+from pdserve.engine.spec.gate import SpecGate
 from pdserve.scheduler.speculation import SpecConfig, SpecMethod
 
 
@@ -74,7 +74,7 @@ def speculates(params: SamplingParams, generated: int) -> bool:
 
 def build_proposer(spec: SpecConfig) -> Proposer:
     """The proposer `spec` names that needs no model (a draft model is
-    loaded by the executor, whose pages hold its K/V: roles/spec_draft.py)."""
+    loaded by the executor, whose pages hold its K/V: engine/spec/draft.py)."""
     if spec.method is SpecMethod.NGRAM:
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     raise ValueError(f"speculative method {spec.method.value} needs its model loaded beside "

@@ -108,8 +108,8 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
              lora: tuple[list[str], list[str]] = ([], []), spec=None) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
     waiting (and why), the counters, each cache group's use, `lora`: the
-    adapters of running and of waiting requests (roles/adapters.py), and
-    `spec`: the executor's Speculation (roles/speculation.py), if it speculates."""
+    adapters of running and of waiting requests (engine/lora/adapters.py), and
+    `spec`: the executor's Speculation (engine/spec/speculation.py), if it speculates."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()

@@ -1,9 +1,9 @@
 """The EngineControl gRPC service of an engine: each handler hands its work
 to the engine's loop thread (`EngineServer.call`) and never touches the
-planner itself. Each message is checked first (roles/control_checks.py):
+planner itself. Each message is checked first (engine/control_checks.py):
 one that fails is refused with INVALID_ARGUMENT before anything changes.
 Work a draining engine will not take is refused with FAILED_PRECONDITION
-(roles/drain.py): the caller sends it elsewhere. Who may call at all is the
+(engine/drain.py): the caller sends it elsewhere. Who may call at all is the
 port's business (mutual TLS, proto/control_tls.py)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import grpc
 
 from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
-from pdserve.roles import control_checks as checks
-from pdserve.roles.adapter_host import fingerprint
-from pdserve.roles.drain import STOP_GRACE_S, EngineDraining, EngineStopped
+from pdserve.engine import control_checks as checks
+from pdserve.engine.lora.host import fingerprint
+from pdserve.engine.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
 
 

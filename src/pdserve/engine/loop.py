@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pdserve.roles.drain import Drain
-from pdserve.roles.engine import Engine
-from pdserve.roles.engine_stats import EngineCounters
-from pdserve.roles.outputs import ErrorKind, OutputItem, Outputs
-from pdserve.roles.peer_protocol import PeerProtocol
-from pdserve.roles.rounds import round_of
+from pdserve.engine.drain import Drain
+from pdserve.engine.engine import Engine
+from pdserve.engine.stats import EngineCounters
+from pdserve.engine.outputs import ErrorKind, OutputItem, Outputs
+from pdserve.engine.peer.protocol import PeerProtocol
+from pdserve.engine.rounds import round_of
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request
@@ -110,7 +110,7 @@ class EngineLoop:
                  transport: KvTransport | None, peer: PeerProtocol, inbox: Inbox, drain: Drain,
                  counts: EngineCounters, outputs: Outputs,
                  after_abort: dict[str, Callable[[], None]], hooks: LoopHooks):
-        """`executor`: the server's (roles/torch_executor.py), read for a
+        """`executor`: the server's (engine/torch_executor.py), read for a
         request's logprobs; `after_abort`: the server's own dict of what to
         do once an abort that waited for its request's forward takes effect
         (engine.overlap): this loop runs and drops them."""

@@ -39,12 +39,12 @@ from pdserve.proto import control_pb2 as pb
 from pdserve.proto import control_pb2_grpc as pbg
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto.sampling import from_options, to_options
-from pdserve.roles.adapters import adapter_of, name_of
-from pdserve.roles.drain import Drain
-from pdserve.roles.engine_stats import EngineCounters
-from pdserve.roles.outputs import logprob_pb
-from pdserve.roles.peer_messages import Peer, PeerRpc, PeerSender
-from pdserve.roles.speculation import check_peer_spec
+from pdserve.engine.lora.adapters import adapter_of, name_of
+from pdserve.engine.drain import Drain
+from pdserve.engine.stats import EngineCounters
+from pdserve.engine.outputs import logprob_pb
+from pdserve.engine.peer.messages import Peer, PeerRpc, PeerSender
+from pdserve.engine.spec.speculation import check_peer_spec
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.planner import RejectedRequest

@@ -4,7 +4,7 @@
 deployment with a tensor-parallel prefill or decode role, gives every rank
 of every P and D engine its own NIXL agent over its shard so that KV moves
 rank to rank (transfer/tp_pieces.py, rank_agent.py, rank_writes.py;
-roles/tp_kv_ranks.py for a tensor-parallel engine's workers)."""
+engine/tp/kv_ranks.py for a tensor-parallel engine's workers)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,6 @@ def register_transfer_pools(transport, model, executor, page_size: int,
 
         transport.use_ranks(LocalRanks(name, executor.transfer_pools(), layout))
     else:
-        from pdserve.roles.tp_kv_ranks import TpKvRanks
+        from pdserve.engine.tp.kv_ranks import TpKvRanks
 
         transport.use_ranks(TpKvRanks(model, name, layout))
