@@ -129,7 +129,7 @@ MUST_HAVE = {
 # re-recorded when a victim began to yield to the request it was retracted
 # for, again when a load's ticket came to hold its targets (issue 34), and
 # the sliding cases when a sliding pool stopped admitting newcomers its
-# residents may still grow into (phases.sliding_room)
+# residents may still grow into (demands.sliding_room)
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
                 "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
