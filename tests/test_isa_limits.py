@@ -70,16 +70,18 @@ def runs() -> list:
     """Every level as the CPU has it; PDSERVE_NO_BF16 (which only pdserve's
     kernels read) at the lowest and the highest."""
     here = limits_here()
-    return [pytest.param(limit, "", id=limit.name) for limit in here] + \
-        [pytest.param(limit, "1", id=f"{limit.name}-no-bf16") for limit in here[:1] + here[1:][-1:]]
+    ends = here[:1] + here[1:][-1:]
+    return [pytest.param(limit, False, id=limit.name) for limit in here] + \
+        [pytest.param(limit, True, id=f"{limit.name}-no-bf16") for limit in ends]
 
 
 @pytest.mark.skipif(os.environ.get(CAPABILITY_ENV) is not None, reason="inside a limited run")
-@pytest.mark.parametrize("limit,no_bf16", runs() if limits_here() else [])
+@pytest.mark.parametrize("limit,no_bf16", runs())
 def test_the_invariance_tests_pass_under_an_instruction_set_limit(limit, no_bf16):
-    env = {**os.environ, **limit.env(), "PDSERVE_NO_BF16": no_bf16}
-    if not no_bf16:
-        del env["PDSERVE_NO_BF16"]
+    env = {**os.environ, **limit.env()}
+    env.pop("PDSERVE_NO_BF16", None)
+    if no_bf16:
+        env["PDSERVE_NO_BF16"] = "1"
     here = Path(__file__).parent
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "invariance",
                            "-p", "no:cacheprovider", *[str(here / f) for f in FILES]],
