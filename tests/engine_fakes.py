@@ -10,9 +10,11 @@ import torch
 
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as pb
+from pdserve.engine.peer.messages import PeerRpc
 from pdserve.engine.server import EngineServer
 from pdserve.scheduler import Planner
 from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
 from pdserve.transfer.loopback import LoopbackFabric, LoopbackTransport
 
@@ -120,6 +122,19 @@ def one_round(s: EngineServer):
     if out is not None:
         s.loop.after_round(out)
     return out
+
+
+def remote_prefill_asked(d: EngineServer, req_id: str = "x"):
+    """A 17-token request for `d` (a D engine whose peer is prefill-0) put
+    through its first round: the RemotePrefill it sent P, returned."""
+    r = Request(req_id, list(range(1, 18)), SamplingLimits(max_new_tokens=3))
+    r.peer = "prefill-0"
+    d.planner.submit(r)
+    d.owner[req_id] = "router"
+    one_round(d)
+    (_, method, ask), = sent(d)
+    assert method is PeerRpc.REMOTE_PREFILL
+    return ask
 
 
 def run_jobs(s: EngineServer) -> None:

@@ -263,7 +263,8 @@ def _syncs(fn):
 
 @cuda
 def test_sampling_on_cuda_gives_a_row_its_token_whatever_the_batch_in_one_sync():
-    from pdserve.kernels.sampling import SamplingParams, sample
+    from pdserve.kernels.sampling import sample
+    from pdserve.text.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     logits = torch.randn(64, 32000, device="cuda") * 3
@@ -284,7 +285,8 @@ def test_sampling_on_cuda_gives_a_row_its_token_whatever_the_batch_in_one_sync()
 
 @cuda
 def test_penalties_on_cuda_change_the_logits_as_on_cpu_without_a_sync_a_row():
-    from pdserve.kernels.sampling import SamplingParams, _penalize
+    from pdserve.kernels.sampling import _penalize
+    from pdserve.text.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     logits = torch.randn(16, 32000) * 3

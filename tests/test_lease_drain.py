@@ -20,7 +20,7 @@ from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import FaultInjector, FaultRule, TransferEventKind
 from pdserve.transfer.loopback import LoopbackFabric
 
-from engine_fakes import one_round, sent, server
+from engine_fakes import one_round, remote_prefill_asked, sent, server
 
 LEASE_S = 10.0      # PeerTimeouts' default, as the fakes use it
 
@@ -171,13 +171,7 @@ def test_a_lease_that_runs_out_mid_round_posts_no_write():
     fenced pages once the lease is over, so a late write could land in
     pages it reused). The next timer pass lets the twin go."""
     p, d = pair()
-    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
-    r.peer = "prefill-0"
-    d.planner.submit(r)
-    d.owner["x"] = "router"
-    one_round(d)
-    (_, method, ask), = sent(d)
-    assert method is PeerRpc.REMOTE_PREFILL
+    ask = remote_prefill_asked(d)
     p.transport.hold_writes = True
     p.peer.remote_prefill(ask)                             # the lease is granted now
     late = time.monotonic() + LEASE_S + 1

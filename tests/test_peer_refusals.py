@@ -8,9 +8,8 @@ import grpc
 import pytest
 
 from pdserve.engine.peer.messages import PeerRpc
-from pdserve.scheduler import Request, SamplingLimits
 
-from engine_fakes import one_round, sent, server
+from engine_fakes import one_round, remote_prefill_asked, sent, server
 
 
 @pytest.mark.parametrize("code, stage", [(grpc.StatusCode.FAILED_PRECONDITION, "prefill_draining"),
@@ -20,13 +19,7 @@ def test_a_refused_remote_prefill_is_prefilled_on_d_at_once_and_fences_nothing(c
     e.g. it still holds an earlier copy of the id (a router resubmission to
     a new D while P keeps the old D's twin)."""
     d = server("decode", "decode-0", "prefill-0")
-    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
-    r.peer = "prefill-0"
-    d.planner.submit(r)
-    d.owner["x"] = "router"
-    one_round(d)
-    (_, method, ask), = sent(d)
-    assert method is PeerRpc.REMOTE_PREFILL
+    ask = remote_prefill_asked(d)
     d.peer._prefill_not_taken("x", ask.epoch, "prefill-0", code)
     assert "x" not in d.planner.landing
     assert d.counts.fences == 0 and d.counts.failures_by_stage == {stage: 1}
@@ -72,12 +65,7 @@ def test_a_transfer_failed_for_a_landing_d_already_fenced_leaves_the_fence_to_ru
     from pdserve.proto import control_pb2 as pb
 
     d = server("decode", "decode-0", "prefill-0")
-    r = Request("x", list(range(1, 18)), SamplingLimits(max_new_tokens=3))
-    r.peer = "prefill-0"
-    d.planner.submit(r)
-    d.owner["x"] = "router"
-    one_round(d)
-    (_, _, ask), = sent(d)
+    ask = remote_prefill_asked(d)
     now = time.monotonic()
     d.peer.timers(now + 31)                                # the landing times out
     assert d.counts.fences == 1

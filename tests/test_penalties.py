@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from pdserve.kernels.sampling import SamplingParams, _penalize, sample
+from pdserve.kernels.sampling import _penalize, sample
+from pdserve.text.sampling_params import SamplingParams
 from pdserve.engine.torch_executor import Tracked, _history
 
 VOCAB = 50

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from pdserve.kernels.sampling import BLOCK, TOP_P_CANDIDATES, SamplingParams, row_uniform, sample
+from pdserve.kernels.sampling import BLOCK, TOP_P_CANDIDATES, row_uniform, sample
+from pdserve.text.sampling_params import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 4000

@@ -11,7 +11,8 @@ import torch
 
 from pdserve.kernels.spec.proposers import DraftAsk, NgramProposer, lookup
 from pdserve.kernels.spec.rejection import VerifyRow, verify
-from pdserve.kernels.sampling import SamplingParams, row_uniform, sample
+from pdserve.kernels.sampling import row_uniform, sample
+from pdserve.text.sampling_params import SamplingParams
 
 # chi-squared critical values at p = 0.001, by degrees of freedom
 CHI2_999 = {4: 18.47, 7: 24.32}

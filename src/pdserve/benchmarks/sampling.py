@@ -144,7 +144,8 @@ def _beyond(logits, sp) -> float | None:
 def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True) -> int:
     import torch
 
-    from pdserve.kernels.sampling import SamplingParams, sample
+    from pdserve.kernels.sampling import sample
+    from pdserve.text.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     pool = real_logits(max(batches))
@@ -187,7 +188,8 @@ def penalties(pool, batches, repeats: int) -> None:
 
     import numpy as np
 
-    from pdserve.kernels.sampling import SamplingParams, sample
+    from pdserve.kernels.sampling import sample
+    from pdserve.text.sampling_params import SamplingParams
 
     rng = random.Random(0)
     vocab = pool.shape[-1]

@@ -35,7 +35,8 @@ from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.spec.rejection import verify
-from pdserve.kernels.sampling import Logprob, SamplingParams, sample
+from pdserve.kernels.sampling import sample
+from pdserve.text.sampling_params import Logprob, SamplingParams
 from pdserve.kernels.models.state_cache import StateCache
 from pdserve.engine.disk.groups import StateFiles, window_files
 from pdserve.engine.disk.tier import DiskTier, check_model_served

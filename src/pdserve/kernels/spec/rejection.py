@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.sampling import SamplingParams, draw, row_uniform, weights
+from pdserve.kernels.sampling import draw, row_uniform, weights
+from pdserve.text.sampling_params import SamplingParams
 
 ACCEPT_SALT = 0x5BD1E9955BD1E995
 
