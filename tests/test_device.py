@@ -318,8 +318,8 @@ def test_a_round_stages_its_host_lists_without_a_sync():
 def test_a_scattered_write_between_gpu_pools_lands_bit_exact_in_another_process():
     pytest.importorskip("nixl")
     from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
-    from pdserve.transfer.nixl_transport import NixlTransport
-    from pdserve.transfer.peer_process import make_pool, spawn
+    from pdserve.transfer.nixl.transport import NixlTransport
+    from pdserve.transfer.nixl.peer_process import make_pool, spawn
 
     shape = (2, 2, 4, 2, 8)
     proc, conn, md, _ = spawn("decode-0", 1, 64, shape, device="cuda")

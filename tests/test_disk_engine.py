@@ -15,8 +15,8 @@ from pdserve.config import ConfigError
 from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore, Faults
-from pdserve.transfer.disk_store import DiskStoreError
+from pdserve.transfer.disk.fake import FakeStore, Faults
+from pdserve.transfer.disk.store import DiskStoreError
 
 ENGINE = dict(page_size=4, total_pages=48, host_pages=12, max_scheduled_tokens=64)
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -10,7 +10,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore
+from pdserve.transfer.disk.fake import FakeStore
 
 PS = 4
 # a small budget: a disk hit's prompt takes several chunks after admission

@@ -23,8 +23,8 @@ from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore
-from pdserve.transfer.disk_store import DiskOp
+from pdserve.transfer.disk.fake import FakeStore
+from pdserve.transfer.disk.store import DiskOp
 
 ENGINE = dict(page_size=4, total_pages=48, host_pages=24, max_scheduled_tokens=64)
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.transfer.disk_fake import FakeStore
+from pdserve.transfer.disk.fake import FakeStore
 
 from test_disk_pd import PDNode
 from test_gemma3 import gemma3_checkpoint

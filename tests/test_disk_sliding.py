@@ -14,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore
+from pdserve.transfer.disk.fake import FakeStore
 
 from test_gemma3 import gemma3_checkpoint
 

@@ -16,8 +16,8 @@ from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore
-from pdserve.transfer.disk_store import DiskOp
+from pdserve.transfer.disk.fake import FakeStore
+from pdserve.transfer.disk.store import DiskOp
 
 from test_qwen3_5 import qwen3_5_checkpoint
 

@@ -1,4 +1,4 @@
-"""The disk tier's storage (transfer/disk_store.py): keys, the file format,
+"""The disk tier's storage (transfer/disk/store.py): keys, the file format,
 the file backend's writes, reads, eviction and restart, and the fake
 backend's faults."""
 
@@ -12,8 +12,8 @@ import torch
 
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.state_cache import StateCache
-from pdserve.transfer.disk_fake import FakeStore, Faults
-from pdserve.transfer.disk_store import (
+from pdserve.transfer.disk.fake import FakeStore, Faults
+from pdserve.transfer.disk.store import (
     DiskKey, DiskOp, DiskStoreError, FileStore, Miss, decode, encode)
 
 

@@ -17,8 +17,8 @@ from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.plan import DiskLoadOp, Plan, StepResult, StoreOp
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.transfer.disk_fake import FakeStore
-from pdserve.transfer.disk_store import DiskOp
+from pdserve.transfer.disk.fake import FakeStore
+from pdserve.transfer.disk.store import DiskOp
 
 from test_gemma3 import gemma3_checkpoint
 

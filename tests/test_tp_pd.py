@@ -70,7 +70,7 @@ def test_pages_that_cannot_be_mapped_are_refused_naming_both_sides(field, value,
 
 
 def test_nixl_metadata_carries_the_layout_and_refuses_a_mismatch():
-    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.nixl.transport import NixlTransport
 
     a, b = NixlTransport(Incarnation("prefill-0", 1)), NixlTransport(Incarnation("decode-0", 1))
     try:
@@ -143,7 +143,7 @@ def test_per_rank_p_tp2_to_d_tp1_each_p_rank_writes_its_head(engines):
     head of the pages straight into D's one rank; D's pages are P's ranks'
     heads side by side, every byte, and match the TP 1 engine's."""
     from pdserve.engine.tp.kv_ranks import TpKvRanks
-    from pdserve.transfer.rank_agent import KvRankAgent
+    from pdserve.transfer.tp.rank_agent import KvRankAgent
 
     ref, leader = engines
     d_pool = torch.zeros_like(ref)
@@ -171,7 +171,7 @@ def test_per_rank_p_tp1_to_d_tp2_each_d_rank_gets_its_head(engines):
     each of D's ranks (rank 0 and the worker process) holds exactly the
     reference's head of the pages, every byte."""
     from pdserve.engine.tp.kv_ranks import TpKvRanks
-    from pdserve.transfer.rank_agent import KvRankAgent
+    from pdserve.transfer.tp.rank_agent import KvRankAgent
 
     ref, leader = engines
     src_pool = ref.clone()
@@ -216,13 +216,13 @@ def test_per_rank_p_tp2_to_d_tp2_rank_to_rank_whole_pages(engines):
 
 
 def test_per_rank_through_nixl_transports_p_tp2_to_d_tp1(engines):
-    """The transports' per-rank path (transfer/rank_writes.py): P's write is
+    """The transports' per-rank path (transfer/tp/rank_writes.py): P's write is
     DONE once both P ranks' pieces ended, D's LANDED once its rank has both
     pieces, with the first token; D's pages are P's ranks' heads, every
     byte; nothing stays in flight."""
     from pdserve.engine.tp.kv_ranks import TpKvRanks
-    from pdserve.transfer.nixl_transport import NixlTransport
-    from pdserve.transfer.rank_agent import LocalRanks
+    from pdserve.transfer.nixl.transport import NixlTransport
+    from pdserve.transfer.tp.rank_agent import LocalRanks
 
     ref, leader = engines
     d_pool = torch.zeros_like(ref)

@@ -13,8 +13,8 @@ import torch
 from pdserve.transfer.kv_layout import KvLayout
 from pdserve.transfer.notification import KvNote, PieceNote
 from pdserve.transfer.transport import Incarnation
-from pdserve.transfer.rank_agent import KvRankAgent
-from pdserve.transfer.tp_pieces import (
+from pdserve.transfer.tp.rank_agent import KvRankAgent
+from pdserve.transfer.tp.pieces import (
     KvPiece, PieceWire, bytes_per_rank, heads_of, piece_wire, plan_pieces)
 
 LAYERS, PS, HD, KV = 2, 4, 16, 2

@@ -38,8 +38,8 @@ class Pair:
 
     def make(self, inc, faults=None):
         if self.backend.startswith("nixl"):
-            from pdserve.transfer.nixl_agent import PROGRESS_WAKE_US
-            from pdserve.transfer.nixl_transport import NixlTransport
+            from pdserve.transfer.nixl.agent import PROGRESS_WAKE_US
+            from pdserve.transfer.nixl.transport import NixlTransport
 
             wake = None if self.backend == "nixl-polled" else PROGRESS_WAKE_US
             return NixlTransport(inc, faults, telemetry=True, progress_wake_us=wake)
@@ -196,7 +196,7 @@ def test_a_restarted_peer_receives_nothing_meant_for_its_previous_incarnation(ba
 
 
 def test_mismatched_page_sizes_are_refused_with_the_fix():
-    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.nixl.transport import NixlTransport
 
     a, b = NixlTransport(Incarnation("a", 1)), NixlTransport(Incarnation("b", 1))
     a.register_pool(pool())
@@ -340,7 +340,7 @@ def test_a_large_write_lands_while_the_writer_computes(wake):
     80 stayed at P until P polled, thread or no thread (9 of 690 in a loop of
     fresh pairs; none of 1,500 later writes). The engine polls every tick,
     so that costs a first transfer one tick, not the request."""
-    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.nixl.transport import NixlTransport
 
     big = torch.arange(8 * 2**20, dtype=torch.float32).view(8, 2**20)      # 8 pages of 4 MiB
     P = NixlTransport(Incarnation("prefill-0", 1), progress_wake_us=wake)

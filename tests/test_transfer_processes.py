@@ -5,8 +5,8 @@ import time
 import torch
 
 from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
-from pdserve.transfer.nixl_transport import NixlTransport
-from pdserve.transfer.peer_process import make_pool, spawn
+from pdserve.transfer.nixl.transport import NixlTransport
+from pdserve.transfer.nixl.peer_process import make_pool, spawn
 
 SHAPE = (2, 2, 4, 2, 8)
 BOUND_S = 10.0                 # every wait below: far past a local write's milliseconds

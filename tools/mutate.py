@@ -78,7 +78,7 @@ MUTATIONS = [
              ("scheduler_pool", "scheduler_fused", "scheduler_property", "scheduler_pd",
               "scheduler_waiting"),
              "prompts that differ in a page's last token share its cached KV"),
-    Mutation("disk-checksum", "transfer/disk_store.py",
+    Mutation("disk-checksum", "transfer/disk/store.py",
              'if hashlib.blake2b(payload, digest_size=16).hexdigest() != head.get("blake2b"):',
              "if False:",
              ("disk_store", "disk_engine", "scheduler_disk"),

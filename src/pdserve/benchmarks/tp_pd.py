@@ -13,7 +13,7 @@ every rank's pieces ended); D's polls until LANDED (every D rank has its
 pieces, unpacked) and reports when. Times are medians over the trials: P's
 write (post -> DONE) and the whole transfer (post -> D's LANDED: what a
 request waits before D can decode). Bytes per rank and descriptors are
-those of the pieces (transfer/tp_pieces.py): each P rank's sent, each D
+those of the pieces (transfer/tp/pieces.py): each P rank's sent, each D
 rank's received, one descriptor a page a piece.
 
 The staged path this replaced (every byte through both rank 0s) was timed by
@@ -70,8 +70,8 @@ class _Engine:
         from pdserve.engine.tp.leader import TpLeader
         from pdserve.engine.tp.worker import TpSpec
         from pdserve.transfer import Incarnation
-        from pdserve.transfer.nixl_transport import NixlTransport
-        from pdserve.transfer.rank_agent import LocalRanks
+        from pdserve.transfer.nixl.transport import NixlTransport
+        from pdserve.transfer.tp.rank_agent import LocalRanks
 
         self.leader = None
         if size == 1:
@@ -120,7 +120,7 @@ def measure(p_size: int, d_size: int, tokens: int, trials: int) -> dict:
     import torch.multiprocessing as mp
 
     from pdserve.transfer import Incarnation, KvWrite, TransferEventKind
-    from pdserve.transfer.tp_pieces import bytes_per_rank, plan_pieces
+    from pdserve.transfer.tp.pieces import bytes_per_rank, plan_pieces
 
     n = -(-tokens // PAGE)
     pages = 4 * n                   # D lands in [pages/2, pages/2 + n)

@@ -118,8 +118,8 @@ def _bench_pool(name: str, spec: dict, rng, repeats: int, device) -> list[dict]:
     import torch
 
     from pdserve.transfer import Incarnation, KvWrite
-    from pdserve.transfer.nixl_transport import NixlTransport
-    from pdserve.transfer.peer_process import make_pool, spawn
+    from pdserve.transfer.nixl.transport import NixlTransport
+    from pdserve.transfer.nixl.peer_process import make_pool, spawn
 
     dtype = getattr(torch, spec["dtype"])
     biggest = max(spec["sizes"])

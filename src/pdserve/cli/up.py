@@ -94,7 +94,7 @@ def run(args) -> int:
             return 2
     if cfg.engine.disk_cache is not None:
         from pdserve.engine.disk.tier import check_model_served
-        from pdserve.transfer.disk_store import DiskStoreError, check_directory
+        from pdserve.transfer.disk.store import DiskStoreError, check_directory
 
         try:
             check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block,

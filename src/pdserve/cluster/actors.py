@@ -85,7 +85,7 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     transport = None
     if kind is not Role.FUSED:
         from pdserve.engine.tp.transfer import register_transfer_pools
-        from pdserve.transfer.nixl_transport import NixlTransport
+        from pdserve.transfer.nixl.transport import NixlTransport
 
         transport = NixlTransport(Incarnation(name, incarnation),
                                   FaultInjector.from_config(faults or [], fault_seed))

@@ -5,7 +5,7 @@ handshake with both sides named, not at the first write.
 
 Each rank of an engine holds its KV heads of every page; between engines
 of tensor-parallel sizes p and d each D rank is written the heads it owns
-by the P ranks that hold them (transfer/tp_pieces.py says which, from the
+by the P ranks that hold them (transfer/tp/pieces.py says which, from the
 two layouts). So two engines of different sizes map as long as the
 model's KV geometry, dtype and page size agree; the size says who holds
 which heads."""

@@ -38,7 +38,7 @@ The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
 hash of the prefix each page ends (scheduler/prefix.py), the cache group,
 the weights fingerprint, dtype, page layout and tensor-parallel shard
-(transfer/disk_store.py), so
+(transfer/disk/store.py), so
 every engine of a node on the same directory and model shares the files.
 """
 
@@ -55,7 +55,7 @@ from pdserve.engine.disk.groups import REMEMBERED, HostCheckpoints, StateFiles, 
 from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
 from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
-from pdserve.transfer.disk_store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
+from pdserve.transfer.disk.store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
 
 
 def check_model_served(cfg: DiskCacheConfig | None, model_cfg, state_block: int = 0,

@@ -1,5 +1,5 @@
 """Every rank of a tensor-parallel engine its own NIXL agent for per-rank KV
-transfer (transfer/rank_agent.py), driven from rank 0 over the ranks' pipes.
+transfer (transfer/tp/rank_agent.py), driven from rank 0 over the ranks' pipes.
 
 Rank 0 says what each rank's agent does with typed messages (`TpKvStart`,
 `TpKvConnect`, `TpKvAccept`, `TpKvPost`, `TpKvForget`), in order with the
@@ -10,7 +10,7 @@ when to poll, and a write is done on P when every P rank's pieces ended,
 landed on D when every D rank reported it.
 
 engine/tp/transfer.py gives an engine's transport these agents; the
-transport's side of a write is transfer/rank_writes.py."""
+transport's side of a write is transfer/tp/rank_writes.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pickle
 from dataclasses import dataclass
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.rank_agent import KvRankAgent, KvRankMeta, RankPolled
+from pdserve.transfer.tp.rank_agent import KvRankAgent, KvRankMeta, RankPolled
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 `register_transfer_pools`, which registers the executor's pools and, in a
 deployment with a tensor-parallel prefill or decode role, gives every rank
 of every P and D engine its own NIXL agent over its shard so that KV moves
-rank to rank (transfer/tp_pieces.py, rank_agent.py, rank_writes.py;
+rank to rank (transfer/tp/pieces.py, rank_agent.py, rank_writes.py;
 engine/tp/kv_ranks.py for a tensor-parallel engine's workers)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def register_transfer_pools(transport, model, executor, page_size: int,
         return
     name = transport.incarnation.agent_name
     if layout.tensor_parallel_size == 1:
-        from pdserve.transfer.rank_agent import LocalRanks
+        from pdserve.transfer.tp.rank_agent import LocalRanks
 
         transport.use_ranks(LocalRanks(name, executor.transfer_pools(), layout))
     else:

@@ -30,7 +30,7 @@ def make_pool(pages: int, page_shape, dtype, fill=None, device="cpu") -> torch.T
 
 def serve(conn, engine_id: str, epoch: int, pages: int, page_shape, dtype_name: str,
           raw_bytes: int = 0, device: str = "cpu") -> None:
-    from pdserve.transfer.nixl_transport import NixlTransport
+    from pdserve.transfer.nixl.transport import NixlTransport
 
     t = NixlTransport(Incarnation(engine_id, epoch))
     pool = make_pool(pages, page_shape, getattr(torch, dtype_name), fill=-1, device=device)

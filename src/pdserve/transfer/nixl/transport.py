@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.nixl_agent import PROGRESS_WAKE_US, new_agent
+from pdserve.transfer.nixl.agent import PROGRESS_WAKE_US, new_agent
 from pdserve.transfer.notification import KvNote
 from pdserve.transfer.transport import (
     Incarnation, KvTransport, KvWrite, TransferEvent, TransferEventKind)
@@ -44,13 +44,13 @@ class NixlTransport(KvTransport):
         self._peers: dict[str, tuple[Incarnation, str, object]] = {}   # id -> (inc, name, handle)
         self._peer_pages: dict[str, int] = {}                            # id -> its pool's pages
         self._inflight: dict = {}                                        # handle -> (write, t0)
-        self.rank_writes = None     # RankWrites: per-rank transfer (transfer/rank_writes.py)
+        self.rank_writes = None     # RankWrites: per-rank transfer (transfer/tp/rank_writes.py)
 
     def use_ranks(self, ranks) -> None:
         """Move KV per rank (every rank of this engine its agent, `ranks`;
-        transfer/rank_writes.py) with every peer whose metadata carries its
+        transfer/tp/rank_writes.py) with every peer whose metadata carries its
         ranks, instead of this agent's whole pages. After register_pools."""
-        from pdserve.transfer.rank_writes import RankWrites
+        from pdserve.transfer.tp.rank_writes import RankWrites
 
         if self.layout is None:
             raise ValueError("per-rank transfer needs the engine's KvLayout: register_pools first")
@@ -117,7 +117,7 @@ class NixlTransport(KvTransport):
         self._peers[incarnation.engine_id] = (incarnation, name, handle)
         self._peer_pages[incarnation.engine_id] = md["pages"]
         if per_rank:
-            from pdserve.transfer.rank_agent import KvRankMeta
+            from pdserve.transfer.tp.rank_agent import KvRankMeta
 
             assert self.rank_writes is not None
             self.rank_writes.add_peer(incarnation, KvLayout.from_json(md["layout"]),

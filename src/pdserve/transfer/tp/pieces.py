@@ -1,6 +1,6 @@
 """Per-rank KV transfer between tensor-parallel engines: which P rank sends
 which KV heads to which D rank, and how each such piece crosses a page.
-Pure: no NIXL, no torch; transfer/rank_agent.py turns it into descriptors,
+Pure: no NIXL, no torch; transfer/tp/rank_agent.py turns it into descriptors,
 prepared once per peer.
 
 A rank's page of one cache group is `[layers, 2, page_size, heads, head_dim]`

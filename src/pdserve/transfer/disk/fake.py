@@ -1,7 +1,7 @@
 """The disk tier's fake backend, for tests: files in memory, in the file
 format of `FileStore`, with injected faults (latency, dropped reads, torn
 files, files of another model). It runs behind the same `DiskStore`
-contract (transfer/disk_store.py) and the same two lanes."""
+contract (transfer/disk/store.py) and the same two lanes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from pdserve.transfer.disk_store import DiskKey, DiskOp, DiskStore, Miss, decode, encode
+from pdserve.transfer.disk.store import DiskKey, DiskOp, DiskStore, Miss, decode, encode
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.transfer.kv_layout import KvLayout
 from pdserve.transfer.notification import KvNote
-from pdserve.transfer.tp_pieces import plan_pieces
+from pdserve.transfer.tp.pieces import plan_pieces
 from pdserve.transfer.transport import (
     Incarnation, KvWrite, TransferEvent, TransferEventKind)
 

@@ -1,5 +1,5 @@
 """One rank's NIXL agent for per-rank KV transfer between tensor-parallel
-engines (transfer/tp_pieces.py says who sends what, and how a piece
+engines (transfer/tp/pieces.py says who sends what, and how a piece
 crosses: one block a page).
 
 Each rank, rank 0 or a worker, owns an agent with its own KV shard
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.transfer.kv_layout import KvLayout
-from pdserve.transfer.nixl_agent import PROGRESS_WAKE_US, new_agent
+from pdserve.transfer.nixl.agent import PROGRESS_WAKE_US, new_agent
 from pdserve.transfer.notification import PieceNote
-from pdserve.transfer.tp_pieces import KvPiece, piece_wire, plan_pieces
+from pdserve.transfer.tp.pieces import KvPiece, piece_wire, plan_pieces
 
 
 @dataclass(frozen=True)

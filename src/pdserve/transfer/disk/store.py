@@ -19,7 +19,7 @@ length and checksum; a file that is torn, corrupt or written for another
 key, model, dtype or layout is a miss, and is removed, never loaded.
 
 `FileStore` keeps files in one directory under a byte capacity, evicting the
-least recently used; `FakeStore` (transfer/disk_fake.py) keeps them in
+least recently used; `FakeStore` (transfer/disk/fake.py) keeps them in
 memory and injects faults, for tests. Both run their operations behind the
 same `DiskStore` contract: reads and writes on separate worker threads
 (`Lane`), so a read never waits for the write-through backlog.
