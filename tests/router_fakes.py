@@ -17,7 +17,7 @@ def linked(r: Router, name: str):
     """`r`'s link to engine `name`, ready as if its Subscribe stream were
     open (the engine is whatever `r.engines[name].stub` is); call it on the
     loop the test runs."""
-    from pdserve.router.engine_link import EngineLink
+    from pdserve.router.engines.link import EngineLink
 
     link = r.links[name] = EngineLink(r.engines[name], r.id)
     link.ready.set()

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from pdserve.proto import control_pb2 as cpb
-from pdserve.router import membership
-from pdserve.router.adapter_sync import AdapterSync, held_loads
-from pdserve.router.pairing import EngineRef, Pairing
+from pdserve.router.engines import membership
+from pdserve.router.lora.sync import AdapterSync, held_loads
+from pdserve.router.engines.pairing import EngineRef, Pairing
 from pdserve.scheduler.adapters import AdapterRegistry
 
 

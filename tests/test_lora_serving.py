@@ -240,7 +240,7 @@ def test_runtime_updates_are_off_unless_enabled():
 def test_the_router_sends_a_request_only_to_engines_holding_its_adapter():
     """A D is picked only with a P that holds the adapter too; with none,
     the refusal says to load it."""
-    from pdserve.router.pairing import EngineRef, Pairing
+    from pdserve.router.engines.pairing import EngineRef, Pairing
     engines = {n: EngineRef(n, role, "", adapters=held) for n, role, held in [
         ("decode-0", "decode", {1, 2}), ("decode-1", "decode", {2}),
         ("prefill-0", "prefill", {1}), ("prefill-1", "prefill", {2}),

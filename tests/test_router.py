@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.config import ServeConfig
-from pdserve.router.pairing import AFFINITY_SLACK_TOKENS
+from pdserve.router.engines.pairing import AFFINITY_SLACK_TOKENS
 from pdserve.router.router import RequestError, Router, Security
 from pdserve.text.tokenizer import PrintableTokenizer
 
@@ -183,8 +183,8 @@ def test_membership_closes_an_engines_channel_when_it_moves_and_on_disconnect():
 
     import grpc
 
-    from pdserve.router import membership
-    from pdserve.router.pairing import EngineRef
+    from pdserve.router.engines import membership
+    from pdserve.router.engines.pairing import EngineRef
     from pdserve.proto import control_pb2 as cpb
 
     async def closed(stub) -> bool:
@@ -274,8 +274,8 @@ def test_a_subscribe_stream_cancelled_under_the_link_is_a_broken_stream_not_its_
     incarnation was never subscribed). stop() still ends the link."""
     import asyncio
 
-    from pdserve.router.engine_link import LOST, EngineLink
-    from pdserve.router.pairing import EngineRef
+    from pdserve.router.engines.link import LOST, EngineLink
+    from pdserve.router.engines.pairing import EngineRef
     from pdserve.router.mailbox import Mailbox
     from pdserve.proto import control_pb2 as cpb
 
@@ -316,7 +316,7 @@ def test_an_added_engine_is_picked_only_once_it_is_subscribed_and_introduced():
     events are subscribed and its peers told of it. Meanwhile it is not
     picked: a request then found no link for it (a 500 that left its load
     counted for good), or a D that had not met the new P refused it."""
-    from pdserve.router.pairing import EngineRef
+    from pdserve.router.engines.pairing import EngineRef
 
     r = router({"fused": 0, "prefill": 1, "decode": 1})
     r.engines["decode-1"] = EngineRef("decode-1", "decode", "there", joining=True)

@@ -151,7 +151,7 @@ def test_a_mailbox_hands_over_everything_that_came_in_order_and_wakes_its_reader
     was cancelled while waiting leaves the mailbox usable."""
     import asyncio
 
-    from pdserve.router.engine_link import LOST
+    from pdserve.router.engines.link import LOST
     from pdserve.router.mailbox import Mailbox
 
     async def go():
@@ -329,7 +329,7 @@ def test_the_router_holds_its_submits_to_one_engine_to_a_bound():
     one connection and gRPC cancels some); every one still gets in."""
     import asyncio
 
-    from pdserve.router.engine_link import SUBMITS_IN_FLIGHT
+    from pdserve.router.engines.link import SUBMITS_IN_FLIGHT
     from pdserve.proto import control_pb2 as cpb
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}, "engine": {"page_size": 4}})
@@ -368,7 +368,7 @@ def test_a_resubmission_carries_the_sampling_and_says_how_much_is_output_already
     import asyncio
 
     from pdserve import SamplingParams
-    from pdserve.router.engine_link import LOST
+    from pdserve.router.engines.link import LOST
     from pdserve.proto import control_pb2 as cpb
     from pdserve.proto.sampling import from_options
 
@@ -416,7 +416,7 @@ def test_a_resubmission_under_stream_interval_carries_what_the_client_got_and_no
     import asyncio
 
     from pdserve import SamplingParams
-    from pdserve.router.engine_link import LOST
+    from pdserve.router.engines.link import LOST
     from pdserve.proto import control_pb2 as cpb
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 2}, "router": {"stream_interval": 3}})
@@ -465,7 +465,7 @@ def test_a_request_waiting_for_a_slot_while_its_engine_resubscribes_joins_the_ne
     import asyncio
 
     from pdserve import SamplingParams
-    from pdserve.router.engine_link import LOST
+    from pdserve.router.engines.link import LOST
     from pdserve.proto import control_pb2 as cpb
 
     r = router({"fused": 1, "prefill": 0, "decode": 0})

@@ -119,7 +119,7 @@ def _router_now(tok, ids, front: str) -> float:
     import contextlib
 
     from pdserve.config import ServeConfig
-    from pdserve.router.engine_link import EngineLink
+    from pdserve.router.engines.link import EngineLink
     from pdserve.router.event_loop import run
     from pdserve.router.router import Router
     from pdserve.proto import control_pb2 as cpb

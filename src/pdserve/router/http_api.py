@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.router import lora_admin
+from pdserve.router.lora import admin as lora_admin
 from pdserve.router.auth import key_matches, refusal
 from pdserve.router.errors import RequestError
 from pdserve.router.openai_answers import Answers, error, from_request_error

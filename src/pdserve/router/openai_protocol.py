@@ -12,7 +12,7 @@ from typing import Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
                       field_validator, model_validator)
 
-from pdserve.router.pairing import ROUTES
+from pdserve.router.engines.pairing import ROUTES
 from pdserve.text.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16

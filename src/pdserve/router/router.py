@@ -32,12 +32,12 @@ from typing import Protocol
 import grpc
 
 import pdserve
-from pdserve.router import membership
+from pdserve.router.engines import membership
 from pdserve.config import ServeConfig
-from pdserve.router.engine_link import EngineLink
+from pdserve.router.engines.link import EngineLink
 from pdserve.router.event_loop import new_event_loop
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
+from pdserve.router.engines.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream, StreamContext
 from pdserve.text.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ from pdserve.proto import router_pb2 as pb
 from pdserve.proto.control_tls import ControlTls
 from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
-from pdserve.router.adapter_sync import AdapterSync
+from pdserve.router.lora.sync import AdapterSync
 from pdserve.scheduler.adapters import AdapterRef, AdapterRegistry
 
 log = logging.getLogger("pdserve.router")

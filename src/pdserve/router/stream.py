@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdserve.router.engine_link import LOST, EngineLink
+from pdserve.router.engines.link import LOST, EngineLink
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import EngineRef, Pairing
+from pdserve.router.engines.pairing import EngineRef, Pairing
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb

@@ -39,7 +39,7 @@ class EngineRef:
         return self.alive and not self.draining and not self.joining
     load: int = 0                 # outstanding tokens the router sent it
     # the LoRA adapter loads it holds (ids): the configured ones, and those a
-    # runtime load confirmed on it (router/lora_admin.py)
+    # runtime load confirmed on it (router/lora/admin.py)
     adapters: set = dataclasses.field(default_factory=set)
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold

@@ -3,7 +3,7 @@ engine that restarted or joined after a runtime load or unload.
 
 An engine starts with the configured adapters only. The router learns what
 each engine holds from its GetInfo (`adapters`, as name:load id) on every
-membership round (router/membership.py calls `observe`):
+membership round (router/engines/membership.py calls `observe`):
 - on a new incarnation (a restart, or a first answer), the engine's set of
   loads the router routes by (`EngineRef.adapters`) becomes exactly what it
   reports, before any request can be picked for it;
@@ -12,7 +12,7 @@ membership round (router/membership.py calls `observe`):
   confirmed does the router send that adapter's requests there;
 - a load the engine holds that the registry no longer has (unloaded or
   replaced while the engine was away) is unloaded there (`UnloadAdapter`).
-A load or unload the admin API has in flight (router/lora_admin.py) is
+A load or unload the admin API has in flight (router/lora/admin.py) is
 left to it (`pending`). One replay per engine runs at a time, as a task on
 the router's loop; a failed one is tried again on a later round.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.proto import control_pb2 as cpb
-from pdserve.router.pairing import EngineRef
+from pdserve.router.engines.pairing import EngineRef
 from pdserve.scheduler.adapters import AdapterRegistry
 
 log = logging.getLogger("pdserve.router")

@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from pdserve.router.pairing import EngineRef
+from pdserve.router.engines.pairing import EngineRef
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import control_pb2 as cpb
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve.proto.control_tls import ControlTls, aio_channel
-from pdserve.router.pairing import EngineRef
+from pdserve.router.engines.pairing import EngineRef
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import control_pb2_grpc as cpbg
 
@@ -79,7 +79,7 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
     """Ask every engine who it is; introduce P and D peers to each other
     whenever an incarnation is new. `on_info(ref, info, new incarnation)`:
     called for each answer as it is taken in, before anything else runs on
-    the loop (the router's adapter sync, router/adapter_sync.py). Returns
+    the loop (the router's adapter sync, router/lora/sync.py). Returns
     whether anything changed."""
     refs = list(engines.values())
     got = await asyncio.gather(*(_info(r, resolver, dial) for r in refs))
