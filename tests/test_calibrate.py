@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.sim.profile_fit import fit
-from pdserve.sim.cost_profile import Round
+from pdserve.sim.cost.fit import fit
+from pdserve.sim.cost.profile import Round
 from pdserve.cli.main import main
 from pdserve.config import ServeConfig, load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import TraceRequest
-from pdserve.sim.cost_model import MODELS, CostModel, GPUS
-from pdserve.sim.cost_profile import (TERMS, Profile, ProfiledCostModel, RoundCost,
+from pdserve.sim.cost.roofline import MODELS, CostModel, GPUS
+from pdserve.sim.cost.profile import (TERMS, Profile, ProfiledCostModel, RoundCost,
                                         features, load_profile, save_profile,
                                         simulated_cost)
 from pdserve.scheduler import ConfigError
@@ -243,7 +243,7 @@ def test_served_factors_price_a_round_by_its_kind_batch_and_neighbours(tmp_path)
 
 
 def test_served_factors_are_the_median_of_each_cell_with_enough_rounds():
-    from pdserve.sim.profile_fit import errors, fit_factors
+    from pdserve.sim.cost.fit import errors, fit_factors
 
     cost = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0)      # a decode costs 10 ms
     rng = random.Random(5)
@@ -510,7 +510,7 @@ def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
     """Prefill rounds priced right and decode rounds priced at twice what
     they took: by kind 0% and +100%, over all of them weighted by time."""
     from pdserve.benchmarks.sim_accuracy import round_errors
-    from pdserve.sim.cost_profile import Profile
+    from pdserve.sim.cost.profile import Profile
 
     cost = RoundCost(0.0, 0.0, 0.0, 0.01, 0.0, 1.0, 0.0)   # 10 ms a prefill token, 1 s a decode
     prof = Profile(cost, TINY, 1e9)
@@ -528,7 +528,7 @@ def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
 
 
 def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
-    from pdserve.sim.cost_profile import neighbours
+    from pdserve.sim.cost.profile import neighbours
 
     def rnd(start, seconds):
         return Round((), 0, 1, 0, seconds, start=start)
@@ -540,13 +540,13 @@ def test_sim_accuracy_counts_the_engines_computing_as_each_real_round_began():
     # c's: at 0.6 a and b
     assert neighbours([a, b, c]) == [0, 1, 0, 1, 0, 2]
     prof = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
-    from pdserve.sim.profile_fit import errors
+    from pdserve.sim.cost.fit import errors
     assert errors(prof, [rnd(0, 1.5)], TINY, 0.5, [1]) == pytest.approx([0.0])
     assert errors(prof, [rnd(0, 1.5)], TINY) == pytest.approx([1 / 1.5 - 1])
 
 
 def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
-    from pdserve.sim.profile_fit import neighbour_slowdown
+    from pdserve.sim.cost.fit import neighbour_slowdown
 
     cost = RoundCost(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)       # a decode costs 1 s
     shared = [Round((), 0, 1, 0, s) for s in (1.1, 1.3, 1.3, 1.4, 9.0)]
@@ -557,7 +557,7 @@ def test_neighbour_slowdown_is_the_median_excess_over_the_fit_per_copy():
 
 
 def test_served_calibration_fits_a_scale_and_the_slowdown_beside_other_engines():
-    from pdserve.sim.profile_fit import fit_serving
+    from pdserve.sim.cost.fit import fit_serving
 
     cost = RoundCost(0.01, 0.0, 0.0, 0.001, 0.0, 0.002, 0.0)
     rng = random.Random(3)
@@ -584,8 +584,8 @@ def test_served_calibration_scales_the_sweep_to_a_running_deployment(tmp_path):
     """On the tiny model: the sweep, then a deployment of two fused engines
     serving two short loads; every served round counts, and the profile is
     the sweep's form times the fitted scale."""
-    from pdserve.sim.calibrate import calibrate
-    from pdserve.sim.calibrate_served import calibrate_served
+    from pdserve.sim.calibrate.sweep import calibrate
+    from pdserve.sim.calibrate.served import calibrate_served
 
     cfg = load_config(ROOT / "deploy/local-tiny.yaml")
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, fused=2))

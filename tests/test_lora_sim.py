@@ -81,7 +81,7 @@ def test_the_trace_field_is_checked(tmp_path):
 
 
 def test_an_adapters_size_follows_the_model_and_rank():
-    from pdserve.sim.cost_model import MODELS
+    from pdserve.sim.cost.roofline import MODELS
     m = MODELS["llama-3-8b"]
     # Llama 3 8B, rank 16 on all seven projections: 42 M weights; the preset
     # has no intermediate width, and the one its parameter count implies
@@ -97,7 +97,7 @@ def test_pdserve_plans_yaml_keeps_the_adapters_found_from_its_folder(tmp_path):
 
     import yaml
 
-    from pdserve.sim.plan_report import plan_yaml
+    from pdserve.sim.plan.report import plan_yaml
     base = tmp_path / "conf" / "base.yaml"
     base.parent.mkdir()
     base.write_text(yaml.safe_dump({"lora": {"adapters": {"a": "ad/a", "b": {

@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.cli.main import main
 from pdserve.config import load_config
-from pdserve.sim.plan_search import Bracket, Candidate, Settings, Status, candidates, make_plan, search
-from pdserve.sim.plan_probe import InProcess, OnTasks, Probe
+from pdserve.sim.plan.search import Bracket, Candidate, Settings, Status, candidates, make_plan, search
+from pdserve.sim.plan.probe import InProcess, OnTasks, Probe
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import Slo, SloWatch
 from pdserve.sim.trace import read_trace, scale_arrivals

@@ -10,7 +10,7 @@ from pdserve.cli.main import main
 from pdserve.config import ServeConfig, load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import TraceError, read_trace
-from pdserve.sim.cost_model import GPUS, MODELS, CostModel
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel
 from pdserve.scheduler import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pdserve.cli.main import main
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig, load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import TraceRequest
-from pdserve.sim.cost_model import GPUS, MODELS, CostModel, window_pairs
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, window_pairs
 from pdserve.scheduler import ConfigError, EngineConfig
 from pdserve.scheduler.cache_groups import FULL
 from pdserve.scheduler.capacity import sliding_request_pages

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pdserve.benchmarks import state_capacity as bench
-from pdserve.sim.cost_model import GPUS, MODELS, CostModel, ModelPreset, gdn_layer_state_bytes
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, ModelPreset, gdn_layer_state_bytes
 from pdserve.scheduler import ConfigError
 from pdserve.scheduler.cache_groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec,
                                             check_groups)

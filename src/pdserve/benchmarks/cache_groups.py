@@ -30,7 +30,7 @@ from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile
 from pdserve.sim.trace import read_trace
-from pdserve.sim.cost_model import GPUS, MODELS, CostModel, GpuPreset, ModelPreset
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, GpuPreset, ModelPreset
 from pdserve.sim.executor import SimExecutor
 from pdserve.scheduler.capacity import single_request_pages, sliding_request_pages
 from pdserve.scheduler.config import EngineConfig

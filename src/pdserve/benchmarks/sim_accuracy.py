@@ -50,8 +50,8 @@ import tempfile
 from pdserve.benchmarks.args import non_negative, positive, usage_error, workload_arguments
 from pdserve.sim.load import Sample, arrivals, drive, workload
 from pdserve.sim.host_load import ForeignLoad, wait_for_quiet
-from pdserve.sim.profile_fit import errors
-from pdserve.sim.cost_profile import KINDS, Profile, load_profile, neighbours, save_profile
+from pdserve.sim.cost.fit import errors
+from pdserve.sim.cost.profile import KINDS, Profile, load_profile, neighbours, save_profile
 
 ALONE_GAP_S = 1e4     # concurrency 1 in the simulator: arrivals this far apart
 PROBE_SEED = 50       # a probe's prompts: seeds no run of the level uses

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pdserve.benchmarks.args import positive
 from pdserve.benchmarks.cache_groups import OVERHEAD, kv_pool_bytes
-from pdserve.sim.cost_model import GPUS, MODELS, ModelPreset
+from pdserve.sim.cost.roofline import GPUS, MODELS, ModelPreset
 from pdserve.scheduler.capacity import (STATE_SLOTS_PER_CHUNK, STATE_SLOTS_PER_REQUEST,
                                         single_request_pages)
 from pdserve.scheduler.config import EngineConfig

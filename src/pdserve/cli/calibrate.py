@@ -1,5 +1,5 @@
 """`pdserve calibrate`: time the config's real engine over a grid of rounds
-and fit a cost profile for `pdserve sim` (sim/calibrate.py does the work)."""
+and fit a cost profile for `pdserve sim` (sim/calibrate/sweep.py does the work)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pdserve.sim.calibrate import main as calibrate
+    from pdserve.sim.calibrate.sweep import main as calibrate
 
     if args.served:
         given = [f"--{k}" for k in ("threads", "device") if getattr(args, k)]

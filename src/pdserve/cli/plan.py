@@ -1,7 +1,7 @@
 """`pdserve plan`: search P:D splits and chunk budgets by simulation for the
 most goodput per GPU within a latency SLO; the table is printed and plan.yaml,
-plan.json and plan.png written to --out (sim/plan_search.py searches,
-sim/plan_report.py renders)."""
+plan.json and plan.png written to --out (sim/plan/search.py searches,
+sim/plan/report.py renders)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def run(args) -> int:
     from pdserve.config import load_config
     from pdserve.scheduler.config import ConfigError
     from pdserve.cluster.probe_pool import RayTasks
-    from pdserve.sim.plan_probe import InProcess, OnTasks, local_cpus
-    from pdserve.sim.plan_report import format_table, plan_json, plan_yaml, plot
-    from pdserve.sim.plan_search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Settings,
+    from pdserve.sim.plan.probe import InProcess, OnTasks, local_cpus
+    from pdserve.sim.plan.report import format_table, plan_json, plan_yaml, plot
+    from pdserve.sim.plan.search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Settings,
                                          check_settings, make_plan)
     from pdserve.sim.report import Slo
     from pdserve.sim.trace import TraceError, read_trace

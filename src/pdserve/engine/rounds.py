@@ -1,7 +1,7 @@
 """What an engine round computed, and how long it took: the one part of
 the cost model the live engine records (`EngineServer.take_rounds`), so
 `pdserve calibrate --served` and `bench sim-accuracy` can hold a profile
-(sim/cost_profile.py) against real rounds."""
+(sim/cost/profile.py) against real rounds."""
 
 from __future__ import annotations
 

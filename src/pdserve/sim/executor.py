@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdserve.sim.cost_model import CostModel
+from pdserve.sim.cost.roofline import CostModel
 from pdserve.sim.disk import SimDiskEdge
 from pdserve.sim.lora import SimLora
 from pdserve.scheduler.plan import Plan, StepResult

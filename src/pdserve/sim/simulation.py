@@ -31,7 +31,7 @@ from pdserve.config import ServeConfig
 from pdserve.sim.fault_plan import Fault
 from pdserve.sim.report import Record, SloWatch, format_summary, goodput, summarize
 from pdserve.sim.trace import TraceRequest
-from pdserve.sim.cost_profile import simulated_cost
+from pdserve.sim.cost.profile import simulated_cost
 from pdserve.engine.engine import Engine
 from pdserve.sim.executor import SimExecutor
 from pdserve.sim.lora import SimLora, TraceAdapters

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from pdserve.config import ServeConfig
-from pdserve.sim.plan_search import Bracket, PlanResult, Status
+from pdserve.sim.plan.search import Bracket, PlanResult, Status
 from pdserve.sim.report import plot_lines
 from pdserve.scheduler.config import ConfigError
 

@@ -253,7 +253,7 @@ class CostModel:
         self.window = model.window
 
     def round_factor(self, has_prefill: bool, num_decodes: int, neighbours: int) -> float:
-        """A measured profile's correction to a round (sim/cost_profile.py);
+        """A measured profile's correction to a round (sim/cost/profile.py);
         the GPU presets' form needs none (each engine has its own GPU)."""
         return 1.0
 

@@ -12,15 +12,15 @@ planner through a grid of rounds:
   them, a mixed round of a chunk and B decodes.
 
 Each round's wall time is the engine's step (plan build, forward, sampling,
-apply), with the plan's features (sim/cost_profile.py). The fit
-(sim/profile_fit.py) minimizes the sum of |predicted / measured - 1|,
+apply), with the plan's features (sim/cost/profile.py). The fit
+(sim/cost/fit.py) minimizes the sum of |predicted / measured - 1|,
 every coefficient >= 0. Every 4th round is held out of the fit and its
 error reported.
 
 Copies (`copies` > 1): the sweep runs twice, first with the host to itself
 (the fit), then with copies - 1 processes sweeping the same grid beside it;
 the second sweep's median measured/fitted ratio, less one, per copy, is the
-profile's `neighbour_slowdown` (sim/cost_profile.py), which the
+profile's `neighbour_slowdown` (sim/cost/profile.py), which the
 simulator applies while other engines compute.
 
 Threads: a CPU engine under Ray runs one intra-op thread (Ray sets
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 from pdserve.config import ServeConfig, engine_for_model
 from pdserve.sim.host_load import ForeignLoad
-from pdserve.sim.profile_fit import HOLD_OUT_EVERY, fit, held_out_report, neighbour_slowdown
-from pdserve.sim.cost_model import ModelPreset
-from pdserve.sim.cost_profile import TERMS, Profile, Round, round_of
+from pdserve.sim.cost.fit import HOLD_OUT_EVERY, fit, held_out_report, neighbour_slowdown
+from pdserve.sim.cost.roofline import ModelPreset
+from pdserve.sim.cost.profile import TERMS, Profile, Round, round_of
 
 
 
@@ -396,7 +396,7 @@ def main(*, config: str, out: str, device: str | None, threads: int | None, chun
          clock: str = "wall", copies: int = 1, as_load: bool = False,
          served: bool = False) -> int:
     from pdserve.config import load_config
-    from pdserve.sim.cost_profile import save_profile
+    from pdserve.sim.cost.profile import save_profile
 
     cfg = load_config(config)
     grid_args = {"chunks": chunks, "batches": batches, "contexts": contexts,
@@ -405,7 +405,7 @@ def main(*, config: str, out: str, device: str | None, threads: int | None, chun
         calibrate(cfg, grid_args, device, threads, seed, False, config, as_load=True)
         return 0
     if served:
-        from pdserve.sim.calibrate_served import calibrate_served
+        from pdserve.sim.calibrate.served import calibrate_served
 
         profile, rounds, report = calibrate_served(cfg, config, seed, grid_args=grid_args,
                                                    sweep=calibrate)

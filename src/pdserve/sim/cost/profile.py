@@ -1,6 +1,6 @@
 """A measured cost profile: one engine's round time fitted on a real device.
 
-`pdserve calibrate` (sim/calibrate.py) times the real engine's rounds
+`pdserve calibrate` (sim/calibrate/sweep.py) times the real engine's rounds
 and fits, by least squares, one linear form per round:
 
     seconds = overhead_s
@@ -32,7 +32,7 @@ measures it: it fits the form on a sweep with the host to itself, then
 times the same sweep with a copy sweeping beside it; k is the median
 (measured / fitted - 1) of the second sweep per copy. `calibrate --served`
 fits it on a running deployment's own rounds instead
-(sim/calibrate_served.py). Calibrating with a neighbour running the
+(sim/calibrate/served.py). Calibrating with a neighbour running the
 whole time, as before, priced a lone engine 13-18% too slow and a busy
 host's rounds 5-10% too fast.
 
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.engine.rounds import Round, computes, neighbours, round_kind, round_of  # noqa: F401
-from pdserve.sim.cost_model import GPUS, MODELS, CostModel, ModelPreset, preset, window_pairs
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, ModelPreset, preset, window_pairs
 from pdserve.scheduler.config import ConfigError, check_keys
 
 KIND = "pdserve-cost-profile"

@@ -32,10 +32,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import ClusterShape, ServeConfig
-from pdserve.sim.plan_probe import Probe
+from pdserve.sim.plan.probe import Probe
 from pdserve.sim.report import Slo
 from pdserve.sim.trace import TraceRequest, native_rate
-from pdserve.sim.cost_profile import simulated_cost
+from pdserve.sim.cost.profile import simulated_cost
 from pdserve.scheduler.config import ConfigError
 
 DEFAULT_CHUNKS = (2048, 8192)

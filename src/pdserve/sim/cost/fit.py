@@ -1,4 +1,4 @@
-"""Fitting a cost profile to timed rounds (sim/cost_profile.py's form).
+"""Fitting a cost profile to timed rounds (sim/cost/profile.py's form).
 
 `fit` minimizes the sum of |predicted / measured - 1| over the rounds:
 relative, so a 5 ms round counts as much as a 2 s one; absolute, not
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import statistics
 
-from pdserve.sim.cost_model import ModelPreset
-from pdserve.sim.cost_profile import Round, RoundCost, batch_bucket, features, served_factor
+from pdserve.sim.cost.roofline import ModelPreset
+from pdserve.sim.cost.profile import Round, RoundCost, batch_bucket, features, served_factor
 
 HOLD_OUT_EVERY = 4       # every 4th round is held out of a fit and its error reported
 MIN_CELL = 8             # training rounds a served-factor cell needs to be kept
@@ -79,7 +79,7 @@ def errors(cost: RoundCost, rounds: list[Round], model: ModelPreset,
 
 def fit_factors(cost: RoundCost, pairs, model: ModelPreset, slowdown: float,
                 min_rounds: int = MIN_CELL) -> dict:
-    """The served-factor table (sim/cost_profile.py): for each round kind,
+    """The served-factor table (sim/cost/profile.py): for each round kind,
     decode-batch bucket and alone/beside others, the median measured / form
     of the (round, engines beside it) `pairs` that fall there (a neighbour
     past the first counted at (1 + slowdown) each); cells with fewer than

@@ -1,7 +1,7 @@
 """`pdserve calibrate --served`: the sweep's cost profile, scaled to the
 rounds a running deployment times while it serves.
 
-The sweep (sim/calibrate.py) times the engine in a process of its own.
+The sweep (sim/calibrate/sweep.py) times the engine in a process of its own.
 A serving engine shares its process with its gRPC server and output thread,
 and its host with the router, the client and the other engines. On the
 2-core machine its lone rounds ran 10-18% longer than the sweep's with the
@@ -32,10 +32,10 @@ import sys
 import time
 from typing import Callable
 
-from pdserve.sim.cost_profile import Profile, Round, RoundCost, neighbours
+from pdserve.sim.cost.profile import Profile, Round, RoundCost, neighbours
 
 # calibrate(cfg, grid_args, *, seed, progress, source) -> (profile, rounds, report):
-# sim/calibrate.py's sweep
+# sim/calibrate/sweep.py's sweep
 Sweep = Callable[..., tuple[Profile, list[Round], dict]]
 
 # (concurrency, prompt tokens, output tokens, requests), each a closed loop
@@ -73,11 +73,11 @@ def served_rounds(dep, loads, seed: int, say) -> tuple[list[Round], list[int]]:
 def calibrate_served(cfg, source: str, seed: int = 0, loads=LOADS, progress: bool = True,
                      grid_args: dict | None = None, *, sweep: Sweep):
     """(profile, every round, the held-out report): the sweep's form
-    (`sweep`, sim/calibrate.py's `calibrate`, on `grid_args`, the host to
+    (`sweep`, sim/calibrate/sweep.py's `calibrate`, on `grid_args`, the host to
     itself), scaled to the rounds the deployment `cfg` describes times
     while serving `loads`."""
     from pdserve.sim.host_load import ForeignLoad
-    from pdserve.sim.profile_fit import (HOLD_OUT_EVERY, fit_factors, fit_serving,
+    from pdserve.sim.cost.fit import (HOLD_OUT_EVERY, fit_factors, fit_serving,
                                              held_out_report)
     from pdserve.cluster.deploy import Deployment
 
