@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.benchmarks import transfer
-from pdserve.benchmarks.traces import AZURE_CONV
+from pdserve.benchmarks.common.traces import AZURE_CONV
 from pdserve.sim import load
 from pdserve.transfer import Incarnation, KvWrite
 from pdserve.transfer.transport import TransferEvent, TransferEventKind

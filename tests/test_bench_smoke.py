@@ -105,7 +105,7 @@ def test_bench_serve(capsys, tmp_path):
 
 
 def test_bench_serve_says_why_a_deployment_did_not_start(tmp_path):
-    from pdserve.benchmarks.up_process import served
+    from pdserve.benchmarks.common.processes import served
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: {fused: 1}\nmodel: {preset: no-such-model}\n")

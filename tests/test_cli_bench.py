@@ -70,11 +70,11 @@ def _modules_after(argvs: list[list[str]]) -> list[str]:
 def test_pdserve_up_imports_no_benchmark():
     """A command's parser is built from its own module: `pdserve up` does not
     import the benchmarks to define options it never takes (their shared
-    option helpers in benchmarks/args.py aside)."""
+    option helpers in benchmarks/common/options.py aside)."""
     loaded = _modules_after([["up", "--help"]])
     assert "pdserve.cli.up" in loaded
     assert [m for m in loaded if m.startswith("pdserve.benchmarks.")] == \
-        ["pdserve.benchmarks.args"]
+        ["pdserve.benchmarks.common", "pdserve.benchmarks.common.options"]
 
 
 def test_bench_name_imports_only_that_benchmark():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks.up_process import pdserve_command
+from pdserve.benchmarks.common.processes import pdserve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 START_BOUND_S = 180.0          # Ray and the engines starting on a loaded 2-core machine

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pdserve.cli.main import build_parser
-from pdserve.benchmarks.args import flags_from
+from pdserve.benchmarks.common.options import flags_from
 from pdserve.config import (
     UP_CONFIG, ConfigError, Flags, ServeConfig, load_config, load_with_flags, model_source,
     with_flags)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.quantized import decode_meta
 
 # ModelConfig fields of each shape (Llama architecture, random weights)

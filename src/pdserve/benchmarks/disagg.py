@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import sim_arguments, usage_error
+from pdserve.benchmarks.common.options import sim_arguments, usage_error
 from pdserve.config import ClusterShape, load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import goodput, plot_lines

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 PARTS = ("replay", "restart", "all-miss")
 STORE = "read-behind-writes"      # the store alone; not part of the default run
@@ -313,7 +313,7 @@ def sim_main(trace_path: str | None, limit: int, disk_gib: float, repeats: int) 
     engines: prompt tokens found cached by tier against the trace's own
     bound (everything kept), TTFT p50 and p90."""
     from pdserve.benchmarks.state_reuse import ideal_hit
-    from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
+    from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
     from pdserve.config import load_config, shipped
     from pdserve.scheduler.config import DiskCacheConfig
     from pdserve.sim.report import percentile

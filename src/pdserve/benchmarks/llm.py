@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 SIZES = {
     # the tiny preset's shape
@@ -60,7 +60,7 @@ def workload(kind: str, batch: int, vocab: int, trace: Path, scale: int, warm: b
     if kind == "uniform":
         lens = [(64, 64)] * batch
     else:
-        from pdserve.benchmarks.traces import AZURE_CONV, trace_file
+        from pdserve.benchmarks.common.traces import AZURE_CONV, trace_file
         from pdserve.sim.trace import read_trace
 
         reqs = read_trace(trace_file(trace, AZURE_CONV), limit=max(2 * batch, 16))

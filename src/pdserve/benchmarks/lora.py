@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.quantized import decode_round
 
 CASES = (("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("16 adapters", 16))

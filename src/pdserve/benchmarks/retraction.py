@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import time
 
-from pdserve.benchmarks.args import sim_arguments, usage_error
+from pdserve.benchmarks.common.options import sim_arguments, usage_error
 from pdserve.config import load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import goodput

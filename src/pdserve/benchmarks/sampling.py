@@ -24,7 +24,7 @@ import argparse
 import statistics
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 KINDS = {
     "greedy": dict(temperature=0),

@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import (client_key, client_key_argument, positive, usage_error,
-                                     workload_arguments)
-from pdserve.benchmarks.up_process import served
-from pdserve.benchmarks.args import add_model_arguments, flags_from
+from pdserve.benchmarks.common.options import (add_model_arguments, client_key,
+                                               client_key_argument, flags_from, positive,
+                                               usage_error, workload_arguments)
+from pdserve.benchmarks.common.processes import served
 from pdserve.config import Flags
 from pdserve.sim.load import Sample, arrivals, drive, workload
 

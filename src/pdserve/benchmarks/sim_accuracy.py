@@ -47,7 +47,7 @@ import os
 import statistics
 import tempfile
 
-from pdserve.benchmarks.args import non_negative, positive, usage_error, workload_arguments
+from pdserve.benchmarks.common.options import non_negative, positive, usage_error, workload_arguments
 from pdserve.sim.load import Sample, arrivals, drive, workload
 from pdserve.sim.host_load import ForeignLoad, wait_for_quiet
 from pdserve.sim.cost.fit import errors

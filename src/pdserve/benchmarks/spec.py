@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.spec_gate_log import print_table
 from pdserve.benchmarks.spec_workload import Case, base_config, build, drive, prompts_for
 

@@ -34,7 +34,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.cache_groups import OVERHEAD, kv_pool_bytes
 from pdserve.sim.cost.roofline import GPUS, MODELS, ModelPreset
 from pdserve.scheduler.capacity import (STATE_SLOTS_PER_CHUNK, STATE_SLOTS_PER_REQUEST,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 TEXT = ("Disaggregated serving splits the prefill of a prompt from the decoding of its "
         "answer, so that each runs on the engine that suits it: prefill is compute-bound, "

@@ -27,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 PAGE = 16
 COMBOS = ((1, 1), (1, 2), (2, 1), (2, 2))

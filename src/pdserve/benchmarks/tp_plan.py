@@ -21,7 +21,7 @@ import statistics
 import struct
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 PAGE = 16
 

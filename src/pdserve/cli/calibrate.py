@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 
 def add_arguments(p) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.benchmarks.args import client_key, client_key_argument
-from pdserve.benchmarks.args import add_model_arguments, flags_from, model_flags_given
+from pdserve.benchmarks.common.options import client_key, client_key_argument
+from pdserve.benchmarks.common.options import add_model_arguments, flags_from, model_flags_given
 from pdserve.cli.remote import said
 
 

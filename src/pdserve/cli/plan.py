@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 
 def add_arguments(p) -> None:

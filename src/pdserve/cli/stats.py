@@ -5,7 +5,7 @@ wait."""
 
 from __future__ import annotations
 
-from pdserve.benchmarks.args import client_key, client_key_argument
+from pdserve.benchmarks.common.options import client_key, client_key_argument
 from pdserve.cli.remote import said
 
 

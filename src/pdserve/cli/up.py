@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pdserve.benchmarks.args import client_key
-from pdserve.benchmarks.args import add_model_arguments
+from pdserve.benchmarks.common.options import client_key
+from pdserve.benchmarks.common.options import add_model_arguments
 from pdserve.config import UP_CONFIG
 
 
@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pdserve.benchmarks.args import flags_from
+    from pdserve.benchmarks.common.options import flags_from
     from pdserve.config import engine_gpus, load_with_flags
     from pdserve.scheduler.config import ConfigError
 

@@ -1,6 +1,7 @@
-"""`pdserve up` in a child process, for benchmarks that load a deployment
-the way its users do: the router in a process of its own, not sharing the
-load generator's interpreter (and GIL)."""
+"""Servers a benchmark starts in child processes and stops: `pdserve up`, for
+benchmarks that load a deployment the way its users do (the router in a
+process of its own, not sharing the load generator's interpreter and GIL),
+and the stop every such child gets (`bench peer`'s llama-server too)."""
 
 from __future__ import annotations
 
@@ -63,12 +64,20 @@ def served(config: str, http: bool = False, up_args=()):
         grpc_address, http_url = found[0]
         yield grpc_address, http_url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc, STOP_S)
         reader.join(5)
+
+
+def stop(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM (`pdserve up` drains, then stops Ray), and SIGKILL to the
+    child's whole session (it was started with one) if it is still there
+    after `wait_s`."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

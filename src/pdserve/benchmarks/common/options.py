@@ -1,7 +1,7 @@
 """Options more than one command shares: argument types, option groups two
 benchmarks define alike, the API key of a command that calls a router, and
-the usage error. The `pdserve` command imports them from here; no benchmark
-imports the command. The model flags `up`, `generate` and `bench serve`
+the usage error. The `pdserve` command imports them from here (cli/ may
+import benchmarks, not the reverse); no benchmark imports the command. The model flags `up`, `generate` and `bench serve`
 share, by vLLM's names with SGLang's as aliases (`--model-path`, `--tp`,
 `--context-length`), are the parser's half of config/flags.py, which puts
 them over the config file."""
