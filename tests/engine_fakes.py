@@ -13,7 +13,7 @@ from pdserve.proto import control_pb2 as pb
 from pdserve.engine.peer.messages import PeerRpc
 from pdserve.engine.server import EngineServer
 from pdserve.scheduler import Planner
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer import Incarnation
 from pdserve.transfer.loopback import LoopbackFabric, LoopbackTransport

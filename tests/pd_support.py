@@ -4,7 +4,7 @@ does between them, without a cluster (the handoff of spec §3.1 and §3.2)."""
 from __future__ import annotations
 
 from pdserve.scheduler import Planner, Request, SamplingLimits
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 from support import config, result_for
 

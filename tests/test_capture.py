@@ -14,7 +14,7 @@ from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.capture import (CaptureMode, DecodeCapture, bucket_of, buckets,
                                      choose_capture)
 from pdserve.kernels.models.loader import load_model
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 from pdserve.scheduler.config import ConfigError, EngineConfig
 
 transformers = pytest.importorskip("transformers")

@@ -203,7 +203,7 @@ def test_a_sliding_window_model_serves_through_flashinfer_with_its_own_cache_gro
     prefix hits and retraction; the group never holds more than its window,
     a chunk and the decode slot."""
     from pdserve import LLM, SamplingParams
-    from pdserve.scheduler.cache_groups import HOLE
+    from pdserve.scheduler.cache.groups import HOLE
     from pdserve.scheduler.capacity import sliding_request_pages
 
     case = tf.Case(torch.bfloat16, 4, 24)

@@ -91,7 +91,7 @@ def test_greedy_tokens_match_tier_off_cold_warm_and_after_restart(tmp_path, refe
     again.engine.planner.assert_idle()
     # what `pdserve stats` and /metrics read
     from pdserve.engine.stats import EngineCounters, stats_pb
-    from pdserve.scheduler.grammar import Role
+    from pdserve.scheduler.round.grammar import Role
     s = stats_pb(again.engine.planner, Role.FUSED, EngineCounters(), {"groups": [], "tokens": 0},
                  "float32", "torch", again.executor.disk.stats())
     assert s.cached_tokens_by_tier["disk"] == hits.disk_tokens

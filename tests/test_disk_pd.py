@@ -20,7 +20,7 @@ from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.engine.engine import Engine
 from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk.fake import FakeStore

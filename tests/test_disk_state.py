@@ -14,7 +14,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk.fake import FakeStore
 from pdserve.transfer.disk.store import DiskOp

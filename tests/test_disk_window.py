@@ -15,7 +15,7 @@ from pdserve.engine.disk.groups import WindowFiles
 from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.plan import DiskLoadOp, Plan, StepResult, StoreOp
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk.fake import FakeStore
 from pdserve.transfer.disk.store import DiskOp

@@ -9,7 +9,7 @@ import pytest
 from pd_support import PDPair
 from pdserve.scheduler import Planner, Request, SamplingLimits
 from pdserve.scheduler.config import ConfigError
-from pdserve.scheduler.adapters import BASE, AdapterNameError, AdapterRegistry
+from pdserve.scheduler.lora.adapters import BASE, AdapterNameError, AdapterRegistry
 from support import config, req, result_for, run_to_completion
 
 PROMPT = list(range(1, 17))          # four full pages of 4

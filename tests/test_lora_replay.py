@@ -13,7 +13,7 @@ from pdserve.proto import control_pb2 as cpb
 from pdserve.router.engines import membership
 from pdserve.router.lora.sync import AdapterSync, held_loads
 from pdserve.router.engines.pairing import EngineRef, Pairing
-from pdserve.scheduler.adapters import AdapterRegistry
+from pdserve.scheduler.lora.adapters import AdapterRegistry
 
 
 def not_found(what: str) -> grpc.aio.AioRpcError:

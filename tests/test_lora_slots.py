@@ -6,7 +6,7 @@ lets its slot go."""
 
 from pd_support import PDPair
 from pdserve.scheduler import Planner, Request, SamplingLimits
-from pdserve.scheduler.adapter_slots import AdapterSlots
+from pdserve.scheduler.lora.slots import AdapterSlots
 from pdserve.scheduler.fsm import Retracted
 from support import config, result_for
 

@@ -1,4 +1,4 @@
-"""A round that runs ahead (`engine.overlap`, scheduler/overlap.py): round
+"""A round that runs ahead (`engine.overlap`, scheduler/round/overlap.py): round
 N+1 is built while round N's forward runs, and nothing a client sees changes.
 
 Real tokens: `pdserve.LLM` on the tiny preset, fused. P/D: the simulated
@@ -18,7 +18,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import load_config
 from pdserve.engine.engine import Engine
-from pdserve.scheduler import ConfigError, EngineConfig, Planner, fsm, retraction
+from pdserve.scheduler import ConfigError, EngineConfig, Planner, fsm
+from pdserve.scheduler.round import retraction
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import read_trace
 
@@ -349,7 +350,7 @@ def _overlap_server():
     from engine_fakes import Executor, Outputs, Sender
 
     from pdserve.engine.server import EngineServer
-    from pdserve.scheduler.grammar import Role
+    from pdserve.scheduler.round.grammar import Role
 
     class Ahead(Executor):
         def launch(self, plan):

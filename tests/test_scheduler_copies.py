@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.config import ConfigError, SimulateConfig
 from pdserve.scheduler import Planner
-from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
 from pdserve.scheduler.fsm import Retracted
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.sim.simulation import Simulation

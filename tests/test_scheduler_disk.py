@@ -7,8 +7,8 @@ of it, and it re-prefills."""
 
 from pdserve.scheduler import Planner
 from pdserve.scheduler.plan import StepResult
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
-from pdserve.scheduler.waiting import Hold
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.round.waiting import Hold
 
 from support import config, req, result_for, run_to_completion, step
 
@@ -143,7 +143,7 @@ def test_a_state_models_disk_hit_ends_at_the_checkpoint_the_probe_found():
     checkpoint at its end (a second DiskLoadOp, into a host slot, loaded
     into the slot the forward reads); a hit the host room or the prefix
     granularity would cut below the probe's checkpoint reads nothing."""
-    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
 
     def state_planner():
         return Planner(config(page_size=4, total_pages=64, host_pages=32, state_slots=16),
@@ -177,7 +177,7 @@ def test_a_disk_hit_beside_replayable_windows_replays_them_from_the_disk_pages()
     """Bounded replay (§1.3): the disk serves the full-history pages, and
     the first chunk after the hit re-feeds the window's rows below it;
     a cached (non-replayable) window reads nothing from disk."""
-    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
     for replay in (True, False):
         p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
                            max_scheduled_tokens=64, sliding_replay=replay),
@@ -208,7 +208,7 @@ def test_a_disk_hit_beside_cached_windows_reads_each_tail_and_stores_the_pages()
     tail at its end into the group's first granted slots; nothing is
     replayed. A hit that host room or the granularity would cut shorter
     than the probe's end reads nothing (its tail was not probed)."""
-    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
 
     def cached():
         p = Planner(config(page_size=4, total_pages=64, host_pages=32, sliding_pages=32,
@@ -286,7 +286,7 @@ def test_d_s_disk_hit_beside_a_state_group_reads_pages_only_and_asks_for_the_sta
     pages only (no checkpoint, not even at a block boundary) and asks P
     for the pages after them and the prompt's final state."""
     from pd_support import PDPair
-    from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
+    from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
     cfg = config(page_size=4, total_pages=64, host_pages=32, state_slots=16,
                  max_scheduled_tokens=64)
     pair = PDPair(cfg, cfg, groups=(FULL, CacheGroupSpec("snapshot_state", block=8)))

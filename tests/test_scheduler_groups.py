@@ -4,10 +4,10 @@ sliding-window group beside full history, checked round by round."""
 import pytest
 
 from pdserve.scheduler import Planner
-from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec
+from pdserve.scheduler.cache.groups import FULL, HOLE, CacheGroupSpec
 from pdserve.scheduler.capacity import group_pages, sliding_request_pages
 from pdserve.scheduler.config import ConfigError
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 from support import config, req, run_to_completion, step
 

@@ -6,9 +6,9 @@ and ends idle."""
 import pytest
 
 from pdserve.scheduler import Planner, RejectedRequest
-from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec
-from pdserve.scheduler.phases import resume_point
-from pdserve.scheduler.waiting import Hold
+from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec
+from pdserve.scheduler.round.prefill import resume_point
+from pdserve.scheduler.round.waiting import Hold
 
 from support import config, req, result_for
 

@@ -7,7 +7,7 @@ from pdserve.scheduler import Planner, RejectedRequest
 from pdserve.scheduler.fsm import (
     Decoding, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted, Transferring,
     pd_pinned)
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 from pd_support import PDPair
 from support import config, req, result_for, step

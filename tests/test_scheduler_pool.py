@@ -3,12 +3,12 @@ matches that do not restamp, and check_invariants()."""
 
 import pytest
 
-from pdserve.scheduler.coordinator import Coordinator
-from pdserve.scheduler.group_pools import FullHistoryGroup, GroupDemand
+from pdserve.scheduler.cache.coordinator import Coordinator
+from pdserve.scheduler.cache.group_pools import FullHistoryGroup, GroupDemand
 from pdserve.scheduler.fsm import Resources
-from pdserve.scheduler.pool import PagePool, PoolError
+from pdserve.scheduler.cache.pool import PagePool, PoolError
 from pdserve.scheduler.plan import Plan
-from pdserve.scheduler.prefix import ROOT_HASH, PrefixIndex
+from pdserve.scheduler.cache.prefix import ROOT_HASH, PrefixIndex
 
 from support import req
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pdserve.scheduler.plan import Plan, StepResult
 
 from pdserve.scheduler import Planner, Request, SamplingLimits
-from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec, replay_window
+from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec, replay_window
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import Prefilling
 

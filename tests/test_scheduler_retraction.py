@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.scheduler import Planner
 from pdserve.scheduler.fsm import Prefilling, Retracted, Waiting
-from pdserve.scheduler.retraction import choose_victim
+from pdserve.scheduler.round.retraction import choose_victim
 
 from support import config, req, result_for, run_to_completion, step
 
@@ -378,9 +378,9 @@ def test_two_requests_that_cannot_fit_together_never_evict_each_other_in_a_cycle
 
 
 def test_a_redirected_grant_respects_a_waiting_readmission():
-    from pdserve.scheduler.phases import PlanBuild
+    from pdserve.scheduler.round.build import PlanBuild
     from pdserve.scheduler.plan import Plan
-    from pdserve.scheduler.retraction import _grant_first_waiting
+    from pdserve.scheduler.round.retraction import _grant_first_waiting
 
     p = tight()
     p.submit(req("w", 4, max_new=2))

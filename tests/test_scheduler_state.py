@@ -5,10 +5,10 @@ round by round on the planner alone."""
 import pytest
 
 from pdserve.scheduler import Planner
-from pdserve.scheduler.cache_groups import FULL, HOLE, CacheGroupSpec
+from pdserve.scheduler.cache.groups import FULL, HOLE, CacheGroupSpec
 from pdserve.scheduler.config import ConfigError
-from pdserve.scheduler.grammar import Role
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.round.grammar import Role
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 
 from support import config, req, result_for, run_to_completion, step
 

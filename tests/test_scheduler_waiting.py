@@ -7,8 +7,8 @@ from hypothesis import given, settings
 
 from pdserve.scheduler import Planner
 from pdserve.scheduler.fsm import Retracted, Waiting
-from pdserve.scheduler.grammar import Role
-from pdserve.scheduler.waiting import Hold, WaitReason
+from pdserve.scheduler.round.grammar import Role
+from pdserve.scheduler.round.waiting import Hold, WaitReason
 
 from pd_support import PDPair
 from support import config, req, result_for, run_to_completion, step

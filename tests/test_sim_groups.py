@@ -14,7 +14,7 @@ from pdserve.sim.simulation import Simulation
 from pdserve.sim.trace import TraceRequest
 from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, window_pairs
 from pdserve.scheduler import ConfigError, EngineConfig
-from pdserve.scheduler.cache_groups import FULL
+from pdserve.scheduler.cache.groups import FULL
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.request import BlockPrompt
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 from pdserve.scheduler.capacity import sliding_request_pages
 
 from test_gemma3 import WINDOW, gemma3_checkpoint

@@ -26,7 +26,7 @@ from pdserve.engine.local_pair import LocalPair
 from pdserve.engine.spec.draft import check_draft_section, draft_layout
 from pdserve.engine.tp.transfer import kv_layout
 from pdserve.scheduler import ConfigError, EngineConfig
-from pdserve.scheduler.cache_groups import SLIDING_WINDOW, CacheGroupSpec, FULL
+from pdserve.scheduler.cache.groups import SLIDING_WINDOW, CacheGroupSpec, FULL
 
 from test_spec_draft import PROMPTS, SAME, greedy, write_noisy_tiny
 

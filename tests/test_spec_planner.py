@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pdserve.scheduler import Planner, StepResult
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 from support import config, req, result_for
 

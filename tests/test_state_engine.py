@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 
 from test_lfm2 import lfm2_checkpoint
 from test_qwen3_5 import qwen3_5_checkpoint

@@ -9,7 +9,7 @@ import pytest
 from pdserve.benchmarks import state_capacity as bench
 from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, ModelPreset, gdn_layer_state_bytes
 from pdserve.scheduler import ConfigError
-from pdserve.scheduler.cache_groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec,
+from pdserve.scheduler.cache.groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec,
                                             check_groups)
 
 QWEN = MODELS["qwen3-next-80b"]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
+from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile
@@ -34,7 +34,7 @@ from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, GpuPreset, ModelP
 from pdserve.sim.executor import SimExecutor
 from pdserve.scheduler.capacity import single_request_pages, sliding_request_pages
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import BlockPrompt, Request, SamplingLimits
 

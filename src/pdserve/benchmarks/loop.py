@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.args import positive
 
 
 def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:
@@ -33,7 +33,7 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
     from pdserve.text.sampling_params import SamplingParams
     from pdserve.engine.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
-    from pdserve.scheduler.grammar import Role
+    from pdserve.scheduler.round.grammar import Role
     from pdserve.scheduler.planner import Planner
     from pdserve.scheduler.request import Request, SamplingLimits
 
@@ -88,7 +88,7 @@ def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, thread
     from pdserve.engine.engine import Engine
     from pdserve.engine.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
-    from pdserve.scheduler.grammar import Role
+    from pdserve.scheduler.round.grammar import Role
     from pdserve.scheduler.planner import Planner
     from pdserve.scheduler.request import Request, SamplingLimits
 

@@ -32,14 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.common.options import positive
-from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
+from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile
 from pdserve.sim.trace import read_trace
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 MODEL, GPU = "qwen3-next-80b", "h100"
 PAGE = 16

@@ -29,7 +29,7 @@ from pdserve.engine.peer.protocol import PeerTimeouts
 from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.engine.tp.leader import load_engine_model
 from pdserve.scheduler.capacity import capacity_line, capacity_report
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.transfer import FaultInjector, Incarnation
 

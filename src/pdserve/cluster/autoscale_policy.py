@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import AutoscaleConfig, RoleBounds  # noqa: F401 (the policy's settings)
 
-# waiting reasons (scheduler/waiting.py) that mean "short of prefill" or
+# waiting reasons (scheduler/round/waiting.py) that mean "short of prefill" or
 # "short of decode pages"
 PREFILL_WAITS = {"waiting_for_prefill", "behind_incomplete_prefill", "budget"}
 DECODE_WAITS = {"capacity", "remote_admission_limit", "readmission_seal"}

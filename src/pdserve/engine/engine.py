@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.scheduler import overlap
+from pdserve.scheduler.round import overlap
 from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request

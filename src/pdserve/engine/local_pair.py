@@ -12,7 +12,7 @@ import torch
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request, SamplingLimits
 

@@ -33,7 +33,7 @@ from pdserve.engine.stats import EngineCounters
 from pdserve.engine.outputs import ErrorKind, OutputItem, Outputs
 from pdserve.engine.peer.protocol import PeerProtocol
 from pdserve.engine.rounds import round_of
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request
 from pdserve.transfer import KvTransport

@@ -20,7 +20,7 @@ from pdserve.kernels.lora.fused import lora_round as make_lora_round
 from pdserve.kernels.staging import stage_rows
 from pdserve.kernels.models.state_cache import SeqState, StateBatch
 from pdserve.engine.spec.round import SpecRound
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 from pdserve.scheduler.plan import Plan
 
 

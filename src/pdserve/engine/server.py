@@ -41,7 +41,7 @@ from pdserve.engine.outputs import ErrorKind, Outputs, StreamError
 from pdserve.engine.peer.messages import PeerSender
 from pdserve.engine.peer.protocol import PeerProtocol, PeerTimeouts
 from pdserve.engine.rounds import Round
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.engine.lora.adapters import adapter_of, adapters_in_use
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits

@@ -10,7 +10,7 @@ import bisect
 
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 
 # seconds: a local NIXL write takes about a millisecond, a cross-node one of a
 # long prompt up to seconds
@@ -97,7 +97,7 @@ class EngineCounters:
 
 def waiting_requests_pb(planner) -> list:
     """Each request that is not running, with the rule that held it in the
-    planner's last round (scheduler/waiting.py), as the Stats message has it."""
+    planner's last round (scheduler/round/waiting.py), as the Stats message has it."""
     return [pb.WaitingRequest(request_id=w.req_id, reason=str(w.reason), detail=w.detail,
                               pages_needed=w.pages_needed or 0, pages_free=w.pages_free or 0)
             for w in planner.waiting_reasons()]

@@ -45,7 +45,7 @@ from pdserve.engine.spec.draft import load_draft
 from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.engine.spec.speculation import Speculation
-from pdserve.scheduler.cache_groups import StateBlocks
+from pdserve.scheduler.cache.groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult

@@ -47,7 +47,7 @@ from pdserve.proto.control_tls import ControlTls
 from pdserve.proto.sampling import from_options
 from pdserve.scheduler.capacity import ingest_error, max_single_request_tokens
 from pdserve.router.lora.sync import AdapterSync
-from pdserve.scheduler.adapters import AdapterRef, AdapterRegistry
+from pdserve.scheduler.lora.adapters import AdapterRef, AdapterRegistry
 
 log = logging.getLogger("pdserve.router")
 

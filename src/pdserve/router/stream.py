@@ -29,7 +29,7 @@ from pdserve.proto import control_pb2 as cpb
 from pdserve.proto.sampling import to_options
 
 if TYPE_CHECKING:
-    from pdserve.scheduler.adapters import AdapterRef
+    from pdserve.scheduler.lora.adapters import AdapterRef
 
 log = logging.getLogger("pdserve.router")
 

@@ -15,7 +15,7 @@ from pdserve.scheduler.config import ConfigError, EngineConfig
 from pdserve.scheduler.plan import Plan, PrefillOp, StepResult
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits
-from pdserve.scheduler.waiting import Hold, WaitReason
+from pdserve.scheduler.round.waiting import Hold, WaitReason
 
 __all__ = [
     "ConfigError",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import prefix_granularity, replay_window
+from pdserve.scheduler.cache.groups import prefix_granularity, replay_window
 from pdserve.scheduler.config import ConfigError, EngineConfig
 
 

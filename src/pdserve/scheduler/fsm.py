@@ -28,7 +28,7 @@ none of them can be dropped on the way from one state to the next.
 
 from __future__ import annotations
 
-from pdserve.scheduler.prefix import ROOT_HASH
+from pdserve.scheduler.cache.prefix import ROOT_HASH
 
 
 class FsmError(RuntimeError):

@@ -10,13 +10,13 @@ AssertionError (or the pools' PoolError) naming the request and the rule.
 from __future__ import annotations
 
 import pdserve.scheduler.fsm as fsm
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import (
     Decoding, PrefillDone, Prefilling, RemotePrefillDone, RemotePrefilling, Retracted,
     Transferring)
-from pdserve.scheduler.group_pools import SnapshotStateGroup
-from pdserve.scheduler.overlap import check_ending
+from pdserve.scheduler.cache.group_pools import SnapshotStateGroup
+from pdserve.scheduler.round.overlap import check_ending
 from pdserve.scheduler.plan_state import PlannerState
 
 

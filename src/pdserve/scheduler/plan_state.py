@@ -1,7 +1,7 @@
 """The planner as its phases see it: `PlannerState`, what the round's
 functions read and call of the `Planner` that passes itself in.
 
-The phases (phases.py, demands.py), retraction, the role grammars, overlap's
+The phases (round/, cache/demands.py), retraction, the role grammars, overlap's
 rules, the wait reasons and the invariants are plain functions of the
 planner's state. They take it as a `PlannerState`, a Protocol naming
 exactly what they use, so mypy follows every attribute they touch without
@@ -18,11 +18,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.scheduler.adapter_slots import AdapterSlots
-from pdserve.scheduler.cache_groups import CacheGroupSpec
+from pdserve.scheduler.lora.slots import AdapterSlots
+from pdserve.scheduler.cache.groups import CacheGroupSpec
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.coordinator import Coordinator
-from pdserve.scheduler.hit import HitCounts
+from pdserve.scheduler.cache.coordinator import Coordinator
+from pdserve.scheduler.cache.hit import HitCounts
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.request import Request
 

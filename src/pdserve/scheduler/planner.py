@@ -24,21 +24,21 @@ from collections import deque
 
 import pdserve.scheduler.fsm as fsm
 import pdserve.scheduler.invariants as invariants
-from pdserve.scheduler.adapter_slots import AdapterSlots
-from pdserve.scheduler.cache_groups import FULL, check_groups, describe
+from pdserve.scheduler.lora.slots import AdapterSlots
+from pdserve.scheduler.cache.groups import FULL, check_groups, describe
 from pdserve.scheduler.capacity import context_bound, group_bounds, group_pages, ingest_error
 from pdserve.scheduler.config import EngineConfig
-from pdserve.scheduler.coordinator import Coordinator
+from pdserve.scheduler.cache.coordinator import Coordinator
 from pdserve.scheduler.fsm import Prefilling, Retracted, Transferring
-from pdserve.scheduler.grammar import Role, grammar_for
-from pdserve.scheduler.hit import HitCounts
-from pdserve.scheduler.group_pools import make_group
-from pdserve.scheduler.phases import PlanBuild
+from pdserve.scheduler.round.grammar import Role, grammar_for
+from pdserve.scheduler.cache.hit import HitCounts
+from pdserve.scheduler.cache.group_pools import make_group
+from pdserve.scheduler.round.build import PlanBuild
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.plan_state import Ending
 from pdserve.scheduler.request import Request
-from pdserve.scheduler.retraction import ensure_progress
-from pdserve.scheduler.waiting import WaitFacts, WaitReason, wait_reasons
+from pdserve.scheduler.round.retraction import ensure_progress
+from pdserve.scheduler.round.waiting import WaitFacts, WaitReason, wait_reasons
 
 
 class RejectedRequest(ValueError):

@@ -104,9 +104,9 @@ class Request:
         self.peer: str | None = None   # the other side of a P/D handoff (cluster's to set)
         self.first_page = 0            # P: the first page the peer does not hold already
         # A retraction victim: (the request it was retracted for, that one's
-        # token count then); it re-enters after that one (phases.yields, §2)
+        # token count then); it re-enters after that one (round/prefill.yields, §2)
         self.yields_to: tuple[Request, int] | None = None
-        # The LoRA adapter's load id (scheduler/adapters.py), 0 for the base
+        # The LoRA adapter's load id (scheduler/lora/adapters.py), 0 for the base
         # model: the salt of every cache key, so KV computed under one adapter
         # never serves another, the base, or the same name loaded again.
         self.adapter = adapter

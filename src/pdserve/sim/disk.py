@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 
 
 @dataclass

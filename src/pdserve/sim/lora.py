@@ -14,7 +14,7 @@ is what the preset's parameter count leaves after attention.
 
 from __future__ import annotations
 
-from pdserve.scheduler.adapters import BASE, AdapterRegistry
+from pdserve.scheduler.lora.adapters import BASE, AdapterRegistry
 
 
 class TraceAdapters:

@@ -35,7 +35,7 @@ from pdserve.sim.cost.profile import simulated_cost
 from pdserve.engine.engine import Engine
 from pdserve.sim.executor import SimExecutor
 from pdserve.sim.lora import SimLora, TraceAdapters
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner, RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits

@@ -36,7 +36,7 @@ arrival, the reads a plan asks for, and writes through from the host tier.
 
 The planner never touches the disk: it sees the probe's result on the
 request and the reads' outcomes in the round's result. Keys are the chain
-hash of the prefix each page ends (scheduler/prefix.py), the cache group,
+hash of the prefix each page ends (scheduler/cache/prefix.py), the cache group,
 the weights fingerprint, dtype, page layout and tensor-parallel shard
 (transfer/disk/store.py), so
 every engine of a node on the same directory and model shares the files.
@@ -54,7 +54,7 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.engine.disk.groups import REMEMBERED, HostCheckpoints, StateFiles, WindowFiles
 from pdserve.scheduler.config import ConfigError, DiskCacheConfig, PrefetchPolicy, WritePolicy
 from pdserve.scheduler.fsm import Waiting
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 from pdserve.transfer.disk.store import DiskDone, DiskKey, DiskOp, DiskStore, FileStore
 
 
@@ -298,7 +298,7 @@ class DiskTier:
 
     def _probe(self, req, cached: int) -> None:
         ps = self.page_size
-        pages = (req.num_tokens - 1) // ps           # what a hit may cover (phases.py)
+        pages = (req.num_tokens - 1) // ps           # what a hit may cover (scheduler/round/prefill.py)
         if pages <= cached:
             return
         if (pages - cached) * ps < self.cfg.min_hit_tokens:

@@ -6,7 +6,7 @@ request never runs under other weights than the ones its id stands for:
 not on a D whose P computed its KV, not after a reload under the same name.
 Each adapter is read from its PEFT directory into host memory, where at
 most `max_cpu_loras` stay (engine/lora/host.py: an LRU, re-read on
-demand); the planner assigns device slots (scheduler/adapter_slots.py),
+demand); the planner assigns device slots (scheduler/lora/slots.py),
 and the executor copies an adapter into its slot when a round first needs
 it there. A pinned adapter stays in host memory and, once in a slot, keeps
 it.
@@ -18,8 +18,8 @@ import threading
 
 from pdserve.kernels.lora.adapter import LoraAdapter, load_adapter
 from pdserve.engine.lora.host import AdapterChanged, HostAdapters, fingerprint
-from pdserve.scheduler.adapter_slots import AdapterSlots
-from pdserve.scheduler.adapters import BASE, AdapterRef, AdapterRegistry
+from pdserve.scheduler.lora.slots import AdapterSlots
+from pdserve.scheduler.lora.adapters import BASE, AdapterRef, AdapterRegistry
 from pdserve.scheduler.planner import RejectedRequest
 
 

@@ -5,7 +5,7 @@ its PEFT directory when a round next needs it in a device slot.
 A load id stands for the weights read at load time. An evicted adapter is
 read again from the same path, so a directory rewritten since would put
 other weights under the old id and break the cache isolation the id gives
-(scheduler/adapters.py). Each load therefore records its files' sizes and
+(scheduler/lora/adapters.py). Each load therefore records its files' sizes and
 modification times when first read, and a re-read whose files differ is
 refused (`AdapterChanged`, saying to load the new files under a new load).
 

@@ -45,7 +45,7 @@ from pdserve.engine.stats import EngineCounters
 from pdserve.engine.outputs import logprob_pb
 from pdserve.engine.peer.messages import Peer, PeerRpc, PeerSender
 from pdserve.engine.spec.speculation import check_peer_spec
-from pdserve.scheduler.grammar import Role
+from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.planner import RejectedRequest
 from pdserve.scheduler.request import Request, SamplingLimits

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.scheduler.cache_groups import (
+from pdserve.scheduler.cache.groups import (
     FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE, CacheGroupSpec)
 
 SUPPORTED = {

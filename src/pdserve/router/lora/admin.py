@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.proto import control_pb2 as cpb
 from pdserve.router.errors import ErrorKind, RequestError
-from pdserve.scheduler.adapters import AdapterNameError, AdapterRef
+from pdserve.scheduler.lora.adapters import AdapterNameError, AdapterRef
 
 if TYPE_CHECKING:
     from pdserve.router.router import Router

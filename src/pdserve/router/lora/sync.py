@@ -27,7 +27,7 @@ import grpc
 
 from pdserve.proto import control_pb2 as cpb
 from pdserve.router.engines.pairing import EngineRef
-from pdserve.scheduler.adapters import AdapterRegistry
+from pdserve.scheduler.lora.adapters import AdapterRegistry
 
 log = logging.getLogger("pdserve.router")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE,
+from pdserve.scheduler.cache.groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE,
                                             CacheGroupSpec)
 from pdserve.scheduler.config import ConfigError
 

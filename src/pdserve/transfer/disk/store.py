@@ -51,7 +51,7 @@ class DiskStoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class DiskKey:
-    chain: int          # chain hash of the prefix the page ends (scheduler/prefix.py)
+    chain: int          # chain hash of the prefix the page ends (scheduler/cache/prefix.py)
     group: int          # the cache group whose page (or state slot) this is
     model: str          # the weights fingerprint
     dtype: str          # e.g. "float32"

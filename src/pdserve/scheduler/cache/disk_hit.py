@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.scheduler.hit import Hit, with_disk
-from pdserve.scheduler.host_tier import HostCache
+from pdserve.scheduler.cache.hit import Hit, with_disk
+from pdserve.scheduler.cache.host_tier import HostCache
 
 
 class DiskHitView(Protocol):

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.scheduler.cache_groups import HOLE
+from pdserve.scheduler.cache.groups import HOLE
 from pdserve.scheduler.plan import DiskLoadOp, LoadOp, StoreOp
-from pdserve.scheduler.pool import PagePool, check_refcounts, drop_refs
-from pdserve.scheduler.prefix import PrefixIndex, WindowIndex
+from pdserve.scheduler.cache.pool import PagePool, check_refcounts, drop_refs
+from pdserve.scheduler.cache.prefix import PrefixIndex, WindowIndex
 
 if TYPE_CHECKING:
-    from pdserve.scheduler.group_pools import CacheGroup
+    from pdserve.scheduler.cache.group_pools import CacheGroup
 
 
 class HostTier:

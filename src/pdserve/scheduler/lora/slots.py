@@ -25,7 +25,7 @@ adapters always have a slot to rotate through.
 
 from __future__ import annotations
 
-from pdserve.scheduler.adapters import BASE
+from pdserve.scheduler.lora.adapters import BASE
 
 
 class SlotError(AssertionError):

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.scheduler.cache_groups import HOLE
-from pdserve.scheduler.group_pools import CacheGroup
-from pdserve.scheduler.host_tier import HostCache, HostTier
-from pdserve.scheduler.pool import drop_refs
-from pdserve.scheduler.prefix import PrefixIndex, WindowIndex, chain_hash
+from pdserve.scheduler.cache.groups import HOLE
+from pdserve.scheduler.cache.group_pools import CacheGroup
+from pdserve.scheduler.cache.host_tier import HostCache, HostTier
+from pdserve.scheduler.cache.pool import drop_refs
+from pdserve.scheduler.cache.prefix import PrefixIndex, WindowIndex, chain_hash
 
 
 class PublicationView(Protocol):

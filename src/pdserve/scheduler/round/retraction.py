@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import pdserve.scheduler.fsm as fsm
 from pdserve.scheduler.fsm import Prefilling
-from pdserve.scheduler.phases import (
-    PlanBuild, decode_phase, first_in_line, new_prompt_phase, readmission_phase,
-    resident_prefill_phase, try_decode, try_new_prompt, try_remote_admission, try_resident_chunk)
+from pdserve.scheduler.round.build import PlanBuild
+from pdserve.scheduler.round.decode import decode_phase, try_decode
+from pdserve.scheduler.round.prefill import (
+    first_in_line, new_prompt_phase, readmission_phase, resident_prefill_phase,
+    try_new_prompt, try_resident_chunk)
+from pdserve.scheduler.round.remote import try_remote_admission
 from pdserve.scheduler.plan import RetractOp
 from pdserve.scheduler.plan_state import PlannerState
-from pdserve.scheduler.waiting import Hold
+from pdserve.scheduler.round.waiting import Hold
 
 
 def _releasable(p: PlannerState, req) -> int:
@@ -73,7 +76,7 @@ def retract(p: PlannerState, b: PlanBuild, victim, for_req=None) -> None:
     published; with a host tier its KV is snapshotted by a stream-ordered
     store and it waits as Retracted, otherwise it waits to re-prefill.
     Either way its pages are free for the rest of this plan build, and it
-    yields to `for_req`, the request they were freed for (phases.yields)."""
+    yields to `for_req`, the request they were freed for (prefill.yields)."""
     victim.yields_to = (for_req, for_req.num_tokens) \
         if for_req is not None and for_req is not victim else None
     coord = p.coord

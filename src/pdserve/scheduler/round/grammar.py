@@ -21,11 +21,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from pdserve.scheduler.phases import (
-    PlanBuild, decode_phase, local_recovery_phase, new_prompt_phase, readmission_phase,
-    remote_admission_phase, resident_prefill_phase, ship_phase)
+from pdserve.scheduler.round.build import PlanBuild
+from pdserve.scheduler.round.decode import decode_phase
+from pdserve.scheduler.round.prefill import (
+    new_prompt_phase, readmission_phase, resident_prefill_phase)
+from pdserve.scheduler.round.remote import (
+    local_recovery_phase, remote_admission_phase, ship_phase)
 from pdserve.scheduler.plan_state import PlannerState
-from pdserve.scheduler.retraction import maybe_retract_for_capacity
+from pdserve.scheduler.round.retraction import maybe_retract_for_capacity
 
 
 class Role(enum.Enum):

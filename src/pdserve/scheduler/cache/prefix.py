@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 
-from pdserve.scheduler.pool import PagePool, PoolError
+from pdserve.scheduler.cache.pool import PagePool, PoolError
 
 ROOT_HASH = 0x5EED
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 import pdserve.scheduler.fsm as fsm
-from pdserve.scheduler.demands import demands
+from pdserve.scheduler.cache.demands import demands
 from pdserve.scheduler.fsm import Decoding
 from pdserve.scheduler.plan import Plan, StepResult
 from pdserve.scheduler.plan_state import Ending, PlannerState

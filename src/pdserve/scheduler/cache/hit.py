@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 
 
 class Hit:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.scheduler.cache_groups import FULL, CacheGroupSpec, StateBlocks
-from pdserve.scheduler.pool import PagePool
-from pdserve.scheduler.prefix import PrefixIndex, WindowIndex
+from pdserve.scheduler.cache.groups import FULL, CacheGroupSpec, StateBlocks
+from pdserve.scheduler.cache.pool import PagePool
+from pdserve.scheduler.cache.prefix import PrefixIndex, WindowIndex
 
 
 @dataclass(frozen=True)

@@ -49,15 +49,15 @@ so a miss publishes nothing empty (§4).
 
 from __future__ import annotations
 
-from pdserve.scheduler.cache_groups import HOLE
-from pdserve.scheduler.disk_hit import continue_on_disk
-from pdserve.scheduler.group_pools import CacheGroup, GroupDemand
-from pdserve.scheduler.hit import Hit, longest_hit
-from pdserve.scheduler.host_tier import HostCache, HostTier
+from pdserve.scheduler.cache.groups import HOLE
+from pdserve.scheduler.cache.disk_hit import continue_on_disk
+from pdserve.scheduler.cache.group_pools import CacheGroup, GroupDemand
+from pdserve.scheduler.cache.hit import Hit, longest_hit
+from pdserve.scheduler.cache.host_tier import HostCache, HostTier
 from pdserve.scheduler.plan import StoreOp
-from pdserve.scheduler.pool import PoolError, check_refcounts, drop_refs
-from pdserve.scheduler.prefix import ROOT_HASH, chain_hash
-from pdserve.scheduler.publication import publish_slots
+from pdserve.scheduler.cache.pool import PoolError, check_refcounts, drop_refs
+from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
+from pdserve.scheduler.cache.publication import publish_slots
 
 
 def chain_hashes(req, pages: int, page_size: int) -> list[int]:

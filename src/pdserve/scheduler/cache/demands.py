@@ -1,6 +1,6 @@
 """What a forward asks of each cache group's pool (`demands`), and whether
 a new resident leaves a sliding pool room for the residents to grow
-(`sliding_room`). The phases (phases.py) and a decode that runs ahead
+(`sliding_room`). The phases (round/) and a decode that runs ahead
 (overlap.py) size every admission with these.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pdserve.scheduler.capacity import sliding_request_pages
 from pdserve.scheduler.fsm import Holding
-from pdserve.scheduler.group_pools import GroupDemand
+from pdserve.scheduler.cache.group_pools import GroupDemand
 from pdserve.scheduler.plan_state import PlannerState
 
 
