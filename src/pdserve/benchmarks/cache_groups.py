@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
+from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile

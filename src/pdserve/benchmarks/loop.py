@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from pdserve.benchmarks.args import positive
+from pdserve.benchmarks.common.options import positive
 
 
 def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:

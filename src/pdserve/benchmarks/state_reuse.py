@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.args import positive
-from pdserve.benchmarks.traces import MOONCAKE_CONV, trace_file
+from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile
