@@ -12,7 +12,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
-from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.model_match import weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk.fake import FakeStore, Faults
@@ -287,7 +288,7 @@ def test_a_model_the_tier_cannot_restore_is_refused_by_name(arch, extra, named):
     import re
 
     from pdserve.kernels.models.model_config import tiny_config
-    from pdserve.engine.disk.tier import check_model_served
+    from pdserve.engine.disk.model_match import check_model_served
 
     disk = DiskCacheConfig(path="unused")
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
@@ -305,7 +306,7 @@ def test_windows_and_states_with_checkpoints_are_served(arch, extra):
     import dataclasses
 
     from pdserve.kernels.models.model_config import tiny_config
-    from pdserve.engine.disk.tier import check_model_served
+    from pdserve.engine.disk.model_match import check_model_served
 
     mcfg = dataclasses.replace(tiny_config(), arch=arch, num_layers=2, **extra)
     for replay in (True, False):

@@ -16,7 +16,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.disk.groups import window_files
-from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.model_match import weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.engine.engine import Engine
 from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.model_match import weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.request import Request, SamplingLimits
 from pdserve.transfer.disk.fake import FakeStore

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.model_match import weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash
 from pdserve.scheduler.request import Request, SamplingLimits

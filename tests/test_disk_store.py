@@ -13,8 +13,8 @@ import torch
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.state_cache import StateCache
 from pdserve.transfer.disk.fake import FakeStore, Faults
-from pdserve.transfer.disk.store import (
-    DiskKey, DiskOp, DiskStoreError, FileStore, Miss, decode, encode)
+from pdserve.transfer.disk.files import FileStore
+from pdserve.transfer.disk.store import DiskKey, DiskOp, DiskStoreError, Miss, decode, encode
 
 
 def key(chain: int, group: int = 0, model: str = "w1", layout: str = "kv:2x2x4x1x8") -> DiskKey:

@@ -12,7 +12,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.disk.groups import WindowFiles
-from pdserve.engine.disk.tier import DiskTier, weights_fingerprint
+from pdserve.engine.disk.model_match import weights_fingerprint
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.plan import DiskLoadOp, Plan, StepResult, StoreOp
 from pdserve.scheduler.cache.prefix import ROOT_HASH, chain_hash

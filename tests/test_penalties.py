@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kernels.sampling import _penalize, sample
 from pdserve.text.sampling_params import SamplingParams
-from pdserve.engine.torch_executor import Tracked, _history
+from pdserve.engine.tracked import Tracked, penalty_history
 
 VOCAB = 50
 
@@ -129,11 +129,11 @@ def test_a_resubmitted_request_s_earlier_output_counts_as_output():
             self.output = output
 
     sp = SamplingParams(frequency_penalty=1.0)
-    fresh = _history(Req([1, 2, 3], [4, 4, 5]), Tracked(sp, 0, None))
-    again = _history(Req([1, 2, 3, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
+    fresh = penalty_history(Req([1, 2, 3], [4, 4, 5]), Tracked(sp, 0, None))
+    again = penalty_history(Req([1, 2, 3, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
     assert fresh == again == ((), [4, 4, 5])        # only the repetition penalty reads the prompt
     sp = SamplingParams(repetition_penalty=1.5)
-    again = _history(Req([3, 1, 3, 2, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
+    again = penalty_history(Req([3, 1, 3, 2, 4, 4], [5]), Tracked(sp, 0, None, prior=2))
     assert again[0].tolist() == [1, 2, 3] and again[1] == [4, 4, 5]
 
 

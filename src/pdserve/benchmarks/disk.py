@@ -99,7 +99,7 @@ class Bench:
         from pdserve.engine.torch_executor import TorchExecutor
         from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
         from pdserve.scheduler.planner import Planner
-        from pdserve.transfer.disk.store import FileStore
+        from pdserve.transfer.disk.files import FileStore
 
         dc = DiskCacheConfig(path=disk, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE) \
             if disk else None
@@ -266,7 +266,8 @@ def store_main(backlog: int, page_bytes: int, repeats: int, directory: str | Non
     """A file store with `backlog` pages queued to write, then one GET of a
     page already on disk: the time until the GET's completion, with the
     store's lanes against one FIFO worker, alternated."""
-    from pdserve.transfer.disk.store import DiskKey, DiskOp, FileStore
+    from pdserve.transfer.disk.files import FileStore
+    from pdserve.transfer.disk.store import DiskKey, DiskOp
 
     root = Path(directory) if directory else Path(tempfile.mkdtemp(
         dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-store-"))

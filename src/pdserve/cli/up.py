@@ -93,8 +93,9 @@ def run(args) -> int:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
     if cfg.engine.disk_cache is not None:
-        from pdserve.engine.disk.tier import check_model_served
-        from pdserve.transfer.disk.store import DiskStoreError, check_directory
+        from pdserve.engine.disk.model_match import check_model_served
+        from pdserve.transfer.disk.files import check_directory
+        from pdserve.transfer.disk.store import DiskStoreError
 
         try:
             check_model_served(cfg.engine.disk_cache, mcfg, cfg.engine.state_block,

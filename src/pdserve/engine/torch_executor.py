@@ -26,9 +26,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
@@ -39,32 +38,20 @@ from pdserve.kernels.sampling import sample
 from pdserve.text.sampling_params import Logprob, SamplingParams
 from pdserve.kernels.models.state_cache import StateCache
 from pdserve.engine.disk.groups import StateFiles, window_files
-from pdserve.engine.disk.tier import DiskTier, check_model_served
+from pdserve.engine.disk.model_match import check_model_served
+from pdserve.engine.disk.tier import DiskTier
 from pdserve.engine.round_stage import StagedRound, stage_round
 from pdserve.engine.spec.draft import load_draft
 from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.engine.spec.speculation import Speculation
+from pdserve.engine.tracked import Tracked, penalty_history
 from pdserve.scheduler.cache.groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.plan import Plan, StepResult
 
 log = logging.getLogger("pdserve.kernels")
-
-
-@dataclass
-class Tracked:
-    """What the executor keeps for a live request: how it samples, its text
-    so far, and the logprobs of its tokens not yet handed out."""
-    params: SamplingParams
-    seed: int
-    detok: Detokenizer | None       # None: text is made elsewhere (an engine's output thread)
-    logprobs: list = field(default_factory=list)
-    tokens: int = 0                 # tokens taken (on_token calls)
-    prior: int = 0                  # the prompt's last tokens that were output (a resubmission)
-    prompt_seen: object = None      # the prompt's distinct tokens (numpy), once a penalty asks
-    ended: bool = False             # a token ended it; one a round that ran ahead sampled is dropped
 
 
 @dataclass
@@ -348,7 +335,7 @@ class TorchExecutor:
     def _sample_inputs(self, rows) -> tuple:
         """`sample`'s arguments after the logits, read from the requests now."""
         tracked = [self.tracked[r.id] for r in rows]
-        histories = [_history(r, t) if t.params.penalizes else None
+        histories = [penalty_history(r, t) if t.params.penalizes else None
                      for r, t in zip(rows, tracked)] \
             if any(t.params.penalizes for t in tracked) else None
         earlier = [t.prior for t in tracked] if any(t.prior for t in tracked) else None
@@ -481,22 +468,6 @@ class TorchExecutor:
         """Bytes of one page (a state group: one slot) of each group."""
         return [c.slot_bytes() if g == self.state else c.data[0].nbytes
                 for g, c in enumerate(self.caches)]
-
-
-def _history(req, t: Tracked) -> tuple:
-    """(prompt, output) as penalties see them: a resubmitted request's
-    earlier output is the tail of its prompt here, and counts as output.
-    Only the repetition penalty reads the prompt, and only its set of
-    tokens: that is made once (numpy, distinct ids), not every round."""
-    prompt, output = req.prompt.tokens, req.output
-    cut = len(prompt) - t.prior
-    if t.prior:
-        output = prompt[cut:] + output
-    if t.params.repetition_penalty == 1.0:
-        return (), output
-    if t.prompt_seen is None:
-        t.prompt_seen = np.unique(np.asarray(prompt[:cut], dtype=np.int64))
-    return t.prompt_seen, output
 
 
 def _check_groups(groups, model) -> None:

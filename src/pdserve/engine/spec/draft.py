@@ -135,7 +135,7 @@ def load_draft(cfg, target, target_groups: list) -> DraftSetup | None:
     layout = draft_layout(model.cfg, target_groups, draft_name(spec.draft_model))
     # the pages name the draft's weights: the disk tier's keys and the P/D
     # layout then tell two drafts of one shape apart
-    from pdserve.engine.disk.tier import weights_fingerprint
+    from pdserve.engine.disk.model_match import weights_fingerprint
 
     tag = weights_fingerprint(model)
     layout = DraftLayout(layout.groups, tuple(dataclasses.replace(s, tag=tag) if s else None
