@@ -418,7 +418,7 @@ def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path,
     """A run whose rounds the profile priced at twice what they took is
     simulated again with the round costs halved; a run that timed no rounds
     is not, and the cells within 10% are counted for both views."""
-    from pdserve.benchmarks.sim_accuracy import within
+    from pdserve.benchmarks.planner.sim_accuracy import within
 
     c1 = {"p50": 0.0042, "p90": 0.0042}          # what the profile predicts at c=1
     _replay(tmp_path, [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
@@ -465,7 +465,7 @@ def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_
     """A probe whose rounds the profile priced at twice what they took has
     the run after it simulated with the round costs halved, whatever the
     run's own rounds said; a run with no probe gets no probed view."""
-    from pdserve.benchmarks.sim_accuracy import within
+    from pdserve.benchmarks.planner.sim_accuracy import within
 
     c1 = {"p50": 0.0042, "p90": 0.0042}
     rounds = {"count": 9, "busy_s": 1.0, "err_p50": 0.0, "busy_err": 0.0}
@@ -509,7 +509,7 @@ def test_a_levels_later_runs_are_also_simulated_at_the_speed_of_its_previous_run
 def test_sim_accuracy_reports_the_profiles_error_by_round_kind():
     """Prefill rounds priced right and decode rounds priced at twice what
     they took: by kind 0% and +100%, over all of them weighted by time."""
-    from pdserve.benchmarks.sim_accuracy import round_errors
+    from pdserve.benchmarks.planner.sim_accuracy import round_errors
     from pdserve.sim.cost.profile import Profile
 
     cost = RoundCost(0.0, 0.0, 0.0, 0.01, 0.0, 1.0, 0.0)   # 10 ms a prefill token, 1 s a decode
@@ -608,7 +608,7 @@ def test_sim_accuracy_probes_each_real_run_and_simulates_it_three_ways(tmp_path)
     """Live on the tiny model, one level besides concurrency 1: before each
     run its probe's requests run alone and their rounds are timed; each run
     is simulated with the profile, at its own speed and at the probed one."""
-    from pdserve.benchmarks.sim_accuracy import measure
+    from pdserve.benchmarks.planner.sim_accuracy import measure
 
     prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
                                                 decode_s=0.002))

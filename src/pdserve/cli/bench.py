@@ -8,10 +8,10 @@ from pdserve.cli.subcommands import Subcommand, add_subcommands, chosen
 
 ABOUT = "benchmarks that print a table; each has its own options: pdserve bench NAME --help"
 BENCHMARKS = [
-    Subcommand("planner", "pdserve.benchmarks.planner", "plan-build cost per round"),
-    Subcommand("retraction", "pdserve.benchmarks.retraction",
+    Subcommand("planner", "pdserve.benchmarks.planner.build_cost", "plan-build cost per round"),
+    Subcommand("retraction", "pdserve.benchmarks.planner.retraction",
                "a tight pool with the host cache off and on, and every request strict"),
-    Subcommand("disagg", "pdserve.benchmarks.disagg",
+    Subcommand("disagg", "pdserve.benchmarks.planner.disagg",
                "fused against P/D splits across request rates"),
     Subcommand("llm", "pdserve.benchmarks.llm", "pdserve.LLM against Hugging Face generate"),
     Subcommand("transfer", "pdserve.benchmarks.transfer",
@@ -32,7 +32,7 @@ BENCHMARKS = [
     Subcommand("state-reuse", "pdserve.benchmarks.state_reuse",
                "prefix hits on Qwen3-Next-80B with state checkpoints on and off, fused and P/D "
                "(the Mooncake conversation trace, simulated)"),
-    Subcommand("sim-accuracy", "pdserve.benchmarks.sim_accuracy",
+    Subcommand("sim-accuracy", "pdserve.benchmarks.planner.sim_accuracy",
                "the simulator with a calibrated profile against the real deployment at "
                "concurrency 1 and fractions of saturation, also at the engines' own speed in "
                "each run"),
