@@ -24,8 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from pdserve.benchmarks.common.decode_inputs import decode_meta
 from pdserve.benchmarks.common.options import positive
-from pdserve.benchmarks.quantized import decode_meta
 
 # ModelConfig fields of each shape (Llama architecture, random weights)
 SHAPES = {
@@ -141,7 +141,7 @@ def run(args) -> int:
             kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
             loads.append((shape, dtype, seconds, cap.steps, kept))
             for b in args.batches:
-                ids, meta = decode_meta(model, b, args.context, PAGE)
+                ids, meta = decode_meta(b, args.context, PAGE, model.device)
                 eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
                                                   torch.arange(b, device=dev))
                 captured_run = lambda: cap.run(ids, [meta])  # noqa: E731

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.common.decode_inputs import decode_round
 from pdserve.benchmarks.common.options import positive
-from pdserve.benchmarks.quantized import decode_round
 
 CASES = (("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("16 adapters", 16))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from pdserve.benchmarks.common.decode_inputs import decode_round
 from pdserve.benchmarks.common.options import positive
 
 # (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads,
@@ -57,37 +58,6 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=positive, default=5, help="turns per case (5)")
     p.add_argument("--threads", type=positive, default=None,
                    help="torch threads (default: torch's)")
-
-
-def decode_round(model, batch: int, context: int, page: int = 16):
-    """A decode round's inputs: `batch` rows, each the next token of a
-    `context`-token history in its own pages (the cache's values do not
-    matter to the time)."""
-    import torch
-
-    ids, meta = decode_meta(model, batch, context, page)
-    cache = model.new_cache(batch * -(-(context + 1) // page), page)
-    return ids, meta, cache, torch.arange(batch, device=model.device)
-
-
-def decode_meta(model, batch: int, context: int, page: int = 16):
-    """(ids, meta) of decode_round, for a cache the caller has: row i's
-    pages are i * per .. (i + 1) * per - 1, per = pages of context + 1."""
-    import torch
-
-    from pdserve.kernels.attention import BatchMeta, SeqMeta
-
-    per = -(-(context + 1) // page)
-    seqs, slots = [], []
-    for i in range(batch):
-        table = list(range(i * per, (i + 1) * per))
-        seqs.append(SeqMeta(i, 1, context + 1, table))
-        slots.append(table[context // page] * page + context % page)
-    dev = model.device
-    meta = BatchMeta(seqs, torch.tensor(slots, device=dev),
-                     torch.full((batch,), context, device=dev), num_decodes=batch)
-    ids = torch.arange(batch, device=dev) + 1
-    return ids, meta
 
 
 def prefill_logits(model, ids: list[int], page: int = 16):

@@ -21,6 +21,7 @@ import statistics
 import struct
 import time
 
+from pdserve.benchmarks.common.decode_inputs import decode_meta
 from pdserve.benchmarks.common.options import positive
 
 PAGE = 16
@@ -61,20 +62,12 @@ def engines(sizes=(1, 2), decode: int = 64, batch: int = 16) -> None:
 
 
 def decode_round(n: int, context: int) -> tuple:
-    """(ids, metas, logits rows): `n` decodes as the executor stages them."""
+    """(ids, metas, logits rows): `n` decodes as the executor stages them,
+    each attending over `context` tokens, its own among them."""
     import torch
 
-    from pdserve.kernels.attention import BatchMeta, SeqMeta
-
-    pages = -(-context // PAGE)
-    seqs, slots = [], []
-    for i in range(n):
-        table = list(range(i * pages, (i + 1) * pages))
-        seqs.append(SeqMeta(i, 1, context, table, 0))
-        slots.append(table[(context - 1) // PAGE] * PAGE + (context - 1) % PAGE)
-    pos = torch.full((n,), context - 1, dtype=torch.int64)
-    meta = BatchMeta(seqs, torch.tensor(slots, dtype=torch.int64), pos, num_decodes=n)
-    return torch.arange(n, dtype=torch.int64) % 1000, [meta], torch.arange(n)
+    ids, meta = decode_meta(n, context - 1, PAGE)
+    return ids, [meta], torch.arange(n)
 
 
 def _rank1(conn) -> None:
