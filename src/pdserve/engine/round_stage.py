@@ -52,40 +52,50 @@ class StagedRound:
         return 0 if self.fed is None else int(self.fed.to.numel())
 
 
-def stage_round(ex, plan: Plan, feed=None, own_tables: bool = False) -> tuple:
-    """The forward's inputs on the device (a StagedRound), the requests of
-    the rows that sample, and the round's verify rows (a SpecRound, or
-    None); `ex` is the TorchExecutor. `feed`: (the last launched round's sampled tokens on the
-    device, request id -> row): a decode found there takes its input
-    token from it. `own_tables`: copy the block tables, which the next
-    round's build may change while this forward runs."""
-    ps = ex.page_size
-    groups = [ex.groups[g] for g in ex.kv]
-    ids: list[int] = []
-    pos: list[int] = []
-    sample_rows, rows = [], []
-    seqs: list[list[SeqMeta]] = [[] for _ in groups]
-    slots: list[list[int]] = [[] for _ in groups]
-    skips = [False] * len(groups)
-    states = []
-    fed_to: list[int] = []
-    fed_from: list[int] = []
-    lora = ex.adapters
-    row_slots: list[int] = []           # each row's LoRA slot (-1: base), with adapters
-    needs: dict[int, int] = {}          # LoRA slot -> the adapter load its rows run under
-    for op in plan.prefills:
-        req = op.req
+class _RoundRows:
+    """The host lists of one round's rows as they are added: token ids,
+    positions, each cache group's slots and sequences, the state group's
+    reads and writes, LoRA slots, and which rows sample."""
+
+    def __init__(self, ex, own_tables: bool):
+        self.ex = ex
+        self.own_tables = own_tables
+        self.groups = [ex.groups[g] for g in ex.kv]
+        n = len(self.groups)
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.sample_rows: list[int] = []
+        self.rows: list = []                # the requests of the rows that sample
+        self.seqs: list[list[SeqMeta]] = [[] for _ in range(n)]
+        self.slots: list[list[int]] = [[] for _ in range(n)]
+        self.skips = [False] * n            # a group some replay rows do not write
+        self.states: list[SeqState] = []
+        self.fed_to: list[int] = []
+        self.fed_from: list[int] = []
+        self.verify_rows: list[int] = []
+        self.row_slots: list[int] = []      # each row's LoRA slot (-1: base), with adapters
+        self.needs: dict[int, int] = {}     # LoRA slot -> the adapter load its rows run under
+
+    def _table(self, table: list) -> list:
+        return list(table) if self.own_tables else table
+
+    def _lora(self, req, n: int) -> None:
+        if self.ex.adapters is not None:
+            self.row_slots.extend([req.lora_slot] * n)
+            if req.lora_slot >= 0:
+                self.needs[req.lora_slot] = req.adapter
+
+    def prefill(self, op) -> None:
+        """A prefill chunk's rows: its replay rows, then its new tokens."""
+        ex, ps, req = self.ex, self.ex.page_size, op.req
         toks = req.prompt.tokens + req.output
         begin, end = op.begin - op.replay, op.begin + op.tokens
-        if lora is not None:
-            row_slots.extend([req.lora_slot] * (end - begin))
-            if req.lora_slot >= 0:
-                needs[req.lora_slot] = req.adapter
-        q0 = len(ids)
-        ids.extend(toks[begin:end])
-        pos.extend(range(begin, end))
+        self._lora(req, end - begin)
+        q0 = len(self.ids)
+        self.ids.extend(toks[begin:end])
+        self.pos.extend(range(begin, end))
         tables = req.state.res.tables
-        for g, spec in enumerate(groups):
+        for g, spec in enumerate(self.groups):
             table = tables[ex.kv[g]]
             # replay rows' K/V go only where the group regenerates them
             keeps = not op.replay or spec.replayable
@@ -95,88 +105,105 @@ def stage_round(ex, plan: Plan, feed=None, own_tables: bool = False) -> tuple:
                 kv_start = begin if op.replay and spec.replayable \
                     else max(begin - spec.window + 1, 0)
                 check_live(table, kv_start, end, ps, req, g)
-            seqs[g].append(SeqMeta(q0, end - begin, end,
-                                   list(table) if own_tables else table, kv_start))
+            self.seqs[g].append(SeqMeta(q0, end - begin, end, self._table(table), kv_start))
             if not keeps:
-                slots[g].extend([-1] * op.replay)
-                skips[g] = True
-            slots[g].extend(table[p // ps] * ps + p % ps for p in range(first, end))
+                self.slots[g].extend([-1] * op.replay)
+                self.skips[g] = True
+            self.slots[g].extend(table[p // ps] * ps + p % ps for p in range(first, end))
         if ex.state is not None:
-            states.append(seq_state(ex._blocks, req, tables[ex.state], begin, end))
+            self.states.append(seq_state(ex._blocks, req, tables[ex.state], begin, end))
         if op.completes:
-            sample_rows.append(len(ids) - 1)
-            rows.append(req)
-    fed = feed[1] if feed is not None else {}
-    verify = plan.verify
-    # verify rows first: attention batches the trailing one-token rows (spec_round.py)
-    decodes = [r for r in plan.decodes if r.id in verify] + \
-        [r for r in plan.decodes if r.id not in verify] if verify else plan.decodes
-    verify_rows: list[int] = []
-    for req in decodes:
+            self.sample_rows.append(len(self.ids) - 1)
+            self.rows.append(req)
+
+    def decode(self, req, drafts, fed_row: int | None) -> None:
+        """A decode's row, and its verify rows if it carries `drafts`;
+        `fed_row`: its input token is that row of the last round's sampled
+        tensor on the device."""
+        ex, ps = self.ex, self.ex.page_size
         p = req.num_tokens - 1
-        drafts = verify.get(req.id, ()) if verify else ()
         m = 1 + len(drafts)
         tables = req.state.res.tables
-        for g, spec in enumerate(groups):
+        for g, spec in enumerate(self.groups):
             table = tables[ex.kv[g]]
             kv_start = 0
             if spec.sliding:
                 kv_start = max(p - spec.window + 1, 0)
                 check_live(table, kv_start, p + m, ps, req, g)
-            seqs[g].append(SeqMeta(len(ids), m, p + m,
-                                   list(table) if own_tables else table, kv_start))
-            slots[g].extend(table[q // ps] * ps + q % ps for q in range(p, p + m))
+            self.seqs[g].append(SeqMeta(len(self.ids), m, p + m, self._table(table), kv_start))
+            self.slots[g].extend(table[q // ps] * ps + q % ps for q in range(p, p + m))
         if ex.state is not None:
-            states.append(seq_state(ex._blocks, req, tables[ex.state], p, p + 1))
-        if lora is not None:
-            row_slots.extend([req.lora_slot] * m)
-            if req.lora_slot >= 0:
-                needs[req.lora_slot] = req.adapter
-        row = fed.get(req.id)
-        if row is not None:
-            fed_to.append(len(ids))
-            fed_from.append(row)
-        ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
-        pos.extend(range(p, p + m))
+            self.states.append(seq_state(ex._blocks, req, tables[ex.state], p, p + 1))
+        self._lora(req, m)
+        if fed_row is not None:
+            self.fed_to.append(len(self.ids))
+            self.fed_from.append(fed_row)
+        self.ids.append(req.output[-1] if req.output else req.prompt.tokens[-1])
+        self.pos.extend(range(p, p + m))
         if drafts:
-            ids.extend(drafts)
-            verify_rows.extend(range(len(ids) - m, len(ids)))
+            self.ids.extend(drafts)
+            self.verify_rows.extend(range(len(self.ids) - m, len(self.ids)))
         else:
-            sample_rows.append(len(ids) - 1)
-            rows.append(req)
+            self.sample_rows.append(len(self.ids) - 1)
+            self.rows.append(req)
+
+    def stage(self, plan: Plan, feed) -> StagedRound:
+        """Every list to the device in one (asynchronous) copy, and the
+        forward's inputs made from them."""
+        ex, groups = self.ex, self.groups
+        n = len(groups)
+        writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
+                  for sl, skip in zip(self.slots, self.skips)]
+        lists = [self.ids, self.pos, self.sample_rows, *self.slots, *writes]
+        segments = LoraSegments.of(self.row_slots) if self.needs else None
+        if segments is not None:
+            lists += segments.lists()
+        if self.fed_to:
+            lists += [self.fed_to, self.fed_from]
+        staged = stage_rows(lists, ex.model.device)
+        ids_t, pos_t, rows_t = staged[:3]
+        verifies = len(plan.verify)
+        metas = [BatchMeta(self.seqs[g], staged[3 + g], pos_t,
+                           num_decodes=len(plan.decodes) - verifies,
+                           num_verifies=verifies,
+                           window=spec.window if spec.sliding else None,
+                           write_rows=staged[3 + n + g] if self.skips[g] else None)
+                 for g, spec in enumerate(groups)]
+        states = StateBatch(ex.caches[ex.state], self.states) if ex.state is not None \
+            else None
+        fed = None
+        if self.fed_to:
+            assert feed is not None         # fed_to is filled from it
+            fed = FedFromDevice(staged[-2], staged[-1], feed[0])
+        lora = LoraInputs(make_lora_round(ex.model.lora, segments, staged[3 + 2 * n:]),
+                          self.needs) if segments is not None else None
+        return StagedRound(ids_t, rows_t, metas, states, fed, lora)
+
+
+def stage_round(ex, plan: Plan, feed=None, own_tables: bool = False) -> tuple:
+    """The forward's inputs on the device (a StagedRound), the requests of
+    the rows that sample, and the round's verify rows (a SpecRound, or
+    None); `ex` is the TorchExecutor. `feed`: (the last launched round's sampled tokens on the
+    device, request id -> row): a decode found there takes its input
+    token from it. `own_tables`: copy the block tables, which the next
+    round's build may change while this forward runs."""
+    r = _RoundRows(ex, own_tables)
+    for op in plan.prefills:
+        r.prefill(op)
+    fed = feed[1] if feed is not None else {}
+    verify = plan.verify
+    # verify rows first: attention batches the trailing one-token rows (spec_round.py)
+    decodes = [q for q in plan.decodes if q.id in verify] + \
+        [q for q in plan.decodes if q.id not in verify] if verify else plan.decodes
+    for req in decodes:
+        r.decode(req, verify.get(req.id, ()) if verify else (), fed.get(req.id))
     spec_round = None
     if verify:
         assert ex.spec is not None
-        sample_rows += verify_rows
-        pairs = [(r, verify[r.id]) for r in decodes if r.id in verify]
+        r.sample_rows += r.verify_rows
+        pairs = [(q, verify[q.id]) for q in decodes if q.id in verify]
         spec_round = SpecRound(pairs, ex.spec.rows(pairs, ex.tracked))
-    writes = [[i for i, s in enumerate(sl) if s >= 0] if skip else []
-              for sl, skip in zip(slots, skips)]
-    # one host tensor, one (asynchronous) copy for the round's lists
-    lists = [ids, pos, sample_rows, *slots, *writes]
-    segments = LoraSegments.of(row_slots) if needs else None
-    if segments is not None:
-        lists += segments.lists()
-    if fed_to:
-        lists += [fed_to, fed_from]
-    staged = stage_rows(lists, ex.model.device)
-    ids_t, pos_t, rows_t = staged[:3]
-    n = len(groups)
-    metas = [BatchMeta(seqs[g], staged[3 + g], pos_t,
-                       num_decodes=len(plan.decodes) - len(verify),
-                       num_verifies=len(verify),
-                       window=spec.window if spec.sliding else None,
-                       write_rows=staged[3 + n + g] if skips[g] else None)
-             for g, spec in enumerate(groups)]
-    states_b = StateBatch(ex.caches[ex.state], states) if ex.state is not None \
-        else None
-    fed_rows = None
-    if fed_to:
-        assert feed is not None         # fed_to is filled from it
-        fed_rows = FedFromDevice(staged[-2], staged[-1], feed[0])
-    lora_round = LoraInputs(make_lora_round(ex.model.lora, segments, staged[3 + 2 * n:]),
-                            needs) if segments is not None else None
-    return StagedRound(ids_t, rows_t, metas, states_b, fed_rows, lora_round), rows, spec_round
+    return r.stage(plan, feed), r.rows, spec_round
 
 
 def seq_state(blocks, req, table: list, begin: int, end: int) -> SeqState:
