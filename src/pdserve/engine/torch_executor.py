@@ -111,40 +111,17 @@ class TorchExecutor:
              for i, g in enumerate(self.kv)], cfg.page_size, companions)
         if self.state is not None:
             self.caches.append(model.new_state_cache(sizes[self.state]))
-        self.hosts: list[KVCache | StateCache] = []
-        if cfg.host_pages:
-            c = model.cfg
-            pin = model.device.type == "cuda"
-            # page-locked beside a GPU (exactly its size, not torch's power of
-            # two): stores and loads are then DMA straight between the pools
-            self.hosts = [KVCache(len(self.groups[g].layers), cfg.host_pages, cfg.page_size,
-                                  c.num_kv_heads, c.head_dim, model.dtype, "cpu",
-                                  pin_memory=pin,
-                                  companion=companions[g] if companions else None)
-                          for g in self.kv]
-            if self.state is not None:
-                # the state group's host tier: engine.host_state_slots (0: as on the device)
-                self.hosts.append(StateCache.for_model(c, cfg.host_state_slots or sizes[self.state],
-                                                       model.dtype, "cpu", pin_memory=pin))
+        self.hosts = self._host_pools(cfg, sizes, companions)
         # the state group's entry arithmetic, as the planner's coordinator does it
         self._blocks = StateBlocks(self.groups[self.state], cfg.page_size) \
             if self.state is not None else None
         # the first group's pools, for callers that know one group
         self.cache = self.caches[0]
         self.host = self.hosts[0] if self.hosts else None
-        self.capture: DecodeCapture | None = None
-        if capture is not CaptureMode.OFF:
-            self.capture = DecodeCapture(
-                model, self.caches[:len(self.kv)], capture, cfg.max_batch_size,
-                -(-cfg.max_context_tokens // cfg.page_size),
-                [self.groups[g].window if self.groups[g].sliding else None for g in self.kv])
-            self.capture.capture()
-        else:
-            log.info("decode step not captured: %s", capture_why)
+        self.capture = self._captured(cfg, capture, capture_why)
         self.eos = set(model.cfg.eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if tok_eos is not None:
-            self.eos.add(tok_eos)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos.add(tokenizer.eos_token_id)
         self._eos_ids = frozenset(self.eos)
         self.tracked: dict[str, Tracked] = {}
         self.forward_tokens = 0
@@ -165,6 +142,39 @@ class TorchExecutor:
             proposer = draft.proposer(self.caches, [sizes[g] for g in self.kv]) \
                 if draft is not None else None
             self.spec = Speculation(cfg.speculative, proposer=proposer)
+
+    def _host_pools(self, cfg: EngineConfig, sizes: list[int],
+                    companions) -> list[KVCache | StateCache]:
+        """The host (L2) tier's pools, one per group, or none without
+        engine.host_pages."""
+        if not cfg.host_pages:
+            return []
+        model, c = self.model, self.model.cfg
+        pin = model.device.type == "cuda"
+        # page-locked beside a GPU (exactly its size, not torch's power of
+        # two): stores and loads are then DMA straight between the pools
+        hosts: list[KVCache | StateCache] = [
+            KVCache(len(self.groups[g].layers), cfg.host_pages, cfg.page_size,
+                    c.num_kv_heads, c.head_dim, model.dtype, "cpu", pin_memory=pin,
+                    companion=companions[g] if companions else None)
+            for g in self.kv]
+        if self.state is not None:
+            # the state group's host tier: engine.host_state_slots (0: as on the device)
+            hosts.append(StateCache.for_model(c, cfg.host_state_slots or sizes[self.state],
+                                              model.dtype, "cpu", pin_memory=pin))
+        return hosts
+
+    def _captured(self, cfg: EngineConfig, mode: CaptureMode, why: str) -> DecodeCapture | None:
+        """The decode step captured at load, or None (logged: why not)."""
+        if mode is CaptureMode.OFF:
+            log.info("decode step not captured: %s", why)
+            return None
+        capture = DecodeCapture(
+            self.model, self.caches[:len(self.kv)], mode, cfg.max_batch_size,
+            -(-cfg.max_context_tokens // cfg.page_size),
+            [self.groups[g].window if self.groups[g].sliding else None for g in self.kv])
+        capture.capture()
+        return capture
 
     # ---- per-request sampling state ---------------------------------------
     def register(self, req_id: str, params: SamplingParams, fallback_seed: int,
