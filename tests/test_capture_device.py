@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pdserve.benchmarks.capture import median_ms
+from pdserve.benchmarks.common.timing import median_ms
 from pdserve.kernels.capture import CaptureMode, DecodeCapture
 from pdserve.kernels.models.loader import load_model
 from test_capture import PS, decode_round, fresh_metas

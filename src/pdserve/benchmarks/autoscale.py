@@ -19,6 +19,8 @@ import math
 import threading
 import time
 
+from pdserve.benchmarks.common.tables import nearest_rank
+
 ENGINE = {"page_size": 16, "total_pages": 32, "max_scheduled_tokens": 256,
           "max_batch_size": 16}
 AUTOSCALE = {"prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2},
@@ -80,11 +82,11 @@ def trial(autoscale: bool, seconds: float, peak: int) -> dict:
     c.close()
     dep.stop()
     ok = [r for r in records if r[0] <= SLO_TTFT and r[1] <= SLO_TPOT]
-    ttfts = sorted(r[0] for r in records)
+    ttfts = [r[0] for r in records]
     return {"requests": len(records), "failures": len(failures),
             "attainment": len(ok) / max(len(records), 1),
-            "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else float("nan"),
-            "ttft_p90": ttfts[int(len(ttfts) * 0.9)] if ttfts else float("nan"),
+            "ttft_p50": nearest_rank(ttfts, 0.5) if ttfts else float("nan"),
+            "ttft_p90": nearest_rank(ttfts, 0.9) if ttfts else float("nan"),
             "tokens": sum(r[2] for r in records), "most_engines": max(shape, default=0),
             "last_engines": shape[-1] if shape else 0,
             "steps": [(e["kind"], e["role"]) for e in history if e["kind"] in ("add", "drain")]}

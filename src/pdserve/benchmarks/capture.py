@@ -22,10 +22,10 @@ in float32).
 from __future__ import annotations
 
 import statistics
-import time
 
 from pdserve.benchmarks.common.decode_inputs import decode_meta
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.timing import median_ms
 
 # ModelConfig fields of each shape (Llama architecture, random weights)
 SHAPES = {
@@ -85,18 +85,6 @@ def _fresh(meta):
 
     return [BatchMeta(meta.seqs, meta.slot_mapping, meta.positions, meta.num_decodes,
                       meta.window)]
-
-
-def median_ms(fn, rounds: int, sync) -> float:
-    """The median of `rounds` calls of `fn`, in ms, each between two `sync`s."""
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _spread(xs: list[float]) -> str:

@@ -25,6 +25,8 @@ import argparse
 import statistics
 import time
 
+from pdserve.benchmarks.common.tables import nearest_rank
+
 EVENTS_A_ROUND = 64
 
 
@@ -50,11 +52,6 @@ def _echo(stream_messages: int):
             for _ in range(stream_messages):
                 yield self.round
     return Echo()
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
@@ -109,10 +106,11 @@ def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
         c.close()
     server.stop(0)
     out: dict[str, dict[str, float]] = {
-        k: {"submit_p50_us": _pct(lat[k], 0.5) * 1e6, "submit_p99_us": _pct(lat[k], 0.99) * 1e6,
+        k: {"submit_p50_us": nearest_rank(lat[k], 0.5) * 1e6,
+            "submit_p99_us": nearest_rank(lat[k], 0.99) * 1e6,
             "events_msgs_per_s": statistics.median(rate[k]),
             "events_msgs_per_s_min": min(rate[k]), "events_msgs_per_s_max": max(rate[k]),
-            "connect_p50_ms": _pct(conn[k], 0.5) * 1e3} for k in stubs}
+            "connect_p50_ms": nearest_rank(conn[k], 0.5) * 1e3} for k in stubs}
     print(f"{rounds} rounds: {calls} Submits, a {stream_messages}-message event stream "
           f"({EVENTS_A_ROUND} requests a message) and {max(1, connects // rounds)} fresh "
           "connections on each port per round, the ports' order alternating")

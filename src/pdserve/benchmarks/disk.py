@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.tables import median_range
 
 PARTS = ("replay", "restart", "all-miss")
 STORE = "read-behind-writes"      # the store alone; not part of the default run
@@ -233,16 +234,10 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
         shutil.rmtree(root, ignore_errors=True)
 
     def cell(k: str) -> str:
-        v = meds.get(k)
-        if not v:
-            return "-"
-        return f"{statistics.median(v) * 1e3:,.0f} ms ({min(v) * 1e3:,.0f}-{max(v) * 1e3:,.0f})"
+        return median_range(meds[k], ",.0f", " ms", 1e3) if meds.get(k) else "-"
 
     def ratio(k: str) -> str:
-        r = ratios.get(k)
-        if not r:
-            return "-"
-        return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+        return median_range(ratios[k], ".2f", "x") if ratios.get(k) else "-"
 
     print("\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
     print(f"| replay, turns 2+: median TTFT, host alone (A) vs host + disk (B) | "
@@ -293,7 +288,7 @@ def store_main(backlog: int, page_bytes: int, repeats: int, directory: str | Non
         shutil.rmtree(root, ignore_errors=True)
 
     def cell(v: list) -> str:
-        return f"{statistics.median(v) * 1e3:,.1f} ms ({min(v) * 1e3:,.1f}-{max(v) * 1e3:,.1f})"
+        return median_range(v, ",.1f", " ms", 1e3)
     r = [a / b for a, b in zip(got[False], got[True])]
     print(f"\n| store | a GET behind {backlog} queued writes |\n| --- | --- |")
     print(f"| one FIFO worker (before) | {cell(got[False])} |")

@@ -24,9 +24,14 @@ import statistics
 import time
 
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.timing import MethodClock
 
 
-def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:
+def _fused(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int,
+           spare_pages: int, **engine) -> tuple:
+    """`model` in a fused planner and executor (pages for every request's
+    prompt and output, `spare_pages` more each), and `batch` random prompts
+    registered with the executor: (executor, planner, requests to submit)."""
     import torch
 
     from pdserve.kernels.models.loader import load_model
@@ -39,28 +44,28 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
 
     torch.set_num_threads(threads)
     m, tok = load_model(None, model, quantization="none")   # dense, as docs/benchmarks.md's tables ran
-    pages = batch * (-(-(prompt_len + max_tokens) // 16) + 1) + 16
+    pages = batch * (-(-(prompt_len + max_tokens) // 16) + spare_pages) + 16
     cfg = EngineConfig(page_size=16, total_pages=pages, max_batch_size=batch,
-                       max_scheduled_tokens=max(512, prompt_len))
+                       max_scheduled_tokens=max(512, prompt_len), **engine)
     ex = TorchExecutor(m, tok, cfg, detokenize=False)
     planner = Planner(cfg, Role.FUSED, groups=ex.groups)
-    forward_s = [0.0]
-    inner = ex.forward
-
-    def timed_forward(plan):
-        t = time.perf_counter()
-        out = inner(plan)
-        forward_s[0] += time.perf_counter() - t
-        return out
-    ex.forward = timed_forward  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(0)
+    requests = []
     for i in range(batch):
         ids = torch.randint(3, m.cfg.vocab_size, (prompt_len,), generator=g).tolist()
         ex.register(f"r{i}", SamplingParams(max_tokens=max_tokens, ignore_eos=True), i)
-        planner.submit(Request(f"r{i}", ids, SamplingLimits(max_new_tokens=max_tokens)))
+        requests.append(Request(f"r{i}", ids, SamplingLimits(max_new_tokens=max_tokens)))
+    return ex, planner, requests
+
+
+def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int) -> dict:
+    ex, planner, requests = _fused(model, batch, prompt_len, max_tokens, threads, spare_pages=1)
+    forward = MethodClock(ex, "forward")
+    for r in requests:
+        planner.submit(r)
     rounds = []
     while planner.has_work():
-        forward_s[0] = 0.0
+        forward.reset()
         t0 = time.perf_counter()
         plan = planner.build()
         t1 = time.perf_counter()
@@ -69,8 +74,8 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
         planner.apply(plan, result)
         t3 = time.perf_counter()
         if plan.decodes and not plan.prefills:          # the steady decode rounds
-            rounds.append((t1 - t0, forward_s[0], t2 - t1 - forward_s[0], t3 - t2, t3 - t0,
-                           len(plan.decodes)))
+            rounds.append((t1 - t0, forward.seconds, t2 - t1 - forward.seconds, t3 - t2,
+                           t3 - t0, len(plan.decodes)))
     planner.check_invariants()
     med = [statistics.median(r[k] for r in rounds) for k in range(5)]
     return {"rounds": len(rounds), "build": med[0], "forward": med[1], "sample": med[2],
@@ -81,48 +86,23 @@ def _run(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int)
 def _run_engine(model: str, batch: int, prompt_len: int, max_tokens: int, threads: int,
                 overlap: bool) -> dict:
     """The workload of `_run` through `Engine.step`, overlap off or on."""
-    import torch
-
-    from pdserve.kernels.models.loader import load_model
-    from pdserve.text.sampling_params import SamplingParams
     from pdserve.engine.engine import Engine
-    from pdserve.engine.torch_executor import TorchExecutor
-    from pdserve.scheduler.config import EngineConfig
-    from pdserve.scheduler.round.grammar import Role
-    from pdserve.scheduler.planner import Planner
-    from pdserve.scheduler.request import Request, SamplingLimits
 
-    torch.set_num_threads(threads)
-    m, tok = load_model(None, model, quantization="none")   # dense, as docs/benchmarks.md's tables ran
-    pages = batch * (-(-(prompt_len + max_tokens) // 16) + 2) + 16
-    cfg = EngineConfig(page_size=16, total_pages=pages, max_batch_size=batch,
-                       max_scheduled_tokens=max(512, prompt_len), overlap=overlap)
-    ex = TorchExecutor(m, tok, cfg, detokenize=False)
-    planner = Planner(cfg, Role.FUSED, groups=ex.groups)
+    ex, planner, requests = _fused(model, batch, prompt_len, max_tokens, threads, spare_pages=2,
+                                   overlap=overlap)
     engine = Engine("bench", planner, ex)
-    build_s = [0.0]
-    inner = planner.build
-
-    def timed_build():
-        t = time.perf_counter()
-        plan = inner()
-        build_s[0] += time.perf_counter() - t
-        return plan
-    planner.build = timed_build  # type: ignore[method-assign]
-    g = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(3, m.cfg.vocab_size, (prompt_len,), generator=g).tolist()
-        ex.register(f"r{i}", SamplingParams(max_tokens=max_tokens, ignore_eos=True), i)
-        engine.submit(Request(f"r{i}", ids, SamplingLimits(max_new_tokens=max_tokens)))
+    build = MethodClock(planner, "build")
+    for r in requests:
+        engine.submit(r)
     rounds = []
     while engine.has_work():
-        build_s[0] = 0.0
+        build.reset()
         t0 = time.perf_counter()
         out = engine.step()
         dt = time.perf_counter() - t0
         if out is not None and out.plan.decodes and not out.plan.prefills \
                 and len(out.plan.decodes) == batch:          # the steady decode rounds
-            rounds.append((build_s[0], dt, len(out.plan.decodes)))
+            rounds.append((build.seconds, dt, len(out.plan.decodes)))
     ex.close()
     planner.assert_idle()
     return {"rounds": len(rounds),

@@ -32,6 +32,7 @@ import time
 
 from pdserve.benchmarks.common.decode_inputs import decode_round
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.tables import median_range
 
 # (label, dtype, quantization, kernels: PDSERVE_CPU_KERNELS while it loads,
 # or "ops": pdserve's matmul and attention without its decode layer)
@@ -145,9 +146,8 @@ def run(args) -> int:
         bw, bc = statistics.median(wall["float32"]), statistics.median(cpu["float32"])
         for label in models:
             w, c = wall[label], cpu[label]
-            print(f"| {b} | {label} | {statistics.median(w):.1f} ({min(w):.1f}-{max(w):.1f}) | "
-                  f"{statistics.median(w) / bw:.2f}x | {statistics.median(c):.1f} "
-                  f"({min(c):.1f}-{max(c):.1f}) | {statistics.median(c) / bc:.2f}x |")
+            print(f"| {b} | {label} | {median_range(w)} | {statistics.median(w) / bw:.2f}x | "
+                  f"{median_range(c)} | {statistics.median(c) / bc:.2f}x |")
     assert tok is not None
     ids = tok.encode(TEXT)
     truth = prefill_logits(models["float32"], ids)

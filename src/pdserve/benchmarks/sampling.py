@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.timing import alternating
 
 KINDS = {
     "greedy": dict(temperature=0),
@@ -119,15 +119,6 @@ def real_logits(positions: int):
         return model.forward(torch.tensor(ids), meta, cache, torch.arange(positions))
 
 
-def _time(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def _beyond(logits, sp) -> float | None:
     """Share of rows whose top-p cut lies beyond the first candidates."""
     import torch
@@ -165,11 +156,7 @@ def main(batches=(16, 64), repeats: int = 7, threads: int = 1, tiny: bool = True
                 steps, seeds = list(range(b)), [0] * b
                 old = lambda: sample_before(logits, params, steps, seeds)   # noqa: E731
                 new = lambda: sample(logits, params, steps, seeds)          # noqa: E731
-                old(), new()                                                # warm
-                before, now = [], []
-                for _ in range(repeats):
-                    before += _time(old, 1)
-                    now += _time(new, 1)
+                before, now = alternating(old, new, repeats)
                 t0, t1 = statistics.median(before), statistics.median(now)
                 share = _beyond(logits, params[0])
                 print(f"| {name} ({logits.shape[-1]:,}) | {b} | {kind} | {_fmt(t0)} | "
@@ -206,11 +193,7 @@ def penalties(pool, batches, repeats: int) -> None:
                      [rng.randrange(vocab) for _ in range(n_out)]) for _ in range(b)]
             base = lambda: sample(logits, plain, steps, seeds)                     # noqa: E731
             pen = lambda: sample(logits, params, steps, seeds, histories=hist)     # noqa: E731
-            base(), pen()
-            t0, t1 = [], []
-            for _ in range(repeats):
-                t0 += _time(base, 1)
-                t1 += _time(pen, 1)
+            t0, t1 = alternating(base, pen, repeats)
             a, c = statistics.median(t0), statistics.median(t1)
             print(f"| {b} | {kind} | {n_prompt} + {n_out} | {_fmt(a)} | {_fmt(c)} | "
                   f"{_fmt(max(c - a, 0.0))} |", flush=True)

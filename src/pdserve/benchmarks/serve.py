@@ -36,6 +36,7 @@ from pdserve.benchmarks.common.options import (add_model_arguments, client_key,
                                                client_key_argument, flags_from, positive,
                                                usage_error, workload_arguments)
 from pdserve.benchmarks.common.processes import served
+from pdserve.benchmarks.common.tables import ms
 from pdserve.config import Flags
 from pdserve.sim.load import Sample, arrivals, drive, workload
 
@@ -115,9 +116,6 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
              if mode is not None else ""))
     print(f"{'target':<30} {'ok':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'ITL p99':>8} {'E2E p50':>8}")
-
-    def ms(v):
-        return f"{v * 1000:.0f}ms" if v is not None else "-"
     for name, r in results:
         print(f"{name[-30:]:<30} {r['ok']:>4} {r['req_per_s']:>6.2f} {r['output_tok_per_s']:>7.1f} "
               f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} "

@@ -37,8 +37,10 @@ import os
 import statistics
 
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.tables import median_range
 from pdserve.benchmarks.spec_gate_log import print_table
-from pdserve.benchmarks.spec_workload import Case, base_config, build, drive, prompts_for
+from pdserve.benchmarks.spec_workload import (Case, base_config, build, drive, prompts_for,
+                                              run_cases)
 
 
 def add_arguments(p) -> None:
@@ -106,13 +108,7 @@ def _sweep(args, model, tok, ks, levels, sp) -> None:
                 "prompt_lookup_max": 4, "gate": False}))
     for c in levels:
         prompts = prompts_for(tok, args.requests * c)
-        engines = {case.name: build(model, tok, case.engine_config(base_config(c))) for case in cases}
-        for e in engines.values():          # warm: the first round's allocations
-            drive(e, prompts[:1], sp, 1)
-        got: dict = {case.name: [] for case in cases}
-        for _ in range(args.repeats):
-            for case in cases:
-                got[case.name].append(drive(engines[case.name], prompts, sp, c))
+        _, got = run_cases(model, tok, cases, prompts, sp, c, args.repeats)
         off = statistics.median(m.tokens_per_s for m in got["off"])
         ref = got["off"][0].outputs
         print(f"\n## concurrency {c}: {len(prompts)} requests, {args.repeats} repeats "
@@ -129,8 +125,8 @@ def _sweep(args, model, tok, ks, levels, sp) -> None:
             cpu = [m.cpu_ms_per_token for m in ms]
             same = sum(o == r for m in ms for o, r in zip(m.outputs, ref))
             acc = med(m.acceptance for m in ms)
-            print(f"| {case.name} | {med(tps):.1f} ({min(tps):.1f}-{max(tps):.1f}) | "
-                  f"{med(tps) / off:.2f}x | {med(cpu):.0f} ({min(cpu):.0f}-{max(cpu):.0f}) | "
+            print(f"| {case.name} | {median_range(tps)} | "
+                  f"{med(tps) / off:.2f}x | {median_range(cpu, '.0f')} | "
                   f"{cpu_off / med(cpu):.2f}x | {med(m.rounds_per_request for m in ms):.1f} | "
                   f"{1e3 * med(m.ttft for m in ms):.0f} | {1e3 * med(m.itl for m in ms):.1f} | "
                   f"{f'{acc:.2f}' if acc else '-'} | {ms[-1].gate} | "

@@ -21,7 +21,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pdserve.benchmarks.spec_workload import Case, base_config, build, drive, prompts_for
+from pdserve.benchmarks.common.tables import median_range
+from pdserve.benchmarks.spec_workload import Case, prompts_for, run_cases
 
 
 def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,
@@ -71,14 +72,7 @@ def run_draft(args, model, tok, sp, levels: list) -> None:
                                               "gate": False})]
         for c in levels:
             prompts = prompts_for(tok, args.requests * c)
-            engines = {case.name: build(model, tok, case.engine_config(base_config(c)))
-                       for case in cases}
-            for e in engines.values():
-                drive(e, prompts[:1], sp, 1)
-            got: dict = {case.name: [] for case in cases}
-            for _ in range(args.repeats):
-                for case in cases:
-                    got[case.name].append(drive(engines[case.name], prompts, sp, c))
+            engines, got = run_cases(model, tok, cases, prompts, sp, c, args.repeats)
             _table(c, prompts, got, cases, args.repeats, engines)
 
 
@@ -100,8 +94,8 @@ def _table(c: int, prompts, got: dict, cases, repeats: int, engines: dict) -> No
         same = sum(o == r for m in ms for o, r in zip(m.outputs, ref))
         spec = engines[case.name].executor.spec
         kept = f"{spec.counts.accepted_tokens}/{spec.counts.draft_tokens}" if spec else "-"
-        print(f"| {case.name} | {f'{acc:.2f}' if acc else '-'} | {kept} | {med(tps):.1f} "
-              f"({min(tps):.1f}-{max(tps):.1f}) | {med(tps) / off:.2f}x | "
+        print(f"| {case.name} | {f'{acc:.2f}' if acc else '-'} | {kept} | {median_range(tps)} "
+              f"| {med(tps) / off:.2f}x | "
               f"{med(m.cpu_ms_per_token for m in ms):.0f} | "
               f"{med(m.rounds_per_request for m in ms):.1f} | {same}/{len(ms) * len(ref)} |",
               flush=True)

@@ -163,6 +163,22 @@ def drive(engine, prompts: list, sp, concurrency: int) -> Measure:
                    gate_log=gate.take_log() if gate is not None else [])
 
 
+def run_cases(model, tokenizer, cases: list[Case], prompts: list, sp, concurrency: int,
+              repeats: int) -> tuple[dict, dict]:
+    """Each case in an engine of its own, warmed on one prompt, then every
+    case driven over `prompts` in turn, `repeats` times (a busy host slows
+    them alike): (case name -> engine, case name -> its Measures)."""
+    engines = {case.name: build(model, tokenizer, case.engine_config(base_config(concurrency)))
+               for case in cases}
+    for e in engines.values():          # warm: the first round's allocations
+        drive(e, prompts[:1], sp, 1)
+    got: dict[str, list[Measure]] = {case.name: [] for case in cases}
+    for _ in range(repeats):
+        for case in cases:
+            got[case.name].append(drive(engines[case.name], prompts, sp, concurrency))
+    return engines, got
+
+
 def base_config(max_batch: int) -> dict:
     """The engine config every case starts from, batching up to `max_batch`."""
     return dict(page_size=16, total_pages=2048, max_scheduled_tokens=512,

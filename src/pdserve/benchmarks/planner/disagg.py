@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pdserve.benchmarks.common.options import sim_arguments, usage_error
+from pdserve.benchmarks.common.tables import s_or_ms
 from pdserve.config import ClusterShape, load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import goodput, plot_lines
@@ -46,15 +47,10 @@ def main(config_path: str, trace_path: str, limit: int | None, rates: list[float
           f"TPOT <= {tpot_slo * 1000:g} ms; {base.simulate.model} on {base.simulate.gpu}")
     print(f"{'config':<9} {'req/s':>6} {'fin':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8}")
-
-    def fmt(v, unit_ms=False):
-        if v is None:
-            return "-"
-        return f"{v * 1000:.0f}ms" if unit_ms else f"{v:.2f}s"
     for r in rows:
         print(f"{r['config']:<9} {r['rate_req_s']:>6.2f} {r['finished']:>5} "
-              f"{fmt(r['ttft_p50_s']):>9} {fmt(r['ttft_p99_s']):>9} "
-              f"{fmt(r['tpot_p50_s'], True):>9} {fmt(r['tpot_p99_s'], True):>9} "
+              f"{s_or_ms(r['ttft_p50_s']):>9} {s_or_ms(r['ttft_p99_s']):>9} "
+              f"{s_or_ms(r['tpot_p50_s'], True):>9} {s_or_ms(r['tpot_p99_s'], True):>9} "
               f"{r['goodput_req_s']:>8.3f}")
     if out:
         Path(out).write_text(json.dumps(rows, indent=1) + "\n")

@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 from pdserve.benchmarks.common.options import sim_arguments, usage_error
+from pdserve.benchmarks.common.tables import ms
 from pdserve.config import load_config
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import goodput
@@ -42,9 +43,6 @@ def main(config_path: str, trace_path: str, limit: int | None = None) -> int:
     print(f"{'admission':<36} {'finished':>8} {'unfin.':>6} {'retract':>7} {'goodput':>8} "
           f"{'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
           f"{'wall s':>6}")
-
-    def ms(v):
-        return f"{v * 1000:.0f}ms" if v is not None else "-"
     for name, s, retr, good, wall in rows:
         print(f"{name:<36} {s['finished']:>8} {s['unfinished']:>6} {retr:>7} {good:>8.3f} "
               f"{s['output_tok_per_s']:>7.0f} {ms(s['ttft_p50_s']):>9} {ms(s['ttft_p99_s']):>9} "
