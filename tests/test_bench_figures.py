@@ -189,7 +189,7 @@ def test_spread_gives_median_quartiles_and_range():
 
 @pytest.mark.parametrize("kind", ["uniform", "trace"])
 def test_llm_warms_up_on_the_rows_shape_with_other_prompts(kind):
-    from pdserve.benchmarks import llm
+    from pdserve.benchmarks.engine import llm
 
     if kind == "trace" and not Path(AZURE_CONV).exists():
         pytest.skip("the Azure trace is not in ../shared/data")

@@ -134,7 +134,7 @@ def test_bench_loop(capsys):
 
 
 def test_bench_sampling(capsys):
-    from pdserve.benchmarks.sampling import KINDS
+    from pdserve.benchmarks.kernels.sampling import KINDS
 
     out = bench(capsys, "sampling", "--batches", "3", "--repeats", "1")
     rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in out.splitlines()

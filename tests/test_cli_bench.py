@@ -89,7 +89,7 @@ def test_every_command_s_and_benchmark_s_help_loads_no_torch_or_ray():
     argvs = [[c.name, "--help"] for c in COMMANDS if c.name != "bench"]
     argvs += [["bench", b.name, "--help"] for b in BENCHMARKS]
     loaded = _modules_after(argvs)
-    assert {"pdserve.cli.up", "pdserve.benchmarks.loop"} <= set(loaded)
+    assert {"pdserve.cli.up", "pdserve.benchmarks.engine.loop"} <= set(loaded)
     assert sorted({"torch", "ray", "grpc"} & set(loaded)) == []
 
 

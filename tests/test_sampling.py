@@ -139,7 +139,7 @@ def test_top_p_finds_its_cut_however_wide_the_nucleus():
     # and past both (sorted whole): each draw lies in its row's nucleus, a row
     # draws the same alone and in the batch, and the draws are the previous
     # sampler's (a full sort of every row) but where rounding differs
-    from pdserve.benchmarks.sampling import sample_before
+    from pdserve.benchmarks.kernels.sampling import sample_before
 
     vocab, top_p, per_row = 6000, 0.9, 100
     g = torch.Generator().manual_seed(3)

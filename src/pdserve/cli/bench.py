@@ -13,7 +13,7 @@ BENCHMARKS = [
                "a tight pool with the host cache off and on, and every request strict"),
     Subcommand("disagg", "pdserve.benchmarks.planner.disagg",
                "fused against P/D splits across request rates"),
-    Subcommand("llm", "pdserve.benchmarks.llm", "pdserve.LLM against Hugging Face generate"),
+    Subcommand("llm", "pdserve.benchmarks.engine.llm", "pdserve.LLM against Hugging Face generate"),
     Subcommand("transfer", "pdserve.benchmarks.transfer",
                "KV handoff over NIXL against raw NIXL and memcpy"),
     Subcommand("serve", "pdserve.benchmarks.serve", "load a deployment through the client"),
@@ -38,13 +38,13 @@ BENCHMARKS = [
                "each run"),
     Subcommand("autoscale", "pdserve.benchmarks.autoscale",
                "a sine load against 1P+1D fixed and autoscaled"),
-    Subcommand("sampling", "pdserve.benchmarks.sampling",
+    Subcommand("sampling", "pdserve.benchmarks.kernels.sampling",
                "a round's logits to tokens on a real model's vocabulary, against the sampler "
                "before"),
-    Subcommand("lora", "pdserve.benchmarks.lora",
+    Subcommand("lora", "pdserve.benchmarks.kernels.lora",
                "a batch under 1, 4 and 16 distinct LoRA adapters against the base model, and "
                "an adapter's load time"),
-    Subcommand("quantized", "pdserve.benchmarks.quantized",
+    Subcommand("quantized", "pdserve.benchmarks.kernels.quantized",
                "a GGUF's decode round with its weights kept quantized against bfloat16 and "
                "float32 dequantized, and what it changes in the logits"),
     Subcommand("disk", "pdserve.benchmarks.disk",
@@ -57,13 +57,13 @@ BENCHMARKS = [
     Subcommand("spec", "pdserve.benchmarks.spec",
                "speculative decoding (n-gram lookup) against plain decoding on an "
                "input-grounded workload at concurrency 1, 4 and 16, and P/D against fused"),
-    Subcommand("loop", "pdserve.benchmarks.loop",
+    Subcommand("loop", "pdserve.benchmarks.engine.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),
-    Subcommand("capture", "pdserve.benchmarks.capture",
+    Subcommand("capture", "pdserve.benchmarks.kernels.capture",
                "the captured decode step (CUDA graphs; torch.compile on CPU) against the eager "
                "one at batch 1, 16 and 64, and the capture's time at load"),
-    Subcommand("tp-plan", "pdserve.benchmarks.tp_plan",
+    Subcommand("tp-plan", "pdserve.benchmarks.engine.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),
     Subcommand("tp-pd", "pdserve.benchmarks.tp_pd",
