@@ -301,6 +301,43 @@ def _start_copies(config: str, n: int, device: str, threads: int, seed: int,
             for i in range(n)]
 
 
+def _warm_up(h, engine_cfg) -> None:
+    """First forwards allocate and (on a GPU) compile: run a few, unrecorded."""
+    h.stage()
+    warm = h.submit(h.tokens(min(engine_cfg.max_scheduled_tokens, 64)), 4)
+    while h.engine.has_work() and len(warm.output) < 4:
+        h.step(record=False)
+
+
+def _sweep_as_load(h, grid) -> None:
+    """A copy that loads the machine for `--neighbours`: ready, then on "go"
+    sweep unrecorded until the calibrating process stops it or dies."""
+    print("ready", flush=True)
+    parent = os.getppid()
+    if not sys.stdin.readline():     # "go": the calibrating process swept alone
+        return                       # it is gone
+    while os.getppid() == parent:
+        chunk_sweep(h, grid, lambda _: None)
+        decode_sweep(h, grid, lambda _: None)
+        h.rounds.clear()
+
+
+def _sweep_beside(h, grid, neighbours, say) -> list:
+    """The same sweep again while every copy sweeps too; its rounds ([]
+    without copies)."""
+    if not neighbours:
+        return []
+    h.rounds = []
+    for p in neighbours:             # the copies sweep from here on
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    say(f"fitted; the same sweep again beside {len(neighbours)} copies")
+    chunk_sweep(h, grid, say)
+    decode_sweep(h, grid, say)
+    h.drain()
+    return h.rounds
+
+
 def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, neighbours,
                as_load, started):
     import torch
@@ -320,20 +357,9 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
             print(f"pdserve calibrate: {what} ({len(h.rounds)} rounds, "
                   f"{time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
-    # warm-up: first forwards allocate and (on a GPU) compile; not recorded
-    h.stage()
-    warm = h.submit(h.tokens(min(engine_cfg.max_scheduled_tokens, 64)), 4)
-    while h.engine.has_work() and len(warm.output) < 4:
-        h.step(record=False)
+    _warm_up(h, engine_cfg)
     if as_load:
-        print("ready", flush=True)
-        parent = os.getppid()
-        if not sys.stdin.readline():     # "go": the calibrating process swept alone
-            return None                  # it is gone
-        while os.getppid() == parent:    # until it stops this copy, or dies
-            chunk_sweep(h, grid, lambda _: None)
-            decode_sweep(h, grid, lambda _: None)
-            h.rounds.clear()
+        _sweep_as_load(h, grid)
         return None
     for p in neighbours:
         if p.stdout.readline().strip() != "ready":
@@ -348,18 +374,8 @@ def _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock, n
     held = [r for i, r in enumerate(rounds) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     cost = fit(train, facts)
     report = held_out_report(cost, held, facts)
-    slowdown, shared = 0.0, []
-    if neighbours:
-        h.rounds = []
-        for p in neighbours:             # the copies sweep from here on
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        say(f"fitted; the same sweep again beside {len(neighbours)} copies")
-        chunk_sweep(h, grid, say)
-        decode_sweep(h, grid, say)
-        h.drain()
-        shared = h.rounds
-        slowdown = neighbour_slowdown(cost, shared, facts, len(neighbours))
+    shared = _sweep_beside(h, grid, neighbours, say)
+    slowdown = neighbour_slowdown(cost, shared, facts, len(neighbours)) if shared else 0.0
     measured = {
         "config": source, "model": m.served_name, "device": device,
         "dtype": str(model.dtype).removeprefix("torch."), "threads": threads, "clock": clock,
