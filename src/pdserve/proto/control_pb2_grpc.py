@@ -70,6 +70,11 @@ class EngineControlStub:
                 request_serializer=pdserve_dot_proto_dot_control__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
                 _registered_method=True)
+        self.TransferEnded = channel.unary_unary(
+                '/pdserve.v1.EngineControl/TransferEnded',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.TransferEndedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdserve.v1.EngineControl/GetInfo',
                 request_serializer=pdserve_dot_proto_dot_control__pb2.InfoRequest.SerializeToString,
@@ -152,7 +157,17 @@ class EngineControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LeaseHeartbeat(self, request, context):
-        """D -> P: D still waits on these requests; renew their leases.
+        """D -> P: D still waits on these requests; renew their leases. It also
+        names the landings D gave up on and holds quarantined: P answers each
+        with TransferEnded once no write of it can reach D any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferEnded(self, request, context):
+        """P -> D: no write of P's for this landing is in flight or will be
+        posted: D may reuse its quarantined pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -237,6 +252,11 @@ def add_EngineControlServicer_to_server(servicer, server):
             'LeaseHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseHeartbeat,
                     request_deserializer=pdserve_dot_proto_dot_control__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
+            ),
+            'TransferEnded': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferEnded,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.TransferEndedRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -458,6 +478,33 @@ class EngineControl:
             target,
             '/pdserve.v1.EngineControl/LeaseHeartbeat',
             pdserve_dot_proto_dot_control__pb2.HeartbeatRequest.SerializeToString,
+            pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferEnded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineControl/TransferEnded',
+            pdserve_dot_proto_dot_control__pb2.TransferEndedRequest.SerializeToString,
             pdserve_dot_proto_dot_control__pb2.Ack.FromString,
             options,
             channel_credentials,
