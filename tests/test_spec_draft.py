@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.benchmarks.spec_draft import write_random_checkpoint
+from pdserve.benchmarks.spec.draft import write_random_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.kernels.attention import TorchAttention
 from pdserve.kernels.spec.draft_model import DraftModelProposer

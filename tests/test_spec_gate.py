@@ -168,7 +168,7 @@ def test_an_engine_whose_gate_is_off_proposes_nothing():
 def test_the_bench_summarizes_the_log_by_bucket():
     """`pdserve bench spec` prints the gate's rounds per bucket: rounds and
     tokens per CPU second a side, probes begun, switches of the chosen side."""
-    from pdserve.benchmarks.spec_gate_log import summarize
+    from pdserve.benchmarks.spec.gate_log import summarize
 
     gate = SpecGate(k=3)
     host = Host(gate)

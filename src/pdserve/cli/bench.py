@@ -54,7 +54,7 @@ BENCHMARKS = [
     Subcommand("peer", "pdserve.benchmarks.peer",
                "pdserve against llama.cpp's llama-server on the same GGUF, at concurrency 1, "
                "8 and 32 (skipped without llama-server)"),
-    Subcommand("spec", "pdserve.benchmarks.spec",
+    Subcommand("spec", "pdserve.benchmarks.spec.ngram",
                "speculative decoding (n-gram lookup) against plain decoding on an "
                "input-grounded workload at concurrency 1, 4 and 16, and P/D against fused"),
     Subcommand("loop", "pdserve.benchmarks.engine.loop",

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.benchmarks.common.tables import median_range
-from pdserve.benchmarks.spec_workload import Case, prompts_for, run_cases
+from pdserve.benchmarks.spec.workload import Case, prompts_for, run_cases
 
 
 def write_random_checkpoint(d: Path, vocab: int, bos: int | None, eos: tuple,

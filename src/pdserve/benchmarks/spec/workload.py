@@ -1,5 +1,5 @@
-"""What `pdserve bench spec` and its `--draft` cases (spec.py,
-spec_draft.py) share: the input-grounded workload (a passage to copy out or
+"""What `pdserve bench spec` and its `--draft` cases (ngram.py,
+draft.py) share: the input-grounded workload (a passage to copy out or
 lightly edit, through the chat template), a case's engine config, and a
 closed loop that drives one in-process engine and measures it.
 """
@@ -78,7 +78,7 @@ class Measure:
     cpu_ms_per_token: float = 0.0   # this process's CPU time (every thread) over tokens
     rounds_per_request: float = 0.0
     outputs: list = field(default_factory=list)
-    gate_log: list = field(default_factory=list)    # the gate's rounds (spec_gate_log.py)
+    gate_log: list = field(default_factory=list)    # the gate's rounds (gate_log.py)
 
 
 def prompts_for(tokenizer, n: int) -> list:

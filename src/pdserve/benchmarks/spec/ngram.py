@@ -19,13 +19,13 @@ spread (min-max) beside it, and the host's load average. Beside wall-clock
 tokens/s: this process's CPU time a token (every thread's; less sensitive to
 other processes on a shared host than wall time, as `bench disk` does) and
 rounds a request (forwards: what acceptance saves, independent of the host).
-Beside each table, the gate's rounds per batch bucket (spec_gate_log.py).
+Beside each table, the gate's rounds per batch bucket (gate_log.py).
 `--threads 1` on a shared host keeps CPU time a token this process's own.
 
 `--pd`: the same prompts through a P/D pair (engine/local_pair.py, pages
 copied in process) against a fused engine at k = 3: P proposes after the
 first token, D verifies first; the mean acceptance lengths side by side.
-`--draft`: the draft-model proposer's cases (benchmarks/spec_draft.py).
+`--draft`: the draft-model proposer's cases (draft.py).
 Greedy output tokens of every case are checked against speculation off
 (they agree in float32; in bfloat16 a verify row rounds as a prefill chunk
 does, so a near tie may resolve differently: counted, not hidden).
@@ -38,8 +38,8 @@ import statistics
 
 from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.common.tables import median_range
-from pdserve.benchmarks.spec_gate_log import print_table
-from pdserve.benchmarks.spec_workload import (Case, base_config, build, drive, prompts_for,
+from pdserve.benchmarks.spec.gate_log import print_table
+from pdserve.benchmarks.spec.workload import (Case, base_config, build, drive, prompts_for,
                                               run_cases)
 
 
@@ -65,7 +65,7 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", action="store_true",
                    help="also the draft-model proposer: the target drafting for itself and a "
                    "random draft sharing its vocabulary, at k=3 (acceptance as a correctness "
-                   "figure; benchmarks/spec_draft.py)")
+                   "figure; benchmarks/spec/draft.py)")
     p.add_argument("--draft-only", action="store_true", help="only the draft-model cases")
 
 
@@ -90,7 +90,7 @@ def run(args) -> int:
     if args.pd or args.pd_only:
         _pd(args, model, tok, sp)
     if args.draft or args.draft_only:
-        from pdserve.benchmarks.spec_draft import run_draft
+        from pdserve.benchmarks.spec.draft import run_draft
 
         run_draft(args, model, tok, sp, levels)
     print(f"# load average after: {_load()}")
