@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks import transfer
+from pdserve.benchmarks.transfer import handoff
 from pdserve.benchmarks.common.traces import AZURE_CONV
 from pdserve.sim import load
 from pdserve.transfer import Incarnation, KvWrite
@@ -134,9 +134,9 @@ class _Agent:
 
 
 def test_a_raw_write_in_error_is_a_failure_not_a_fast_write():
-    assert transfer.time_raw_write(_Agent(["ERR"]), None) is None
-    assert transfer.time_raw_write(_Agent(["PROC", "PROC", "ERR"]), None) is None
-    assert transfer.time_raw_write(_Agent(["PROC", "DONE"]), None) > 0
+    assert handoff.time_raw_write(_Agent(["ERR"]), None) is None
+    assert handoff.time_raw_write(_Agent(["PROC", "PROC", "ERR"]), None) is None
+    assert handoff.time_raw_write(_Agent(["PROC", "DONE"]), None) > 0
 
 
 class _Transport:
@@ -154,35 +154,35 @@ class _Transport:
 
 def test_a_failed_handoff_is_a_failure_and_a_late_event_is_not_its_completion():
     w = KvWrite("now", 0, Incarnation("d", 1), (0,), (0,))
-    assert transfer.time_handoff(_Transport([(FAILED, "now")]), w) is None
-    assert transfer.time_handoff(_Transport([(DONE, "now")]), w) > 0
+    assert handoff.time_handoff(_Transport([(FAILED, "now")]), w) is None
+    assert handoff.time_handoff(_Transport([(DONE, "now")]), w) > 0
     t = _Transport([(DONE, "earlier")])
     t.write = lambda _: setattr(t, "events", t.events + [(FAILED, "now")])
-    assert transfer.time_handoff(t, w) is None
+    assert handoff.time_handoff(t, w) is None
 
 
 def test_failed_repeats_stay_out_of_every_figure_and_the_ratio_is_per_round():
     """Seconds per repeat, None where it failed: a failure is counted, never
     timed; the ratio pairs each round's two writes, only where both ran."""
     gb = 1e9
-    r = transfer.summarize(gb, hand=[1.0, None, 0.5, 2.0], raw=[1.0, 1.0, None, 1.0],
+    r = handoff.summarize(gb, hand=[1.0, None, 0.5, 2.0], raw=[1.0, 1.0, None, 1.0],
                            copies=[0.1] * 4)
     assert r["failed"] == {"handoff": 1, "raw": 1}
     assert r["handoff"].n == 3 and r["handoff"].hi == 2.0        # the fast 0.5 s one: 2 GB/s
     assert r["raw"].n == 3 and r["raw"].median == 1.0
     assert r["ratio"].n == 2 and (r["ratio"].lo, r["ratio"].hi) == (0.5, 1.0)
-    assert transfer.summarize(gb, [None], [1.0], [0.1])["ratio"] is None
+    assert handoff.summarize(gb, [None], [1.0], [0.1])["ratio"] is None
 
 
 def test_handoff_and_raw_alternate_which_runs_first():
-    orders = [transfer.pair_order(r) for r in range(4)]
+    orders = [handoff.pair_order(r) for r in range(4)]
     assert orders == [("handoff", "raw"), ("raw", "handoff")] * 2
 
 
 def test_spread_gives_median_quartiles_and_range():
-    s = transfer.spread([5.0, 1.0, None, 3.0, 2.0, 4.0])
+    s = handoff.spread([5.0, 1.0, None, 3.0, 2.0, 4.0])
     assert (s.median, s.p25, s.p75, s.lo, s.hi, s.n) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
-    assert transfer.spread([None]) is None
+    assert handoff.spread([None]) is None
 
 
 # ---- bench llm: warm-up on the row's shape, other prompts ----------------------

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.benchmarks import peer
+from pdserve.benchmarks.serving import peer
 from pdserve.cli.main import main
 
 HERE = os.path.dirname(__file__)

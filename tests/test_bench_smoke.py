@@ -77,11 +77,11 @@ def test_bench_capture_refuses_rounds_past_its_buckets():
 
 
 def test_bench_transfer(capsys, monkeypatch):
-    from pdserve.benchmarks import transfer
+    from pdserve.benchmarks.transfer import handoff
 
     # the benchmark's two pools, shrunk (the report quotes the 128-page row of
     # the "llama-3-8b" pool, so that name and size stay)
-    monkeypatch.setattr(transfer, "POOLS", {
+    monkeypatch.setattr(handoff, "POOLS", {
         "tiny": dict(shape=(2, 2, 4, 2, 8), dtype="float32", pages=64, sizes=(1, 16)),
         "llama-3-8b": dict(shape=(2, 2, 4, 2, 8), dtype="bfloat16", pages=256, sizes=(128,)),
     })
@@ -158,7 +158,7 @@ def test_bench_tokens(capsys):
 def test_router_cost_streams_every_token_through_a_real_router():
     """The router rows time a real Router's stream and front: each token an
     event, each event a message out (it raises if a token went missing)."""
-    from pdserve.benchmarks.tokens import _router_now
+    from pdserve.benchmarks.serving.tokens import _router_now
     from pdserve.text.tokenizer import PrintableTokenizer
 
     tok = PrintableTokenizer()
@@ -179,7 +179,7 @@ def test_offline_rate_runs_at_the_served_concurrency(monkeypatch):
     with at most --concurrency at once (the served closed loop's cap),
     --repeats times; the median run stands for it."""
     from pdserve import llm
-    from pdserve.benchmarks import serve
+    from pdserve.benchmarks.serving import serve
 
     batches = []
 

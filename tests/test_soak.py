@@ -5,7 +5,7 @@ engine's. Its PASS rule is checked on its own, without a cluster."""
 
 import pytest
 
-from pdserve.benchmarks.soak import FAULT_KINDS, fault_rules, verdict
+from pdserve.benchmarks.serving.soak import FAULT_KINDS, fault_rules, verdict
 from pdserve.transfer.faults import FaultInjector
 
 GOOD = dict(counts={"requests": 10, "finished": 8, "matched_reference": 8, "aborts_issued": 2,
@@ -52,7 +52,7 @@ def test_every_fault_kind_fires_on_the_first_transfer_that_reaches_its_stage():
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_soak_survives_faults_aborts_and_a_killed_engine_with_zero_leaks(capsys):
-    from pdserve.benchmarks.soak import main
+    from pdserve.benchmarks.serving.soak import main
 
     code = main(seconds=20.0, concurrency=32, seed=3)
     out = capsys.readouterr().out

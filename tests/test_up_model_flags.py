@@ -136,7 +136,7 @@ def test_offline_generate_takes_the_model_flags_without_a_config(checkpoint, cap
 
 
 def test_bench_serve_starts_the_file_up_would_run_with_the_same_flags(checkpoint, tmp_path):
-    from pdserve.benchmarks.serve import with_model_flags
+    from pdserve.benchmarks.serving.serve import with_model_flags
     from pdserve.config import UP_CONFIG, Flags, load_with_flags
 
     flags = Flags(model_path=str(checkpoint), fused=1, max_num_seqs=4)

@@ -14,14 +14,14 @@ BENCHMARKS = [
     Subcommand("disagg", "pdserve.benchmarks.planner.disagg",
                "fused against P/D splits across request rates"),
     Subcommand("llm", "pdserve.benchmarks.engine.llm", "pdserve.LLM against Hugging Face generate"),
-    Subcommand("transfer", "pdserve.benchmarks.transfer",
+    Subcommand("transfer", "pdserve.benchmarks.transfer.handoff",
                "KV handoff over NIXL against raw NIXL and memcpy"),
-    Subcommand("serve", "pdserve.benchmarks.serve", "load a deployment through the client"),
-    Subcommand("control-plane", "pdserve.benchmarks.control_plane",
+    Subcommand("serve", "pdserve.benchmarks.serving.serve", "load a deployment through the client"),
+    Subcommand("control-plane", "pdserve.benchmarks.serving.control_plane",
                "a control call over mutual TLS against plaintext"),
-    Subcommand("soak", "pdserve.benchmarks.soak",
+    Subcommand("soak", "pdserve.benchmarks.serving.soak",
                "faults, aborts and a killed engine under load"),
-    Subcommand("tokens", "pdserve.benchmarks.tokens",
+    Subcommand("tokens", "pdserve.benchmarks.serving.tokens",
                "what a generated token costs on its way out of an engine"),
     Subcommand("cache-groups", "pdserve.benchmarks.cache_groups",
                "Gemma 3 27B's sliding-window groups against every layer full (per-request "
@@ -36,7 +36,7 @@ BENCHMARKS = [
                "the simulator with a calibrated profile against the real deployment at "
                "concurrency 1 and fractions of saturation, also at the engines' own speed in "
                "each run"),
-    Subcommand("autoscale", "pdserve.benchmarks.autoscale",
+    Subcommand("autoscale", "pdserve.benchmarks.serving.autoscale",
                "a sine load against 1P+1D fixed and autoscaled"),
     Subcommand("sampling", "pdserve.benchmarks.kernels.sampling",
                "a round's logits to tokens on a real model's vocabulary, against the sampler "
@@ -51,7 +51,7 @@ BENCHMARKS = [
                "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
                "host + disk, a warm restart against a cold one, the cost when every probe "
                "misses"),
-    Subcommand("peer", "pdserve.benchmarks.peer",
+    Subcommand("peer", "pdserve.benchmarks.serving.peer",
                "pdserve against llama.cpp's llama-server on the same GGUF, at concurrency 1, "
                "8 and 32 (skipped without llama-server)"),
     Subcommand("spec", "pdserve.benchmarks.spec.ngram",
@@ -66,7 +66,7 @@ BENCHMARKS = [
     Subcommand("tp-plan", "pdserve.benchmarks.engine.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),
-    Subcommand("tp-pd", "pdserve.benchmarks.tp_pd",
+    Subcommand("tp-pd", "pdserve.benchmarks.transfer.tp_pd",
                "one request's KV moved between prefill and decode engines of tensor-parallel "
                "sizes 1 and 2, each pair: time and bytes per rank"),
 ]
