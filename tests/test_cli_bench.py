@@ -121,7 +121,7 @@ def test_bench_state_reuse_hits_only_with_checkpoints_and_never_past_the_trace_s
 
 
 def test_bench_state_reuse_real_hits_on_cpu_and_answers_the_same(capsys):
-    from pdserve.benchmarks.state_reuse import real
+    from pdserve.benchmarks.cache.state_reuse import real
 
     assert real(block=64, convs=1, turns=2, answer=2) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()

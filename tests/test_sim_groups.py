@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks import cache_groups as bench
+from pdserve.benchmarks.cache import groups as bench
+from pdserve.benchmarks.cache.bounds import kv_pool_bytes
 from pdserve.cli.main import main
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig, load_config
 from pdserve.sim.simulation import Simulation
@@ -174,7 +175,7 @@ def test_at_32k_a_gemma_request_keeps_within_two_points_of_the_ideal_18_7_percen
 
 
 def test_the_split_fits_the_pool_and_holds_several_times_the_requests():
-    pool = bench.kv_pool_bytes(GEMMA, GPUS["h100"])
+    pool = kv_pool_bytes(GEMMA, GPUS["h100"])
     assert pool == pytest.approx(80e9 * 0.9 - 27.4e9 * 2)
     for prompt in (8192, 32768):
         slid = bench.split_pools(GEMMA, pool, prompt, sliding=True)
@@ -192,7 +193,7 @@ def test_the_split_fits_the_pool_and_holds_several_times_the_requests():
 @pytest.mark.parametrize("prompt", [8192, 32768])
 @pytest.mark.parametrize("sliding", [True, False])
 def test_the_planner_holds_exactly_the_requests_the_arithmetic_says(prompt, sliding):
-    pool = bench.kv_pool_bytes(GEMMA, GPUS["h100"])
+    pool = kv_pool_bytes(GEMMA, GPUS["h100"])
     split = bench.split_pools(GEMMA, pool, prompt, sliding=sliding)
     peak, used, note = bench.planner_peak(GEMMA, split, prompt)
     assert (peak, note) == (split.requests, "")

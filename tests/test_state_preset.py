@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.benchmarks import state_capacity as bench
+from pdserve.benchmarks.cache import state_capacity as bench
+from pdserve.benchmarks.cache.bounds import kv_pool_bytes
 from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, ModelPreset, gdn_layer_state_bytes
 from pdserve.scheduler import ConfigError
 from pdserve.scheduler.cache.groups import (FULL, FULL_HISTORY, SLIDING_WINDOW, CacheGroupSpec,
@@ -116,7 +117,7 @@ def test_qwen3_next_at_32k_holds_over_three_times_the_requests_of_pure_attention
     p = bench.capacity(bench.every_layer_attention(QWEN), pool, 32768)
     assert p.request_bytes == 2049 * 16 * 96 * 1024
     assert (c.requests, p.requests) == (433, 129)
-    assert bench.kv_pool_bytes(QWEN, GPUS["h100"], gpus=8) == pytest.approx(pool)
+    assert kv_pool_bytes(QWEN, GPUS["h100"], gpus=8) == pytest.approx(pool)
 
 
 def test_vllm_raises_qwen3_next_s_block_to_hold_one_layer_s_state():

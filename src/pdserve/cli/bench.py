@@ -23,13 +23,13 @@ BENCHMARKS = [
                "faults, aborts and a killed engine under load"),
     Subcommand("tokens", "pdserve.benchmarks.serving.tokens",
                "what a generated token costs on its way out of an engine"),
-    Subcommand("cache-groups", "pdserve.benchmarks.cache_groups",
+    Subcommand("cache-groups", "pdserve.benchmarks.cache.groups",
                "Gemma 3 27B's sliding-window groups against every layer full (per-request "
                "bytes, concurrency, a simulated trace)"),
-    Subcommand("state-capacity", "pdserve.benchmarks.state_capacity",
+    Subcommand("state-capacity", "pdserve.benchmarks.cache.state_capacity",
                "Qwen3-Next-80B's snapshot-state groups against vLLM-style pages and every "
                "layer attention (requests of a long prompt one node's pool holds)"),
-    Subcommand("state-reuse", "pdserve.benchmarks.state_reuse",
+    Subcommand("state-reuse", "pdserve.benchmarks.cache.state_reuse",
                "prefix hits on Qwen3-Next-80B with state checkpoints on and off, fused and P/D "
                "(the Mooncake conversation trace, simulated)"),
     Subcommand("sim-accuracy", "pdserve.benchmarks.planner.sim_accuracy",
@@ -47,7 +47,7 @@ BENCHMARKS = [
     Subcommand("quantized", "pdserve.benchmarks.kernels.quantized",
                "a GGUF's decode round with its weights kept quantized against bfloat16 and "
                "float32 dequantized, and what it changes in the logits"),
-    Subcommand("disk", "pdserve.benchmarks.disk",
+    Subcommand("disk", "pdserve.benchmarks.cache.disk",
                "the disk KV tier on the CPU engine: a multi-turn replay with host alone and "
                "host + disk, a warm restart against a cold one, the cost when every probe "
                "misses"),

@@ -308,7 +308,7 @@ def sim_main(trace_path: str | None, limit: int, disk_gib: float, repeats: int) 
     against host + a disk tier of `disk_gib` GiB shared by the node's
     engines: prompt tokens found cached by tier against the trace's own
     bound (everything kept), TTFT p50 and p90."""
-    from pdserve.benchmarks.state_reuse import ideal_hit
+    from pdserve.benchmarks.cache.bounds import ideal_hit
     from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
     from pdserve.config import load_config, shipped
     from pdserve.scheduler.config import DiskCacheConfig

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.cache.bounds import HASH_BLOCK, ideal_hit
 from pdserve.benchmarks.common.options import positive
 from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
@@ -43,7 +44,7 @@ from pdserve.scheduler.round.grammar import Role
 
 MODEL, GPU = "qwen3-next-80b", "h100"
 PAGE = 16
-BLOCK = 512                # a state checkpoint every Mooncake hash block
+BLOCK = HASH_BLOCK         # a state checkpoint every Mooncake hash block
 LIMIT = 1000
 # one engine's pools: ~220 GiB of K/V at 384 KiB a page, ~110 GiB of state
 # at 73.7 MiB a slot (an 8-GPU node's share; state_capacity.py's arithmetic)
@@ -65,32 +66,46 @@ def config(shape: str, checkpoints: bool, block: int = BLOCK,
                        simulate=SimulateConfig(gpu=GPU, model=MODEL))
 
 
-class Tally:
-    """Counts what one engine's plans asked for (wraps its executor's run)."""
+class PrefillCount:
+    """What the prefills of the plans an executor runs computed: prompt
+    tokens, and of each request's first admission its prefix hit (the
+    first token it computed)."""
 
-    def __init__(self, se):
-        self.role = se.role
-        self.hit = self.prompt = self.computed = self.peak_slots = 0
+    def __init__(self, executor):
+        self.hit = self.prompt = self.computed = 0
         self.seen: set = set()
-        planner = se.engine.planner
-        self.coord = planner.coord
-        ex = se.engine.executor
-        run = ex.run
+        run = executor.run
 
         def watched(plan):
-            self.count(plan, planner.page_size)
+            self.count(plan)
             return run(plan)
-        ex.run = watched
+        executor.run = watched          # this instance only
 
-    def count(self, plan, ps: int) -> None:
+    def count(self, plan) -> None:
         for op in plan.prefills:
             self.computed += op.tokens
             if op.req.id not in self.seen:
                 self.seen.add(op.req.id)
                 self.hit += op.begin
                 self.prompt += op.req.prompt_len
+
+
+class Tally(PrefillCount):
+    """Counts what one simulated engine's plans asked for: its prefills, the
+    remote prefills D asks for (the pages P did not ship are D's hit), and
+    the most state slots held at once."""
+
+    def __init__(self, se):
+        self.role = se.role
+        self.peak_slots = 0
+        planner = se.engine.planner
+        self.coord, self.page_size = planner.coord, planner.page_size
+        super().__init__(se.engine.executor)
+
+    def count(self, plan) -> None:
+        super().count(plan)
         for op in plan.remote_prefills:
-            self.hit += op.first_page * ps
+            self.hit += op.first_page * self.page_size
             self.prompt += op.req.prompt_len
         g = self.coord.state
         grp = self.coord.groups[g]
@@ -120,23 +135,6 @@ def simulate(cfg: ServeConfig, trace) -> dict:
             "finished": res["summary"]["finished"], "n": len(trace),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
             "wall_s": time.perf_counter() - t0}
-
-
-def ideal_hit(trace, block_tokens: int = BLOCK) -> tuple[int, int]:
-    """(prompt tokens, tokens of each prompt's longest prefix of hash
-    blocks some earlier request had): what a cache that kept everything,
-    at any token, could skip. A hit leaves the prompt's last token."""
-    seen: set = set()
-    hit = total = 0
-    for t in trace:
-        ids, length = t.prompt.hash_ids, len(t.prompt)
-        n = 0
-        while n < len(ids) and tuple(ids[:n + 1]) in seen:
-            n += 1
-        hit += min(n * block_tokens, length - 1)
-        total += length
-        seen.update(tuple(ids[:k + 1]) for k in range(len(ids)))
-    return total, hit
 
 
 # ---- the real engine on CPU --------------------------------------------------
@@ -221,19 +219,7 @@ def real(block: int, convs: int = 4, turns: int = 4, answer: int = 16) -> int:
             llm = LLM({"model": {"path": str(d)}}, dtype="float32", attention="torch",
                       page_size=16, total_pages=512, max_scheduled_tokens=256,
                       max_batch_size=8, state_block=block, state_checkpoints=ckpt)
-            seen, hit, prompt, computed = set(), 0, 0, 0
-            run = llm.executor.run
-
-            def watched(plan):
-                nonlocal hit, prompt, computed
-                for op in plan.prefills:
-                    computed += op.tokens
-                    if op.req.id not in seen:
-                        seen.add(op.req.id)
-                        hit += op.begin
-                        prompt += op.req.prompt_len
-                return run(plan)
-            llm.executor.run = watched
+            n = PrefillCount(llm.executor)
             t0 = time.perf_counter()
             history: list[list[int]] = [[] for _ in talks]
             outs = []
@@ -244,8 +230,9 @@ def real(block: int, convs: int = 4, turns: int = 4, answer: int = 16) -> int:
                 outs.append(got)
             answers[ckpt] = outs
             llm.engine.planner.assert_idle()
-            print(f"{'on' if ckpt else 'off':<5} {prompt:>10,} {hit:>8,} "
-                  f"{100 * hit / prompt:>6.1f} {computed:>9,} {time.perf_counter() - t0:>7.1f}")
+            print(f"{'on' if ckpt else 'off':<5} {n.prompt:>10,} {n.hit:>8,} "
+                  f"{100 * n.hit / n.prompt:>6.1f} {n.computed:>9,} "
+                  f"{time.perf_counter() - t0:>7.1f}")
     same = answers[True] == answers[False]
     print()
     print(f"greedy answers {'identical' if same else 'DIFFER'} with checkpoints on and off")

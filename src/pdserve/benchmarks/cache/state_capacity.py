@@ -34,8 +34,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from pdserve.benchmarks.cache.bounds import OVERHEAD, kv_pool_bytes
 from pdserve.benchmarks.common.options import positive
-from pdserve.benchmarks.cache_groups import OVERHEAD, kv_pool_bytes
+from pdserve.benchmarks.common.tables import gb
 from pdserve.sim.cost.roofline import GPUS, MODELS, ModelPreset
 from pdserve.scheduler.capacity import (STATE_SLOTS_PER_CHUNK, STATE_SLOTS_PER_REQUEST,
                                         single_request_pages)
@@ -114,10 +115,6 @@ def vllm_capacity(model: ModelPreset, pool_bytes: float, prompt: int,
     return Capacity("vLLM-style", block, kv, slots, slot, _fit(pool_bytes, kv + slots * slot))
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f}"
-
-
 def main(gpu_name: str = GPU, gpus: int = NODE, prompts=PROMPTS, kv_copies: int = 1) -> int:
     model, gpu = MODELS[MODEL], GPUS[gpu_name]
     if kv_copies > 1:       # each KV head kept on kv_copies GPUs
@@ -128,8 +125,8 @@ def main(gpu_name: str = GPU, gpus: int = NODE, prompts=PROMPTS, kv_copies: int 
     print(f"{MODEL} ({model.full_layers} full-attention layers, {model.state_layers} Gated "
           f"DeltaNet; K/V {model.kv_bytes_per_token // 1024} KiB a token{copies}; one state slot "
           f"{model.state_bytes / 2**20:.1f} MiB) on {gpus} x {gpu_name}: pool = {gpus} x "
-          f"{_gb(gpu.hbm_bytes)} GB HBM x {1 - OVERHEAD:.0%} - {_gb(model.weight_bytes_total)} GB "
-          f"bf16 weights = {_gb(pool)} GB, K/V and state spread across the GPUs (assumed)")
+          f"{gb(gpu.hbm_bytes)} GB HBM x {1 - OVERHEAD:.0%} - {gb(model.weight_bytes_total)} GB "
+          f"bf16 weights = {gb(pool)} GB, K/V and state spread across the GPUs (assumed)")
     print()
     print(f"{'prompt':>6} {'cache':<22} {'block':>5} {'KV GB':>6} {'slots':>5} "
           f"{'slot MiB':>8} {'state GB':>8} {'GB/req':>6} {'requests':>8} {'vs pure':>7}")
@@ -140,8 +137,8 @@ def main(gpu_name: str = GPU, gpus: int = NODE, prompts=PROMPTS, kv_copies: int 
         for r in rows:
             ratio = f"{r.requests / base:.2f}x" if base else "-"
             slot = f"{r.slot_bytes / 2**20:.1f}" if r.slots else "-"
-            print(f"{prompt // 1024:>5}K {r.cache:<22} {r.block:>5} {_gb(r.kv_bytes):>6} "
-                  f"{r.slots:>5} {slot:>8} {_gb(r.state_bytes):>8} {_gb(r.request_bytes):>6} "
+            print(f"{prompt // 1024:>5}K {r.cache:<22} {r.block:>5} {gb(r.kv_bytes):>6} "
+                  f"{r.slots:>5} {slot:>8} {gb(r.state_bytes):>8} {gb(r.request_bytes):>6} "
                   f"{r.requests:>8} {ratio:>7}")
     print(f"a decoding request holds its prompt and decode slot of K/V and "
           f"{STATE_SLOTS_PER_REQUEST} state slots (working state, growth block; spec §1.2), the "

@@ -25,12 +25,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.benchmarks.cache.bounds import OVERHEAD, kv_pool_bytes
+from pdserve.benchmarks.common.tables import gb, s_or_ms
 from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
 from pdserve.config import ClusterShape, ServeConfig, SimulateConfig
 from pdserve.sim.simulation import Simulation
 from pdserve.sim.report import percentile
 from pdserve.sim.trace import read_trace
-from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, GpuPreset, ModelPreset
+from pdserve.sim.cost.roofline import GPUS, MODELS, CostModel, ModelPreset
 from pdserve.sim.executor import SimExecutor
 from pdserve.scheduler.capacity import single_request_pages, sliding_request_pages
 from pdserve.scheduler.config import EngineConfig
@@ -42,17 +44,9 @@ MODEL, GPU = "gemma-3-27b", "h100"
 PAGE = 16                  # tokens per page
 CHUNK = 2048               # chunked-prefill budget a round (engine.max_scheduled_tokens)
 PROMPTS = (8 * 1024, 32 * 1024, 128 * 1024)
-OVERHEAD = 0.10            # of HBM: activations, CUDA graphs, allocator slack
 VLLM_32K = 0.192           # vLLM's paged figure at 32K (shared/research/hybrid-cache.md §5)
 ENGINES = 8                # fused engines in the trace runs (4 cannot keep up: see docs)
 TRACE_LIMIT = 300
-
-
-def kv_pool_bytes(model: ModelPreset, gpu: GpuPreset, overhead: float = OVERHEAD,
-                  gpus: int = 1) -> float:
-    """What `gpus` GPUs have for KV together: their HBM less the weights
-    (held once, sharded across them) and `overhead` of HBM."""
-    return gpus * gpu.hbm_bytes * (1 - overhead) - model.weight_bytes_total
 
 
 def _capacity_cfg(page_size: int, chunk: int) -> EngineConfig:
@@ -223,10 +217,6 @@ def run_trace(cfg: ServeConfig, trace) -> dict:
 
 # ---- the report -------------------------------------------------------------
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f}"
-
-
 def _k(n: int) -> str:
     return f"{n // 1024}K"
 
@@ -238,8 +228,8 @@ def main(trace_path: str | None = None, limit: int | None = None,
     full_l, slide_l = model.layer_kinds()
     print(f"{MODEL} ({len(slide_l)} sliding layers, window {model.window}, + {len(full_l)} full; "
           f"KV {model.kv_layer_bytes // 1024} KiB/token/layer) on one {GPU}: KV pool = "
-          f"{_gb(gpu.hbm_bytes)} GB HBM - {_gb(model.weight_bytes_total)} GB bf16 weights - "
-          f"{OVERHEAD:.0%} of HBM for activations = {_gb(pool)} GB (assumed)")
+          f"{gb(gpu.hbm_bytes)} GB HBM - {gb(model.weight_bytes_total)} GB bf16 weights - "
+          f"{OVERHEAD:.0%} of HBM for activations = {gb(pool)} GB (assumed)")
     print(f"pages of {PAGE} tokens; chunk budget {CHUNK}; a page costs "
           f"{page_bytes(model)[0] / 2**20:.2f} MiB full-history, "
           f"{page_bytes(model)[1] / 2**20:.2f} MiB sliding, "
@@ -258,7 +248,7 @@ def main(trace_path: str | None = None, limit: int | None = None,
                 ratio = f"{retention_ratio(model, prompt):.1%}"
                 ideal = f"{ideal_ratio(model, prompt):.1%}"
                 pre = f"{retention_ratio(model, prompt, chunk=CHUNK):.1%}"
-                slide = f"{per[1]:>8} {_gb(per[1] * pb[1]):>8}"
+                slide = f"{per[1]:>8} {gb(per[1] * pb[1]):>8}"
                 pools = "/".join(str(n) for n in sp.pool_pages)
             else:
                 ratio = ideal = pre = "100%"
@@ -269,8 +259,8 @@ def main(trace_path: str | None = None, limit: int | None = None,
                 n, _, note = planner_peak(model, sp, prompt)
                 peak = f"{n}" + (f" ({note})" if note else "")
             name = "sliding" if sliding else "every layer"
-            print(f"{_k(prompt):>6} {name:<13} {per[0]:>7} {_gb(per[0] * pb[0]):>7} {slide} "
-                  f"{_gb(sp.request_bytes):>6} {ratio:>6} {ideal:>6} {pre:>7} {pools:>16} "
+            print(f"{_k(prompt):>6} {name:<13} {per[0]:>7} {gb(per[0] * pb[0]):>7} {slide} "
+                  f"{gb(sp.request_bytes):>6} {ratio:>6} {ideal:>6} {pre:>7} {pools:>16} "
                   f"{sp.requests:>8} {peak:>8}")
     r32 = retention_ratio(model, 32 * 1024)
     print(f"ratio: a request's bytes with sliding groups over every layer full, decoding; "
@@ -286,23 +276,18 @@ def main(trace_path: str | None = None, limit: int | None = None,
     mean = int(sum(lengths) / len(lengths))
     print()
     print(f"{len(trace)} requests of {Path(path).name} (mean prompt {mean:,} tokens, "
-          f"longest {max(lengths):,}) on {ENGINES} fused {GPU}s, each {_gb(pool)} GB of KV "
+          f"longest {max(lengths):,}) on {ENGINES} fused {GPU}s, each {gb(pool)} GB of KV "
           f"split for the mean prompt")
     print(f"{'cache':<13} {'pools (pages)':>16} {'fin':>5} {'rej':>4} {'TTFT p50':>9} "
           f"{'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} {'tok/s':>7} {'peak':>5} "
           f"{'retract':>7} {'wall s':>6}")
-
-    def fmt(v, unit_ms=False):
-        if v is None:
-            return "-"
-        return f"{v * 1000:.0f}ms" if unit_ms else f"{v:.2f}s"
     for sliding in (True, False):
         sp = split_pools(model, pool, mean, sliding)
         r = run_trace(trace_config(MODEL, GPU, sp), trace)
         name = "sliding" if sliding else "every layer"
         print(f"{name:<13} {'/'.join(str(n) for n in sp.pool_pages):>16} {r['finished']:>5} "
-              f"{r['rejected']:>4} {fmt(r['ttft_p50_s']):>9} {fmt(r['ttft_p90_s']):>9} "
-              f"{fmt(r['tpot_p50_s'], True):>9} {fmt(r['tpot_p90_s'], True):>9} "
+              f"{r['rejected']:>4} {s_or_ms(r['ttft_p50_s']):>9} {s_or_ms(r['ttft_p90_s']):>9} "
+              f"{s_or_ms(r['tpot_p50_s'], True):>9} {s_or_ms(r['tpot_p90_s'], True):>9} "
               f"{r['output_tok_per_s']:>7.0f} {r['peak_resident']:>5} {r['retractions']:>7} "
               f"{r['wall_s']:>6.0f}")
     print("peak: most requests holding pages on one engine; rej: prompts one engine's pool "
