@@ -25,7 +25,8 @@ def alternating(a, b, repeats: int) -> tuple[list[float], list[float]]:
     """Each of `a` and `b` called once untimed (their first call's costs),
     then `repeats` times in turn, a first: the seconds of each call."""
     a(), b()
-    ta, tb = [], []
+    ta: list[float] = []
+    tb: list[float] = []
     for _ in range(repeats):
         for fn, out in ((a, ta), (b, tb)):
             t0 = time.perf_counter()
