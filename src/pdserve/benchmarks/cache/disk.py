@@ -166,6 +166,45 @@ def interleaved(b: Bench, sides: dict, prompts, res: dict, timed: bool = True,
                     cpu[name].append(c)
 
 
+class Figures:
+    """Each side's median per repeat and each comparison's median of
+    per-prompt ratios per repeat, and the table they make."""
+
+    def __init__(self):
+        self.meds: dict[str, list] = {}     # side -> the median of each repeat
+        self.ratios: dict[str, list] = {}   # "b/a" -> per repeat, the median of per-prompt ratios
+        self.disk_hits: list[int] = []      # disk hit tokens in each repeat's replay
+
+    def record(self, res: dict, pairs) -> None:
+        for k, v in res.items():
+            self.meds.setdefault(k, []).append(statistics.median(v))
+        for num, den in pairs:
+            r = [x / y for x, y in zip(res[num], res[den])]
+            self.ratios.setdefault(f"{num}/{den}", []).append(statistics.median(r))
+
+    def cell(self, k: str) -> str:
+        return median_range(self.meds[k], ",.0f", " ms", 1e3) if self.meds.get(k) else "-"
+
+    def ratio(self, k: str) -> str:
+        return median_range(self.ratios[k], ".2f", "x") if self.ratios.get(k) else "-"
+
+    def print_table(self, repeats: int) -> None:
+        cell, ratio = self.cell, self.ratio
+        print("\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
+        print(f"| replay, turns 2+: median TTFT, host alone (A) vs host + disk (B) | "
+              f"{cell('host')} | {cell('disk')} | {ratio('disk/host')} |")
+        print(f"| replay, turns 2+: the same, the store's one FIFO worker (before) as B | "
+              f"{cell('host')} | {cell('disk_fifo')} | {ratio('disk_fifo/host')} |")
+        print(f"| restart, last turns: median TTFT, cold (A) vs warm (B) | {cell('cold')} | "
+              f"{cell('warm')} | {ratio('warm/cold')} |")
+        print(f"| all-miss prompts: median TTFT, tier off (A) vs on (B) | {cell('off')} | "
+              f"{cell('on')} | {ratio('on/off')} |")
+        print(f"| all-miss prompts: process CPU a request (on: its writes included), off (A) vs "
+              f"on (B) | {cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu/off_cpu')} |")
+        print(f"\nmedian (min-max) over {repeats} repeats of each side's median; B / A: the "
+              f"median of per-prompt ratios; disk hit tokens in the replay: {self.disk_hits}")
+
+
 def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
          directory: str | None, parts=frozenset(PARTS)) -> int:
     ps = 16
@@ -178,7 +217,6 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
     b = Bench(preset, engine)
     vocab = b.llm.model.cfg.vocab_size
     replay = conversations(n, turns, tokens, vocab)
-    later = [p for turn in replay[1:] for p in turn]
     misses = conversations(n * turns, 1, final // 2, vocab, seed=1)[0]
     root = Path(directory) if directory else Path(tempfile.mkdtemp(
         dir="/dev/shm" if Path("/dev/shm").is_dir() else None, prefix="pdserve-disk-"))
@@ -188,71 +226,48 @@ def main(preset: str, n: int, turns: int, tokens: int, repeats: int,
           f"alive at once, each prompt on each side in rotated order", flush=True)
     b.ttft(b.engine(None), misses[0])   # warm up: no side pays the first call's costs
     b.close()
-    meds: dict[str, list] = {}          # side -> the median of each repeat
-    ratios: dict[str, list] = {}        # "b/a" -> per repeat, the median of per-prompt ratios
-    disk_hits = []
-
-    def record(res: dict, pairs) -> None:
-        for k, v in res.items():
-            meds.setdefault(k, []).append(statistics.median(v))
-        for num, den in pairs:
-            r = [x / y for x, y in zip(res[num], res[den])]
-            ratios.setdefault(f"{num}/{den}", []).append(statistics.median(r))
-
+    figures = Figures()
     for rep in range(repeats):
-        if "replay" in parts or "restart" in parts:
-            fill = root / f"replay-{rep}"
-            sides = {"host": b.engine(None), "disk": b.engine(str(fill)),
-                     "disk_fifo": b.engine(str(root / f"fifo-{rep}"), lanes=False)}
-            res: dict[str, list] = {k: [] for k in sides}
-            interleaved(b, sides, replay[0], res, timed=False)   # the first turns fill the tiers
-            interleaved(b, sides, later, res)
-            disk_hits.append(sides["disk"][1].planner.hits.disk_tokens)
-            b.close()                                           # writes finish, then a restart
-            if "replay" in parts:
-                record(res, [("disk", "host"), ("disk_fifo", "host")])
-        if "restart" in parts:
-            empty = root / f"empty-{rep}"
-            sides = {"cold": b.engine(str(empty)), "warm": b.engine(str(fill))}
-            res = {k: [] for k in sides}
-            interleaved(b, sides, replay[-1], res)
-            b.close()
-            record(res, [("warm", "cold")])
-        if "all-miss" in parts:
-            sides = {"off": b.engine(None), "on": b.engine(str(root / f"miss-{rep}"))}
-            res = {k: [] for k in sides}
-            cpu: dict[str, list] = {k: [] for k in sides}
-            interleaved(b, sides, misses, res, cpu=cpu)     # on's writes run in its turns
-            b.close()
-            record(res | {f"{k}_cpu": v for k, v in cpu.items()},
-                   [("on", "off"), ("on_cpu", "off_cpu")])
+        _repeat(b, root, rep, parts, replay, misses, figures)
         for d in root.glob("*"):
             shutil.rmtree(d, ignore_errors=True)
         print(f"  repeat {rep + 1} (load average {os.getloadavg()[0]:.1f}): " + ", ".join(
-            f"{k} {v[-1] * 1e3:.0f} ms" for k, v in meds.items()), flush=True)
+            f"{k} {v[-1] * 1e3:.0f} ms" for k, v in figures.meds.items()), flush=True)
     if not directory:
         shutil.rmtree(root, ignore_errors=True)
-
-    def cell(k: str) -> str:
-        return median_range(meds[k], ",.0f", " ms", 1e3) if meds.get(k) else "-"
-
-    def ratio(k: str) -> str:
-        return median_range(ratios[k], ".2f", "x") if ratios.get(k) else "-"
-
-    print("\n| comparison | A | B | B / A |\n| --- | --- | --- | --- |")
-    print(f"| replay, turns 2+: median TTFT, host alone (A) vs host + disk (B) | "
-          f"{cell('host')} | {cell('disk')} | {ratio('disk/host')} |")
-    print(f"| replay, turns 2+: the same, the store's one FIFO worker (before) as B | "
-          f"{cell('host')} | {cell('disk_fifo')} | {ratio('disk_fifo/host')} |")
-    print(f"| restart, last turns: median TTFT, cold (A) vs warm (B) | {cell('cold')} | "
-          f"{cell('warm')} | {ratio('warm/cold')} |")
-    print(f"| all-miss prompts: median TTFT, tier off (A) vs on (B) | {cell('off')} | "
-          f"{cell('on')} | {ratio('on/off')} |")
-    print(f"| all-miss prompts: process CPU a request (on: its writes included), off (A) vs "
-          f"on (B) | {cell('off_cpu')} | {cell('on_cpu')} | {ratio('on_cpu/off_cpu')} |")
-    print(f"\nmedian (min-max) over {repeats} repeats of each side's median; B / A: the "
-          f"median of per-prompt ratios; disk hit tokens in the replay: {disk_hits}")
+    figures.print_table(repeats)
     return 0
+
+
+def _repeat(b: Bench, root: Path, rep: int, parts, replay: list, misses: list,
+            figures: Figures) -> None:
+    """One repeat of each comparison in `parts`, its sides alive at once;
+    the restart reads the disk tier the replay filled."""
+    fill = root / f"replay-{rep}"
+    if "replay" in parts or "restart" in parts:
+        sides = {"host": b.engine(None), "disk": b.engine(str(fill)),
+                 "disk_fifo": b.engine(str(root / f"fifo-{rep}"), lanes=False)}
+        res: dict[str, list] = {k: [] for k in sides}
+        interleaved(b, sides, replay[0], res, timed=False)   # the first turns fill the tiers
+        interleaved(b, sides, [p for turn in replay[1:] for p in turn], res)
+        figures.disk_hits.append(sides["disk"][1].planner.hits.disk_tokens)
+        b.close()                                           # writes finish, then a restart
+        if "replay" in parts:
+            figures.record(res, [("disk", "host"), ("disk_fifo", "host")])
+    if "restart" in parts:
+        sides = {"cold": b.engine(str(root / f"empty-{rep}")), "warm": b.engine(str(fill))}
+        res = {k: [] for k in sides}
+        interleaved(b, sides, replay[-1], res)
+        b.close()
+        figures.record(res, [("warm", "cold")])
+    if "all-miss" in parts:
+        sides = {"off": b.engine(None), "on": b.engine(str(root / f"miss-{rep}"))}
+        res = {k: [] for k in sides}
+        cpu: dict[str, list] = {k: [] for k in sides}
+        interleaved(b, sides, misses, res, cpu=cpu)     # on's writes run in its turns
+        b.close()
+        figures.record(res | {f"{k}_cpu": v for k, v in cpu.items()},
+                       [("on", "off"), ("on_cpu", "off_cpu")])
 
 
 # ---- the store alone: a read behind the write backlog --------------------------------

@@ -235,6 +235,14 @@ def main(trace_path: str | None = None, limit: int | None = None,
           f"{page_bytes(model)[1] / 2**20:.2f} MiB sliding, "
           f"{page_bytes(model, False)[0] / 2**20:.2f} MiB with every layer full")
     print()
+    _per_request_table(model, pool, prompts, verify)
+    _trace_table(model, pool, trace_path, limit)
+    return 0
+
+
+def _per_request_table(model: ModelPreset, pool: float, prompts, verify: bool) -> None:
+    """A row per prompt length and cache: what a resident request holds, and
+    how many the pool holds (with `verify`, checked on the planner)."""
     print("Per request (resident, decoding): pages and GB per group, and the most requests "
           "the pool holds")
     print(f"{'prompt':>6} {'cache':<13} {'full pg':>7} {'full GB':>7} {'slide pg':>8} "
@@ -242,26 +250,7 @@ def main(trace_path: str | None = None, limit: int | None = None,
           f"{'pools (pages)':>16} {'max reqs':>8} {'planner':>8}")
     for prompt in prompts:
         for sliding in (True, False):
-            sp = split_pools(model, pool, prompt, sliding)
-            per, pb = sp.per_request, sp.page_bytes
-            if sliding:
-                ratio = f"{retention_ratio(model, prompt):.1%}"
-                ideal = f"{ideal_ratio(model, prompt):.1%}"
-                pre = f"{retention_ratio(model, prompt, chunk=CHUNK):.1%}"
-                slide = f"{per[1]:>8} {gb(per[1] * pb[1]):>8}"
-                pools = "/".join(str(n) for n in sp.pool_pages)
-            else:
-                ratio = ideal = pre = "100%"
-                slide = f"{'-':>8} {'-':>8}"
-                pools = str(sp.pool_pages[0])
-            peak = "-"
-            if verify:
-                n, _, note = planner_peak(model, sp, prompt)
-                peak = f"{n}" + (f" ({note})" if note else "")
-            name = "sliding" if sliding else "every layer"
-            print(f"{_k(prompt):>6} {name:<13} {per[0]:>7} {gb(per[0] * pb[0]):>7} {slide} "
-                  f"{gb(sp.request_bytes):>6} {ratio:>6} {ideal:>6} {pre:>7} {pools:>16} "
-                  f"{sp.requests:>8} {peak:>8}")
+            print(_request_row(model, pool, prompt, sliding, verify))
     r32 = retention_ratio(model, 32 * 1024)
     print(f"ratio: a request's bytes with sliding groups over every layer full, decoding; "
           f"prefill: while computing a {CHUNK}-token chunk; ideal: no paging, W - 1 tokens per "
@@ -270,6 +259,36 @@ def main(trace_path: str | None = None, limit: int | None = None,
     print("planner: peak requests holding pages when N + 2 prompts are submitted to a fused "
           "planner with those pools (full pool capped below N + 1 prompts; every generation "
           "still running)")
+
+
+def _request_row(model: ModelPreset, pool: float, prompt: int, sliding: bool,
+                 verify: bool) -> str:
+    sp = split_pools(model, pool, prompt, sliding)
+    per, pb = sp.per_request, sp.page_bytes
+    if sliding:
+        ratio = f"{retention_ratio(model, prompt):.1%}"
+        ideal = f"{ideal_ratio(model, prompt):.1%}"
+        pre = f"{retention_ratio(model, prompt, chunk=CHUNK):.1%}"
+        slide = f"{per[1]:>8} {gb(per[1] * pb[1]):>8}"
+        pools = "/".join(str(n) for n in sp.pool_pages)
+    else:
+        ratio = ideal = pre = "100%"
+        slide = f"{'-':>8} {'-':>8}"
+        pools = str(sp.pool_pages[0])
+    peak = "-"
+    if verify:
+        n, _, note = planner_peak(model, sp, prompt)
+        peak = f"{n}" + (f" ({note})" if note else "")
+    name = "sliding" if sliding else "every layer"
+    return (f"{_k(prompt):>6} {name:<13} {per[0]:>7} {gb(per[0] * pb[0]):>7} {slide} "
+            f"{gb(sp.request_bytes):>6} {ratio:>6} {ideal:>6} {pre:>7} {pools:>16} "
+            f"{sp.requests:>8} {peak:>8}")
+
+
+def _trace_table(model: ModelPreset, pool: float, trace_path: str | None,
+                 limit: int | None) -> None:
+    """The trace simulated both ways, each engine's pool split for its mean
+    prompt."""
     path = str(trace_file(trace_path, MOONCAKE_CONV))
     trace = read_trace(path, limit=TRACE_LIMIT if limit is None else limit)
     lengths = [len(t.prompt) for t in trace]  # type: ignore[arg-type]
@@ -292,7 +311,6 @@ def main(trace_path: str | None = None, limit: int | None = None,
               f"{r['wall_s']:>6.0f}")
     print("peak: most requests holding pages on one engine; rej: prompts one engine's pool "
           "can never hold")
-    return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

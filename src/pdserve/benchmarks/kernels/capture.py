@@ -102,50 +102,77 @@ def run(args) -> int:
                          f"those or lower --batches and --context")
     import torch
 
-    from pdserve.kernels.capture import CaptureMode, DecodeCapture
+    from pdserve.kernels.capture import CaptureMode
 
     mode = CaptureMode(args.mode or ("cuda_graph" if dev.type == "cuda" else "compile"))
     if mode is CaptureMode.CUDA_GRAPH and dev.type != "cuda":
         raise SystemExit("pdserve bench capture: --mode cuda_graph needs --device cuda")
-    cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"decode step captured ({mode.value}) against eager, on {name}, torch "
           f"{torch.__version__}; rows of {args.context} tokens of history, pages of {PAGE}")
     loads, rows = [], []
     for shape in args.models:
         for dtype in args.dtype:
-            model = build(shape, dtype, dev)
-            per = -(-(args.context + 1) // PAGE)
-            pages = max(args.batches) * per
-            caches = model.new_caches([pages + 1], PAGE)     # the last page: the scratch
-            torch.manual_seed(1)
-            for c in caches:
-                c.data.normal_()
-            cap = DecodeCapture(model, caches, mode, max_batch=args.max_batch_size,
-                                max_pages=-(-args.max_context // PAGE), windows=[None])
-            kept = torch.cuda.memory_reserved(dev) if cuda else 0
-            seconds = cap.capture()
-            kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
-            loads.append((shape, dtype, seconds, cap.steps, kept))
-            for b in args.batches:
-                ids, meta = decode_meta(b, args.context, PAGE, model.device)
-                eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
-                                                  torch.arange(b, device=dev))
-                captured_run = lambda: cap.run(ids, [meta])  # noqa: E731
-                got = cap.run(ids, [meta])
-                assert got is not None          # the options were checked against the buckets
-                diff = (got.float() - eager_run().float()).abs().max().item()
-                eager, captured = [], []
-                for _ in range(args.repeats):
-                    eager.append(median_ms(eager_run, args.rounds, sync))
-                    captured.append(median_ms(captured_run, args.rounds, sync))
-                e, c = statistics.median(eager), statistics.median(captured)
-                rows.append((shape, dtype, b, e, _spread(eager), c, _spread(captured), e / c,
-                             diff))
-            del cap, caches, model
-            if cuda:
-                torch.cuda.empty_cache()
+            load, timed = _one_model(args, shape, dtype, dev, mode)
+            loads.append(load)
+            rows += timed
+    _print_tables(args, loads, rows)
+    return 0
+
+
+def _one_model(args, shape: str, dtype: str, dev, mode) -> tuple[tuple, list]:
+    """`shape` in `dtype` captured as an engine does at load, then each
+    batch of `--batches` timed eager and captured: (its load row, its
+    rows)."""
+    import torch
+
+    from pdserve.kernels.capture import DecodeCapture
+
+    cuda = dev.type == "cuda"
+    model = build(shape, dtype, dev)
+    per = -(-(args.context + 1) // PAGE)
+    pages = max(args.batches) * per
+    caches = model.new_caches([pages + 1], PAGE)     # the last page: the scratch
+    torch.manual_seed(1)
+    for c in caches:
+        c.data.normal_()
+    cap = DecodeCapture(model, caches, mode, max_batch=args.max_batch_size,
+                        max_pages=-(-args.max_context // PAGE), windows=[None])
+    kept = torch.cuda.memory_reserved(dev) if cuda else 0
+    seconds = cap.capture()
+    kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
+    rows = [(shape, dtype, b, *_eager_and_captured(args, model, cap, caches, b, dev))
+            for b in args.batches]
+    load = (shape, dtype, seconds, cap.steps, kept)
+    del cap, caches, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return load, rows
+
+
+def _eager_and_captured(args, model, cap, caches, b: int, dev) -> tuple:
+    """A decode round of `b` rows, eager and captured taking turns:
+    (eager median, its spread, captured median, its spread, the ratio,
+    the largest logit difference)."""
+    import torch
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ids, meta = decode_meta(b, args.context, PAGE, model.device)
+    eager_run = lambda: model.forward(ids, _fresh(meta), caches,  # noqa: E731
+                                      torch.arange(b, device=dev))
+    captured_run = lambda: cap.run(ids, [meta])  # noqa: E731
+    got = cap.run(ids, [meta])
+    assert got is not None          # the options were checked against the buckets
+    diff = (got.float() - eager_run().float()).abs().max().item()
+    eager, captured = [], []
+    for _ in range(args.repeats):
+        eager.append(median_ms(eager_run, args.rounds, sync))
+        captured.append(median_ms(captured_run, args.rounds, sync))
+    e, c = statistics.median(eager), statistics.median(captured)
+    return e, _spread(eager), c, _spread(captured), e / c, diff
+
+
+def _print_tables(args, loads: list, rows: list) -> None:
     print("\ncapture at load (batch buckets up to", args.max_batch_size, "x table buckets up to",
           args.max_context, "tokens):")
     print("| model | dtype | capture s | steps | device memory kept |")
@@ -159,4 +186,3 @@ def run(args) -> int:
     for shape, dtype, b, e, es, c, cs, ratio, diff in rows:
         print(f"| {shape} | {dtype} | {b} | {e:.2f} ({es}) | {c:.2f} ({cs}) | {ratio:.2f}x | "
               f"{diff:.1e} |")
-    return 0

@@ -82,10 +82,7 @@ def run(args) -> int:
     import torch
 
     from pdserve.kernels.models.loader import load_model
-    from pdserve.kernels.lora.batched import LoraRound
-    from pdserve.kernels.lora.adapter import load_adapter
-    from pdserve.kernels.lora.fused import FusedLoraRound, triton_available
-    from pdserve.kernels.lora.masked import MaskedLoraRound
+    from pdserve.kernels.lora.fused import triton_available
 
     fused = args.device.startswith("cuda") and triton_available()
     if args.kernel == "fused" and not fused:
@@ -97,21 +94,57 @@ def run(args) -> int:
     n = max(k for _, k in CASES)
     model, _ = load_model(None, args.preset, dtype="float32", device=args.device,
                           attention="torch", quantization="none")   # dense, as its tables ran
-    cfg = model.cfg
     stacks = model.enable_lora(n, args.rank)
+    adapter, reads, copies = _load_adapters(model, stacks, n, args)
+    cases, rounds = _lora_rounds(stacks, args, fused)
+    rates, cpu_rates = _rates(model, cases, rounds, args)
+    print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
+          f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
+          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
+          f"{torch.get_num_threads()} torch threads")
+    width = max(len(label) for label in rates) + 2
+    _table("wall time", rates, width)
+    if args.device == "cpu":
+        # the time the process ran on a core: what a shared host's other
+        # jobs take away (waiting for a core) is not in it
+        _table("CPU time", cpu_rates, width)
+    _lora_alone(model, stacks, rounds, cases, args, width)
+    mb = adapter.nbytes() / 2 ** 20
+    print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
+          f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
+          f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
+    return 0
+
+
+def _load_adapters(model, stacks, n: int, args) -> tuple:
+    """`n` random adapters written as PEFT saves them, each read and copied
+    into its slot: (the last adapter, each read's seconds, each copy's)."""
+    import torch
+
+    from pdserve.kernels.lora.adapter import load_adapter
+
     reads, copies = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(n):
-            d = write_random_adapter(Path(tmp) / f"a{i}", cfg, args.rank, i)
+            d = write_random_adapter(Path(tmp) / f"a{i}", model.cfg, args.rank, i)
             t0 = time.perf_counter()
-            adapter = load_adapter(d, cfg, args.rank)
+            adapter = load_adapter(d, model.cfg, args.rank)
             t1 = time.perf_counter()
             stacks.load(i, adapter)
             if args.device != "cpu":
                 torch.cuda.synchronize()
             reads.append(t1 - t0)
             copies.append(time.perf_counter() - t1)
-    ids, meta, cache, rows = decode_round(model, args.batch, args.context)
+    return adapter, reads, copies
+
+
+def _lora_rounds(stacks, args, fused: bool) -> tuple[list, dict]:
+    """The cases (label, adapters, kernel) of `--kernel`, and each one's
+    batched LoRA for a round (None: the base model)."""
+    from pdserve.kernels.lora.batched import LoraRound
+    from pdserve.kernels.lora.fused import FusedLoraRound
+    from pdserve.kernels.lora.masked import MaskedLoraRound
+
     kernels = {"segmented": LoraRound.of, "masked": MaskedLoraRound, "fused": FusedLoraRound.of}
     if args.kernel != "both":
         chosen = [args.kernel]
@@ -123,6 +156,16 @@ def run(args) -> int:
     for label, k, kernel in cases:
         slots = [i % k for i in range(args.batch)] if k else []
         rounds[label] = kernels[kernel](stacks, slots) if kernel else None
+    return cases, rounds
+
+
+def _rates(model, cases: list, rounds: dict, args) -> tuple[dict, dict]:
+    """Every case's decode round, each warmed once, then the cases in turn
+    `--repeats` times: (label -> tokens/s by wall time per repeat, label ->
+    tokens/s by this process's CPU time)."""
+    import torch
+
+    ids, meta, cache, rows = decode_round(model, args.batch, args.context)
 
     def timed(rnd) -> tuple[float, float]:
         """A round's wall time and the process's CPU time, each averaged."""
@@ -145,22 +188,7 @@ def run(args) -> int:
             wall, cpu = timed(rounds[label])
             rates[label].append(args.batch / wall)
             cpu_rates[label].append(args.batch / cpu)
-    print(f"{args.preset} on {args.device}, float32, torch attention: a decode round of "
-          f"{args.batch} rows at {args.context} tokens of history; rank {args.rank} on q k v "
-          f"o gate up down, {n} slots; {args.rounds} rounds x {args.repeats} repeats, "
-          f"{torch.get_num_threads()} torch threads")
-    width = max(len(label) for label in rates) + 2
-    _table("wall time", rates, width)
-    if args.device == "cpu":
-        # the time the process ran on a core: what a shared host's other
-        # jobs take away (waiting for a core) is not in it
-        _table("CPU time", cpu_rates, width)
-    _lora_alone(model, stacks, rounds, cases, args, width)
-    mb = adapter.nbytes() / 2 ** 20
-    print(f"adapter load ({mb:.1f} MiB, {n} loads): read from its PEFT directory "
-          f"{1e3 * statistics.median(reads):.1f} ms (min {1e3 * min(reads):.1f}), copied into "
-          f"a slot {1e3 * statistics.median(copies):.1f} ms (min {1e3 * min(copies):.1f})")
-    return 0
+    return rates, cpu_rates
 
 
 def _table(clock: str, rates: dict[str, list[float]], width: int) -> None:

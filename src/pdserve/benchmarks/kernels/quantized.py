@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from pdserve.benchmarks.common.decode_inputs import decode_round
 from pdserve.benchmarks.common.options import positive
@@ -92,16 +93,47 @@ def decode_logits(model, ids: list[int], page: int = 16):
 
 
 def run(args) -> int:
-    import os
-
     import torch
-
-    from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
-    from pdserve.kernels.models.loader import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    models, loads, tok = _load_cases(args.preset)
+    print(f"{args.preset} on cpu, torch attention, {torch.get_num_threads()} torch threads; "
+          f"a decode round of B rows at {args.context} tokens of history, {args.rounds} "
+          f"rounds a turn, {args.repeats} turns a case, cases interleaved")
+    print("| batch | case | wall ms/round (min-max) | vs float32 | CPU ms/round (min-max) "
+          "| vs float32 |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for b in batches:
+        wall, cpu = _decode_turns(models, b, args)
+        bw, bc = statistics.median(wall["float32"]), statistics.median(cpu["float32"])
+        for label in models:
+            w, c = wall[label], cpu[label]
+            print(f"| {b} | {label} | {median_range(w)} | {statistics.median(w) / bw:.2f}x | "
+                  f"{median_range(c)} | {statistics.median(c) / bc:.2f}x |")
+    ids = tok.encode(TEXT)
+    truth = prefill_logits(models["float32"], ids)
+    print(f"\nagainst float32 dequantized, {len(ids)} positions of one prompt:")
+    print("| case | top token agrees | largest logit difference | load s |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, m in models.items():
+        lg = decode_logits(m, ids)
+        agree = (lg.argmax(-1) == truth.argmax(-1)).float().mean().item()
+        print(f"| {label} | {100 * agree:.1f}% | {(lg - truth).abs().max().item():.2f} | "
+              f"{loads[label]:.1f} |")
+    return 0
+
+
+def _load_cases(preset: str) -> tuple[dict, dict, Any]:
+    """Every case of CASES that runs here, loaded its way (the kernels env
+    var set while it loads, then restored): (label -> model, label -> load
+    seconds, the tokenizer)."""
+    import os
+
+    from pdserve.kernels.cpu.native import KERNELS_ENV, native_kernels
+    from pdserve.kernels.models.loader import load_model
+
     models, loads = {}, {}
     tok = None
     native = native_kernels()
@@ -114,7 +146,7 @@ def run(args) -> int:
                 continue
             os.environ[KERNELS_ENV] = "native" if kernels == "ops" else kernels
             t0 = time.perf_counter()
-            models[label], tok = load_model(None, args.preset, dtype=dtype, attention="torch",
+            models[label], tok = load_model(None, preset, dtype=dtype, attention="torch",
                                             quantization=quant)
             loads[label] = time.perf_counter() - t0
             if kernels == "ops":
@@ -124,39 +156,24 @@ def run(args) -> int:
             os.environ.pop(KERNELS_ENV, None)
         else:
             os.environ[KERNELS_ENV] = before
-    print(f"{args.preset} on cpu, torch attention, {torch.get_num_threads()} torch threads; "
-          f"a decode round of B rows at {args.context} tokens of history, {args.rounds} "
-          f"rounds a turn, {args.repeats} turns a case, cases interleaved")
-    print("| batch | case | wall ms/round (min-max) | vs float32 | CPU ms/round (min-max) "
-          "| vs float32 |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
-    for b in batches:
-        inputs = {label: decode_round(m, b, args.context) for label, m in models.items()}
-        wall: dict[str, list[float]] = {label: [] for label in models}
-        cpu: dict[str, list[float]] = {label: [] for label in models}
-        for turn in range(args.repeats + 1):
-            for label, m in models.items():
-                ids, meta, cache, rows = inputs[label]
-                w0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(args.rounds):
-                    m.forward(ids, meta, cache, rows)
-                if turn:                                  # the first turn warms up
-                    wall[label].append((time.perf_counter() - w0) / args.rounds * 1e3)
-                    cpu[label].append((time.process_time() - c0) / args.rounds * 1e3)
-        bw, bc = statistics.median(wall["float32"]), statistics.median(cpu["float32"])
-        for label in models:
-            w, c = wall[label], cpu[label]
-            print(f"| {b} | {label} | {median_range(w)} | {statistics.median(w) / bw:.2f}x | "
-                  f"{median_range(c)} | {statistics.median(c) / bc:.2f}x |")
     assert tok is not None
-    ids = tok.encode(TEXT)
-    truth = prefill_logits(models["float32"], ids)
-    print(f"\nagainst float32 dequantized, {len(ids)} positions of one prompt:")
-    print("| case | top token agrees | largest logit difference | load s |")
-    print("| --- | ---: | ---: | ---: |")
-    for label, m in models.items():
-        lg = decode_logits(m, ids)
-        agree = (lg.argmax(-1) == truth.argmax(-1)).float().mean().item()
-        print(f"| {label} | {100 * agree:.1f}% | {(lg - truth).abs().max().item():.2f} | "
-              f"{loads[label]:.1f} |")
-    return 0
+    return models, loads, tok
+
+
+def _decode_turns(models: dict, batch: int, args) -> tuple[dict, dict]:
+    """A decode round of `batch` rows through every case in turn, `--rounds`
+    a turn, a warm-up turn and then `--repeats`: (label -> wall ms a round
+    per turn, label -> this process's CPU ms a round per turn)."""
+    inputs = {label: decode_round(m, batch, args.context) for label, m in models.items()}
+    wall: dict[str, list[float]] = {label: [] for label in models}
+    cpu: dict[str, list[float]] = {label: [] for label in models}
+    for turn in range(args.repeats + 1):
+        for label, m in models.items():
+            ids, meta, cache, rows = inputs[label]
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.rounds):
+                m.forward(ids, meta, cache, rows)
+            if turn:                                  # the first turn warms up
+                wall[label].append((time.perf_counter() - w0) / args.rounds * 1e3)
+                cpu[label].append((time.process_time() - c0) / args.rounds * 1e3)
+    return wall, cpu
