@@ -46,6 +46,8 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 from pdserve.benchmarks.common.options import non_negative, positive, usage_error, workload_arguments
 from pdserve.sim.load import Sample, arrivals, drive, workload
@@ -94,67 +96,97 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
     from pdserve.cluster.deploy import Deployment
 
     cfg = load_config(path)
-
-    def batch(run_seed: int, rate):
-        return workload(n_alone if rate is None else n, prompt_len, max_tokens, None, None,
-                        prompt_len, run_seed)
     out = {"config": path, "runs": [], "workload": {"requests": n, "alone": n_alone,
                                                    "prompt_len": prompt_len,
                                                    "max_tokens": max_tokens}}
     dep = Deployment(cfg)
     prof = load_profile(profile)
-
-    def engine_rounds() -> dict:
-        """The profile against the rounds the engines timed since the last call."""
-        return round_errors(prof, dep.take_rounds())
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
     try:
-        addr = dep.start()
-        drive(addr, batch(seed + 1, None), 4, None, seed, progress=False)    # warm-up
+        runs = RealRuns(dep.start(), dep, prof, n, n_alone, prompt_len, max_tokens, quiet, probe)
+        drive(runs.addr, runs.batch(seed + 1, None), 4, None, seed, progress=False)  # warm-up
         if saturation is None:
-            if quiet is not None:
-                wait_for_quiet(quiet)
-            with ForeignLoad() as load:
-                r = drive(addr, batch(seed + 2, 0), sat_concurrency, None, seed,
-                          progress=False)
-            saturation = r["req_per_s"]
-            out["saturation_run"] = {**r, "foreign_cores": load.cores}
+            sat = runs.saturation(sat_concurrency, seed)
+            saturation = sat["req_per_s"]
+            out["saturation_run"] = sat
         out["saturation_req_per_s"] = saturation  # type: ignore[assignment]
         levels = [("c1", None)] + [(f"{f:g}x", f * saturation) for f in fractions]
         out["levels"] = [{"level": name, "rate": rate} for name, rate in levels]  # type: ignore[misc]
         for rep in range(repeats):
             for i, (name, rate) in enumerate(levels):
-                run_seed = seed + 100 * (rep + 1) + i
-                if quiet is not None:
-                    wait_for_quiet(quiet)
-                engine_rounds()                    # what ran before this run
-                probed = None
-                if probe:                          # the host's speed just before the run
-                    drive(addr, workload(probe, prompt_len, max_tokens, None, None, prompt_len,
-                                         run_seed + PROBE_SEED), 1, None, run_seed,
-                          progress=False)
-                    probed = engine_rounds()
-                with ForeignLoad() as load:
-                    r = drive(addr, batch(run_seed, rate), 1 if rate is None else n, rate,
-                              run_seed, progress=False)
-                r.update(level=name, repeat=rep, seed=run_seed, rate=rate,
-                         foreign_cores=load.cores, rounds=engine_rounds())
-                if probed is not None:
-                    r["probe"] = probed
+                r = runs.one(name, rate, rep, seed + 100 * (rep + 1) + i)
                 out["runs"].append(r)  # type: ignore[attr-defined]
-                rd = r["rounds"]
-                print(f"  {path} {name} run {rep + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
-                      f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
-                      f"foreign load {_cores(load.cores)}; {rd['count']} engine rounds, "
-                      f"profile vs each {_pct(rd['err_p50'])} p50, vs busy time "
-                      f"{_pct(rd['busy_err'])} ("
-                      + ", ".join(f"{k} {_pct(v)}" for k, v in rd["by_kind"].items()) + ")",
-                      flush=True)
+                _print_run(path, r)
     finally:
         dep.stop()
     resimulate(out, profile, one_speed)
     return out
+
+
+@dataclass
+class RealRuns:
+    """The real runs on one started deployment: each a fresh batch of
+    prompts (its own seed), the engines' rounds timed and priced by the
+    profile, and what other processes used meanwhile."""
+    addr: str
+    dep: Any                    # the Deployment
+    prof: Profile
+    n: int                      # requests of a run at a rate
+    n_alone: int                # requests of a run at concurrency 1
+    prompt_len: int
+    max_tokens: int
+    quiet: float | None         # wait before each run until others use under this many cores
+    probe: int                  # requests run alone before each run, to time the host's speed
+
+    def batch(self, run_seed: int, rate) -> list[Sample]:
+        return workload(self.n_alone if rate is None else self.n, self.prompt_len,
+                        self.max_tokens, None, None, self.prompt_len, run_seed)
+
+    def engine_rounds(self) -> dict:
+        """The profile against the rounds the engines timed since the last call."""
+        return round_errors(self.prof, self.dep.take_rounds())
+
+    def saturation(self, concurrency: int, seed: int) -> dict:
+        """A closed loop at `concurrency`: its req/s is the saturation."""
+        if self.quiet is not None:
+            wait_for_quiet(self.quiet)
+        with ForeignLoad() as load:
+            r = drive(self.addr, self.batch(seed + 2, 0), concurrency, None, seed,
+                      progress=False)
+        return {**r, "foreign_cores": load.cores}
+
+    def one(self, level: str, rate: float | None, rep: int, run_seed: int) -> dict:
+        """One run of `level` (rate None: concurrency 1), with its probe
+        before it, and the rounds each timed."""
+        if self.quiet is not None:
+            wait_for_quiet(self.quiet)
+        self.engine_rounds()                    # what ran before this run
+        probed = None
+        if self.probe:                          # the host's speed just before the run
+            drive(self.addr, workload(self.probe, self.prompt_len, self.max_tokens, None, None,
+                                      self.prompt_len, run_seed + PROBE_SEED), 1, None,
+                  run_seed, progress=False)
+            probed = self.engine_rounds()
+        with ForeignLoad() as load:
+            r = drive(self.addr, self.batch(run_seed, rate), 1 if rate is None else self.n,
+                      rate, run_seed, progress=False)
+        r.update(level=level, repeat=rep, seed=run_seed, rate=rate,
+                 foreign_cores=load.cores, rounds=self.engine_rounds())
+        if probed is not None:
+            r["probe"] = probed
+        return r
+
+
+def _print_run(path: str, r: dict) -> None:
+    rd = r["rounds"]
+    print(f"  {path} {r['level']} run {r['repeat'] + 1}: TTFT p50 {_ms(r['ttft_s']['p50'])} "
+          f"TPOT p50 {_ms(r['tpot_s']['p50'])}, {r['req_per_s']:.2f} req/s, "
+          f"foreign load {_cores(r['foreign_cores'])}; {rd['count']} engine rounds, "
+          f"profile vs each {_pct(rd['err_p50'])} p50, vs busy time "
+          f"{_pct(rd['busy_err'])} ("
+          + ", ".join(f"{k} {_pct(v)}" for k, v in rd["by_kind"].items()) + ")",
+          flush=True)
 
 
 def round_errors(prof: Profile, per_engine: list[list]) -> dict:
@@ -342,6 +374,18 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
                                    probe, one_speed))
             print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
                   flush=True)
+    _print_report(results, profile, replay, one_speed)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _print_report(results: list[dict], profile: str, replay: str | None,
+                  one_speed: bool) -> None:
+    """Each config's workload, the real-against-simulated tables (with the
+    profile, and at each measured speed), the profile against the engines'
+    own rounds, and the CPU others used meanwhile."""
     for res in results:
         w = res["workload"]
         print(f"{res['config']}: {w['requests']} requests of {w['prompt_len']} prompt tokens "
@@ -378,10 +422,6 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     if loads:
         print(f"CPU used outside this benchmark during the real runs: median "
               f"{statistics.median(loads):.2f} cores, max {max(loads):.2f}")
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

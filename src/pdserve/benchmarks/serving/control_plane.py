@@ -60,9 +60,7 @@ def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
 
     import grpc
 
-    from pdserve.proto import control_pb2 as pb
     from pdserve.proto import control_pb2_grpc as pbg
-    from pdserve.proto import router_pb2 as rpb
     from pdserve.proto.control_tls import DeploymentCA, add_port, channel
 
     ca = DeploymentCA.create()
@@ -74,6 +72,31 @@ def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
     server.start()
     creds = {"mTLS": client_tls, "plaintext": None}
     chans = {k: channel(f"127.0.0.1:{p}", creds[k]) for k, p in ports.items()}
+    lat, rate, conn = _timed_rounds(chans, ports, creds, rounds, calls, connects)
+    for c in chans.values():
+        c.close()
+    server.stop(0)
+    out: dict[str, dict[str, float]] = {
+        k: {"submit_p50_us": nearest_rank(lat[k], 0.5) * 1e6,
+            "submit_p99_us": nearest_rank(lat[k], 0.99) * 1e6,
+            "events_msgs_per_s": statistics.median(rate[k]),
+            "events_msgs_per_s_min": min(rate[k]), "events_msgs_per_s_max": max(rate[k]),
+            "connect_p50_ms": nearest_rank(conn[k], 0.5) * 1e3} for k in chans}
+    _print_table(out, rounds, calls, stream_messages, connects)
+    return out
+
+
+def _timed_rounds(chans: dict, ports: dict, creds: dict, rounds: int, calls: int,
+                  connects: int) -> tuple[dict, dict, dict]:
+    """Each round, on every port in turn (the order alternating): `calls`
+    Submits, one event stream, and fresh connections. (port -> each
+    Submit's seconds, port -> each stream's messages a second, port ->
+    each connection's seconds to its first answer.)"""
+    from pdserve.proto import control_pb2 as pb
+    from pdserve.proto import control_pb2_grpc as pbg
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.proto.control_tls import channel
+
     stubs = {k: pbg.EngineControlStub(c) for k, c in chans.items()}
     submit = pb.SubmitRequest(request_id="bench-0001", token_ids=list(range(512)),
                               subscriber="router-1",
@@ -102,15 +125,11 @@ def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
                 with channel(f"127.0.0.1:{ports[k]}", creds[k]) as ch:
                     pbg.EngineControlStub(ch).GetInfo(pb.InfoRequest(), timeout=10)
                 conn[k].append(time.perf_counter() - t0)
-    for c in chans.values():
-        c.close()
-    server.stop(0)
-    out: dict[str, dict[str, float]] = {
-        k: {"submit_p50_us": nearest_rank(lat[k], 0.5) * 1e6,
-            "submit_p99_us": nearest_rank(lat[k], 0.99) * 1e6,
-            "events_msgs_per_s": statistics.median(rate[k]),
-            "events_msgs_per_s_min": min(rate[k]), "events_msgs_per_s_max": max(rate[k]),
-            "connect_p50_ms": nearest_rank(conn[k], 0.5) * 1e3} for k in stubs}
+    return lat, rate, conn
+
+
+def _print_table(out: dict, rounds: int, calls: int, stream_messages: int,
+                 connects: int) -> None:
     print(f"{rounds} rounds: {calls} Submits, a {stream_messages}-message event stream "
           f"({EVENTS_A_ROUND} requests a message) and {max(1, connects // rounds)} fresh "
           "connections on each port per round, the ports' order alternating")
@@ -124,7 +143,6 @@ def main(rounds: int = 20, calls: int = 200, stream_messages: int = 500,
     s, p = out["mTLS"], out["plaintext"]
     print(f"mTLS/plaintext: Submit p50 {s['submit_p50_us'] / p['submit_p50_us']:.2f}x, "
           f"event stream {s['events_msgs_per_s'] / p['events_msgs_per_s']:.2f}x")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

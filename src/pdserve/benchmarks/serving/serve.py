@@ -30,6 +30,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.common.options import (add_model_arguments, client_key,
@@ -74,6 +75,7 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
     config is started once per mode listed (secure: mutual TLS between the
     router and the engines; insecure: `--insecure-control-plane`)."""
     samples = workload(n, prompt_len, max_tokens, trace, limit, max_prompt, seed)
+    load = Load(samples, concurrency, rate, seed, repeats)
     results = []
     if http_address and "://" not in http_address:
         http_address = "http://" + http_address
@@ -85,8 +87,37 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                              "needs --address (gRPC) and --http-address (HTTP)")
         results += _compare(address or http_address, addrs, samples, concurrency, rate, seed,  # type: ignore[arg-type]
                             repeats, api_key, connections or 1)
+
+    def warm() -> list[Sample]:
+        return workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,  # type: ignore[arg-type]
+                        seed + 1)
+    results += _started(configs, control_planes, apis, load, warm, connections, offline)
+    _print_results(results, load)
+    _print_comparisons(results)
+    if out:
+        with open(out, "w") as f:
+            json.dump({name: r for name, r in results}, f, indent=1)
+    return 0 if all(r["failed"] == 0 for _, r in results) else 1
+
+
+@dataclass(frozen=True)
+class Load:
+    """The requests every target gets, and how they arrive."""
+    samples: list[Sample]
+    concurrency: int
+    rate: float | None          # Poisson arrivals a second; None: closed loop or the trace's
+    seed: int
+    repeats: int                # runs of each API, interleaved
+
+
+def _started(configs: list[str], control_planes, apis, load: Load, warm, connections,
+             offline: bool) -> list:
+    """Each config started once per control-plane mode (`pdserve up` in a
+    child process), warmed on `warm()`'s prompts and loaded through each
+    API; with `offline`, then the same requests through pdserve.LLM."""
     from pdserve.config import load_config
 
+    results = []
     for path, mode in [(c, m) for c in configs for m in control_planes]:
         conns = connections or load_config(path).router.replicas
         up_args = ["--insecure-control-plane"] if mode == "insecure" else []
@@ -94,11 +125,10 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
         with served(path, http="http" in apis, up_args=up_args) as (addr, http_url):
             addrs = {a: (http_url if a == "http" else addr) for a in apis}
             for api, a in addrs.items():          # warm both paths on prompts not measured
-                drive(a, workload(min(4, n), prompt_len, max_tokens, None, None, max_prompt,  # type: ignore[arg-type]
-                                  seed + 1), concurrency, None, seed, progress=False, api=api,
+                drive(a, warm(), load.concurrency, None, load.seed, progress=False, api=api,
                       connections=conns)
-            results += _compare(label, addrs, samples, concurrency, rate, seed, repeats,
-                                connections=conns)
+            results += _compare(label, addrs, load.samples, load.concurrency, load.rate,
+                                load.seed, load.repeats, connections=conns)
         if offline and mode == control_planes[-1]:
             from pdserve.sim.host_load import wait_for_quiet
 
@@ -106,9 +136,16 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
             # rate is measured once they are gone, as the served rows ran alone
             wait_for_quiet(OFFLINE_QUIET_CORES, window_s=2.0, timeout_s=60.0)
             results.append((f"{path} [offline LLM]",
-                            run_offline(path, samples, seed, concurrency, repeats)))
-    mode = arrivals(samples, rate, seed)
-    print(f"{len(samples)} requests, concurrency {concurrency}, "
+                            run_offline(path, load.samples, load.seed, load.concurrency,
+                                        load.repeats)))
+    return results
+
+
+def _print_results(results: list, load: Load) -> None:
+    """The table: a row per target and API, its errors and runs below it."""
+    samples, rate = load.samples, load.rate
+    mode = arrivals(samples, rate, load.seed)
+    print(f"{len(samples)} requests, concurrency {load.concurrency}, "
           + (f"Poisson arrivals at {rate:.2f} req/s" if rate else
              f"the trace's arrivals over {max(mode):.1f} s" if mode is not None else
              "closed loop")
@@ -127,6 +164,11 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                   " ".join(f"{v:.1f}" for v in r["tok_per_s_runs"]) +
                   ("; TTFT p50 " + " ".join(ms(v) for v in r["ttft_p50_runs"])
                    if r.get("ttft_p50_runs") else ""))
+
+
+def _print_comparisons(results: list) -> None:
+    """Each API against gRPC on the same target, and each served row
+    against its config's offline row."""
     by_name = dict(results)
     for name, r in results:
         target, _, api = name[:-1].rpartition(" [")
@@ -145,10 +187,6 @@ def main(address: str | None, configs: list[str], n: int, prompt_len: int, max_t
                 print(f"{name}: TPOT p50 {tpot * 1000:.1f} ms against the engine's own decode "
                       f"round {step * 1000:.1f} ms: the served path adds "
                       f"{(tpot - step) * 1000:+.1f} ms a token")
-    if out:
-        with open(out, "w") as f:
-            json.dump({name: r for name, r in results}, f, indent=1)
-    return 0 if all(r["failed"] == 0 for _, r in results) else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

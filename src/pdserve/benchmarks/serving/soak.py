@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import zlib
+from dataclasses import dataclass, field
 
 ENGINE = {"page_size": 16, "total_pages": 512, "max_scheduled_tokens": 64, "max_batch_size": 64}
 OPTIONS = {"transfer_timeout_s": 3.0, "lease_s": 3.0, "heartbeat_s": 0.5}
@@ -163,9 +164,20 @@ def _workload(seed: int) -> tuple[list, dict]:
     return prompts, {p: o.token_ids for p, o in zip(prompts, outs)}
 
 
-def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
-    import ray
+@dataclass
+class Outcome:
+    """What a soak run saw besides the traffic's counts (its defaults: what
+    a run that broke before the end reports)."""
+    victim: str = "none"                       # the prefill engine killed mid-run
+    hung: int = 0                              # worker threads still running at the end
+    resubmitted: int = 0                       # requests the router sent again
+    leaks: list = field(default_factory=lambda: ["(never checked)"])   # engines not idle
+    fired: dict = field(default_factory=dict)  # fault kind -> times it fired
+    survived: dict = field(default_factory=lambda: {
+        "transfer_failures": 0, "lease_expiries": 0, "transfers": 0})
 
+
+def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
     from pdserve.client import Client
     from pdserve.config import ServeConfig
     from pdserve.cluster.deploy import Deployment
@@ -175,53 +187,69 @@ def main(seconds: float = 60.0, concurrency: int = 32, seed: int = 0) -> int:
                                  "cluster": {"prefill": 2, "decode": 2, "fused": 0}})
     dep = Deployment(cfg, num_cpus=2, engine_options=OPTIONS)
     dep.start()
-    victim, hung, resubmitted, leaks = "none", 0, 0, ["(never checked)"]
-    fired: dict[str, int] = {}
-    survived = {"transfer_failures": 0, "lease_expiries": 0, "transfers": 0}
+    outcome = Outcome()
     traffic = Traffic(Client(dep.address, timeout=120), prompts, reference, seed)
     try:
-        for name, role, actor in dep.engines:
-            # crc32, not hash(): str hashes differ between processes, seeds must not
-            ray.get(actor.set_faults.remote(fault_rules(role),
-                                            seed + zlib.crc32(name.encode()) % 1000))
-        stop_at = time.monotonic() + seconds
-        threads = [threading.Thread(target=traffic.worker, args=(w, stop_at))
-                   for w in range(concurrency)]
-        for t in threads:
-            t.start()
-        time.sleep(seconds / 2)                       # mid-run, by the clock: the chaos event
-        victim = random.Random(seed).choice(
-            [n for n, role, _ in dep.engines if role == "prefill"])
-        # what the victim fired so far: its own count dies with it
-        fired = dict(ray.get(dep.actor(victim).check.remote(), timeout=30)["faults_fired"])
-        ray.kill(dep.actor(victim), no_restart=False)
-        join_by = time.monotonic() + seconds + 180
-        for t in threads:
-            t.join(max(0.0, join_by - time.monotonic()))
-        hung = sum(t.is_alive() for t in threads)
-        states = _settle(dep)
-        for s in states.values():
-            for k, v in s.get("faults_fired", {}).items():
-                fired[k] = fired.get(k, 0) + v
-            for k in survived:
-                survived[k] += s.get("counters", {}).get(k, 0)
-        leaks = [n for n, s in states.items() if not s["idle"]]
-        resubmitted = dep.router.counters["resubmitted"]  # type: ignore[union-attr]
+        _chaos(dep, traffic, seconds, concurrency, seed, outcome)
     finally:
         dep.stop()
+    return _report(traffic, outcome, seconds, concurrency, seed)
+
+
+def _chaos(dep, traffic: Traffic, seconds: float, concurrency: int, seed: int,
+           outcome: Outcome) -> None:
+    """Faults armed on every engine, the traffic for `seconds`, a prefill
+    engine killed halfway, then every engine polled until idle; what it
+    saw goes into `outcome` as it happens."""
+    import ray
+
+    for name, role, actor in dep.engines:
+        # crc32, not hash(): str hashes differ between processes, seeds must not
+        ray.get(actor.set_faults.remote(fault_rules(role),
+                                        seed + zlib.crc32(name.encode()) % 1000))
+    stop_at = time.monotonic() + seconds
+    threads = [threading.Thread(target=traffic.worker, args=(w, stop_at))
+               for w in range(concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds / 2)                       # mid-run, by the clock: the chaos event
+    outcome.victim = random.Random(seed).choice(
+        [n for n, role, _ in dep.engines if role == "prefill"])
+    # what the victim fired so far: its own count dies with it
+    outcome.fired = dict(ray.get(dep.actor(outcome.victim).check.remote(),
+                                 timeout=30)["faults_fired"])
+    ray.kill(dep.actor(outcome.victim), no_restart=False)
+    join_by = time.monotonic() + seconds + 180
+    for t in threads:
+        t.join(max(0.0, join_by - time.monotonic()))
+    outcome.hung = sum(t.is_alive() for t in threads)
+    states = _settle(dep)
+    for s in states.values():
+        for k, v in s.get("faults_fired", {}).items():
+            outcome.fired[k] = outcome.fired.get(k, 0) + v
+        for k in outcome.survived:
+            outcome.survived[k] += s.get("counters", {}).get(k, 0)
+    outcome.leaks = [n for n, s in states.items() if not s["idle"]]
+    outcome.resubmitted = dep.router.counters["resubmitted"]
+
+
+def _report(traffic: Traffic, outcome: Outcome, seconds: float, concurrency: int,
+            seed: int) -> int:
+    """The counts, each failed PASS condition, and the verdict: 0 on PASS."""
+    o = outcome
     print(f"soak: {seconds:.0f} s at concurrency {concurrency}, seed {seed}, "
-          f"2 prefill + 2 decode engines, {victim} killed mid-run")
+          f"2 prefill + 2 decode engines, {o.victim} killed mid-run")
     for k, v in traffic.counts.items():
         print(f"  {k:<22} {v}")
-    print(f"  {'resubmitted':<22} {resubmitted}")
-    print(f"  {'hung requests':<22} {hung}")
+    print(f"  {'resubmitted':<22} {o.resubmitted}")
+    print(f"  {'hung requests':<22} {o.hung}")
     print(f"  {'lost worker threads':<22} {len(traffic.worker_errors)}")
     for k in FAULT_KINDS:
-        print(f"  fault {k:<16} {fired.get(k, 0)}")
-    for k, v in survived.items():
+        print(f"  fault {k:<16} {o.fired.get(k, 0)}")
+    for k, v in o.survived.items():
         print(f"  {k:<22} {v} (counted by engines alive at the end)")
-    print(f"  {'engines not idle':<22} {leaks or 'none'}")
-    checks = verdict(traffic.counts, hung, traffic.worker_errors, leaks, fired)
+    print(f"  {'engines not idle':<22} {o.leaks or 'none'}")
+    checks = verdict(traffic.counts, o.hung, traffic.worker_errors, o.leaks, o.fired)
     for what, ok in checks.items():
         if not ok:
             print(f"  FAILED: {what}")

@@ -115,73 +115,89 @@ def _router_now(tok, ids, front: str) -> float:
     """Process CPU seconds per token in a real Router (one fused engine
     whose link is a stand-in), from the event's arrival to the front's
     message, for one request that streams `ids` one token a round."""
-    import asyncio
-    import contextlib
-
     from pdserve.config import ServeConfig
-    from pdserve.router.engines.link import EngineLink
     from pdserve.router.event_loop import run
     from pdserve.router.router import Router
     from pdserve.proto import control_pb2 as cpb
-    from pdserve.proto import router_pb2 as pb
 
     cfg = ServeConfig.from_dict({"cluster": {"fused": 1}})
     r = Router(cfg, tok, 1 << 20, [("fused-0", "fused", "127.0.0.1:9")])
     r.engines["fused-0"].stub = _Stub()
-    texts = [tok.decode([t]) for t in ids]
-    prompt = ids[:8]
+    events = [cpb.RequestEvent(request_id="", token_ids=[t], text=tok.decode([t])) for t in ids]
+    events[-1].finish_reason = "length"
+    return run(_stream_events(r, front, ids[:8], events)) / len(ids)
 
-    async def go() -> float:
-        link = r.links["fused-0"] = EngineLink(r.engines["fused-0"], r.id)
-        link.subscriber = "s"
-        link.ready.set()
-        if front == "grpc":
-            from pdserve.router.grpc_api import RouterServicer
 
-            out = RouterServicer(r)._responses(pb.GenerateRequest(
-                token_ids=prompt, sampling=pb.SamplingOptions(max_tokens=len(ids))))
-        else:
-            from pdserve.router.http_api import HttpFront
-            from pdserve.router.openai_protocol import CompletionRequest
-            from pdserve.text.sampling_params import SamplingParams
+async def _stream_events(r, front: str, prompt: list[int], events: list) -> float:
+    """Process CPU seconds the router takes to hand `events`, one a round,
+    to the stream of a request of `prompt` at `front` and out as messages."""
+    import asyncio
+    import contextlib
 
-            body = CompletionRequest(prompt=prompt, max_tokens=len(ids), stream=True)
-            stream = r.open(prompt, SamplingParams(max_tokens=len(ids)))
-            out = HttpFront(r).answers.sse(body, [stream], "cmpl", 0, len(prompt), chat=False)
-        events = [cpb.RequestEvent(request_id="", token_ids=[t], text=x)
-                  for t, x in zip(ids, texts)]
-        events[-1].finish_reason = "length"
-        got = 0
+    from pdserve.router.engines.link import EngineLink
 
-        async def read():
-            nonlocal got
-            async with contextlib.aclosing(out) as messages:
-                async for _ in messages:
-                    got += 1
-        reader = asyncio.ensure_future(read())
-        for _ in range(1000):                    # until the stream has submitted
-            if link.requests or reader.done():
+    link = r.links["fused-0"] = EngineLink(r.engines["fused-0"], r.id)
+    link.subscriber = "s"
+    link.ready.set()
+    out = _front_messages(r, front, prompt, len(events))
+    got = 0
+
+    async def read():
+        nonlocal got
+        async with contextlib.aclosing(out) as messages:
+            async for _ in messages:
+                got += 1
+    reader = asyncio.ensure_future(read())
+    rid, box = await _submitted(link, reader)
+    t0 = time.process_time()
+    for ev in events:
+        ev.request_id = rid
+        box.put(ev)
+        while box.pending():                 # one round: the stream takes its event
+            if reader.done():
                 break
             await asyncio.sleep(0)
-        if reader.done():                        # it failed: say why
-            reader.result()
-        if not link.requests:
-            raise RuntimeError("the router's stream never submitted its request")
-        (rid, box), = link.requests.items()
-        t0 = time.process_time()
-        for ev in events:
-            ev.request_id = rid
-            box.put(ev)
-            while box.pending():                 # one round: the stream takes its event
-                if reader.done():
-                    break
-                await asyncio.sleep(0)
-        await asyncio.wait_for(reader, 60)
-        took = time.process_time() - t0
-        if got < len(ids):
-            raise RuntimeError(f"the router streamed {got} messages for {len(ids)} tokens")
-        return took
-    return run(go()) / len(ids)
+    await asyncio.wait_for(reader, 60)
+    took = time.process_time() - t0
+    if got < len(events):
+        raise RuntimeError(f"the router streamed {got} messages for {len(events)} tokens")
+    return took
+
+
+def _front_messages(r, front: str, prompt: list[int], n: int):
+    """The messages a request of `prompt` for `n` tokens gets from `front`:
+    gRPC GenerateResponses, or the OpenAI API's SSE events."""
+    from pdserve.proto import router_pb2 as pb
+
+    if front == "grpc":
+        from pdserve.router.grpc_api import RouterServicer
+
+        return RouterServicer(r)._responses(pb.GenerateRequest(
+            token_ids=prompt, sampling=pb.SamplingOptions(max_tokens=n)))
+    from pdserve.router.http_api import HttpFront
+    from pdserve.router.openai_protocol import CompletionRequest
+    from pdserve.text.sampling_params import SamplingParams
+
+    body = CompletionRequest(prompt=prompt, max_tokens=n, stream=True)
+    stream = r.open(prompt, SamplingParams(max_tokens=n))
+    return HttpFront(r).answers.sse(body, [stream], "cmpl", 0, len(prompt), chat=False)
+
+
+async def _submitted(link, reader) -> tuple:
+    """(request id, its mailbox) once the stream has submitted its request;
+    the reader's own error if it failed first."""
+    import asyncio
+
+    for _ in range(1000):                    # until the stream has submitted
+        if link.requests or reader.done():
+            break
+        await asyncio.sleep(0)
+    if reader.done():                        # it failed: say why
+        reader.result()
+    if not link.requests:
+        raise RuntimeError("the router's stream never submitted its request")
+    (rid, box), = link.requests.items()
+    return rid, box
 
 
 def main(lengths=(64, 1000, 8000), model: str = "smollm2-135m") -> int:

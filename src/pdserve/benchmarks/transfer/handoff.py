@@ -28,6 +28,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.transfer.transport import TransferEventKind
 
@@ -110,6 +111,18 @@ def time_raw_write(agent, h) -> float | None:
     return took if state == "DONE" else None
 
 
+@dataclass(frozen=True)
+class _Sides:
+    """P's transport and raw buffer here, and where D's raw buffer is (D
+    runs in the spawned process): what each size's writes go through."""
+    p: Any                  # NixlTransport
+    d_inc: Any              # D's Incarnation
+    raw: Any                # P's raw buffer (a torch tensor of the biggest size's bytes)
+    raw_remote: Any         # D's raw buffer: (address, ...)
+    mem: str                # NIXL memory kind: DRAM or VRAM
+    gpu: int                # the device id NIXL's descriptors name
+
+
 def _bench_pool(name: str, spec: dict, rng, repeats: int, device) -> list[dict]:
     """`rng`: numpy's Generator; `device`: a torch.device. On CUDA the pools,
     the raw buffers and the memcpy are GPU memory (NIXL "VRAM"), both
@@ -117,7 +130,7 @@ def _bench_pool(name: str, spec: dict, rng, repeats: int, device) -> list[dict]:
     import numpy as np
     import torch
 
-    from pdserve.transfer import Incarnation, KvWrite
+    from pdserve.transfer import Incarnation
     from pdserve.transfer.nixl.transport import NixlTransport
     from pdserve.transfer.nixl.peer_process import make_pool, spawn
 
@@ -136,51 +149,63 @@ def _bench_pool(name: str, spec: dict, rng, repeats: int, device) -> list[dict]:
     raw = torch.ones(biggest * page_bytes, dtype=torch.uint8, device=device)
     mem, gpu = ("VRAM", max(device.index or 0, 0)) if device.type == "cuda" else ("DRAM", 0)
     p.agent.register_memory(raw)
-    d_name = d_inc.agent_name
-    rows = []
-    for n in spec["sizes"]:
-        nbytes = n * page_bytes
-        local = p.agent.get_xfer_descs(
-            np.array([[raw.data_ptr(), nbytes, gpu]], dtype=np.uint64), mem)
-        remote = p.agent.get_xfer_descs(
-            np.array([[raw_remote[0], nbytes, gpu]], dtype=np.uint64), mem)
-
-        def new_handle():
-            return p.agent.initialize_xfer("WRITE", local, remote, d_name, b"raw")
-        h = new_handle()
-        a = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        b = torch.ones(nbytes, dtype=torch.uint8, device=device)
-        a.copy_(b)                       # touch every page before timing
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        hand, raws, copies, setup = [], [], [], []
-        for r in range(repeats):
-            for side in pair_order(r):
-                if side == "handoff":
-                    src = tuple(int(x) for x in rng.choice(spec["pages"], n, replace=False))
-                    dst = tuple(int(x) for x in rng.choice(spec["pages"], n, replace=False))
-                    before = p.metrics.setup_seconds
-                    hand.append(time_handoff(p, KvWrite(f"{name}-{n}-{r}", r, d_inc, src, dst)))
-                    setup.append((p.metrics.setup_seconds - before) * 1e6
-                                 if hand[-1] is not None else None)
-                else:
-                    raws.append(time_raw_write(p.agent, h))
-                    if raws[-1] is None:         # a handle in error is not reposted
-                        p.agent.release_xfer_handle(h)
-                        h = new_handle()
-            t0 = time.perf_counter()
-            a.copy_(b)
-            sync()
-            copies.append(time.perf_counter() - t0)
-        p.agent.release_xfer_handle(h)
-        rows.append({"pool": name, "pages": n, "mib": nbytes / 2 ** 20, "repeats": repeats,
-                     "setup_us": spread(setup), "descriptors": p.metrics.descriptors,
-                     **summarize(nbytes, hand, raws, copies)})
+    sides = _Sides(p, d_inc, raw, raw_remote, mem, gpu)
+    rows = [_one_size(sides, name, spec, n, n * page_bytes, rng, repeats, device)
+            for n in spec["sizes"]]
     p.close()
     conn.send(("close",))
     conn.recv()
     proc.join(10)
     return rows
+
+
+def _one_size(sides: _Sides, name: str, spec: dict, n: int, nbytes: int, rng, repeats: int,
+              device) -> dict:
+    """`repeats` rounds at `n` pages: a handoff and a raw write back to back,
+    their order alternating, then a memcpy of the same bytes; the table's row."""
+    import numpy as np
+    import torch
+
+    from pdserve.transfer import KvWrite
+
+    p, d_name = sides.p, sides.d_inc.agent_name
+    local = p.agent.get_xfer_descs(
+        np.array([[sides.raw.data_ptr(), nbytes, sides.gpu]], dtype=np.uint64), sides.mem)
+    remote = p.agent.get_xfer_descs(
+        np.array([[sides.raw_remote[0], nbytes, sides.gpu]], dtype=np.uint64), sides.mem)
+
+    def new_handle():
+        return p.agent.initialize_xfer("WRITE", local, remote, d_name, b"raw")
+    h = new_handle()
+    a = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    b = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    a.copy_(b)                       # touch every page before timing
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    hand, raws, copies, setup = [], [], [], []
+    for r in range(repeats):
+        for side in pair_order(r):
+            if side == "handoff":
+                src = tuple(int(x) for x in rng.choice(spec["pages"], n, replace=False))
+                dst = tuple(int(x) for x in rng.choice(spec["pages"], n, replace=False))
+                before = p.metrics.setup_seconds
+                hand.append(time_handoff(p, KvWrite(f"{name}-{n}-{r}", r, sides.d_inc, src,
+                                                    dst)))
+                setup.append((p.metrics.setup_seconds - before) * 1e6
+                             if hand[-1] is not None else None)
+            else:
+                raws.append(time_raw_write(p.agent, h))
+                if raws[-1] is None:         # a handle in error is not reposted
+                    p.agent.release_xfer_handle(h)
+                    h = new_handle()
+        t0 = time.perf_counter()
+        a.copy_(b)
+        sync()
+        copies.append(time.perf_counter() - t0)
+    p.agent.release_xfer_handle(h)
+    return {"pool": name, "pages": n, "mib": nbytes / 2 ** 20, "repeats": repeats,
+            "setup_us": spread(setup), "descriptors": p.metrics.descriptors,
+            **summarize(nbytes, hand, raws, copies)}
 
 
 def _cell(s: Spread | None) -> str:
