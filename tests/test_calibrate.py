@@ -418,7 +418,7 @@ def test_sim_accuracy_also_simulates_each_run_at_its_engines_own_speed(tmp_path,
     """A run whose rounds the profile priced at twice what they took is
     simulated again with the round costs halved; a run that timed no rounds
     is not, and the cells within 10% are counted for both views."""
-    from pdserve.benchmarks.planner.sim_accuracy import within
+    from pdserve.benchmarks.planner.sim_accuracy_report import within
 
     c1 = {"p50": 0.0042, "p90": 0.0042}          # what the profile predicts at c=1
     _replay(tmp_path, [{"level": "c1", "repeat": 0, "seed": 5, "rate": None, "ttft_s": c1,
@@ -465,7 +465,7 @@ def test_sim_accuracy_simulates_each_run_at_the_speed_probed_just_before_it(tmp_
     """A probe whose rounds the profile priced at twice what they took has
     the run after it simulated with the round costs halved, whatever the
     run's own rounds said; a run with no probe gets no probed view."""
-    from pdserve.benchmarks.planner.sim_accuracy import within
+    from pdserve.benchmarks.planner.sim_accuracy_report import within
 
     c1 = {"p50": 0.0042, "p90": 0.0042}
     rounds = {"count": 9, "busy_s": 1.0, "err_p50": 0.0, "busy_err": 0.0}
