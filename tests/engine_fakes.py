@@ -84,13 +84,17 @@ class Outputs:
 
 
 class Sender:
-    """Records (peer, rpc, message) at once, on the calling thread."""
+    """Records (peer, rpc, message) at once, on the calling thread (and
+    each message's on_error, for `deliver`)."""
 
     def __init__(self):
         self.sent = []
+        self.on_error = []
+        self.delivered: set[int] = set()  # which of `sent` deliver() has handed on
 
     def send(self, peer, rpc, request, on_error=None, delay_s=0.0):
         self.sent.append((peer.name, rpc, request))
+        self.on_error.append(on_error)
 
     def close(self, wait=False):
         pass
@@ -110,6 +114,13 @@ def server(role: str, name: str, peer: str, fabric: LoopbackFabric | None = None
     s.peer.add_peer(pb.AddPeerRequest(engine=peer, incarnation=1, address="nowhere:0",
                                       nixl_metadata=f"{peer}@1".encode()))
     return s
+
+
+def ack(req_id: str, epoch: int, engine: str = "decode-0", release_only: bool = False,
+        incarnation: int = 1) -> pb.TransferAckRequest:
+    """D's TransferAck as D sends it (its name and incarnation)."""
+    return pb.TransferAckRequest(request_id=req_id, release_only=release_only, engine=engine,
+                                 epoch=epoch, incarnation=incarnation)
 
 
 def sent(s: EngineServer) -> list:
@@ -135,6 +146,41 @@ def remote_prefill_asked(d: EngineServer, req_id: str = "x"):
     (_, method, ask), = sent(d)
     assert method is PeerRpc.REMOTE_PREFILL
     return ask
+
+
+def handler(to: EngineServer, rpc: PeerRpc):
+    """What `to`'s RPC handler runs for a peer message of kind `rpc`."""
+    return {PeerRpc.REMOTE_PREFILL: to.peer.remote_prefill,
+            PeerRpc.TRANSFER_ACK: to.peer.transfer_ack,
+            PeerRpc.TRANSFER_FAILED: to.peer.transfer_failed_from_peer,
+            PeerRpc.LEASE_HEARTBEAT: to.peer.heartbeat,
+            PeerRpc.TRANSFER_ENDED: to.peer.transfer_ended_from_peer}[rpc]
+
+
+def deliver(frm: EngineServer, to: EngineServer) -> int:
+    """Hand `to` what `frm` sent it since the last delivery, in order, as
+    its handlers would run them on its loop thread (a refusal goes back to
+    the message's on_error as INVALID_ARGUMENT, as gRPC would carry it).
+    Messages to other peers are passed over. Returns how many it handed."""
+    import grpc
+
+    from pdserve.scheduler.planner import RejectedRequest
+
+    snd = frm.peer.sender
+    n, i = 0, 0
+    while i < len(snd.sent):
+        (name, rpc, msg), on_error = snd.sent[i], snd.on_error[i]
+        i += 1
+        if name != to.name or i - 1 in snd.delivered:
+            continue
+        snd.delivered.add(i - 1)
+        n += 1
+        try:
+            handler(to, rpc)(msg)
+        except RejectedRequest:
+            if on_error is not None:
+                on_error(grpc.StatusCode.INVALID_ARGUMENT)
+    return n
 
 
 def run_jobs(s: EngineServer) -> None:

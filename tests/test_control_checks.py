@@ -34,7 +34,7 @@ def untouched(s) -> bool:
 def prefill(**over) -> pb.RemotePrefillRequest:
     fields = dict(request_id="x", token_ids=list(range(1, 10)), first_page=0,
                   landing_pages=[0, 1, 2], epoch=1, target_engine="decode-0",
-                  target_incarnation=1)
+                  target_incarnation=1, prefill_incarnation=1)
     return pb.RemotePrefillRequest(**{**fields, **over})
 
 
@@ -58,6 +58,7 @@ def test_a_well_formed_remote_prefill_is_taken():
     dict(first_page=4),                             # past the prompt's 3 pages
     dict(target_engine="decode-9"),                 # not a registered peer
     dict(target_incarnation=2),                     # not the registered incarnation
+    dict(prefill_incarnation=0), dict(prefill_incarnation=2),   # not this P's
     dict(request_id=""), dict(request_id="a" * 257), dict(request_id="a\nb"),
     dict(epoch=0),
     dict(sampling=rpb.SamplingOptions(logit_bias={100: 1.0})),
@@ -138,11 +139,13 @@ def test_a_transfer_ack_without_its_decode_engine_releases_nothing():
     s = EngineControlServicer(p)
     assert rpc(s, "RemotePrefill", prefill()) is None
     assert rpc(s, "TransferAck", pb.TransferAckRequest(request_id="x", epoch=1)) is INVALID
+    assert rpc(s, "TransferAck", pb.TransferAckRequest(request_id="x", engine="decode-0",
+                                                       epoch=1)) is INVALID   # no incarnation
     assert rpc(s, "TransferAck", pb.TransferAckRequest(request_id="x", engine="decode-7",
-                                                       epoch=1)) is None
+                                                       epoch=1, incarnation=1)) is None
     assert "x" in p.planner.requests
     assert rpc(s, "TransferAck", pb.TransferAckRequest(request_id="x", engine="decode-0",
-                                                       epoch=1)) is None
+                                                       epoch=1, incarnation=1)) is None
     assert untouched(p)
 
 

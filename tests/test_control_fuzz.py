@@ -88,7 +88,7 @@ def well_formed(draw, role):
     kind = draw(st.sampled_from(["Subscribe", "Submit", "Submit", "Submit", "Abort",
                                  "RemotePrefill", "RemotePrefill", "RemotePrefill",
                                  "TransferAck", "TransferAck", "TransferFailed",
-                                 "LeaseHeartbeat", "GetInfo", "AddPeer", "Stats", "Drain",
+                                 "LeaseHeartbeat", "TransferEnded", "GetInfo", "AddPeer", "Stats", "Drain",
                                  "LoadAdapter", "UnloadAdapter"]))
     rid = draw(st.sampled_from(IDS))
     if kind == "Subscribe":
@@ -110,16 +110,24 @@ def well_formed(draw, role):
         return kind, pb.RemotePrefillRequest(
             request_id=rid, token_ids=ids, first_page=first, landing_pages=landing,
             epoch=draw(st.integers(1, 4)), target_engine=peer, target_incarnation=1,
-            sampling=draw(sampling()), prior_output=draw(st.integers(0, len(ids))))
+            sampling=draw(sampling()), prior_output=draw(st.integers(0, len(ids))),
+            prefill_incarnation=1)
     if kind == "TransferAck":
         return kind, pb.TransferAckRequest(request_id=rid, release_only=draw(st.booleans()),
-                                           engine=peer, epoch=draw(st.integers(0, 4)))
+                                           engine=peer, epoch=draw(st.integers(0, 4)),
+                                           incarnation=1)
     if kind == "TransferFailed":
         return kind, pb.TransferFailedRequest(request_id=rid, epoch=draw(st.integers(1, 4)),
-                                              reason="write failed")
+                                              reason="write failed", engine=peer, incarnation=1)
+    if kind == "TransferEnded":
+        return kind, pb.TransferEndedRequest(request_id=rid, epoch=draw(st.integers(1, 4)),
+                                             engine=peer, incarnation=1)
     if kind == "LeaseHeartbeat":
-        return kind, pb.HeartbeatRequest(engine=peer, incarnation=1,
-                                         request_ids=draw(st.lists(st.sampled_from(IDS))))
+        return kind, pb.HeartbeatRequest(
+            engine=peer, incarnation=1, request_ids=draw(st.lists(st.sampled_from(IDS))),
+            fenced=[pb.LandingRef(request_id=r, epoch=e) for r, e in
+                    draw(st.lists(st.tuples(st.sampled_from(IDS), st.integers(1, 4)),
+                                  max_size=2))])
     if kind == "AddPeer":
         name = draw(st.sampled_from([peer, peer.replace("0", "1")]))
         inc = draw(st.integers(1, 3))
@@ -162,8 +170,9 @@ def message(draw, role):
 
 
 def settle(s):
-    """Abort what is live, let the timers run out (leases, landings,
-    fences), run the rounds left: then nothing may be held."""
+    """Abort what is live, let the timers run out (leases, landings),
+    declare the peer gone (its quarantined landings come back), run the
+    rounds left: then nothing may be held."""
     run_jobs(s)
     for rid in list(s.planner.requests):
         s.abort(rid, "fuzz over")
@@ -175,6 +184,8 @@ def settle(s):
         if one_round(s) is None and not s.planner.requests:
             break
     s.peer.timers(time.monotonic() + 20_000)
+    for peer in list(s.peer.peers):
+        s.peer.peer_gone(peer)
     s.planner.check_invariants()
     assert not s.planner.requests
     assert s.stats().used_pages == 0, s.check()

@@ -60,7 +60,8 @@ def test_a_failed_round_on_p_tells_d_and_lets_its_twin_go():
     p = server("prefill", "prefill-0", "decode-0")
     p.peer.remote_prefill(pb.RemotePrefillRequest(
         request_id="x", token_ids=list(range(1, 18)), first_page=0,
-        landing_pages=list(range(5)), epoch=1, target_engine="decode-0", target_incarnation=1))
+        landing_pages=list(range(5)), epoch=1, target_engine="decode-0", target_incarnation=1,
+        prefill_incarnation=1))
     p.executor.fail = "CUDA error"
     out = one_round(p)
     assert [r.id for r in out.failed] == ["x"]

@@ -20,7 +20,7 @@ from pdserve.scheduler import Request, SamplingLimits
 from pdserve.transfer import FaultInjector, FaultRule, TransferEventKind
 from pdserve.transfer.loopback import LoopbackFabric
 
-from engine_fakes import one_round, remote_prefill_asked, sent, server
+from engine_fakes import ack, deliver, one_round, remote_prefill_asked, sent, server
 
 LEASE_S = 10.0      # PeerTimeouts' default, as the fakes use it
 
@@ -90,7 +90,8 @@ def test_a_lease_that_runs_out_mid_write_keeps_the_source_pages_until_the_write_
 def test_a_lease_that_runs_out_mid_write_cancels_a_write_the_transport_can_stop():
     """A held loopback write has read nothing: cancelling it ends it at
     once (CANCELLED), the pages go, and D, hearing nothing, times out,
-    fences its landing pages and prefills the request itself."""
+    quarantines its landing pages and prefills the request itself; P,
+    told, says no write of it is left, and the pages come back."""
     p, d = pair()
     ask_and_ship(p, d, can_cancel=True)
     p.peer.timers(time.monotonic() + LEASE_S + 1)
@@ -108,7 +109,12 @@ def test_a_lease_that_runs_out_mid_write_cancels_a_write_the_transport_can_stop(
     for _ in range(50):
         if not one_round(d):
             break
-    d.peer.timers(now + 31 + d.peer.landing.lease_s + d.peer.landing.margin_s)
+    assert d.stats().quarantined_pages == 5                 # x's 17 tokens: 5 pages
+    d.peer.timers(now + 1e6)                               # no clock frees them
+    assert d.stats().quarantined_pages == 5
+    deliver(d, p)                                          # the release, the heartbeat
+    assert deliver(p, d) >= 1                              # TransferEnded
+    assert d.stats().quarantined_pages == 0
     d.planner.assert_idle()
 
 
@@ -118,8 +124,7 @@ def test_a_release_from_d_mid_write_keeps_the_source_pages_until_the_write_ends(
     p, d = pair()
     w = ask_and_ship(p, d)
     free = p.planner.free_pages()
-    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
-                                              engine="decode-0", epoch=w.epoch))
+    p.peer.transfer_ack(ack("x", w.epoch, release_only=True))
     assert "x" in p.planner.transferring and p.planner.free_pages() == free
     assert len(p.peer.leases) == 0 and not p.peer.idle()
     p.transport.complete_held("x")

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.peer.messages import PeerRpc
 
-from engine_fakes import one_round, remote_prefill_asked, sent, server
+from engine_fakes import ack, one_round, remote_prefill_asked, sent, server
 
 
 @pytest.mark.parametrize("code, stage", [(grpc.StatusCode.FAILED_PRECONDITION, "prefill_draining"),
@@ -44,24 +44,22 @@ def test_a_late_ack_for_an_earlier_attempt_leaves_the_live_copy_alone():
     p = server("prefill", "prefill-0", "decode-1")
     p.peer.remote_prefill(pb.RemotePrefillRequest(
         request_id="x", token_ids=list(range(1, 18)), landing_pages=list(range(5)), epoch=7,
-        target_engine="decode-1", target_incarnation=1))
-    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
-                                              engine="decode-0", epoch=3))
+        target_engine="decode-1", target_incarnation=1,
+        prefill_incarnation=1))
+    p.peer.transfer_ack(ack("x", 3, "decode-0", release_only=True))
     assert "x" in p.planner.requests and "x" in p.peer.remote
-    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
-                                              engine="decode-1", epoch=3))
+    p.peer.transfer_ack(ack("x", 3, "decode-1", release_only=True))
     assert "x" in p.planner.requests and "x" in p.peer.remote
-    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
-                                              engine="decode-1", epoch=7))
+    p.peer.transfer_ack(ack("x", 7, "decode-1", release_only=True))
     assert "x" not in p.planner.requests and not p.peer.remote
     p.planner.assert_idle()
 
 
-def test_a_transfer_failed_for_a_landing_d_already_fenced_leaves_the_fence_to_run_out():
-    """D timed out x's landing and fenced its pages; P's TransferFailed
-    for that attempt comes after. The fence stays until it runs out (P's
-    report says the write failed, not that no write of it is still on the
-    wire), and then every page goes: nothing of x is leaked."""
+def test_a_transfer_failed_for_a_landing_d_already_fenced_keeps_it_quarantined():
+    """D timed out x's landing and quarantined its pages; P's TransferFailed
+    for that attempt comes after. The pages stay held (P's report says the
+    write failed, not that D asked and P knows no write of it is left):
+    they come back on P's TransferEnded, and then nothing of x is leaked."""
     from pdserve.proto import control_pb2 as pb
 
     d = server("decode", "decode-0", "prefill-0")
@@ -70,12 +68,14 @@ def test_a_transfer_failed_for_a_landing_d_already_fenced_leaves_the_fence_to_ru
     d.peer.timers(now + 31)                                # the landing times out
     assert d.counts.fences == 1
     d.peer.transfer_failed_from_peer(pb.TransferFailedRequest(
-        request_id="x", epoch=ask.epoch, reason="the write failed"))
+        request_id="x", epoch=ask.epoch, reason="the write failed", engine="prefill-0",
+        incarnation=1))
     for _ in range(50):
         if not one_round(d):
             break
-    assert "x" not in d.planner.requests
-    d.peer.timers(now + 31 + d.peer.landing.lease_s + d.peer.landing.margin_s)
+    assert "x" not in d.planner.requests and d.stats().quarantined_pages == 5
+    d.peer.transfer_ended_from_peer(pb.TransferEndedRequest(
+        request_id="x", epoch=ask.epoch, engine="prefill-0", incarnation=1))
     d.planner.assert_idle()
 
 
@@ -88,15 +88,15 @@ def test_p_posts_no_write_whose_pages_do_not_match_the_landing_and_tells_d_why()
     p = server("prefill", "prefill-0", "decode-1")
     p.peer.remote_prefill(pb.RemotePrefillRequest(
         request_id="x", token_ids=list(range(1, 18)), landing_pages=[0, 1], epoch=7,
-        target_engine="decode-1", target_incarnation=1))
+        target_engine="decode-1", target_incarnation=1,
+        prefill_incarnation=1))
     for _ in range(20):
         if one_round(p) is None:
             break
     (failed,) = [m for _, rpc, m in sent(p) if rpc is PeerRpc.TRANSFER_FAILED]
     assert failed.epoch == 7 and "engine.page_size on both roles" in failed.reason
     assert not p.transport.in_flight("x") and p.counts.transfers == 0
-    p.peer.transfer_ack(pb.TransferAckRequest(request_id="x", release_only=True,
-                                              engine="decode-1", epoch=7))
+    p.peer.transfer_ack(ack("x", 7, "decode-1", release_only=True))
     assert p.peer.idle()
     p.planner.assert_idle()
 
@@ -111,5 +111,6 @@ def test_a_remote_prefill_whose_prior_output_exceeds_its_tokens_is_refused_by_p_
     with pytest.raises(RejectedRequest, match="prior_output=18 exceeds"):
         p.peer.remote_prefill(pb.RemotePrefillRequest(
             request_id="x", token_ids=list(range(1, 18)), landing_pages=list(range(5)),
-            epoch=7, target_engine="decode-1", target_incarnation=1, prior_output=18))
+            epoch=7, target_engine="decode-1", target_incarnation=1, prior_output=18,
+            prefill_incarnation=1))
     assert p.peer.idle() and not p.planner.requests

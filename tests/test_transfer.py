@@ -242,37 +242,51 @@ def test_one_write_moves_pages_of_every_cache_group(backend):
 
 # ---- D's fences, P's leases -------------------------------------------------
 
+P0, P1 = Incarnation("prefill-0", 1), Incarnation("prefill-1", 1)
+
+
 def test_a_fenced_landing_keeps_its_pages_until_the_write_drains():
-    t = LandingTable(timeout_s=1.0, lease_s=5.0)
-    e1 = t.expect("r", [3, 4], now=0.0)
+    t = LandingTable(timeout_s=1.0)
+    e1 = t.expect("r", [3, 4], now=0.0, source=P0)
     assert [ld.req_id for ld in t.timed_out(1.5)] == ["r"]
-    assert t.fence("r", e1, now=1.5) is not None
-    e2 = t.expect("r", [7, 8], now=1.5)                 # the retry is a new epoch
+    assert t.fence("r", e1) is not None
+    e2 = t.expect("r", [7, 8], now=1.5, source=P0)      # the retry is a new epoch
     assert e2 != e1
-    assert t.on_notification("r", e1) is LandingVerdict.DRAINED   # late: its pages may go now
-    assert t.on_notification("r", e1) is LandingVerdict.STALE     # and never read as data
-    assert t.on_notification("r", e2) is LandingVerdict.LANDED
+    assert t.on_notification("r", e1, P0) is LandingVerdict.DRAINED   # late: its pages may go now
+    assert t.on_notification("r", e1, P0) is LandingVerdict.STALE     # and never read as data
+    assert t.on_notification("r", e2, P1) is LandingVerdict.STALE     # not the P asked
+    assert t.on_notification("r", e2, P0) is LandingVerdict.LANDED
 
 
-def test_a_fence_whose_write_never_drains_is_released_by_the_lease():
-    t = LandingTable(timeout_s=1.0, lease_s=5.0)
-    e = t.expect("r", [3], now=0.0)
-    t.fence("r", e, now=2.0)                            # lease 5 s + a margin of 5 s
-    assert t.expired_fences(11.9) == []
-    assert [ld.pages for ld in t.expired_fences(12.0)] == [(3,)]
+def test_a_quarantined_landing_outlives_every_clock_and_goes_when_its_p_says_the_write_ended():
+    """No time frees a fenced landing (P may be frozen with the write
+    queued, or the link stalled): only the P incarnation asked, saying no
+    write of it is left, or that incarnation being gone."""
+    t = LandingTable(timeout_s=1.0)
+    e = t.expect("r", [3], now=0.0, source=P0)
+    t.fence("r", e)
+    assert t.timed_out(1e9) == [] and [ld.pages for ld in t.quarantined()] == [(3,)]
+    assert t.ended("r", e, P1) is None                       # another P's word is not its own
+    assert t.ended("r", e, Incarnation("prefill-0", 2)) is None
+    assert t.ended("r", e, P0).pages == (3,) and len(t) == 0
+    e = t.expect("s", [4], now=0.0, source=P0)
+    t.fence("s", e)
+    t.expect("u", [5], now=0.0, source=Incarnation("prefill-0", 3))
+    assert t.sources_gone("prefill-0", before=3)[0].pages == (4,)   # restarted at @3
+    assert [ld.req_id for ld in t.sources_gone("prefill-0")] == ["u"]  # removed altogether
     assert len(t) == 0
 
 
-def test_a_fenced_landing_neither_times_out_again_nor_moves_its_release():
+def test_a_fenced_landing_neither_times_out_again_nor_is_fenced_twice():
     """Once fenced, a landing is past D's timeout: a later pass does not
-    report it again (D would recover it, and ack P, on every pass), and a
-    second fence neither counts nor pushes its release later."""
-    t = LandingTable(timeout_s=1.0, lease_s=5.0)
-    e = t.expect("r", [3], now=0.0)
-    assert t.fence("r", e, now=2.0) is not None
+    report it again (D would recover it, and ack P, on every pass), a
+    second fence does not count, and a refusal cannot free it unfenced."""
+    t = LandingTable(timeout_s=1.0)
+    e = t.expect("r", [3], now=0.0, source=P0)
+    assert t.fence("r", e) is not None
     assert t.timed_out(3.0) == []
-    assert t.fence("r", e, now=4.0) is None
-    assert [ld.pages for ld in t.expired_fences(12.0)] == [(3,)]
+    assert t.fence("r", e) is None
+    assert t.forget("r", e) is False and len(t.quarantined()) == 1
 
 
 def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
@@ -284,6 +298,18 @@ def test_leases_are_renewed_per_peer_and_expire_without_heartbeats():
     assert leases.expired(10.0) == ["b"]
     assert leases.expired(17.9) == [] and leases.expired(18.0) == ["a"]
     assert leases.expiries == 2
+
+
+def test_a_lease_past_its_deadline_is_never_renewed():
+    """A heartbeat that arrives after the deadline (it waited out a freeze
+    in P's queue, or D was late) renews nothing, even before the expiry
+    is swept: D may have given up on that landing already."""
+    leases = LeaseTable(lease_s=10.0)
+    d0 = Incarnation("decode-0", 1)
+    leases.grant("a", d0, now=0.0)
+    assert leases.renew(d0, ["a"], now=15.0) == 0
+    assert not leases.holds("a", 15.0) and leases.expired(15.0) == ["a"]
+    assert leases.renew(d0, ["a"], now=15.0) == 0
 
 
 def test_a_lease_holds_until_its_deadline_and_not_at_it():

@@ -45,22 +45,20 @@ def test_a_heartbeat_more_than_half_the_lease_is_refused_with_the_fix():
     load({"lease_s": 4, "heartbeat_s": 2})                  # exactly two a lease: kept
 
 
-def test_d_fences_a_landing_it_gave_up_on_past_any_write_p_may_still_post():
-    """D's fence is derived, not configured: P's lease after D's last
-    heartbeat (lease_s, the heartbeat heartbeat_s late at most) plus a
-    write posted at its last moment (as long as D waits for one), so it
-    holds for the lease shorter or longer than the landing timeout."""
-    from engine_fakes import server
+def test_no_timeout_frees_a_landing_d_gave_up_on():
+    """D's quarantine is not derived from the timeouts: whatever they are,
+    a landing D gave up on keeps its pages past any of them (a frozen P or
+    a stalled link outlasts every clock) until P's word or P's end."""
+    from engine_fakes import remote_prefill_asked, server
 
     for t in (PeerTimeouts(), PeerTimeouts(transfer_s=3, lease_s=3, heartbeat_s=0.5),
               PeerTimeouts(transfer_s=5, lease_s=60, heartbeat_s=1)):
-        assert t.fence_s == t.lease_s + t.heartbeat_s + t.transfer_s
-    d = server("decode", "decode-0", "prefill-0")           # the default timeouts
-    table = d.peer.landing
-    epoch = table.expect("x", [1], now=0.0)
-    table.fence("x", epoch, now=100.0)
-    assert table.expired_fences(100.0 + PeerTimeouts().fence_s - 0.01) == []
-    assert len(table.expired_fences(100.0 + PeerTimeouts().fence_s)) == 1
+        d = server("decode", "decode-0", "prefill-0")
+        d.peer.landing.timeout_s = t.transfer_s
+        remote_prefill_asked(d)
+        d.peer.timers(1e6)
+        d.peer.timers(1e6 + 10 * (t.lease_s + t.heartbeat_s + t.transfer_s))
+        assert len(d.peer.quarantined()) == 1 and d.stats().quarantined_pages == 5
 
 
 def test_engine_options_over_the_config_are_checked_too():

@@ -108,6 +108,7 @@ def _stats(resp) -> list[dict]:
     keys = ("name", "role", "address", "total_pages", "used_pages", "pinned_pages", "running", "waiting",
             "finished", "aborted", "retractions", "readmissions", "transfers",
             "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
+            "quarantined_pages", "stale_jobs", "stale_messages",
             "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens",
             "rounds", "round_seconds", "round_cpu_seconds", "round_tokens")
     out = []

@@ -26,6 +26,12 @@ def run(args) -> int:
                   f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} "
                   f"{r['transfers']:>9} {r['finished']:>8}")
         for r in rows:
+            if r["quarantined_pages"] or r["stale_jobs"] or r["stale_messages"]:
+                print(f"  {r['name']} holds {r['quarantined_pages']} landing pages quarantined "
+                      "(a write given up on may still reach them; they come back when its "
+                      f"prefill engine says it ended); dropped {r['stale_jobs']} stale jobs "
+                      f"and {r['stale_messages']} messages from old incarnations")
+        for r in rows:
             groups = r["cache_groups"]
             if len(groups) > 1:
                 print(f"  {r['name']} holds {r['kv_capacity_tokens']:,} tokens: " + "; ".join(

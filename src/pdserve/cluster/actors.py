@@ -6,7 +6,10 @@ itself (engine/) never reads the config.
 
 Each engine is named `pdserve:<role>-<index>` in namespace `pdserve` and is
 restarted by Ray when its process dies (a restart is a new incarnation; the
-router notices and introduces it to its peers again).
+router notices and introduces it to its peers again). An incarnation is a
+number that only grows (`engine_incarnation`): when the engine's creator
+made the actor, then how many times Ray restarted it, never the clock of
+the node it restarts on.
 """
 
 from __future__ import annotations
@@ -42,15 +45,20 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                         lease_s: float | None = None, heartbeat_s: float | None = None,
                         faults: list[dict] | None = None, fault_seed: int = 0,
                         serve: bool = True,
-                        control_tls: ControlTls | None = None) -> EngineServer:
+                        control_tls: ControlTls | None = None,
+                        incarnation: int | None = None) -> EngineServer:
     """Engine `<role>-<index>` of `cfg`: its model loaded on `device`, and
     (P and D) a NIXL transport with `faults` (transfer/faults.py). With
     `serve`, started: its gRPC port open on `host` (mutual TLS with
     `control_tls`; None: plaintext) and its loop running.
     `transfer_timeout_s`, `lease_s`, `heartbeat_s`: over the config's
     `transfer:` section (engine options, as tests pass them); the result
-    is checked again, so an override cannot break what the config kept."""
-    kind, name, incarnation = Role(role), f"{role}-{index}", time.time_ns()
+    is checked again, so an override cannot break what the config kept.
+    `incarnation`: the actor's (`engine_incarnation`); None: made now, never
+    restarted (an engine in a test's or a benchmark's process)."""
+    kind, name = Role(role), f"{role}-{index}"
+    if incarnation is None:
+        incarnation = engine_incarnation(time.time_ns() // 1_000_000, 0)
     base = role_engine(cfg, role)
     # tensor_parallel_size > 1: this process is rank 0; a rank lost exits it (tp_leader.py)
     model, tok = load_engine_model(cfg.model.path, cfg.model.preset, dtype=cfg.model.dtype,
@@ -101,6 +109,32 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     return server
 
 
+RESTART_BITS = 20          # restarts an incarnation number counts past its creation
+
+
+def engine_incarnation(created_ms: int, restarts: int) -> int:
+    """An engine's incarnation: when its creator made the actor (ms, the
+    creator's clock), then how often Ray restarted it. A restart is always
+    larger than what it replaces (the count only grows, whatever the clock
+    of the node it lands on says), and an actor made again under the same
+    name later is larger too: its creator's clock moved on."""
+    if not 0 <= restarts < 1 << RESTART_BITS:
+        raise ValueError(f"{restarts} restarts: an incarnation counts at most "
+                         f"{(1 << RESTART_BITS) - 1}")
+    return (created_ms << RESTART_BITS) | restarts
+
+
+def _ray_restarts() -> int:
+    """How often Ray restarted the actor this runs in (0: its first start)."""
+    ctx = ray.get_runtime_context()
+    try:                # what the public was_current_actor_reconstructed reads, as a count
+        from ray._private.state import actors
+
+        return int(actors(actor_id=ctx.get_actor_id())["NumRestarts"])
+    except Exception:
+        return int(bool(ctx.was_current_actor_reconstructed))
+
+
 def _engine_lost(name: str, e: Exception) -> None:
     """A rank of a tensor-parallel engine is gone: the engine goes down as
     one unit. Its process exits now (its worker ranks follow, their pipes
@@ -122,13 +156,19 @@ def timeouts_for(cfg: ServeConfig, transfer_timeout_s: float | None = None,
 class EngineHost:
     """The actor body: an EngineServer bound to this node's address (the
     one Ray gives the node, never 0.0.0.0 unless `host` says so), its
-    control port behind `control_tls` (this engine's leaf; None: plaintext)."""
+    control port behind `control_tls` (this engine's leaf; None: plaintext).
+    `created_ms`: when its creator made the actor (a restart by Ray passes
+    the same value again; the restart count tells the incarnations apart)."""
 
     def __init__(self, cfg: ServeConfig, role: str, index: int, device: str, options: dict,
-                 host: str | None, control_tls: ControlTls | None = None):
+                 host: str | None, control_tls: ControlTls | None = None,
+                 created_ms: int = 0):
         host = host or ray.util.get_node_ip_address()
         self.server = build_engine_server(cfg, role, index, host=host, device=device,
-                                          control_tls=control_tls, **options)
+                                          control_tls=control_tls,
+                                          incarnation=engine_incarnation(created_ms,
+                                                                         _ray_restarts()),
+                                          **options)
         self.niceness = os.getpriority(os.PRIO_PROCESS, 0)   # Deployment warns if > 0
 
     def info(self) -> dict:
@@ -250,5 +290,5 @@ def start_engine(cfg: ServeConfig, role: str, index: int, device: str = "cpu",
         opts["runtime_env"] = {"env_vars": dict(env)}
     tls = control.for_party(f"{role}-{index}") if control is not None else None
     actor = EngineActor.options(**opts).remote(cfg, role, index, device, options or {}, host,
-                                               tls)
+                                               tls, time.time_ns() // 1_000_000)
     return f"{role}-{index}", actor

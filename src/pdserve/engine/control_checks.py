@@ -131,29 +131,46 @@ def check_remote_prefill(r: pb.RemotePrefillRequest, b: Bounds) -> None:
         raise BadMessage("epoch is 0: a landing's epoch starts at 1")
     if r.target_incarnation == 0:
         raise BadMessage("target_incarnation is 0: name the decode engine's incarnation")
+    if r.prefill_incarnation == 0:
+        raise BadMessage("prefill_incarnation is 0: name the prefill engine's incarnation asked")
     if r.prior_output > len(r.token_ids):
         raise BadMessage(f"prior_output={r.prior_output} exceeds the request's "
                          f"{len(r.token_ids)} tokens")
     _adapter_ref(r)
 
 
+def _sender(r) -> None:
+    """A peer message names the engine that sends it and its incarnation."""
+    check_id(r.engine, "engine")
+    if r.incarnation == 0:
+        raise BadMessage("incarnation is 0: name the sending engine's incarnation")
+
+
 def check_transfer_ack(r: pb.TransferAckRequest) -> None:
     check_id(r.request_id, "request_id")
-    check_id(r.engine, "engine")
+    _sender(r)
 
 
 def check_transfer_failed(r: pb.TransferFailedRequest) -> None:
     check_id(r.request_id, "request_id")
     _text(r.reason, "reason")
+    _sender(r)
+
+
+def check_transfer_ended(r: pb.TransferEndedRequest) -> None:
+    check_id(r.request_id, "request_id")
+    _sender(r)
 
 
 def check_heartbeat(r: pb.HeartbeatRequest) -> None:
-    check_id(r.engine, "engine")
-    if len(r.request_ids) > MAX_HEARTBEAT_IDS:
-        raise BadMessage(f"{len(r.request_ids)} request ids in one heartbeat; at most "
-                         f"{MAX_HEARTBEAT_IDS}")
+    _sender(r)
+    if len(r.request_ids) + len(r.fenced) > MAX_HEARTBEAT_IDS:
+        raise BadMessage(f"{len(r.request_ids) + len(r.fenced)} requests and landings in one "
+                         f"heartbeat; at most {MAX_HEARTBEAT_IDS}")
     for rid in r.request_ids:
         check_id(rid, "request_ids")
+    for ref in r.fenced:
+        check_id(ref.request_id, "fenced.request_id")
 
 
 def check_add_peer(r: pb.AddPeerRequest, own_name: str) -> None:

@@ -1,13 +1,20 @@
 """The engine's loop thread: the only thread that touches the planner,
 executor and transport.
 
-    pass:  jobs from the inbox (gRPC handlers, the output thread)
-           transfer events and the peer protocol's timers
+    pass:  transfer events and the peer protocol's timers
+           jobs from the inbox (gRPC handlers, the output thread), each
+           dropped unrun if its caller gave up waiting for it
            the drain's deadline
            a round: plan, forward, apply; its outputs to the output thread,
            its asks and ships to the peers (with engine.overlap the round's
            step builds the next plan while this one's forward runs, and an
            abort that waited for its forward is finished here, after_abort)
+
+The clocks come before the queue: an engine that was frozen (a GC or swap
+pause, SIGSTOP) first expires the leases and landings that ran out while it
+slept, then runs what queued up meanwhile, so an old heartbeat cannot
+renew a lease that expired, and the handlers' jobs whose callers gave up
+(a RemotePrefill D stopped waiting for) are not run at all.
 
 `Inbox` is how other threads reach it; `EngineLoop` runs the passes and
 hands each round's results to the output thread (`output_item`). The
@@ -21,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -49,46 +55,68 @@ IDLE_WAIT_S = 0.02
 ERRORS_KEPT = 20
 
 
+@dataclass(frozen=True)
+class Job:
+    """A closure for the loop thread, and until when its caller waits for
+    it: past `deadline` (time.monotonic()) the caller has given up, and the
+    job is dropped unrun. None: the poster does not give up (the loop's own
+    work, posted by its other threads)."""
+    run: Callable[[], None]
+    deadline: float | None = None
+    dropped: Callable[[], None] | None = None    # told when it is dropped (its caller, at once)
+
+
 class Inbox:
-    """Closures for the loop thread to run between rounds; closed once the
-    engine has drained and stopped (a post then says so)."""
+    """Jobs for the loop thread to run between rounds; closed once the
+    engine has drained and stopped (a post then says so). `on_stale` is
+    called for each job dropped because its caller had given up."""
 
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()       # closing against a racing post
+    def __init__(self, on_stale: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()     # a post wakes `wait`; closing against a racing post
         self._closed = False
+        self._on_stale = on_stale
+        self.clock = clock
 
-    def post(self, job) -> bool:
-        """Queue `job`; False once the inbox is closed."""
-        with self._lock:
+    def post(self, job: Callable[[], None], deadline: float | None = None,
+             dropped: Callable[[], None] | None = None) -> bool:
+        """Queue `job` (to run before `deadline`, if given; `dropped` is
+        called instead if it cannot); False once the inbox is closed."""
+        with self._cv:
             if self._closed:
                 return False
-            self._jobs.put(job)
+            self._jobs.append(Job(job, deadline, dropped))
+            self._cv.notify()
             return True
 
     def close(self) -> None:
-        with self._lock:
+        with self._cv:
             self._closed = True
 
-    def run(self, wait: float = 0.0) -> bool:
-        """Wait up to `wait` seconds for a job, then run every job queued;
-        True if any ran. A job's exception propagates (the loop logs it)."""
-        try:
-            job = self._jobs.get(timeout=wait)
-        except queue.Empty:
-            return False
-        job()
-        self.run_pending()
-        return True
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a job to be queued; runs none.
+        True if one is."""
+        with self._cv:
+            return bool(self._jobs) or self._cv.wait_for(lambda: bool(self._jobs), timeout)
 
-    def run_pending(self) -> None:
-        """Run every job queued now, waiting for none."""
+    def run_pending(self) -> bool:
+        """Run every job queued now (and any they post), waiting for none; a
+        job whose caller gave up is dropped. True if any was taken. A job's
+        exception propagates (the loop logs it)."""
+        took = False
         while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            job()
+            with self._cv:
+                if not self._jobs:
+                    return took
+                job = self._jobs.popleft()
+            took = True
+            if job.deadline is not None and self.clock() >= job.deadline:
+                self._on_stale()
+                if job.dropped is not None:
+                    job.dropped()
+                continue
+            job.run()
 
 
 @dataclass(frozen=True)
@@ -134,6 +162,9 @@ class EngineLoop:
         self._window = next((g.window for g in planner.groups if g.sliding), 0)
         self._stalls_logged = 0
         self._stop = threading.Event()
+        # what a pass reads the peer protocol's timers and the drain's deadline
+        # by: a test moves it past a lease to play a thaw
+        self.clock: Callable[[], float] = time.monotonic
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -162,20 +193,21 @@ class EngineLoop:
                 time.sleep(0.05)
 
     def tick(self) -> bool:
-        """One pass: jobs, transfer events, timers, a round. True when the
+        """One pass: transfer events, timers, jobs, a round. True when the
         engine drains and this pass was idle with nothing live: time to stop
         (a pass that did work is not idle; the next one decides)."""
         live = self.engine.has_work()
         busy = live and not self._only_waiting_on_peer()
         wait = 0 if busy else POLL_S if live or not self.peer.idle() else IDLE_WAIT_S
-        ran = self.inbox.run(wait)
-        now = time.monotonic()
-        if self.transport is not None:
+        ran = self.inbox.wait(wait)
+        now = self.clock()
+        if self.transport is not None:        # the clocks first: what ran out while we slept
             events = self.transport.poll()
             ran |= bool(events)
             for ev in events:
                 self.peer.on_transfer_event(ev)
             self.peer.timers(now)
+        ran |= self.inbox.run_pending()       # then the queue, less what its callers gave up on
         if self.drain.due(now):
             self.hooks.abort_left()
             ran = True

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import grpc
 
@@ -20,6 +19,10 @@ from pdserve.engine import control_checks as checks
 from pdserve.engine.lora.host import fingerprint
 from pdserve.engine.drain import STOP_GRACE_S, EngineDraining, EngineStopped
 from pdserve.scheduler.planner import RejectedRequest
+
+
+# how long a handler waits for the loop thread when its caller names no deadline
+CALL_TIMEOUT_S = 30.0
 
 
 class StaleView(Exception):
@@ -34,6 +37,13 @@ class EngineControlServicer(pbg.EngineControlServicer):
         self._streams = 0                       # Subscribe calls not yet terminated
         self._streams_cv = threading.Condition()
 
+    def _call(self, fn, context):
+        """fn() on the loop thread, for as long as the caller waits: past its
+        deadline the job is dropped unrun (EngineServer.call)."""
+        left = context.time_remaining()
+        wait = CALL_TIMEOUT_S if left is None else max(0.0, min(CALL_TIMEOUT_S, left))
+        return self.s.call(fn, timeout=wait)
+
     @staticmethod
     def _checked(check, context, *args) -> None:
         """Run a message's check; INVALID_ARGUMENT (the call ends) if it fails."""
@@ -44,7 +54,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
 
     def _ack(self, fn, context):
         try:
-            self.s.call(fn)
+            self._call(fn, context)
             return pb.Ack(ok=True)
         except RejectedRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -93,7 +103,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
     def Submit(self, request, context):
         self._checked(checks.check_submit, context, request, self.s.bounds)
         try:
-            self.s.call(lambda: self.s.submit(request))
+            self._call(lambda: self.s.submit(request), context)
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StaleView as e:
@@ -109,8 +119,8 @@ class EngineControlServicer(pbg.EngineControlServicer):
 
     def Abort(self, request, context):
         self._checked(checks.check_abort, context, request)
-        found = self.s.call(lambda: self.s.abort(request.request_id,
-                                                 request.reason or "aborted by client"))
+        found = self._call(lambda: self.s.abort(request.request_id,
+                                                request.reason or "aborted by client"), context)
         return pb.Ack(ok=found, error="" if found else "unknown request")
 
     def RemotePrefill(self, request, context):
@@ -127,9 +137,12 @@ class EngineControlServicer(pbg.EngineControlServicer):
 
     def LeaseHeartbeat(self, request, context):
         self._checked(checks.check_heartbeat, context, request)
-        self.s.call(lambda: self.s.peer.leases.renew(request.engine, request.request_ids,
-                                                     time.monotonic()))
+        self._call(lambda: self.s.peer.heartbeat(request), context)
         return pb.Ack(ok=True)
+
+    def TransferEnded(self, request, context):
+        self._checked(checks.check_transfer_ended, context, request)
+        return self._ack(lambda: self.s.peer.transfer_ended_from_peer(request), context)
 
     def GetInfo(self, request, context):
         md = self.s.call(lambda: self.s.transport.metadata() if self.s.transport else b"")
@@ -151,7 +164,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         drain = self.s.drain
         deadline = request.deadline_s                # 0: abort what is left at once
         try:
-            self.s.call(lambda: self.s.begin_drain(deadline))
+            self._call(lambda: self.s.begin_drain(deadline), context)
         except EngineStopped:
             pass                                  # drained already: its report stands
         except ValueError as e:
@@ -179,8 +192,8 @@ class EngineControlServicer(pbg.EngineControlServicer):
         try:
             stamp = fingerprint(request.path)
             weights = adapters.read(request.path)
-            self.s.call(lambda: self.s.load_adapter(request.name, request.path, request.id,
-                                                    weights, request.pinned, stamp))
+            self._call(lambda: self.s.load_adapter(request.name, request.path, request.id,
+                                                   weights, request.pinned, stamp), context)
         except ValueError as e:                 # a bad adapter, name or id
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineStopped as e:
@@ -191,7 +204,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
         """Answer once no request under the load is left on this engine."""
         self._checked(checks.check_adapter, context, request)
         try:
-            done = self.s.call(lambda: self.s.unload_adapter(request.name, request.id))
+            done = self._call(lambda: self.s.unload_adapter(request.name, request.id), context)
         except RejectedRequest as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         left = context.time_remaining()
@@ -201,4 +214,4 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return pb.Ack(ok=True)
 
     def Stats(self, request, context):
-        return self.s.call(self.s.stats)
+        return self._call(self.s.stats, context)

@@ -33,7 +33,7 @@ from pdserve.proto.sampling import from_options
 from pdserve.engine.control_checks import Bounds
 from pdserve.engine.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStopped
 from pdserve.engine.engine import Engine
-from pdserve.engine.rpc import EngineControlServicer, StaleView
+from pdserve.engine.rpc import CALL_TIMEOUT_S, EngineControlServicer, StaleView
 from pdserve.engine.spec.speculation import spec_line
 from pdserve.engine.stats import EngineCounters, stats_pb
 from pdserve.engine.loop import EngineLoop, Inbox, LoopHooks
@@ -94,7 +94,7 @@ class EngineServer:
         # request's forward takes effect (EngineLoop.after_round runs it)
         self.after_abort: dict[str, Callable[[], None]] = {}
         self.outputs = make_outputs(self._stop_string_hit)
-        self.inbox = Inbox()
+        self.inbox = Inbox(on_stale=self.counts.job_dropped)
         self.peer = PeerProtocol(Incarnation(name, incarnation), role, planner, executor,
                                  self.counts, self.drain, transport,
                                  sender or PeerSender(name), timeouts,
@@ -138,23 +138,38 @@ class EngineServer:
     def counters(self) -> dict:
         return self.counts.as_dict()
 
-    def call(self, fn, timeout: float = 30.0):
-        """Run fn() on the loop thread and return its result; EngineStopped
-        once the engine has drained and stopped."""
+    def call(self, fn, timeout: float = CALL_TIMEOUT_S):
+        """Run fn() on the loop thread and return its result, waiting at
+        most `timeout` seconds (TimeoutError); EngineStopped once the engine
+        has drained and stopped. Past `timeout` the caller has given up, so
+        the job is dropped unrun if the loop has not reached it: work nobody
+        waits for any more (a RemotePrefill its D stopped waiting for, a
+        heartbeat that would renew an expired lease) is not done late."""
         fut: cf.Future = cf.Future()
 
         def job():
+            if not fut.set_running_or_notify_cancel():
+                return                       # the caller gave up as the loop reached it
             try:
                 fut.set_result(fn())
             except Exception as e:           # handed back to the caller
                 fut.set_exception(e)
-        if not self.post_job(job):
+        def dropped():                       # tell the caller at once, not at its timeout
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(cf.TimeoutError(f"{self.name}'s loop did not reach the call "
+                                                  "before its caller's deadline"))
+        if not self.inbox.post(job, self.inbox.clock() + timeout, dropped):
             raise EngineStopped(f"{self.name} has drained and stopped")
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except cf.TimeoutError:
+            fut.cancel()
+            raise
 
-    def post_job(self, job) -> bool:
-        """Queue `job` for the loop thread; False once the inbox is closed."""
-        return self.inbox.post(job)
+    def post_job(self, job, deadline: float | None = None) -> bool:
+        """Queue `job` for the loop thread (dropped unrun once `deadline`,
+        time.monotonic(), passes); False once the inbox is closed."""
+        return self.inbox.post(job, deadline)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -239,6 +254,7 @@ class EngineServer:
             return {"idle": idle, "requests": sorted(p.requests), "used_pages": stats.used_pages,
                     "faults_fired": fired,
                     "fences": len(p.coord.fences), "leases": len(peer.leases),
+                    "quarantined": len(peer.quarantined()),
                     "landings": len(peer.landing), "counters": dict(self.counters),
                     "loop_errors": list(self.loop.errors),
                     "incarnation": self.incarnation}
@@ -408,4 +424,5 @@ class EngineServer:
         return stats_pb(self.planner, self.role, self.counts, self.capacity, info["dtype"],
                         info["attention"], disk.stats() if disk is not None else None,
                         adapters_in_use(self.executor.adapters, self.planner),
-                        getattr(self.executor, "spec", None))
+                        getattr(self.executor, "spec", None),
+                        tuple((ld.req_id, ld.epoch) for ld in self.peer.quarantined()))

@@ -43,7 +43,7 @@ class EngineCounters:
     NAMES = ("finished", "aborted", "retractions", "readmissions", "transfers",
              "transfer_failures", "transfer_bytes", "lease_expiries", "fences",
              "prefix_queries", "prefix_hits", "rounds", "round_seconds", "round_cpu_seconds",
-             "round_tokens")
+             "round_tokens", "stale_jobs", "stale_messages")
 
     def __init__(self) -> None:
         # declared one by one so that the checker knows them; NAMES is what
@@ -63,6 +63,8 @@ class EngineCounters:
         self.round_seconds: float = 0
         self.round_cpu_seconds: float = 0
         self.round_tokens = 0
+        self.stale_jobs = 0             # loop jobs dropped unrun: their callers had given up
+        self.stale_messages = 0         # peer messages from an incarnation older than known
         self.failures_by_stage: dict[str, int] = {}
         self.transfer_seconds = Histogram()
         self._prefix_seen: set[str] = set()
@@ -75,6 +77,9 @@ class EngineCounters:
         self.round_seconds += seconds
         self.round_cpu_seconds += cpu_seconds
         self.round_tokens += tokens
+
+    def job_dropped(self) -> None:
+        self.stale_jobs += 1
 
     def transfer_failed(self, stage: str) -> None:
         self.transfer_failures += 1
@@ -105,11 +110,15 @@ def waiting_requests_pb(planner) -> list:
 
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
              attention: str, disk: dict | None = None,
-             lora: tuple[list[str], list[str]] = ([], []), spec=None) -> cpb.EngineStatsResponse:
+             lora: tuple[list[str], list[str]] = ([], []), spec=None,
+             quarantined: tuple = ()) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
     waiting (and why), the counters, each cache group's use, `lora`: the
-    adapters of running and of waiting requests (engine/lora/adapters.py), and
-    `spec`: the executor's Speculation (engine/spec/speculation.py), if it speculates."""
+    adapters of running and of waiting requests (engine/lora/adapters.py),
+    `spec`: the executor's Speculation (engine/spec/speculation.py), if it
+    speculates, and `quarantined`: the fence keys of D's quarantined
+    landings (engine/peer/protocol.py), whose pages are counted as pinned
+    and as quarantined."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()
@@ -120,6 +129,8 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
             p.held_by_fences()
     hist = counts.transfer_seconds
     coord = p.coord
+    held = [coord.fences.get(key) for key in quarantined]
+    quarantined_pages = sum(len(f[0]) for f in held if f)
     groups = [pb.CacheGroupUsage(retention=e["retention"], window=e["window"],
                                  layers=e["layers"], total_pages=e["pages"],
                                  used_pages=e["pages"] - coord.available_pages(g),
@@ -137,6 +148,7 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
             "device": p.hits.device_tokens, "host": p.hits.host_tokens,
             "disk": p.hits.disk_tokens}, disk_cache=disk or {},
         lora_running=lora[0], lora_waiting=lora[1], max_loras=p.lora.slots,
+        quarantined_pages=quarantined_pages,
         **spec_fields(spec), **counts.as_dict())
 
 

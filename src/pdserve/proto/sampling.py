@@ -6,8 +6,29 @@ repetition_penalty 0 are 1.0."""
 
 from __future__ import annotations
 
+from pdserve.text.constraint import Constraint, ConstraintKind
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import router_pb2 as pb
+
+_KINDS = {ConstraintKind.JSON_SCHEMA: pb.StructuredOutput.JSON_SCHEMA,
+          ConstraintKind.JSON_OBJECT: pb.StructuredOutput.JSON_OBJECT,
+          ConstraintKind.REGEX: pb.StructuredOutput.REGEX,
+          ConstraintKind.CHOICE: pb.StructuredOutput.CHOICE,
+          ConstraintKind.GRAMMAR: pb.StructuredOutput.GRAMMAR}
+_FROM_WIRE = {v: k for k, v in _KINDS.items()}
+
+
+def to_structured(c: Constraint) -> pb.StructuredOutput:
+    return pb.StructuredOutput(kind=_KINDS[c.kind], text=c.text)
+
+
+def from_structured(m: pb.StructuredOutput) -> Constraint:
+    """The message as a Constraint (ValueError for a kind left unset)."""
+    kind = _FROM_WIRE.get(m.kind)
+    if kind is None:
+        raise ValueError("sampling.structured.kind is unset: give JSON_SCHEMA, JSON_OBJECT, "
+                         "REGEX, CHOICE or GRAMMAR, or leave structured out")
+    return Constraint(kind, m.text)
 
 
 def to_options(sp: SamplingParams, **override) -> pb.SamplingOptions:
@@ -20,7 +41,8 @@ def to_options(sp: SamplingParams, **override) -> pb.SamplingOptions:
               "repetition_penalty": sp.repetition_penalty, "min_p": sp.min_p,
               "logit_bias": dict(sp.logit_bias),
               "include_stop_str_in_output": sp.include_stop_str_in_output,
-              "keep_special_tokens": not sp.skip_special_tokens}
+              "keep_special_tokens": not sp.skip_special_tokens,
+              "structured": to_structured(sp.constraint) if sp.constraint else None}
     fields.update(override)
     return pb.SamplingOptions(**{k: v for k, v in fields.items() if v is not None})
 
@@ -38,6 +60,7 @@ def from_options(s: pb.SamplingOptions, **override) -> SamplingParams:
               "repetition_penalty": s.repetition_penalty or 1.0, "min_p": s.min_p,
               "logit_bias": dict(s.logit_bias),
               "include_stop_str_in_output": s.include_stop_str_in_output,
-              "skip_special_tokens": not s.keep_special_tokens}
+              "skip_special_tokens": not s.keep_special_tokens,
+              "constraint": from_structured(s.structured) if s.HasField("structured") else None}
     fields.update(override)
     return SamplingParams(**fields)

@@ -125,6 +125,8 @@ _GAUGES = (
     ("kv_pages_pinned", "KV pages held for a peer (P until the ack, D landing)",
      "pinned_pages"),
     ("kv_pages_total", "KV pages in the engine's device pool", "total_pages"),
+    ("kv_pages_quarantined", "D's landing pages a write given up on may still reach, held "
+     "until its P says the write ended (counted in kv_pages_pinned too)", "quarantined_pages"),
     ("kv_capacity_tokens", "Tokens of history the KV pools hold, sliding windows counted as "
      "windows", "kv_capacity_tokens"),
 )
@@ -135,6 +137,10 @@ _COUNTERS = (
     ("kv_transfer_bytes", "KV bytes written to decode engines", "transfer_bytes"),
     ("lease_expiries", "P pins released because D's lease ran out", "lease_expiries"),
     ("fences", "Landing pages fenced against a late write", "fences"),
+    ("stale_jobs", "Jobs for the engine's loop dropped unrun: their callers had given up",
+     "stale_jobs"),
+    ("stale_peer_messages", "Peer messages from an engine incarnation older than the one "
+     "known, ignored", "stale_messages"),
     ("retractions", "Requests retracted for capacity", "retractions"),
     ("readmissions", "Retracted requests readmitted", "readmissions"),
     ("liveness_stalls", "Rounds the liveness last resort ran", "stalls"),

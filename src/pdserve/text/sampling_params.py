@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.text.constraint import Constraint
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +33,9 @@ class SamplingParams:
     logit_bias: tuple | dict = field(default_factory=tuple)
     include_stop_str_in_output: bool = False   # the text ends after a stop string, not before
     skip_special_tokens: bool = True   # False: special tokens' own text is in the output
+    # structured outputs: what the output must match (a JSON schema, a regex,
+    # a choice, a grammar; text/grammar.py), None: anything
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         def bad(name, value, want):
@@ -92,6 +97,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "give non-empty strings")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            bad("constraint", self.constraint, "give a text.grammar.Constraint, or None")
 
     @property
     def greedy(self) -> bool:

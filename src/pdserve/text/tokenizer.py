@@ -105,6 +105,11 @@ class HFTokenizer:
                    bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                    chat_template=meta.get("tokenizer.chat_template"), missing=missing)
 
+    def to_json(self) -> str | None:
+        """The tokenizer as tokenizer.json text (None: none): what a grammar
+        library builds its view of the vocabulary from."""
+        return self._tok.to_str() if self._tok is not None else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; `add_special_tokens=False` leaves out the BOS/EOS the
         tokenizer adds itself (for text a chat template already marked)."""

@@ -28,10 +28,13 @@ class LeaseTable:
 
     def renew(self, peer, req_ids, now: float) -> int:
         """A heartbeat from `peer`; returns how many leases it renewed. Ids
-        held for another peer are not touched."""
+        held for another peer are not touched, and neither is a lease whose
+        deadline passed: an expiry is final even before `expired` sweeps it
+        (a heartbeat that waited out a freeze in P's queue, or a late one
+        from D, must not revive a twin D may have given up on)."""
         n = 0
         for rid in req_ids:
-            if self._peer.get(rid) == peer:
+            if self._peer.get(rid) == peer and self._deadline[rid] > now:
                 self._deadline[rid] = now + self.lease_s
                 n += 1
         return n

@@ -1,6 +1,7 @@
 """What a KV write tells D beside its pages, as typed messages: `KvNote`
 (the request, the landing's epoch, the D incarnation it is for, the first
-token, P's drafts, the first token's logprobs) and, between
+token, P's drafts, the first token's logprobs, the P incarnation that
+wrote it) and, between
 tensor-parallel ranks, `PieceNote` (one piece of such a write).
 
 They travel as NIXL notifications, which carry bytes: each is a protobuf
@@ -30,16 +31,18 @@ class KvNote:
     first_token: int
     drafts: tuple[int, ...] = ()
     payload: bytes = b""         # a TokenLogprob, serialized (engine/peer/protocol.py)
+    source: Incarnation | None = None   # the P incarnation that wrote it (None: not said)
 
     @classmethod
     def of(cls, w: KvWrite) -> KvNote:
-        return cls(w.req_id, w.epoch, w.target, w.first_token, tuple(w.drafts), w.payload)
+        return cls(w.req_id, w.epoch, w.target, w.first_token, tuple(w.drafts), w.payload,
+                   w.source)
 
     def encode(self) -> bytes:
         return NOTE_TAG + pb.KvNote(
             request_id=self.req_id, epoch=self.epoch, target=self.target.agent_name,
-            first_token=self.first_token, drafts=self.drafts,
-            payload=self.payload).SerializeToString()
+            first_token=self.first_token, drafts=self.drafts, payload=self.payload,
+            source=self.source.agent_name if self.source is not None else "").SerializeToString()
 
     @classmethod
     def decode(cls, msg: bytes) -> KvNote | None:
@@ -49,7 +52,8 @@ class KvNote:
         try:
             m = pb.KvNote.FromString(msg[len(NOTE_TAG):])
             return cls(m.request_id, m.epoch, Incarnation.parse(m.target), m.first_token,
-                       tuple(m.drafts), m.payload)
+                       tuple(m.drafts), m.payload,
+                       Incarnation.parse(m.source) if m.source else None)
         except (DecodeError, ValueError):
             return None
 

@@ -5,18 +5,15 @@
     heartbeat_s  D: how often it renews the leases of what it still waits on
 
 Who holds which page until when (docs/reliability.md, "Leases and fences"):
-P posts a write only while its lease holds, and keeps the source pages
-pinned until the transport says the write ended (done, failed or
-cancelled), however long after the lease that is. D, giving up on a landing
-at time F (its timeout, an abort, an unreachable P), fences the landing
-pages until the write's notification drains them or until F + `fence_s`.
-After F, D names the request in no heartbeat, so P's lease runs out at the
-latest `lease_s` after D's last heartbeat arrived (allowed `heartbeat_s` to
-arrive); a write P posted just before that runs at most as long as D would
-have waited for one, `transfer_s`. So D's fence lasts
-lease_s + heartbeat_s + transfer_s: past it no write of P's can still reach
-those pages. The fence is derived, so that relation holds for any values;
-what `problems` checks is what it cannot derive.
+P posts a write only while its lease holds (an expired lease is never
+renewed), and keeps the source pages pinned until the transport says the
+write ended (done, failed or cancelled), however long after the lease that
+is. D, giving up on a landing (its timeout, an abort, an unreachable P),
+quarantines the landing pages until the write's notification drains them,
+P reports that no write of that landing is left, or that P incarnation is
+gone. No timeout here frees them: a frozen P or a stalled link can hold a
+posted write for longer than any of these values (transfer/landing.py).
+What `problems` checks is the one relation the values must keep.
 """
 
 from __future__ import annotations
@@ -37,17 +34,6 @@ class PeerTimeouts:
     transfer_s: float = 30.0    # D: how long a landing waits for P's write
     lease_s: float = 10.0       # P: how long it pins a twin's pages without a word from D
     heartbeat_s: float = 2.0    # D: how often it renews the leases of what it waits on
-
-    @property
-    def fence_margin_s(self) -> float:
-        """What D's fence adds to the lease: a heartbeat still on its way
-        when D gave up, and a write posted at the lease's last moment."""
-        return self.heartbeat_s + self.transfer_s
-
-    @property
-    def fence_s(self) -> float:
-        """How long D holds landing pages it gave up on, at most."""
-        return self.lease_s + self.fence_margin_s
 
     def problems(self, names: dict[str, str] = OPTION_NAMES) -> list[str]:
         """What is wrong with these values, each with what to change (empty:

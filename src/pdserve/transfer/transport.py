@@ -53,6 +53,7 @@ class KvWrite:
     first_token: int = -1      # rides on the notification: D needs it with the KV
     payload: bytes = b""       # rides along too (the first token's logprobs), opaque here
     drafts: tuple = ()         # and P's speculative candidates after the first token
+    source: Incarnation | None = None   # the P incarnation that writes it (the note says so)
 
 
 class TransferEventKind(enum.Enum):

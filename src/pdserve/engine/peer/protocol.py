@@ -7,18 +7,24 @@
     ack                            --TransferAck----->  transfer_ack: release the pins
     heartbeats while waiting       --LeaseHeartbeat-->  renew the leases
     recover locally              <--TransferFailed---  the write failed (FAILED)
+    give up: quarantine the pages  --TransferAck (release) / LeaseHeartbeat (fenced)-->
+    free them                    <--TransferEnded----  no write of it is left
 
-Safety: D never reuses landing pages a write might still reach (a timeout,
-an abort or an unreachable P fences them until the write drains or until
-P's lease, and any write posted under it, must be over: `PeerTimeouts.fence_s`);
-P posts no write once its lease ran out, and never frees a source page a
-posted write may still read: a twin whose lease runs out (or that D
-releases) with its write in flight is cancelled where the transport can,
-and drains, pinned, until the transport says the write ended (`draining`).
-A RemotePrefill that P refuses
-(it drains) or that cannot reach P is recovered at once by a local prefill
-on D. Messages go out on a small thread pool (peer_messages.py), never
-blocking the loop.
+Safety: D never reuses landing pages a write might still reach. A landing D
+gives up on (a timeout, an abort, an unreachable P) is quarantined
+(transfer/landing.py) until its notification arrives, P reports that no
+write of it is in flight or will be posted (TransferEnded), or that P
+incarnation is known gone; no clock frees it. P, told D gave up on a
+landing, raises its ask floor for that D (a RemotePrefill at or below it is
+refused, however late it comes) and cancels the twin, and reports the end
+once its transport says no write of it runs. P posts no write once its
+lease ran out (an expired lease is never renewed), and never frees a source
+page a posted write may still read (`draining`). Every message names its
+sender's incarnation; one from an incarnation older than the one known for
+that peer is ignored and counted (`stale_messages`). A RemotePrefill that
+P refuses (it drains) or that cannot reach P is recovered at once by a
+local prefill on D. Messages go out on a queue per peer (messages.py),
+never blocking the loop, and a hung peer delays no other.
 
 The protocol is given the parts of the engine it works on (its planner,
 executor, counters and drain), not the engine server itself.
@@ -87,8 +93,7 @@ class PeerProtocol:
         self.post_job = post_job
         self.delivered = delivered
         timeouts.check()
-        self.landing = LandingTable(timeouts.transfer_s, timeouts.lease_s,     # D
-                                    margin_s=timeouts.fence_margin_s)
+        self.landing = LandingTable(timeouts.transfer_s)                       # D
         self.leases = LeaseTable(timeouts.lease_s)                            # P
         self.heartbeat_s = timeouts.heartbeat_s
         # what the protocol stamps and checks its deadlines by (the loop passes
@@ -100,6 +105,13 @@ class PeerProtocol:
         # P: twins let go while a write of theirs may still read their pages:
         # pinned until the transport says the write ended, then released so
         self.draining: dict[str, Release] = {}
+        # P: per D engine, (its incarnation, the highest landing epoch it gave
+        # up on): a RemotePrefill at or below it is refused, so that once P
+        # reported a landing ended, no late ask can start a write into it
+        self.ask_floor: dict[str, tuple[int, int]] = {}
+        # P: twins D gave up on whose write may still run: the report owed to
+        # D once it ended, (D name, epoch)
+        self.end_owed: dict[str, tuple[str, int]] = {}
         self._last_heartbeat = 0.0
 
     @property
@@ -109,6 +121,26 @@ class PeerProtocol:
     def idle(self) -> bool:
         """No lease held for a peer, no write owed to one, none draining."""
         return len(self.leases) == 0 and not self.remote and not self.draining
+
+    def quarantined(self) -> list:
+        """D: the landings given up on whose pages stay held (transfer/landing.py)."""
+        return self.landing.quarantined()
+
+    def current(self, engine: str, incarnation: int) -> bool:
+        """Is a message from `engine` at `incarnation` from the incarnation
+        known for it? One from an older incarnation (a process that outlived
+        its restart, or a message that waited out one) is counted in
+        `stale_messages`; one from a newer one than known (membership has
+        not introduced it yet) is not stale, but not current either."""
+        known = self.peers.get(engine)
+        if known is None:
+            return False
+        if incarnation < known.incarnation:
+            self.counts.stale_messages += 1
+            log.info("%s: ignored a message from %s@%d (knows @%d)", self.name, engine,
+                     incarnation, known.incarnation)
+            return False
+        return incarnation == known.incarnation
 
     def close(self, wait: bool = False) -> None:
         """Stop sending; with `wait`, messages already queued go out first
@@ -142,6 +174,22 @@ class PeerProtocol:
         ch = channel(r.address, self.control_tls)
         self.peers[r.engine] = Peer(r.engine, r.incarnation, r.address,
                                     pbg.EngineControlStub(ch))
+        if old is not None:
+            self.peer_gone(r.engine, before=r.incarnation)
+
+    def peer_gone(self, engine: str, before: int | None = None) -> None:
+        """D: P `engine`'s incarnations older than `before` (None: all of
+        them) are gone (a restart, or membership removed it): they write
+        nothing more. Their quarantined landings come back, and a landing
+        still waiting on one is prefilled here."""
+        for ld in self.landing.sources_gone(engine, before):
+            if ld.fenced:
+                self.planner.release_fence((ld.req_id, ld.epoch))
+            elif ld.req_id in self.planner.landing:
+                self.epochs.pop(ld.req_id, None)
+                self.counts.transfer_failed("prefill_gone")
+                self.planner.transfer_failed(ld.req_id, f"prefill engine {engine} restarted",
+                                             fence_key=None)
 
     def send(self, peer_name: str | None, rpc: PeerRpc, request, on_error=None) -> None:
         """Fire a control message to a peer off the loop thread; a failed
@@ -168,7 +216,8 @@ class PeerProtocol:
             return
         # every group's pages (a state slot as its two rows), one list
         landing = self.transport.page_ids(self.executor.transfer_lists(op.landing))
-        epoch = self.landing.expect(req.id, landing, self.clock())
+        source = Incarnation(req.peer, self.peers[req.peer].incarnation)
+        epoch = self.landing.expect(req.id, landing, self.clock(), source)
         self.epochs[req.id] = epoch
         sp, prior = self.executor.params(req.id), self.executor.prior_output(req.id)
         peer = req.peer
@@ -180,29 +229,37 @@ class PeerProtocol:
             landing_pages=landing, epoch=epoch, target_engine=self.name,
             target_incarnation=self.me.epoch, sampling=to_options(sp, max_tokens=1),
             prior_output=prior, adapter=name_of(self.executor.adapters, req.adapter),
-            adapter_id=req.adapter), on_error=failed)
+            adapter_id=req.adapter, prefill_incarnation=source.epoch), on_error=failed)
 
     def _prefill_not_taken(self, req_id: str, epoch: int, peer: str, code) -> None:
         """P refused the RemotePrefill (it drains, or it still holds an
-        earlier copy of the id) or could not be reached: prefill locally now
-        rather than wait out the landing timeout. A refusal posted nothing;
-        an unreachable P might still, so those pages are fenced."""
+        earlier copy of the id), it was never sent (the queue to P was
+        full), or P could not be reached or did not answer in time: prefill
+        locally now rather than wait out the landing timeout. A refusal or
+        an ask never sent posted nothing; an unreachable or silent P might
+        still have taken it, so those pages are quarantined (P reports the
+        end once told, and refuses the ask from then on)."""
         if self.epochs.get(req_id) != epoch:
             return                                         # that landing already ended
         refused = {grpc.StatusCode.FAILED_PRECONDITION: ("is draining", "prefill_draining"),
-                   grpc.StatusCode.INVALID_ARGUMENT: ("refused it", "prefill_refused")}
+                   grpc.StatusCode.INVALID_ARGUMENT: ("refused it", "prefill_refused"),
+                   grpc.StatusCode.RESOURCE_EXHAUSTED: ("was not asked (its queue is full)",
+                                                        "prefill_not_asked")}
+        lost = {grpc.StatusCode.UNAVAILABLE: ("is unreachable", "prefill_unreachable"),
+                grpc.StatusCode.DEADLINE_EXCEEDED: ("did not answer", "prefill_silent")}
         if code in refused:
             why, stage = refused[code]
             if self.landing.forget(req_id, epoch):
                 self.recover_locally(req_id, epoch, f"prefill engine {peer} {why}",
                                      fence=False, stage=stage)
-        elif code == grpc.StatusCode.UNAVAILABLE:
-            self.recover_locally(req_id, epoch, f"prefill engine {peer} is unreachable",
-                                 fence=True, stage="prefill_unreachable")
+        elif code in lost:
+            why, stage = lost[code]
+            self.recover_locally(req_id, epoch, f"prefill engine {peer} {why}",
+                                 fence=True, stage=stage)
 
     def _ack(self, req_id: str, epoch: int, release_only: bool = False):
         return pb.TransferAckRequest(request_id=req_id, release_only=release_only,
-                                     engine=self.name, epoch=epoch)
+                                     engine=self.name, epoch=epoch, incarnation=self.me.epoch)
 
     def recover_locally(self, req_id: str, epoch: int, reason: str, fence: bool,
                         stage: str) -> None:
@@ -210,7 +267,7 @@ class PeerProtocol:
             return
         key = None
         if fence:
-            self.counts.fences += self.landing.fence(req_id, epoch, self.clock()) is not None
+            self.counts.fences += self.landing.fence(req_id, epoch) is not None
             key = (req_id, epoch)
         self.epochs.pop(req_id, None)
         self.counts.transfer_failed(stage)
@@ -220,8 +277,7 @@ class PeerProtocol:
         """D aborts a request whose landing is outstanding: a posted write
         may still land, so fence the pages, then let go and tell P."""
         epoch = self.epochs.pop(req.id, None)
-        fenced = epoch is not None and \
-            self.landing.fence(req.id, epoch, self.clock()) is not None
+        fenced = epoch is not None and self.landing.fence(req.id, epoch) is not None
         self.counts.fences += fenced
         self.planner.transfer_failed(req.id, reason,
                                      fence_key=(req.id, epoch) if fenced else None)
@@ -230,7 +286,9 @@ class PeerProtocol:
 
     def on_transfer_event(self, ev) -> None:
         if ev.kind is TransferEventKind.LANDED:
-            verdict = self.landing.on_notification(ev.req_id, ev.epoch)
+            if not self.current(ev.peer.engine_id, ev.peer.epoch):
+                return          # an older P's write: its landings went when it did
+            verdict = self.landing.on_notification(ev.req_id, ev.epoch, ev.peer)
             if verdict is LandingVerdict.DRAINED:
                 self.planner.release_fence((ev.req_id, ev.epoch))
             elif verdict is LandingVerdict.LANDED and ev.req_id in self.planner.landing:
@@ -254,8 +312,8 @@ class PeerProtocol:
             info = self.remote.get(ev.req_id)
             self.counts.transfer_failed("write")
             if info is not None:
-                self.send(info[0], PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
-                    request_id=ev.req_id, epoch=ev.epoch, reason=ev.reason))
+                self.send(info[0], PeerRpc.TRANSFER_FAILED, self._failed(ev.req_id, ev.epoch,
+                                                                         ev.reason))
             self._drained(ev.req_id)
         elif ev.kind is TransferEventKind.CANCELLED:    # P: we stopped it; it reads no more
             self._drained(ev.req_id)
@@ -269,16 +327,9 @@ class PeerProtocol:
                 if req is not None and req.peer:
                     self.send(req.peer, PeerRpc.TRANSFER_ACK,
                               self._ack(ld.req_id, ld.epoch, release_only=True))
-            for ld in self.landing.expired_fences(now):
-                self.planner.release_fence((ld.req_id, ld.epoch))
             if now - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = now
-                by_peer: dict[str | None, list[str]] = {}
-                for req in self.planner.landing.values():
-                    by_peer.setdefault(req.peer, []).append(req.id)
-                for peer, ids in by_peer.items():
-                    self.send(peer, PeerRpc.LEASE_HEARTBEAT, pb.HeartbeatRequest(
-                        engine=self.name, incarnation=self.me.epoch, request_ids=ids))
+                self._heartbeats()
         elif self.role is Role.PREFILL:
             for rid in self.leases.expired(now):
                 if rid in self.planner.requests:
@@ -287,8 +338,29 @@ class PeerProtocol:
             for rid in list(self.draining):     # an end whose event a fault swallowed
                 self._drained(rid)
 
+    def _heartbeats(self) -> None:
+        """D: one heartbeat to each P it waits on: the requests whose leases
+        to renew, and the landings it gave up on and holds quarantined (P
+        answers each with TransferEnded once no write of it is left)."""
+        waiting: dict[str | None, list[str]] = {}
+        fenced: dict[str, list[pb.LandingRef]] = {}
+        for req in self.planner.landing.values():
+            waiting.setdefault(req.peer, []).append(req.id)
+        for ld in self.landing.quarantined():
+            fenced.setdefault(ld.source.engine_id, []).append(
+                pb.LandingRef(request_id=ld.req_id, epoch=ld.epoch))
+        for peer in list(waiting) + [p for p in fenced if p not in waiting]:
+            self.send(peer, PeerRpc.LEASE_HEARTBEAT, pb.HeartbeatRequest(
+                engine=self.name, incarnation=self.me.epoch, request_ids=waiting.get(peer, []),
+                fenced=fenced.get(peer or "", [])))
+
     def transfer_failed_from_peer(self, r: pb.TransferFailedRequest) -> None:
         # the write failed on P's side and will not land: no fence needed
+        if not self.current(r.engine, r.incarnation):
+            return
+        ld = self.landing.get(r.request_id, r.epoch)
+        if ld is None or ld.source != Incarnation(r.engine, r.incarnation):
+            return                  # not a landing asked of that P
         if self.epochs.get(r.request_id) == r.epoch and self.landing.forget(r.request_id, r.epoch):
             req = self.planner.requests.get(r.request_id)
             self.recover_locally(r.request_id, r.epoch, r.reason, fence=False,
@@ -296,6 +368,21 @@ class PeerProtocol:
             if req is not None:
                 self.send(req.peer, PeerRpc.TRANSFER_ACK,
                           self._ack(r.request_id, r.epoch, release_only=True))
+
+    def transfer_ended_from_peer(self, r: pb.TransferEndedRequest) -> None:
+        """D: P says no write of this landing is in flight or will be posted:
+        a quarantined landing's pages come back; one D still waits on (P
+        never took the ask) is prefilled here, with nothing to fence."""
+        if not self.current(r.engine, r.incarnation):
+            return
+        ld = self.landing.ended(r.request_id, r.epoch, Incarnation(r.engine, r.incarnation))
+        if ld is None:
+            return
+        if ld.fenced:
+            self.planner.release_fence((ld.req_id, ld.epoch))
+        elif self.epochs.get(ld.req_id) == ld.epoch:
+            self.recover_locally(ld.req_id, ld.epoch, f"prefill engine {r.engine} wrote nothing",
+                                 fence=False, stage="ended_by_prefill")
 
     # ---- P: prefilling for D, shipping, acks ------------------------------------
     def remote_prefill(self, r: pb.RemotePrefillRequest) -> None:
@@ -310,9 +397,18 @@ class PeerProtocol:
         peer = self.peers.get(r.target_engine)
         if peer is None:
             raise RejectedRequest(f"{self.name} does not know decode engine {r.target_engine!r}")
+        if r.target_incarnation < peer.incarnation:
+            self.counts.stale_messages += 1
         if peer.incarnation != r.target_incarnation:
             raise RejectedRequest(f"{self.name} knows {r.target_engine} at incarnation "
                                   f"{peer.incarnation}, not {r.target_incarnation}")
+        if r.prefill_incarnation != self.me.epoch:
+            raise RejectedRequest(f"the ask is for {self.name}@{r.prefill_incarnation}, this is "
+                                  f"{self.me.agent_name}")
+        floor = self.ask_floor.get(r.target_engine)
+        if floor is not None and floor[0] == r.target_incarnation and r.epoch <= floor[1]:
+            raise RejectedRequest(f"{r.target_engine} gave up on landings up to epoch "
+                                  f"{floor[1]}; this ask (epoch {r.epoch}) came too late")
         limit = self.transport.peer_pages(r.target_engine)
         if limit is not None and any(p >= limit for p in r.landing_pages):
             raise RejectedRequest(f"landing page {max(r.landing_pages)} is outside "
@@ -333,7 +429,8 @@ class PeerProtocol:
         self.planner.submit(twin)
         self.remote[twin.id] = (r.target_engine, r.target_incarnation, tuple(r.landing_pages),
                                 r.epoch)
-        self.leases.grant(twin.id, r.target_engine, self.clock())
+        self.leases.grant(twin.id, Incarnation(r.target_engine, r.target_incarnation),
+                          self.clock())
 
     def ship(self, op) -> None:
         info = self.remote.get(op.req.id)
@@ -347,23 +444,64 @@ class PeerProtocol:
         src = self.transport.page_ids(self.executor.transfer_lists(op.src))
         if len(src) != len(pages):
             # the two engines group the model's layers differently: nothing sensible to write
-            self.send(d_name, PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
-                request_id=op.req.id, epoch=epoch,
-                reason=f"{self.name} ships {len(src)} pages where the landing has {len(pages)}: "
-                       "run the same model and engine.page_size on both roles"))
+            self.send(d_name, PeerRpc.TRANSFER_FAILED, self._failed(
+                op.req.id, epoch, f"{self.name} ships {len(src)} pages where the landing has "
+                f"{len(pages)}: run the same model and engine.page_size on both roles"))
             return
         self.transport.write(KvWrite(op.req.id, epoch, Incarnation(d_name, d_inc),
-                                     src, pages, op.first_token, payload, tuple(op.drafts)))
+                                     src, pages, op.first_token, payload, tuple(op.drafts),
+                                     source=self.me))
         self.counts.transfers += 1
         self.counts.transfer_bytes += self.transport.bytes_of(src)
 
+    def _failed(self, req_id: str, epoch: int, reason: str) -> pb.TransferFailedRequest:
+        return pb.TransferFailedRequest(request_id=req_id, epoch=epoch, reason=reason,
+                                        engine=self.name, incarnation=self.me.epoch)
+
     def transfer_ack(self, r: pb.TransferAckRequest) -> None:
+        if not self.current(r.engine, r.incarnation):
+            return          # from an older incarnation of that D (or one not known yet)
+        if r.release_only and r.epoch:      # D gave that landing up: it waits for our word
+            self.landing_given_up(r.engine, r.incarnation, r.request_id, r.epoch)
+            return
         info = self.remote.get(r.request_id)
         if info is None:
             return          # nothing of it held for a peer (or a stale, repeated ack)
-        if info[0] != r.engine or (r.epoch and info[3] != r.epoch):
+        if info[0] != r.engine or info[1] != r.incarnation or (r.epoch and info[3] != r.epoch):
             return          # for an earlier attempt at this id, from another D or landing
         self._let_go(r.request_id, Release.ACKED)
+
+    def heartbeat(self, r: pb.HeartbeatRequest) -> int:
+        """P: D still waits on `request_ids` (their leases are renewed, none
+        that expired) and gave up on the `fenced` landings; returns how many
+        leases it renewed."""
+        if not self.current(r.engine, r.incarnation):
+            return 0
+        n = self.leases.renew(Incarnation(r.engine, r.incarnation), r.request_ids,
+                              self.clock())
+        for ref in r.fenced:
+            self.landing_given_up(r.engine, r.incarnation, ref.request_id, ref.epoch)
+        return n
+
+    def landing_given_up(self, d_name: str, d_inc: int, req_id: str, epoch: int) -> None:
+        """P: D gave up on landing `epoch` of `req_id` and holds its pages
+        until told no write of it is left. From now on no ask at or below
+        that epoch from this D is taken; the twin, if this is its landing,
+        is let go (its write cancelled where the transport can); and D is
+        told once no write of it runs (at once, if none does)."""
+        floor = self.ask_floor.get(d_name)
+        if floor is None or floor[0] < d_inc or (floor[0] == d_inc and floor[1] < epoch):
+            self.ask_floor[d_name] = (d_inc, epoch)
+        info = self.remote.get(req_id)
+        if info is not None and (info[0], info[1], info[3]) == (d_name, d_inc, epoch):
+            self.end_owed[req_id] = (d_name, epoch)
+            self._let_go(req_id, Release.ACKED)   # told once it ended (_release)
+            return
+        self._report_ended(d_name, req_id, epoch)
+
+    def _report_ended(self, d_name: str, req_id: str, epoch: int) -> None:
+        self.send(d_name, PeerRpc.TRANSFER_ENDED, pb.TransferEndedRequest(
+            request_id=req_id, epoch=epoch, engine=self.name, incarnation=self.me.epoch))
 
     def _let_go(self, rid: str, why: Release) -> None:
         """P is done with twin `rid` (D acked it, or its lease ran out): no
@@ -397,6 +535,9 @@ class PeerProtocol:
                 self.planner.abort(rid, "lease expired" if why is Release.EXPIRED else "aborted")
         self.remote.pop(rid, None)
         self.executor.forget(rid)
+        owed = self.end_owed.pop(rid, None)
+        if owed is not None:                # no write of it runs now
+            self._report_ended(owed[0], rid, owed[1])
 
     def writing(self, req_id: str) -> bool:
         """P: a write of twin `req_id` may still read its source pages."""
@@ -415,6 +556,9 @@ class PeerProtocol:
         self.remote.pop(req_id, None)
         self.draining.pop(req_id, None)
         self.transport.cancel(req_id)
+        owed = self.end_owed.pop(req_id, None)
+        if owed is not None and not self.transport.in_flight(req_id):
+            self._report_ended(owed[0], req_id, owed[1])
 
     def give_up(self, req_id: str, reason: str) -> None:
         """P lets a twin go before shipping it (a drain's deadline): D is
@@ -422,5 +566,5 @@ class PeerProtocol:
         already shipped is not reported: its write may still land."""
         info = self.remote.get(req_id)
         if info is not None and req_id not in self.planner.transferring:
-            self.send(info[0], PeerRpc.TRANSFER_FAILED, pb.TransferFailedRequest(
-                request_id=req_id, epoch=info[3], reason=f"{self.name}: {reason}"))
+            self.send(info[0], PeerRpc.TRANSFER_FAILED,
+                      self._failed(req_id, info[3], f"{self.name}: {reason}"))

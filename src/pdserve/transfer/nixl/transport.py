@@ -214,11 +214,13 @@ class NixlTransport(KvTransport):
         for agent_name, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
                 note = KvNote.decode(msg)
-                if note is None or note.target != self.incarnation:
+                sender = Incarnation.parse(agent_name)
+                if note is None or note.target != self.incarnation or \
+                        note.source not in (None, sender):
                     self.metrics.dropped_notifications += 1   # meant for another incarnation
                     continue
                 out.append(TransferEvent(TransferEventKind.LANDED, note.req_id, note.epoch,
-                                         Incarnation.parse(agent_name),
+                                         sender,
                                          first_token=note.first_token, payload=note.payload,
                                          drafts=note.drafts))
         return out

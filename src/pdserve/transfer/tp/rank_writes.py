@@ -128,7 +128,7 @@ class RankWrites:
             return []
         self._tally.pop(key, None)
         return [TransferEvent(TransferEventKind.LANDED, note.req_id, note.epoch,
-                              peer.incarnation, first_token=note.first_token,
+                              note.source or peer.incarnation, first_token=note.first_token,
                               payload=note.payload, drafts=note.drafts)]
 
     def close(self) -> None:
