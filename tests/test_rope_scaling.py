@@ -72,3 +72,30 @@ def test_dynamic_scaling_beyond_the_original_context_is_refused_with_the_limit(t
     long = torch.tensor([list(range(1, CONTEXT + 6))])
     assert torch.allclose(model(long[:, :CONTEXT]).logits, plain(long[:, :CONTEXT]).logits)
     assert not torch.allclose(model(long).logits, plain(long).logits)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    {"factor": 4.0},                                   # attention factor from the factor alone
+    {"factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+], ids=["deepseek-v3", "plain", "untruncated"])
+def test_yarn_frequencies_and_attention_factor_are_transformers(params):
+    """YaRN (DeepSeek-V3's and Qwen's long context) over a 64-dim rotary
+    head: the same inverse frequencies and cos/sin factor as
+    transformers' _compute_yarn_parameters."""
+    import dataclasses
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pdserve.kernels.models.model_config import tiny_config
+    from pdserve.kernels.models.rope import inv_freq
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0,
+            "original_max_position_embeddings": 4096, **params}
+    hf = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                  max_position_embeddings=163840, rope_parameters=rope)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = dataclasses.replace(tiny_config(), head_dim=64, max_position=163840,
+                              rope_scaling=rope)
+    got, factor = inv_freq(cfg)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0) and factor == pytest.approx(want_factor)

@@ -156,7 +156,7 @@ class TorchExecutor:
         hosts: list[KVCache | StateCache] = [
             KVCache(len(self.groups[g].layers), cfg.host_pages, cfg.page_size,
                     c.num_kv_heads, c.head_dim, model.dtype, "cpu", pin_memory=pin,
-                    companion=companions[g] if companions else None)
+                    companion=companions[g] if companions else None, parts=c.kv_parts)
             for g in self.kv]
         if self.state is not None:
             # the state group's host tier: engine.host_state_slots (0: as on the device)

@@ -57,6 +57,9 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
         return CaptureMode.OFF, "engine.capture is off"
     if model.cfg.state_layers():
         return CaptureMode.OFF, "the model's state layers run eagerly"
+    if model.cfg.moe is not None:
+        # each expert's rows are counted on the host: shapes change every round
+        return CaptureMode.OFF, "a mixture-of-experts layer runs eagerly"
     if getattr(model, "tensor_parallel", False):
         return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "
                                  "sent to its other ranks before the forward")

@@ -28,6 +28,7 @@ class KVShape:
     kv_heads: int
     head_dim: int
     tag: str = ""
+    parts: int = 2       # K and V; latent attention's one entry a token: 1
 
     def describe(self, page_size: int) -> str:
         return f"{self.layers}x2x{page_size}x{self.kv_heads}x{self.head_dim}" + \
@@ -43,18 +44,23 @@ class KVCache:
     [pages, page_size, kv_heads, head_dim]."""
 
     def __init__(self, layers, pages, page_size, kv_heads, head_dim, dtype, device,
-                 pin_memory: bool = False, companion: KVShape | None = None):
+                 pin_memory: bool = False, companion: KVShape | None = None, parts: int = 2):
         """`pin_memory`: a host cache page-locked for a GPU's DMA (see
         `_pin`); pages are then not zeroed, as a device pool's fresh pages
         are not read before they are written. `companion`: a second
         model's layers in the same pages, after these (layers `layers`
         onwards; `draft_layers` is their view); `data` is then
-        [pages, elements of a page]."""
+        [pages, elements of a page]. `parts`: 2, a layer keeps K and V; 1,
+        one entry a token (latent attention's latent and rotary key:
+        `layer` gives it as K, and None for V)."""
         self.page_size = page_size
-        self.shapes = [KVShape(layers, kv_heads, head_dim)] + \
+        if parts not in (1, 2) or (parts == 1 and companion is not None):
+            raise ValueError(f"a KV cache keeps 1 or 2 parts a token, without a companion "
+                             f"for 1; got {parts} parts, companion {companion}")
+        self.shapes = [KVShape(layers, kv_heads, head_dim, parts=parts)] + \
             ([companion] if companion is not None else [])
         if companion is None:
-            shape: tuple = (pages, layers, 2, page_size, kv_heads, head_dim)
+            shape: tuple = (pages, layers, parts, page_size, kv_heads, head_dim)
         else:
             shape = (pages, sum(_elements(s, page_size) for s in self.shapes))
         if pin_memory:
@@ -103,6 +109,8 @@ class KVCache:
     def layer(self, i):
         if self._layers is not None:
             return self._layers[i]
+        if self.shapes[0].parts == 1:
+            return self.data[:, i, 0], None
         return self.data[:, i, 0], self.data[:, i, 1]
 
     def draft_layers(self) -> "CompanionLayers":

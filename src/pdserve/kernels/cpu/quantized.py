@@ -297,14 +297,15 @@ def fuse(parts: list, dtype: torch.dtype, device):
 
 
 def choose_quantization(quantization: str, file_kinds: str | None, device, dtype: torch.dtype,
-                        tp_size: int = 1) -> tuple[bool, str]:
+                        tp_size: int = 1, arch: str = "llama") -> tuple[bool, str]:
     """(keep the GGUF's quantized weights, why). `file_kinds`: the file's
     quantized tensor types (ModelConfig.quantization; None for float
     weights or a checkpoint directory). `auto` keeps them wherever the
     kernels can run (a decode step reads a quarter of the bytes, and the
     split by kind of row keeps tokens independent of the batch) and
     otherwise dequantizes, saying why; `gguf` asks for them and fails on
-    what prevents it; `none` dequantizes."""
+    what prevents it; `none` dequantizes. `arch`: the model's family
+    (only the Llama family's layers run quantized)."""
     kinds = [k for k in (file_kinds or "").split(", ") if k]
     kept = [k for k in kinds if k in KINDS]
     if quantization == "none":
@@ -321,6 +322,8 @@ def choose_quantization(quantization: str, file_kinds: str | None, device, dtype
                         "float32)")
     if tp_size > 1:
         blockers.append(f"tensor_parallel_size is {tp_size} (the shards are dequantized)")
+    if arch != "llama":
+        blockers.append(f"the model is {arch}, and quantized layers serve the Llama family")
     # pdserve's kernels (built here on first use), else torch's
     native = chosen_kernels() if kept and torch.device(device).type == "cpu" else None
     if native is not None and native.lib is None and not kernels_present():

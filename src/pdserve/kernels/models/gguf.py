@@ -1,6 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format): the architecture facts,
 the tokenizer's metadata and the weights, dequantized to float and renamed
-to Hugging Face's names so `DecoderModel` loads them as it loads
+to Hugging Face's names so `DecoderModel` (llama files) and
+`Qwen3MoeModel` (qwen3moe files, whose experts come stacked one tensor a
+projection and are split one tensor an expert) load them as they load
 safetensors.
 
 Two things differ from a Hugging Face checkpoint. llama.cpp's converter
@@ -20,9 +22,13 @@ import numpy as np
 import torch
 
 from pdserve.kernels.models.model_config import ModelConfig, ModelError, weight_names
+from pdserve.kernels.models.moe.qwen3_moe import qwen3_moe_weight_names
+from pdserve.kernels.models.moe.specs import MoeSpec
 from pdserve.kernels.cpu.quantized import KINDS, from_blocks
 
-ARCHS = ("llama",)          # general.architecture values pdserve runs
+# general.architecture values pdserve runs, and the family each is
+FAMILIES = {"llama": "llama", "qwen3moe": "qwen3_moe"}
+ARCHS = tuple(FAMILIES)
 
 # GGUF tensor name -> Hugging Face name; blk.N.* maps to model.layers.N.*
 TOP_NAMES = {
@@ -40,8 +46,15 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# a MoE layer's experts, stacked [experts, out, in] in one tensor a projection
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                "ffn_down_exps": "down_proj"}
+_EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 
 
 def is_gguf_path(path) -> bool:
@@ -128,15 +141,18 @@ class GGUFCheckpoint:
         self._refuse_unsupported(arch, head_dim)
         tokens = meta.get("tokenizer.ggml.tokens")
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        moe = self._experts(arch, need) if arch == "qwen3moe" else None
         return ModelConfig(
-            arch="llama",
+            arch=FAMILIES[arch],
+            moe=moe,
             vocab_size=len(tokens) if tokens else need("vocab_size"),
             hidden_size=hidden,
             num_layers=need("block_count"),
             num_heads=heads,
             num_kv_heads=meta.get(f"{arch}.attention.head_count_kv") or heads,
             head_dim=head_dim,
-            intermediate_size=need("feed_forward_length"),
+            intermediate_size=meta.get(f"{arch}.feed_forward_length") or
+            need("expert_feed_forward_length" if moe else "feed_forward_length"),
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=self._rope_scaling(arch),
@@ -149,6 +165,13 @@ class GGUFCheckpoint:
             torch_dtype="float32",
             quantization=self._quantization(),
         )
+
+    def _experts(self, arch: str, need) -> MoeSpec:
+        """A Qwen3-MoE file's experts: every layer sparse, softmax routing
+        renormalized over the chosen k (llama.cpp's qwen3moe graph does)."""
+        return MoeSpec(need("expert_count"), need("expert_used_count"),
+                       need("expert_feed_forward_length"), tuple(range(need("block_count"))),
+                       norm_topk_prob=True)
 
     def _quantization(self) -> str | None:
         """The file's quantized tensor types, most tensors first; None when
@@ -170,7 +193,7 @@ class GGUFCheckpoint:
             raise ModelError(f"{self.path}: the file carries rope_freqs (Llama 3.1-style rope "
                              "scaling), which pdserve does not read; use the Hugging Face "
                              "checkpoint")
-        unknown = [n for n in self._tensors if hf_name(n) is None]
+        unknown = [n for n in self._tensors if hf_name(n) is None and not _EXPERTS.fullmatch(n)]
         if unknown:
             raise ModelError(f"{self.path}: {len(unknown)} GGUF tensors have no place in a "
                              f"Llama decoder, e.g. {unknown[0]!r}; this model is not supported")
@@ -216,12 +239,20 @@ class GGUFCheckpoint:
                 a = a.copy()
             # GGUF lists dimensions innermost first
             w = torch.from_numpy(a).reshape(shape)
-            if ".attn_q." in name:
+            experts = _EXPERTS.fullmatch(name)
+            if experts:                         # one tensor an expert, as checkpoints name them
+                p = f"model.layers.{experts.group(1)}.mlp.experts."
+                for e in range(shape[0]):
+                    out[f"{p}{e}.{EXPERT_NAMES[experts.group(2)]}.weight"] = w[e].to(dtype)
+                continue
+            # llama.cpp permutes a llama file's Q and K rows only (qwen rotates NeoX-style)
+            if ".attn_q." in name and cfg.arch == "llama":
                 w = unpermute_rotary(w, cfg.num_heads)
-            elif ".attn_k." in name:
+            elif ".attn_k." in name and cfg.arch == "llama":
                 w = unpermute_rotary(w, cfg.num_kv_heads)
             out[hf_name(name)] = w.to(dtype)
-        missing = [n for n in weight_names(cfg) if n not in out]
+        names = qwen3_moe_weight_names(cfg) if cfg.moe is not None else weight_names(cfg)
+        missing = [n for n in names if n not in out]
         if missing:
             raise ModelError(f"{self.path}: the file lacks {len(missing)} weights, e.g. "
                              f"{missing[0]} (Hugging Face's name)")

@@ -21,6 +21,7 @@ from pdserve.kernels.models.model_config import (ModelConfig, ModelError, read_c
                                           weight_names)
 from pdserve.kernels.models.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
+from pdserve.kernels.models.moe.qwen3_moe import Qwen3MoeModel, qwen3_moe_weight_names
 from pdserve.kernels.models.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
@@ -110,7 +111,7 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
 def checkpoint_weight_names(cfg: ModelConfig) -> list[str]:
     """The tensors a checkpoint of `cfg`'s architecture must hold."""
     names = {"gemma3": gemma3_weight_names, "qwen3_5": qwen3_5_weight_names,
-             "lfm2": lfm2_weight_names}
+             "lfm2": lfm2_weight_names, "qwen3_moe": qwen3_moe_weight_names}
     return names.get(cfg.arch, weight_names)(cfg)
 
 
@@ -124,8 +125,8 @@ def attention_shape(cfg: ModelConfig) -> dict:
 
 def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
     """The architecture's model class over `weights` (Hugging Face names)."""
-    cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model, "lfm2": Lfm2Model}.get(
-        cfg.arch, DecoderModel)
+    cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model, "lfm2": Lfm2Model,
+           "qwen3_moe": Qwen3MoeModel}.get(cfg.arch, DecoderModel)
     return cls(cfg, weights, dtype, device, attention)
 
 
@@ -210,7 +211,8 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
     gguf = resolved is not None and is_gguf_path(resolved)
     try:
         keep, why = choose_quantization(quantization, cfg.quantization if gguf else None,
-                                        device, torch_dtype, tp.size if tp is not None else 1)
+                                        device, torch_dtype, tp.size if tp is not None else 1,
+                                        cfg.arch)
     except ValueError as e:
         raise ModelError(str(e)) from None
     if keep:

@@ -92,7 +92,7 @@ class PagedDecoder:
         self.device = torch.device(device)
         self.attention = attention
         self.groups = cfg.cache_groups()
-        self.slots = [None] * cfg.num_layers
+        self.slots: list = [None] * cfg.num_layers
         for g, spec in enumerate(self.groups):
             for j, layer in enumerate(spec.layers):
                 self.slots[layer] = (g, j)  # type: ignore[assignment]
@@ -133,7 +133,7 @@ class PagedDecoder:
         c = self.cfg
         extra = companions or [None] * len(self.groups)
         return [KVCache(len(spec.layers), pages, page_size, c.num_kv_heads, c.head_dim,
-                        self.dtype, self.device, companion=x)
+                        self.dtype, self.device, companion=x, parts=c.kv_parts)
                 for spec, pages, x in zip(self.groups, pages_per_group, extra)]
 
     def new_cache(self, pages: int, page_size: int) -> KVCache:

@@ -8,10 +8,13 @@ sequence's state."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.kernels.models.moe.specs import (
+    MlaSpec, MoeSpec, deepseek_v3_moe_spec, mla_spec, qwen3_moe_spec)
 from pdserve.scheduler.cache.groups import (
     FULL_HISTORY, SLIDING_WINDOW, SNAPSHOT_STATE, CacheGroupSpec)
 
@@ -22,10 +25,13 @@ SUPPORTED = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Lfm2ForCausalLM": "lfm2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # config.json's model_type, for checkpoints that do not list architectures
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
-               "qwen3_5_text": "qwen3_5", "lfm2": "lfm2"}
+               "qwen3_5_text": "qwen3_5", "lfm2": "lfm2", "qwen3_moe": "qwen3_moe",
+               "deepseek_v3": "deepseek_v3"}
 # multimodal checkpoints whose text model pdserve runs only when saved alone
 MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma 3's multimodal checkpoint; pdserve runs the "
@@ -96,6 +102,16 @@ class ModelConfig:
     # LFM2: its CONV layers gate a depthwise conv of linear_conv_kernel taps
     # over the hidden size (B * x in, C * conv out), with biases if conv_bias
     conv_bias: bool = False
+    # Mixture of experts (Qwen3-MoE, DeepSeek-V3): the sparse layers' experts
+    # and their routing; DeepSeek's latent attention (moe/specs.py)
+    moe: MoeSpec | None = None
+    mla: MlaSpec | None = None
+
+    @property
+    def kv_parts(self) -> int:
+        """What a token keeps per layer and KV head: K and V (2), or
+        latent attention's one entry (1)."""
+        return 1 if self.mla is not None else 2
 
     def layer_window(self, i: int) -> int | None:
         """Tokens layer i's queries see, themselves included (None: all)."""
@@ -213,12 +229,14 @@ def read_config(path) -> ModelConfig:
     if arch is None:
         raise ModelError(f"{d}: architecture {archs or raw.get('model_type')!r} is not "
                          f"supported; pdserve runs {', '.join(sorted(SUPPORTED))}")
-    if arch == "gemma3":
-        return _gemma3_config(d, raw)
-    if arch == "qwen3_5":
-        return _qwen3_5_config(d, raw)
-    if arch == "lfm2":
-        return _lfm2_config(d, raw)
+    family = {"gemma3": _gemma3_config, "qwen3_5": _qwen3_5_config, "lfm2": _lfm2_config,
+              "qwen3_moe": _qwen3_moe_config, "deepseek_v3": _deepseek_v3_config}.get(arch)
+    return family(d, raw) if family is not None else _llama_config(raw, arch)
+
+
+def _llama_config(raw: dict, arch: str) -> ModelConfig:
+    """The Llama family's reading of config.json (llama, mistral, qwen2),
+    which the MoE families start from."""
     heads = raw["num_attention_heads"]
     eos_ids = _eos_ids(raw)
     # transformers 5 writes rope_parameters; older checkpoints rope_scaling + rope_theta
@@ -227,7 +245,7 @@ def read_config(path) -> ModelConfig:
                                           else None)
     window = raw.get("sliding_window")
     layer_types = ()
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3_moe"):
         window, layer_types = _qwen2_windows(raw)
     return ModelConfig(
         arch=arch,
@@ -251,6 +269,28 @@ def read_config(path) -> ModelConfig:
         # transformers 5 writes dtype; earlier versions torch_dtype
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
     )
+
+
+def _qwen3_moe_config(d: Path, raw: dict) -> ModelConfig:
+    """Qwen3-MoE: the Llama family's reading plus its experts (`moe`)."""
+    try:
+        return dataclasses.replace(_llama_config(raw, "qwen3_moe"), moe=qwen3_moe_spec(raw))
+    except ValueError as e:
+        raise ModelError(f"{d}: {e}") from None
+
+
+def _deepseek_v3_config(d: Path, raw: dict) -> ModelConfig:
+    """DeepSeek-V3: its experts (`moe`) and latent attention (`mla`), whose
+    cache is what it is: one entry a token and layer (the latent and the
+    rotary key), so `num_kv_heads` 1 of `head_dim` that width and one part
+    (`kv_parts`) where attention keeps K and V."""
+    try:
+        base = _llama_config(raw, "deepseek_v3")
+        mla = mla_spec(raw, base.rope_scaling)
+        return dataclasses.replace(base, num_kv_heads=1, head_dim=mla.cache_width, mla=mla,
+                                   moe=deepseek_v3_moe_spec(raw))
+    except ValueError as e:
+        raise ModelError(f"{d}: {e}") from None
 
 
 def _eos_ids(raw: dict) -> tuple:

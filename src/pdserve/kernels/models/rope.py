@@ -1,5 +1,5 @@
 """Rotary position embeddings, with the scaling variants Hugging Face
-checkpoints declare (`rope_scaling`): default, linear, dynamic, llama3."""
+checkpoints declare (`rope_scaling`): default, linear, dynamic, llama3, yarn."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import torch
 
 from pdserve.kernels.models.model_config import ModelConfig, ModelError
+from pdserve.kernels.models.moe.specs import yarn_mscale
 
 
 def inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -34,8 +35,38 @@ def inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = ~(wl < high_wl) & ~(wl > low_wl)
         return torch.where(is_mid, mid, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(sc, cfg.rope_theta, d, cfg.max_position)
     raise ModelError(f"rope_scaling type {kind!r} is not supported; pdserve supports "
-                     "default, linear, dynamic and llama3")
+                     "default, linear, dynamic, llama3 and yarn")
+
+
+def _yarn(sc: dict, theta: float, d: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V3's long context): the low frequencies interpolated by
+    `factor`, the high ones kept, a linear ramp between the dims that turn
+    beta_fast and beta_slow times over the original context; cos and sin
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    old = sc["original_max_position_embeddings"]
+    factor = sc.get("factor") or max_position / old
+    mscale, mscale_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    attention = sc.get("attention_factor")
+    if attention is None:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) \
+            if mscale and mscale_all else yarn_mscale(factor)
+
+    def dim_of(turns: float) -> float:      # the dim that turns `turns` times over `old`
+        return d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(sc.get("beta_fast") or 32), dim_of(sc.get("beta_slow") or 1)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                     # 1: extrapolated (kept), 0: interpolated
+    pos = theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep, float(attention)
 
 
 class Rotary:

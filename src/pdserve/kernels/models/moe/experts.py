@@ -1,0 +1,124 @@
+"""A layer's MLP in a mixture-of-experts model: `DenseMlp` (a gated SiLU
+MLP, the dense layers' and a shared expert's) and `Experts`, the sparse
+layers' router and routed experts.
+
+A token's router scores pick its top k experts (Qwen3-MoE: softmax over all
+of them; DeepSeek-V3: sigmoid scores, a correction bias that steers the
+choice only, and the choice limited to the best groups of experts); it runs
+those k and sums their outputs weighted by its scores. The round's
+(token, expert) pairs are sorted by expert once, so each expert runs one
+matmul pair over its tokens, in expert order; a token's k outputs are
+added in that order, as transformers adds them.
+
+Under tensor parallelism each rank's forward returns a partial sum that
+the model all-reduces: with the experts' weights split (each rank a slice
+of every expert's width) every rank runs every chosen expert on its
+slice; with the experts sharded (expert parallelism: rank r holds experts
+[first, first + count)) a rank runs only its own experts, over the tokens
+that chose them, whole. The router is replicated, so every rank picks the
+same experts for the same tokens. `counts` adds up, per expert, the tokens
+routed to it (every rank sees every token: rank 0's counts are the
+engine's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.models.moe.specs import SIGMOID, MoeSpec
+
+
+@dataclass
+class DenseMlp:
+    """silu(gate) * up, then down; gate and up fused in one weight [2I, H]."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(x, self.gate_up)
+        inter = gu.shape[-1] // 2
+        return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.down)
+
+
+class Experts:
+    """One sparse layer: the router [E, H], this rank's experts' fused
+    gate/up [count, 2I, H] and down [count, H, I] (experts first ..
+    first + count - 1), the correction bias (DeepSeek), the shared expert."""
+
+    def __init__(self, spec: MoeSpec, router: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, first: int = 0, bias: torch.Tensor | None = None,
+                 shared: DenseMlp | None = None):
+        self.spec = spec
+        self.router = router.float() if spec.router_fp32 else router
+        self.bias = bias.float() if bias is not None else None
+        self.gate_up, self.down = gate_up, down
+        self.first, self.count = first, gate_up.shape[0]
+        self.shared = shared
+        self.counts = torch.zeros(spec.num_experts, dtype=torch.int64)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k]) for each token of `x`."""
+        s = self.spec
+        if s.scoring != SIGMOID:
+            logits = F.linear(x, self.router)
+            top, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), s.top_k)
+            if s.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return ids, top.to(logits.dtype)
+        scores = torch.sigmoid(F.linear(x.float(), self.router))
+        choice = scores + self.bias if self.bias is not None else scores
+        if s.n_group > 1 and s.topk_group < s.n_group:
+            grouped = choice.view(x.shape[0], s.n_group, -1)
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(best, dtype=torch.bool)
+            keep.scatter_(1, best.topk(s.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+        ids = choice.topk(s.top_k, dim=-1).indices
+        top = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, top * s.routed_scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer's output for every token of `x`:
+        its experts' weighted outputs (and its part of the shared expert's)."""
+        ids, weights = self.route(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)        # (token, expert) pairs grouped by expert
+        per_expert = torch.bincount(flat, minlength=self.spec.num_experts)
+        self.counts += per_expert.cpu()
+        token = order // k
+        weight = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        ends = per_expert.cumsum(0).tolist()
+        start = ends[self.first - 1] if self.first else 0
+        for e in range(self.count):
+            end = ends[self.first + e]
+            if end > start:
+                rows = token[start:end]
+                gu = F.linear(x[rows], self.gate_up[e])
+                inter = gu.shape[-1] // 2
+                y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.down[e])
+                out.index_add_(0, rows, (y * weight[start:end, None]).to(out.dtype))
+            start = end
+        if self.shared is not None:
+            out = out + self.shared.forward(x)
+        return out
+
+
+def stack_experts(w: dict, prefix: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [count, 2I, H], down [count, H, I]) of `experts` from a
+    checkpoint's per-expert tensors under `prefix` (…mlp.experts.)."""
+    gate_up = torch.stack([torch.cat([w[f"{prefix}{e}.gate_proj.weight"],
+                                      w[f"{prefix}{e}.up_proj.weight"]]) for e in experts])
+    down = torch.stack([w[f"{prefix}{e}.down_proj.weight"] for e in experts])
+    return gate_up, down
+
+
+def expert_weight_names(prefix: str, experts: int) -> list[str]:
+    """A sparse layer's per-expert tensors, as checkpoints name them."""
+    return [f"{prefix}mlp.experts.{e}.{proj}_proj.weight" for e in range(experts)
+            for proj in ("gate", "up", "down")]
