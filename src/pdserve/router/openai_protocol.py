@@ -13,16 +13,12 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       field_validator, model_validator)
 
 from pdserve.router.engines.pairing import ROUTES
+from pdserve.router.structured import Unsupported, request_constraint
+from pdserve.text.constraint import Constraint
 from pdserve.text.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
-
-
-class Unsupported(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _null_is_default(model: type[BaseModel], data):
@@ -72,11 +68,14 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True
     # vLLM's extensions that change the answer: refused unless at their no-op value
     prompt_logprobs: StrictInt | None = None
-    guided_json: object = None
+    guided_json: object = None          # vLLM's before 0.12: refused, naming structured_outputs
     guided_regex: object = None
     guided_choice: object = None
     guided_grammar: object = None
+    # structured outputs: vLLM's extension, or OpenAI's response_format (text,
+    # json_object, json_schema); at most one of them (structured.py reads them)
     structured_outputs: object = None
+    response_format: dict | None = None
     user: str | None = None
     route: str = ""                     # pdserve's routing hint: "", fused, disaggregated
 
@@ -130,11 +129,15 @@ class _Common(BaseModel):
         if self.prompt_logprobs is not None:
             raise Unsupported("prompt_logprobs", "prompt_logprobs is not supported by pdserve; "
                               "logprobs covers the generated tokens")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
-                raise Unsupported(name, f"{name}: structured output is not supported by "
-                                  "pdserve; leave it unset")
+                key = name.removeprefix("guided_")
+                raise Unsupported(name, f"{name} was replaced by structured_outputs (as in "
+                                  f"vLLM 0.12): send structured_outputs: {{{key}: ...}}")
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match, checked (a 400 names what is wrong)."""
+        return request_constraint(self.structured_outputs, self.response_format)
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for the request's choices (`max_tokens`: the limit
@@ -158,7 +161,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
             logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, constraint=self.constraint())
 
     @property
     def include_usage(self) -> bool:
@@ -170,7 +173,6 @@ class CompletionRequest(_Common):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
-    response_format: dict | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -191,9 +193,6 @@ class CompletionRequest(_Common):
                               "which pdserve does not compute; drop one of them")
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported by pdserve; leave it unset")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise Unsupported("response_format", "only response_format {type: text} is "
-                              "supported by pdserve")
 
     def prompts(self) -> list:
         """The prompts: strings or token-id lists."""
@@ -240,7 +239,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Union[str, dict, None] = None
     functions: list | None = None
     function_call: Union[str, dict, None] = None
-    response_format: dict | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None    # vLLM's: more variables for the template
@@ -266,9 +264,6 @@ class ChatCompletionRequest(_Common):
                               "function calling is not supported by pdserve; send no functions")
         if self.tool_choice not in (None, "none", "auto"):
             raise Unsupported("tool_choice", "tool calling is not supported by pdserve")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise Unsupported("response_format", "only response_format {type: text} is "
-                              "supported by pdserve")
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
 

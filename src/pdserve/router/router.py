@@ -40,6 +40,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.engines.pairing import ROUTE_ROLES, ROUTES, EngineRef, Pairing
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.stream import SUBSCRIBE_WAIT_S, Stream, StreamContext
+from pdserve.text.grammar import GrammarError, check_constraint
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.proto import control_pb2 as cpb
 from pdserve.proto import router_pb2 as pb
@@ -192,6 +193,11 @@ class Router:
                                "unset: until the context limit)", "max_tokens")
         try:
             sp = from_options(s)
+            if sp.constraint is not None:
+                check_constraint(sp.constraint)
+        except GrammarError as e:
+            raise RequestError(ErrorKind.INVALID, f"sampling.structured: {e}",
+                               "structured") from None
         except ValueError as e:
             raise RequestError(ErrorKind.INVALID, str(e)) from None
         ids = list(r.token_ids) if r.token_ids else (self.encode(r.text) if r.text else [])
