@@ -21,6 +21,7 @@ from pdserve.kernels.models.model_config import (ModelConfig, ModelError, read_c
                                           weight_names)
 from pdserve.kernels.models.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
+from pdserve.kernels.models.moe.deepseek_v3 import DeepseekV3Model, deepseek_v3_weight_names
 from pdserve.kernels.models.moe.qwen3_moe import Qwen3MoeModel, qwen3_moe_weight_names
 from pdserve.kernels.models.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
@@ -111,7 +112,8 @@ def _read_safetensors(d: Path, cfg: ModelConfig) -> dict:
 def checkpoint_weight_names(cfg: ModelConfig) -> list[str]:
     """The tensors a checkpoint of `cfg`'s architecture must hold."""
     names = {"gemma3": gemma3_weight_names, "qwen3_5": qwen3_5_weight_names,
-             "lfm2": lfm2_weight_names, "qwen3_moe": qwen3_moe_weight_names}
+             "lfm2": lfm2_weight_names, "qwen3_moe": qwen3_moe_weight_names,
+             "deepseek_v3": deepseek_v3_weight_names}
     return names.get(cfg.arch, weight_names)(cfg)
 
 
@@ -126,7 +128,8 @@ def attention_shape(cfg: ModelConfig) -> dict:
 def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
     """The architecture's model class over `weights` (Hugging Face names)."""
     cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model, "lfm2": Lfm2Model,
-           "qwen3_moe": Qwen3MoeModel}.get(cfg.arch, DecoderModel)
+           "qwen3_moe": Qwen3MoeModel, "deepseek_v3": DeepseekV3Model}.get(
+        cfg.arch, DecoderModel)
     return cls(cfg, weights, dtype, device, attention)
 
 

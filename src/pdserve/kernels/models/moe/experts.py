@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.models.model_config import ModelConfig
 from pdserve.kernels.models.moe.specs import SIGMOID, MoeSpec
 
 
@@ -122,3 +123,17 @@ def expert_weight_names(prefix: str, experts: int) -> list[str]:
     """A sparse layer's per-expert tensors, as checkpoints name them."""
     return [f"{prefix}mlp.experts.{e}.{proj}_proj.weight" for e in range(experts)
             for proj in ("gate", "up", "down")]
+
+
+def moe_mlp(cfg: ModelConfig, w: dict, i: int, experts: range, router=None,
+            bias=None, shared: DenseMlp | None = None) -> DenseMlp | Experts:
+    """Layer i's MLP: its experts (this rank's `experts`) where the layer is
+    sparse, else its dense MLP."""
+    assert cfg.moe is not None
+    p = f"model.layers.{i}."
+    if not cfg.moe.is_sparse(i):
+        return DenseMlp(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                        w[p + "mlp.down_proj.weight"])
+    gate_up, down = stack_experts(w, p + "mlp.experts.", experts)
+    return Experts(cfg.moe, w[p + "mlp.gate.weight"] if router is None else router, gate_up,
+                   down, experts.start, bias, shared)

@@ -18,8 +18,7 @@ from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.model import PagedDecoder, rms_norm
 from pdserve.kernels.models.model_config import ModelConfig
-from pdserve.kernels.models.moe.experts import (DenseMlp, Experts, expert_weight_names,
-                                                stack_experts)
+from pdserve.kernels.models.moe.experts import DenseMlp, Experts, expert_weight_names, moe_mlp
 from pdserve.kernels.models.rope import Rotary
 
 
@@ -50,20 +49,6 @@ class _Layer:
     o_proj: torch.Tensor
     ln_post: torch.Tensor
     mlp: DenseMlp | Experts
-
-
-def moe_mlp(cfg: ModelConfig, w: dict, i: int, experts: range, router=None,
-            bias=None, shared: DenseMlp | None = None) -> DenseMlp | Experts:
-    """Layer i's MLP: its experts (this rank's `experts`) where the layer is
-    sparse, else its dense MLP."""
-    assert cfg.moe is not None
-    p = f"model.layers.{i}."
-    if not cfg.moe.is_sparse(i):
-        return DenseMlp(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                        w[p + "mlp.down_proj.weight"])
-    gate_up, down = stack_experts(w, p + "mlp.experts.", experts)
-    return Experts(cfg.moe, w[p + "mlp.gate.weight"] if router is None else router, gate_up,
-                   down, experts.start, bias, shared)
 
 
 class Qwen3MoeModel(PagedDecoder):

@@ -1,0 +1,157 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of one
+entry a token and layer: the normed latent (kv_lora_rank) and the rotary
+key (qk_rope_head_dim, one head shared by every query head), side by side
+in a KVCache of one part (kernels/kv_cache.py): [pages, page_size, 1,
+kv_lora_rank + qk_rope_head_dim]. Heads exist only in the projections.
+
+Two ways to attend over those entries, the same numbers either way:
+- expanded: each key's latent goes through kv_b_proj into per-head k_nope
+  and v, then plain attention at qk_head_dim / v_head_dim. Costs
+  keys x latent x heads x (nope + v) for the expansion, once per chunk:
+  what a prefill chunk does, its queries many.
+- absorbed: W_UK (kv_b's k_nope rows) folds into the query, so a head's
+  query is a latent-sized vector that scores the cached latents directly
+  (plus its rotary part against the rotary key), and W_UV applies once to
+  the weighted latent sum. Costs queries x heads x latent x (nope + v) plus
+  keys x heads x (latent + rope) for the scores and the sum: nothing per
+  key and head beyond the dot products. What decode rows do (`absorb`,
+  measured in docs/benchmarks.md, "Latent attention").
+
+The softmax scale stays qk_head_dim ** -0.5 (times YaRN's mscale²) either
+way. The torch reference here runs on any device; flashinfer's MLA
+kernels (BatchMLAPagedAttentionWrapper) are not wired in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.attention import BatchMeta, decode_spans
+from pdserve.kernels.models.moe.specs import MlaSpec
+
+
+@dataclass
+class MlaWeights:
+    """One layer's projections (this rank's heads under TP)."""
+    q_a: torch.Tensor | None          # [q_lora, hidden]; None: q_b is q_proj [H*qk, hidden]
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor                 # [H * qk_head_dim, q_lora (or hidden)], rope dims de-interleaved
+    kv_a: torch.Tensor                # [kv_lora + rope, hidden], rope rows de-interleaved
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor                # [H * (nope + v), kv_lora]
+    w_uk: torch.Tensor                # [H, nope, kv_lora]: kv_b's key rows per head
+    w_uv: torch.Tensor                # [H, v, kv_lora]: kv_b's value rows per head
+    o_proj: torch.Tensor              # [hidden, H * v]
+
+
+def deinterleave(w: torch.Tensor, rope: int) -> torch.Tensor:
+    """Rows of a projection's rotary part, pairs (0, 1), (2, 3), ... made
+    halves (0, 2, ...; 1, 3, ...): the checkpoint's interleaved rotary is
+    then NeoX's rotate-half on the same pairs, for queries and keys alike,
+    so scores are unchanged (what transformers' interleave does per call,
+    done once at load)."""
+    head = w.view(-1, rope, *w.shape[1:])
+    return torch.cat([head[:, 0::2], head[:, 1::2]], dim=1).reshape(w.shape)
+
+
+def mla_weights(spec: MlaSpec, w: dict, a: str, heads: int) -> MlaWeights:
+    """Layer `a` (…self_attn.)'s projections from checkpoint tensors."""
+    nope, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    q_b = w[a + ("q_b_proj.weight" if spec.q_lora_rank else "q_proj.weight")]
+    kv_a = w[a + "kv_a_proj_with_mqa.weight"]
+    if spec.rope_interleave:
+        qh = q_b.view(heads, spec.qk_head_dim, -1)
+        q_b = torch.cat([qh[:, :nope], deinterleave(qh[:, nope:].reshape(-1, qh.shape[-1]),
+                                                    rope).view(heads, rope, -1)], 1)
+        q_b = q_b.reshape(heads * spec.qk_head_dim, -1)
+        kv_a = torch.cat([kv_a[:spec.kv_lora_rank], deinterleave(kv_a[spec.kv_lora_rank:], rope)])
+    kv_b = w[a + "kv_b_proj.weight"]
+    per_head = kv_b.view(heads, nope + v, spec.kv_lora_rank)
+    return MlaWeights(
+        w.get(a + "q_a_proj.weight") if spec.q_lora_rank else None,
+        w.get(a + "q_a_layernorm.weight") if spec.q_lora_rank else None,
+        q_b.contiguous(), kv_a.contiguous(), w[a + "kv_a_layernorm.weight"], kv_b,
+        per_head[:, :nope].contiguous(), per_head[:, nope:].contiguous(), w[a + "o_proj.weight"])
+
+
+class MlaAttention:
+    """The torch reference: writes a round's entries into the latent pages,
+    then attends, expanded for prefill chunks (and speculative verifies),
+    absorbed (or, `absorb=False`, expanded) for the decode batch."""
+
+    name = "torch-mla"
+
+    def __init__(self, spec: MlaSpec, heads: int, absorb: bool = True):
+        self.spec, self.h, self.absorb = spec, heads, absorb
+
+    def forward(self, q_nope, q_pe, entries, pages, meta: BatchMeta,
+                w: MlaWeights) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), entries
+        [T, latent + rope] (the rows' own, written first); pages
+        [P, page_size, 1, latent + rope]. Returns [T, H, v_head_dim]."""
+        pages = pages.squeeze(2)
+        ps = pages.shape[1]
+        slots, rows = meta.slot_mapping, meta.write_rows
+        if rows is not None:
+            pages[slots[rows] // ps, slots[rows] % ps] = entries[rows]
+        else:
+            pages[slots // ps, slots % ps] = entries
+        out = q_nope.new_empty(q_nope.shape[0], self.h, self.spec.v_head_dim)
+        n_pre = len(meta.seqs) - meta.num_decodes
+        for s in meta.seqs[:n_pre]:
+            r = slice(s.q_start, s.q_start + s.q_len)
+            if s.ctx_len == s.q_len:         # a first chunk: its keys are its own rows
+                keys = entries[r]
+            else:
+                table = torch.as_tensor(s.block_table[:-(-s.ctx_len // ps)], device=pages.device)
+                keys = pages.index_select(0, table).reshape(-1, pages.shape[-1])[:s.ctx_len]
+            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=keys.device)
+            kpos = torch.arange(s.ctx_len, device=keys.device)
+            bias = torch.zeros(s.q_len, s.ctx_len, device=keys.device).masked_fill_(
+                kpos[None, :] > qpos[:, None], float("-inf"))
+            out[r] = self._expanded(q_nope[r][None], q_pe[r][None], keys[None],
+                                    bias[None, None], w)[0]
+        if meta.num_decodes:
+            d0 = meta.seqs[n_pre].q_start
+            r = slice(d0, d0 + meta.num_decodes)
+            tables, _, _, end = decode_spans(meta.seqs[n_pre:], ps, None)
+            B, L = tables.shape[0], tables.shape[1] * ps
+            keys = pages.index_select(0, tables.view(-1).to(pages.device)).view(B, L, -1)
+            kpos = torch.arange(L, device=keys.device)
+            bias = torch.zeros(B, L, device=keys.device).masked_fill_(
+                kpos[None, :] >= end.to(keys.device)[:, None], float("-inf"))
+            attend = self._absorbed if self.absorb else self._expanded
+            out[r] = attend(q_nope[r].unsqueeze(1), q_pe[r].unsqueeze(1), keys,
+                            bias[:, None, None], w)[:, 0]
+        return out
+
+    def _scores_softmax(self, scores: torch.Tensor, bias: torch.Tensor, dtype) -> torch.Tensor:
+        return torch.softmax(scores.float() * self.spec.softmax_scale + bias, dim=-1).to(dtype)
+
+    def _expanded(self, q_nope, q_pe, keys, bias, w: MlaWeights) -> torch.Tensor:
+        """q [B, M, H, *] (M query rows a sequence), keys [B, L, latent +
+        rope], bias broadcastable to the scores [B, H, M, L] (0 or -inf):
+        keys expanded per head. Returns [B, M, H, v]."""
+        s = self.spec
+        latent, k_pe = keys[..., :s.kv_lora_rank], keys[..., s.kv_lora_rank:]
+        kv = F.linear(latent, w.kv_b).view(*latent.shape[:2], self.h, -1)     # [B, L, H, nope+v]
+        k_nope, v = kv[..., :s.qk_nope_head_dim], kv[..., s.qk_nope_head_dim:]
+        # [B, H, M, L]: the plain part per head, the rotary part against the shared key
+        scores = torch.einsum("bmhd,blhd->bhml", q_nope, k_nope) + \
+            torch.einsum("bmhd,bld->bhml", q_pe, k_pe)
+        probs = self._scores_softmax(scores, bias, q_nope.dtype)
+        return torch.einsum("bhml,blhd->bmhd", probs, v)
+
+    def _absorbed(self, q_nope, q_pe, keys, bias, w: MlaWeights) -> torch.Tensor:
+        """As `_expanded`, with W_UK folded into the query and W_UV applied
+        after the weighted sum of latents."""
+        s = self.spec
+        latent, k_pe = keys[..., :s.kv_lora_rank], keys[..., s.kv_lora_rank:]
+        q_lat = torch.einsum("bmhn,hnc->bhmc", q_nope, w.w_uk)               # [B, H, M, latent]
+        scores = torch.matmul(q_lat, latent.unsqueeze(1).transpose(-1, -2)) + \
+            torch.einsum("bmhd,bld->bhml", q_pe, k_pe)
+        probs = self._scores_softmax(scores, bias, q_nope.dtype)
+        o_lat = torch.matmul(probs, latent.unsqueeze(1))                    # [B, H, M, latent]
+        return torch.einsum("bhmc,hvc->bmhv", o_lat, w.w_uv)
