@@ -101,18 +101,20 @@ class Sender:
 
 
 def server(role: str, name: str, peer: str, fabric: LoopbackFabric | None = None,
-           **options) -> EngineServer:
-    """Engine `name` of `role`, knowing `peer` (its gRPC stub never called:
-    what it is sent lands in `sent(server)`). Two servers given one
-    `fabric` reach each other's pools: a write from one lands in the other.
-    `options` go to EngineServer (control_tls, vocab_size)."""
+           incarnation: int = 1, peer_incarnation: int = 1, **options) -> EngineServer:
+    """Engine `name` of `role` at `incarnation`, knowing `peer` at
+    `peer_incarnation` (its gRPC stub never called: what it is sent lands
+    in `sent(server)`). Two servers given one `fabric` reach each other's
+    pools: a write from one lands in the other. `options` go to
+    EngineServer (control_tls, vocab_size)."""
     planner = Planner(config(), Role(role))
-    transport = LoopbackTransport(Incarnation(name, 1), fabric or LoopbackFabric())
+    transport = LoopbackTransport(Incarnation(name, incarnation), fabric or LoopbackFabric())
     transport.register_pools([torch.zeros(planner.cfg.total_pages, 4)])
     s = EngineServer(Role(role), name, planner, Executor(), lambda on_stop: Outputs(),
-                     transport, incarnation=1, sender=Sender(), **options)
-    s.peer.add_peer(pb.AddPeerRequest(engine=peer, incarnation=1, address="nowhere:0",
-                                      nixl_metadata=f"{peer}@1".encode()))
+                     transport, incarnation=incarnation, sender=Sender(), **options)
+    s.peer.add_peer(pb.AddPeerRequest(engine=peer, incarnation=peer_incarnation,
+                                      address="nowhere:0",
+                                      nixl_metadata=f"{peer}@{peer_incarnation}".encode()))
     return s
 
 

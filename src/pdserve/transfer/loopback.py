@@ -75,6 +75,10 @@ class LoopbackTransport(KvTransport):
             return
         self._complete(w, live)
 
+    def held(self) -> list[KvWrite]:
+        """The writes posted and held (`hold_writes`), oldest first."""
+        return list(self._posted)
+
     def complete_held(self, req_id: str | None = None) -> int:
         """Let held writes (of `req_id`, or all) complete now: they read the
         source pages as they are at this moment. Returns how many did."""
