@@ -63,6 +63,9 @@ BENCHMARKS = [
     Subcommand("capture", "pdserve.benchmarks.kernels.capture",
                "the captured decode step (CUDA graphs; torch.compile on CPU) against the eager "
                "one at batch 1, 16 and 64, and the capture's time at load"),
+    Subcommand("mla", "pdserve.benchmarks.kernels.mla",
+               "latent attention absorbed against expanded on DeepSeek-V3's shape: decode "
+               "batches and prefill chunks"),
     Subcommand("tp-plan", "pdserve.benchmarks.engine.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),

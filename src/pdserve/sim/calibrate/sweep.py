@@ -209,10 +209,14 @@ def model_facts(model, name: str) -> ModelPreset:
     params = 0
     for v in vars(model).values():
         params += _numel(v)
+    # a MoE token runs top_k of each sparse layer's experts: the rest are idle weights
+    idle = len(c.moe.sparse_layers) * (c.moe.num_experts - c.moe.top_k) * 3 * \
+        c.hidden_size * c.moe.intermediate if c.moe is not None else 0
     return ModelPreset(name, float(params), c.num_layers, c.num_heads, c.num_kv_heads,
                        c.head_dim, c.max_position, dtype_bytes=model.dtype.itemsize,
                        sliding_layers=sum(len(g.layers) for g in sliding),
-                       window=windows.pop() if windows else 0)
+                       window=windows.pop() if windows else 0, kv_parts=c.kv_parts,
+                       active_params=float(params - idle) if idle else 0.0)
 
 
 def _numel(v, seen=None) -> int:

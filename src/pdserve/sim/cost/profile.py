@@ -71,7 +71,7 @@ KIND = "pdserve-cost-profile"
 VERSION = 1
 TERMS = ("overhead_s", "multi_token_s", "prefill_chunk_s", "prefill_token_s", "prefill_pair_s", "decode_s", "decode_context_s")
 MODEL_KEYS = ("name", "layers", "q_heads", "kv_heads", "head_dim", "context", "kv_dtype_bytes",
-              "sliding_layers", "window", "params")
+              "sliding_layers", "window", "params", "kv_parts")
 REQUIRED_MODEL = ("layers", "kv_heads", "head_dim", "context", "kv_dtype_bytes")
 
 
@@ -141,7 +141,8 @@ class Profile:
             "model": {"name": m.name, "layers": m.layers, "q_heads": m.q_heads,
                       "kv_heads": m.kv_heads, "head_dim": m.head_dim, "context": m.context,
                       "kv_dtype_bytes": m.dtype_bytes, "sliding_layers": m.sliding_layers,
-                      "window": m.window, "params": float(m.params)},
+                      "window": m.window, "params": float(m.params),
+                      **({"kv_parts": m.kv_parts} if m.kv_parts != 2 else {})},
             **({"served_factors": [
                 {"kind": kind, "batch_from": b, "beside": beside, "factor": float(f)}
                 for (kind, b, beside), f in sorted(self.served_factors.items())]}
@@ -262,13 +263,18 @@ def profile_from_dict(data, source: str = "cost profile") -> Profile:
     q_heads = _count(m.get("q_heads", kv_heads), "profile.model.q_heads", 1)
     sliding = _count(m.get("sliding_layers", 0), "profile.model.sliding_layers", 0)
     window = _count(m.get("window", 0), "profile.model.window", 0)
+    # 2: K and V a token; 1: latent attention's one entry (absent: 2)
+    parts = _count(m.get("kv_parts", 2), "profile.model.kv_parts", 1)
+    if parts > 2:
+        raise ConfigError(f"profile.model.kv_parts must be 2 (K and V) or 1 (latent "
+                          f"attention's one entry a token), got {parts}")
     params = _number(m.get("params", 0), "profile.model.params")
     name = m.get("name", "profiled")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"profile.model.name must be a non-empty string, got {name!r}")
     model = ModelPreset(name, params, ints["layers"], q_heads, kv_heads, ints["head_dim"],
                         ints["context"], dtype_bytes=ints["kv_dtype_bytes"],
-                        sliding_layers=sliding, window=window)
+                        sliding_layers=sliding, window=window, kv_parts=parts)
     measured = data.get("measured") or {}
     if not isinstance(measured, dict):
         raise ConfigError(f"profile.measured must be a mapping, got {type(measured).__name__}")

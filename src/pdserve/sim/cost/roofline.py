@@ -61,6 +61,9 @@ class ModelPreset:
     weight_bytes: float = 0.0   # bytes of weights read each round (0: params x dtype_bytes)
     state_layers: int = 0       # layers keeping a fixed-size state instead of K/V (Gated DeltaNet)
     state_bytes: int = 0        # one state slot: one sequence's state across every state layer
+    # what a token keeps per layer and KV head: K and V (2), or latent
+    # attention's one entry (1: kv_heads 1 of head_dim latent + rotary key)
+    kv_parts: int = 2
 
     def __post_init__(self) -> None:
         if not 0 <= self.sliding_layers <= self.layers:
@@ -90,8 +93,8 @@ class ModelPreset:
 
     @property
     def kv_layer_bytes(self) -> int:
-        """KV bytes one token keeps in one layer (K and V)."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        """KV bytes one token keeps in one layer (K and V, or MLA's latent entry)."""
+        return self.kv_parts * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -213,6 +216,25 @@ MODELS = {
     # 32 x 128 = 8192) x 3 bf16 conv state (48 KiB); one sequence's slot is
     # 36 x that = 73.7 MiB, what the notes give. MoE, 512 experts, top 10
     # plus a shared expert: ~80e9 parameters, ~3e9 active. 256K context, bf16.
+    # Llama 3.1 405B (meta-llama/Llama-3.1-405B config.json): 126 layers, 128
+    # q heads, 8 KV heads of 128, 128K context; the dense model nearest
+    # DeepSeek-V3's size, for its bytes per token (docs/benchmarks.md)
+    "llama-3-405b": ModelPreset("llama-3-405b", 405.8e9, 126, 128, 8, 128, 131072),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; shared/research/
+    # moe-mla.md §1-2): 61 layers of multi-head latent attention, 128 heads;
+    # the cache keeps one entry a token and layer, the 512-wide latent and
+    # the 64-wide rotary key (kv_heads 1 of 576, one part): 1,152 bytes in
+    # bf16, 68.6 KiB a token over 61 layers. Attention is charged
+    # 4 x 128 x 576 FLOPs a query-key pair: absorbed decode's scores over
+    # 576 dims and its sum over 512 (prefill's expanded 192/128 is less).
+    # MoE: 256 routed experts top 8 + 1 shared, 671e9 parameters, 37e9
+    # active; FP8 weights (1 byte each, block scales aside), bf16 KV.
+    "deepseek-v3": ModelPreset("deepseek-v3", 671e9, 61, 128, 1, 576, 163840, kv_parts=1,
+                               active_params=37e9, weight_bytes=671e9),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers, 32 q heads, 4
+    # KV heads of 128; 128 experts top 8, 30.5e9 parameters, 3.3e9 active; bf16.
+    "qwen3-30b-a3b": ModelPreset("qwen3-30b-a3b", 30.5e9, 48, 32, 4, 128, 40960,
+                                 active_params=3.3e9),
     "qwen3-next-80b": ModelPreset("qwen3-next-80b", 80e9, 48, 16, 2, 256, 262144,
                                   active_params=3e9, state_layers=36,
                                   state_bytes=36 * gdn_layer_state_bytes(16, 128, 32, 128, 4)),

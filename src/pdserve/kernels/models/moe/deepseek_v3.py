@@ -30,7 +30,6 @@ from pdserve.kernels.models.rope import Rotary
 
 MLA_WEIGHTS = ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
                "o_proj.weight")
-DECODE_ABSORBED = True          # decode rows attend absorbed (mla.py; docs/benchmarks.md)
 
 
 def deepseek_v3_weight_names(cfg: ModelConfig) -> list[str]:
@@ -87,7 +86,7 @@ class DeepseekV3Model(PagedDecoder):
                                       mla_weights(spec, w, p + "self_attn.", cfg.num_heads),
                                       w[p + "post_attention_layernorm.weight"],
                                       self._mlp(w, weights, i, mine)))
-        self.mla = MlaAttention(spec, cfg.num_heads, absorb=DECODE_ABSORBED)
+        self.mla = MlaAttention(spec, cfg.num_heads)
         # rotary over the rope dims only (the checkpoint's config calls that head_dim)
         self.rotary = Rotary(dataclasses.replace(cfg, head_dim=spec.qk_rope_head_dim), dtype, dev)
 

@@ -84,7 +84,21 @@ class MlaAttention:
     name = "torch-mla"
 
     def __init__(self, spec: MlaSpec, heads: int, absorb: bool = True):
+        """`absorb`: each sequence's rows attend the way that costs fewer
+        multiply-adds (`absorbs`); False: always expanded (the reference)."""
         self.spec, self.h, self.absorb = spec, heads, absorb
+
+    def absorbs(self, rows: int, keys: int) -> bool:
+        """Whether `rows` queries over `keys` keys cost less absorbed: per
+        head, expanding costs keys x latent x (nope + v) plus rows x keys x
+        (qk + v), absorbing rows x latent x (nope + v) plus rows x keys x
+        (2 latent + rope). A decode row always (rows 1); a chunk over a
+        context much longer than itself too; a first chunk never."""
+        s = self.spec
+        lat, widen = s.kv_lora_rank, s.kv_lora_rank * (s.qk_nope_head_dim + s.v_head_dim)
+        expanded = keys * widen + rows * keys * (s.qk_head_dim + s.v_head_dim)
+        absorbed = rows * widen + rows * keys * (2 * lat + s.qk_rope_head_dim)
+        return self.absorb and absorbed < expanded
 
     def forward(self, q_nope, q_pe, entries, pages, meta: BatchMeta,
                 w: MlaWeights) -> torch.Tensor:
@@ -111,8 +125,8 @@ class MlaAttention:
             kpos = torch.arange(s.ctx_len, device=keys.device)
             bias = torch.zeros(s.q_len, s.ctx_len, device=keys.device).masked_fill_(
                 kpos[None, :] > qpos[:, None], float("-inf"))
-            out[r] = self._expanded(q_nope[r][None], q_pe[r][None], keys[None],
-                                    bias[None, None], w)[0]
+            attend = self._absorbed if self.absorbs(s.q_len, s.ctx_len) else self._expanded
+            out[r] = attend(q_nope[r][None], q_pe[r][None], keys[None], bias[None, None], w)[0]
         if meta.num_decodes:
             d0 = meta.seqs[n_pre].q_start
             r = slice(d0, d0 + meta.num_decodes)
@@ -122,7 +136,7 @@ class MlaAttention:
             kpos = torch.arange(L, device=keys.device)
             bias = torch.zeros(B, L, device=keys.device).masked_fill_(
                 kpos[None, :] >= end.to(keys.device)[:, None], float("-inf"))
-            attend = self._absorbed if self.absorb else self._expanded
+            attend = self._absorbed if self.absorbs(1, L) else self._expanded
             out[r] = attend(q_nope[r].unsqueeze(1), q_pe[r].unsqueeze(1), keys,
                             bias[:, None, None], w)[:, 0]
         return out
@@ -146,12 +160,19 @@ class MlaAttention:
 
     def _absorbed(self, q_nope, q_pe, keys, bias, w: MlaWeights) -> torch.Tensor:
         """As `_expanded`, with W_UK folded into the query and W_UV applied
-        after the weighted sum of latents."""
+        after the weighted sum of latents. Every product is one bmm whose
+        batch is the heads (the absorptions) or the sequences (the scores
+        and the sum, each sequence's latents read once for all its heads)."""
         s = self.spec
+        B, M, H = q_nope.shape[:3]
         latent, k_pe = keys[..., :s.kv_lora_rank], keys[..., s.kv_lora_rank:]
-        q_lat = torch.einsum("bmhn,hnc->bhmc", q_nope, w.w_uk)               # [B, H, M, latent]
-        scores = torch.matmul(q_lat, latent.unsqueeze(1).transpose(-1, -2)) + \
-            torch.einsum("bmhd,bld->bhml", q_pe, k_pe)
-        probs = self._scores_softmax(scores, bias, q_nope.dtype)
-        o_lat = torch.matmul(probs, latent.unsqueeze(1))                    # [B, H, M, latent]
-        return torch.einsum("bhmc,hvc->bmhv", o_lat, w.w_uv)
+        q_lat = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * M, -1), w.w_uk)
+        q_lat = q_lat.view(H, B, M, -1).transpose(0, 1).reshape(B, H * M, -1)
+        q_rot = q_pe.permute(0, 2, 1, 3).reshape(B, H * M, -1)
+        scores = torch.baddbmm(torch.bmm(q_rot, k_pe.transpose(1, 2)), q_lat,
+                               latent.transpose(1, 2))                  # [B, H*M, L]
+        probs = self._scores_softmax(scores.view(B, H, M, -1), bias, q_nope.dtype)
+        o_lat = torch.bmm(probs.view(B, H * M, -1), latent)              # [B, H*M, latent]
+        o_lat = o_lat.view(B, H, M, -1).transpose(0, 1).reshape(H, B * M, -1)
+        out = torch.bmm(o_lat, w.w_uv.transpose(1, 2))                   # [H, B*M, v]
+        return out.view(H, B, M, -1).permute(1, 2, 0, 3)
