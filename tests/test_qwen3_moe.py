@@ -1,7 +1,8 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): our model against transformers on a
 small random checkpoint (8 experts, top 2, renormalized; layer 1 dense
 through mlp_only_layers): greedy tokens and logits straight through the
-forward, then through the engine cold and with prefix hits; the same
+forward, then through the engine cold and with prefix hits (its stats counting
+the tokens each expert ran); the same
 weights as a qwen3moe GGUF; and the variants refused at load by name."""
 
 import json
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.stats import expert_tokens
 from pdserve.kernels.models.loader import load_model
 from pdserve.kernels.models.model_config import ModelError, read_config
 from moe_support import qwen3_moe_checkpoint, write_qwen3_moe_gguf
@@ -75,6 +77,10 @@ def test_through_the_engine_cold_and_with_prefix_hits(checkpoint):
     assert hit.cached_tokens == 16
     assert hit.token_ids == hf_greedy(hf, hit_prompt, STEPS)
     llm.engine.planner.assert_idle()
+    # the engine's stats: each sparse layer ran top_k experts for every row computed
+    layers = expert_tokens(llm.model)
+    assert [e.layer for e in layers] == [0, 2] and len(layers[0].tokens) == 8
+    assert all(sum(e.tokens) == 2 * llm.executor.forward_tokens for e in layers)
 
 
 def test_a_qwen3moe_gguf_of_the_same_weights_gives_the_same_tokens(tmp_path):

@@ -22,11 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def greedy(model, prompts: list[list[int]], steps: int) -> tuple[list, list]:
+def greedy(model, prompts: list[list[int]], steps: int, caches=None) -> tuple[list, list]:
     """(logits of every round, float32, [rows, vocab]; the greedy tokens of
-    each prompt): the prompts prefilled in one round, then decoded together."""
+    each prompt): the prompts prefilled in one round, then decoded together.
+    `caches`: the model's caches to write (default: new ones)."""
     groups = model.groups
-    caches = model.new_caches([PAGES * len(prompts)] * len(groups), PS)
+    if caches is None:
+        caches = model.new_caches([PAGES * len(prompts)] * len(groups), PS)
     tables = [list(range(i * PAGES, (i + 1) * PAGES)) for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
     out: list = []

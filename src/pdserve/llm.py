@@ -69,7 +69,7 @@ class LLM:
             device=on, attention=attention or cfg.model.attention,
             tensor_parallel_size=engine.tensor_parallel_size,
             timeout_s=engine.tensor_parallel_timeout_s, check=engine.tensor_parallel_check,
-            quantization=cfg.model.quantization)
+            quantization=cfg.model.quantization, expert_parallel=cfg.model.expert_parallel)
         self._held = _Held(self.model)
         # run on close(), or when the LLM is collected: never twice (a later
         # LLM's process group is not this one's to destroy)

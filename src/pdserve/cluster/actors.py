@@ -67,7 +67,8 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                                    timeout_s=base.tensor_parallel_timeout_s,
                                    check=base.tensor_parallel_check,
                                    on_lost=lambda e: _engine_lost(name, e),
-                                   quantization=cfg.model.quantization)
+                                   quantization=cfg.model.quantization,
+                                   expert_parallel=cfg.model.expert_parallel)
     engine_cfg = engine_for_model(base, cfg.engine_overrides, model.cfg.max_position)
     adapters = None
     if cfg.lora.enabled:

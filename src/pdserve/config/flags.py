@@ -38,6 +38,7 @@ class Flags:
     dtype: str | None = None
     device: str | None = None           # auto, cpu or cuda (model.device)
     tensor_parallel_size: int | None = None
+    enable_expert_parallel: bool | None = None   # model.expert_parallel (vLLM's flag)
     prefill: int | None = None          # any count given: the counts given name every
     decode: int | None = None           # engine there is, as a cluster: mapping does
     fused: int | None = None
@@ -97,7 +98,7 @@ def _model(data: dict, flags: Flags) -> dict:
         else:
             model["preset"] = flags.model_preset
     for key, value in (("name", flags.served_model_name), ("dtype", flags.dtype),
-                       ("device", flags.device)):
+                       ("device", flags.device), ("expert_parallel", flags.enable_expert_parallel)):
         if value is not None:
             model[key] = value
     if not model:

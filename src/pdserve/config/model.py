@@ -27,12 +27,15 @@ class ModelConfig:
     quantization: str = "auto"   # auto: a GGUF's Q4_0/Q4_1/Q8_0 weights multiplied quantized on
                                  # CPU where the kernels run (kernels/cpu/quantized.py), else
                                  # dequantized; gguf: the same or an error; none: dequantized
+    expert_parallel: bool = False   # tensor_parallel_size > 1 with a MoE model: each rank
+                                    # holds its share of the experts whole, instead of a
+                                    # slice of every one (docs/tensor-parallel.md)
 
     @classmethod
     def from_dict(cls, data) -> "ModelConfig":
         data = check_keys(data, "model",
                           {"path", "preset", "dtype", "attention", "name", "device",
-                           "quantization"})
+                           "quantization", "expert_parallel"})
         if "path" in data and "preset" in data:
             raise ConfigError("model takes either path or preset, not both; remove one")
         for key, allowed in (("dtype", DTYPES), ("attention", ATTENTION), ("device", DEVICES),
@@ -42,8 +45,11 @@ class ModelConfig:
                                   f"{', '.join(allowed)}")
         if "name" in data and (not isinstance(data["name"], str) or not data["name"].strip()):
             raise ConfigError(f"model.name is {data['name']!r}; give a non-empty string")
-        extra = {k: data[k] for k in ("dtype", "attention", "name", "device", "quantization")
-                 if k in data}
+        if not isinstance(data.get("expert_parallel", False), bool):
+            raise ConfigError(f"model.expert_parallel is {data['expert_parallel']!r}; use "
+                              "true or false")
+        extra = {k: data[k] for k in ("dtype", "attention", "name", "device", "quantization",
+                                      "expert_parallel") if k in data}
         if "path" in data:
             return cls(path=str(data["path"]), preset=None, **extra)
         return cls(path=None, preset=str(data.get("preset", "tiny")), **extra)

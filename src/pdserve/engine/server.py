@@ -35,7 +35,7 @@ from pdserve.engine.drain import DEADLINE_ABORT, STOP_GRACE_S, Drain, EngineStop
 from pdserve.engine.engine import Engine
 from pdserve.engine.rpc import CALL_TIMEOUT_S, EngineControlServicer, StaleView
 from pdserve.engine.spec.speculation import spec_line
-from pdserve.engine.stats import EngineCounters, stats_pb
+from pdserve.engine.stats import EngineCounters, expert_tokens, stats_pb
 from pdserve.engine.loop import EngineLoop, Inbox, LoopHooks
 from pdserve.engine.outputs import ErrorKind, Outputs, StreamError
 from pdserve.engine.peer.messages import PeerSender
@@ -425,4 +425,5 @@ class EngineServer:
                         info["attention"], disk.stats() if disk is not None else None,
                         adapters_in_use(self.executor.adapters, self.planner),
                         getattr(self.executor, "spec", None),
-                        tuple((ld.req_id, ld.epoch) for ld in self.peer.quarantined()))
+                        tuple((ld.req_id, ld.epoch) for ld in self.peer.quarantined()),
+                        expert_tokens(self.executor.model))

@@ -111,14 +111,14 @@ def waiting_requests_pb(planner) -> list:
 def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype: str,
              attention: str, disk: dict | None = None,
              lora: tuple[list[str], list[str]] = ([], []), spec=None,
-             quarantined: tuple = ()) -> cpb.EngineStatsResponse:
+             quarantined: tuple = (), experts: list | None = None) -> cpb.EngineStatsResponse:
     """The Stats RPC's answer: pages used and pinned, requests running and
     waiting (and why), the counters, each cache group's use, `lora`: the
     adapters of running and of waiting requests (engine/lora/adapters.py),
     `spec`: the executor's Speculation (engine/spec/speculation.py), if it
     speculates, and `quarantined`: the fence keys of D's quarantined
     landings (engine/peer/protocol.py), whose pages are counted as pinned
-    and as quarantined."""
+    and as quarantined; `experts`: a MoE model's `expert_tokens`."""
     p = planner
     total = p.total_pages
     used = total - p.free_pages()
@@ -148,8 +148,20 @@ def stats_pb(planner, role: Role, counts: EngineCounters, capacity: dict, dtype:
             "device": p.hits.device_tokens, "host": p.hits.host_tokens,
             "disk": p.hits.disk_tokens}, disk_cache=disk or {},
         lora_running=lora[0], lora_waiting=lora[1], max_loras=p.lora.slots,
-        quarantined_pages=quarantined_pages,
+        quarantined_pages=quarantined_pages, expert_tokens=experts or [],
         **spec_fields(spec), **counts.as_dict())
+
+
+def expert_tokens(model) -> list:
+    """Per sparse layer of a MoE model, the tokens routed to each expert
+    (kernels/models/moe/experts.py's counts; a tensor-parallel engine's rank
+    0 routes every token as every rank does); [] for a dense model."""
+    inner = getattr(model, "model", model)      # a TpLeader: rank 0's shard
+    moe = getattr(getattr(inner, "cfg", None), "moe", None)    # a test's fake has no cfg
+    if moe is None:
+        return []
+    return [cpb.ExpertTokens(layer=layer, tokens=e.counts.tolist())
+            for layer, e in zip(moe.sparse_layers, inner.expert_layers())]
 
 
 def spec_fields(spec) -> dict:

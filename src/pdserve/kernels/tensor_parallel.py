@@ -16,7 +16,10 @@ Each rank's KV cache holds its heads of every page under the same page ids
 (the shard's `ModelConfig` has the per-rank head counts), so the planner's
 block tables mean the same on every rank.
 
-Sharded families: the Llama family (llama, mistral, qwen2) and Gemma 3. The
+Sharded families: the Llama family (llama, mistral, qwen2), Gemma 3, and
+the MoE families, Qwen3-MoE and DeepSeek-V3 (their experts split by width or
+sharded whole, and latent attention by head: kernels/models/moe/sharding.py;
+a latent cache has one entry, a replicated "KV head", on every rank). The
 hybrids (Qwen3.5's Gated DeltaNet, LFM2's short convs) keep per-sequence
 state whose split is not built: `tp_layout` refuses them by name.
 """
@@ -32,8 +35,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pdserve.kernels.models.model_config import ModelConfig, ModelError
+from pdserve.kernels.models.moe.sharding import (DROP, check_moe_split, shard_moe_spec,
+                                                 shard_moe_tensor)
 
-SHARDED = ("llama", "mistral", "qwen2", "gemma3")
+SHARDED = ("llama", "mistral", "qwen2", "gemma3", "qwen3_moe", "deepseek_v3")
 MEET_S = 600.0          # the longest the ranks wait for each other to start
 NOT_SHARDED = {
     "qwen3_5": "Qwen3.5's Gated DeltaNet layers keep a recurrent state per value head "
@@ -62,6 +67,7 @@ class TpLayout:
     intermediate: int       # MLP width per rank
     vocab_rows: int         # embedding / LM head rows per rank (the last rank's padded)
     vocab_size: int
+    expert_parallel: bool = False   # a MoE's experts sharded whole over the ranks (moe/sharding.py)
 
     def q_heads_of(self, rank: int) -> range:
         return range(rank * self.heads, (rank + 1) * self.heads)
@@ -79,8 +85,9 @@ class TpLayout:
         return start, min(start + self.vocab_rows, self.vocab_size)
 
 
-def tp_layout(cfg: ModelConfig, size: int) -> TpLayout:
-    """The split of `cfg` over `size` ranks, or a TpError saying why not."""
+def tp_layout(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> TpLayout:
+    """The split of `cfg` over `size` ranks, or a TpError saying why not.
+    `expert_parallel`: a MoE's experts sharded whole, not each one split."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise TpError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
     if size > 1 and cfg.arch in NOT_SHARDED:
@@ -96,19 +103,30 @@ def tp_layout(cfg: ModelConfig, size: int) -> TpLayout:
     if kv % size and size % kv:
         raise TpError(f"tensor_parallel_size {size} and the model's {kv} KV heads: one must "
                       "divide the other (KV heads are split, or replicated across ranks)")
-    if cfg.intermediate_size % size:
+    dense = cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers
+    if dense and cfg.intermediate_size % size:
         raise TpError(f"tensor_parallel_size {size} does not divide the model's MLP width "
                       f"{cfg.intermediate_size}; use a size that does")
+    if expert_parallel and cfg.moe is None:
+        raise TpError(f"model.expert_parallel with a {cfg.arch} model: it has no experts; "
+                      "leave expert_parallel out")
+    why = check_moe_split(cfg.moe, size, expert_parallel) if cfg.moe is not None else None
+    if why:
+        raise TpError(why)
     replicas = max(size // kv, 1)
     return TpLayout(size, h // size, max(kv // size, 1), replicas,
-                    cfg.intermediate_size // size, -(-cfg.vocab_size // size), cfg.vocab_size)
+                    cfg.intermediate_size // size, -(-cfg.vocab_size // size), cfg.vocab_size,
+                    expert_parallel)
 
 
-def shard_config(cfg: ModelConfig, layout: TpLayout) -> ModelConfig:
-    """What one rank's model is: its heads and MLP width. The vocabulary
-    stays the model's (the logits are gathered whole)."""
+def shard_config(cfg: ModelConfig, layout: TpLayout, rank: int = 0) -> ModelConfig:
+    """What rank `rank`'s model is: its heads and MLP width, a MoE's experts
+    (its share, or every one at its slice). The vocabulary stays the
+    model's (the logits are gathered whole)."""
+    moe = shard_moe_spec(cfg.moe, layout.size, rank, layout.expert_parallel) \
+        if cfg.moe is not None else None
     return dataclasses.replace(cfg, num_heads=layout.heads, num_kv_heads=layout.kv_heads,
-                               intermediate_size=layout.intermediate)
+                               intermediate_size=layout.intermediate, moe=moe)
 
 
 def shard_weights(cfg: ModelConfig, weights: dict, layout: TpLayout, rank: int) -> dict:
@@ -120,7 +138,13 @@ def shard_weights(cfg: ModelConfig, weights: dict, layout: TpLayout, rank: int) 
     inter = slice(rank * layout.intermediate, (rank + 1) * layout.intermediate)
     out = {}
     for name, w in weights.items():
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        part = shard_moe_tensor(cfg, name, w, layout.size, rank, q, layout.expert_parallel) \
+            if cfg.moe is not None else None
+        if part is DROP:
+            continue
+        if part is not None:
+            out[name] = part
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _vocab_rows(w, layout, rank)
         elif name.endswith(("q_proj.weight", "q_proj.bias")):
             out[name] = w[qs]
@@ -245,6 +269,6 @@ def check_roles(model: ModelConfig, serve_cfg) -> None:
         if getattr(serve_cfg.cluster, role):
             t = serve_cfg.cluster.tp_size(role, serve_cfg.engine.tensor_parallel_size)
             try:
-                tp_layout(model, t)
+                tp_layout(model, t, serve_cfg.model.expert_parallel)
             except TpError as e:
                 raise TpError(f"cluster.{role}: {e}") from None

@@ -84,6 +84,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
                    dest="tensor_parallel_size", metavar="T",
                    help="ranks (processes, GPUs) each engine's model is split over "
                         "(engine.tensor_parallel_size; replaces each role's own size)")
+    p.add_argument("--enable-expert-parallel", "--ep", action="store_const", const=True,
+                   default=None, dest="enable_expert_parallel",
+                   help="a mixture-of-experts model's experts sharded whole over the "
+                        "tensor-parallel ranks, not each split (model.expert_parallel)")
     if shape:
         p.add_argument("--prefill", type=int, metavar="N",
                        help="prefill engines; the counts given (--prefill, --decode, --fused) "
@@ -133,6 +137,7 @@ def model_flags_given(flags: Flags) -> list[str]:
     names = {"model_path": "--model", "model_preset": "--model",
              "served_model_name": "--served-model-name", "dtype": "--dtype",
              "tensor_parallel_size": "--tensor-parallel-size",
+             "enable_expert_parallel": "--enable-expert-parallel",
              "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens"}
     return sorted({flag for field, flag in names.items() if getattr(flags, field) is not None})

@@ -91,7 +91,7 @@ class TpLeader:
             self.comm = TpComm(0, spec.size, init, device, spec.timeout_s)
             self.model, self.tokenizer = load_model(
                 spec.path, spec.preset, dtype=spec.dtype, device=device,
-                attention=spec.attention, tp=self.comm)
+                attention=spec.attention, tp=self.comm, expert_parallel=spec.expert_parallel)
             self._await_ready()
         except BaseException:
             self._kill()
@@ -293,10 +293,11 @@ def _free_port() -> int:
 def load_engine_model(path: str | None, preset: str | None, *, dtype: str = "auto",
                       device: str = "cpu", attention: str = "auto", tensor_parallel_size: int = 1,
                       timeout_s: float = 60.0, check: bool = False, on_lost=_raise,
-                      quantization: str = "auto"):
+                      quantization: str = "auto", expert_parallel: bool = False):
     """(model, tokenizer) for an engine: the model itself at size 1, else
     rank 0 of a group of `tensor_parallel_size` (a TpLeader, its workers
-    started). The ranks' shards are dequantized (`quantization` gguf refused)."""
+    started). The ranks' shards are dequantized (`quantization` gguf refused);
+    `expert_parallel`: a MoE's experts sharded whole over them."""
     if tensor_parallel_size == 1:
         from pdserve.kernels.models.loader import load_model
 
@@ -306,6 +307,7 @@ def load_engine_model(path: str | None, preset: str | None, *, dtype: str = "aut
         raise ModelError(f"model.quantization: gguf with tensor_parallel_size "
                          f"{tensor_parallel_size}: the shards are dequantized; use "
                          "model.quantization: none or auto, or tensor_parallel_size 1")
-    spec = TpSpec(path, preset, dtype, attention, device, tensor_parallel_size, timeout_s, check)
+    spec = TpSpec(path, preset, dtype, attention, device, tensor_parallel_size, timeout_s, check,
+                  expert_parallel)
     leader = TpLeader(spec, on_lost)
     return leader, leader.tokenizer

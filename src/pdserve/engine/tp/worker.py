@@ -34,6 +34,7 @@ class TpSpec:
     size: int
     timeout_s: float            # every collective's bound (engine.tensor_parallel_timeout_s)
     check: bool = False         # compare digests every round (engine.tensor_parallel_check)
+    expert_parallel: bool = False   # a MoE's experts sharded whole (model.expert_parallel)
 
     def share_cpu(self) -> None:
         """On CPU, each rank takes its share of the cores' threads: T ranks of
@@ -61,7 +62,8 @@ def worker_main(spec: TpSpec, rank: int, init_method: str, conn) -> None:
             torch.cuda.set_device(device)
         comm = TpComm(rank, spec.size, init_method, device, spec.timeout_s)
         model, _ = load_model(spec.path, spec.preset, dtype=spec.dtype, device=device,
-                              attention=spec.attention, tp=comm)
+                              attention=spec.attention, tp=comm,
+                              expert_parallel=spec.expert_parallel)
     except Exception as e:
         conn.send(TpReady(rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return

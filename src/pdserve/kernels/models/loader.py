@@ -190,11 +190,13 @@ def check_device(device) -> torch.device:
 
 def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="auto",
                device="cpu", attention="auto", tp: TpComm | None = None,
-               quantization: str = "auto"):
+               quantization: str = "auto", expert_parallel: bool = False):
     """(model, tokenizer) for a checkpoint directory, a .gguf file or a preset.
     `tp`: this process's rank of a tensor-parallel engine; the model is then
     that rank's shard (kernels/tensor_parallel.py). `quantization`: whether
-    a GGUF's quantized weights stay quantized (kernels/cpu/quantized.py)."""
+    a GGUF's quantized weights stay quantized (kernels/cpu/quantized.py).
+    `expert_parallel`: under `tp`, a MoE's experts sharded whole over the
+    ranks instead of each split (kernels/models/moe/sharding.py)."""
     check_device(device)
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
@@ -224,7 +226,7 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
                                          keep_quantized=True)
     if tp is not None and tp.size > 1:
         return load_shard(cfg, read_weights(torch_dtype), tp, torch_dtype, device, attention,
-                          dtype_why), tok
+                          dtype_why, expert_parallel), tok
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg), dtype_why)
     model = build_model(cfg, read_weights(torch_dtype), torch_dtype, device, backend)
     if keep and hasattr(model, "native_layers_why"):   # a Llama-family model kept quantized
@@ -235,10 +237,10 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
 
 
 def load_shard(cfg: ModelConfig, weights: dict, tp: TpComm, dtype: torch.dtype, device,
-               attention: str = "auto", dtype_why: str = ""):
+               attention: str = "auto", dtype_why: str = "", expert_parallel: bool = False):
     """Rank `tp.rank`'s shard of the model of `cfg` over whole `weights`."""
-    layout = tp_layout(cfg, tp.size)
-    local = shard_config(cfg, layout)
+    layout = tp_layout(cfg, tp.size, expert_parallel)
+    local = shard_config(cfg, layout, tp.rank)
     backend = load_backend(attention, device, dtype, attention_shape(local), dtype_why)
     model = build_model(local, shard_weights(cfg, weights, layout, tp.rank), dtype, device,
                         backend)

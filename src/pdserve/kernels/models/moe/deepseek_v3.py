@@ -64,11 +64,10 @@ class _Layer:
 
 
 class DeepseekV3Model(PagedDecoder):
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention,
-                 experts: range | None = None):
-        """`experts`: the routed experts this rank holds (expert
-        parallelism); None: every one. `attention` (the engine's K/V
-        backend) is not used: latent attention runs `MlaAttention`."""
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
+        """`attention` (the engine's K/V backend) is not used: latent
+        attention runs `MlaAttention`. Under TP, `cfg` is the rank's: its
+        heads, and its experts (`moe.local()`) or their slices."""
         super().__init__(cfg, dtype, device, attention)
         assert cfg.moe is not None and cfg.mla is not None
         dev, spec = self.device, cfg.mla
@@ -77,7 +76,7 @@ class DeepseekV3Model(PagedDecoder):
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        mine = experts if experts is not None else range(cfg.moe.num_experts)
+        mine = cfg.moe.local()
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."

@@ -52,10 +52,7 @@ class _Layer:
 
 
 class Qwen3MoeModel(PagedDecoder):
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention,
-                 experts: range | None = None):
-        """`experts`: the routed experts this rank holds (expert
-        parallelism); None: every one (each maybe a slice of its width)."""
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, attention):
         super().__init__(cfg, dtype, device, attention)
         assert cfg.moe is not None
         dev = self.device
@@ -64,7 +61,7 @@ class Qwen3MoeModel(PagedDecoder):
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        mine = experts if experts is not None else range(cfg.moe.num_experts)
+        mine = cfg.moe.local()
         h, kvh = cfg.num_heads, cfg.num_kv_heads
         self.layers = []
         for i in range(cfg.num_layers):

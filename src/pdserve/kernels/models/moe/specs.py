@@ -34,9 +34,17 @@ class MoeSpec:
     routed_scaling: float = 1.0     # the routed experts' sum times this (not the shared one's)
     shared_intermediate: int = 0    # a shared expert every token runs (0: none)
     router_fp32: bool = False       # router logits in float32 whatever the model dtype
+    # the experts this rank holds under expert parallelism (moe/sharding.py):
+    # [first_local, first_local + local_count); local_count 0: every one
+    first_local: int = 0
+    local_count: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
+
+    def local(self) -> range:
+        """The routed experts this model (rank) holds."""
+        return range(self.first_local, self.first_local + (self.local_count or self.num_experts))
 
 
 @dataclass(frozen=True)
