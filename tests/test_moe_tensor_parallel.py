@@ -2,7 +2,9 @@
 and the experts sharded whole (expert parallelism): two spawned ranks on
 gloo run the same greedy rounds as TP 1 and give transformers' greedy
 tokens, logits within 1e-5 of TP 1's; each rank holds its share of the
-experts only; DeepSeek-V3's latent pages are the same bytes on both ranks.
+experts only; DeepSeek-V3's latent pages are the same bytes on both ranks,
+and a rank's page is the whole latent page (the capacity a rank budgets is
+not divided by TP), where Qwen3-MoE's holds half the KV heads.
 One spawn runs every case: starting two processes is most of the cost."""
 
 import pytest
@@ -39,7 +41,8 @@ def _ranks(comm, cases):
         if model.cfg.mla is not None:     # the latent pages each rank wrote, side by side
             pages = comm.all_gather(caches[0].data)
             pages = [p.numpy() for p in pages]
-        out.append(([x.numpy() for x in logits], tokens, held, width, pages))
+        out.append(([x.numpy() for x in logits], tokens, held, width, pages,
+                    caches[0].data[0].nbytes))
     return out
 
 
@@ -59,11 +62,16 @@ def hf_greedy(hf, prompt, n):
 def test_tp2_split_and_expert_parallel_equal_tp1_and_transformers(checkpoints):
     cases = [(path, ep) for _, path in checkpoints.values() for ep in (False, True)]
     got = run_ranks(_ranks, 2, cases)
-    for (path, ep), (logits, tokens, held, width, pages) in zip(cases, got):
+    for (path, ep), (logits, tokens, held, width, pages, page_bytes) in zip(cases, got):
         hf = next(h for h, p in checkpoints.values() if p == path)
         cfg = read_config(path)
         assert tokens == [hf_greedy(hf, p, STEPS) for p in PROMPTS], (path, ep)
-        want, _ = greedy(_load(path), PROMPTS, STEPS)
+        whole = _load(path)
+        want, _ = greedy(whole, PROMPTS, STEPS)
+        # a rank's page: the latent entry whole (what the capacity line counts,
+        # not divided by TP); Qwen3-MoE's 2 KV heads split, one a rank
+        one = whole.new_caches([1], PS)[0].data[0].nbytes
+        assert page_bytes == (one if cfg.mla is not None else one // 2), path
         for w, g in zip(want, map(torch.from_numpy, logits)):
             assert torch.allclose(g, w, atol=TOL, rtol=0), (path, ep, (g - w).abs().max())
         e, inter = cfg.moe.num_experts, cfg.moe.intermediate

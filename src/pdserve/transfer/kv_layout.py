@@ -26,10 +26,16 @@ class KvLayout:
     # a draft model's layers in each group's pages ("" per group without),
     # as kernels/kv_cache.KVShape describes them; () when none has any
     draft: tuple = ()
+    # what a token keeps per layer and head: K and V (2), or latent
+    # attention's one entry (1: one "head", the latent and rotary key, which
+    # every rank of a tensor-parallel engine holds whole)
+    parts: int = 2
 
     def describe(self, name: str) -> str:
-        return (f"{name} (tensor_parallel_size {self.tensor_parallel_size}: {self.kv_heads} KV "
-                f"heads x {self.head_dim}, {self.dtype}, pages of {self.page_size} tokens, "
+        what = f"{self.kv_heads} KV heads x {self.head_dim}" if self.parts == 2 else \
+            f"a latent entry of {self.head_dim} a token"
+        return (f"{name} (tensor_parallel_size {self.tensor_parallel_size}: {what}, "
+                f"{self.dtype}, pages of {self.page_size} tokens, "
                 f"{'+'.join(str(n) for n in self.layers)} layers"
                 + (f", draft layers {'+'.join(d or '-' for d in self.draft)}" if self.draft
                    else "") + ")")
@@ -37,7 +43,8 @@ class KvLayout:
     def mismatch(self, other: "KvLayout") -> list[str]:
         """What differs between the two that a page cannot be mapped across."""
         out = []
-        for field, what in (("kv_heads", "KV heads"), ("head_dim", "head size"),
+        for field, what in (("parts", "K/V parts"), ("kv_heads", "KV heads"),
+                            ("head_dim", "head size"),
                             ("dtype", "dtype"), ("page_size", "page size"),
                             ("layers", "layers per cache group"),
                             ("draft", "draft model's layers in the pages")):
@@ -66,6 +73,6 @@ class KvLayout:
         try:
             return cls(int(d["tensor_parallel_size"]), int(d["kv_heads"]), int(d["head_dim"]),
                        str(d["dtype"]), int(d["page_size"]), tuple(int(n) for n in d["layers"]),
-                       tuple(str(x) for x in d.get("draft", ())))
+                       tuple(str(x) for x in d.get("draft", ())), int(d.get("parts", 2)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a KV layout lacks or garbles {e}: {d!r}") from None

@@ -9,6 +9,11 @@ For each size, the same bytes three ways:
 Pools: the tiny model's (8 KiB pages) and a Llama-3-8B-shaped one (32
 layers, 8 KV heads, 128 dims, bf16, 16-token pages: 2 MiB a page).
 
+First, a table of what a prompt token costs on the wire per model (DeepSeek-
+V3's latent entry against dense models of its size) and per pair of P and D
+tensor-parallel sizes, from the transfer plan itself (`--token-bytes`: that
+table alone).
+
 On a shared machine the raw baseline alone swings 2x from run to run, so a
 handoff/raw ratio of two medians taken minutes apart measures the machine.
 Each size therefore runs `repeats` rounds, and a round times one handoff and
@@ -256,10 +261,54 @@ def main(repeats: int = REPEATS, device: str = "cpu") -> int:
     return 0 if failures == 0 else 1
 
 
+# models whose bytes P ships D per prompt token the table compares: DeepSeek-V3's
+# latent entry against dense models of its size (roofline presets, bf16 KV)
+PD_MODELS = ("deepseek-v3", "llama-3-405b", "llama-3-70b", "qwen3-30b-a3b")
+PD_SIZES = ((1, 1), (8, 8), (8, 1), (1, 8))          # (P's TP, D's TP)
+
+
+def token_bytes_rows(page_size: int = 16) -> list[dict]:
+    """Per model and pair of TP sizes: KV bytes one prompt token costs on
+    the wire from P to D (transfer/tp/pieces.py's plan: a latent entry,
+    held whole by every rank, reaches each D rank once; split K/V heads
+    reach the rank that holds them), in all and per D rank."""
+    from pdserve.sim.cost.roofline import MODELS
+    from pdserve.transfer.kv_layout import KvLayout
+    from pdserve.transfer.tp.pieces import bytes_per_rank
+
+    rows = []
+    for name in PD_MODELS:
+        m = MODELS[name]
+        cells = {}
+        for p, d in PD_SIZES:
+            lay = [KvLayout(t, m.kv_heads, m.head_dim, "bfloat16", page_size, (m.layers,),
+                            parts=m.kv_parts) for t in (p, d)]
+            moved = bytes_per_rank(lay[0], lay[1], [1], m.dtype_bytes)
+            cells[(p, d)] = (sum(moved.received) / page_size, max(moved.received) / page_size)
+        rows.append({"model": name, "kv_token": m.kv_bytes_per_token, "wire": cells})
+    return rows
+
+
+def print_token_bytes() -> None:
+    print("KV bytes P -> D per prompt token (bf16; each P/D pair of TP sizes: on the wire "
+          "in all / to each D rank), KiB")
+    head = "".join(f"{f'P{p}->D{d}':>16}" for p, d in PD_SIZES)
+    print(f"{'model':<15} {'KV a token':>10}{head}")
+    for r in token_bytes_rows():
+        cells = "".join(f"{f'{a / 1024:.1f}/{e / 1024:.1f}':>16}" for a, e in r["wire"].values())
+        print(f"{r['model']:<15} {r['kv_token'] / 1024:>10.1f}{cells}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu (host memory) or cuda (GPU pools, NIXL VRAM)")
+    p.add_argument("--token-bytes", action="store_true",
+                   help="print only the bytes a prompt token costs P -> D per model and TP "
+                        "sizes (no transfer is timed)")
 
 
 def run(args) -> int:
+    print_token_bytes()
+    if args.token_bytes:
+        return 0
     return main(device=args.device)

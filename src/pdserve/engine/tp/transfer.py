@@ -25,7 +25,7 @@ def kv_layout(model, executor, page_size: int) -> KvLayout:
     return KvLayout(size, heads, shard.head_dim,
                     str(caches[0].data.dtype).removeprefix("torch."), page_size,
                     tuple(c.shapes[0].layers for c in caches),
-                    draft if any(draft) else ())
+                    draft if any(draft) else (), shard.parts)
 
 
 def register_transfer_pools(transport, model, executor, page_size: int,

@@ -4,7 +4,10 @@ Pure: no NIXL, no torch; transfer/tp/rank_agent.py turns it into descriptors,
 prepared once per peer.
 
 A rank's page of one cache group is `[layers, 2, page_size, heads, head_dim]`
-of its own heads (`heads_of`). For each D rank j and each model KV head h it
+of its own heads (`heads_of`); latent attention's is `[layers, 1, page_size,
+1, latent + rotary key]`, its one "head" held whole by every rank, so a P
+of any size sends each D rank one copy (from P rank `j mod p`) and never
+packs or unpacks. For each D rank j and each model KV head h it
 holds, one P rank holding h sends it; a head replicated on several P ranks
 (P's size above the KV heads) is sent by the replica `j mod replicas`, so
 D's ranks spread their reads over P's. The heads one P rank sends one D
@@ -109,7 +112,7 @@ class PieceWire:
 
 
 def piece_wire(piece: KvPiece, p: KvLayout, d: KvLayout, group: int, itemsize: int) -> PieceWire:
-    plane = p.layers[group] * 2 * p.page_size * p.head_dim * itemsize      # one head's block
+    plane = p.layers[group] * p.parts * p.page_size * p.head_dim * itemsize   # one head's block
     return PieceWire(piece.count * plane, piece.count != len(heads_of(p, piece.p_rank)),
                      piece.count != len(heads_of(d, piece.d_rank)),
                      piece.d_first * plane if piece.count != len(heads_of(d, piece.d_rank))
