@@ -65,6 +65,25 @@ def state(block):
     return CacheGroupSpec("snapshot_state", block=block)
 
 
+def mla_group() -> CacheGroupSpec:
+    """The one group DeepSeek-V3's latent attention makes (every layer, full
+    history, one latent entry a token): its pages are smaller, the rules
+    the same."""
+    import dataclasses
+
+    from pdserve.kernels.models.model_config import tiny_config
+    from pdserve.kernels.models.moe.specs import MlaSpec
+
+    cfg = dataclasses.replace(tiny_config(), num_layers=5, num_kv_heads=1, head_dim=576,
+                              mla=MlaSpec(1536, 512, 128, 64, 128, True, 192 ** -0.5))
+    (group,) = cfg.cache_groups()
+    assert cfg.kv_parts == 1 and group.keeps_history and group.layers == tuple(range(5))
+    return group
+
+
+MLA = mla_group()
+
+
 @st.composite
 def cache_groups(draw, page: int, budget: int):
     """(groups, budget, sliding_pages, state_slots): a group set, the chunk
@@ -76,7 +95,8 @@ def cache_groups(draw, page: int, budget: int):
     groups = draw(st.sampled_from([
         (FULL,), (FULL,), (FULL, sliding(w)), (FULL, sliding(w, True)),
         (FULL, sliding(w), sliding(w + page)), (sliding(w),), (sliding(w, True),),
-        (FULL, state(block)), (FULL, state(block)), (FULL, sliding(w), state(block))]))
+        (FULL, state(block)), (FULL, state(block)), (FULL, sliding(w), state(block)),
+        (MLA,)]))
     r = replay_window(groups)
     if r:
         budget = max(budget, -(-r // page) * page + max(r, page))
