@@ -294,6 +294,23 @@ def test_a_quarantine_held_for_a_restarted_p_comes_back_when_membership_says_so(
     d.planner.assert_idle()
 
 
+def test_a_p_that_drained_and_stopped_gives_back_what_d_held_for_it():
+    """D gave up on x and holds its pages quarantined; P drains and stops
+    before D's question reaches it. Stopping, P tells D that no write of
+    this incarnation is left: D frees the pages without waiting for a P
+    that is gone."""
+    p, d = pair()
+    remote_prefill_asked(d)
+    d.peer.timers(time.monotonic() + TRANSFER_S + 1)
+    finish(d)
+    assert len(d.peer.quarantined()) == 1
+    d.peer.sender.delivered.update(range(len(sent(d))))  # lost with P's stop
+    p.peer.stopped()
+    assert deliver(p, d) == 1
+    assert d.peer.quarantined() == [] and d.stats().quarantined_pages == 0
+    d.planner.assert_idle()
+
+
 def test_quarantined_pages_are_counted_and_the_planner_cannot_give_them_out():
     """The stats count them (pdserve stats, the metric); the planner's
     free pages do not include them, and its invariants hold."""

@@ -158,7 +158,8 @@ def check_transfer_failed(r: pb.TransferFailedRequest) -> None:
 
 
 def check_transfer_ended(r: pb.TransferEndedRequest) -> None:
-    check_id(r.request_id, "request_id")
+    if not r.stopped:
+        check_id(r.request_id, "request_id")
     _sender(r)
 
 

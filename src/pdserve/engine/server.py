@@ -224,6 +224,7 @@ class EngineServer:
         self.drain.stopped.set()
         if self._server is not None:
             self._server.stop(grace=STOP_GRACE_S)
+        self.peer.stopped()          # D may free what it held for this P's writes
         self.peer.close(wait=True)
         log.info("%s: drained and stopped: %s", self.name, self.drain.report)
 

@@ -375,6 +375,9 @@ class PeerProtocol:
         never took the ask) is prefilled here, with nothing to fence."""
         if not self.current(r.engine, r.incarnation):
             return
+        if r.stopped:                       # every landing asked of that incarnation
+            self.peer_gone(r.engine, before=r.incarnation + 1)
+            return
         ld = self.landing.ended(r.request_id, r.epoch, Incarnation(r.engine, r.incarnation))
         if ld is None:
             return
@@ -498,6 +501,19 @@ class PeerProtocol:
             self._let_go(req_id, Release.ACKED)   # told once it ended (_release)
             return
         self._report_ended(d_name, req_id, epoch)
+
+    def stopped(self) -> None:
+        """P, drained and about to stop: it holds no twin and no write is in
+        flight (the drain waited for both), and its inbox takes no more
+        asks. Each D is told so, for every landing asked of this
+        incarnation: one it gave up on and still holds quarantined (its
+        question may not have reached P before the drain ended) comes back
+        without waiting for a P that is gone."""
+        if self.role is not Role.PREFILL or not self.idle():
+            return
+        for name in self.peers:
+            self.send(name, PeerRpc.TRANSFER_ENDED, pb.TransferEndedRequest(
+                engine=self.name, incarnation=self.me.epoch, stopped=True))
 
     def _report_ended(self, d_name: str, req_id: str, epoch: int) -> None:
         self.send(d_name, PeerRpc.TRANSFER_ENDED, pb.TransferEndedRequest(
