@@ -66,6 +66,9 @@ BENCHMARKS = [
     Subcommand("mla", "pdserve.benchmarks.kernels.mla",
                "latent attention absorbed against expanded on DeepSeek-V3's shape: decode "
                "batches and prefill chunks"),
+    Subcommand("moe", "pdserve.benchmarks.engine.moe",
+               "a small mixture-of-experts model against the dense model of the same active "
+               "parameters at batch 1 and 32, and its experts split or sharded at TP 2"),
     Subcommand("tp-plan", "pdserve.benchmarks.engine.tp_plan",
                "what sending a round to a tensor-parallel engine's other ranks costs, at 1, "
                "64 and 256 running requests"),
