@@ -74,7 +74,8 @@ def test_a_lease_that_runs_out_mid_write_keeps_the_source_pages_until_the_write_
     assert p.counts.lease_expiries == 1
     assert "x" in p.planner.transferring, "source pages freed under a posted write"
     assert p.planner.free_pages() == free and not p.nothing_live()
-    assert p.peer.leases.renew("decode-0", ["x"], time.monotonic()) == 0   # no revival
+    assert p.peer.heartbeat(pb.HeartbeatRequest(engine="decode-0", incarnation=1,
+                                                request_ids=["x"])) == 0     # no revival
     p.planner.check_invariants()
 
     assert p.transport.complete_held("x") == 1             # the write reads them now
