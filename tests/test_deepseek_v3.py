@@ -100,6 +100,8 @@ def test_query_rotary_and_group_variants_match_transformers(tmp_path, variant):
     ("topk_method", "greedy", "topk_method 'greedy' is not supported"),
     ("attention_bias", True, "attention_bias is set; pdserve runs DeepSeek-V3's latent"),
     ("n_group", 3, "n_routed_experts 8 is not a multiple of n_group 3"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+     "quantization_config 'fp8': pdserve loads DeepSeek-V3 checkpoints stored in float32"),
 ])
 def test_unsupported_deepseek_variants_are_refused_by_name(checkpoint, tmp_path, key, value,
                                                             says):

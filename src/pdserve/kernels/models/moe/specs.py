@@ -74,12 +74,25 @@ def _check(raw: dict, key: str, allowed, what: str) -> None:
                          f"{' or '.join(repr(a) for a in allowed)}")
 
 
+def _unquantized(raw: dict, family: str) -> None:
+    """A checkpoint stored quantized (DeepSeek-V3's release is FP8 with
+    128 x 128 block scales) would load its integers as weights: refuse it."""
+    q = raw.get("quantization_config")
+    if q:
+        kind = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise ValueError(f"quantization_config {kind!r}: pdserve loads {family} checkpoints "
+                         "stored in float32, bfloat16 or float16; dequantize the weights "
+                         "first (e.g. DeepSeek's fp8_cast_bf16.py) and drop "
+                         "quantization_config")
+
+
 def qwen3_moe_spec(raw: dict) -> MoeSpec:
     """Qwen3-MoE's experts (Qwen3MoeConfig; absent keys take its defaults):
     softmax over every expert, top k, renormalized iff norm_topk_prob. A
     layer is sparse unless mlp_only_layers names it, when it is one of every
     decoder_sparse_step layers."""
     _check(raw, "hidden_act", ("silu",), "Qwen3-MoE")
+    _unquantized(raw, "Qwen3-MoE")
     if raw.get("attention_bias"):
         raise ValueError("attention_bias is set; pdserve runs Qwen3-MoE without projection "
                          "biases, as its released checkpoints are")
@@ -103,6 +116,7 @@ def deepseek_v3_moe_spec(raw: dict) -> MoeSpec:
     sum scaled, one shared expert beside them; the first
     first_k_dense_replace layers dense."""
     _check(raw, "hidden_act", ("silu",), "DeepSeek-V3")
+    _unquantized(raw, "DeepSeek-V3")
     _check(raw, "scoring_func", (SIGMOID,), "DeepSeek-V3's router")
     _check(raw, "topk_method", ("noaux_tc",), "DeepSeek-V3's router (DeepSeek-V2's greedy "
            "and group_limited_greedy choices are another family)")
