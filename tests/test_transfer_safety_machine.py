@@ -1,6 +1,6 @@
 """The transfer path's safety rules under any schedule (issue 53): a state
-machine over one D and one P (restarted at will, a new incarnation each
-time) whose every message, write and notification the test holds and
+machine over one D and one P (either restarted at will, a new incarnation
+each time) whose every message, write and notification the test holds and
 hands over in any order, late or never before the end; time moves by
 hand, and either side may be frozen (runs no pass) for as long as it
 likes. The rules under test are the lease (P posts only under it; an
@@ -12,8 +12,9 @@ The properties:
 - no write ever lands in a page not held for it: when a write completes,
   D still expects it (its landing is live, with exactly those pages, from
   that P incarnation) or holds its pages quarantined for it;
-- every page comes back: once everything is delivered (and a restarted P
-  is known to be gone), both engines end idle, nothing quarantined.
+- every page comes back: once everything is delivered (and each side
+  knows the other's latest incarnation), both engines end idle, nothing
+  quarantined.
 
 Messages are the engines' own (each engine's PeerSender is replaced by the
 network here); a message's caller gives up `RPC_TIMEOUT_S` after sending it
@@ -93,7 +94,7 @@ class TransferSafety(RuleBasedStateMachine):
         self.calls: list[Message] = []
         self.frozen = {P: False, D: False}
         self.violations: list[str] = []
-        self.p_inc, self.submitted, self.writes = 1, 0, 0
+        self.p_inc, self.d_inc, self.submitted, self.writes = 1, 1, 0, 0
         self.d = self.engine("decode", D, P, 1, 1)
         self.p = self.new_p()
 
@@ -106,7 +107,7 @@ class TransferSafety(RuleBasedStateMachine):
         return s
 
     def new_p(self):
-        p = self.engine("prefill", P, D, self.p_inc, 1)
+        p = self.engine("prefill", P, D, self.p_inc, self.d_inc)
         p.transport.hold_writes = True          # a write lands when the machine says so
         p.transport.can_cancel = False          # and, as over NIXL, cannot be recalled
         return p
@@ -142,15 +143,15 @@ class TransferSafety(RuleBasedStateMachine):
         """P's write `w` completes now: it must reach only pages D holds for it."""
         self.writes += 1
         d = self.d
-        if w.target != d.transport.incarnation:
-            return                                  # goes nowhere: the loopback fails it
-        ld = d.peer.landing.get(w.req_id, w.epoch)
-        held = ld is not None and ld.pages == tuple(w.dst_pages) and ld.source == w.source and (
-            (w.req_id, w.epoch) in d.planner.coord.fences if ld.fenced
-            else w.req_id in d.planner.landing)
-        if not held:
-            self.violations.append(f"{w.source} wrote {w.req_id}@{w.epoch} into pages "
-                                   f"{sorted(w.dst_pages)} D no longer held for it")
+        if w.target == d.transport.incarnation:     # else it goes nowhere: the loopback fails it
+            ld = d.peer.landing.get(w.req_id, w.epoch)
+            held = ld is not None and ld.pages == tuple(w.dst_pages) and \
+                ld.source == w.source and (
+                    (w.req_id, w.epoch) in d.planner.coord.fences if ld.fenced
+                    else w.req_id in d.planner.landing)
+            if not held:
+                self.violations.append(f"{w.source} wrote {w.req_id}@{w.epoch} into pages "
+                                       f"{sorted(w.dst_pages)} D no longer held for it")
         self.p.transport.complete_held(w.req_id)
 
     def expire_calls(self) -> None:
@@ -242,9 +243,30 @@ class TransferSafety(RuleBasedStateMachine):
     @precondition(lambda self: self.d.peer.peers[P].incarnation < self.p_inc)
     @rule()
     def introduce(self):
+        """The router introduces the restarted P to D."""
         self.d.peer.add_peer(pb.AddPeerRequest(engine=P, incarnation=self.p_inc,
                                                address="nowhere:0",
                                                nixl_metadata=f"{P}@{self.p_inc}".encode()))
+        self.engines_run()
+
+    @precondition(lambda self: self.d_inc <= MAX_RESTARTS)
+    @rule()
+    def restart_d(self):
+        """D's process is gone (its requests, pages and landings with it) and
+        Ray starts decode-0 afresh at a new incarnation, which the router
+        introduces to the P it knows at once, and D to P later."""
+        self.d_inc += 1
+        self.d = self.engine("decode", D, P, self.d_inc, self.p_inc)
+        self.frozen[D] = False
+        self.engines_run()
+
+    @precondition(lambda self: self.p.peer.peers[D].incarnation < self.d_inc)
+    @rule()
+    def introduce_d(self):
+        """The router introduces the restarted D to P."""
+        self.p.peer.add_peer(pb.AddPeerRequest(engine=D, incarnation=self.d_inc,
+                                               address="nowhere:0",
+                                               nixl_metadata=f"{D}@{self.d_inc}".encode()))
         self.engines_run()
 
     # ---- the properties ------------------------------------------------------------
@@ -263,6 +285,8 @@ class TransferSafety(RuleBasedStateMachine):
         self.frozen = {P: False, D: False}
         if self.d.peer.peers[P].incarnation < self.p_inc:
             self.introduce()
+        if self.p.peer.peers[D].incarnation < self.d_inc:
+            self.introduce_d()
         for _ in range(100):
             while self.in_flight:
                 self.deliver(self.in_flight.pop(0))
@@ -295,6 +319,6 @@ class TransferSafety(RuleBasedStateMachine):
 
 
 TransferSafety.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=30, deadline=None,
+    max_examples=600, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_no_write_reaches_a_page_not_held_for_it_and_every_page_comes_back = TransferSafety.TestCase
