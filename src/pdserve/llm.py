@@ -190,6 +190,9 @@ class LLM:
                    desc="generate")
         while self.engine.has_work():
             out = self.engine.step()
+            if out is None and self.executor.grammars.waiting():
+                self.executor.grammars.wait_any(0.05)   # a grammar compiles: nothing to run yet
+                continue
             if out is None:
                 raise RuntimeError("the engine built an empty round with work left; "
                                    f"stalls: {self.engine.planner.stalls}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.grammar import grammar_holds
 from pdserve.scheduler.round import overlap
 from pdserve.scheduler.plan import Plan
 from pdserve.scheduler.planner import Planner
@@ -84,6 +85,9 @@ class Engine:
         spec = getattr(self.executor, "spec", None)
         if spec is not None:        # the gate's side for the rounds built now
             self.planner.speculating = spec.proposing
+        refused = self._grammars()
+        if refused is not None:
+            return refused
         if self.overlap:
             return self._step_ahead()
         plan = self._build_with_disk(getattr(self.executor, "disk", None))
@@ -100,6 +104,16 @@ class Engine:
             for req in finished:
                 forget(req.id)
         return StepOutcome(plan, finished)
+
+    # ---- structured outputs ----------------------------------------------------------
+    def _grammars(self) -> StepOutcome | None:
+        """Requests whose grammar still compiles wait (Hold.GRAMMAR); ready
+        ones are admitted from this round on. A compile that failed or ran
+        out of time fails its requests: an outcome of its own, no round."""
+        gone, why = grammar_holds(self.planner, self.executor)
+        if not gone:
+            return None
+        return StepOutcome(Plan(self.planner.round), failed=gone, error=why)
 
     # ---- engine.overlap ----------------------------------------------------------
     def _build_with_disk(self, disk):

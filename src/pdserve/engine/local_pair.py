@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.text.sampling_params import SamplingParams
+from pdserve.engine.grammar import grammar_holds
 from pdserve.engine.torch_executor import TorchExecutor
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.round.grammar import Role
@@ -50,6 +51,7 @@ class LocalPair:
     def tick(self) -> list:
         """One D round, one P round, then the handoffs; D's finished requests."""
         finished = []
+        self._grammars(self.D, self.dx)
         dplan = self.D.build()
         for op in dplan.remote_prefills:
             r = op.req
@@ -62,6 +64,7 @@ class LocalPair:
             self.P.submit(twin)
         if not dplan.is_empty():
             finished += self._finished(self.D.apply(dplan, self.dx.run(dplan)))
+        self._grammars(self.P, self.px)
         pplan = self.P.build()
         if not pplan.is_empty():
             self.P.apply(pplan, self.px.run(pplan))
@@ -87,6 +90,14 @@ class LocalPair:
         self.P.peer_ack(op.req.id)
         self.px.forget(op.req.id)
         return done
+
+    @staticmethod
+    def _grammars(planner, executor) -> None:
+        """Constrained requests wait for their grammars (an engine's step does
+        this); one whose compile fails here is a test's error."""
+        gone, why = grammar_holds(planner, executor)
+        if gone:
+            raise RuntimeError(f"{[r.id for r in gone]}: {why}")
 
     def _finished(self, reqs) -> list:
         for r in reqs:

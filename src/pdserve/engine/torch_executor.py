@@ -34,12 +34,13 @@ from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 from pdserve.text.detokenize import Detokenizer
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.spec.rejection import verify
-from pdserve.kernels.sampling import sample
+from pdserve.kernels.sampling import apply_grammar_masks, sample
 from pdserve.text.sampling_params import Logprob, SamplingParams
 from pdserve.kernels.models.state_cache import StateCache
 from pdserve.engine.disk.groups import StateFiles, window_files
 from pdserve.engine.disk.model_match import check_model_served
 from pdserve.engine.disk.tier import DiskTier
+from pdserve.engine.grammar import RequestGrammars, RoundMasks
 from pdserve.engine.round_stage import StagedRound, stage_round
 from pdserve.engine.spec.draft import load_draft
 from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
@@ -124,6 +125,8 @@ class TorchExecutor:
             self.eos.add(tokenizer.eos_token_id)
         self._eos_ids = frozenset(self.eos)
         self.tracked: dict[str, Tracked] = {}
+        # structured outputs: grammars compiled off the loop, a matcher per request
+        self.grammars = RequestGrammars(tokenizer, model.cfg.vocab_size)
         self.forward_tokens = 0
         self.fed_on_device = 0      # decode inputs taken from the last round's sampled tensor
         # (that tensor, request id -> row), after a launched round
@@ -186,6 +189,8 @@ class TorchExecutor:
                             params.include_stop_str_in_output,
                             params.skip_special_tokens) if self.detokenize else None
         self.tracked[req_id] = Tracked(params, fallback_seed, detok, prior=prior_output)
+        if params.constraint is not None:       # it waits for this (Engine.step)
+            self.grammars.start(req_id, params.constraint)
 
     def params(self, req_id: str) -> SamplingParams:
         return self.tracked[req_id].params
@@ -195,6 +200,7 @@ class TorchExecutor:
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
+        self.grammars.forget(req_id)
         if self.spec is not None:
             self.spec.forget(req_id)
 
@@ -215,12 +221,15 @@ class TorchExecutor:
             if not early:
                 t.ended = True
                 return True         # a stop token's text is not part of the answer
+        # a complete grammar ends the request, its last token part of the answer
+        done = sp.constraint is not None and self.grammars.accept(req.id, token)
         if t.detok is None:
-            return False
+            t.ended = done
+            return done
         stopped = t.detok.push(token, check_stop=not early)
         t.detok.ready()             # hand the text on as it comes: no string grows per token
-        t.ended = stopped
-        return stopped
+        t.ended = stopped or done
+        return t.ended
 
     # ---- one round ----------------------------------------------------------
     def run(self, plan: Plan) -> StepResult:
@@ -230,8 +239,11 @@ class TorchExecutor:
         if not (plan.prefills or plan.decodes):
             return result
         staged, rows, spec = self._stage(plan)
+        masks = self._fill_masks(rows, spec)    # on the mask thread, beside the forward
         keep_up = self._keep_up(plan, copy=False)
         logits = self._compute(staged)
+        if masks is not None:
+            logits = _masked(logits, masks.result())
         n = len(rows)
         tokens, logprobs = sample(logits[:n], *self._sample_inputs(rows)) if rows else ([], [])
         if spec is not None:
@@ -259,7 +271,11 @@ class TorchExecutor:
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._sampled = None        # until this round's tokens exist
-        fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows))
+        # the masks see every token before this round's: the last round landed
+        # (wait, then apply) before this launch
+        masks = self._fill_masks(rows, spec)
+        fut = self._worker.submit(self._forward_and_sample, staged, inputs, spec, len(rows),
+                                  masks)
         return Launched(plan, result, rows, fut, spec, time.perf_counter(), time.process_time(),
                         self._keep_up(plan, copy=True))
 
@@ -276,9 +292,12 @@ class TorchExecutor:
                                  time.process_time() - launched.cpu_started)
         return result
 
-    def _forward_and_sample(self, staged, inputs, spec: SpecRound | None, n: int):
+    def _forward_and_sample(self, staged, inputs, spec: SpecRound | None, n: int,
+                            masks: cf.Future | None = None):
         """The forward thread's part: nothing here reads planner state."""
         logits = self._compute(staged)
+        if masks is not None:
+            logits = _masked(logits, masks.result())
         if spec is not None:
             spec.tokens = verify(logits[n:], spec.rows)
         if inputs is None:
@@ -296,6 +315,7 @@ class TorchExecutor:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self.grammars.close()
         if self.disk is not None:
             self.disk.close()
         close = getattr(self.model, "close", None)
@@ -352,6 +372,12 @@ class TorchExecutor:
         return ([t.params for t in tracked], [len(r.output) for r in rows],
                 [t.seed for t in tracked], self._eos_ids, histories, earlier)
 
+    def _fill_masks(self, rows, spec: SpecRound | None) -> cf.Future | None:
+        """The round's grammar masks, started on the mask thread (None: no
+        row of the round is constrained)."""
+        return self.grammars.submit_fill(rows, spec.verifies if spec is not None else [],
+                                         len(rows))
+
     def _keep_up(self, plan: Plan, copy: bool) -> dict | None:
         """Where each request's rows begin, for a proposer keeping K/V."""
         if self.spec is None or not self.spec.proposer.keeps_kv:
@@ -402,6 +428,10 @@ class TorchExecutor:
                                 self._disk_missed)
         if asks:
             result.drafts = self.spec.propose(asks)
+            # only the candidates a request's grammar allows are verified
+            result.drafts = {rid: d for rid, d in (
+                (rid, self.grammars.valid_drafts(rid, d)) for rid, d in result.drafts.items())
+                if d}
 
     def _take_verified(self, req, got, spec) -> tuple[list, bool]:
         """A verify's tokens, each taken as a decode's would be, up to the
@@ -478,6 +508,12 @@ class TorchExecutor:
         """Bytes of one page (a state group: one slot) of each group."""
         return [c.slot_bytes() if g == self.state else c.data[0].nbytes
                 for g, c in enumerate(self.caches)]
+
+
+def _masked(logits: torch.Tensor, masks: RoundMasks) -> torch.Tensor:
+    """The forward's logits with each constrained row's forbidden tokens
+    at -inf, before sampling and verifying read them."""
+    return apply_grammar_masks(logits, masks.rows, masks.bits)
 
 
 def _check_groups(groups, model) -> None:

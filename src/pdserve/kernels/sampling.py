@@ -109,6 +109,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     return _fetch(raw, params, tokens)
 
 
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], bits) -> torch.Tensor:
+    """`logits` with every token that row `rows[j]`'s grammar forbids at -inf
+    (a copy; the other rows untouched, so rows without a grammar pay
+    nothing). `bits`: int32 [len(rows), ceil(V / 32)], bit i of word w
+    allowing token 32 w + i (text/grammar.py), filled on the host while the
+    forward ran; it crosses to the device in one copy."""
+    vocab, dev = logits.shape[-1], logits.device
+    words = torch.from_numpy(bits)
+    if dev.type == "cuda":
+        words = words.pin_memory().to(dev, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    idx = stage(rows, dev)
+    sub = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    out = logits.clone()
+    out.index_copy_(0, idx, sub)
+    return out
+
+
 def _penalize(logits, params: list[SamplingParams], histories):
     """The logits of the rows that penalize, changed in vLLM's order: the
     logit bias; the repetition penalty on every token of prompt and output

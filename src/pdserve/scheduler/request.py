@@ -78,7 +78,7 @@ class Request:
         "id", "seq", "prompt", "prompt_len", "limits", "max_new_tokens",
         "output", "state", "slot", "retractions", "num_tokens", "capacity",
         "finish_reason", "error", "peer", "first_page", "yields_to", "adapter", "lora_slot",
-        "disk_pages", "disk_wait", "cached", "drafts",
+        "disk_pages", "disk_wait", "cached", "drafts", "grammar_wait",
     )
 
     def __init__(self, id: str, prompt, limits: SamplingLimits = SamplingLimits(),
@@ -121,6 +121,9 @@ class Request:
         # Speculative candidates for its next step, from the last round's
         # result (speculation.py): a decode then verifies them
         self.drafts: list[int] = []
+        # Structured outputs: its grammar is still compiling (the engine's
+        # edge sets and clears it); it is not admitted until it is ready
+        self.grammar_wait = False
 
     def page_key(self, page: int, page_size: int):
         """What identifies the content of page `page` (full pages only).

@@ -183,6 +183,9 @@ def try_new_prompt(p: PlannerState, b: PlanBuild, req) -> bool | None:
     if req.disk_wait:
         b.waits.stop_line(Hold.DISK_PREFETCH, req)
         return None
+    if req.grammar_wait:
+        b.waits.stop_line(Hold.GRAMMAR, req)
+        return None
     hit = p.coord.match(req, (target - 1) // ps)
     if req.disk_pages > hit.pages:
         hit = p.coord.disk_hit(req, hit, (target - 1) // ps, max(p.prefix_tokens // ps, 1))

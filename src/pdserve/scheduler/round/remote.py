@@ -25,6 +25,9 @@ def try_remote_admission(p: PlannerState, b: PlanBuild, req) -> bool | None:
     if req.disk_wait:
         b.waits.stop_line(Hold.DISK_PREFETCH, req)
         return None
+    if req.grammar_wait:            # D matches P's first token against it: ready first
+        b.waits.stop_line(Hold.GRAMMAR, req)
+        return None
     # the peer sends each sliding group's last window and the final state:
     # only the full history's hit counts here; host and disk hits where a
     # disk tier can be read, the peer asked only for the rest

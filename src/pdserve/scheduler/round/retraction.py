@@ -215,6 +215,8 @@ def ensure_progress(p: PlannerState, b: PlanBuild) -> None:
     if not plan.is_empty() or not p.requests or p.coord.loads or p.coord.stores \
             or p.waiting_on_peer() or p.ending:    # ending: its forward lands (overlap.py)
         return
+    if any(r.grammar_wait for r in p.waiting):  # a compile, not the pool, holds the line
+        return
     for coll in (p.prefilling, p.running):
         for r in coll.values():
             st = r.state

@@ -39,6 +39,7 @@ class Hold(enum.StrEnum):
     NOT_YET_PLANNED = "not_yet_planned"                # arrived after the last build
     ADAPTER_SLOT = "adapter_slot"                      # its LoRA adapter waits for a device slot
     DISK_PREFETCH = "disk_prefetch"                    # its disk prefetch policy holds it
+    GRAMMAR = "grammar"                                # its structured output's grammar compiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,10 @@ _LINE_TEXT = {
         "its prefix is being read from the disk tier, and engine.disk_cache."
         "prefetch_policy holds it until the read completes (or times out)",
         "behind {who}, whose disk prefetch holds the line; nobody overtakes it"),
+    Hold.GRAMMAR: (
+        "its structured output's grammar is compiling (off the engine's loop); it is "
+        "admitted once the grammar is ready, or fails if the compile runs out of time",
+        "behind {who}, whose grammar is compiling; nobody overtakes it"),
 }
 
 
