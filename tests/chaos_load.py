@@ -105,6 +105,11 @@ class OpenLoopLoad:
     def in_flight(self) -> int:
         return sum(1 for o in list(self.outcomes) if not o.ended)
 
+    def streaming(self) -> int:
+        """Requests in flight that have had a chunk: the client's channel is
+        connected (a fault before that would test gRPC's connect timeout)."""
+        return sum(1 for o in list(self.outcomes) if o.chunks and not o.ended)
+
     def stop_sending(self) -> None:
         self._stop.set()
         self.wait_sent()

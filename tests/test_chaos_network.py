@@ -162,7 +162,7 @@ class LinkFault:
         self.name, self.topo, self.impairment = name, topo, impairment
 
     def ready(self, load: OpenLoopLoad) -> bool:
-        return load.in_flight() >= 2
+        return load.streaming() >= 1
 
     def begin(self) -> None:
         self.topo.impair(self.impairment)
