@@ -559,3 +559,128 @@ def test_the_command_line_clients_send_the_api_key(dep, capsys, monkeypatch):
                  "--prompt-len", "4", "--max-tokens", "2"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if "[grpc]" in ln or "[http]" in ln]
     assert len(rows) == 2 and all(ln.split()[2] == "2" for ln in rows), rows     # 2 ok each
+
+
+# ---- structured outputs and tool calls (issue 55) ---------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"query": {"type": "string", "maxLength": 30},
+                                  "top_k": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["query", "top_k"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_openai_parse_helper_gets_a_valid_pydantic_object(oai, model, route):
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+        population_millions: int = pydantic.Field(ge=0, le=50)
+        capital: bool
+
+    r = oai.beta.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, max_tokens=120, temperature=0, extra_body={"route": route})
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and r.choices[0].finish_reason == "stop", r
+    assert city == City.model_validate_json(r.choices[0].message.content)
+
+
+def test_a_named_tool_call_streams_arguments_that_parse_to_its_parameters(oai, model):
+    import jsonschema
+
+    chunks = list(oai.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, SEARCH], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id and deltas[0].index == 0
+    args = json.loads("".join(d.function.arguments or "" for d in deltas))
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    whole = oai.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, SEARCH], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = whole.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == args and call.function.name == "get_weather"
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_gives_calls_of_the_offered_tools(oai, model, stream):
+    import jsonschema
+
+    kw = dict(model=model, messages=ASK, tools=[WEATHER, SEARCH], tool_choice="required",
+              max_tokens=150, temperature=0)
+    if stream:
+        chunks = list(oai.chat.completions.create(stream=True, **kw))
+        by_index: dict = {}
+        for c in chunks:
+            for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                entry = by_index.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+        calls = [by_index[i] for i in sorted(by_index)]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = oai.chat.completions.create(**kw)
+        calls = [{"name": t.function.name, "arguments": t.function.arguments}
+                 for t in r.choices[0].message.tool_calls]
+        finish = r.choices[0].finish_reason
+    assert calls and finish == "tool_calls"
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
+    for c in calls:
+        jsonschema.validate(json.loads(c["arguments"]), tools[c["name"]])
+
+
+def test_a_tool_conversation_renders_calls_and_results_and_auto_may_answer(oai, model):
+    """role: tool with its tool_call_id, after the assistant's call, renders
+    in a template that knows no tools (SmolLM2's) and the answer comes back."""
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather",
+                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = oai.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
+                                    max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    none = oai.chat.completions.create(model=model, messages=ASK, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=8, temperature=0)
+    plain = oai.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+                                        temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_structured_outputs_and_bad_schemas_over_http_and_grpc(oai, model, grpc_client):
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                    temperature=0, extra_body={"structured_outputs": {
+                                        "choice": ["Paris", "London", "Rome"]}})
+    assert r.choices[0].message.content in ("Paris", "London", "Rome")
+    r = oai.completions.create(model=model, prompt="Phone: ", max_tokens=20, temperature=0,
+                               extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    assert len(r.choices[0].text) == 8 and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "x", "schema": {"type": "array",
+                                                                "uniqueItems": True}}})
+    from pdserve.text.constraint import Constraint
+
+    out = grpc_client.generate("Is Paris in France? Answer:", max_tokens=8,
+                               structured=Constraint.choice(["yes", "no"]))
+    assert out.text in ("yes", "no")
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.generate("x", max_tokens=8, structured=Constraint.json_schema('{"type": 3}'))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.structured: invalid JSON schema" in e.value.details()

@@ -86,7 +86,7 @@ def test_the_http_front_refuses_what_it_cannot_do_by_name_before_any_engine_is_a
             ({"messages": [{"role": "assistant", "content": "hi"}],
               "continue_final_message": True}, "set add_generation_prompt: false"),
             ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
-             "function calling is not supported")]
+             "replaced by tools and tool_choice")]
     for body, words in chat:
         resp = http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.json()

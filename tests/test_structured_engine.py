@@ -168,3 +168,51 @@ def test_a_compile_past_its_time_limit_fails_the_request_by_name(prompts, monkey
     with pytest.raises(RuntimeError, match="took longer than"):
         llm.generate(prompts[:1], constrained(), use_tqdm=False)
     llm.engine.planner.assert_idle()
+
+
+# ---- a property: every output of a generated schema validates ---------------------
+
+def _leaf():
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.just({"type": "boolean"}),
+        st.tuples(st.integers(-50, 50), st.integers(0, 60)).map(
+            lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+        st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+        st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3,
+                 unique=True).map(lambda v: {"enum": v}),
+        st.just({"type": "null"}),
+    )
+
+
+def _schemas():
+    from hypothesis import strategies as st
+
+    def obj(children):
+        return st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5), children,
+                               min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+                lambda req: {"type": "object", "properties": props, "required": req,
+                             "additionalProperties": False}))
+    arrays = _leaf().flatmap(lambda item: st.integers(0, 3).map(
+        lambda n: {"type": "array", "items": item, "maxItems": n}))
+    return obj(st.one_of(_leaf(), arrays, obj(_leaf())))
+
+
+def test_every_greedy_output_of_a_generated_schema_validates(llm, prompts):
+    """Bounded schemas (strings with maxLength, integers with bounds, arrays
+    with maxItems, enums, nested objects) cannot be finished wrongly: each
+    greedy output completes and validates."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=25, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(_schemas())
+    def check(schema):
+        outs = llm.generate(prompts[:2], constrained(200, Constraint.json_schema(schema)),
+                            use_tqdm=False)
+        for o in outs:
+            assert o.finish_reason == "stop", (schema, o.text)
+            jsonschema.validate(json.loads(o.text), schema)
+    check()

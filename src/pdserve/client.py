@@ -23,6 +23,7 @@ import grpc
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
+from pdserve.proto.sampling import to_structured
 
 
 @dataclass
@@ -80,6 +81,8 @@ def _request(prompt, request_id, route, model="", **sampling) -> pb.GenerateRequ
             s.logit_bias.update(dict(value))
         elif key == "skip_special_tokens":
             s.keep_special_tokens = not value
+        elif key == "structured":           # a text.constraint.Constraint
+            s.structured.CopyFrom(to_structured(value))
         else:
             setattr(s, key, value)
     return req
@@ -173,12 +176,14 @@ class Client:
                         repetition_penalty: float | None = None, min_p: float | None = None,
                         logit_bias: dict | None = None,
                         include_stop_str_in_output: bool | None = None,
-                        skip_special_tokens: bool | None = None, model: str = ""):
+                        skip_special_tokens: bool | None = None, model: str = "",
+                        structured=None):
         """Yield Chunks (new token ids and their text) as they are produced.
         `logprobs=k`: each token's logprob and the k most likely. The
         penalties, min_p, logit_bias ({token id: bias}) and the text options
         are SamplingParams'. `model`: a LoRA adapter's name (or the base
-        model's; "" is the base)."""
+        model's; "" is the base). `structured`: a `Constraint` the output must
+        match (text/constraint.py: a JSON schema, a regex, a choice, a grammar)."""
         req = _request(prompt, request_id, route, model, max_tokens=max_tokens,
                        temperature=temperature,
                        top_p=top_p, top_k=top_k, seed=seed, stop=stop,
@@ -187,7 +192,7 @@ class Client:
                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                        repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias,
                        include_stop_str_in_output=include_stop_str_in_output,
-                       skip_special_tokens=skip_special_tokens)
+                       skip_special_tokens=skip_special_tokens, structured=structured)
         for m in self._stub.Generate(req, timeout=self.timeout, metadata=self._md):
             yield _chunk(m)
 

@@ -304,4 +304,5 @@ class EngineLoop:
             lps, t.logprobs = t.logprobs, []
         return OutputItem(req.id, req.output[sent:], lps,
                           (req.finish_reason or "length") if final else None,
-                          sum(req.cached) if final else 0)
+                          sum(req.cached) if final else 0,
+                          last_is_text=final and t is not None and t.grammar_done)

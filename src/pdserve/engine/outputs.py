@@ -72,6 +72,9 @@ class OutputItem:
     logprobs: Sequence = ()     # one Logprob per token, if asked for
     final: str | None = None    # "length" | "stop" (a stop token: no text of its own) | None
     cached_tokens: int = 0      # with `final`: prompt tokens its admission found cached
+    # with final "stop": the last token is text that completed the request's
+    # grammar (structured outputs), not a stop token
+    last_is_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ class Outputs:
         stopped = False
         for i, t in enumerate(tokens):
             st.tokens += 1
-            if final == "stop" and i == len(tokens) - 1:
+            if final == "stop" and i == len(tokens) - 1 and not item.last_is_text:
                 break                       # the stop token: no text of its own
             if d.push(t, check_stop=st.tokens >= st.min_tokens):
                 stopped = True

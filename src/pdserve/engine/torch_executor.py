@@ -223,6 +223,7 @@ class TorchExecutor:
                 return True         # a stop token's text is not part of the answer
         # a complete grammar ends the request, its last token part of the answer
         done = sp.constraint is not None and self.grammars.accept(req.id, token)
+        t.grammar_done = done
         if t.detok is None:
             t.ended = done
             return done

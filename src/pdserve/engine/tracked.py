@@ -23,6 +23,7 @@ class Tracked:
     prior: int = 0                  # the prompt's last tokens that were output (a resubmission)
     prompt_seen: object = None      # the prompt's distinct tokens (numpy), once a penalty asks
     ended: bool = False             # a token ended it; one a round that ran ahead sampled is dropped
+    grammar_done: bool = False      # its last token completed its grammar: text, not a stop token
 
 
 def penalty_history(req, t: Tracked) -> tuple:

@@ -319,6 +319,7 @@ class HttpFront:
             raise Unsupported("messages", f"model {self.r.model_name!r} has no chat template; "
                               "use /v1/completions with a prompt")
         from pdserve.text.chat import render_chat
+        from pdserve.text.tools import render_messages
 
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()}
                     for m in body.messages]
@@ -326,6 +327,10 @@ class HttpFront:
         if clash := sorted(set(extra) & _TEMPLATE_ARGS):
             raise Unsupported("chat_template_kwargs", f"chat_template_kwargs sets {clash}, "
                               "which the request itself sets; use the request's own fields")
+        # tools, and tool calls and results, as the template reads them (text/tools.py)
+        use = body.tool_use() if hasattr(body, "tool_use") else None
+        messages, tools = render_messages(messages, use, template)
+        extra = {**extra, **tools}
         text = render_chat(template, messages, body.add_generation_prompt,
                            bos_token=getattr(self.r.tokenizer, "bos_token", None),
                            eos_token=getattr(self.r.tokenizer, "eos_token", None),

@@ -14,7 +14,9 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.router import openai_tools
 from pdserve.router.errors import ErrorKind, RequestError
+from pdserve.text.tools import ToolFormat, ToolUse
 from pdserve.router.merge import collect, merged
 
 STATUS = {ErrorKind.INVALID: 400, ErrorKind.EXISTS: 409, ErrorKind.OVERLOADED: 429,
@@ -82,10 +84,16 @@ class Answers:
         except RequestError as e:
             return from_request_error(e)
         choices, completion_tokens = [], 0
+        tools = self._tools(body) if chat else None
         for i, res in enumerate(results):
             completion_tokens += len(res.token_ids)
             lps = self.logprobs(res.logprobs, chat, 0) if res.logprobs is not None else None
-            if chat:
+            if chat and tools is not None:
+                msg, finish = openai_tools.message(tools[0], tools[1], res.text,
+                                                   res.finish_reason)
+                choices.append({"index": i, "message": msg, "logprobs": lps,
+                                "finish_reason": finish})
+            elif chat:
                 choices.append({"index": i, "message": {"role": "assistant",
                                                          "content": res.text},
                                 "logprobs": lps, "finish_reason": res.finish_reason})
@@ -111,11 +119,15 @@ class Answers:
         offsets = [0] * len(streams)
         cached = [0] * len(streams)
         want_lps = streams[0].sp.logprobs is not None
+        tools = self._tools(body) if chat else None
+        calls = [openai_tools.ToolDeltas(*tools) for _ in streams] if tools else None
 
         def render(i, d) -> bytes:
             nonlocal completion_tokens
             completion_tokens += len(d.token_ids)
             cached[i] = d.cached_tokens or cached[i]
+            if calls is not None:           # tool calls: their own deltas (openai_tools.py)
+                return self._tool_events(ev, i, calls[i], d, want_lps, offsets)
             # one event a delta, even while its text is held back (part of a
             # character, or of a possible stop string): streams stay token by token
             at, offsets[i] = offsets[i], offsets[i] + len(d.text)
@@ -147,6 +159,27 @@ class Answers:
         except RequestError as e:
             yield b"data: " + from_request_error(e).body + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+    def _tools(self, body) -> tuple[ToolUse, ToolFormat] | None:
+        """(ToolUse, the model's ToolFormat) where the request's tools are
+        in play (None: plain content)."""
+        use = body.tool_use() if hasattr(body, "tool_use") else None
+        if use is None or not use.rendered:
+            return None
+        return use, ToolFormat.of_template(getattr(self.tokenizer, "chat_template", None))
+
+    def _tool_events(self, ev, i: int, calls, d, want_lps: bool, offsets) -> bytes:
+        deltas, finish = calls.push(d.text, d.finish_reason or None)
+        at, offsets[i] = offsets[i], offsets[i] + len(d.text)
+        lps = self.logprobs(d.logprobs, True, at) if want_lps and d.logprobs else None
+        if not deltas:
+            deltas = [{}]
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            out.append(ev.choice({"index": i, "delta": delta, "logprobs": lps if last else None,
+                                  "finish_reason": finish if last else None}))
+        return b"".join(out)
 
     def logprobs(self, entries, chat: bool, offset: int):
         """OpenAI's logprobs object for these TokenLogprob entries: chat's

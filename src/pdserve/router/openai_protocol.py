@@ -13,8 +13,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       field_validator, model_validator)
 
 from pdserve.router.engines.pairing import ROUTES
-from pdserve.router.structured import Unsupported, request_constraint
+from pdserve.router.structured import Unsupported, checked, request_constraint
 from pdserve.text.constraint import Constraint
+from pdserve.text.tools import ToolError, ToolUse
 from pdserve.text.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
@@ -257,15 +258,33 @@ class ChatCompletionRequest(_Common):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise Unsupported("tools", "tool calling is not supported by pdserve; send no tools")
         if self.functions or self.function_call not in (None, "none", "auto"):
             raise Unsupported("functions" if self.functions else "function_call",
-                              "function calling is not supported by pdserve; send no functions")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise Unsupported("tool_choice", "tool calling is not supported by pdserve")
+                              "functions and function_call were replaced by tools and "
+                              "tool_choice in OpenAI's API; send those")
+        self.tool_use()
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
+
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and tool_choice (None: no tools), checked."""
+        try:
+            return ToolUse.parse(self.tools, self.tool_choice)
+        except ToolError as e:
+            raise Unsupported(e.param, str(e)) from None
+
+    def constraint(self) -> Constraint | None:
+        """tool_choice required or named constrains the output to calls; a
+        response format beside it is refused."""
+        use = self.tool_use()
+        forced = use.constraint() if use is not None else None
+        if forced is None:
+            return super().constraint()
+        if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
+            raise Unsupported("tool_choice", "tool_choice required or a named function "
+                              "constrains the output itself: leave response_format and "
+                              "structured_outputs out")
+        return checked(forced, "tools")
 
     @property
     def token_limit(self) -> int | None:
