@@ -22,8 +22,9 @@ def test_every_mutation_finds_its_original_text_once_and_its_test_files():
     assert {x.name: m.rotted(x) for x in m.MUTATIONS} == {x.name: None for x in m.MUTATIONS}
 
 
-def test_mutations_have_distinct_names_and_change_their_line():
+def test_mutations_have_distinct_names_and_change_their_text():
     m = _mutate()
     names = [x.name for x in m.MUTATIONS]
     assert len(set(names)) == len(names)
-    assert all(x.mutant != x.original and "\n" not in x.original for x in m.MUTATIONS)
+    # an original may span lines where one line alone is not unique in its file
+    assert all(x.mutant != x.original and x.original.strip() for x in m.MUTATIONS)
