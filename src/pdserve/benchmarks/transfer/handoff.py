@@ -308,7 +308,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    print_token_bytes()
     if args.token_bytes:
+        print_token_bytes()
         return 0
-    return main(device=args.device)
+    rc = main(device=args.device)     # refuses a device it cannot use before any output
+    print_token_bytes()
+    return rc
