@@ -216,3 +216,35 @@ def test_every_greedy_output_of_a_generated_schema_validates(llm, prompts):
             assert o.finish_reason == "stop", (schema, o.text)
             jsonschema.validate(json.loads(o.text), schema)
     check()
+
+
+def test_a_resubmitted_request_replays_its_earlier_output_into_a_fresh_matcher(llm, prompts,
+                                                                                reference):
+    """After a fault the router resubmits a request with what it already
+    output at the end of its prompt (prior_output): the new engine's matcher
+    takes those tokens first, and the rest is the uninterrupted answer's."""
+    fresh = LLM(page_size=4)
+    k = 9
+    sp = constrained()
+    req = Request("again", prompts[0] + reference[0][:k], SamplingLimits(sp.max_tokens - k))
+    fresh.executor.register(req.id, sp, fallback_seed=1, prompt=req.prompt.tokens,
+                            prior_output=k)
+    fresh.engine.submit(req)
+    while fresh.engine.has_work():
+        fresh.engine.step()
+    assert req.output == reference[0][k:] and req.finish_reason == "stop"
+
+
+def test_bench_structured_runs_fused_and_pd_and_prints_its_table(capsys):
+    import argparse
+
+    from pdserve.benchmarks.structured import throughput
+
+    p = argparse.ArgumentParser()
+    throughput.add_arguments(p)
+    args = p.parse_args(["--preset", "tiny", "--requests", "4", "--concurrency", "2",
+                         "--max-tokens", "24"])
+    assert throughput.run(args) == 0
+    table = capsys.readouterr().out
+    for row in ("| fused | 0% |", "| fused | 100% |", "| pd | 50% |"):
+        assert row in table, table

@@ -13,7 +13,7 @@ cost and its policies in the simulator, the simulator's accuracy), cache/
 (KV capacity and reuse, the disk tier), kernels/ (one kernel against what
 it replaced), engine/ (one engine in this process), spec/ (speculative
 decoding), transfer/ (KV between engines), serving/ (a deployment under
-load). What several commands share lives in common/ (options, traces,
+load), structured/ (structured outputs: the schemas, their cost). What several commands share lives in common/ (options, traces,
 child processes, clocks, table cells, a hand-built decode round) or, where
 only one folder's commands share it, beside them (cache/bounds.py,
 spec/workload.py); no command imports another."""

@@ -57,6 +57,10 @@ BENCHMARKS = [
     Subcommand("spec", "pdserve.benchmarks.spec.ngram",
                "speculative decoding (n-gram lookup) against plain decoding on an "
                "input-grounded workload at concurrency 1, 4 and 16, and P/D against fused"),
+    Subcommand("structured", "pdserve.benchmarks.structured.throughput",
+               "structured outputs' cost: output tokens/s at 0, 50 and 100 percent of requests "
+               "constrained to JSON schemas, mask CPU time per token, compile p50/p99, fused "
+               "and 1P+1D"),
     Subcommand("loop", "pdserve.benchmarks.engine.loop",
                "where a fused engine's round goes (planner, forward, sampling), and what "
                "overlapping the planner with the forward could save"),
