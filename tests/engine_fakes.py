@@ -54,6 +54,8 @@ class Executor:
 
 
 class Outputs:
+    busy_since = None                  # never on a batch: what the watchdog reads
+
     def __init__(self):
         self.items, self.opened = [], []
         self.subscribers: dict = {}

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Callable
 
 import ray
 
@@ -44,8 +45,8 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                         device: str = "cpu", transfer_timeout_s: float | None = None,
                         lease_s: float | None = None, heartbeat_s: float | None = None,
                         faults: list[dict] | None = None, fault_seed: int = 0,
-                        serve: bool = True,
-                        control_tls: ControlTls | None = None,
+                        serve: bool = True, control_tls: ControlTls | None = None,
+                        on_stuck: Callable[[str], None] | None = None,
                         incarnation: int | None = None) -> EngineServer:
     """Engine `<role>-<index>` of `cfg`: its model loaded on `device`, and
     (P and D) a NIXL transport with `faults` (transfer/faults.py). With
@@ -54,6 +55,9 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
     `transfer_timeout_s`, `lease_s`, `heartbeat_s`: over the config's
     `transfer:` section (engine options, as tests pass them); the result
     is checked again, so an override cannot break what the config kept.
+    `on_stuck(why)`: what the engine does once its loop or output thread
+    has been stuck past engine.stuck_loop_restart_s (the actor's: exit for
+    Ray to restart it; None: log it, as an engine in a test's process).
     `incarnation`: the actor's (`engine_incarnation`); None: made now, never
     restarted (an engine in a test's or a benchmark's process)."""
     kind, name = Role(role), f"{role}-{index}"
@@ -104,7 +108,8 @@ def build_engine_server(cfg: ServeConfig, role: str, index: int, host: str = "12
                           lambda on_stop: Outputs(tok, on_stop, name), transport,
                           incarnation=incarnation, capacity=capacity,
                           timeouts=timeouts_for(cfg, transfer_timeout_s, lease_s, heartbeat_s),
-                          control_tls=control_tls, vocab_size=model.cfg.vocab_size)
+                          control_tls=control_tls, vocab_size=model.cfg.vocab_size,
+                          on_stuck=on_stuck)
     if serve:
         server.start(host)
     return server
@@ -136,12 +141,14 @@ def _ray_restarts() -> int:
         return int(bool(ctx.was_current_actor_reconstructed))
 
 
-def _engine_lost(name: str, e: Exception) -> None:
-    """A rank of a tensor-parallel engine is gone: the engine goes down as
-    one unit. Its process exits now (its worker ranks follow, their pipes
-    closed); Ray restarts the actor, which starts every rank afresh, and the
-    router resubmits the engine's requests as for any engine that dies."""
-    log.critical("%s: %s; exiting so that Ray restarts the engine whole", name, e)
+def _engine_lost(name: str, why: object) -> None:
+    """A rank of a tensor-parallel engine is gone, or the engine's loop or
+    output thread has been stuck past engine.stuck_loop_restart_s
+    (engine/watchdog.py): the engine goes down as one unit. Its process
+    exits now (its worker ranks follow, their pipes closed); Ray restarts
+    the actor, which starts every rank afresh, and the router resubmits
+    what the engine still held as for any engine that dies."""
+    log.critical("%s: %s; exiting so that Ray restarts the engine whole", name, why)
     logging.shutdown()
     os._exit(70)
 
@@ -165,8 +172,10 @@ class EngineHost:
                  host: str | None, control_tls: ControlTls | None = None,
                  created_ms: int = 0):
         host = host or ray.util.get_node_ip_address()
+        name = f"{role}-{index}"
         self.server = build_engine_server(cfg, role, index, host=host, device=device,
                                           control_tls=control_tls,
+                                          on_stuck=lambda why: _engine_lost(name, why),
                                           incarnation=engine_incarnation(created_ms,
                                                                          _ray_restarts()),
                                           **options)
@@ -195,6 +204,12 @@ class EngineHost:
 
     def take_rounds(self) -> list:
         return self.server.take_rounds()
+
+    def hold_loop(self, seconds: float) -> None:
+        """A test's fault: the loop thread runs a job that sleeps `seconds`
+        (a stuck loop; the watchdog reports it, and past
+        engine.stuck_loop_restart_s the engine exits for Ray to restart)."""
+        self.server.post_job(lambda: time.sleep(seconds))
 
 
 EngineActor = ray.remote(EngineHost)

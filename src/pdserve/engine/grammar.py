@@ -214,11 +214,13 @@ class RequestGrammars:
                 pool.shutdown(wait=False, cancel_futures=True)
 
 
-def grammar_holds(planner, executor) -> tuple[list, str]:
+def grammar_holds(planner, executor, idle_wait_s: float = 0.005) -> tuple[list, str]:
     """Before a build: requests whose grammar still compiles wait
     (`Request.grammar_wait`, Hold.GRAMMAR); ready ones are admitted from
     this round on. Returns the requests aborted because their compile failed
-    or ran out of time (to be failed with their router told) and why."""
+    or ran out of time (to be failed with their router told) and why.
+    `idle_wait_s`: how long to wait for a compile when nothing else runs
+    here (a loop with nothing to do would otherwise spin)."""
     g = getattr(executor, "grammars", None)
     if g is None or not g.waiting():
         return [], ""
@@ -227,8 +229,8 @@ def grammar_holds(planner, executor) -> tuple[list, str]:
         req = p.requests.get(rid)
         if req is not None:
             req.grammar_wait = True
-    if not (p.running or p.prefilling):     # nothing else to do: a moment for it
-        g.wait_any(0.005)
+    if idle_wait_s and not (p.running or p.prefilling):
+        g.wait_any(idle_wait_s)
 
     def replay_of(rid: str) -> list[int]:
         req, prior = p.requests.get(rid), executor.prior_output(rid)

@@ -95,7 +95,7 @@ class LocalPair:
     def _grammars(planner, executor) -> None:
         """Constrained requests wait for their grammars (an engine's step does
         this); one whose compile fails here is a test's error."""
-        gone, why = grammar_holds(planner, executor)
+        gone, why = grammar_holds(planner, executor, idle_wait_s=0)  # the other side may run
         if gone:
             raise RuntimeError(f"{[r.id for r in gone]}: {why}")
 

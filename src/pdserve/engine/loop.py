@@ -166,10 +166,14 @@ class EngineLoop:
         # by: a test moves it past a lease to play a thaw
         self.clock: Callable[[], float] = time.monotonic
         self._thread: threading.Thread | None = None
+        # when (time.monotonic()) the loop thread last ended a pass; None
+        # until it runs: what the watchdog reads (engine/watchdog.py)
+        self.passed_at: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-loop",
                                         daemon=True)
+        self.passed_at = time.monotonic()
         self._thread.start()
 
     def stop(self) -> None:
@@ -191,6 +195,7 @@ class EngineLoop:
                 log.exception("%s: round failed", self.name)
                 self.failed(e)
                 time.sleep(0.05)
+            self.passed_at = time.monotonic()
 
     def tick(self) -> bool:
         """One pass: transfer events, timers, jobs, a round. True when the

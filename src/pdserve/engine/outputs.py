@@ -20,6 +20,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,10 @@ class Outputs:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}   # output thread only
         self.errors: list[str] = []
+        # since when (time.monotonic()) the output thread holds the batch it
+        # is on; None while it waits for one: what the watchdog reads
+        # (engine/watchdog.py)
+        self.busy_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-outputs", daemon=True)
         self._thread.start()
         _at_interpreter_exit(self.end_streams)
@@ -171,12 +176,14 @@ class Outputs:
             batch = self._in.get()
             if batch is None:
                 return
+            self.busy_since = time.monotonic()
             try:
                 self._batch(batch)
             except Exception as e:          # keep serving the other requests; tests read it
                 log.exception("output thread failed on a batch")
                 if len(self.errors) < 20:
                     self.errors.append(f"{type(e).__name__}: {e}")
+            self.busy_since = None
 
     def _batch(self, batch: list) -> None:
         out: dict[str, list] = {}

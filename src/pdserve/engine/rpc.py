@@ -1,6 +1,8 @@
 """The EngineControl gRPC service of an engine: each handler hands its work
 to the engine's loop thread (`EngineServer.call`) and never touches the
-planner itself. Each message is checked first (engine/control_checks.py):
+planner itself; GetInfo alone answers on its own thread (what it says is
+fixed at start, or the watchdog's clocks), so that a stuck loop is reported,
+not waited for. Each message is checked first (engine/control_checks.py):
 one that fails is refused with INVALID_ARGUMENT before anything changes.
 Work a draining engine will not take is refused with FAILED_PRECONDITION
 (engine/drain.py): the caller sends it elsewhere. Who may call at all is the
@@ -145,13 +147,16 @@ class EngineControlServicer(pbg.EngineControlServicer):
         return self._ack(lambda: self.s.peer.transfer_ended_from_peer(request), context)
 
     def GetInfo(self, request, context):
-        md = self.s.call(lambda: self.s.transport.metadata() if self.s.transport else b"")
-        i = self.s.info()
+        """Answered on this handler thread, never the loop's: a stuck loop
+        must not hold up the answer that says it is stuck, with the
+        watchdog's readings (engine/watchdog.py)."""
+        i, h = self.s.info(), self.s.watchdog.health()
         return pb.InfoResponse(engine=i["engine"], role=i["role"],
-                               incarnation=i["incarnation"], nixl_metadata=md,
+                               incarnation=i["incarnation"], nixl_metadata=self.s.metadata,
                                address=i["address"], kv_capacity_tokens=i["kv_capacity_tokens"],
                                draining=i["draining"], adapters=i["adapters"],
-                               spec_config=i["spec_config"])
+                               spec_config=i["spec_config"], loop_quiet_s=h.loop_quiet_s,
+                               outputs_busy_s=h.outputs_busy_s, unhealthy=h.unhealthy)
 
     def AddPeer(self, request, context):
         self._checked(checks.check_add_peer, context, request, self.s.name)

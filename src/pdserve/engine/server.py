@@ -40,6 +40,8 @@ from pdserve.engine.loop import EngineLoop, Inbox, LoopHooks
 from pdserve.engine.outputs import ErrorKind, Outputs, StreamError
 from pdserve.engine.peer.messages import PeerSender
 from pdserve.engine.peer.protocol import PeerProtocol, PeerTimeouts
+from pdserve.engine.watchdog import Watchdog, WatchdogLimits
+from pdserve.proto.keepalive import server_options
 from pdserve.engine.rounds import Round
 from pdserve.scheduler.round.grammar import Role
 from pdserve.engine.lora.adapters import adapter_of, adapters_in_use
@@ -64,7 +66,8 @@ class EngineServer:
                  make_outputs: Callable[[StopHandler], Outputs], transport=None, *,
                  incarnation: int, capacity: dict | None = None,
                  timeouts: PeerTimeouts = PeerTimeouts(), sender: PeerSender | None = None,
-                 control_tls: ControlTls | None = None, vocab_size: int | None = None):
+                 control_tls: ControlTls | None = None, vocab_size: int | None = None,
+                 on_stuck: Callable[[str], None] | None = None):
         """`executor`: runs a plan (engine/torch_executor.py); `make_outputs`:
         builds the output thread's end, given what it calls on a stop string;
         `transport`: the KvTransport of a P or D (None on a fused engine), of
@@ -72,7 +75,10 @@ class EngineServer:
         stats carry; `sender`: how peer messages leave (a thread pool);
         `control_tls`: this engine's credentials on the control plane (its
         port and its channels to peers; None: plaintext, anyone may call);
-        `vocab_size`: token ids a message may carry are below it."""
+        `vocab_size`: token ids a message may carry are below it;
+        `on_stuck(why)`: what the engine does once its loop or output thread
+        has been stuck past engine.stuck_loop_restart_s (engine/watchdog.py;
+        a deployment's exits the process for Ray to restart; None: logs)."""
         self.role = role
         self.name = name
         self.incarnation = incarnation
@@ -107,21 +113,30 @@ class EngineServer:
                                          abort_left=self.abort_left,
                                          stop_drained=self.stop_drained,
                                          reap_adapters=self.reap_adapters))
+        self.watchdog = Watchdog(name, WatchdogLimits(planner.cfg.stall_unhealthy_s,
+                                                      planner.cfg.stuck_loop_restart_s),
+                                 lambda: self.loop.passed_at,
+                                 lambda: self.outputs.busy_since, on_stuck)
         self.address = ""                       # host:port, once started
+        self.metadata = b""                     # the transport's, for peers: read once started
         self._server: grpc.Server | None = None
         self._shut = False
 
     def start(self, host: str = "127.0.0.1") -> None:
         """Serve: the gRPC control server on a free port of `host` (mutual
         TLS with this engine's `control_tls`), and the loop thread."""
+        # what GetInfo hands peers, read here so that the answer never waits
+        # for the loop thread (the transport is the loop's once it runs)
+        self.metadata = self.transport.metadata() if self.transport is not None else b""
         self._server = grpc.server(cf.ThreadPoolExecutor(HANDLER_THREADS,
                                                          thread_name_prefix=self.name),
-                                   options=PENDING_CALLS)
+                                   options=server_options(PENDING_CALLS))
         pbg.add_EngineControlServicer_to_server(EngineControlServicer(self), self._server)
         port = add_port(self._server, f"{host}:0", self.control_tls)
         self.address = f"{host}:{port}"
         self._server.start()
         self.loop.start()
+        self.watchdog.start()
 
     # ---- plumbing ------------------------------------------------------------
     def info(self) -> dict:
@@ -172,6 +187,7 @@ class EngineServer:
         return self.inbox.post(job, deadline)
 
     def shutdown(self) -> None:
+        self.watchdog.stop()
         self.loop.stop()
         if self._shut:
             return
@@ -216,6 +232,7 @@ class EngineServer:
         except Exception as e:                       # reported; the stop goes on
             log.exception("%s: invariants broken at the drain's end", self.name)
             self.loop.errors.append(f"{type(e).__name__}: {e}")
+        self.watchdog.stop()                         # the loop thread ends here
         self.drain.finish(time.monotonic(), self.stats().used_pages)
         self.inbox.close()
         self.inbox.run_pending()    # calls that raced the close: new work is refused anyway

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.proto.keepalive import channel_options
+
 SERVER_NAME = "pdserve-control"     # the DNS name every leaf carries and clients check
 LEAF_DAYS = 30                      # a deployment's leaves (re-issued at every start)
 CA_DAYS = 365
@@ -94,19 +96,20 @@ def add_port(server, address: str, tls: ControlTls | None) -> int:
 
 
 def channel(address: str, tls: ControlTls | None, options=()) -> grpc.Channel:
-    """A blocking channel to an engine (a peer's)."""
+    """A blocking channel to an engine (a peer's), with keepalive
+    (proto/keepalive.py)."""
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
+        return grpc.insecure_channel(address, options=channel_options(options))
     return grpc.secure_channel(address, tls.channel_credentials(),
-                               options=list(options) + tls.channel_options())
+                               options=channel_options(options) + tls.channel_options())
 
 
 def aio_channel(address: str, tls: ControlTls | None, options=()) -> grpc.aio.Channel:
-    """An asyncio channel to an engine (the router's)."""
+    """An asyncio channel to an engine (the router's), with keepalive."""
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(address, options=channel_options(options))
     return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                   options=list(options) + tls.channel_options())
+                                   options=channel_options(options) + tls.channel_options())
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -24,6 +24,7 @@ from pdserve.router.router import DRAIN_DEADLINE_S, Router
 from pdserve.router.mailbox import Mailbox
 from pdserve.proto import router_pb2 as pb
 from pdserve.proto import router_pb2_grpc as pbg
+from pdserve.proto.keepalive import server_options
 
 CODES = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -227,14 +228,15 @@ async def grpc_server(router: Router, host: str, port: int):
     """A started grpc.aio server for `router`; returns (server, bound port)."""
     sec, rc = router.security, router.cfg.router
     interceptors = [_ApiKey(sec.api_key, rc.protect_metrics)] if sec.api_key else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    # keepalive: a client's pings accepted, a client gone silent dropped
+    server = grpc.aio.server(interceptors=interceptors, options=server_options([
         ("grpc.max_receive_message_length", rc.max_body_bytes),
         # calls not yet taken by a handler: past gRPC's default of 1,000 it resets
         # the newest, which a client saw as CANCELLED with 2,048 streams at once
         ("grpc.server.max_pending_requests", max(1000, 2 * rc.max_requests)),
         ("grpc.server.max_pending_requests_hard_limit", max(3000, 4 * rc.max_requests)),
         # replicas share the port; a lone router must own it (a clash is an error)
-        ("grpc.so_reuseport", 1 if rc.replicas > 1 else 0)])
+        ("grpc.so_reuseport", 1 if rc.replicas > 1 else 0)]))
     pbg.add_RouterServicer_to_server(RouterServicer(router), server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

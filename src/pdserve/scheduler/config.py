@@ -91,6 +91,11 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 60.0   # a collective's bound: a stopped rank downs it
     tensor_parallel_check: bool = False # debug: the ranks compare digests of each round's view
     speculative: SpecConfig | None = None   # speculative decoding (speculation.py; None: off)
+    # liveness (engine/watchdog.py): a loop or output thread that makes no
+    # progress this long is reported unhealthy (the router moves its
+    # requests), and this long the engine exits for Ray to restart (0: never)
+    stall_unhealthy_s: float = 5.0
+    stuck_loop_restart_s: float = 60.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -179,6 +184,7 @@ class EngineConfig:
                 "total_pages"
             )
         check_tensor_parallel(self)
+        check_watchdog(self)
 
     def _speculation(self) -> None:
         """engine.speculative, and the decode slot it implies: 1 + k."""
@@ -208,6 +214,24 @@ class EngineConfig:
     @property
     def pool_tokens(self) -> int:
         return self.total_pages * self.page_size
+
+
+def check_watchdog(cfg: EngineConfig, where: str = "engine") -> None:
+    """engine.stall_unhealthy_s and engine.stuck_loop_restart_s: seconds,
+    the restart later than the report (the router moves the requests off
+    a stuck engine before it restarts, not after their client lost them)."""
+    stall, restart = cfg.stall_unhealthy_s, cfg.stuck_loop_restart_s
+    if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not stall > 0:
+        raise ConfigError(f"{where}.stall_unhealthy_s must be a number of seconds > 0 (how "
+                          f"long a stuck loop takes to be reported unhealthy), got {stall!r}")
+    if isinstance(restart, bool) or not isinstance(restart, (int, float)) or restart < 0:
+        raise ConfigError(f"{where}.stuck_loop_restart_s must be a number of seconds >= 0 (0: "
+                          f"a stuck engine is never restarted), got {restart!r}")
+    if restart and restart <= stall:
+        raise ConfigError(f"{where}.stuck_loop_restart_s={restart:g} is not above "
+                          f"stall_unhealthy_s={stall:g}: a stuck engine would restart before "
+                          "it was reported unhealthy and its requests moved; raise "
+                          "stuck_loop_restart_s, or set it to 0 (never restart)")
 
 
 def check_tensor_parallel(cfg: EngineConfig, where: str = "engine") -> None:
