@@ -58,7 +58,10 @@ class Mutation:
         return PACKAGE / self.path
 
     def test_paths(self) -> list[str]:
-        return [f"tests/test_{t}.py" for t in self.tests]
+        """Each test file, wherever tests/ keeps it (a missing one as tests/test_NAME.py)."""
+        tests = ROOT / "tests"
+        return [next((str(p.relative_to(ROOT)) for p in tests.rglob(f"test_{t}.py")),
+                     f"tests/test_{t}.py") for t in self.tests]
 
 
 MUTATIONS = [

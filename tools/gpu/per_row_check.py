@@ -1,7 +1,7 @@
-"""The teacher-forced per-row logits check (tests/teacher_forced.py) as
+"""The teacher-forced per-row logits check (tests/support/teacher_forced.py) as
 numbers: for each device case, flashinfer's largest row error next to the
 torch reference's, the tolerance, the worst rows, and whether a planted
-window off-by-one is caught. tests/test_device.py asserts the same checks;
+window off-by-one is caught. tests/kernels/test_device.py asserts the same checks;
 this records them for a first GPU run's report.
 
     python tools/gpu/per_row_check.py --out per_row.json [--fake --device cpu --quick]
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))              # `tests` (the harness and the stand-in)
+sys.path.insert(0, str(REPO / "tests"))    # `support` (the harness and the stand-in)
 
 
 def main(argv=None) -> int:
@@ -29,11 +29,11 @@ def main(argv=None) -> int:
     import torch
 
     if args.fake:
-        from tests import flashinfer_fake
+        from support import flashinfer_fake
 
         sys.modules["flashinfer"] = flashinfer_fake
     from pdserve.kernels.flashinfer_attention import FlashInferAttention
-    from tests import teacher_forced as tf
+    from support import teacher_forced as tf
 
     cases = tf.DEVICE_CASES[::8] if args.quick else tf.DEVICE_CASES
     no_sync = torch.device(args.device).type == "cuda"

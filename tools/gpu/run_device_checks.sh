@@ -10,11 +10,11 @@
 #   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions
 #   import    torch sees the GPU; flashinfer and nixl import
 #   capture   the captured decode step against the eager one: the device test
-#             (tests/test_capture_device.py) and pdserve bench capture
+#             (tests/kernels/test_capture_device.py) and pdserve bench capture
 #             (issue 40's GPU figures; first, since it needs no flashinfer)
 #   warm      flashinfer's kernels compiled, every module the later steps use
 #             (tools/gpu/warm_kernels.py: the loader's warm_up, in parallel)
-#   tests     pytest -m device tests/test_device.py
+#   tests     pytest -m device tests/kernels/test_device.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
 #   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
@@ -25,7 +25,7 @@
 #
 # --dry-run runs the same steps on this machine's CPU: the wheelhouse's
 # archives are verified instead of installed, flashinfer is the stand-in
-# tests/flashinfer_fake.py, ray is made unimportable (as on the GPU host),
+# tests/support/flashinfer_fake.py, ray is made unimportable (as on the GPU host),
 # the device tests are collected rather than run, and each benchmark with
 # --device cuda must fail with its one-line error. It exits 0 when every
 # step did what it should. --steps runs only the steps named.
@@ -116,10 +116,10 @@ else:
     raise SystemExit("ray imported, but the GPU host has none")
 print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
     step capture 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device \
-        tests/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
+        tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda"
     step warm 120 "$PY" tools/gpu/warm_kernels.py "${FAKE[@]}" --out "$OUT/warm.json"
-    step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/test_device.py \
+    step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/kernels/test_device.py \
         --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
         --out "$OUT/per_row.json"
@@ -150,10 +150,10 @@ print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda,
 import flashinfer, nixl, pdserve
 print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pdserve.__file__)'
     step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
-        -rA -s tests/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
+        -rA -s tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
         --device cuda 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
     step warm 240 "$PY" tools/gpu/warm_kernels.py --out "$OUT/warm.json"
-    step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/test_device.py -rA
+    step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/kernels/test_device.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \

@@ -3,7 +3,7 @@
 flashinfer 0.7.4 JIT-compiles each (dtype, head_dim, sliding window) module
 with nvcc the first time it is planned, minutes each on a fresh host, and
 caches it on disk (FLASHINFER_WORKSPACE_BASE). This warms every module that
-tests/test_device.py and `pdserve bench llm --device cuda` will plan, one
+tests/kernels/test_device.py and `pdserve bench llm --device cuda` will plan, one
 process per module so that their builds share the host's cores, through
 the same `FlashInferAttention.warm_up` an engine's loader calls (a 1-row
 and a 65-row prefill, a decode, a mixed round; groups 1 and 8, so both the
@@ -11,7 +11,7 @@ CUDA-core and the tensor-core decode). It writes how long each took.
 
     python tools/gpu/warm_kernels.py --out warm.json [--fake --device cpu]
 
---fake runs the plumbing on CPU against tests/flashinfer_fake.py.
+--fake runs the plumbing on CPU against tests/support/flashinfer_fake.py.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))              # `tests` (the cases and the stand-in)
+sys.path.insert(0, str(REPO / "tests"))    # `support` (the cases and the stand-in)
 
 
 def combos() -> list[tuple[str, int, int | None]]:
     """(dtype, head_dim, window) of every module the device checks plan."""
-    from tests.teacher_forced import DEVICE_CASES
+    from support.teacher_forced import DEVICE_CASES
 
     out = []
     for c in DEVICE_CASES:
@@ -44,7 +44,7 @@ def warm_one(dtype: str, head_dim: int, window: int | None, device: str, fake: b
     import torch
 
     if fake:
-        from tests import flashinfer_fake
+        from support import flashinfer_fake
 
         sys.modules["flashinfer"] = flashinfer_fake
     from pdserve.kernels.flashinfer_attention import FlashInferAttention

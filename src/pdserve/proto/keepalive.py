@@ -29,7 +29,7 @@ Who sets what:
 
 gRPC 1.85's transport times a keepalive ping out by `grpc.http2.ping_timeout_ms`
 (a minute by default), not by `grpc.keepalive_timeout_ms` alone: both are
-set, or a stalled stream stays open for that minute (tests/test_liveness.py).
+set, or a stalled stream stays open for that minute (tests/engine/test_liveness.py).
 
 Clients of the router's API (client.py) set no keepalive: a router that
 freezes for a while must not end its clients' streams (it carries on

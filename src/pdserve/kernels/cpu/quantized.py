@@ -29,7 +29,7 @@ round's size: the leading rows of prefill chunks (`dense_rows`, hundreds
 of rows a chunk) multiply the dense copy, and decode and verify rows (a
 few per request) the kernels. A decode row therefore goes through the same
 kernel whether it runs alone, beside other decodes or beside a prefill
-chunk, and the kernels compute each row on its own (tests/test_gguf.py
+chunk, and the kernels compute each row on its own (tests/kernels/models/test_gguf.py
 holds a row's bits alone and batched); with the dense copy's products in
 an order pdserve's kernels fix (`dense_product`: cpu/dense.c or
 cpu/bf16.c, never torch's BLAS where they run), a request's tokens do not

@@ -1,0 +1,150 @@
+"""The captured decode step (kernels/capture.py): a decode round run over
+static buffers padded to a batch bucket gives the eager forward's logits
+(float32, within 1e-5) and the same greedy tokens, for Llama, Mistral's
+sliding window and Gemma 3's two cache groups; what it declines (state
+layers, mixed rounds, tables wider than its buckets) runs eagerly."""
+
+import random
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.attention import BatchMeta, SeqMeta
+from pdserve.kernels.capture import (CaptureMode, DecodeCapture, bucket_of, buckets,
+                                     choose_capture)
+from pdserve.kernels.models.loader import load_model
+from pdserve.scheduler.cache.groups import HOLE
+from pdserve.scheduler.config import ConfigError, EngineConfig
+
+transformers = pytest.importorskip("transformers")
+
+PS = 4
+TOL = 1e-5
+
+
+def mistral(tmp_path):
+    from support.checkpoints import hf_model
+    return hf_model(tmp_path, "mistral")[1]            # one group, every layer slides over 16
+
+
+def gemma3(tmp_path):
+    from support.checkpoints import gemma3_checkpoint
+    return gemma3_checkpoint(tmp_path)[1]              # a sliding group (8) and a full one
+
+
+def decode_round(model, pages: list[int], ctxs: list[int], rng: random.Random):
+    """One decode BatchMeta per cache group for sequences of `ctxs` tokens
+    (each decoding its last), their pages drawn from each group's pool; a
+    sliding group's pages below the window are HOLE."""
+    metas = []
+    for g, spec in enumerate(model.groups):
+        window = spec.window if spec.sliding else None
+        free = list(range(pages[g]))
+        rng.shuffle(free)
+        seqs, slots = [], []
+        for i, ctx in enumerate(ctxs):
+            n = -(-ctx // PS)
+            table = [free.pop() for _ in range(n)]
+            kv_start = max(ctx - window, 0) if window else 0
+            table = [HOLE] * (kv_start // PS) + table[kv_start // PS:]
+            p = ctx - 1
+            seqs.append(SeqMeta(i, 1, ctx, table, kv_start))
+            slots.append(table[p // PS] * PS + p % PS)
+        metas.append(BatchMeta(seqs, torch.tensor(slots), torch.tensor([c - 1 for c in ctxs]),
+                               num_decodes=len(ctxs), window=window))
+    return metas
+
+
+def fresh_metas(metas):
+    return [BatchMeta(m.seqs, m.slot_mapping, m.positions, m.num_decodes, m.window)
+            for m in metas]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "mistral", "gemma3"])
+def test_the_captured_step_gives_the_eager_logits(tmp_path, family):
+    path = {"tiny-llama": None, "mistral": mistral, "gemma3": gemma3}[family]
+    model, _ = load_model(path(tmp_path) if path else None, "tiny" if path is None else None,
+                          dtype="float32", attention="torch")
+    pages = [96] * len(model.groups)
+    caches = model.new_caches([p + 1 for p in pages], PS)     # the last page: the scratch
+    torch.manual_seed(1)
+    for c in caches:
+        c.data.normal_()
+    windows = [s.window if s.sliding else None for s in model.groups]
+    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=8, max_pages=16,
+                        windows=windows)
+    assert cap.capture() >= 0 and cap.batch_sizes == [1, 2, 4, 8]
+    rng = random.Random(0)
+    for ctxs in ([5], [9, 30, 2], [17, 4, 33, 12, 8], [40] * 8):
+        metas = decode_round(model, pages, ctxs, rng)
+        ids = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in ctxs])
+        assert cap.covers(metas)
+        got = cap.run(ids, metas)
+        want = model.forward(ids, fresh_metas(metas), caches, torch.arange(len(ctxs)))
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert (got - want).abs().max() < TOL, (family, ctxs)
+    assert cap.replays == 4
+
+
+def test_a_round_it_cannot_run_goes_back_to_eager():
+    model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
+    caches = model.new_caches([33], PS)
+    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=4, max_pages=4,
+                        windows=[None])
+    rng = random.Random(0)
+    assert not cap.covers(decode_round(model, [32], [3] * 5, rng))     # past the largest batch
+    assert cap.run(torch.zeros(1, dtype=torch.long),
+                   decode_round(model, [32], [30], rng)) is None       # 8 pages > 4
+    mixed = decode_round(model, [32], [6, 3], rng)
+    mixed[0].num_decodes = 1                                            # a prefill among them
+    assert not cap.covers(mixed)
+
+
+def test_buckets_are_powers_of_two_up_to_the_limit():
+    assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6] and buckets(8) == [1, 2, 4, 8]
+    assert bucket_of(3, [1, 2, 4, 6]) == 4 and bucket_of(7, [1, 2, 4, 6]) is None
+
+
+def test_auto_captures_on_cuda_only_and_says_why_not(tmp_path):
+    model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
+    assert choose_capture("auto", model) == (
+        CaptureMode.OFF, "auto on CPU: torch.compile's decode step did not pay for its compile "
+        "on a two-core host (docs/benchmarks.md); capture: on compiles it")
+    assert choose_capture("on", model)[0] is CaptureMode.COMPILE
+    assert choose_capture("off", model) == (CaptureMode.OFF, "engine.capture is off")
+    from support.checkpoints import lfm2_checkpoint
+    hybrid, _ = load_model(lfm2_checkpoint(tmp_path / "lfm2")[1], None, dtype="float32")
+    assert choose_capture("on", hybrid) == (CaptureMode.OFF,
+                                            "the model's state layers run eagerly")
+
+
+def test_a_bad_capture_setting_is_a_clear_error():
+    with pytest.raises(ConfigError, match="engine.capture is 'yes'; use auto"):
+        EngineConfig(capture="yes")
+
+
+@pytest.mark.parametrize("family", ["tiny-llama",
+                                    pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_an_engine_with_the_step_captured_generates_the_same_tokens(tmp_path, monkeypatch,
+                                                                    family):
+    """Served rounds through the capture (its static buffers, run eagerly:
+    what COMPILE and CUDA_GRAPH record) give eager's greedy tokens."""
+    import pdserve.engine.torch_executor as executor
+
+    model = {"preset": "tiny"} if family == "tiny-llama" else {"path": str(gemma3(tmp_path))}
+    engine = dict(page_size=PS, total_pages=128, sliding_pages=128, max_batch_size=6,
+                  max_scheduled_tokens=32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 90) for _ in range(n)] for n in (5, 23, 40, 11, 17)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens():
+        llm = LLM({"model": model}, dtype="float32", attention="torch", **engine)
+        return llm, [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    eager_llm, want = tokens()
+    assert eager_llm.executor.capture is None
+    monkeypatch.setattr(executor, "choose_capture", lambda setting, m: (CaptureMode.STATIC, "t"))
+    llm, got = tokens()
+    assert got == want
+    assert llm.executor.capture.replays >= 10         # the decode rounds went through it

@@ -1,0 +1,41 @@
+"""tools/gpu: the offline GPU host's wheelhouse and device-check script,
+checked on CPU as far as CPU goes."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools" / "gpu"
+
+
+def test_the_device_check_dry_run_collects_the_device_tests_without_ray(tmp_path):
+    """The script's --dry-run on CPU, with ray made unimportable as on the
+    GPU host: the device tests collect, and each benchmark asked for CUDA
+    stops with its one-line error."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(TOOLS / "run_device_checks.sh"), str(out), "--dry-run",
+                          "--steps", "import,tests,bench-llm,bench-transfer"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    log = (out / "log.txt").read_text()
+    assert run.returncode == 0, log[-3000:]
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [(name, rc) for name, rc, _ in steps] == [
+        ("import", "0"), ("tests", "0"), ("bench-llm", "0"), ("bench-transfer", "0")]
+    assert "ray: ray is not installed on the GPU host" in log
+    collected = re.search(r"(\d+)/(\d+) tests collected", log)
+    assert collected and int(collected.group(1)) >= 24, log[-3000:]
+    for what in ("llm", "transfer"):
+        assert (out / f"bench_{what}.txt").read_text().startswith(
+            "pdserve: error: device 'cuda': no CUDA GPU is usable here")
+
+
+def test_the_wheelhouse_pins_the_flashinfer_the_gpu_extra_pins():
+    script = (TOOLS / "build_wheelhouse.sh").read_text()
+    pinned = re.search(r'flashinfer-python==([\w.]+)', (ROOT / "pyproject.toml").read_text())
+    assert pinned and f"FLASHINFER={pinned.group(1)}\n" in script
+    assert "LIMIT_MIB=60" in script
+    assert "/.whl/" in (ROOT / ".gitignore").read_text().split()
