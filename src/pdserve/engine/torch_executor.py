@@ -40,12 +40,13 @@ from pdserve.kernels.models.state_cache import StateCache
 from pdserve.engine.disk.groups import StateFiles, window_files
 from pdserve.engine.disk.model_match import check_model_served
 from pdserve.engine.disk.tier import DiskTier
-from pdserve.engine.grammar import RequestGrammars, RoundMasks
+from pdserve.engine.grammar import RequestGrammars
 from pdserve.engine.round_stage import StagedRound, stage_round
 from pdserve.engine.spec.draft import load_draft
 from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.engine.spec.speculation import Speculation
+from pdserve.engine.tier_copies import copy_between_tiers
 from pdserve.engine.tracked import Tracked, penalty_history
 from pdserve.scheduler.cache.groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
@@ -236,7 +237,7 @@ class TorchExecutor:
     def run(self, plan: Plan) -> StepResult:
         self._sampled = None        # a round run in place feeds nothing from the device
         t0, c0 = time.perf_counter(), time.process_time()
-        result = self._copies(plan)
+        result, self._disk_missed = copy_between_tiers(self, plan)
         if not (plan.prefills or plan.decodes):
             return result
         staged, rows, spec = self._stage(plan)
@@ -244,7 +245,8 @@ class TorchExecutor:
         keep_up = self._keep_up(plan, copy=False)
         logits = self._compute(staged)
         if masks is not None:
-            logits = _masked(logits, masks.result())
+            m = masks.result()
+            logits = apply_grammar_masks(logits, m.rows, m.bits)
         n = len(rows)
         tokens, logprobs = sample(logits[:n], *self._sample_inputs(rows)) if rows else ([], [])
         if spec is not None:
@@ -263,7 +265,7 @@ class TorchExecutor:
         request was sampled by the forward launched last takes that token
         from the device tensor it was sampled into, not from the host list
         (which that round's apply may not have filled yet). `wait` lands it."""
-        result = self._copies(plan)
+        result, self._disk_missed = copy_between_tiers(self, plan)
         if not (plan.prefills or plan.decodes):
             self._sampled = None
             return Launched(plan, result, [], None)
@@ -298,7 +300,8 @@ class TorchExecutor:
         """The forward thread's part: nothing here reads planner state."""
         logits = self._compute(staged)
         if masks is not None:
-            logits = _masked(logits, masks.result())
+            m = masks.result()
+            logits = apply_grammar_masks(logits, m.rows, m.bits)
         if spec is not None:
             spec.tokens = verify(logits[n:], spec.rows)
         if inputs is None:
@@ -324,34 +327,6 @@ class TorchExecutor:
             close()
 
     # ---- the parts of a round ---------------------------------------------------------
-    def _copies(self, plan: Plan) -> StepResult:
-        """Stores, then loads, each acked: done before the forward reads them."""
-        result = StepResult()
-        for s in plan.stores:
-            host, dev = self.hosts[s.group], self.caches[s.group]
-            if s.group == self.state:
-                host.copy_slots_from(dev, s.device_pages, s.host_pages)
-            else:
-                host.copy_pages_from(dev, s.device_pages, s.host_pages)
-            result.stores_done.append(s.id)
-        if self.disk is not None:
-            if plan.stores and self.data_is_cuda():     # the stores on host before they go to disk
-                torch.cuda.current_stream(self.cache.data.device).synchronize()
-            self._disk_missed = self.disk.copies(
-                plan, result, self.hosts[0], self.hosts[self.state] if self.state is not None
-                else None, self.hosts)
-        for ld in plan.loads:
-            host, dev = self.hosts[ld.group], self.caches[ld.group]
-            if ld.group == self.state:
-                dev.copy_slots_from(host, ld.host_pages, ld.device_pages)
-            else:
-                dev.copy_pages_from(host, ld.host_pages, ld.device_pages)
-            result.loads_done.append(ld.id)
-        if (plan.stores or plan.loads) and self.cache.data.is_cuda:
-            # the copies are queued on the stream: done before they are acked
-            torch.cuda.current_stream(self.cache.data.device).synchronize()
-        return result
-
     def state_files(self) -> StateFiles | None:
         """What the disk tier needs of a state group (None: none)."""
         if self.state is None:
@@ -509,12 +484,6 @@ class TorchExecutor:
         """Bytes of one page (a state group: one slot) of each group."""
         return [c.slot_bytes() if g == self.state else c.data[0].nbytes
                 for g, c in enumerate(self.caches)]
-
-
-def _masked(logits: torch.Tensor, masks: RoundMasks) -> torch.Tensor:
-    """The forward's logits with each constrained row's forbidden tokens
-    at -inf, before sampling and verifying read them."""
-    return apply_grammar_masks(logits, masks.rows, masks.bits)
 
 
 def _check_groups(groups, model) -> None:
