@@ -25,7 +25,7 @@ from pdserve.config import ServeConfig, engine_for_model, load_config
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.tp.leader import load_engine_model
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.scheduler.capacity import ingest_error
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.request import Request, SamplingLimits

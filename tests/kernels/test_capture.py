@@ -130,7 +130,7 @@ def test_an_engine_with_the_step_captured_generates_the_same_tokens(tmp_path, mo
                                                                     family):
     """Served rounds through the capture (its static buffers, run eagerly:
     what COMPILE and CUDA_GRAPH record) give eager's greedy tokens."""
-    import pdserve.engine.torch_executor as executor
+    import pdserve.engine.executor.torch_executor as executor
 
     model = {"preset": "tiny"} if family == "tiny-llama" else {"path": str(gemma3(tmp_path))}
     engine = dict(page_size=PS, total_pages=128, sliding_pages=128, max_batch_size=6,

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kernels.sampling import _penalize, sample
 from pdserve.text.sampling_params import SamplingParams
-from pdserve.engine.tracked import Tracked, penalty_history
+from pdserve.engine.executor.tracked import Tracked, penalty_history
 
 VOCAB = 50
 

@@ -21,7 +21,7 @@ LONG_FUNCTIONS = {
     "cli/plan.py:run": "the command's steps in order",
     "cli/demo.py:main": "the demo's steps in order",
     "cluster/actors.py:build_engine_server": "an engine's parts wired in one place",
-    "engine/torch_executor.py:__init__": "the pools in the order they are made",
+    "engine/executor/torch_executor.py:__init__": "the pools in the order they are made",
     "router/metrics.py:collect": "one metric family after another",
     "scheduler/config.py:__post_init__": "engine.* checked field by field",
     "text/sampling_params.py:__post_init__": "the sampling fields checked one by one",

@@ -13,7 +13,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.engine.local_pair import LocalPair
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.engine.tp.transfer import kv_layout
 from pdserve.kernels.models.loader import load_model
 from pdserve.scheduler.config import EngineConfig

@@ -30,7 +30,7 @@ from pdserve.engine.lora.adapters import EngineAdapters
 from pdserve.engine.server import EngineServer
 from pdserve.engine.outputs import Outputs
 from pdserve.engine.peer.protocol import PeerTimeouts
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.engine.tp.leader import load_engine_model
 from pdserve.scheduler.capacity import capacity_line, capacity_report
 from pdserve.scheduler.round.grammar import Role

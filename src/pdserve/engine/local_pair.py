@@ -11,7 +11,7 @@ import torch
 
 from pdserve.text.sampling_params import SamplingParams
 from pdserve.engine.grammar import grammar_holds
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner

@@ -138,7 +138,7 @@ class EngineLoop:
                  transport: KvTransport | None, peer: PeerProtocol, inbox: Inbox, drain: Drain,
                  counts: EngineCounters, outputs: Outputs,
                  after_abort: dict[str, Callable[[], None]], hooks: LoopHooks):
-        """`executor`: the server's (engine/torch_executor.py), read for a
+        """`executor`: the server's (engine/executor/torch_executor.py), read for a
         request's logprobs; `after_abort`: the server's own dict of what to
         do once an abort that waited for its request's forward takes effect
         (engine.overlap): this loop runs and drops them."""

@@ -68,7 +68,7 @@ class EngineServer:
                  timeouts: PeerTimeouts = PeerTimeouts(), sender: PeerSender | None = None,
                  control_tls: ControlTls | None = None, vocab_size: int | None = None,
                  on_stuck: Callable[[str], None] | None = None):
-        """`executor`: runs a plan (engine/torch_executor.py); `make_outputs`:
+        """`executor`: runs a plan (engine/executor/torch_executor.py); `make_outputs`:
         builds the output thread's end, given what it calls on a stop string;
         `transport`: the KvTransport of a P or D (None on a fused engine), of
         this `incarnation`; `capacity`: the KV capacity report the engine's

@@ -19,7 +19,7 @@ from pdserve.engine.disk.groups import window_files
 from pdserve.engine.disk.model_match import weights_fingerprint
 from pdserve.engine.disk.tier import DiskTier
 from pdserve.engine.engine import Engine
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.scheduler.config import DiskCacheConfig
 from pdserve.scheduler.round.grammar import Role
 from pdserve.scheduler.planner import Planner

@@ -19,7 +19,7 @@ import torch
 
 from pdserve.kernels.models.loader import attention_shape, load_model
 from pdserve.kernels.models.model_config import ModelError, read_config
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.scheduler.cache.groups import FULL, HOLE
 from pdserve.scheduler.config import EngineConfig
 from pdserve.scheduler.fsm import Decoding, Prefilling, Resources

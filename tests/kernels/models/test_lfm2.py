@@ -83,7 +83,7 @@ def test_greedy_tokens_through_the_engine_match_transformers(checkpoint):
 def test_p_d_transfers_move_the_conv_state_alone(checkpoint):
     """LFM2 keeps no recurrent state: a slot travels as its conv row only
     (an empty tensor cannot be registered with NIXL)."""
-    from pdserve.engine.torch_executor import TorchExecutor
+    from pdserve.engine.executor.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
 
     _, d = checkpoint

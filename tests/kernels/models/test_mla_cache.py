@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.torch_executor import TorchExecutor
+from pdserve.engine.executor.torch_executor import TorchExecutor
 from pdserve.kernels.models.loader import load_model
 from pdserve.scheduler.capacity import capacity_report
 from pdserve.scheduler.config import EngineConfig

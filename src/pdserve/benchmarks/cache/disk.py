@@ -97,7 +97,7 @@ class Bench:
         before reads had their own), or none: (executor, engine)."""
         from pdserve.engine.disk.tier import DiskTier
         from pdserve.engine.engine import Engine
-        from pdserve.engine.torch_executor import TorchExecutor
+        from pdserve.engine.executor.torch_executor import TorchExecutor
         from pdserve.scheduler.config import DiskCacheConfig, PrefetchPolicy
         from pdserve.scheduler.planner import Planner
         from pdserve.transfer.disk.files import FileStore

@@ -36,7 +36,7 @@ def _fused(model: str, batch: int, prompt_len: int, max_tokens: int, threads: in
 
     from pdserve.kernels.models.loader import load_model
     from pdserve.text.sampling_params import SamplingParams
-    from pdserve.engine.torch_executor import TorchExecutor
+    from pdserve.engine.executor.torch_executor import TorchExecutor
     from pdserve.scheduler.config import EngineConfig
     from pdserve.scheduler.round.grammar import Role
     from pdserve.scheduler.planner import Planner

@@ -47,7 +47,7 @@ def _loop_now(tok, ids) -> float:
     """CPU seconds per token on the loop thread: on_token, then one handoff."""
     from pdserve.text.sampling_params import SamplingParams
     from pdserve.engine.outputs import OutputItem, Outputs
-    from pdserve.engine.torch_executor import TorchExecutor
+    from pdserve.engine.executor.torch_executor import TorchExecutor
 
     ex = TorchExecutor.__new__(TorchExecutor)         # the per-token state only, no model
     ex.detokenize, ex.tokenizer, ex.eos, ex.tracked = False, tok, {tok.eos_token_id}, {}

@@ -101,7 +101,7 @@ def prompts_for(tokenizer, n: int) -> list:
 
 def build(model, tokenizer, cfg):
     from pdserve.engine.engine import Engine
-    from pdserve.engine.torch_executor import TorchExecutor
+    from pdserve.engine.executor.torch_executor import TorchExecutor
     from pdserve.scheduler.planner import Planner
 
     ex = TorchExecutor(model, tokenizer, cfg, detokenize=False)

@@ -98,7 +98,7 @@ def _valid(text: str, schema: dict) -> bool:
 class _Fused:
     def __init__(self, model, tok, cfg):
         from pdserve.engine.engine import Engine
-        from pdserve.engine.torch_executor import TorchExecutor
+        from pdserve.engine.executor.torch_executor import TorchExecutor
         from pdserve.scheduler.planner import Planner
 
         self.ex = TorchExecutor(model, tok, cfg, detokenize=False)

@@ -101,7 +101,7 @@ class Harness:
         """`clock`: "wall" (perf_counter), or "cpu": this thread's CPU time,
         which leaves out the time other processes held the core (a CPU
         engine of one thread computes on the calling thread)."""
-        from pdserve.engine.torch_executor import TorchExecutor
+        from pdserve.engine.executor.torch_executor import TorchExecutor
 
         self.model = model
         self.cfg = engine_cfg

@@ -41,13 +41,13 @@ from pdserve.engine.disk.groups import StateFiles, window_files
 from pdserve.engine.disk.model_match import check_model_served
 from pdserve.engine.disk.tier import DiskTier
 from pdserve.engine.grammar import RequestGrammars
-from pdserve.engine.round_stage import StagedRound, stage_round
+from pdserve.engine.executor.round_stage import StagedRound, stage_round
 from pdserve.engine.spec.draft import load_draft
 from pdserve.engine.spec.round import (SpecRound, check_speculation, draft_ask, round_rows,
                                       keep_up_asks, speculates_now)
 from pdserve.engine.spec.speculation import Speculation
-from pdserve.engine.tier_copies import copy_between_tiers
-from pdserve.engine.tracked import Tracked, penalty_history
+from pdserve.engine.executor.tier_copies import copy_between_tiers
+from pdserve.engine.executor.tracked import Tracked, penalty_history
 from pdserve.scheduler.cache.groups import StateBlocks
 from pdserve.scheduler.capacity import group_pages
 from pdserve.scheduler.config import EngineConfig
@@ -429,7 +429,7 @@ class TorchExecutor:
 
     def _stage(self, plan: Plan, feed=None, own_tables: bool = False):
         """The round's StagedRound, the requests of its sampling rows and its
-        SpecRound (engine/round_stage.py). `feed`: (the last launched round's
+        SpecRound (engine/executor/round_stage.py). `feed`: (the last launched round's
         sampled tokens on the device, request id -> row); `own_tables`:
         copy the block tables, which the next round's build may change
         while this forward runs."""
