@@ -113,7 +113,8 @@ def _stats(resp) -> list[dict]:
             "transfer_failures", "transfer_bytes", "lease_expiries", "fences", "stalls",
             "quarantined_pages", "stale_jobs", "stale_messages",
             "prefix_queries", "prefix_hits", "dtype", "attention", "kv_capacity_tokens",
-            "rounds", "round_seconds", "round_cpu_seconds", "round_tokens")
+            "rounds", "round_seconds", "round_cpu_seconds", "round_tokens",
+            "unhealthy", "loop_quiet_s", "outputs_busy_s")
     out = []
     for e in resp.engines:
         row = {k: getattr(e, k) for k in keys}
@@ -215,7 +216,7 @@ class Client:
                 "max_prompt_tokens": i.max_prompt_tokens,
                 "engines": [{"name": e.name, "role": e.role, "address": e.address,
                              "incarnation": e.incarnation, "alive": e.alive,
-                             "draining": e.draining,
+                             "draining": e.draining, "unhealthy": e.unhealthy,
                              "kv_capacity_tokens": e.kv_capacity_tokens} for e in i.engines]}
 
     def drain(self, engine: str, deadline_s: float | None = None) -> dict:

@@ -284,6 +284,9 @@ def test_a_subscribe_stream_cancelled_under_the_link_is_a_broken_stream_not_its_
         subs = []
 
         class Engine:
+            async def GetInfo(self, req, timeout):      # the link's probe: healthy
+                return cpb.InfoResponse()
+
             def Subscribe(self, req):
                 subs.append(req.subscriber)
                 first = len(subs) == 1

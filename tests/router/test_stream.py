@@ -608,3 +608,203 @@ def test_an_engine_refuses_a_submit_for_a_subscription_it_does_not_have_as_stale
         s.submit(cpb.SubmitRequest(request_id="x", token_ids=[1, 2], subscriber="router/2",
                                    sampling=sampling, prefill_peer="prefill-9"))
     assert not s.planner.requests
+
+
+# ---- liveness: an engine that is unhealthy or silent (router/engines/link.py) -------
+
+def _deadline_exceeded():
+    import grpc
+
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details="Deadline Exceeded")
+
+
+async def _until(cond, what: str, bound: float = 5.0) -> None:
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + bound
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.001)
+
+
+def test_a_request_an_unhealthy_engine_sends_nothing_moves_and_its_copy_is_aborted_there():
+    """fused-0 streams two tokens, then its loop sticks: it answers
+    unhealthy. Nothing moves before the request has heard nothing for
+    router.engine_silent_s; then it is resubmitted to fused-1 with the two
+    tokens (counted stalled), and fused-0 is picked no more while it holds
+    the copy. An Abort of the copy sent while the engine is stuck times
+    out; the engine's next healthy answer sends it again, and once it is
+    answered fused-0 serves again."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 2, "prefill": 0, "decode": 0})
+    aborts, stuck = [], [True]
+
+    class Stuck:
+        async def Submit(self, sub, timeout):
+            r.links["fused-0"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[7, 8], text="ab"))
+
+        async def Abort(self, req, timeout):
+            aborts.append(req.request_id)
+            if stuck[0]:
+                raise _deadline_exceeded()
+            return cpb.Ack(ok=True)
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            assert list(sub.token_ids) == [1, 2, 7, 8] and sub.prior_output == 2
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[9], text="c", finish_reason="length"))
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        for name, stub in (("fused-0", Stuck()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            r.engines[name].healthy_at = loop.time()
+            linked(r, name)
+        ref, link = r.engines["fused-0"], r.links["fused-0"]
+        got: list = []
+
+        async def client():
+            async for d in r.open([1, 2], SamplingParams(max_tokens=3)).events():
+                got.extend(d.token_ids)
+        task = asyncio.ensure_future(client())
+        await _until(lambda: got == [7, 8], "the first tokens")
+        now = loop.time()
+        link.answered(cpb.InfoResponse(unhealthy="loop thread stuck for 6.0 s"), now)
+        assert not ref.serving
+        assert link.check(now + 4.9) == 0             # heard from 4.9 s ago: not yet
+        assert link.check(now + 5.0) == 1
+        await asyncio.wait_for(task, 5)
+        assert got == [7, 8, 9] and len(ref.orphans) == 1   # the copy fused-0 may hold
+        rid = next(iter(ref.orphans))
+        link.check(now + 6)                            # an Abort while stuck: times out
+        await _until(lambda: aborts == [rid] and link._aborting.done(), "the first abort")
+        assert ref.orphans == {rid} and not ref.serving
+        stuck[0] = False
+        link.answered(cpb.InfoResponse(), now + 7)     # healthy again: at once, again
+        await _until(lambda: not ref.orphans, "the orphan aborted")
+        assert aborts == [rid, rid] and ref.serving
+    asyncio.run(go())
+    assert r.counters == {"resubmitted": 1, "stalled": 1}
+
+
+def test_a_quiet_request_stays_on_a_healthy_engine_and_leaves_a_silent_one():
+    """A request that hears nothing (queued behind others, a long prefill)
+    stays while its engine answers healthy, however long; once the engine
+    has not answered healthy for engine_silent_s it is silent: not picked,
+    and the request moves."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 2, "prefill": 0, "decode": 0})
+
+    class Quiet:
+        async def Submit(self, sub, timeout):
+            pass
+
+        async def Abort(self, req, timeout):
+            return cpb.Ack(ok=True)
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[9], text="c", finish_reason="length"))
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        for name, stub in (("fused-0", Quiet()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            linked(r, name)
+        ref, link = r.engines["fused-0"], r.links["fused-0"]
+        # a whole number: the sums below stay exact
+        now = ref.healthy_at = r.engines["fused-1"].healthy_at = float(int(loop.time()))
+        task = asyncio.ensure_future(_tokens(r.open([1, 2], SamplingParams(max_tokens=1))))
+        await _until(lambda: link.requests, "submitted")
+        for t in (10, 100, 1000):                     # answering healthy all along
+            link.answered(cpb.InfoResponse(), now + t - 1)
+            assert link.check(now + t) == 0 and ref.serving
+        assert link.check(now + 1003.9) == 0 and ref.serving
+        assert link.check(now + 1004) == 1
+        assert ref.unhealthy == "silent: no healthy answer for 5.0 s" and not ref.serving
+        return await asyncio.wait_for(task, 5)
+    assert asyncio.run(go()) == [9]
+    assert r.counters == {"resubmitted": 1, "stalled": 1}
+
+
+def test_a_request_whose_submit_sits_on_a_stalled_engine_moves_and_is_orphaned_once_taken():
+    """The Submit hangs (the loop that would take it is stuck): the request
+    moves once the engine is unhealthy and the request heard nothing for
+    engine_silent_s, without waiting out the Submit's 30 s. Its copy is
+    left to abort only once that Submit ends taken: an Abort sent before
+    could overtake it."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 2, "prefill": 0, "decode": 0})
+    taken = None
+
+    class Stuck:
+        async def Submit(self, sub, timeout):
+            await taken.wait()
+
+    class Serving:
+        async def Submit(self, sub, timeout):
+            r.links["fused-1"].requests[sub.request_id].put(cpb.RequestEvent(
+                request_id=sub.request_id, token_ids=[9], text="c", finish_reason="length"))
+
+    async def go():
+        nonlocal taken
+        taken = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for name, stub in (("fused-0", Stuck()), ("fused-1", Serving())):
+            r.engines[name].stub = stub
+            r.engines[name].healthy_at = loop.time()
+            linked(r, name)
+        ref, link = r.engines["fused-0"], r.links["fused-0"]
+        task = asyncio.ensure_future(_tokens(r.open([1, 2], SamplingParams(max_tokens=1))))
+        await _until(lambda: link.requests, "submitted")
+        now = loop.time()
+        link.answered(cpb.InfoResponse(unhealthy="loop thread stuck for 9.0 s"), now)
+        assert link.check(now + 5) == 1
+        assert await asyncio.wait_for(task, 5) == [9]
+        assert not ref.orphans                         # its Submit has not ended
+        taken.set()
+        await _until(lambda: ref.orphans, "orphaned once taken")
+    asyncio.run(go())
+    assert r.counters == {"resubmitted": 1, "stalled": 1}
+
+
+def test_an_unhealthy_engine_is_named_in_a_refusal_and_listed_in_stats_by_its_health():
+    """No engine healthy: a request is refused naming why; `stats` lists
+    an engine whose Stats did not answer (its loop is stuck) with its
+    health, rather than leaving it out."""
+    import asyncio
+
+    import pytest
+
+    from pdserve import SamplingParams
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+
+    class Stuck:
+        async def Stats(self, req, timeout):
+            raise _deadline_exceeded()
+
+    ref = r.engines["fused-0"]
+    ref.stub, ref.unhealthy, ref.loop_quiet_s = Stuck(), "loop thread stuck for 7.0 s", 7.0
+    with pytest.raises(RequestError, match=r"fused-0 is unhealthy \(loop thread stuck"):
+        r.open([1, 2], SamplingParams(max_tokens=1))
+    (e,) = asyncio.run(r.stats()).engines
+    assert (e.name, e.role, e.unhealthy, e.loop_quiet_s, e.total_pages) == \
+        ("pdserve:fused-0", "fused", "loop thread stuck for 7.0 s", 7.0, 0)

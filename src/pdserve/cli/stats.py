@@ -1,5 +1,6 @@
 """`pdserve stats`: a running deployment's engines, a row each (pages,
-requests, transfers), then what only some engines have: cache groups,
+requests, transfers), then what only some engines have: ill health (a
+stuck loop or output thread, silence), cache groups,
 speculation (mean acceptance length, the gate), round timings, why requests
 wait."""
 
@@ -25,6 +26,11 @@ def run(args) -> int:
             print(f"{r['name']:<20} {r['role']:<8} {r['used_pages']:>6} {r['pinned_pages']:>6} "
                   f"{r['total_pages']:>6} {r['running']:>7} {r['waiting']:>7} "
                   f"{r['transfers']:>9} {r['finished']:>8}")
+        for r in rows:
+            if r["unhealthy"]:
+                print(f"  {r['name']} is unhealthy: {r['unhealthy']} (loop quiet "
+                      f"{r['loop_quiet_s']:.1f} s, output thread on one batch "
+                      f"{r['outputs_busy_s']:.1f} s)")
         for r in rows:
             if r["quarantined_pages"] or r["stale_jobs"] or r["stale_messages"]:
                 print(f"  {r['name']} holds {r['quarantined_pages']} landing pages quarantined "

@@ -271,7 +271,7 @@ class HttpFront:
     async def metrics(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
-        text = self.r.metrics.render(await self.r.engine_stats())
+        text = self.r.metrics.render(await self.r.engine_stats(), self.r.engines.values())
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request):

@@ -48,6 +48,10 @@ class RouterMetrics:
         self.resubmitted = Counter(P + "requests_resubmitted",
                                    "Requests moved to another engine after theirs died",
                                    registry=r)
+        self.stalled = Counter(P + "requests_stalled", "Requests moved off an engine that was "
+                               "unhealthy or silent and sent them nothing for "
+                               "router.engine_silent_s (each also counts as resubmitted)",
+                               ["engine"], registry=r)
         self._engines = _EngineCollector()
         r.register(self._engines)
         self._series: dict[str, tuple] = {}
@@ -83,14 +87,15 @@ class RouterMetrics:
     def request(self, prompt_tokens: int, arrived: float) -> "RequestTiming":
         return RequestTiming(self, prompt_tokens, arrived)
 
-    def render(self, engine_stats) -> bytes:
+    def render(self, engine_stats, engines=()) -> bytes:
         """The exposition text, engines' series from `engine_stats`:
-        [(EngineRef, EngineStatsResponse)] fetched just now."""
-        self._engines.snapshot = engine_stats
+        [(EngineRef, EngineStatsResponse)] fetched just now; and from
+        `engines` (EngineRefs), their liveness as the router sees it."""
+        self._engines.snapshot, self._engines.refs = engine_stats, list(engines)
         try:
             return generate_latest(self.registry)
         finally:
-            self._engines.snapshot = []
+            self._engines.snapshot, self._engines.refs = [], []
 
 
 class RequestTiming:
@@ -159,6 +164,7 @@ _COUNTERS = (
 class _EngineCollector:
     def __init__(self):
         self.snapshot = []
+        self.refs = []
 
     def describe(self):
         return []                          # scraped on demand: nothing to check at register
@@ -227,6 +233,28 @@ class _EngineCollector:
         yield disk
         yield lora
         yield from spec.families()
+        yield from _liveness(self.refs)
+
+
+def _liveness(refs):
+    """Each engine's health as its link last saw it (router/engines/link.py)."""
+    labels = ["engine", "role"]
+    healthy = GaugeMetricFamily(P + "engine_healthy", "1 while the engine answers healthy "
+                                "(its loop and output thread progress), else 0: the router "
+                                "moves its requests and picks it no more", labels=labels)
+    quiet = GaugeMetricFamily(P + "engine_loop_quiet_seconds", "Since the engine's loop "
+                              "thread last ended a pass, at its last answer", labels=labels)
+    busy = GaugeMetricFamily(P + "engine_outputs_busy_seconds", "How long the engine's output "
+                             "thread had been on one batch at its last answer (0: idle)",
+                             labels=labels)
+    for ref in refs:
+        labels = [ref.name, ref.role]
+        healthy.add_metric(labels, 0.0 if ref.unhealthy else 1.0)
+        quiet.add_metric(labels, ref.loop_quiet_s)
+        busy.add_metric(labels, ref.outputs_busy_s)
+    yield healthy
+    yield quiet
+    yield busy
 
 
 class SpecMetrics:

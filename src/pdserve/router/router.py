@@ -120,7 +120,7 @@ class Router:
         # runtime loads and unloads replayed on engines that (re)join
         self.adapter_sync = AdapterSync(self.adapters)
         self.active: dict[str, tuple | None] = {}   # request id -> (engine, P) once paired
-        self.counters = {"resubmitted": 0}
+        self.counters = {"resubmitted": 0, "stalled": 0}
         self.errors: list[str] = []             # membership rounds that failed (tests assert none)
         self.metrics = RouterMetrics()
         # what each Stream uses of this router (the dicts shared, not copied)
@@ -270,11 +270,22 @@ class Router:
         return [(r, s) for r, s in zip(refs, got) if not isinstance(s, Exception)]
 
     async def stats(self) -> pb.StatsResponse:
+        """Each engine's stats and its liveness as the router sees it. An
+        engine that did not answer (a stuck loop, a frozen process) is
+        listed with its liveness alone; one drained and retired is not."""
+        got = {ref.name: s for ref, s in await self.engine_stats()}
+        copied = ({f.name for f in pb.EngineStats.DESCRIPTOR.fields} - {"name"}) & \
+            {f.name for f in cpb.EngineStatsResponse.DESCRIPTOR.fields}
         out = []
-        for ref, s in await self.engine_stats():
-            fields = {f.name for f in pb.EngineStats.DESCRIPTOR.fields} - {"name"}
-            e = pb.EngineStats(name=f"pdserve:{ref.name}", address=ref.address)
-            for f in fields & {f.name for f in cpb.EngineStatsResponse.DESCRIPTOR.fields}:
+        for ref in self.engines.values():
+            s = got.get(ref.name)
+            if s is None and (ref.stub is None or (ref.draining and not ref.alive)):
+                continue
+            e = pb.EngineStats(name=f"pdserve:{ref.name}", address=ref.address, role=ref.role,
+                               unhealthy=ref.unhealthy or ("" if s is not None
+                                                           else "no answer to Stats"),
+                               loop_quiet_s=ref.loop_quiet_s, outputs_busy_s=ref.outputs_busy_s)
+            for f in copied if s is not None else ():
                 value = getattr(s, f)
                 if hasattr(value, "items"):         # a map field
                     getattr(e, f).update(value)
@@ -297,7 +308,7 @@ class Router:
             engines=[pb.EngineInfo(name=f"pdserve:{e.name}", role=e.role,
                                    incarnation=e.incarnation, alive=e.alive,
                                    kv_capacity_tokens=e.kv_capacity_tokens,
-                                   draining=e.draining)
+                                   draining=e.draining, unhealthy=e.unhealthy)
                      for e in self.engines.values()])
 
     # ---- draining --------------------------------------------------------------------
@@ -364,7 +375,7 @@ class Router:
         self.engines[name] = ref
         await membership.refresh(self.engines, self.resolver, self._dial,
                                  self.adapter_sync.observe)
-        self.links[name] = link = EngineLink(ref, self.id)
+        self.links[name] = link = EngineLink(ref, self.id, self.cfg.router.engine_silent_s)
         link.start()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(link.ready.wait(), ADD_ENGINE_WAIT_S)
@@ -427,7 +438,7 @@ class Router:
             membership.connect(ref, ref.address, dial)
         await membership.refresh(self.engines, self.resolver, dial, self.adapter_sync.observe)
         for ref in self.engines.values():
-            self.links[ref.name] = link = EngineLink(ref, self.id)
+            self.links[ref.name] = link = EngineLink(ref, self.id, self.cfg.router.engine_silent_s)
             link.start()
         live = [self.links[r.name].ready.wait() for r in self.engines.values() if r.alive]
         with contextlib.suppress(asyncio.TimeoutError):   # a slow one joins when it can

@@ -2,8 +2,11 @@
 (pairing.py), submits it to the engine that decodes it, and yields its
 tokens as `Delta`s from that engine's event stream (engine_link.py). Events
 that pile up while the client is still reading go out as one delta. If the
-engine dies mid-stream, the request is resubmitted to a live one with the
-tokens already streamed; if the client leaves, the engine is told to abort.
+engine dies mid-stream, or its link finds it unhealthy or silent while the
+request hears nothing (STALLED), the request is resubmitted to a live one
+with the tokens already streamed (a stalled engine may still hold it: its
+link aborts it there later); if the client leaves, the engine is told to
+abort.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdserve.router.engines.link import LOST, EngineLink
+from pdserve.router.engines.link import LOST, STALLED, EngineLink, LinkSignal
 from pdserve.router.errors import ErrorKind, RequestError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.engines.pairing import EngineRef, Pairing
@@ -69,7 +72,7 @@ class StreamContext:
     pairing: Pairing                         # picks the engines of each attempt
     links: dict[str, EngineLink]             # engine name -> its event stream
     active: dict[str, tuple | None]          # request id -> (engine, P) once paired
-    counters: dict[str, int]                 # "resubmitted"
+    counters: dict[str, int]                 # "resubmitted", "stalled"
     metrics: RouterMetrics
     stream_interval: int                     # router.stream_interval: tokens a delta holds
     # runs an abort off the stream, kept referenced until it ends
@@ -166,6 +169,10 @@ class Stream:
                     ended = True                  # nothing left on that engine to abort
                     target.alive = False
                     raise _EngineLost(f"{target.name} failed mid-stream")
+                if ev is STALLED:
+                    ended = True                  # the link aborts it there (an orphan)
+                    target.orphans.add(self.id)
+                    raise self._stalled(target)
                 if ev.error:
                     ended = True
                     raise RequestError(_error_kind(ev), ev.error)
@@ -223,15 +230,30 @@ class Stream:
         submit = asyncio.ensure_future(target.control.Submit(sub, timeout=30))
         submit.add_done_callback(lambda _: link.submits.release())
         try:
-            await asyncio.shield(submit)
+            # never cancels the Submit: once sent, the engine may take it
+            await asyncio.wait((submit, box.alarm()), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             # the client left while the engine was taking the request: abort
             # it there once it has it (an Abort sent now could overtake it)
             self.ctx.background(_abort_once_taken(submit, target, self.id,
                                                      "client went away"))
             raise
+        if not submit.done():
+            # the link gave up on the engine (STALLED) while it sat on the
+            # Submit: an orphan for the link to abort once the Submit ends
+            self.ctx.background(_orphan_once_taken(submit, target, self.id))
+            raise self._stalled(target)
+        try:
+            submit.result()
         except grpc.aio.AioRpcError as e:
             raise self._submit_failed(target, e) from None
+
+    def _stalled(self, target: EngineRef) -> _EngineLost:
+        """What to raise when the link gave up on `target` for this request."""
+        self.ctx.counters["stalled"] += 1
+        self.ctx.metrics.stalled.labels(target.name).inc()
+        return _EngineLost(f"{target.name} is unhealthy ({target.unhealthy or 'silent'}) and "
+                           "sent the request nothing")
 
     def _submit_failed(self, target: EngineRef, e: grpc.aio.AioRpcError) -> Exception:
         """What a failed Submit means, to raise: the engine marked draining
@@ -265,8 +287,8 @@ def _error_kind(ev: cpb.RequestEvent) -> ErrorKind:
 
 
 def _plain(ev) -> bool:
-    """An engine event that carries tokens (not a lost stream, not an error)."""
-    return ev is not LOST and not ev.error
+    """An engine event that carries tokens (not the link's signal, not an error)."""
+    return not isinstance(ev, LinkSignal) and not ev.error
 
 
 def _delta(ev, engine: str) -> Delta:
@@ -308,6 +330,21 @@ async def _abort_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str,
         if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return
     await _abort(ref, rid, reason)
+
+
+async def _orphan_once_taken(submit: asyncio.Future, ref: EngineRef, rid: str) -> None:
+    """`rid` moved off `ref` while its Submit was in flight: once the Submit
+    ends, unless the engine refused it, it is an orphan the link aborts
+    (aborted earlier, an Abort could overtake the Submit)."""
+    try:
+        await submit
+    except asyncio.CancelledError:
+        return
+    except grpc.aio.AioRpcError as e:
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.ABORTED):
+            return
+    ref.orphans.add(rid)
 
 
 async def _abort(ref: EngineRef, rid: str, reason: str) -> None:

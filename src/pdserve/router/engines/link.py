@@ -1,9 +1,20 @@
 """The router's link to one engine: a long-lived Subscribe stream that
 carries, batched per engine round, the events of every request this router
 submitted there, dispatched to each request's `Mailbox`. When the stream
-breaks (the engine died or restarted), every request waiting on it is told
-(`LOST`) and the link reconnects, following the stub membership keeps
-current."""
+breaks (the engine died or restarted, or keepalive found it silent:
+proto/keepalive.py), every request waiting on it is told (`LOST`) and the
+link reconnects, following the stub membership keeps current.
+
+The link also watches the engine's liveness, since a stream can stay open
+while nothing comes: every PROBE_S it asks GetInfo (which the engine
+answers off its loop, with its watchdog's verdict: engine/watchdog.py) and
+checks (`check`). An engine that says it is unhealthy, or has not answered
+healthy for router.engine_silent_s, is picked no more, and each request
+that has heard nothing from it for that long is told (`STALLED`): its
+stream moves it to another engine as after a LOST, and leaves its id in
+the engine's `orphans`. The link aborts those there (again at once when
+the engine answers healthy after an attempt while it was not), so no copy
+runs on once the engine comes back."""
 
 from __future__ import annotations
 
@@ -22,21 +33,28 @@ log = logging.getLogger("pdserve.router")
 
 RECONNECT_S = 0.2
 SUBMITS_IN_FLIGHT = 128  # Submit calls at once to one engine (it takes them on 32 threads)
+PROBE_S = 1.0            # how often the link asks its engine how it is, and checks
+SILENT_S = 5.0           # router.engine_silent_s's default
+ORPHAN_ABORT_S = 10.0    # an Abort of a request moved off the engine
 
 
 class LinkSignal(enum.Enum):
     """What a link puts in a request's mailbox besides the engine's events."""
 
-    LOST = enum.auto()   # the engine's stream broke: nothing of the request is left there
+    LOST = enum.auto()     # the engine's stream broke: nothing of the request is left there
+    STALLED = enum.auto()  # the engine is unhealthy or silent and sent the request nothing
+                           # for engine_silent_s: it may still hold it (an orphan to abort)
 
 
 LOST = LinkSignal.LOST
+STALLED = LinkSignal.STALLED
 
 
 class EngineLink:
-    def __init__(self, ref: EngineRef, router_id: str):
+    def __init__(self, ref: EngineRef, router_id: str, silent_s: float = SILENT_S):
         self.ref = ref
         self.router_id = router_id
+        self.silent_s = silent_s                  # router.engine_silent_s
         self.subscriber = ""                      # the live subscription's id
         self.ready = asyncio.Event()
         self.ended = asyncio.Event()              # the last live stream ended (all read)
@@ -44,13 +62,83 @@ class EngineLink:
         self.submits = asyncio.Semaphore(SUBMITS_IN_FLIGHT)
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._aborting: asyncio.Future | None = None   # the orphans' Aborts in flight
+        self._aborted_unhealthy = False           # ... sent while the engine was not healthy
 
     def start(self) -> None:
+        self.ref.healthy_at = asyncio.get_running_loop().time()   # silent from now on, if so
         self._task = asyncio.ensure_future(self._run())
+        self._watcher = asyncio.ensure_future(self._watch())
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._watcher, self._aborting):
+            if task is not None:
+                task.cancel()
+
+    # ---- liveness ------------------------------------------------------------------
+    async def _watch(self) -> None:
+        probe: asyncio.Future | None = None
+        try:
+            while True:
+                if probe is None or probe.done():     # one GetInfo in flight at most
+                    probe = asyncio.ensure_future(self._probe())
+                self.check(asyncio.get_running_loop().time())
+                await asyncio.sleep(PROBE_S)
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    async def _probe(self) -> None:
+        try:
+            info = await self.ref.control.GetInfo(cpb.InfoRequest(), timeout=self.silent_s)
+        except grpc.aio.AioRpcError:
+            return                                # no answer: check() counts the silence
+        self.answered(info, asyncio.get_running_loop().time())
+
+    def answered(self, info: cpb.InfoResponse, now: float) -> None:
+        """The engine's answer at `now`: its own verdict and readings."""
+        ref = self.ref
+        was = ref.unhealthy
+        ref.unhealthy = info.unhealthy
+        ref.loop_quiet_s, ref.outputs_busy_s = info.loop_quiet_s, info.outputs_busy_s
+        if not info.unhealthy:
+            ref.healthy_at = now
+            if ref.orphans and was and self._aborted_unhealthy:
+                self._abort_orphans()             # the last try may be dropped as stale
+
+    def check(self, now: float) -> int:
+        """Silence counted, orphans aborted, and, while the engine is
+        unhealthy or silent, each request that heard nothing from it for
+        engine_silent_s told STALLED (and forgotten here); returns how many."""
+        ref = self.ref
+        quiet = now - ref.healthy_at
+        if not ref.unhealthy and quiet >= self.silent_s:
+            ref.unhealthy = f"silent: no healthy answer for {quiet:.1f} s"
+        if ref.orphans and (self._aborting is None or self._aborting.done()):
+            self._abort_orphans()
+        if not ref.unhealthy:
+            return 0
+        stalled = [rid for rid, box in self.requests.items()
+                   if now - box.put_at >= self.silent_s]
+        for rid in stalled:
+            self.requests.pop(rid).sound(STALLED)
+        return len(stalled)
+
+    def _abort_orphans(self) -> None:
+        self._aborted_unhealthy = bool(self.ref.unhealthy)
+        self._aborting = asyncio.ensure_future(self._abort(sorted(self.ref.orphans)))
+
+    async def _abort(self, rids: list[str]) -> None:
+        """Abort requests moved off the engine; each it answers for (taken
+        away, or not there) is forgotten, the rest are tried again."""
+        ref = self.ref
+        got = await asyncio.gather(*(ref.control.Abort(cpb.AbortEngineRequest(
+            request_id=rid, reason="moved to another engine while this one was unhealthy"),
+            timeout=ORPHAN_ABORT_S) for rid in rids), return_exceptions=True)
+        for rid, res in zip(rids, got):
+            if not isinstance(res, BaseException):
+                ref.orphans.discard(rid)
 
     async def _run(self) -> None:
         while True:

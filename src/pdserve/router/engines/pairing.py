@@ -35,14 +35,26 @@ class EngineRef:
 
     @property
     def serving(self) -> bool:
-        """A candidate for new requests."""
-        return self.alive and not self.draining and not self.joining
+        """A candidate for new requests: alive, healthy, not draining or
+        joining, and holding no request moved elsewhere that it has yet
+        to abort (a pick could send the same id back)."""
+        return (self.alive and not self.draining and not self.joining and not self.unhealthy
+                and not self.orphans)
     load: int = 0                 # outstanding tokens the router sent it
     # the LoRA adapter loads it holds (ids): the configured ones, and those a
     # runtime load confirmed on it (router/lora/admin.py)
     adapters: set = dataclasses.field(default_factory=set)
     misses: int = 0               # membership rounds in a row it did not answer
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
+    # liveness, kept by its link's probe (link.py): why it is not healthy now
+    # ("": it is), when it last answered healthy (loop time), its watchdog's
+    # readings then, and the requests moved off it while it still held them
+    # (aborted there by the link, which then forgets them)
+    unhealthy: str = ""
+    healthy_at: float = 0.0
+    loop_quiet_s: float = 0.0
+    outputs_busy_s: float = 0.0
+    orphans: set = dataclasses.field(default_factory=set)
 
     @property
     def control(self) -> cpbg.EngineControlStub:
@@ -91,7 +103,12 @@ class Pairing:
     def _why_none(self) -> str:
         """What each engine is doing instead of serving, for the refusal."""
         def state(e):
-            return "is draining" if e.draining else "is down" if not e.alive else "is starting"
+            if e.draining or not e.alive or e.joining:
+                return "is draining" if e.draining else "is down" if not e.alive else \
+                    "is starting"
+            if e.unhealthy:
+                return f"is unhealthy ({e.unhealthy})"
+            return f"is aborting {len(e.orphans)} requests moved off it"
         states = [f"{e.name} {state(e)}"
                   for e in sorted(self.engines.values(), key=lambda e: e.name) if not e.serving]
         roles = {e.role for e in self.engines.values() if e.serving}
