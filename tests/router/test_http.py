@@ -596,6 +596,16 @@ def test_the_openai_parse_helper_gets_a_valid_pydantic_object(oai, model, route)
     assert city == City.model_validate_json(r.choices[0].message.content)
 
 
+def test_max_tokens_one_through_p_and_d_is_the_grammars_first_token(oai, model):
+    """P samples the only token under the grammar; D takes it as its
+    matcher's first and ends the request at its limit."""
+    for route in ROUTES:
+        r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=1,
+                                        temperature=0, response_format={"type": "json_object"},
+                                        extra_body={"route": route})
+        assert r.choices[0].message.content == "{" and r.choices[0].finish_reason == "length"
+
+
 def test_a_named_tool_call_streams_arguments_that_parse_to_its_parameters(oai, model):
     import jsonschema
 
