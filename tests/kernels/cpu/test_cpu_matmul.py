@@ -129,7 +129,7 @@ def test_vnni_and_avx2_give_the_same_bits(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "PDSERVE_NO_VNNI"}
         if no_vnni:
             env["PDSERVE_NO_VNNI"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+        env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(Path(__file__).parent)])
         path = tmp_path / f"{no_vnni}.pt"
         subprocess.run([sys.executable, "-c", _PRODUCT, str(path)], env=env, check=True,
                        cwd=root, timeout=300)
