@@ -808,3 +808,51 @@ def test_an_unhealthy_engine_is_named_in_a_refusal_and_listed_in_stats_by_its_he
     (e,) = asyncio.run(r.stats()).engines
     assert (e.name, e.role, e.unhealthy, e.loop_quiet_s, e.total_pages) == \
         ("pdserve:fused-0", "fused", "loop thread stuck for 7.0 s", 7.0, 0)
+
+
+def test_a_router_that_was_frozen_takes_none_of_its_engines_for_silent():
+    """The router's own loop stops for longer than engine_silent_s (the
+    router SIGSTOPped, its loop held up): when it runs again the engine has
+    not answered for that long, but the time was the router's, not the
+    engine's. The engine stays healthy and its quiet request stays put
+    (counted as silence, a thawed router refused every new request and
+    moved every quiet one)."""
+    import asyncio
+    import time
+
+    from pdserve import SamplingParams
+    from pdserve.router.engines.link import EngineLink
+    from pdserve.proto import control_pb2 as cpb
+
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+
+    class Quiet:
+        async def GetInfo(self, req, timeout):
+            return cpb.InfoResponse()
+
+        def Subscribe(self, req):
+            async def events():
+                yield cpb.EngineEvents()
+                await asyncio.Event().wait()
+            return events()
+
+        async def Submit(self, sub, timeout):
+            pass                                # taken; nothing to say yet
+
+    async def go():
+        ref = r.engines["fused-0"]
+        ref.stub = Quiet()
+        link = r.links["fused-0"] = EngineLink(ref, r.id, silent_s=2.5)
+        link.start()
+        await asyncio.wait_for(link.ready.wait(), 5)
+        task = asyncio.ensure_future(_tokens(r.open([1, 2], SamplingParams(max_tokens=1))))
+        await _until(lambda: link.requests, "submitted")
+        await asyncio.sleep(1.5)                # a probe answered, a check made
+        time.sleep(4)                           # the router frozen: no callback runs
+        await asyncio.sleep(1.5)                # thawed: the next checks run
+        assert ref.unhealthy == "" and ref.serving and len(link.requests) == 1
+        task.cancel()
+        link.stop()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(go())
+    assert r.counters == {"resubmitted": 0, "stalled": 0}

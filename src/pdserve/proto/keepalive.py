@@ -43,6 +43,7 @@ from collections.abc import Iterable
 KEEPALIVE_TIME_MS = 2_000          # a dialling end pings after this long without reading anything
 KEEPALIVE_TIMEOUT_MS = 3_000       # ... and closes the connection if the ping is not answered
 MIN_PING_INTERVAL_MS = 1_000       # a server takes pings this often (below KEEPALIVE_TIME_MS)
+RECONNECT_BACKOFF_MS = 1_000       # a channel whose connection closed tries again this often
 SERVER_KEEPALIVE_TIME_MS = 60_000  # a server pings a caller it has heard nothing from this long ...
 SERVER_KEEPALIVE_TIMEOUT_MS = 60_000   # ... and drops one that does not answer in this long
 
@@ -53,12 +54,18 @@ def channel_options(extra: Iterable[tuple[str, int | str]] = ()) -> Options:
     """A channel to one of the deployment's servers: keepalive on, also
     while no call is open (a link between Subscribe streams, a peer with
     nothing in flight), with no cap on pings between data frames (gRPC's
-    default of 2 stops pinging a stalled stream after two)."""
+    default of 2 stops pinging a stalled stream after two); and once a
+    connection is closed, a new one tried every second (gRPC's backoff
+    grows to 2 minutes: a link that keepalive cut during a partition stayed
+    down for half a minute after it healed)."""
     return [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
             *extra]
 
 

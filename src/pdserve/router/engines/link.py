@@ -34,6 +34,7 @@ log = logging.getLogger("pdserve.router")
 RECONNECT_S = 0.2
 SUBMITS_IN_FLIGHT = 128  # Submit calls at once to one engine (it takes them on 32 threads)
 PROBE_S = 1.0            # how often the link asks its engine how it is, and checks
+LAG_S = 1.0              # a check this much later than PROBE_S: the router itself stalled
 SILENT_S = 5.0           # router.engine_silent_s's default
 ORPHAN_ABORT_S = 10.0    # an Abort of a request moved off the engine
 
@@ -78,16 +79,32 @@ class EngineLink:
 
     # ---- liveness ------------------------------------------------------------------
     async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
         probe: asyncio.Future | None = None
+        last = loop.time()
         try:
             while True:
+                now = loop.time()
+                if now - last > PROBE_S + LAG_S:      # the router was frozen or starved
+                    self.excuse(now - last - PROBE_S)
+                last = now
                 if probe is None or probe.done():     # one GetInfo in flight at most
                     probe = asyncio.ensure_future(self._probe())
-                self.check(asyncio.get_running_loop().time())
+                self.check(now)
                 await asyncio.sleep(PROBE_S)
         finally:
             if probe is not None:
                 probe.cancel()
+
+    def excuse(self, seconds: float) -> None:
+        """The router itself did not run for `seconds` (it was frozen, or
+        its loop was held up): that time counts neither as the engine's
+        silence nor as its requests' quiet. (Unexcused, a router thawed
+        after 45 s took every engine for silent, refused new requests and
+        moved every quiet one.)"""
+        self.ref.healthy_at += seconds
+        for box in self.requests.values():
+            box.put_at += seconds
 
     async def _probe(self) -> None:
         try:
