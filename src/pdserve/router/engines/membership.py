@@ -98,6 +98,10 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
         if info.incarnation != ref.incarnation:
             ref.incarnation = info.incarnation
             ref.draining = info.draining          # a new incarnation serves afresh
+            # its answer is a healthy answer: the old process's silence is not its own
+            ref.unhealthy = info.unhealthy
+            if not info.unhealthy:
+                ref.healthy_at = asyncio.get_running_loop().time()
             changed = True
             new = True
         else:       # never undone by an answer sent before the engine heard the drain
