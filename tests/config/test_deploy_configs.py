@@ -2,6 +2,7 @@
 router with a config that exists; the generated gRPC code is what
 `make proto` produces."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,19 @@ def test_the_ray_up_yaml_starts_pdserve_on_the_head_with_gpu_engines():
     assert cfg.cluster.prefill >= 1 and cfg.cluster.decode >= 1
 
 
+_STAMPS = [  # where the compiler writes its own version: a newer grpcio-tools changes only these
+    (re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.M), "grpcio"),
+    (re.compile(r"^# Protobuf Python Version: ([0-9.]+)$", re.M), "protobuf"),
+    (re.compile(r"Domain\.PUBLIC,\n\s*(\d+),\n\s*(\d+),\n\s*(\d+),", re.M), "protobuf"),
+]
+
+
+def _unstamped(text: str) -> str:
+    for pattern, _ in _STAMPS:
+        text = pattern.sub("<version>", text)
+    return text
+
+
 def test_generated_grpc_code_is_reproducible(tmp_path):
     import subprocess
     import sys
@@ -49,8 +63,25 @@ def test_generated_grpc_code_is_reproducible(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     assert len(out) == 4
     for path in map(Path, out):
-        assert path.read_text() == (root / path.name).read_text(), \
+        assert _unstamped(path.read_text()) == _unstamped((root / path.name).read_text()), \
             f"{path.name} differs from a fresh `make proto`"
+
+
+def test_dependency_floors_are_the_versions_the_checked_in_grpc_code_needs():
+    """The generated modules refuse a grpcio or protobuf runtime older than the
+    compiler that wrote them, so pyproject's floors must be those versions."""
+    repo = Path(__file__).resolve().parents[2]
+    deps = (repo / "pyproject.toml").read_text()
+    found = set()
+    for path in sorted((repo / "src" / "pdserve" / "proto").glob("*_pb2*.py")):
+        text = path.read_text()
+        for pattern, package in _STAMPS:
+            for match in pattern.finditer(text):
+                version = ".".join(match.groups())
+                found.add(pattern.pattern)
+                assert f'"{package}>={version}"' in deps, \
+                    f"{path.name} needs {package}>={version}; pyproject.toml says otherwise"
+    assert found == {pattern.pattern for pattern, _ in _STAMPS}, "a stamp's format changed"
 
 
 def test_a_given_cluster_mapping_names_every_engine_and_no_section_means_1p1d():
