@@ -255,4 +255,6 @@ def test_the_router_sends_a_request_only_to_engines_holding_its_adapter():
         pairing.pick("", [1], adapter=4)
     engines["prefill-0"].adapters = set()
     with pytest.raises(LookupError, match="load 1"):
-        pairing.pick("disaggregated", [1], adapter=1)     # decode-0 has it, no P does
+        pairing.pick("disaggregated", [1], adapter=1)     # decode-0 has it, no serving P does
+    engines["prefill-0"].alive = engines["prefill-1"].alive = False   # no P at all: D prefills
+    assert pairing.pick("disaggregated", [1], adapter=1) == (engines["decode-0"], None)

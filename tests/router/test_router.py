@@ -38,10 +38,12 @@ def test_a_dead_engine_is_never_picked_and_no_engine_is_a_clear_error():
     r.engines["fused-0"].alive = False
     d, p = r.pick("")
     assert d.name == "decode-0" and p.name == "prefill-0"
-    r.engines["prefill-0"].alive = False
+    r.engines["prefill-0"].alive = False         # D prefills itself: slower, not refused
+    assert r.pick("disaggregated") == (r.engines["decode-0"], None)
+    r.engines["decode-0"].unhealthy = "silent for 9.0 s"
     with pytest.raises(LookupError, match="no live engine can serve route 'disaggregated': "
-                                          "fused-0 is down; prefill-0 is down; a decode "
-                                          "engine needs a live prefill engine beside it"):
+                                          "decode-0 is unhealthy \\(silent for 9.0 s\\); "
+                                          "fused-0 is down; prefill-0 is down$"):
         r.pick("disaggregated")
 
 
@@ -82,14 +84,15 @@ def test_the_http_front_maps_router_refusals_to_openai_errors():
 def test_a_draining_engine_is_never_picked_and_the_refusal_says_why():
     r = router({"fused": 2, "prefill": 1, "decode": 1})
     r.engines["fused-0"].draining = True
-    r.engines["prefill-0"].draining = True       # a D with no P left is no candidate either
-    assert {r.pick("")[0].name for _ in range(4)} == {"fused-1"}
+    r.engines["prefill-0"].draining = True       # a D with no P left prefills itself
+    assert r.pick("disaggregated") == (r.engines["decode-0"], None)
     r.engines["fused-1"].draining = True
+    r.engines["decode-0"].draining = True
     with pytest.raises(LookupError) as e:
         r.pick("")
     assert str(e.value) == (
-        "no live engine can serve route any (''): fused-0 is draining; fused-1 is draining; "
-        "prefill-0 is draining; a decode engine needs a live prefill engine beside it")
+        "no live engine can serve route any (''): decode-0 is draining; fused-0 is draining; "
+        "fused-1 is draining; prefill-0 is draining")
 
 
 def test_the_prompt_bound_is_the_context_when_every_layer_slides():

@@ -87,13 +87,14 @@ class Pairing:
 
     def candidates(self, route: str) -> tuple[list, list]:
         """(engines that could decode the request, prefill engines for a D).
-        A draining engine is never a candidate."""
+        A draining engine is never a candidate. With no serving P (all
+        down, silent or cut off by a partition) a D still takes requests
+        and prefills them itself, slower but not refused, as the simulator
+        has it (sim/simulation.py's arrivals)."""
         live = [e for e in self.engines.values() if e.serving]
         fused = [e for e in live if e.role == "fused"]
         dec = [e for e in live if e.role == "decode"]
         pre = [e for e in live if e.role == "prefill"]
-        if not pre:
-            dec = []                      # a D engine with no P would prefill everything itself
         cands = fused if route == "fused" else dec if route == "disaggregated" else fused + dec
         if not cands:
             shown = repr(route) if route else "any ('')"
@@ -111,9 +112,6 @@ class Pairing:
             return f"is aborting {len(e.orphans)} requests moved off it"
         states = [f"{e.name} {state(e)}"
                   for e in sorted(self.engines.values(), key=lambda e: e.name) if not e.serving]
-        roles = {e.role for e in self.engines.values() if e.serving}
-        if "decode" in roles and "prefill" not in roles:
-            states.append("a decode engine needs a live prefill engine beside it")
         return "; ".join(states) or "this deployment has no engine of the roles it needs"
 
     @staticmethod
@@ -127,9 +125,11 @@ class Pairing:
         where the same adapter computed it."""
         cands, pre = self.candidates(route)
         if adapter:
-            cands, pre = self._holding(cands, adapter), self._holding(pre, adapter)
-            if not pre:                   # a D whose P lacks it would prefill all itself
-                cands = [e for e in cands if e.role != "decode"]
+            holding = self._holding(pre, adapter)
+            cands = self._holding(cands, adapter)
+            if pre and not holding:       # Ps serve but lack it (not loaded there yet): a D
+                cands = [e for e in cands if e.role != "decode"]   # would prefill all itself
+            pre = holding
             if not cands:
                 raise LookupError(f"no live engine of route {route!r} holds LoRA adapter load "
                                   f"{adapter}; load it there (POST /v1/load_lora_adapter)")
