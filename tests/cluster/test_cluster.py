@@ -469,3 +469,34 @@ def test_the_async_clients_timeout_ends_a_multiplexed_request(client, deployment
     err = asyncio.run(go())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.5 s" in err.details()
     wait_idle(client, ABORT_BOUND_S)
+
+
+def test_the_resolver_reports_an_engine_gone_only_on_rays_word(deployment):
+    """`engine_address` (the router's resolver): a live actor's address; an
+    actor Ray reports dead (killed, no restart left) or that it no longer
+    knows is EngineGone, which tells the D peers at once (membership)."""
+    import ray
+
+    from pdserve.cluster.actors import engine_address
+    from pdserve.router.engines.membership import EngineGone
+
+    @ray.remote(num_cpus=0)
+    class Stand:
+        def info(self):
+            return {"address": "stand:1"}
+
+    stand = Stand.remote()
+    assert engine_address("prefill-9", lambda: stand) == "stand:1"
+    ray.kill(stand, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):   # its owner heard from the GCS
+        ray.get(stand.info.remote())
+    with pytest.raises(EngineGone, match="prefill-9's actor DEAD"):
+        engine_address("prefill-9", lambda: stand)
+
+    def nobody():
+        raise ValueError("Failed to look up actor with name 'pdserve:prefill-9'")
+
+    with pytest.raises(EngineGone, match="no actor for prefill-9"):
+        engine_address("prefill-9", nobody)
+    name = deployment.engines[0][0]
+    assert engine_address(name, lambda: deployment.actor(name)) == deployment.infos[0]["address"]

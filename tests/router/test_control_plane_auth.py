@@ -21,7 +21,7 @@ CALLS = {
     "TransferAck": pb.TransferAckRequest(), "TransferFailed": pb.TransferFailedRequest(),
     "LeaseHeartbeat": pb.HeartbeatRequest(), "TransferEnded": pb.TransferEndedRequest(),
     "GetInfo": pb.InfoRequest(),
-    "AddPeer": pb.AddPeerRequest(), "Stats": pb.InfoRequest(),
+    "AddPeer": pb.AddPeerRequest(), "RemovePeer": pb.RemovePeerRequest(), "Stats": pb.InfoRequest(),
     "Drain": pb.DrainEngineRequest(),
     "LoadAdapter": pb.AdapterRequest(), "UnloadAdapter": pb.AdapterRequest(),
 }

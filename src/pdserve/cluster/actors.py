@@ -18,14 +18,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import ray
+from ray._private import state as ray_state
 
 from pdserve.cluster.autoscaler import Autoscaler
 from pdserve.cluster.cpu_threads import share_kernel_cores, thread_env
 from pdserve.config import ServeConfig, engine_for_model, role_engine
 from pdserve.proto.control_tls import ControlPlane, ControlTls
+from pdserve.router.engines.membership import EngineGone
 from pdserve.engine.lora.adapters import EngineAdapters
 from pdserve.engine.server import EngineServer
 from pdserve.engine.outputs import Outputs
@@ -230,9 +232,8 @@ class RouterHost:
         tok = load_tokenizer(m.path, m.preset)
 
         def resolve(name: str) -> str:
-            actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
-            # Ray types no actor method: its ActorHandle has no `info`
-            return ray.get(actor.info.remote(), timeout=5)["address"]  # type: ignore[call-overload]
+            return engine_address(name, lambda: ray.get_actor(
+                actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE))
 
         def retire(name: str) -> None:        # drained and stopped: never restarted
             actor = ray.get_actor(actor_name(*name.rsplit("-", 1)), namespace=NAMESPACE)
@@ -252,6 +253,27 @@ class RouterHost:
 
 RouterActor = ray.remote(RouterHost)
 AutoscalerActor = ray.remote(Autoscaler)
+
+
+# the states of Ray's actor table in which the process the router knew is gone
+ENDED_STATES = ("RESTARTING", "DEAD")
+
+
+def engine_address(name: str, find: Callable[[], Any]) -> str:
+    """The router's resolver: where engine `name` (its Ray actor, from
+    `find()`) answers now. Raises EngineGone when Ray reports the actor
+    dead or restarting (its process has ended), so its peers can be told
+    at once; any other error means not known yet. The state comes from
+    the GCS actor table, which Ray reads publicly only through its
+    dashboard (`ray.util.state`), which a deployment may run without."""
+    try:
+        actor = find()
+    except ValueError:                        # no actor by that name: gone for good
+        raise EngineGone(f"Ray knows no actor for {name}") from None
+    entry = ray_state.actors(actor_id=actor._actor_id.hex())
+    if entry.get("State") in ENDED_STATES:
+        raise EngineGone(f"Ray reports {name}'s actor {entry['State']}")
+    return ray.get(actor.info.remote(), timeout=5)["address"]
 
 
 def actor_name(role: str, index: int | str) -> str:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from pdserve.cluster.actors import (
-    NAMESPACE, AutoscalerActor, RouterActor, actor_name, start_engine, start_engines)
+    NAMESPACE, AutoscalerActor, RouterActor, actor_name, engine_address, start_engine,
+    start_engines)
 from pdserve.config import ServeConfig, engine_for_model, engine_gpus
 from pdserve.cluster.local_ray import init_local
 from pdserve.router.router import (DRAIN_DEADLINE_S, DRAIN_SLACK_S, RequestError, Router,
@@ -125,7 +126,7 @@ class Deployment:
         cfg = dataclasses.replace(self.cfg, engine=engine_for_model(   # as the engines do
             self.cfg.engine, self.cfg.engine_overrides, model_cfg.max_position))
         def resolve(name: str) -> str:
-            return ray.get(self.actor(name).info.remote(), timeout=5)["address"]
+            return engine_address(name, lambda: self.actor(name))
         engines = [(i["engine"], i["role"], i["address"]) for i in infos]
         if self.control is not None:
             self.security = dataclasses.replace(self.security,

@@ -174,6 +174,14 @@ def check_heartbeat(r: pb.HeartbeatRequest) -> None:
         check_id(ref.request_id, "fenced.request_id")
 
 
+def check_remove_peer(r: pb.RemovePeerRequest, own_name: str) -> None:
+    check_id(r.engine, "engine")
+    if r.engine == own_name:
+        raise BadMessage(f"RemovePeer names {own_name} itself: an engine is not its own peer")
+    if r.incarnation == 0:
+        raise BadMessage("incarnation is 0: name the gone peer's incarnation")
+
+
 def check_add_peer(r: pb.AddPeerRequest, own_name: str) -> None:
     check_id(r.engine, "engine")
     if r.engine == own_name:

@@ -162,6 +162,10 @@ class EngineControlServicer(pbg.EngineControlServicer):
         self._checked(checks.check_add_peer, context, request, self.s.name)
         return self._ack(lambda: self.s.peer.add_peer(request), context)
 
+    def RemovePeer(self, request, context):
+        self._checked(checks.check_remove_peer, context, request, self.s.name)
+        return self._ack(lambda: self.s.peer.remove_peer(request), context)
+
     def Drain(self, request, context):
         """Start draining and answer once the engine has stopped (past the
         deadline, after it aborted what was left)."""

@@ -85,6 +85,11 @@ class EngineControlStub:
                 request_serializer=pdserve_dot_proto_dot_control__pb2.AddPeerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
                 _registered_method=True)
+        self.RemovePeer = channel.unary_unary(
+                '/pdserve.v1.EngineControl/RemovePeer',
+                request_serializer=pdserve_dot_proto_dot_control__pb2.RemovePeerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.EngineControl/Stats',
                 request_serializer=pdserve_dot_proto_dot_control__pb2.InfoRequest.SerializeToString,
@@ -186,6 +191,16 @@ class EngineControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemovePeer(self, request, context):
+        """Router -> engine: Ray reports this peer dead or restarting, so its
+        incarnations up to `incarnation` are gone and write nothing more: D's
+        landings asked of them come back (quarantined ones freed, waiting ones
+        prefilled on D).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -267,6 +282,11 @@ def add_EngineControlServicer_to_server(servicer, server):
             'AddPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.AddPeer,
                     request_deserializer=pdserve_dot_proto_dot_control__pb2.AddPeerRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
+            ),
+            'RemovePeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemovePeer,
+                    request_deserializer=pdserve_dot_proto_dot_control__pb2.RemovePeerRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_control__pb2.Ack.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -559,6 +579,33 @@ class EngineControl:
             target,
             '/pdserve.v1.EngineControl/AddPeer',
             pdserve_dot_proto_dot_control__pb2.AddPeerRequest.SerializeToString,
+            pdserve_dot_proto_dot_control__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemovePeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineControl/RemovePeer',
+            pdserve_dot_proto_dot_control__pb2.RemovePeerRequest.SerializeToString,
             pdserve_dot_proto_dot_control__pb2.Ack.FromString,
             options,
             channel_credentials,

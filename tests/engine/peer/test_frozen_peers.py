@@ -294,6 +294,26 @@ def test_a_quarantine_held_for_a_restarted_p_comes_back_when_membership_says_so(
     d.planner.assert_idle()
 
 
+def test_a_p_ray_reports_gone_gives_back_what_d_held_for_it_through_remove_peer():
+    """P died and Ray cannot (or has not yet) brought it back: it never
+    sends TransferEnded, and no newer incarnation is introduced. The
+    router's RemovePeer for prefill-0@1 is what frees D's quarantined
+    landing and prefills the waiting one on D."""
+    _, d = pair()
+    remote_prefill_asked(d, "x")
+    d.peer.timers(time.monotonic() + TRANSFER_S + 1)
+    asked(d, "w")
+    assert len(d.peer.quarantined()) == 1 and "w" in d.planner.landing
+    gone = pb.RemovePeerRequest(engine="prefill-0",
+                                incarnation=d.peer.peers["prefill-0"].incarnation)
+    inline(d).RemovePeer(gone, Ctx())
+    assert d.peer.quarantined() == [] and d.stats().quarantined_pages == 0
+    assert "w" not in d.planner.landing
+    assert d.counts.failures_by_stage.get("prefill_gone") == 1
+    finish(d)
+    d.planner.assert_idle()
+
+
 def test_a_p_that_drained_and_stopped_gives_back_what_d_held_for_it():
     """D gave up on x and holds its pages quarantined; P drains and stops
     before D's question reaches it. Stopping, P tells D that no write of

@@ -78,6 +78,17 @@ class PeerProtocol(DecodeSide, PrefillSide):
         if old is not None:
             self.peer_gone(r.engine, before=r.incarnation)
 
+    def remove_peer(self, r: pb.RemovePeerRequest) -> None:
+        """The router says Ray reports peer `r.engine` dead or restarting:
+        its incarnations up to `r.incarnation` write nothing more. On D,
+        the landings asked of them come back now (the only other way back
+        for a quarantined one is that P's own TransferEnded, which a dead
+        P never sends). On P nothing waits on a D: its pins go when their
+        leases run out. The peer stays known; a newer incarnation's
+        AddPeer replaces it."""
+        if self.role is Role.DECODE:
+            self.peer_gone(r.engine, before=r.incarnation + 1)
+
     def on_transfer_event(self, ev) -> None:
         if ev.kind is TransferEventKind.LANDED:
             self.landed(ev)

@@ -25,6 +25,16 @@ log = logging.getLogger("pdserve.router")
 MISSES_DOWN = 3
 
 
+class EngineGone(Exception):
+    """What a resolver raises when Ray reports the engine's actor dead or
+    restarting: the incarnation the router knew has ended and writes no
+    KV any more (a frozen or cut-off process is not gone: Ray still has
+    it alive)."""
+
+
+GONE = object()     # _info's answer for an engine its resolver reports gone
+
+
 @dataclasses.dataclass(frozen=True)
 class Dial:
     """How the router reaches its engines: the channels' options, and the
@@ -61,6 +71,8 @@ async def _info(ref: EngineRef, resolver, dial: Dial):
     if resolver is not None:
         try:          # Ray's restart may have moved it: ask where it is now
             address = await asyncio.get_running_loop().run_in_executor(None, resolver, ref.name)
+        except EngineGone:
+            return GONE
         except Exception:                     # not back yet: try again next round
             address = None
     if address is None or address == ref.address:
@@ -85,6 +97,10 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
     got = await asyncio.gather(*(_info(r, resolver, dial) for r in refs))
     changed, infos = False, {}
     for ref, info in zip(refs, got):
+        if info is GONE:
+            changed |= ref.alive
+            ref.alive, ref.misses = False, MISSES_DOWN
+            continue
         if info is None:
             ref.misses += 1
             if ref.misses >= MISSES_DOWN:
@@ -124,4 +140,26 @@ async def refresh(engines: dict[str, EngineRef], resolver=None, dial: Dial = Dia
             if isinstance(res, Exception):
                 log.warning("telling %s about its peers failed: %s; retrying", a.name, res)
                 a.incarnation = 0             # seen as new next round: introduced again
+    await _tell_gone([r for r, info in zip(refs, got) if info is GONE], refs)
     return changed
+
+
+async def _tell_gone(gone: list[EngineRef], refs: list[EngineRef]) -> None:
+    """Tell each live engine of the other role (P for D, D for P) that a
+    gone engine's incarnation ended: D's landings asked of it come back,
+    which nothing else would do for a P that never returns. Once per
+    incarnation; a peer that missed it is told again next round."""
+    for ref in gone:
+        if not ref.incarnation or ref.removed == ref.incarnation:
+            continue
+        peers = [e for e in refs if e.alive and {e.role, ref.role} == {"prefill", "decode"}]
+        res = await asyncio.gather(*(e.control.RemovePeer(cpb.RemovePeerRequest(
+            engine=ref.name, incarnation=ref.incarnation), timeout=30) for e in peers),
+            return_exceptions=True)
+        failed = [e.name for e, r in zip(peers, res) if isinstance(r, Exception)]
+        if failed:
+            log.warning("telling %s that %s is gone failed; retrying", failed, ref.name)
+        else:
+            log.warning("%s (incarnation %d) is gone: told %d peers", ref.name,
+                        ref.incarnation, len(peers))
+            ref.removed = ref.incarnation

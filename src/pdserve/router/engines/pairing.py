@@ -45,6 +45,7 @@ class EngineRef:
     # runtime load confirmed on it (router/lora/admin.py)
     adapters: set = dataclasses.field(default_factory=set)
     misses: int = 0               # membership rounds in a row it did not answer
+    removed: int = 0              # the incarnation its peers were told is gone (membership)
     kv_capacity_tokens: int = 0   # what its GetInfo said its KV pools hold
     # liveness, kept by its link's probe (link.py): why it is not healthy now
     # ("": it is), when it last answered healthy (loop time), its watchdog's
