@@ -165,9 +165,38 @@ def test_a_compile_past_its_time_limit_fails_the_request_by_name(prompts, monkey
         return compile_(constraint)
     monkeypatch.setattr(grammars, "_compile", slow)
     grammars.timeout_s = 0.05
-    with pytest.raises(RuntimeError, match="took longer than"):
+    with pytest.raises(RuntimeError, match="took longer than 0.05 s"):
         llm.generate(prompts[:1], constrained(), use_tqdm=False)
     llm.engine.planner.assert_idle()
+
+
+def test_a_grammar_that_fails_is_the_requests_fault_and_its_client_hears_a_400():
+    """The step that fails a request for its grammar says it is invalid (the
+    engine's loop sends ERROR_KIND_INVALID), and the router turns that
+    kind into INVALID (HTTP 400, gRPC INVALID_ARGUMENT), not a 500; the
+    limit is a setting, refused when it is not a positive number."""
+    from pdserve.config import ConfigError
+    from pdserve.proto import control_pb2 as cpb
+    from pdserve.router.errors import ErrorKind
+    from pdserve.router.stream import _error_kind
+    from pdserve.text.constraint import Constraint, ConstraintKind
+
+    llm = LLM(page_size=4, grammar_compile_timeout_s=7.5)
+    assert llm.executor.grammars.timeout_s == 7.5
+    req = Request("bad", [1, 2, 3], SamplingLimits(4))
+    req.grammar_wait = True
+    llm.engine.planner.submit(req)
+    llm.executor.grammars.start("bad", Constraint(ConstraintKind.REGEX, "a(b"))
+    llm.executor.grammars.wait_any(30)
+    out = llm.engine.step()
+    assert out.invalid and [r.id for r in out.failed] == ["bad"]
+    assert "could not be compiled" in out.error
+    llm.engine.planner.assert_idle()
+    assert _error_kind(cpb.RequestEvent(error_kind=cpb.ERROR_KIND_INVALID)) is ErrorKind.INVALID
+    assert _error_kind(cpb.RequestEvent(error_kind=cpb.ERROR_KIND_FAILED)) is ErrorKind.INTERNAL
+    for bad in (0, -1, "30", True):
+        with pytest.raises(ConfigError, match="engine.grammar_compile_timeout_s must be"):
+            EngineConfig(grammar_compile_timeout_s=bad)
 
 
 # ---- a property: every output of a generated schema validates ---------------------

@@ -36,6 +36,7 @@ class StepOutcome:
     finished: list = field(default_factory=list)
     failed: list = field(default_factory=list)   # aborted because the round failed
     error: str = ""
+    invalid: bool = False   # `failed` failed on their own input (a grammar), not the engine
     # engine.overlap: requests whose abort waited for their forward and took
     # effect this round (what Engine.abort deferred)
     aborted: list = field(default_factory=list)
@@ -113,7 +114,8 @@ class Engine:
         gone, why = grammar_holds(self.planner, self.executor)
         if not gone:
             return None
-        return StepOutcome(Plan(self.planner.round), failed=gone, error=why)
+        return StepOutcome(Plan(self.planner.round), failed=gone, error=why,
+                           invalid=True)
 
     # ---- engine.overlap ----------------------------------------------------------
     def _build_with_disk(self, disk):

@@ -6,7 +6,8 @@ takes (text/grammar.py is the library's interface).
                  waits under Hold.GRAMMAR (the planner sees `grammar_wait`)
     each step -> poll(): compiled grammars become matchers (a resubmitted
                  request's earlier output replayed into it); a compile that
-                 failed or ran past COMPILE_TIMEOUT_S fails its request
+                 failed or ran past engine.grammar_compile_timeout_s
+                 fails its request as invalid (the client hears a 400)
     a round   -> fill(): the masks of its sampling rows and verify positions,
                  on the mask thread while the forward runs
     a token   -> accept(): the matcher advances; a complete grammar ends the
@@ -32,8 +33,9 @@ from pdserve.text.grammar import GrammarCompiler, Matcher, compiler_for, mask_wo
 
 log = logging.getLogger("pdserve.engine")
 
-# A compile this long fails its request (llguidance's own limits bound one
-# compile far below this; the bound is for a machine too loaded to run it).
+# engine.grammar_compile_timeout_s's default: a compile this long fails its
+# request (llguidance's own limits bound one compile far below this; the
+# bound is for a schema at those limits on a machine too loaded to run it).
 COMPILE_TIMEOUT_S = 30.0
 
 
@@ -128,7 +130,8 @@ class RequestGrammars:
                 del self._pending[rid]
                 self.counts.failed += 1
                 failed.append((rid, f"compiling its structured output's grammar took longer "
-                                    f"than {self.timeout_s:g} s; simplify the schema"))
+                                    f"than {self.timeout_s:g} s (engine.grammar_compile_"
+                                    "timeout_s); simplify the schema"))
         return ready, failed
 
     def forget(self, req_id: str) -> None:

@@ -254,13 +254,17 @@ class EngineLoop:
         """A round's results: to the output thread, the counters and the peers."""
         plan = out.plan
         if out.error:
-            log.error("%s: round %d failed: %s", self.name, plan.round, out.error)
+            kind = ErrorKind.INVALID if out.invalid else ErrorKind.FAILED
+            if out.invalid:
+                log.warning("%s: %d requests refused: %s", self.name, len(out.failed), out.error)
+            else:
+                log.error("%s: round %d failed: %s", self.name, plan.round, out.error)
             for req in out.failed:
                 self.after_abort.pop(req.id, None)
                 if self.role is Role.PREFILL:      # D hears it now and prefills itself
                     self.peer.give_up(req.id, out.error)
                     self.peer.release_twin(req.id)
-                self.hooks.fail(req.id, out.error, ErrorKind.FAILED)
+                self.hooks.fail(req.id, out.error, kind)
             self.peer_work(plan)
             return
         c = self.counts

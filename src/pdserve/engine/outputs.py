@@ -51,6 +51,7 @@ class ErrorKind(enum.Enum):
     ABORTED = pb.ERROR_KIND_ABORTED      # a client or router let it go
     DEADLINE = pb.ERROR_KIND_DEADLINE    # the engine's drain deadline passed
     FAILED = pb.ERROR_KIND_FAILED        # the engine failed it (a round's forward raised)
+    INVALID = pb.ERROR_KIND_INVALID      # it cannot be served as asked (its grammar)
 
 
 @dataclass(frozen=True)

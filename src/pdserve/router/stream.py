@@ -283,6 +283,8 @@ def _error_kind(ev: cpb.RequestEvent) -> ErrorKind:
     client's abort (499 / ABORTED, which none retries)."""
     if ev.error_kind == cpb.ERROR_KIND_DEADLINE:
         return ErrorKind.UNAVAILABLE
+    if ev.error_kind == cpb.ERROR_KIND_INVALID:
+        return ErrorKind.INVALID              # its grammar did not compile on the engine
     return ErrorKind.ABORTED if ev.error_kind == cpb.ERROR_KIND_ABORTED else ErrorKind.INTERNAL
 
 

@@ -96,6 +96,9 @@ class EngineConfig:
     # requests), and this long the engine exits for Ray to restart (0: never)
     stall_unhealthy_s: float = 5.0
     stuck_loop_restart_s: float = 60.0
+    # structured outputs (engine/grammar.py): a request whose grammar takes
+    # longer than this to compile is refused (400 / INVALID_ARGUMENT)
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -185,6 +188,10 @@ class EngineConfig:
             )
         check_tensor_parallel(self)
         check_watchdog(self)
+        t = self.grammar_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ConfigError("engine.grammar_compile_timeout_s must be a number of seconds > 0 "
+                              f"(how long a structured output's grammar may compile), got {t!r}")
 
     def _speculation(self) -> None:
         """engine.speculative, and the decode slot it implies: 1 + k."""

@@ -127,7 +127,8 @@ class TorchExecutor:
         self._eos_ids = frozenset(self.eos)
         self.tracked: dict[str, Tracked] = {}
         # structured outputs: grammars compiled off the loop, a matcher per request
-        self.grammars = RequestGrammars(tokenizer, model.cfg.vocab_size)
+        self.grammars = RequestGrammars(tokenizer, model.cfg.vocab_size,
+                                        cfg.grammar_compile_timeout_s)
         self.forward_tokens = 0
         self.fed_on_device = 0      # decode inputs taken from the last round's sampled tensor
         # (that tensor, request id -> row), after a launched round
