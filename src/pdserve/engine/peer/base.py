@@ -19,6 +19,7 @@ from pdserve.proto.control_tls import ControlTls
 from pdserve.scheduler.planner import Planner
 from pdserve.scheduler.round.grammar import Role
 from pdserve.transfer import Incarnation, LandingTable, LeaseTable
+from pdserve.engine.peer.breaker import PrefillBreaker
 from pdserve.transfer.timeouts import PeerTimeouts
 
 log = logging.getLogger("pdserve.engine")
@@ -54,6 +55,7 @@ class PeerBase:
         self.delivered = delivered
         timeouts.check()
         self.landing = LandingTable(timeouts.transfer_s)                       # D
+        self.breaker = PrefillBreaker(timeouts.transfer_s, 2 * timeouts.transfer_s)  # D
         self.leases = LeaseTable(timeouts.lease_s)                            # P
         self.heartbeat_s = timeouts.heartbeat_s
         # what the protocol stamps and checks its deadlines by (the loop passes

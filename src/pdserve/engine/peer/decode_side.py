@@ -24,6 +24,10 @@ class DecodeSide(PeerBase):
         if req.peer is None or req.peer not in self.peers:
             self.recover_locally(req.id, 0, "no prefill peer", fence=False, stage="no_peer")
             return
+        if not self.breaker.allows(req.peer, self.clock()):
+            self.recover_locally(req.id, 0, f"prefill engine {req.peer}'s transfers keep "
+                                 "failing", fence=False, stage="prefill_breaker_open")
+            return
         # every group's pages (a state slot as its two rows), one list
         landing = self.transport.page_ids(self.executor.transfer_lists(op.landing))
         source = Incarnation(req.peer, self.peers[req.peer].incarnation)
@@ -64,6 +68,7 @@ class DecodeSide(PeerBase):
                                      fence=False, stage=stage)
         elif code in lost:
             why, stage = lost[code]
+            self.breaker.failed(peer, self.clock())
             self.recover_locally(req_id, epoch, f"prefill engine {peer} {why}",
                                  fence=True, stage=stage)
 
@@ -104,6 +109,7 @@ class DecodeSide(PeerBase):
         elif verdict is LandingVerdict.LANDED and ev.req_id in self.planner.landing:
             self.epochs.pop(ev.req_id, None)
             self.counts.transfers += 1
+            self.breaker.close(ev.peer.engine_id)
             req = self.planner.requests[ev.req_id]
             lp = None
             if ev.payload:
@@ -120,6 +126,7 @@ class DecodeSide(PeerBase):
         """D: landings that timed out are given up on; heartbeats to the Ps."""
         for ld in self.landing.timed_out(now):
             req = self.planner.requests.get(ld.req_id)
+            self.breaker.failed(ld.source.engine_id, now)
             self.recover_locally(ld.req_id, ld.epoch, "transfer timed out", fence=True,
                                  stage="timeout")
             if req is not None and req.peer:

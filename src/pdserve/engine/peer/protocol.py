@@ -75,6 +75,7 @@ class PeerProtocol(DecodeSide, PrefillSide):
         ch = channel(r.address, self.control_tls)
         self.peers[r.engine] = Peer(r.engine, r.incarnation, r.address,
                                     pbg.EngineControlStub(ch))
+        self.breaker.close(r.engine)          # a new incarnation starts with a clean record
         if old is not None:
             self.peer_gone(r.engine, before=r.incarnation)
 
