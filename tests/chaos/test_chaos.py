@@ -287,6 +287,50 @@ def test_p_killed_while_writing_recovers_on_d(dep, client, reference):
         reference[PROMPTS[2]]
 
 
+# short enough to complete within N_TOKENS even one byte a token
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+def test_p_killed_mid_flight_keeps_a_constrained_requests_tokens(dep, client):
+    """Structured outputs (issue 55) through a P killed while it holds the
+    prompts: D prefills them itself, replays nothing twice into its
+    matcher, and each answer is the undisturbed one and valid JSON of the
+    schema."""
+    import json
+
+    import jsonschema
+
+    from pdserve.text.constraint import Constraint
+    kw = {"structured": Constraint.json_schema(SCHEMA)}
+    ref, errs = run_all(client, PROMPTS[:2], tag="json-ref", **kw)
+    assert not errs, errs
+    for p in PROMPTS[:2]:
+        out = client.generate(p, max_tokens=N_TOKENS, ignore_eos=True, **kw)
+        assert out.finish_reason == "stop", out          # the grammar completed
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    set_faults(dep, "prefill", [{"stage": "post", "action": "delay", "delay_s": 3.0,
+                                 "times": 0}])
+    res = {}
+    t = threading.Thread(target=lambda: res.update(zip(("out", "errs"), run_all(
+        client, PROMPTS[:2], tag="json-killed", **kw))))
+    t.start()
+    victim = None
+    deadline = time.monotonic() + 10
+    while victim is None and time.monotonic() < deadline:
+        for name, role, actor in dep.engines:
+            if role == "prefill" and ray.get(actor.check.remote())["requests"]:
+                victim = name
+                break
+    assert victim, "no prefill engine ever held the requests"
+    _kill(dep, victim)
+    t.join(120)
+    assert not t.is_alive(), "a request hung"
+    assert not res["errs"], res["errs"]
+    assert res["out"] == ref
+    set_faults_after_restart(dep)
+
+
 def set_faults_after_restart(dep, bound=30.0):
     """Clear faults on every engine, waiting for restarted ones to answer."""
     deadline = time.monotonic() + bound
