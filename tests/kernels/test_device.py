@@ -346,3 +346,37 @@ def test_a_scattered_write_between_gpu_pools_lands_bit_exact_in_another_process(
         conn.send(("close",))
         conn.recv()
         proc.join(10)
+
+
+# ---- structured outputs' masks on the device (issue 55) -----------------------------
+
+def _masks_against_a_reference(device: str) -> None:
+    """apply_grammar_masks on `device`: the rows named get -inf exactly where
+    their bits forbid a token, the other rows keep their logits bit for
+    bit, and the input is not changed (a vocabulary that is not a multiple
+    of 32, so the last word's tail bits are cut off)."""
+    import numpy as np
+
+    from pdserve.kernels.sampling import apply_grammar_masks
+
+    vocab, rows = 49_153, [0, 2]
+    g = torch.Generator().manual_seed(55)
+    logits = torch.randn(3, vocab, generator=g)
+    bits = np.random.default_rng(55).integers(-2**31, 2**31, size=(2, (vocab + 31) // 32),
+                                              dtype=np.int64).astype(np.int32)
+    got = apply_grammar_masks(logits.to(device), rows, bits).cpu()
+    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little").reshape(2, -1)[:, :vocab]
+    want = logits.clone()
+    for j, r in enumerate(rows):
+        want[r][torch.from_numpy(allowed[j] == 0)] = float("-inf")
+    assert torch.equal(got, want)
+    assert torch.isfinite(logits).all()
+
+
+def test_grammar_masks_forbid_exactly_their_bits_on_cpu():
+    _masks_against_a_reference("cpu")
+
+
+@cuda
+def test_grammar_masks_forbid_exactly_their_bits_on_cuda():
+    _masks_against_a_reference("cuda")
