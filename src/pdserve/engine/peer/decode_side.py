@@ -196,5 +196,5 @@ class DecodeSide(PeerBase):
             elif ld.req_id in self.planner.landing:
                 self.epochs.pop(ld.req_id, None)
                 self.counts.transfer_failed("prefill_gone")
-                self.planner.transfer_failed(ld.req_id, f"prefill engine {engine} restarted or died",
-                                             fence_key=None)
+                self.planner.transfer_failed(
+                    ld.req_id, f"prefill engine {engine} restarted or died", fence_key=None)
