@@ -114,3 +114,26 @@ def test_streamed_deltas_concatenate_to_the_whole_answer(choice, pieces):
     assert json.loads(args) == json.loads(whole["tool_calls"][0]["function"]["arguments"])
     first = next(d["tool_calls"][0] for d in deltas if "tool_calls" in d)
     assert first["function"]["name"] == "get_weather" and first["id"] and first["index"] == 0
+
+
+def test_under_auto_each_hermes_call_goes_out_the_moment_it_closes_and_only_once():
+    use = ToolUse.parse([WEATHER, SEARCH], "auto")
+    stream = ToolDeltas(use, ToolFormat.HERMES)
+    first = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    bad = '\n<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>'
+    second = '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    out, finish = stream.push("Checking both. " + first[:30], None)
+    assert out == [{"content": "Checking both. "}] and finish is None
+    out, _ = stream.push(first[30:] + bad, None)     # the first closes: out at once
+    assert [d["tool_calls"][0]["index"] for d in out] == [0]
+    assert json.loads(out[0]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    sent_id = out[0]["tool_calls"][0]["id"]
+    out, finish = stream.push(second + "</tool_call>", "stop")
+    assert finish == "tool_calls"
+    assert [(d["tool_calls"][0]["index"], d["tool_calls"][0]["function"]["name"])
+            for d in out] == [(1, "get_weather")]
+    assert out[0]["tool_calls"][0]["id"] not in ("", sent_id)
+    whole, _ = message(use, ToolFormat.HERMES, "Checking both. " + first + bad + second +
+                       "</tool_call>", "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == \
+        [{"city": "Oslo"}, {"city": "Rome"}]

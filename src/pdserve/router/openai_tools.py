@@ -4,13 +4,17 @@ call's index, id, type and name in its first delta, argument fragments
 after it, concatenated by index), and `finish_reason: tool_calls`.
 
 A named function's output is its arguments, so they stream as they are
-generated. A `required` array and an `auto` call in the model's own format
-are parsed once the choice ends; under auto, text before the format's
-opening mark streams as content and the rest is held back until then."""
+generated. Under auto, text before the format's opening mark streams as
+content; a call in a format that closes each one (Hermes / Qwen
+`<tool_call>...</tool_call>`) goes out whole as soon as it closes, and the
+rest (a `required` array, Llama 3's and Mistral's calls) is parsed once the
+choice ends."""
 
 from __future__ import annotations
 
 from pdserve.text.tools import Choice, ToolCall, ToolFormat, ToolUse, new_call_id
+
+HERMES_CLOSE = "</tool_call>"
 
 
 def finish_reason(calls: list, finish: str | None) -> str | None:
@@ -35,6 +39,8 @@ class ToolDeltas:
         self.sent = 0               # characters of it sent as content
         self.named_id = new_call_id() if use.choice is Choice.NAMED else ""
         self.started = False
+        self.calls: list[ToolCall] = []     # sent already, each the moment it closed
+        self.closed = 0                     # characters of text whose closed calls went out
 
     def push(self, text: str, finish: str | None) -> tuple[list[dict], str | None]:
         """(deltas to send, the finish reason to send with the last; None:
@@ -50,15 +56,32 @@ class ToolDeltas:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out, finish_reason([1], finish) if finish else None
         if finish is None:
-            return self._content(), None
+            return self._content() + self._closed_calls(), None
         content, calls = self.use.calls_from(self.text, self.fmt)
         if not calls:
             return self._content(final=True), finish
         out = []
         if content and len(content) > self.sent:
             out.append({"content": content[self.sent:]})
-        out += [{"tool_calls": [c.wire(i)]} for i, c in enumerate(calls)]
+        n = len(self.calls)                 # those are the first n of `calls`, ids and all
+        out += [{"tool_calls": [c.wire(i)]} for i, c in enumerate(calls[n:], start=n)]
         return out, finish_reason(calls, finish)
+
+    def _closed_calls(self) -> list[dict]:
+        """Auto with a closing mark: each call that closed since the last
+        push, parsed as the end will parse it (an ill-formed one stays
+        unsent, as it will be skipped then)."""
+        if self.use.choice is not Choice.AUTO or self.fmt is not ToolFormat.HERMES:
+            return []
+        out = []
+        while (end := self.text.find(HERMES_CLOSE, self.closed)) >= 0:
+            body = self.text[self.closed:end + len(HERMES_CLOSE)]
+            self.closed = end + len(HERMES_CLOSE)
+            _, calls = self.use.calls_from(body[body.find(self.fmt.start):], self.fmt)
+            for c in calls:
+                out.append({"tool_calls": [c.wire(len(self.calls))]})
+                self.calls.append(c)
+        return out
 
     def _content(self, final: bool = False) -> list[dict]:
         """Content up to a possible call's opening mark (all of it at the
