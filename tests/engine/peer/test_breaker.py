@@ -39,15 +39,15 @@ def test_a_probe_that_fails_opens_it_again_and_a_lost_probe_is_replaced():
 
 
 def test_d_prefills_at_once_what_it_would_ask_of_a_p_whose_transfers_keep_timing_out():
-    """Two landings from prefill-0 time out (its writes never arrive): the
-    third request is not asked of it, but prefilled on D at once; past the
+    """THRESHOLD landings from prefill-0 time out (its writes never arrive):
+    the next request is not asked of it, but prefilled on D at once; past the
     cooldown one request is asked again. Nothing is left held."""
     _, d = pair()
     now = time.monotonic()
-    for rid in ("a", "b"):
-        asked(d, rid)
+    for i in range(THRESHOLD):
+        asked(d, f"t{i}")
     d.peer.timers(now + TRANSFER_S + 1)
-    assert d.counts.failures_by_stage.get("timeout") == 2
+    assert d.counts.failures_by_stage.get("timeout") == THRESHOLD
     d.peer.clock = lambda: now + TRANSFER_S + 2
     assert "c" not in _asks(d, "c") and d.counts.failures_by_stage.get("prefill_breaker_open") == 1
     d.peer.clock = lambda: now + 2 * TRANSFER_S + 2
