@@ -225,3 +225,46 @@ def rpc(servicer, method: str, msg):
     except Refused:
         pass
     return ctx.code
+
+
+# ---- a P and D pair on one fabric (the frozen-peer and breaker tests) ----------------
+
+LEASE_S, TRANSFER_S, HEARTBEAT_S = 10.0, 30.0, 2.0       # PeerTimeouts' defaults
+OLD_FENCE_S = LEASE_S + HEARTBEAT_S + TRANSFER_S          # when D used to free the pages
+
+
+def pair():
+    """P and D on one fabric. P's page i holds i + 1; D's pool holds -1,
+    so any page a write reaches shows."""
+    fabric = LoopbackFabric()
+    p = server("prefill", "prefill-0", "decode-0", fabric)
+    d = server("decode", "decode-0", "prefill-0", fabric)
+    p.transport.pool.copy_(torch.arange(1, p.transport.pool.shape[0] + 1, dtype=torch.float32)
+                           .unsqueeze(1).expand_as(p.transport.pool))
+    d.transport.pool.fill_(-1.0)
+    return p, d
+
+
+def fenced_pages(s) -> set[int]:
+    """The pages D's fences hold (what no one else may be given)."""
+    return {pg for groups in s.planner.coord.fences.values() for pg in groups[0]}
+
+
+def asked(d, rid: str) -> int:
+    """Submit `rid` (17 tokens) to D for prefill-0; run rounds until D asked
+    for it: its landing's epoch."""
+    r = Request(rid, list(range(1, 18)), SamplingLimits(max_new_tokens=3))
+    r.peer = "prefill-0"
+    d.planner.submit(r)
+    d.owner[rid] = "router"
+    for _ in range(20):
+        one_round(d)
+        if rid in d.peer.epochs:
+            return d.peer.epochs[rid]
+    raise AssertionError(f"D never asked for {rid}")
+
+
+def finish(s, rounds: int = 100) -> None:
+    for _ in range(rounds):
+        if one_round(s) is None and not s.planner.requests:
+            return

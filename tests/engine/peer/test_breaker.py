@@ -8,8 +8,7 @@ import time
 from pdserve.engine.peer.breaker import THRESHOLD, PrefillBreaker
 from pdserve.scheduler import Request, SamplingLimits
 
-from support.engine_fakes import one_round
-from test_frozen_peers import TRANSFER_S, asked, finish, pair
+from support.engine_fakes import TRANSFER_S, asked, finish, one_round, pair
 
 
 def test_it_opens_after_failures_in_a_row_and_a_probe_that_lands_closes_it():
