@@ -11,6 +11,14 @@ import torch
 
 from support.planner import save_with_noisy_norms
 
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: `n` new tokens, no
+    stop token (the oracle the model tests compare ours with)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -20,6 +20,7 @@ from pdserve.scheduler.config import EngineConfig
 from pdserve.transfer.kv_layout import KvLayout
 from pdserve.transfer.tp.pieces import KvPiece, PieceWire, bytes_per_rank, piece_wire, plan_pieces
 from pdserve.transfer.tp.rank_agent import KvRankAgent
+from support.checkpoints import hf_greedy
 from support.moe import deepseek_v3_checkpoint, qwen3_moe_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -112,12 +113,6 @@ def test_an_engine_s_layout_says_latent(deepseek):
     model, tok = load_model(str(d), preset=None, dtype="float32", attention="torch")
     ex = TorchExecutor(model, tok, EngineConfig(page_size=PS, total_pages=16))
     assert kv_layout(model, ex, PS) == _latent(1)
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

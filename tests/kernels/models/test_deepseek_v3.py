@@ -14,6 +14,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.models.loader import load_model
 from pdserve.kernels.models.model_config import ModelError, read_config
+from support.checkpoints import hf_greedy
 from support.moe import deepseek_v3_checkpoint
 from support.tp import greedy
 
@@ -27,12 +28,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return deepseek_v3_checkpoint(tmp_path_factory.mktemp("deepseek_v3"))
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def ours(d):

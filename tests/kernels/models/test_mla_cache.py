@@ -18,6 +18,7 @@ from pdserve.scheduler.config import EngineConfig
 from pdserve.sim.calibrate.sweep import model_facts
 from pdserve.sim.cost.profile import Profile, RoundCost, load_profile, save_profile
 from pdserve.sim.cost.roofline import MODELS, CostModel, GPUS
+from support.checkpoints import hf_greedy
 from support.moe import deepseek_v3_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -30,12 +31,6 @@ SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return deepseek_v3_checkpoint(tmp_path_factory.mktemp("dsv3"))
-
-
-def hf_greedy(hf, prompt, n=SP.max_tokens):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_capacity_line_counts_a_latent_page_s_bytes(checkpoint):
@@ -67,7 +62,7 @@ def test_host_and_disk_tiers_serve_latent_pages(checkpoint, tmp_path):
                    page_size=PS, total_pages=16, host_pages=24, max_scheduled_tokens=8,
                    disk_cache=disk)
 
-    want = hf_greedy(hf, prompt)
+    want = hf_greedy(hf, prompt, SP.max_tokens)
     first = llm()
     assert first.generate([prompt], SP, use_tqdm=False)[0].token_ids == want
     first.generate(others, SP, use_tqdm=False)

@@ -14,6 +14,7 @@ from pdserve.kernels.models.loader import load_model
 from pdserve.kernels.models.model_config import read_config
 from pdserve.kernels.models.moe.sharding import check_moe_split
 from pdserve.kernels.tensor_parallel import TpError, tp_layout
+from support.checkpoints import hf_greedy
 from support.moe import deepseek_v3_checkpoint, qwen3_moe_checkpoint
 from support.tp import PAGES, PS, greedy, run_ranks
 
@@ -51,12 +52,6 @@ def checkpoints(tmp_path_factory):
     q_hf, q = qwen3_moe_checkpoint(tmp_path_factory.mktemp("q3moe"))
     d_hf, d = deepseek_v3_checkpoint(tmp_path_factory.mktemp("dsv3"))
     return {"qwen3_moe": (q_hf, str(q)), "deepseek_v3": (d_hf, str(d))}
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_tp2_split_and_expert_parallel_equal_tp1_and_transformers(checkpoints):

@@ -14,6 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.stats import expert_tokens
 from pdserve.kernels.models.loader import load_model
 from pdserve.kernels.models.model_config import ModelError, read_config
+from support.checkpoints import hf_greedy
 from support.moe import qwen3_moe_checkpoint, write_qwen3_moe_gguf
 from support.tp import greedy
 
@@ -27,12 +28,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return qwen3_moe_checkpoint(tmp_path_factory.mktemp("qwen3_moe"))
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_config_names_the_sparse_layers_and_their_experts(checkpoint):

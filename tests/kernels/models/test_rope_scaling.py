@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from support.checkpoints import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,12 +28,6 @@ def checkpoint(tmp_path, scaling):
     d = tmp_path / ((scaling or {}).get("rope_type") or "default")
     model.save_pretrained(d, safe_serialization=True)
     return model, d
-
-
-def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def ours_greedy(d, prompts, n):
