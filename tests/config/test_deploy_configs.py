@@ -158,7 +158,9 @@ def test_up_gives_each_cuda_engine_its_own_gpu(tmp_path, monkeypatch, device, fl
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{preset: tiny, device: {device}}}\ncluster: {{fused: 1}}\n")
     with pytest.raises(Stop):
-        main(["up", "--config", str(cfg)] + (["--gpus-per-engine", flag] if flag else []))
+        # --port 0: not checked, whatever else on the host holds the default 50051
+        main(["up", "--config", str(cfg), "--port", "0"] +
+             (["--gpus-per-engine", flag] if flag else []))
     assert seen["device"] == ("cpu" if device == "auto" else device)
     assert seen["gpus_per_engine"] == want
 
@@ -243,7 +245,8 @@ def test_up_refuses_a_model_path_or_a_port_it_cannot_use_before_starting_ray(
         held.listen()
         port = held.getsockname()[1]
         for flag in ("--port", "--http-port"):
-            assert main(["up", "--config", str(cfg), flag, str(port)]) == 2
+            other = [] if flag == "--port" else ["--port", "0"]   # 50051 may be anyone's
+            assert main(["up", "--config", str(cfg), flag, str(port)] + other) == 2
             assert f"port {port} ({flag}) on 127.0.0.1 is in use" in capsys.readouterr().err
 
 
