@@ -856,3 +856,17 @@ def test_a_router_that_was_frozen_takes_none_of_its_engines_for_silent():
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(go())
     assert r.counters == {"resubmitted": 0, "stalled": 0}
+
+
+def test_a_short_engine_silent_s_shortens_the_probe_period_to_a_quarter():
+    """The link probes and checks at most a second apart, and four times
+    per engine_silent_s: with 1 s a stuck engine's request moved up to
+    3 s late (a probe period to see the verdict, one to stall the request,
+    one to abort its copy)."""
+    from pdserve.router.engines.link import PROBE_S, EngineLink, probe_period
+
+    assert probe_period(5.0) == PROBE_S == 1.0
+    assert probe_period(4.0) == 1.0
+    assert probe_period(1.0) == 0.25
+    r = router({"fused": 1, "prefill": 0, "decode": 0})
+    assert EngineLink(r.engines["fused-0"], r.id, silent_s=0.5).probe_s == 0.125

@@ -6,7 +6,8 @@ proto/keepalive.py), every request waiting on it is told (`LOST`) and the
 link reconnects, following the stub membership keeps current.
 
 The link also watches the engine's liveness, since a stream can stay open
-while nothing comes: every PROBE_S it asks GetInfo (which the engine
+while nothing comes: every probe period (PROBE_S, or a quarter of
+router.engine_silent_s when that is shorter) it asks GetInfo (which the engine
 answers off its loop, with its watchdog's verdict: engine/watchdog.py) and
 checks (`check`). An engine that says it is unhealthy, or has not answered
 healthy for router.engine_silent_s, is picked no more, and each request
@@ -33,7 +34,8 @@ log = logging.getLogger("pdserve.router")
 
 RECONNECT_S = 0.2
 SUBMITS_IN_FLIGHT = 128  # Submit calls at once to one engine (it takes them on 32 threads)
-PROBE_S = 1.0            # how often the link asks its engine how it is, and checks
+PROBE_S = 1.0            # how often the link asks its engine how it is, and checks, at most
+PROBES_PER_SILENCE = 4   # ... and at least this often per engine_silent_s
 LAG_S = 1.0              # a check this much later than PROBE_S: the router itself stalled
 SILENT_S = 5.0           # router.engine_silent_s's default
 ORPHAN_ABORT_S = 10.0    # an Abort of a request moved off the engine
@@ -51,11 +53,21 @@ LOST = LinkSignal.LOST
 STALLED = LinkSignal.STALLED
 
 
+def probe_period(silent_s: float) -> float:
+    """How often a link probes and checks: at most PROBE_S apart, and
+    PROBES_PER_SILENCE times per engine_silent_s, so that a short
+    engine_silent_s is not stretched by up to three probe periods (the
+    probe that sees the verdict, the check that stalls the request, the
+    check that aborts its copy)."""
+    return min(PROBE_S, silent_s / PROBES_PER_SILENCE)
+
+
 class EngineLink:
     def __init__(self, ref: EngineRef, router_id: str, silent_s: float = SILENT_S):
         self.ref = ref
         self.router_id = router_id
         self.silent_s = silent_s                  # router.engine_silent_s
+        self.probe_s = probe_period(silent_s)
         self.subscriber = ""                      # the live subscription's id
         self.ready = asyncio.Event()
         self.ended = asyncio.Event()              # the last live stream ended (all read)
@@ -85,13 +97,13 @@ class EngineLink:
         try:
             while True:
                 now = loop.time()
-                if now - last > PROBE_S + LAG_S:      # the router was frozen or starved
-                    self.excuse(now - last - PROBE_S)
+                if now - last > self.probe_s + LAG_S:   # the router was frozen or starved
+                    self.excuse(now - last - self.probe_s)
                 last = now
                 if probe is None or probe.done():     # one GetInfo in flight at most
                     probe = asyncio.ensure_future(self._probe())
                 self.check(now)
-                await asyncio.sleep(PROBE_S)
+                await asyncio.sleep(self.probe_s)
         finally:
             if probe is not None:
                 probe.cancel()
