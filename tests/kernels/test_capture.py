@@ -87,6 +87,95 @@ def test_the_captured_step_gives_the_eager_logits(tmp_path, family):
     assert cap.replays == 4
 
 
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """flashinfer's stand-in (tests/support/flashinfer_fake.py), float32
+    allowed, so the captured and the eager steps compare exactly."""
+    import sys
+
+    from support import flashinfer_fake
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_fake)
+    monkeypatch.setattr(flashinfer_fake, "DTYPES", [torch.float32])
+    return flashinfer_fake
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "mistral", "gemma3"])
+def test_the_captured_flashinfer_step_plans_its_wrappers_and_gives_the_eager_logits(
+        tmp_path, family, fake_flashinfer):
+    """With flashinfer's attention a bucket is a decode wrapper in
+    CUDA-graph mode per cache group over fixed buffers, planned before each
+    run (the stand-in's run reads only those buffers, as a replay does):
+    rounds of 1 to 8 rows, padded to 1, 2, 4 and 8, give the eager
+    flashinfer step's logits and the torch backend's, a sliding group
+    reading from its window's first page. One width bucket: flashinfer's
+    grid does not depend on the table."""
+    from pdserve.kernels.flashinfer_attention import CapturedDecode, FlashInferAttention
+
+    path = {"tiny-llama": None, "mistral": mistral, "gemma3": gemma3}[family]
+    model, _ = load_model(path(tmp_path) if path else None, "tiny" if path is None else None,
+                          dtype="float32", attention="torch")
+    c = model.cfg
+    torch_attention = model.attention
+    model.attention = FlashInferAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                          c.sliding_window)
+    pages = [96] * len(model.groups)
+    caches = model.new_caches([p + 1 for p in pages], PS)
+    torch.manual_seed(1)
+    for cache in caches:
+        cache.data.normal_()
+    windows = [s.window if s.sliding else None for s in model.groups]
+    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=8, max_pages=16,
+                        windows=windows)
+    cap.capture()
+    assert cap.widths == [16] and cap.steps == 4
+    wrappers = {(b, g): gb.planned for (b, _), bk in cap._buckets.items()
+                for g, gb in enumerate(bk.groups)}
+    assert all(isinstance(w, CapturedDecode) and w.wrapper.graph and w.wrapper.plans == 1
+               for w in wrappers.values())              # planned once at capture, padding only
+    rng = random.Random(0)
+    for ctxs in ([5], [9, 30, 2], [17, 4, 33, 12, 8], [40] * 8, [3, 64]):
+        metas = decode_round(model, pages, ctxs, rng)
+        ids = torch.tensor([rng.randrange(c.vocab_size) for _ in ctxs])
+        scratch_before = [cache.data[-1].clone() for cache in caches]
+        b = bucket_of(len(ctxs), cap.batch_sizes)
+        plans = [wrappers[b, g].wrapper.plans for g in range(len(model.groups))]
+        got = cap.run(ids, metas)
+        assert [wrappers[b, g].wrapper.plans for g in range(len(model.groups))] == \
+            [p + 1 for p in plans]                      # each group's, once before its run
+        # the same round again, eagerly: its K/V are rewritten where they went
+        want = model.forward(ids, fresh_metas(metas), caches, torch.arange(len(ctxs)))
+        assert (got - want).abs().max() < TOL, (family, ctxs)
+        model.attention, flash = torch_attention, model.attention
+        reference = model.forward(ids, fresh_metas(metas), caches, torch.arange(len(ctxs)))
+        model.attention = flash
+        assert (got - reference).abs().max() < TOL, (family, ctxs)
+        if len(ctxs) == b:                       # no padding: the scratch page untouched
+            assert all(torch.equal(a, cache.data[-1])
+                       for a, cache in zip(scratch_before, caches))
+    assert cap.replays == 5
+
+
+def test_a_captured_flashinfer_bucket_refuses_a_row_past_its_pages(fake_flashinfer):
+    """A row whose table is wider than the bucket's pages is not run
+    captured (run gives None: the engine runs it eagerly), and planning one
+    directly is a clear error, not a silent overrun of the indices buffer."""
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
+
+    model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
+    c = model.cfg
+    model.attention = FlashInferAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+    caches = model.new_caches([33], PS)
+    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=4, max_pages=4,
+                        windows=[None])
+    rng = random.Random(0)
+    wide = decode_round(model, [32], [30], rng)                           # 8 pages > 4
+    assert cap.run(torch.zeros(1, dtype=torch.long), wide) is None
+    planned = cap._bucket(1, 4).groups[0].planned
+    with pytest.raises(ValueError, match="reads 8 pages, its bucket holds 4"):
+        model.attention.plan_captured(planned, wide[0].seqs, PS, 32)
+
+
 def test_a_round_it_cannot_run_goes_back_to_eager():
     model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
     caches = model.new_caches([33], PS)

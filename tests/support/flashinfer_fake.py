@@ -115,11 +115,28 @@ def _result(out, q, given):
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
+    """With `use_cuda_graph` the batch size is fixed at the length of the
+    last-page buffer; plan() refuses another batch size or more indices
+    than the indices buffer holds, and copies the table into the three
+    buffers; run() reads the buffers, as a replayed graph does, never
+    plan's arguments."""
+
     def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False,
-                 use_tensor_cores=False, *, backend="auto"):
+                 use_tensor_cores=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto"):
         assert kv_layout == "NHD" and backend in BACKENDS
         self.backend, self.use_tensor_cores = backend, use_tensor_cores
         self.plans = 0
+        self.graph = use_cuda_graph
+        if use_cuda_graph:
+            bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                    paged_kv_last_page_len_buffer)
+            if not all(torch.is_tensor(b) for b in bufs):
+                raise ValueError("cudagraph mode needs the three page-table buffers")
+            if len(paged_kv_indptr_buffer) != len(paged_kv_last_page_len_buffer) + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+            self.buffers = bufs
 
     # flashinfer's decode plan takes its optional arguments by keyword only,
     # and refuses unknown ones: so does this one
@@ -129,6 +146,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         _check_csr(indptr, indices, last_page_len, page_size)
         _check_dtypes(q_data_type, kv_data_type)
         self.args = (indptr, indices, last_page_len)
+        if self.graph:
+            ip, ix, lp = self.buffers
+            if indptr.numel() - 1 != lp.numel():
+                raise ValueError("The batch size should be fixed in cudagraph mode")
+            if indices.numel() > ix.numel():
+                raise ValueError("The size of indices should be less than or equal to the "
+                                 "allocated buffer")
+            ip.copy_(indptr)
+            lp.copy_(last_page_len)
+            ix[:indices.numel()].copy_(indices)
+            self.args = self.buffers
         self.shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
         self.window_left, self.q_dtype = window_left, q_data_type
         self.scale = sm_scale if sm_scale is not None else head_dim ** -0.5

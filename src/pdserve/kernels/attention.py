@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,9 @@ class BatchMeta:
     # before the decodes: the torch backend batches them as it does decodes;
     # other backends take them as prefill chunks, which they are too.
     num_verifies: int = 0
-    _prep: dict | None = None    # a backend's per-round tensors, shared by every layer
+    # a backend's per-round inputs, shared by every layer: torch's a dict of
+    # tensors; a captured flashinfer bucket's its CapturedDecode
+    _prep: Any = None
 
     def prefill_rows(self) -> int:
         """The leading rows that belong to prefill chunks (every row before

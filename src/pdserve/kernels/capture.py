@@ -11,17 +11,24 @@ round (one copy each), and runs the model's own forward on BatchMetas whose
 attention preparation (`BatchMeta._prep`) already points at the buffers, so
 no Python in the forward depends on the batch.
 
+With flashinfer's attention the buffers per cache group are where each
+row's K/V goes and a decode wrapper in CUDA-graph mode
+(flashinfer_attention.CapturedDecode), planned before each replay; its
+kernels' grid does not depend on the table's width, so there is one width
+bucket, the widest.
+
 Padding rows are harmless: each writes its K/V into a scratch page that the
 planner never hands out (the executor allocates one page more per cache
 group) and attends over that page's first slot only.
 
-Modes (`choose_capture`): CUDA_GRAPH on a GPU with the torch attention;
+Modes (`choose_capture`): CUDA_GRAPH on a GPU with torch's or flashinfer's
+attention;
 COMPILE, torch.compile (dynamic shapes: one compile for every bucket) on
 CPU, where `auto` leaves it off because it did not pay on a two-core host
 (docs/benchmarks.md); STATIC, the same buffers run eagerly (what the tests
 hold to the eager forward, and the compile's fallback); OFF. Models with
-state layers (Qwen3.5, LFM2), and flashinfer attention, run eagerly: their
-rounds read state slots or plan kernels outside these buffers.
+state layers (Qwen3.5, LFM2) run eagerly: their rounds read state slots
+outside these buffers.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.attention import BatchMeta, TorchAttention
+from pdserve.kernels.flashinfer_attention import CapturedDecode, FlashInferAttention
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -63,9 +71,7 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
     if getattr(model, "tensor_parallel", False):
         return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "
                                  "sent to its other ranks before the forward")
-    if type(model.attention) is not TorchAttention:
-        # not isinstance: flashinfer's backend subclasses torch's, and plans
-        # its kernels each round from the round's sequences, outside the buffers
+    if type(model.attention) not in (TorchAttention, FlashInferAttention):
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
     if getattr(model, "native_layers", None) is not None:
         # one C call a layer already; a captured step would take torch's
@@ -100,8 +106,11 @@ def bucket_of(n: int, sizes: list[int]) -> int | None:
 class _GroupBuffers:
     page: torch.Tensor      # [B] long: the page each row's K/V goes to
     off: torch.Tensor       # [B] long: its slot in the page
-    tables: torch.Tensor    # [B, W] long: the pages each row reads
-    bias: torch.Tensor      # [B, 1, 1, W * page_size] float32: 0 or -inf
+    # torch's attention: [B, W] long, the pages each row reads, and
+    # [B, 1, 1, W * page_size] float32, 0 or -inf; flashinfer's: its wrapper
+    tables: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    planned: CapturedDecode | None = None
 
 
 @dataclass
@@ -124,7 +133,8 @@ class DecodeCapture:
                  windows: list):
         self.model, self.caches, self.mode = model, caches, mode
         self.batch_sizes = buckets(max_batch)
-        self.widths = buckets(max_pages)
+        self.planned = isinstance(model.attention, FlashInferAttention)
+        self.widths = [max_pages] if self.planned else buckets(max_pages)
         self.windows = windows          # each KV group's window (None: full)
         self.ps = caches[0].page_size
         self.scratch = [c.data.shape[0] - 1 for c in caches]
@@ -154,17 +164,25 @@ class DecodeCapture:
         groups, metas = [], []
         positions = torch.zeros(b, **long)  # type: ignore[arg-type]
         for g, window in enumerate(self.windows):
-            gb = _GroupBuffers(torch.zeros(b, **long), torch.zeros(b, **long),  # type: ignore[arg-type]
-                               torch.zeros(b, w, **long),  # type: ignore[arg-type]
-                               torch.zeros(b, 1, 1, w * self.ps, device=dev))
-            prep: dict = {"page": gb.page, "off": gb.off, "rows": None, "pre": [],
-                    "dec": (0, b, gb.tables, gb.bias)}
+            gb = _GroupBuffers(torch.zeros(b, **long), torch.zeros(b, **long))  # type: ignore[arg-type]
+            prep: object
+            if self.planned:
+                gb.planned = prep = self.model.attention.captured_decode(
+                    b, w, window, self.caches[g].data.dtype, gb.page, gb.off)
+            else:
+                gb.tables = torch.zeros(b, w, **long)  # type: ignore[arg-type]
+                gb.bias = torch.zeros(b, 1, 1, w * self.ps, device=dev)
+                prep = {"page": gb.page, "off": gb.off, "rows": None, "pre": [],
+                        "dec": (0, b, gb.tables, gb.bias)}
             groups.append(gb)
             metas.append(BatchMeta([], gb.page, positions, num_decodes=b, window=window,
                                    _prep=prep))
         got = _Bucket(torch.zeros(b, **long), positions,  # type: ignore[arg-type]
                       torch.arange(b, **long), groups, metas)  # type: ignore[arg-type]
         self._fill_padding(got, 0)
+        for gb, scratch in zip(groups, self.scratch):    # recorded on a plan of padding only
+            if gb.planned is not None:
+                self.model.attention.plan_captured(gb.planned, [], self.ps, scratch)
         self._buckets[key] = got
         return got
 
@@ -249,7 +267,12 @@ class DecodeCapture:
         bk = self._bucket(b, w)
         bk.ids[:n].copy_(ids, non_blocking=True)
         bk.positions[:n].copy_(metas[0].positions, non_blocking=True)
-        for g, (m, (lo, counts), gb) in enumerate(zip(metas, host, bk.groups)):
+        for m, (lo, counts), gb in zip(metas, host, bk.groups):
+            slots = m.slot_mapping
+            gb.page[:n].copy_(slots // ps, non_blocking=True)
+            gb.off[:n].copy_(slots % ps, non_blocking=True)
+            if gb.tables is None:
+                continue
             tables = np.zeros((n, w), dtype=np.int64)
             kpos = np.full((n, w * ps), -1, dtype=np.int64)
             ctx = np.empty(n, dtype=np.int64)
@@ -262,12 +285,12 @@ class DecodeCapture:
             if m.window is not None:
                 ok &= kpos > ctx[:, None] - 1 - m.window
             bias = np.where(ok, 0.0, -np.inf).astype(np.float32)
-            slots = m.slot_mapping
-            gb.page[:n].copy_(slots // ps, non_blocking=True)
-            gb.off[:n].copy_(slots % ps, non_blocking=True)
             gb.tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
-            gb.bias[:n, 0, 0].copy_(torch.from_numpy(bias), non_blocking=True)
+            gb.bias[:n, 0, 0].copy_(torch.from_numpy(bias), non_blocking=True)  # type: ignore[index]
         self._fill_padding(bk, n)
+        for m, gb, scratch in zip(metas, bk.groups, self.scratch):
+            if gb.planned is not None:
+                self.model.attention.plan_captured(gb.planned, m.seqs, ps, scratch)
         self.replays += 1
         if bk.graph is not None:
             bk.graph.replay()  # type: ignore[attr-defined]
@@ -284,6 +307,7 @@ class DecodeCapture:
         for gb, scratch in zip(bk.groups, self.scratch):
             gb.page[n:] = scratch
             gb.off[n:] = 0
-            gb.tables[n:] = scratch
-            gb.bias[n:] = float("-inf")
-            gb.bias[n:, 0, 0, 0] = 0.0
+            if gb.tables is not None:
+                gb.tables[n:] = scratch
+                gb.bias[n:] = float("-inf")  # type: ignore[index]
+                gb.bias[n:, 0, 0, 0] = 0.0  # type: ignore[index]

@@ -1,11 +1,23 @@
 """flashinfer's paged attention (CUDA): the `attention: flashinfer` backend,
 and what it has kernels for. `choose_backend` (backends.py) decides when a
-model gets it."""
+model gets it.
+
+A captured decode step (kernels/capture.py) runs flashinfer's decode too:
+a `CapturedDecode` per batch bucket and cache group holds a decode wrapper
+in CUDA-graph mode over fixed buffers (the CSR page table's indptr,
+indices and last-page lengths). `plan_captured` plans it outside the graph
+before each replay (it copies the round's table into those buffers and
+the kernels' split schedule into the wrapper's workspace, on the replay's
+stream); the graph holds only the K/V write and `run()`. In graph mode
+flashinfer always splits the keys and sizes its grid from the bucket, not
+the round, so one recording serves every table (flashinfer's
+scheduler.cuh; vLLM and SGLang capture it the same way)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
@@ -62,19 +74,28 @@ class FlashInferAttention(TorchAttention):
     def _wrappers(self, window, device) -> "_Planned":
         st = self._groups.get(window)
         if st is None:
-            if self._ws is None:
-                # zeroed: the decode wrapper asks for a zeroed workspace on first use.
-                # One float workspace for every wrapper: their runs are stream-ordered,
-                # and each keeps its plan in its own int workspace.
-                self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            # tensor cores past group 4, as SGLang and vLLM choose; flashinfer
-            # has CUDA-core decode kernels for groups 1, 2, 3, 4, 6, 8 and 16
             st = self._groups[window] = _Planned(
-                self._fi.BatchPrefillWithPagedKVCacheWrapper(self._ws, "NHD",
+                self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(device), "NHD",
                                                              backend=self.BACKEND),
-                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._ws, "NHD",
-                                                            use_tensor_cores=self.group > 4))
+                self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace(device), "NHD", use_tensor_cores=self.tensor_cores,
+                    backend=self.BACKEND))
         return st
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Decode on tensor cores past a GQA group of 4, as SGLang and vLLM
+        choose; flashinfer has CUDA-core decode kernels for groups 1, 2, 3,
+        4, 6, 8 and 16. The eager and the captured decode choose alike."""
+        return self.group > 4
+
+    def _workspace(self, device) -> torch.Tensor:
+        if self._ws is None:
+            # zeroed: the decode wrapper asks for a zeroed workspace on first use.
+            # One float workspace for every wrapper: their runs are stream-ordered,
+            # and each keeps its plan in its own int workspace.
+            self._ws = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._ws
 
     @staticmethod
     def _csr(seqs, ps: int, window):
@@ -97,17 +118,17 @@ class FlashInferAttention(TorchAttention):
         i32 = dict(dtype=torch.int32)
         return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)  # type: ignore[arg-type]
 
-    def _window_left(self, meta: BatchMeta) -> int:
-        """flashinfer's window: keys to the left of the query (-1: all)."""
-        return meta.window - 1 if meta.window is not None else -1
+    def _plan_kw(self, window, dtype) -> dict:
+        kw = dict(window_left=window - 1 if window is not None else -1, sm_scale=self.scale,
+                  q_data_type=dtype, kv_data_type=dtype)
+        if self.softcap is not None:       # passed only when set: a stand-in need not know it
+            kw["logits_soft_cap"] = self.softcap
+        return kw
 
     def _plan(self, meta: BatchMeta, ps: int, dtype, device) -> "_Planned":
         st = self._wrappers(meta.window, device)
         n_pre = len(meta.seqs) - meta.num_decodes
-        kw = dict(window_left=self._window_left(meta), sm_scale=self.scale,
-                  q_data_type=dtype, kv_data_type=dtype)
-        if self.softcap is not None:       # passed only when set: a stand-in need not know it
-            kw["logits_soft_cap"] = self.softcap
+        kw = self._plan_kw(meta.window, dtype)
         if n_pre:
             pre = meta.seqs[:n_pre]
             qo = torch.tensor([0] + [s.q_start + s.q_len for s in pre], dtype=torch.int32)
@@ -129,6 +150,12 @@ class FlashInferAttention(TorchAttention):
         self._plan(meta, k_pages.shape[1], dtype, k_pages.device)
 
     def forward(self, q, k, v, k_pages, v_pages, meta: BatchMeta) -> torch.Tensor:
+        cap = meta._prep
+        if isinstance(cap, CapturedDecode):    # a captured bucket's: planned before the replay
+            self._write(k, v, k_pages, v_pages, cap.page, cap.off, None)
+            out = torch.empty_like(q)
+            cap.wrapper.run(q.contiguous(), (k_pages, v_pages), out=out)  # type: ignore[attr-defined]
+            return out
         st = self._groups.get(meta.window)
         if st is None or st.meta is not meta:
             st = self._plan(meta, k_pages.shape[1], q.dtype, q.device)
@@ -142,6 +169,57 @@ class FlashInferAttention(TorchAttention):
         if meta.num_decodes:
             st.decode.run(q[split:], (k_pages, v_pages), out=out[split:])  # type: ignore[union-attr]
         return out
+
+    # ---- the captured decode ----------------------------------------------
+
+    def captured_decode(self, batch: int, max_pages: int, window, dtype,
+                        page: torch.Tensor, off: torch.Tensor) -> "CapturedDecode":
+        """A decode wrapper in CUDA-graph mode for a bucket of `batch` rows
+        whose tables reach `max_pages` pages, one cache group (`window`);
+        `page` and `off` are the bucket's buffers of where each row's K/V
+        goes. Pinned to BACKEND: under "auto" the kernel family is part of
+        the frozen graph, and could differ from the eager step's."""
+        device = page.device
+        indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        indices = torch.zeros(batch * max_pages, dtype=torch.int32, device=device)
+        last = torch.ones(batch, dtype=torch.int32, device=device)
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace(device), "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+            backend=self.BACKEND)
+        return CapturedDecode(wrapper, page, off, batch, max_pages, self._plan_kw(window, dtype))
+
+    def plan_captured(self, cap: "CapturedDecode", seqs: list, ps: int, scratch: int) -> None:
+        """Plan `cap` for a round of `seqs` (decodes, at most its batch),
+        outside the graph, before its replay: each row reads its pages from
+        its kv_start's page on; a padding row reads the first slot of the
+        scratch page, where it writes (the planner never grants that page)."""
+        n, b = len(seqs), cap.batch
+        counts = np.ones(b, dtype=np.int32)
+        last = np.ones(b, dtype=np.int32)
+        rows = []
+        for i, s in enumerate(seqs):
+            lo, hi = s.kv_start // ps, -(-s.ctx_len // ps)
+            if hi - lo > cap.max_pages:
+                raise ValueError(f"a captured decode row reads {hi - lo} pages, its bucket "
+                                 f"holds {cap.max_pages}")
+            rows.append(s.block_table[lo:hi])
+            counts[i], last[i] = hi - lo, s.ctx_len - (hi - 1) * ps
+        indptr = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        indices = np.full(int(indptr[-1]), scratch, dtype=np.int32)
+        if rows:
+            indices[:indptr[n]] = np.concatenate(rows)
+        if cap.planned is not None:
+            # the wrapper stages its schedule in one pinned host buffer: the
+            # last plan's copy out of it must be done before it is rewritten
+            cap.planned.synchronize()  # type: ignore[attr-defined]
+        cap.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices),  # type: ignore[attr-defined]
+                         torch.from_numpy(last), self.h, self.kvh, self.d, ps, **cap.kw)
+        if cap.page.is_cuda:
+            cap.planned = torch.cuda.Event()
+            cap.planned.record()  # type: ignore[attr-defined]
 
     # the full-history group's wrappers (the only group of most models)
     @property
@@ -205,6 +283,22 @@ class FlashInferAttention(TorchAttention):
         for st in self._groups.values():
             st.meta = st.slots = None       # the next round plans afresh
         return ran
+
+
+@dataclass
+class CapturedDecode:
+    """One captured bucket's attention for one cache group: flashinfer's
+    decode wrapper in CUDA-graph mode on its fixed buffers, the bucket's
+    buffers of where each row's K/V goes, and how it is planned. A
+    BatchMeta carries it as its `_prep`, so the forward run inside the
+    graph reads nothing of the round."""
+    wrapper: object
+    page: torch.Tensor              # [batch] long: the page each row's K/V goes to
+    off: torch.Tensor               # [batch] long: its slot in the page
+    batch: int
+    max_pages: int                  # the most pages a row's table may hold
+    kw: dict                        # the plan's keywords (window, scale, dtypes)
+    planned: object = None          # a CUDA event after the last plan's copies
 
 
 @dataclass
