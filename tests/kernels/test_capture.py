@@ -237,3 +237,31 @@ def test_an_engine_with_the_step_captured_generates_the_same_tokens(tmp_path, mo
     llm, got = tokens()
     assert got == want
     assert llm.executor.capture.replays >= 10         # the decode rounds went through it
+
+
+def test_an_engine_with_flashinfer_s_decode_captured_generates_the_same_tokens(
+        monkeypatch, fake_flashinfer):
+    """The engine's own capture at load with flashinfer's attention (the
+    stand-in, on CPU): its decode rounds go through the planned wrappers,
+    prefill rounds through the eager ones, and the greedy tokens are the
+    torch backend's uncaptured."""
+    import pdserve.engine.executor.torch_executor as executor
+    import pdserve.kernels.models.loader as loader
+    from pdserve.kernels.flashinfer_attention import FlashInferAttention
+
+    engine = dict(page_size=PS, total_pages=128, max_batch_size=6, max_scheduled_tokens=32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 90) for _ in range(n)] for n in (5, 23, 40, 11, 17)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens():
+        llm = LLM({"model": {"preset": "tiny"}}, dtype="float32", attention="torch", **engine)
+        return llm, [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    _, want = tokens()
+    monkeypatch.setattr(loader, "choose_backend",
+                        lambda name, device, dtype, **kw: (FlashInferAttention(**kw), "t"))
+    monkeypatch.setattr(executor, "choose_capture", lambda setting, m: (CaptureMode.STATIC, "t"))
+    llm, got = tokens()
+    assert llm.model.attention.name == "flashinfer" and llm.executor.capture.planned
+    assert got == want
+    assert llm.executor.capture.replays >= 10
