@@ -61,19 +61,21 @@ def test_bench_capture(capsys):
     out = bench(capsys, "capture", "--device", "cpu", "--mode", "static", "--models", "tiny",
                 "--dtype", "float32", "--batches", "1", "3", "--max-batch-size", "4",
                 "--max-context", "256", "--rounds", "2", "--repeats", "2")
-    load = next(ln for ln in out.splitlines() if ln.startswith("| tiny | float32 |") and
-                ln.endswith("MiB |"))
-    assert load.split("|")[4].strip() == "15"       # 3 batch buckets x 5 width buckets
+    load = next(ln for ln in out.splitlines() if ln.startswith("| tiny | float32 | torch |")
+                and ln.endswith("MiB |"))
+    assert load.split("|")[5].strip() == "15"       # 3 batch buckets x 5 width buckets
     rounds = [ln.split("|") for ln in out.splitlines()
-              if ln.startswith("| tiny | float32 |") and ln.endswith(" |") and "x |" in ln]
-    assert [r[3].strip() for r in rounds] == ["1", "3"]
-    assert all(float(r[7]) < 1e-5 for r in rounds), rounds
+              if ln.startswith("| tiny | float32 | torch |") and "x |" in ln]
+    assert [r[4].strip() for r in rounds] == ["1", "3"]
+    assert all(float(r[8]) < 1e-5 for r in rounds), rounds
 
 
 def test_bench_capture_refuses_rounds_past_its_buckets():
     with pytest.raises(SystemExit, match="raise those or lower --batches and --context"):
         main(["bench", "capture", "--device", "cpu", "--models", "tiny", "--batches", "8",
               "--max-batch-size", "4"])
+    with pytest.raises(SystemExit, match="--attention flashinfer needs --device cuda"):
+        main(["bench", "capture", "--device", "cpu", "--attention", "flashinfer"])
 
 
 def test_bench_transfer(capsys, monkeypatch):

@@ -83,18 +83,21 @@ def test_warm_up_plans_a_1_row_and_a_long_prefill_and_a_decode_on_fa2(fake_flash
     assert att._planned is None                # the next round plans afresh
 
 
-def test_a_flashinfer_model_s_decode_step_is_never_captured(fake_flashinfer):
-    """flashinfer's backend subclasses torch's but plans its kernels each
-    round from the round's sequences: capture must decline it. (On the
-    first H200 run the capture's warm-up planned a prefill of no rows and
-    every flashinfer engine failed at load.)"""
+def test_a_flashinfer_model_s_decode_step_is_captured_on_cuda_only(fake_flashinfer,
+                                                                    monkeypatch):
+    """flashinfer's decode is captured as CUDA graphs (its wrappers in
+    graph mode, planned before each replay); elsewhere it runs eagerly,
+    never compiled."""
     from pdserve.kernels.capture import CaptureMode, choose_capture
     from pdserve.kernels.models.loader import load_model
 
     model, _ = load_model(None, "tiny", dtype="float32", attention="torch")
     assert choose_capture("on", model)[0] is CaptureMode.COMPILE
     model.attention = FlashInferAttention(num_heads=4, num_kv_heads=2, head_dim=16)
-    assert choose_capture("on", model) == (CaptureMode.OFF, "flashinfer attention runs eagerly")
+    assert choose_capture("on", model) == (CaptureMode.OFF,
+                                           "flashinfer's decode is captured on CUDA only")
+    monkeypatch.setattr(model, "device", torch.device("cuda"))
+    assert choose_capture("auto", model)[0] is CaptureMode.CUDA_GRAPH
 
 
 def test_the_loader_compiles_at_load_and_auto_falls_back_if_the_build_fails(

@@ -9,11 +9,13 @@
 # steps shrink or are skipped when it runs out; PDSERVE_CHECK_BUDGET_S):
 #   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions
 #   import    torch sees the GPU; flashinfer and nixl import
-#   capture   the captured decode step against the eager one: the device test
-#             (tests/kernels/test_capture_device.py) and pdserve bench capture
-#             (issue 40's GPU figures; first, since it needs no flashinfer)
+#   capture   the captured decode step against the eager one, torch's attention:
+#             the device test (tests/kernels/test_capture_device.py) and pdserve
+#             bench capture (issue 40's GPU figures; first, since it needs no flashinfer)
 #   warm      flashinfer's kernels compiled, every module the later steps use
 #             (tools/gpu/warm_kernels.py: the loader's warm_up, in parallel)
+#   capture-fi  the same with flashinfer's decode captured (issue 54), bfloat16,
+#             appended to bench_capture.txt
 #   tests     pytest -m device tests/kernels/test_device.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
@@ -119,6 +121,9 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda"
     step warm 120 "$PY" tools/gpu/warm_kernels.py "${FAKE[@]}" --out "$OUT/warm.json"
+    step capture-fi 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device -k flashinfer \
+        tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
+        '$PY' -m pdserve.cli.main bench capture --device cuda --attention flashinfer"
     step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/kernels/test_device.py \
         --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
@@ -150,9 +155,13 @@ print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda,
 import flashinfer, nixl, pdserve
 print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pdserve.__file__)'
     step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
-        -rA -s tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
+        -rA -s -k 'not flashinfer' tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
         --device cuda 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
     step warm 240 "$PY" tools/gpu/warm_kernels.py --out "$OUT/warm.json"
+    step capture-fi 120 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
+        -rA -s -k flashinfer tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main \
+        bench capture --device cuda --attention flashinfer --dtype bfloat16 \
+        --models smollm2-135m llama-110m 2>&1 | tee -a '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
     step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/kernels/test_device.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \

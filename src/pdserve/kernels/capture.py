@@ -73,6 +73,8 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
                                  "sent to its other ranks before the forward")
     if type(model.attention) not in (TorchAttention, FlashInferAttention):
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
+    if isinstance(model.attention, FlashInferAttention) and model.device.type != "cuda":
+        return CaptureMode.OFF, "flashinfer's decode is captured on CUDA only"
     if getattr(model, "native_layers", None) is not None:
         # one C call a layer already; a captured step would take torch's
         # path, and a decode row's bits would then depend on the round

@@ -4,8 +4,9 @@ against the eager one, on the same model, side by side in one process.
 Each model is a shape with seeded random weights (nothing downloaded):
 `smollm2-135m` is the default model's shape (30 layers, hidden 576, 9
 query and 3 KV heads of 64, a 49152-token vocabulary), `llama-110m` the
-one `bench llm` uses. Attention is torch's, the backend a captured step
-runs (flashinfer rounds stay eager).
+one `bench llm` uses. `--attention` picks torch's attention, flashinfer's
+(CUDA, half precision: its decode wrapper in CUDA-graph mode, planned
+before each replay), or both, one after the other.
 
 First the capture as an engine does it at load: every batch bucket up to
 `--max-batch-size` times every table-width bucket up to `--max-context`
@@ -58,14 +59,16 @@ def add_arguments(p) -> None:
                         "an engine's max_context_tokens defaults to)")
     p.add_argument("--rounds", type=positive, default=20, help="forwards a turn (20)")
     p.add_argument("--repeats", type=positive, default=3, help="turns (3)")
+    p.add_argument("--attention", nargs="+", choices=["torch", "flashinfer"], default=["torch"],
+                   help="attention backends (torch); flashinfer runs bfloat16 only")
     p.add_argument("--device", default="cuda", help="cuda (CUDA graphs) or cpu (cuda)")
     p.add_argument("--mode", choices=MODES,
                    help="how the step is captured (default: cuda_graph on a GPU, compile on "
                         "CPU; static runs the captured buffers eagerly)")
 
 
-def build(shape: str, dtype: str, device):
-    """The model of `shape` in `dtype` on `device`, torch attention."""
+def build(shape: str, dtype: str, device, attention: str = "torch"):
+    """The model of `shape` in `dtype` on `device`, its `attention` backend."""
     import torch
 
     from pdserve.kernels.models.loader import attention_shape, build_model, load_backend
@@ -74,7 +77,7 @@ def build(shape: str, dtype: str, device):
 
     cfg = ModelConfig(arch="llama", **SHAPES[shape])  # type: ignore[arg-type]
     torch_dtype = getattr(torch, dtype)
-    backend = load_backend("torch", device, torch_dtype, attention_shape(cfg))
+    backend = load_backend(attention, device, torch_dtype, attention_shape(cfg))
     return build_model(cfg, random_weights(cfg, seed=0), torch_dtype, device, backend)
 
 
@@ -104,6 +107,8 @@ def run(args) -> int:
 
     from pdserve.kernels.capture import CaptureMode
 
+    if "flashinfer" in args.attention and dev.type != "cuda":
+        raise SystemExit("pdserve bench capture: --attention flashinfer needs --device cuda")
     mode = CaptureMode(args.mode or ("cuda_graph" if dev.type == "cuda" else "compile"))
     if mode is CaptureMode.CUDA_GRAPH and dev.type != "cuda":
         raise SystemExit("pdserve bench capture: --mode cuda_graph needs --device cuda")
@@ -111,16 +116,20 @@ def run(args) -> int:
     print(f"decode step captured ({mode.value}) against eager, on {name}, torch "
           f"{torch.__version__}; rows of {args.context} tokens of history, pages of {PAGE}")
     loads, rows = [], []
-    for shape in args.models:
-        for dtype in args.dtype:
-            load, timed = _one_model(args, shape, dtype, dev, mode)
-            loads.append(load)
-            rows += timed
+    for attention in args.attention:
+        for shape in args.models:
+            for dtype in args.dtype:
+                if attention == "flashinfer" and dtype == "float32":
+                    print(f"{shape} float32 with flashinfer: skipped (no float32 kernels)")
+                    continue
+                load, timed = _one_model(args, shape, dtype, dev, mode, attention)
+                loads.append(load)
+                rows += timed
     _print_tables(args, loads, rows)
     return 0
 
 
-def _one_model(args, shape: str, dtype: str, dev, mode) -> tuple[tuple, list]:
+def _one_model(args, shape: str, dtype: str, dev, mode, attention: str) -> tuple[tuple, list]:
     """`shape` in `dtype` captured as an engine does at load, then each
     batch of `--batches` timed eager and captured: (its load row, its
     rows)."""
@@ -129,7 +138,7 @@ def _one_model(args, shape: str, dtype: str, dev, mode) -> tuple[tuple, list]:
     from pdserve.kernels.capture import DecodeCapture
 
     cuda = dev.type == "cuda"
-    model = build(shape, dtype, dev)
+    model = build(shape, dtype, dev, attention)
     per = -(-(args.context + 1) // PAGE)
     pages = max(args.batches) * per
     caches = model.new_caches([pages + 1], PAGE)     # the last page: the scratch
@@ -141,9 +150,9 @@ def _one_model(args, shape: str, dtype: str, dev, mode) -> tuple[tuple, list]:
     kept = torch.cuda.memory_reserved(dev) if cuda else 0
     seconds = cap.capture()
     kept = (torch.cuda.memory_reserved(dev) - kept) if cuda else 0
-    rows = [(shape, dtype, b, *_eager_and_captured(args, model, cap, caches, b, dev))
+    rows = [(shape, dtype, attention, b, *_eager_and_captured(args, model, cap, caches, b, dev))
             for b in args.batches]
-    load = (shape, dtype, seconds, cap.steps, kept)
+    load = (shape, dtype, attention, seconds, cap.steps, kept)
     del cap, caches, model
     if cuda:
         torch.cuda.empty_cache()
@@ -175,14 +184,15 @@ def _eager_and_captured(args, model, cap, caches, b: int, dev) -> tuple:
 def _print_tables(args, loads: list, rows: list) -> None:
     print("\ncapture at load (batch buckets up to", args.max_batch_size, "x table buckets up to",
           args.max_context, "tokens):")
-    print("| model | dtype | capture s | steps | device memory kept |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for shape, dtype, seconds, steps, kept in loads:
-        print(f"| {shape} | {dtype} | {seconds:.1f} | {steps} | {kept / 2**20:.0f} MiB |")
+    print("| model | dtype | attention | capture s | steps | device memory kept |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    for shape, dtype, attention, seconds, steps, kept in loads:
+        print(f"| {shape} | {dtype} | {attention} | {seconds:.1f} | {steps} | "
+              f"{kept / 2**20:.0f} MiB |")
     print("\ndecode round, median ms (spread of the turns' medians):")
-    print("| model | dtype | batch | eager ms | captured ms | eager / captured | "
+    print("| model | dtype | attention | batch | eager ms | captured ms | eager / captured | "
           "max |logit diff| |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for shape, dtype, b, e, es, c, cs, ratio, diff in rows:
-        print(f"| {shape} | {dtype} | {b} | {e:.2f} ({es}) | {c:.2f} ({cs}) | {ratio:.2f}x | "
-              f"{diff:.1e} |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for shape, dtype, attention, b, e, es, c, cs, ratio, diff in rows:
+        print(f"| {shape} | {dtype} | {attention} | {b} | {e:.2f} ({es}) | {c:.2f} ({cs}) | "
+              f"{ratio:.2f}x | {diff:.1e} |")
