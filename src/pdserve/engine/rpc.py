@@ -39,12 +39,25 @@ class EngineControlServicer(pbg.EngineControlServicer):
         self._streams = 0                       # Subscribe calls not yet terminated
         self._streams_cv = threading.Condition()
 
-    def _call(self, fn, context):
+    def _on_loop(self, fn, context):
         """fn() on the loop thread, for as long as the caller waits: past its
-        deadline the job is dropped unrun (EngineServer.call)."""
+        deadline the job is dropped unrun (EngineServer.call) and this
+        raises TimeoutError."""
         left = context.time_remaining()
         wait = CALL_TIMEOUT_S if left is None else max(0.0, min(CALL_TIMEOUT_S, left))
         return self.s.call(fn, timeout=wait)
+
+    def _call(self, fn, context):
+        """_on_loop, a loop that did not get to the call in time answered as
+        DEADLINE_EXCEEDED. (Raised out of the handler, the TimeoutError
+        reached the caller as UNKNOWN whenever this side's wait ran out
+        before gRPC noticed the caller's deadline.)"""
+        try:
+            return self._on_loop(fn, context)
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{self.s.name}'s loop did not run the call before its deadline "
+                          "(the loop is busy or stuck: GetInfo says which)")
 
     @staticmethod
     def _checked(check, context, *args) -> None:
@@ -105,7 +118,7 @@ class EngineControlServicer(pbg.EngineControlServicer):
     def Submit(self, request, context):
         self._checked(checks.check_submit, context, request, self.s.bounds)
         try:
-            self._call(lambda: self.s.submit(request), context)
+            self._on_loop(lambda: self.s.submit(request), context)
         except (RejectedRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StaleView as e:
