@@ -353,6 +353,27 @@ def test_the_watchdog_settings_are_checked_with_what_to_change():
         ServeConfig.from_dict({"router": {"engine_silent_s": -1}})
 
 
+def test_a_call_the_stuck_loop_never_reached_ends_deadline_exceeded_when_the_engine_gives_up(
+        engines, monkeypatch):
+    """The engine's own wait for its loop (rpc.CALL_TIMEOUT_S, here 0.3 s)
+    runs out before the caller's deadline (none): the call still ends
+    DEADLINE_EXCEEDED, saying the loop is busy or stuck, not UNKNOWN."""
+    from pdserve.engine import rpc
+
+    monkeypatch.setattr(rpc, "CALL_TIMEOUT_S", 0.3)
+    d = engines["decode-1"]
+    gate = threading.Event()
+    d.post_job(gate.wait)
+    try:
+        with channel(d.address, None) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                cpbg.EngineControlStub(ch).Stats(cpb.InfoRequest())
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "loop did not run the call before its deadline" in e.value.details()
+    finally:
+        gate.set()
+
+
 def test_an_unanswered_call_on_a_stuck_loop_is_not_what_health_waits_for(engines):
     """Stats still goes through the loop: with it stuck, Stats times out
     while GetInfo answers (the router lists such an engine by its health)."""
