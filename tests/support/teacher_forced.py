@@ -114,8 +114,8 @@ class WindowOffByOne(FlashInferAttention):
     """A planted bug the check must catch: flashinfer is told the sliding
     window is one key wider than the model's."""
 
-    def _window_left(self, meta):
-        return super()._window_left(meta) + 1
+    def _window_left(self, window):
+        return super()._window_left(window) + 1
 
 
 @dataclass

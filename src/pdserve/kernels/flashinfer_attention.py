@@ -118,8 +118,12 @@ class FlashInferAttention(TorchAttention):
         i32 = dict(dtype=torch.int32)
         return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)  # type: ignore[arg-type]
 
+    def _window_left(self, window) -> int:
+        """flashinfer's window: keys to the left of the query (-1: all)."""
+        return window - 1 if window is not None else -1
+
     def _plan_kw(self, window, dtype) -> dict:
-        kw = dict(window_left=window - 1 if window is not None else -1, sm_scale=self.scale,
+        kw = dict(window_left=self._window_left(window), sm_scale=self.scale,
                   q_data_type=dtype, kv_data_type=dtype)
         if self.softcap is not None:       # passed only when set: a stand-in need not know it
             kw["logits_soft_cap"] = self.softcap
