@@ -68,7 +68,7 @@ def test_flashinfer_s_captured_decode_gives_the_eager_step_s_tokens(shape):
     mode flashinfer always splits the keys, so the sums' order may differ),
     and the same greedy token wherever eager's top two logits are further
     apart than that difference; each bucket a graph. Prints the step times."""
-    from pdserve.benchmarks.kernels.capture import build
+    from pdserve.benchmarks.common.shapes import build
 
     model = build(shape, "bfloat16", "cuda", "flashinfer")
     assert model.attention.name == "flashinfer"

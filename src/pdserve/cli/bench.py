@@ -67,6 +67,10 @@ BENCHMARKS = [
     Subcommand("capture", "pdserve.benchmarks.kernels.capture",
                "the captured decode step (CUDA graphs; torch.compile on CPU) against the eager "
                "one at batch 1, 16 and 64, and the capture's time at load"),
+    Subcommand("gpu", "pdserve.benchmarks.engine.gpu",
+               "the engine's decode step and prefill on a GPU against the card's copy "
+               "bandwidth and matmul peak measured in the same run, the capture at load, "
+               "and transformers on the same shape (--dry-run: the same on CPU, tiny)"),
     Subcommand("mla", "pdserve.benchmarks.kernels.mla",
                "latent attention absorbed against expanded on DeepSeek-V3's shape: decode "
                "batches and prefill chunks"),

@@ -26,19 +26,9 @@ import statistics
 
 from pdserve.benchmarks.common.decode_inputs import decode_meta
 from pdserve.benchmarks.common.options import positive
+from pdserve.benchmarks.common.shapes import SHAPES, build
 from pdserve.benchmarks.common.timing import median_ms
 
-# ModelConfig fields of each shape (Llama architecture, random weights)
-SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-                         num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, max_position=8192,
-                         tie_word_embeddings=True),
-    "llama-110m": dict(vocab_size=16000, hidden_size=768, num_layers=12, num_heads=12,
-                       num_kv_heads=4, head_dim=64, intermediate_size=2048, max_position=4096),
-    "tiny": dict(vocab_size=98, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=16, intermediate_size=160),
-}
 MODES = ("cuda_graph", "compile", "static")
 PAGE = 16
 
@@ -65,20 +55,6 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=MODES,
                    help="how the step is captured (default: cuda_graph on a GPU, compile on "
                         "CPU; static runs the captured buffers eagerly)")
-
-
-def build(shape: str, dtype: str, device, attention: str = "torch"):
-    """The model of `shape` in `dtype` on `device`, its `attention` backend."""
-    import torch
-
-    from pdserve.kernels.models.loader import attention_shape, build_model, load_backend
-    from pdserve.kernels.models.model import random_weights
-    from pdserve.kernels.models.model_config import ModelConfig
-
-    cfg = ModelConfig(arch="llama", **SHAPES[shape])  # type: ignore[arg-type]
-    torch_dtype = getattr(torch, dtype)
-    backend = load_backend(attention, device, torch_dtype, attention_shape(cfg))
-    return build_model(cfg, random_weights(cfg, seed=0), torch_dtype, device, backend)
 
 
 def _fresh(meta):
