@@ -18,17 +18,18 @@ def test_the_device_check_dry_run_collects_the_device_tests_without_ray(tmp_path
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(TOOLS / "run_device_checks.sh"), str(out), "--dry-run",
-                          "--steps", "import,tests,bench-llm,bench-transfer"],
+                          "--steps", "import,tests,bench-llm,bench-transfer,capture-fi"],
                          env=env, capture_output=True, text=True, timeout=300)
     log = (out / "log.txt").read_text()
     assert run.returncode == 0, log[-3000:]
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
-    assert [(name, rc) for name, rc, _ in steps] == [
-        ("import", "0"), ("tests", "0"), ("bench-llm", "0"), ("bench-transfer", "0")]
+    assert [(name, rc) for name, rc, _ in steps] == [     # the script's order: most wanted first
+        ("import", "0"), ("capture-fi", "0"), ("bench-transfer", "0"), ("tests", "0"),
+        ("bench-llm", "0")]
     assert "ray: ray is not installed on the GPU host" in log
-    collected = re.search(r"(\d+)/(\d+) tests collected", log)
-    assert collected and int(collected.group(1)) >= 24, log[-3000:]
-    for what in ("llm", "transfer"):
+    collected = [int(n) for n in re.findall(r"(\d+)/\d+ tests collected", log)]
+    assert collected[0] == 2 and collected[1] >= 24, log[-3000:]   # capture-fi's, then tests
+    for what in ("llm", "transfer", "capture"):
         assert (out / f"bench_{what}.txt").read_text().startswith(
             "pdserve: error: device 'cuda': no CUDA GPU is usable here")
 

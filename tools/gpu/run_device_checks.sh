@@ -6,24 +6,28 @@
 #   tools/gpu/run_device_checks.sh OUTDIR [--dry-run] [--steps NAME,NAME...]
 #
 # Steps, each under its own `timeout`, all inside a 9-minute budget (later
-# steps shrink or are skipped when it runs out; PDSERVE_CHECK_BUDGET_S):
-#   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions
+# steps shrink or are skipped when it runs out; PDSERVE_CHECK_BUDGET_S), most
+# wanted first:
+#   install   .whl/ into /tmp/site (PDSERVE_SITE), pdserve linked in; versions. A
+#             past run's flashinfer-jit.tar.xz copied into .whl/ goes into
+#             flashinfer's AOT folder, so its modules load without a compile
 #   import    torch sees the GPU; flashinfer and nixl import
-#   capture   the captured decode step against the eager one, torch's attention:
-#             the device test (tests/kernels/test_capture_device.py) and pdserve
-#             bench capture (issue 40's GPU figures; first, since it needs no flashinfer)
 #   warm      flashinfer's kernels compiled, every module the later steps use
 #             (tools/gpu/warm_kernels.py: the loader's warm_up, in parallel)
-#   capture-fi  the same with flashinfer's decode captured (issue 54), bfloat16,
-#             appended to bench_capture.txt
+#   keep      the compiled flashinfer modules, for a later run to reuse
+#   bench-gpu pdserve bench gpu (issue 54): Llama-3-8B's and SmolLM2's shapes,
+#             decode and prefill against the card's measured limits, the peer
+#   capture-fi  flashinfer's decode captured (issue 54), bfloat16: the device test
+#             and bench capture --attention flashinfer
+#   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
+#   capture   the same with torch's attention (issue 40's GPU figures)
 #   tests     pytest -m device tests/kernels/test_device.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
-#   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
-#   keep      the compiled flashinfer modules, for a later run to reuse
 # OUTDIR receives at most 8 files: log.txt (everything, the tests' results
-# too), steps.tsv (step, exit status, seconds), warm.json, per_row.json,
-# bench_capture.txt, bench_llm.txt, bench_transfer.txt and flashinfer-jit.tar.xz.
+# and warm's timings too), steps.tsv (step, exit status, seconds),
+# flashinfer-jit.tar.xz, bench_gpu.txt, bench_capture.txt, bench_transfer.txt,
+# per_row.json and bench_llm.txt.
 #
 # --dry-run runs the same steps on this machine's CPU: the wheelhouse's
 # archives are verified instead of installed, flashinfer is the stand-in
@@ -39,7 +43,7 @@ while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z $OUT ]] && OUT=$1 || usage ;;
     esac
@@ -117,21 +121,25 @@ except ImportError as e:
 else:
     raise SystemExit("ray imported, but the GPU host has none")
 print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
-    step capture 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device \
-        tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
-        '$PY' -m pdserve.cli.main bench capture --device cuda"
-    step warm 120 "$PY" tools/gpu/warm_kernels.py "${FAKE[@]}" --out "$OUT/warm.json"
+    step warm 120 bash -c "'$PY' tools/gpu/warm_kernels.py --fake --device cpu \
+        --out /tmp/pdserve-warm.json && cat /tmp/pdserve-warm.json"
+    step bench-gpu 180 bash -c "'$PY' -m pdserve.cli.main bench gpu --dry-run \
+        > '$OUT/bench_gpu.txt' && cat '$OUT/bench_gpu.txt' && cuda_refused /tmp/pdserve-gpu.txt \
+        '$PY' -m pdserve.cli.main bench gpu --device cuda"
     step capture-fi 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device -k flashinfer \
         tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda --attention flashinfer"
+    step bench-transfer 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_transfer.txt" \
+        "$PY" -m pdserve.cli.main bench transfer --device cuda
+    step capture 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device \
+        tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
+        '$PY' -m pdserve.cli.main bench capture --device cuda"
     step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/kernels/test_device.py \
         --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
         --out "$OUT/per_row.json"
-    for what in llm transfer; do
-        step "bench-$what" 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_$what.txt" \
-            "$PY" -m pdserve.cli.main bench "$what" --device cuda
-    done
+    step bench-llm 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_llm.txt" \
+        "$PY" -m pdserve.cli.main bench llm --device cuda
 else
     SITE=${PDSERVE_SITE:-/tmp/site}
     export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/pdserve-flashinfer}
@@ -144,8 +152,15 @@ else
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     step install 60 bash -c "set -e; cd .whl; sha256sum -c SHA256SUMS; mkdir -p '$SITE'
         '$PY' -m pip install -q --no-index --no-deps --no-compile --target '$SITE' *.whl
-        for a in *.tar.xz; do tar -xJf \"\$a\" -C '$SITE'; done
+        for a in *.tar.xz; do [[ \$a == flashinfer-jit.tar.xz ]] || tar -xJf \"\$a\" -C '$SITE'; done
         ln -sfn '$REPO/src/pdserve' '$SITE/pdserve'
+        if [[ -f flashinfer-jit.tar.xz ]]; then    # a past run's kept modules: loaded as AOT
+            rm -rf /tmp/pdserve-jit; mkdir -p /tmp/pdserve-jit
+            tar -xJf flashinfer-jit.tar.xz -C /tmp/pdserve-jit
+            for so in \$(find /tmp/pdserve-jit -name '*.so'); do n=\$(basename \$so .so)
+                mkdir -p '$SITE'/flashinfer/data/aot/\$n && cp \$so '$SITE'/flashinfer/data/aot/\$n/
+                echo \"kept module \$n\"; done
+        fi
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
         nvcc --version | tail -2 || true" || { echo "install failed: nothing else can run"; exit 1; }
     step import 60 "$PY" -c 'import sys, torch
@@ -154,27 +169,31 @@ print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda,
       torch.cuda.get_device_name(0), "sm%d%d" % torch.cuda.get_device_capability(0))
 import flashinfer, nixl, pdserve
 print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pdserve.__file__)'
-    step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
-        -rA -s -k 'not flashinfer' tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main bench capture \
-        --device cuda 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
-    step warm 240 "$PY" tools/gpu/warm_kernels.py --out "$OUT/warm.json"
+    step warm 240 bash -c "'$PY' tools/gpu/warm_kernels.py --out /tmp/pdserve-warm.json;
+        r=\$?; cat /tmp/pdserve-warm.json; exit \$r"
+    step keep 30 bash -c "cd '$FLASHINFER_WORKSPACE_BASE' && find . -name '*.so' -printf '%s %p\n' &&
+        find . -name '*.so' -print0 | tar -cf - --null -T - | xz -T0 -6 > '$OUT/flashinfer-jit.tar.xz' &&
+        ls -l '$OUT/flashinfer-jit.tar.xz' &&
+        if (( \$(stat -c %s '$OUT/flashinfer-jit.tar.xz') > 15 * 1048576 )); then
+            echo 'over 15 MiB: not kept'; rm '$OUT/flashinfer-jit.tar.xz'; fi"
+    step bench-gpu 240 bash -c "set -o pipefail; '$PY' -m pdserve.cli.main bench gpu \
+        --peer-batches 1 8 2>&1 | tee '$OUT/bench_gpu.txt'"
     step capture-fi 120 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
         -rA -s -k flashinfer tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main \
         bench capture --device cuda --attention flashinfer --dtype bfloat16 \
-        --models smollm2-135m llama-110m 2>&1 | tee -a '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
+        --models smollm2-135m llama-110m 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
+    step bench-transfer 60 bash -c "'$PY' -m pdserve.cli.main bench transfer --device cuda \
+        2>&1 | tee '$OUT/bench_transfer.txt'"
+    step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
+        -rA -s -k 'not flashinfer' tests/kernels/test_capture_device.py; t=\$?; '$PY' -m \
+        pdserve.cli.main bench capture --device cuda 2>&1 | tee -a '$OUT/bench_capture.txt'
+        b=\$?; exit \$((t || b))"
     step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/kernels/test_device.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \
         --capture auto off \
         2>&1 | tee '$OUT/bench_llm.txt'"
-    step bench-transfer 60 bash -c "'$PY' -m pdserve.cli.main bench transfer --device cuda \
-        2>&1 | tee '$OUT/bench_transfer.txt'"
-    step keep 30 bash -c "cd '$FLASHINFER_WORKSPACE_BASE' && find . -name '*.so' -printf '%s %p\n' &&
-        find . -name '*.so' -print0 | tar -cf - --null -T - | xz -T0 -6 > '$OUT/flashinfer-jit.tar.xz' &&
-        ls -l '$OUT/flashinfer-jit.tar.xz' &&
-        if (( \$(stat -c %s '$OUT/flashinfer-jit.tar.xz') > 15 * 1048576 )); then
-            echo 'over 15 MiB: not kept'; rm '$OUT/flashinfer-jit.tar.xz'; fi"
 fi
 
 echo "== steps (name, rc, seconds), $(($(date +%s) - START))s in all:"

@@ -36,7 +36,10 @@ def combos() -> list[tuple[str, int, int | None]]:
         key = (str(c.dtype).removeprefix("torch."), c.head_dim, c.window)
         if key not in out:
             out.append(key)
-    out.append(("bfloat16", 64, None))     # bench llm's llama-110m
+    for key in (("bfloat16", 64, None),     # bench llm's llama-110m, bench gpu's SmolLM2
+                ("bfloat16", 128, None)):   # bench gpu's Llama-3-8B
+        if key not in out:
+            out.append(key)
     return out
 
 
