@@ -184,15 +184,20 @@ class FlashInferAttention(TorchAttention):
         goes. Pinned to BACKEND: under "auto" the kernel family is part of
         the frozen graph, and could differ from the eager step's."""
         device = page.device
-        indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        indices = torch.zeros(batch * max_pages, dtype=torch.int32, device=device)
-        last = torch.ones(batch, dtype=torch.int32, device=device)
+        sizes = (batch + 1, batch * max_pages, batch)          # indptr, indices, last
+        buffers = [torch.zeros(n, dtype=torch.int32, device=device) for n in sizes]
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace(device), "NHD", use_cuda_graph=True,
-            use_tensor_cores=self.tensor_cores, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+            use_tensor_cores=self.tensor_cores, paged_kv_indptr_buffer=buffers[0],
+            paged_kv_indices_buffer=buffers[1], paged_kv_last_page_len_buffer=buffers[2],
             backend=self.BACKEND)
-        return CapturedDecode(wrapper, page, off, batch, max_pages, self._plan_kw(window, dtype))
+        # the plan's tables are written here, then copied into the buffers:
+        # from pinned memory the copy queues behind the GPU's work, where
+        # from pageable memory it would wait for the stream to drain first
+        host = tuple(torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda")
+                     for n in sizes)
+        return CapturedDecode(wrapper, page, off, batch, max_pages, self._plan_kw(window, dtype),
+                              host, torch.zeros(sizes[1], dtype=torch.int32, device=device))
 
     def plan_captured(self, cap: "CapturedDecode", seqs: list, ps: int, scratch: int) -> None:
         """Plan `cap` for a round of `seqs` (decodes, at most its batch),
@@ -201,7 +206,6 @@ class FlashInferAttention(TorchAttention):
         scratch page, where it writes (the planner never grants that page)."""
         n, b = len(seqs), cap.batch
         counts = np.ones(b, dtype=np.int32)
-        last = np.ones(b, dtype=np.int32)
         rows = []
         for i, s in enumerate(seqs):
             lo, hi = s.kv_start // ps, -(-s.ctx_len // ps)
@@ -209,18 +213,28 @@ class FlashInferAttention(TorchAttention):
                 raise ValueError(f"a captured decode row reads {hi - lo} pages, its bucket "
                                  f"holds {cap.max_pages}")
             rows.append(s.block_table[lo:hi])
-            counts[i], last[i] = hi - lo, s.ctx_len - (hi - 1) * ps
-        indptr = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(counts, out=indptr[1:])
-        indices = np.full(int(indptr[-1]), scratch, dtype=np.int32)
-        if rows:
-            indices[:indptr[n]] = np.concatenate(rows)
-        if cap.planned is not None:
-            # the wrapper stages its schedule in one pinned host buffer: the
-            # last plan's copy out of it must be done before it is rewritten
+            counts[i] = hi - lo
+        if cap.planned is not None and not cap.planned.query():  # type: ignore[attr-defined]
+            # the host tables, and the wrapper's own pinned staging of its
+            # schedule, are rewritten only once the last plan's copies ran
             cap.planned.synchronize()  # type: ignore[attr-defined]
-        cap.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices),  # type: ignore[attr-defined]
-                         torch.from_numpy(last), self.h, self.kvh, self.d, ps, **cap.kw)
+        indptr_t, indices_t, last_t = cap.host
+        indptr, last = indptr_t.numpy(), last_t.numpy()
+        indptr[0] = 0
+        np.cumsum(counts, out=indptr[1:])
+        used = int(indptr[-1])
+        indices = indices_t.numpy()
+        indices[int(indptr[n]):used] = scratch
+        if rows:
+            indices[:int(indptr[n])] = np.concatenate(rows)
+        last[:] = 1
+        last[:n] = [s.ctx_len - (-(-s.ctx_len // ps) - 1) * ps for s in seqs]
+        # the indices go to the device first: flashinfer copies host indices
+        # into its buffer with a blocking copy (a stream sync), device ones not
+        staged = cap.indices[:used]
+        staged.copy_(indices_t[:used], non_blocking=True)
+        cap.wrapper.plan(indptr_t, staged, last_t,  # type: ignore[attr-defined]
+                         self.h, self.kvh, self.d, ps, **cap.kw)
         if cap.page.is_cuda:
             cap.planned = torch.cuda.Event()
             cap.planned.record()  # type: ignore[attr-defined]
@@ -302,6 +316,8 @@ class CapturedDecode:
     batch: int
     max_pages: int                  # the most pages a row's table may hold
     kw: dict                        # the plan's keywords (window, scale, dtypes)
+    host: tuple                     # host indptr, indices, last (pinned on CUDA)
+    indices: torch.Tensor           # the indices on the device, for the plan to copy
     planned: object = None          # a CUDA event after the last plan's copies
 
 
