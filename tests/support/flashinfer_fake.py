@@ -8,11 +8,21 @@ per-request loops, float32 math.
 It lets the CPU suite check what pdserve hands flashinfer (the plans, the
 split between prefill and decode rows, the strided per-layer caches); the
 kernels themselves are checked on CUDA by tests/kernels/test_device.py (`-m device`).
+
+Also the fused elementwise ops, as `norm.rmsnorm`, `norm.fused_add_rmsnorm`
+and `activation.silu_and_mul` (and at top level, where flashinfer exports
+them too), from their docstrings and flashinfer's own reference
+(tests/test_norm.py): float32 inside, rounded once to the input's dtype;
+`fused_add_rmsnorm` in place, the residual rounded but the norm taken
+over the float32 sum.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 
 
 def _check_csr(indptr, indices, last, page_size):
@@ -174,3 +184,57 @@ class BatchDecodeWithPagedKVCacheWrapper:
             qpos = torch.tensor([k.shape[0] - 1])
             out[i] = _attend(q[i:i + 1], k, v, qpos, self.window_left, self.scale)[0]
         return _result(out, q, given)
+
+
+# ---- flashinfer.norm and flashinfer.activation ---------------------------------
+
+def _check_rows(x, weight=None):
+    assert x.dtype in DTYPES, f"flashinfer's norm and activation kernels: no {x.dtype}"
+    assert x.dim() == 2 and x.stride(-1) == 1, "rows [batch, hidden], the last dim dense"
+    if weight is not None:
+        # the kernel reads weight as the input's element type: no conversion
+        assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (weight.shape,
+                                                                          weight.dtype)
+
+
+def _rms(x32, weight, eps):
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """out = input / RMS(input) * weight."""
+    _check_rows(input, weight)
+    y = _rms(input.float(), weight, eps).to(input.dtype)
+    if out is None:
+        return y
+    assert out.shape == input.shape and out.dtype == input.dtype
+    return out.copy_(y)
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """In place, returning None: residual += input; input = residual /
+    RMS(residual) * weight."""
+    _check_rows(input, weight)
+    assert residual.shape == input.shape and residual.dtype == input.dtype
+    assert residual.stride(-1) == 1 and residual.data_ptr() != input.data_ptr()
+    x = input.float() + residual.float()
+    residual.copy_(x)
+    input.copy_(_rms(x, weight, eps))
+
+
+def silu_and_mul(input, out=None, enable_pdl=None):
+    """silu(input[..., :d]) * input[..., d:], of input [..., 2d]."""
+    assert input.dtype in DTYPES and input.stride(-1) == 1
+    if input.shape[-1] * input.element_size() % 16 != 0:
+        raise ValueError("The pointers must be multiple of 16 bytes.")
+    d = input.shape[-1] // 2
+    x = input.float()
+    y = (F.silu(x[..., :d]) * x[..., d:]).to(input.dtype)
+    if out is None:
+        return y
+    assert out.shape == y.shape and out.dtype == input.dtype
+    return out.copy_(y)
+
+
+norm = SimpleNamespace(rmsnorm=rmsnorm, fused_add_rmsnorm=fused_add_rmsnorm)
+activation = SimpleNamespace(silu_and_mul=silu_and_mul)
