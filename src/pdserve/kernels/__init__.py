@@ -12,7 +12,9 @@ of every request concatenated, writing K/V into paged caches (`kv_cache.py`)
 and reading them back through block tables (`attention.py`; on CUDA
 `flashinfer_attention.py`), one cache and one table
 per request for each cache group (the layers sharing a window,
-`ModelConfig.cache_groups`). `sampling.py` turns the logits of the rows
+`ModelConfig.cache_groups`). A Llama-family layer's norms, residual adds
+and SwiGLU run flashinfer's fused kernels on CUDA, torch's elsewhere
+(`fused_ops.py`). `sampling.py` turns the logits of the rows
 that sample into tokens (and logprobs); `detokenize.py` turns tokens into
 text a constant amount of work at a time. Speculative decoding guesses
 candidates (`proposers.py`: prompt lookup; `draft_model.py`: a draft model

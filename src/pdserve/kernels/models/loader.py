@@ -130,7 +130,10 @@ def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, att
     cls = {"gemma3": Gemma3Model, "qwen3_5": Qwen3_5Model, "lfm2": Lfm2Model,
            "qwen3_moe": Qwen3MoeModel, "deepseek_v3": DeepseekV3Model}.get(
         cfg.arch, DecoderModel)
-    return cls(cfg, weights, dtype, device, attention)
+    model = cls(cfg, weights, dtype, device, attention)
+    if model.device.type == "cuda" and isinstance(model, DecoderModel):
+        log.info("norms, residual adds and SwiGLU: %s", model.fused_ops_why)
+    return model
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device) -> torch.dtype:

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.cpu.layer import native_layers_for
+# rms_norm lives with the other elementwise ops; the families import it from here
+from pdserve.kernels.fused_ops import TorchOps, choose_fused_ops, rms_norm
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.lora.batched import DOWN, GATE_UP, O, QKV, BatchedLora, LoraStacks
 from pdserve.kernels.models.model_config import ModelConfig, ModelError, weight_names
@@ -26,15 +28,6 @@ from pdserve.kernels.cpu.quantized import (
 from pdserve.kernels.models.rope import Rotary
 from pdserve.kernels.models.state_cache import SeqState, StateBatch, StateCache, StateRound
 from pdserve.kernels.tensor_parallel import TpError, TpShard
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm: normalized in float32, cast back, then
-    scaled by `weight`. torch's fused rms_norm (no weight given) does the
-    first two in one call where the formula took six, to the same bits in
-    float32 and bfloat16 alike; the weight multiplies after the cast, as
-    there."""
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
@@ -242,6 +235,10 @@ class DecoderModel(PagedDecoder):
         self.quantized = bool(quantized_linears(self))
         # every row through one C call a layer, where it fits (cpu/layer.py)
         self.native_layers, self.native_layers_why = native_layers_for(self)
+        # the norms, residual adds and SwiGLU: flashinfer's fused kernels on a
+        # GPU, torch's elsewhere (fused_ops.py); a test may set another
+        self.fused_ops: TorchOps
+        self.fused_ops, self.fused_ops_why = choose_fused_ops(cfg, dtype, self.device)
 
     def enable_lora(self, slots: int, max_rank: int) -> LoraStacks:
         """Device stacks for `slots` LoRA adapters of rank up to `max_rank`;
@@ -280,10 +277,24 @@ class DecoderModel(PagedDecoder):
         heads = c.num_heads + c.num_kv_heads
         # quantized weights: prefill rows through the dense copies (kernels/cpu/quantized.py)
         dense_rows = metas[0].prefill_rows() if self.quantized else 0
+        # The residual stream goes through ops' add_rms_norm, which adds a
+        # layer's output to h and norms the sum for what reads it next (one
+        # kernel with flashinfer's; torch's are this loop's old expressions,
+        # so on CPU the bits are what they were). flashinfer's writes in place
+        # into h and the output it adds: both are this forward's own (the
+        # embedding rows, a projection's output, with LoRA's adds and the
+        # tensor-parallel all-reduce in place on it), so neither LoRA nor TP
+        # needs torch's path. The MLP's output waits in `delta` to be added
+        # with the next layer's first norm.
+        ops = self.fused_ops
+        delta = None
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             if not h.shape[0]:
                 break
-            x = rms_norm(h, ln1, c.rms_norm_eps)
+            if delta is None:
+                x = ops.rms_norm(h, ln1, c.rms_norm_eps)
+            else:
+                x, h = ops.add_rms_norm(delta, h, ln1, c.rms_norm_eps)
             qkv = linear(x, qkv_w, qkv_b, dense_rows=dense_rows)
             if lora is not None:
                 qkv = lora.add(i, QKV, x, qkv)
@@ -294,16 +305,17 @@ class DecoderModel(PagedDecoder):
             k_pages, v_pages = caches[g].layer(j)
             o = self.attention.forward(q, k, v, k_pages, v_pages, metas[g])
             o = o.reshape(-1, q_dim)
-            h = h + self.reduce(linear(o, o_w, dense_rows=dense_rows) if lora is None
-                                else lora.add(i, O, o, linear(o, o_w, dense_rows=dense_rows)))
-            x = rms_norm(h, ln2, c.rms_norm_eps)
+            attended = self.reduce(linear(o, o_w, dense_rows=dense_rows) if lora is None
+                                   else lora.add(i, O, o, linear(o, o_w, dense_rows=dense_rows)))
+            x, h = ops.add_rms_norm(attended, h, ln2, c.rms_norm_eps)
             gu = linear(x, gate_up_w, dense_rows=dense_rows)
             if lora is not None:
                 gu = lora.add(i, GATE_UP, x, gu)
-            inter = gu.shape[-1] // 2
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            act = ops.silu_and_mul(gu)
             down = linear(act, down_w, dense_rows=dense_rows)
-            h = h + self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
-        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+            delta = self.reduce(down if lora is None else lora.add(i, DOWN, act, down))
+        if delta is not None:
+            h = h + delta
+        h = ops.rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
         # the logits rows are in row order: a prefill's come before every decode's
         return self.head(h, int((logits_indices < dense_rows).sum()) if dense_rows else 0).float()
