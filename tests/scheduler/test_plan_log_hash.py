@@ -129,26 +129,28 @@ MUST_HAVE = {
 # re-recorded when a victim began to yield to the request it was retracted
 # for, again when a load's ticket came to hold its targets (issue 34), and
 # the sliding cases when a sliding pool stopped admitting newcomers its
-# residents may still grow into (demands.sliding_room)
+# residents may still grow into (demands.sliding_room); every page account
+# re-recorded (the plan logs unchanged) when the pool began to hand out runs
+# in ascending page order, so NIXL merges a transfer's runs (pool.py)
 HASHES = {
     "sim-demo": ("55da10020e826af685a8f77f3939cfbb43906f59df162bab640d42885e088fb2",
-                "3660eb8af313b7e9be91cf8833accb417aa59614af8d1e8450c9fcc5ef70e57d"),
+                "8ee869cdf7158958bda22043a7f8eb543c97d5ce7a1934cd45129a1df26d256a"),
     "sim-demo-pd": ("48b2552a931ce6e9baa7ab1ebfca622c5ec8bda729f8b19eff36029fd8b7615b",
-                   "33fb9323729473d6cd5710bed5e8058bce356ff09ee273af80418f217a940192"),
+                   "d17b7fe928b701555729e14fc9841cabf70cb24c3939384f866b410dc8530168"),
     "mooncake-tight-host": ("ed2babd0ece726819feaf9c1104b5161e3dfa11ec4f2832b23ca8f777acd2f53",
-                           "85d56de3c132b5be76d508b9444a0ce2329715315b24b213681fe68d458e00b1"),
+                           "f06cb3d6f41e405ce8c9b5ab890bc99ab02f69554f2befabff41c7ecec297918"),
     "mooncake-tight-requeue": ("a14fb6a39c95236710737f2aaeb64ca444d3cb48e9c827d2708dd83d3abecb53",
-                              "510785a7cf2ef39872e26974e3da37559046ddfbe4d13ac67268d470a737e40d"),
+                              "2dbc913e3e9c236755f9d91c46d0e37e3e11dfa74b5a10724165cc8397eb605f"),
     "mooncake-tight-pd-host": ("a0c8c5d4ba16012305722df4d52b4ca83547219adbe7d6f0bdaf7fabba7f2872",
-                              "12b4165d954faef475fe4225aad25651a652e805541c2c1facb5468cfa4b2141"),
+                              "b67008530eb69190b2d76ac951a218fb54900020f1d82c131403b1176d260bfd"),
     "gemma-sliding": ("2936334e50261142dd8f41c8b7d0d20ca70d6b81fc3bf2b3a54c1ffffbd22443",
-                     "4b4f05c306c3f7eecd363e5686a9779749cc5e6b12a07f453a835c633fe47a0b"),
+                     "5f32de1847aedad2c57824c2cee561a56cead97926f47d1c8a43dc4736caa167"),
     "gemma-sliding-pd": ("49928aaee5d27036a0fc4f38939b32a0def4d1767bf4708472e30bab155351a9",
-                        "a94ff3411693947d8aa173a10aa61aff5c3a9aa472767e93f057ac15ac325923"),
+                        "5c00083454f9399809a0b56e0c85b5520462cca8de15005f36c908235bd5ebbf"),
     "gemma-sliding-host": ("d727614455a035037fa6b9fb9b1338ce5f3b6cc896868bf7cb5627699ee69cfd",
-                          "c9073cc1505f8dbdab05196900a930763e2d4bfde274a4a6763d87e92c93c53d"),
+                          "faa36b591cc479c40e9f1437161f69f3e70554a4223f1b3ba5ca618626cc03db"),
     "qwen3-next-state-host": ("b33060e7d8071a378d2800591342953e76056fe79cf3998011205bceee60f594",
-                             "e910ea3619341caa3009587907e84125b0963bd63d9ad2aacae70ba8918d66d1"),
+                             "c2805463c95846a61fe84bbcf86a8f7d1be28f6ae4d13255ee7d2c92a5fde44d"),
 }
 
 

@@ -32,6 +32,46 @@ def test_free_list_hands_out_each_page_once():
         pool.take(1)
 
 
+def test_the_pool_hands_out_runs_in_ascending_order_and_takes_them_back_so():
+    """A transfer names a run of pages ascending on both sides as one
+    descriptor (NIXL merges it; a descending run it does not): a fresh
+    pool's takes are ascending runs, one after another, and a run dropped
+    back comes out again as the same ascending run."""
+    from pdserve.scheduler.cache.pool import drop_refs
+
+    class NoIndex:
+        def contains(self, page):
+            return False
+
+    pool = PagePool(16)
+    a, b = pool.take(5), pool.take(3)
+    assert a == [0, 1, 2, 3, 4] and b == [5, 6, 7]
+    drop_refs(pool, NoIndex(), a)
+    assert pool.take(5) == a
+    drop_refs(pool, NoIndex(), b)
+    assert pool.take(8) == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert pool.take(3) == [13, 14, 15] and pool.take(0) == []
+
+
+def test_a_fresh_prompt_lands_on_d_as_one_run_from_one_run_on_p():
+    """P/D through the planners: each of the first requests' transfers is
+    one run on both sides (its chunks' pages follow each other on P, its
+    landing pages on D), so NIXL moves it as one descriptor."""
+    from pdserve.transfer.transport import page_runs
+    from support.pd import PDPair
+    from support.planner import config
+
+    pair = PDPair(config(max_scheduled_tokens=16), config(max_scheduled_tokens=16))
+    pair.submit(req("a", 40))                       # 10 pages of 4, in three chunks on P
+    landing, runs = {}, []
+    for _ in range(20):
+        dplan, pplan = pair.tick()
+        landing.update((op.req.id, op.landing) for op in dplan.remote_prefills)
+        runs += [page_runs(s, d) for op in pplan.remote_decodes
+                 for s, d in zip(op.src, landing.pop(op.req.id))]
+    assert runs == [[(0, 0, 10)]]
+
+
 def test_freeing_a_held_page_is_refused():
     pool = PagePool(4)
     (p,) = pool.take(1)

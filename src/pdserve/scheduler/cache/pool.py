@@ -23,7 +23,12 @@ class PagePool:
     def __init__(self, total: int):
         self.total = total
         self.refcount = [0] * total
-        # pop() from the end hands out low page numbers first: easy to read in logs
+        # a stack whose top is the lowest page of a run: `take` hands out
+        # consecutive pages in ascending order, so a request's table is runs
+        # of neighbouring pages, which a KV transfer names as few descriptors
+        # (NIXL merges a run ascending on both sides into one; it does not
+        # merge a descending one: 1,024 tiny pages in one ascending run moved
+        # in 1.2 ms, descending 2.1, scattered 2.9, on the dev host)
         self._free = list(range(total - 1, -1, -1))
         self._is_free = [True] * total
 
@@ -36,7 +41,7 @@ class PagePool:
         if n > len(self._free):
             raise PoolError(f"take({n}) with {len(self._free)} free")
         free, rc, is_free = self._free, self.refcount, self._is_free
-        pages = free[len(free) - n:]
+        pages = free[len(free) - n:][::-1]                     # the top n, top first
         del free[len(free) - n:]
         for p in pages:
             rc[p] = 1
@@ -69,15 +74,18 @@ def drop_refs(pool: PagePool, index, pages) -> None:
     """One reference fewer on each page: a page nobody holds any more
     becomes idle in `index` (cached) if it is in it, else free."""
     rc = pool.refcount
+    freed = []
     for p in pages:
         rc[p] -= 1
         if rc[p] == 0:
             if index.contains(p):
                 index.idle(p)
             else:
-                pool.put_free(p)
+                freed.append(p)
         elif rc[p] < 0:
             raise PoolError(f"page {p} released more often than held")
+    for p in reversed(freed):     # a run goes back with its lowest page on top
+        pool.put_free(p)
 
 
 def check_refcounts(name: str, pool: PagePool, index, expected: list[int]) -> None:
