@@ -4,6 +4,9 @@ GPU memory, NIXL "VRAM", with device="cuda": `pdserve bench transfer --device cu
 For each size, the same bytes three ways:
   handoff   NixlTransport.write of N pages scattered through a larger pool
             (descriptors prepared once; the write names page indices)
+  one run   the same write of N pages consecutive and ascending on both
+            sides, which NIXL merges into one descriptor (how the page pool
+            hands out a fresh request's pages)
   raw NIXL  one WRITE of one contiguous buffer of the same bytes
   memcpy    an in-process copy of the same bytes
 Pools: the tiny model's (8 KiB pages) and a Llama-3-8B-shaped one (32
@@ -79,16 +82,20 @@ def pair_order(r: int) -> tuple[str, str]:
     return ("handoff", "raw") if r % 2 == 0 else ("raw", "handoff")
 
 
-def summarize(nbytes: int, hand: list, raw: list, copies: list) -> dict:
+def summarize(nbytes: int, hand: list, raw: list, copies: list, runs: list) -> dict:
     """Seconds per repeat (None: failed) -> GB/s spreads and the per-round
-    ratio handoff/raw over the rounds where both writes succeeded."""
+    ratios handoff/raw and one run/raw over the rounds where both writes
+    succeeded."""
     def gbs(xs):
         return [nbytes / s / 1e9 if s is not None else None for s in xs]
-    h, r = gbs(hand), gbs(raw)
-    ratios = [a / b if a is not None and b is not None else None for a, b in zip(h, r)]
+
+    def over_raw(xs):
+        return spread([a / b if a is not None and b is not None else None
+                       for a, b in zip(xs, r)])
+    h, r, one = gbs(hand), gbs(raw), gbs(runs)
     return {"handoff": spread(h), "raw": spread(r), "memcpy": spread(gbs(copies)),
-            "ratio": spread(ratios),
-            "failed": {"handoff": hand.count(None), "raw": raw.count(None)}}
+            "run": spread(one), "ratio": over_raw(h), "run_ratio": over_raw(one),
+            "failed": {"handoff": hand.count(None) + runs.count(None), "raw": raw.count(None)}}
 
 
 def time_handoff(p, w) -> float | None:
@@ -187,7 +194,7 @@ def _one_size(sides: _Sides, name: str, spec: dict, n: int, nbytes: int, rng, re
     a.copy_(b)                       # touch every page before timing
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    hand, raws, copies, setup = [], [], [], []
+    hand, raws, copies, setup, runs = [], [], [], [], []
     for r in range(repeats):
         for side in pair_order(r):
             if side == "handoff":
@@ -203,6 +210,9 @@ def _one_size(sides: _Sides, name: str, spec: dict, n: int, nbytes: int, rng, re
                 if raws[-1] is None:         # a handle in error is not reposted
                     p.agent.release_xfer_handle(h)
                     h = new_handle()
+        s0, d0 = (int(x) for x in rng.integers(0, spec["pages"] - n + 1, 2))
+        runs.append(time_handoff(p, KvWrite(f"{name}-{n}-{r}-run", r, sides.d_inc,
+                                            tuple(range(s0, s0 + n)), tuple(range(d0, d0 + n)))))
         t0 = time.perf_counter()
         a.copy_(b)
         sync()
@@ -210,7 +220,7 @@ def _one_size(sides: _Sides, name: str, spec: dict, n: int, nbytes: int, rng, re
     p.agent.release_xfer_handle(h)
     return {"pool": name, "pages": n, "mib": nbytes / 2 ** 20, "repeats": repeats,
             "setup_us": spread(setup), "descriptors": p.metrics.descriptors,
-            **summarize(nbytes, hand, raws, copies)}
+            **summarize(nbytes, hand, raws, copies, runs)}
 
 
 def _cell(s: Spread | None) -> str:
@@ -235,13 +245,14 @@ def main(repeats: int = REPEATS, device: str = "cpu") -> int:
     print(f"KV handoff between two processes, NIXL over UCX, {where}; {repeats} rounds a "
           "size, handoff and raw back to back in alternating order; median [p25-p75]")
     print(f"{'pool':<11} {'pages':>5} {'MiB':>7} {'handoff GB/s':>18} {'raw NIXL GB/s':>18} "
-          f"{'memcpy GB/s':>20} {'handoff/raw':>18} {'setup µs':>9} {'failed':>7}")
+          f"{'memcpy GB/s':>20} {'handoff/raw':>18} {'setup µs':>9} {'failed':>7} "
+          f"{'one run GB/s':>18} {'one run/raw':>18}")
     for r in rows:
         failed = f"{r['failed']['handoff']}+{r['failed']['raw']}"
         setup = f"{r['setup_us'].median:.0f}" if r["setup_us"] else "-"
         print(f"{r['pool']:<11} {r['pages']:>5} {r['mib']:>7.2f} {_cell(r['handoff']):>18} "
               f"{_cell(r['raw']):>18} {_cell(r['memcpy']):>20} {_cell(r['ratio']):>18} "
-              f"{setup:>9} {failed:>7}")
+              f"{setup:>9} {failed:>7} {_cell(r['run']):>18} {_cell(r['run_ratio']):>18}")
     last = next(r for r in rows if r["pool"] == "llama-3-8b" and r["pages"] == 128)
     ratio = last["ratio"]
     if ratio is None:
