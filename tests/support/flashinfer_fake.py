@@ -9,6 +9,14 @@ It lets the CPU suite check what pdserve hands flashinfer (the plans, the
 split between prefill and decode rows, the strided per-layer caches); the
 kernels themselves are checked on CUDA by tests/kernels/test_device.py (`-m device`).
 
+And `mla.BatchMLAPagedAttentionWrapper` (also at top level), from
+flashinfer 0.7.4's docstrings and signatures (flashinfer/mla/_batch_mla/):
+the canonical keyword form, `plan(metadata=mla.MLAPlanMetadata.csr(...),
+...)` and `run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), out=...)`, its
+metadata checks, the kernels' outer-strides-only reads in 16-byte vectors,
+and the fa2/fa3 widths (head_dim_ckv a multiple of 128, head_dim_kpe of
+64); the output is in latent space, the sum over ckv.
+
 Also the fused elementwise ops, as `norm.rmsnorm`, `norm.fused_add_rmsnorm`
 and `activation.silu_and_mul` (and at top level, where flashinfer exports
 them too), from their docstrings and flashinfer's own reference
@@ -19,6 +27,7 @@ over the float32 sum.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -238,3 +247,134 @@ def silu_and_mul(input, out=None, enable_pdl=None):
 
 norm = SimpleNamespace(rmsnorm=rmsnorm, fused_add_rmsnorm=fused_add_rmsnorm)
 activation = SimpleNamespace(silu_and_mul=silu_and_mul)
+
+
+# ---- flashinfer.mla: the planned MLA wrapper (0.7.4) -----------------------------
+
+@dataclass(frozen=True)
+class MLAPlanMetadata:
+    """Canonical CSR metadata (the dense form is not stood in for)."""
+    qo_indptr: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_len_arr: torch.Tensor | None = None
+
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+
+
+MLA_BACKENDS = ("auto", "autotune", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa",
+                "cute-dsl", "cute-dsl-monolithic", "cute-dsl-modular", "cute-dsl-rubin-mtp")
+
+
+def _check_mla_metadata(m, page_size):
+    """flashinfer's _validate_csr_metadata: rank-1 contiguous int32 on the
+    host or the device, indptrs from 0 and nondecreasing, one batch size,
+    each request's page count ceil(kv_len / page_size)."""
+    assert isinstance(m, MLAPlanMetadata), "metadata must be an MLAPlanMetadata instance"
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"):
+        t = getattr(m, name)
+        assert torch.is_tensor(t) and t.dim() == 1 and t.is_contiguous(), name
+        assert t.dtype == torch.int32, f"{name} metadata must have dtype torch.int32"
+    for t in (m.qo_indptr, m.kv_indptr):
+        assert int(t[0]) == 0 and bool((t[1:] >= t[:-1]).all())
+    b = m.qo_indptr.numel() - 1
+    assert m.kv_indptr.numel() == b + 1 and m.kv_len_arr.numel() == b, "batch dims must agree"
+    assert int(m.kv_indptr[-1]) <= m.kv_indices.numel()
+    assert bool((m.kv_len_arr >= 0).all())
+    pages = (m.kv_len_arr.long() + page_size - 1) // page_size
+    assert torch.equal(pages, (m.kv_indptr[1:] - m.kv_indptr[:-1]).long()), \
+        "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)"
+
+
+def _vector_reads(t):
+    """The fa kernels take only a tensor's two outer strides and move 16
+    bytes at a time: the last dim dense, the start and outer strides
+    16-byte aligned."""
+    assert t.dim() == 3 and t.stride(-1) == 1, "the last dim must be dense"
+    assert t.data_ptr() % 16 == 0, "16-byte aligned"
+    assert all(t.shape[a] == 1 or t.stride(a) * t.element_size() % 16 == 0 for a in (0, 1))
+
+
+def _split(value, layout, widths, name):
+    """A structural value as (no-PE, PE) tensors, as the plan's layout
+    says: "split" an exact 2-tuple, "packed" one tensor joining them."""
+    if layout == "split":
+        assert type(value) is tuple and len(value) == 2, f"split {name} is an exact 2-tuple"
+        left, right = value
+    else:
+        assert torch.is_tensor(value) and value.shape[-1] == sum(widths), f"packed {name}"
+        left, right = value[..., :widths[0]], value[..., widths[0]:]
+    assert left.dim() == right.dim() == 3 and left.shape[:-1] == right.shape[:-1], name
+    assert (left.shape[-1], right.shape[-1]) == widths, f"{name} widths {widths}"
+    return left, right
+
+
+class BatchMLAPagedAttentionWrapper:
+    """Absorbed MLA over paged caches: per request, query rows
+    qo_indptr[i]:qo_indptr[i+1] against the first kv_len_arr[i] tokens of
+    pages kv_indices[kv_indptr[i]:kv_indptr[i+1]]; a score is q_nope . ckv
+    + q_pe . kpe times sm_scale; causal aligns the queries to the end of
+    the keys; the output is the softmax's sum over ckv, [rows, heads,
+    head_dim_ckv]. Positional arguments are deprecated in 0.7.4: refused."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None,
+                 kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert backend in MLA_BACKENDS, backend
+        assert not use_cuda_graph, "the stand-in has no CUDA-graph mode"
+        self.backend = backend
+        self.plans = 0
+        self.planned = []               # each plan's metadata
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, query_layout="packed",
+             kv_cache_layout="packed", lse_mode="none", output_dtype=None):
+        _check_mla_metadata(metadata, page_size)
+        _check_dtypes(q_data_type, kv_data_type)
+        assert kv_data_type == q_data_type, "a non-FP8 KV dtype must match the query's"
+        assert output_dtype in (None, q_data_type) and lse_mode == "none"
+        assert head_dim_ckv % 128 == 0 and head_dim_kpe % 64 == 0, \
+            "fa2/fa3 need head_dim_ckv a multiple of 128 and head_dim_kpe of 64"
+        assert query_layout in ("packed", "split") and kv_cache_layout in ("packed", "split")
+        self.m, self.heads, self.widths = metadata, num_heads, (head_dim_ckv, head_dim_kpe)
+        self.ps, self.causal, self.scale, self.dtype = page_size, causal, sm_scale, q_data_type
+        self.layouts = (query_layout, kv_cache_layout)
+        self.plans += 1
+        self.planned.append(metadata)
+
+    def run(self, *, query, kv_cache, out=None):
+        m, (ckv_w, _) = self.m, self.widths
+        q_nope, q_pe = _split(query, self.layouts[0], self.widths, "query")
+        ckv, kpe = _split(kv_cache, self.layouts[1], self.widths, "KV cache")
+        for t in (q_nope, q_pe, ckv, kpe):
+            assert t.dtype == self.dtype, (t.dtype, self.dtype)
+            _vector_reads(t)
+        assert q_nope.shape[:2] == (int(m.qo_indptr[-1]), self.heads), "the planned query shape"
+        assert ckv.shape[1] == self.ps, "ckv_cache page size must match the planned page_size"
+        if m.kv_indices.numel():
+            assert ckv.shape[0] > int(m.kv_indices[:int(m.kv_indptr[-1])].max()), \
+                "KV cache does not cover the planned CSR page indices"
+        if out is None:
+            out = torch.empty_like(q_nope)
+        assert out.shape == q_nope.shape and out.dtype == q_nope.dtype
+        for i in range(m.kv_len_arr.numel()):
+            rows = slice(int(m.qo_indptr[i]), int(m.qo_indptr[i + 1]))
+            pages = m.kv_indices[int(m.kv_indptr[i]):int(m.kv_indptr[i + 1])].long()
+            n = int(m.kv_len_arr[i])
+            k_lat = ckv[pages].reshape(-1, ckv_w)[:n].float()
+            k_pe = kpe[pages].reshape(-1, kpe.shape[-1])[:n].float()
+            scores = (torch.einsum("qhd,kd->hqk", q_nope[rows].float(), k_lat)
+                      + torch.einsum("qhd,kd->hqk", q_pe[rows].float(), k_pe)) * self.scale
+            t = rows.stop - rows.start
+            if self.causal:             # query j sits at key position n - t + j
+                qpos = torch.arange(n - t, n)
+                scores = scores.masked_fill(torch.arange(n)[None, :] > qpos[:, None],
+                                            float("-inf"))
+            out[rows] = torch.einsum("hqk,kd->qhd", torch.softmax(scores, dim=-1),
+                                     k_lat).to(out.dtype)
+        return out
+
+
+mla = SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
+                      MLAPlanMetadata=MLAPlanMetadata)
