@@ -133,6 +133,8 @@ def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, att
     model = cls(cfg, weights, dtype, device, attention)
     if model.device.type == "cuda" and isinstance(model, DecoderModel):
         log.info("norms, residual adds and SwiGLU: %s", model.fused_ops_why)
+    if model.device.type == "cuda" and isinstance(model, DeepseekV3Model):
+        log.info("latent attention's decode rows: %s", model.mla_decode_why)
     return model
 
 

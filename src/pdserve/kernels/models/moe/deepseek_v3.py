@@ -25,7 +25,8 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.model import PagedDecoder, rms_norm
 from pdserve.kernels.models.model_config import ModelConfig
 from pdserve.kernels.models.moe.experts import DenseMlp, Experts, expert_weight_names, moe_mlp
-from pdserve.kernels.models.moe.mla import MlaAttention, MlaWeights, mla_weights
+from pdserve.kernels.models.moe.mla import (MlaAttention, MlaWeights, choose_mla_decode,
+                                            mla_weights)
 from pdserve.kernels.models.rope import Rotary
 
 MLA_WEIGHTS = ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
@@ -85,7 +86,10 @@ class DeepseekV3Model(PagedDecoder):
                                       mla_weights(spec, w, p + "self_attn.", cfg.num_heads),
                                       w[p + "post_attention_layernorm.weight"],
                                       self._mlp(w, weights, i, mine)))
-        self.mla = MlaAttention(spec, cfg.num_heads)
+        # the decode rows' attention: flashinfer's MLA kernel on a GPU where it
+        # has one for these shapes, torch's elsewhere (mla.py)
+        decode, self.mla_decode_why = choose_mla_decode(spec, cfg.num_heads, dtype, dev)
+        self.mla = MlaAttention(spec, cfg.num_heads, decode=decode)
         # rotary over the rope dims only (the checkpoint's config calls that head_dim)
         self.rotary = Rotary(dataclasses.replace(cfg, head_dim=spec.qk_rope_head_dim), dtype, dev)
 
