@@ -75,8 +75,8 @@ def test_decode_rounds_give_torch_s_logits_and_greedy_tokens(checkpoint, fake):
     for g, w in zip(got_logits, want_logits):
         assert (g - w).abs().max() < TOL
     assert kernel.plans == STEPS
-    (planned,) = kernel._groups.values()
-    m = planned.wrapper.planned[-1]
+    (wrapper,) = kernel.wrappers()
+    m = wrapper.planned[-1]
     lens = [len(p) + STEPS for p in PROMPTS]
     assert m.qo_indptr.tolist() == [0, 1, 2]                 # one query row a sequence
     assert m.kv_len_arr.tolist() == lens
@@ -115,8 +115,8 @@ def test_mixed_rounds_through_the_engine_send_only_decode_rows(checkpoint, fake)
     kernel.run = spy
     assert run(llm) == want
     assert any(mixed) and kernel.plans > 0
-    (planned,) = kernel._groups.values()
-    for m in planned.wrapper.planned:
+    (wrapper,) = kernel.wrappers()
+    for m in wrapper.planned:
         assert bool((m.qo_indptr[1:] - m.qo_indptr[:-1] == 1).all())
 
 

@@ -273,6 +273,10 @@ class FlashInferMlaDecode:
         self.plans += 1
         return st
 
+    def wrappers(self) -> list:
+        """Each cache group's flashinfer wrapper (what it was last planned with)."""
+        return [st.wrapper for st in self._groups.values()]
+
     def run(self, q_lat, q_pe, pages, meta: BatchMeta) -> torch.Tensor:
         """q_lat [B, H, latent] (W_UK absorbed), q_pe [B, H, rope], the
         round's decode rows; pages [P, page_size, latent + rope], this
