@@ -166,12 +166,13 @@ def test_failed_repeats_stay_out_of_every_figure_and_the_ratio_is_per_round():
     timed; the ratio pairs each round's two writes, only where both ran."""
     gb = 1e9
     r = handoff.summarize(gb, hand=[1.0, None, 0.5, 2.0], raw=[1.0, 1.0, None, 1.0],
-                           copies=[0.1] * 4)
-    assert r["failed"] == {"handoff": 1, "raw": 1}
+                          copies=[0.1] * 4, runs=[0.5, 0.5, 0.5, None])
+    assert r["failed"] == {"handoff": 2, "raw": 1}              # the run's failure counts too
     assert r["handoff"].n == 3 and r["handoff"].hi == 2.0        # the fast 0.5 s one: 2 GB/s
     assert r["raw"].n == 3 and r["raw"].median == 1.0
     assert r["ratio"].n == 2 and (r["ratio"].lo, r["ratio"].hi) == (0.5, 1.0)
-    assert handoff.summarize(gb, [None], [1.0], [0.1])["ratio"] is None
+    assert r["run"].n == 3 and r["run_ratio"].n == 2 and r["run_ratio"].median == 2.0
+    assert handoff.summarize(gb, [None], [1.0], [0.1], [None])["ratio"] is None
 
 
 def test_handoff_and_raw_alternate_which_runs_first():

@@ -80,10 +80,10 @@ def test_the_dry_run_prints_each_figure_as_its_header_defines_it(capsys):
         step = float(ms.split()[0])
         assert bound in ("memory", "compute")
         assert int(frac.rstrip("%")) == pytest.approx(100 * float(roof) / step, abs=1)
-        assert float(tps) == pytest.approx(int(b) / step * 1e3, rel=0.01)
+        assert float(tps) == pytest.approx(int(b) / step * 1e3, rel=0.01, abs=0.5)  # printed whole
     (prefill,) = _table(out, "| model | prompt |")
     assert prefill[1] == "40" and float(prefill[3]) == pytest.approx(40 / float(prefill[2]) * 1e3,
-                                                                       rel=0.01)
+                                                                       rel=0.01, abs=0.5)
     (peer,) = _table(out, "| model | batch | pdserve ms")
     assert peer[1] == "3" and peer[2] == decode[1][2].split()[0]
     assert float(peer[4].rstrip("x")) == pytest.approx(
