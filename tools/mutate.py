@@ -19,7 +19,7 @@ collect: the tree is broken, not the mutant caught).
     .venv/bin/python tools/mutate.py --list
 
 Run by hand, not in CI: each mutation runs its test files whole, and the
-19 below take about three minutes on 2 cores. The first 13 are the audit's in
+20 below take about three minutes on 2 cores. The first 13 are the audit's in
 shared/research/mutation-audit.md; add one when a review finds a guard with
 no test that fails without it.
 """
@@ -155,11 +155,16 @@ MUTATIONS = [
              "if not (isinstance(st, fsm.Holding) and st.res.forwards_out > 1):",
              ("overlap", "disk_overlap"),
              "an abort frees pages a forward in flight still writes"),
-    Mutation("capture-flashinfer", "kernels/capture.py",
-             "if type(model.attention) is not TorchAttention:",
-             "if not isinstance(model.attention, TorchAttention):",
+    Mutation("capture-flashinfer-stale-plan", "kernels/capture.py",
+             "self.model.attention.plan_captured(gb.planned, m.seqs, ps, scratch)",
+             "self.model.attention.plan_captured(gb.planned, m.seqs[:1], ps, scratch)",
              ("device", "capture"),
-             "a flashinfer model's decode step is captured into a CUDA graph"),
+             "a captured flashinfer decode replays over a table planned for another round"),
+    Mutation("pool-descending-runs", "scheduler/cache/pool.py",
+             "pages = free[len(free) - n:][::-1]",
+             "pages = free[len(free) - n:]",
+             ("scheduler_pool",),
+             "the pool hands out pages in descending order, which NIXL does not merge"),
 ]
 
 

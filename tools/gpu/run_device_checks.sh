@@ -21,7 +21,7 @@
 #             and bench capture --attention flashinfer
 #   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
 #   capture   the same with torch's attention (issue 40's GPU figures)
-#   tests     pytest -m device tests/kernels/test_device.py and test_fused_ops.py
+#   tests     pytest -m device: test_device.py, test_fused_ops.py, test_mla_flashinfer.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
 # OUTDIR receives at most 8 files: log.txt (everything, the tests' results
@@ -135,7 +135,7 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda"
     step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/kernels/test_device.py \
-        tests/kernels/test_fused_ops.py --collect-only
+        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
         --out "$OUT/per_row.json"
     step bench-llm 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_llm.txt" \
@@ -189,7 +189,7 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
         pdserve.cli.main bench capture --device cuda 2>&1 | tee -a '$OUT/bench_capture.txt'
         b=\$?; exit \$((t || b))"
     step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/kernels/test_device.py \
-        tests/kernels/test_fused_ops.py -rA
+        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \

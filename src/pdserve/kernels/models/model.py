@@ -250,6 +250,21 @@ class DecoderModel(PagedDecoder):
         self.lora = LoraStacks(self.cfg, slots, max_rank, self.dtype, self.device)
         return self.lora
 
+    def _native_forward(self, h, metas: list, caches: list, logits_indices) -> torch.Tensor | None:
+        """Every row through pdserve's C layers (cpu/layer.py), where they
+        serve this round: its logits, or None (torch's path runs it)."""
+        if self.native_layers is None or self.lora is not None or self.tp is not None or \
+                len(metas) != 1 or not metas[0].seqs or torch.compiler.is_compiling():
+            return None
+        out = self.native_layers.run(h, metas[0], [caches[layer[0]].layer(layer[1])
+                                                   for layer in self.layers])
+        if out is None:
+            return None
+        h = rms_norm(out[logits_indices].to(h.dtype), self.norm, self.cfg.rms_norm_eps)
+        # a prompt's logits rows (first in row order) through the head's dense copy
+        prompt = int((logits_indices < metas[0].prefill_rows()).sum())
+        return self.head(h, prompt).float()
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta | list, cache: KVCache | list,
                 logits_indices: torch.Tensor, lora: BatchedLora | None = None) -> torch.Tensor:
@@ -261,31 +276,18 @@ class DecoderModel(PagedDecoder):
             lora = None
         metas, caches = self.per_group(meta, cache)
         h = self.embed_rows(input_ids)
-        if self.native_layers is not None and lora is None and self.lora is None and \
-                self.tp is None and len(metas) == 1 and metas[0].seqs and \
-                not torch.compiler.is_compiling():
-            # every row through pdserve's C layers (cpu/layer.py)
-            out = self.native_layers.run(h, metas[0], [caches[layer[0]].layer(layer[1])
-                                                       for layer in self.layers])
-            if out is not None:
-                h = rms_norm(out[logits_indices].to(h.dtype), self.norm, c.rms_norm_eps)
-                # a prompt's logits rows (first in row order) through the head's dense copy
-                prompt = int((logits_indices < metas[0].prefill_rows()).sum())
-                return self.head(h, prompt).float()
+        if lora is None:
+            native = self._native_forward(h, metas, caches, logits_indices)
+            if native is not None:
+                return native
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.rotary.at(metas[0].positions)
         heads = c.num_heads + c.num_kv_heads
         # quantized weights: prefill rows through the dense copies (kernels/cpu/quantized.py)
         dense_rows = metas[0].prefill_rows() if self.quantized else 0
-        # The residual stream goes through ops' add_rms_norm, which adds a
-        # layer's output to h and norms the sum for what reads it next (one
-        # kernel with flashinfer's; torch's are this loop's old expressions,
-        # so on CPU the bits are what they were). flashinfer's writes in place
-        # into h and the output it adds: both are this forward's own (the
-        # embedding rows, a projection's output, with LoRA's adds and the
-        # tensor-parallel all-reduce in place on it), so neither LoRA nor TP
-        # needs torch's path. The MLP's output waits in `delta` to be added
-        # with the next layer's first norm.
+        # the residual stream through ops.add_rms_norm (fused_ops.py: one
+        # kernel with flashinfer's, in place on tensors this forward made);
+        # the MLP's output waits in `delta` for the next layer's first norm
         ops = self.fused_ops
         delta = None
         for i, (g, j, ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
