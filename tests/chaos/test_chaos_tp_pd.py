@@ -80,6 +80,16 @@ def test_a_p_rank_killed_mid_transfer_leaks_no_pin_and_d_finishes_the_requests(d
     assert d["counters"]["transfer_failures"] >= 1, d["counters"]   # D prefilled them itself
 
 
+def until_p_prefills(dep, client) -> None:
+    """Short requests until one is prefilled on P: the router pairs Ds with
+    the restarted P again (until it does, a D prefills by itself, and P
+    would hold no write for it)."""
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while ray.get(dep.actor("prefill-0").check.remote(), timeout=10)["counters"]["rounds"] == 0:
+        assert time.monotonic() < deadline, "the router never paired a D with the restarted P"
+        client.generate("warm up", max_tokens=1)
+
+
 def test_a_d_rank_killed_mid_transfer_leaks_no_pin_and_the_requests_finish(dep, reference):
     """A D's worker rank dies while P holds writes into D's landing pages:
     that D goes down whole (Ray restarts it); P's writes to its old
@@ -88,6 +98,7 @@ def test_a_d_rank_killed_mid_transfer_leaks_no_pin_and_the_requests_finish(dep, 
     with the reference's tokens."""
     client = Client(dep.address, timeout=RESTART_BOUND_S)
     assert_all_idle(dep, RESTART_BOUND_S)          # the last test's restarts have settled
+    until_p_prefills(dep, client)
     pids = _info(dep, "decode-0")["tp_worker_pids"]
     assert len(pids) == 1
     assert _info(dep, "decode-1")["tp_worker_pids"]
