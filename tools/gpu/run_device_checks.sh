@@ -176,7 +176,7 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
         ls -l '$OUT/flashinfer-jit.tar.xz' &&
         if (( \$(stat -c %s '$OUT/flashinfer-jit.tar.xz') > 15 * 1048576 )); then
             echo 'over 15 MiB: not kept'; rm '$OUT/flashinfer-jit.tar.xz'; fi"
-    step bench-gpu 240 bash -c "set -o pipefail; '$PY' -m pdserve.cli.main bench gpu \
+    step bench-gpu 300 bash -c "set -o pipefail; '$PY' -m pdserve.cli.main bench gpu \
         --peer-batches 1 8 2>&1 | tee '$OUT/bench_gpu.txt'"
     step capture-fi 120 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
         -rA -s -k flashinfer tests/kernels/test_capture_device.py; t=\$?; '$PY' -m pdserve.cli.main \

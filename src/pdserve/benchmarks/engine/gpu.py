@@ -146,15 +146,13 @@ def run(args) -> int:
     print(f"limits measured: copy {lim.bandwidth / 1e9:.1f} GB/s ({args.copy_mib} MiB device "
           f"to device, read + written), matmul {lim.flops / 1e12:.2f} TFLOP/s "
           f"({args.matmul}^3)")
-    loads, decodes, prefills, peers = [], [], [], []
-    for shape in args.models:
-        got = _one_model(args, shape, dev, lim)
-        loads.append(got[0])
-        decodes += got[1]
-        prefills += got[2]
-        if shape in args.peer_models:
-            peers += _peer(args, shape, dev, got[3])
-    _print_tables(args, loads, decodes, prefills, peers)
+    ours, peers = {}, []
+    for shape in args.models:           # each model's tables as soon as it is measured
+        load, decodes, prefills, ours[shape] = _one_model(args, shape, dev, lim)
+        _print_model(args, load, decodes, prefills)
+    for shape in args.peer_models:      # the peer last: its compile is the slowest part
+        peers += _peer(args, shape, dev, ours.get(shape, {}))
+    _print_peers(peers)
     return 0
 
 
@@ -335,13 +333,13 @@ def _hf_step_ms(hf, batch: int, context: int, dev) -> float:
     return (b - a) / (long - short) * 1e3
 
 
-def _print_tables(args, loads, decodes, prefills, peers) -> None:
-    print("\nload:")
+def _print_model(args, load, decodes, prefills) -> None:
+    shape, attention, wbytes, seconds, steps, kept = load
+    print(f"\n{shape}: load")
     print("| model | attention | weights GiB | capture s | graphs | capture memory MiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for shape, attention, wbytes, seconds, steps, kept in loads:
-        print(f"| {shape} | {attention} | {wbytes / 2**30:.2f} | {seconds:.1f} | {steps} | "
-              f"{kept / 2**20:.0f} |")
+    print(f"| {shape} | {attention} | {wbytes / 2**30:.2f} | {seconds:.1f} | {steps} | "
+          f"{kept / 2**20:.0f} |")
     print(f"\ndecode, {args.context} tokens of history a row (roofline: the bytes a step "
           "reads at the copy bandwidth, or its multiplies at the matmul peak):")
     print("| model | batch | step ms (turns) | eager ms | roofline ms | bound | "
@@ -355,6 +353,9 @@ def _print_tables(args, loads, decodes, prefills, peers) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for shape, p, ms, tps, tflops, frac in prefills:
         print(f"| {shape} | {p} | {ms:.2f} | {tps:.0f} | {tflops:.2f} | {frac:.0%} |")
+
+
+def _print_peers(peers) -> None:
     if peers:
         print("\npeer: transformers generate, static cache (compiled on a GPU), ms a "
               "decode step:")
