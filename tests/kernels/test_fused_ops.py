@@ -16,11 +16,12 @@ import sys
 import pytest
 import torch
 
-from pdserve.benchmarks.common.shapes import device_weights, model_config
+from pdserve.benchmarks.common.shapes import model_config
 from pdserve.kernels.attention import BatchMeta, SeqMeta
 from pdserve.kernels.fused_ops import TORCH_OPS, FlashInferOps, choose_fused_ops
 from pdserve.kernels.lora.batched import LoraRound
 from pdserve.kernels.models.loader import attention_shape, build_model, load_backend, load_model
+from pdserve.kernels.models.model import random_weights
 
 PS = 4
 PAGES = 16                  # per sequence
@@ -33,7 +34,7 @@ def model_of(shape: str, dtype: torch.dtype, device, attention: str = "torch"):
     weights, its norms' weights drawn around 1 (all ones would hide a
     weight applied to the wrong norm)."""
     cfg = model_config(shape)
-    weights = device_weights(cfg, dtype, device)
+    weights = random_weights(cfg, 0, dtype, device)
     g = torch.Generator(device=device).manual_seed(1)
     for name, w in weights.items():
         if name.endswith("norm.weight"):

@@ -82,6 +82,19 @@ def decode_spans(seqs: list, ps: int, window: int | None) -> tuple:
     return tables, base, begin, end
 
 
+def page_csr(seqs: list, ps: int) -> tuple[list, list, list]:
+    """Each sequence's pages from its kv_start's page on as a CSR page table,
+    flashinfer's form (attention, its captured decode, MLA): indptr, the
+    page indices, and how many slots of each sequence's last page it reads."""
+    indptr, indices, last = [0], [], []
+    for s in seqs:
+        lo, n = s.kv_start // ps, -(-s.ctx_len // ps)
+        indices.extend(s.block_table[lo:n])
+        indptr.append(len(indices))
+        last.append(s.ctx_len - (n - 1) * ps)
+    return indptr, indices, last
+
+
 def row_spans(meta: BatchMeta, ps: int) -> tuple:
     """decode_spans for every row of a round, each a query of its own: a
     prefill chunk's or a verify's row j attends its sequence's keys up to

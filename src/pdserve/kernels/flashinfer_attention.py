@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention
+from pdserve.kernels.attention import BatchMeta, SeqMeta, TorchAttention, page_csr
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.model_config import ModelError
 
@@ -102,9 +102,7 @@ class FlashInferAttention(TorchAttention):
         """Host tensors: plan() reads indptr and last_page_len on the host and
         copies what the kernels need to the device itself, so tables built on
         the GPU would cost a device-to-host sync every round."""
-        indptr, indices, last = [0], [], []
         for s in seqs:
-            lo, n = s.kv_start // ps, -(-s.ctx_len // ps)
             if s.kv_start % ps and (window is None or
                                     s.kv_start > s.ctx_len - s.q_len - window + 1):
                 raise ModelError(
@@ -112,9 +110,7 @@ class FlashInferAttention(TorchAttention):
                     f"{s.kv_start}, page size {ps}) inside its window: a replay that "
                     "re-feeds a window not aligned to pages; use attention: torch, or a "
                     "window and replay that are multiples of the page size")
-            indices.extend(s.block_table[lo:n])
-            indptr.append(len(indices))
-            last.append(s.ctx_len - (n - 1) * ps)
+        indptr, indices, last = page_csr(seqs, ps)
         i32 = dict(dtype=torch.int32)
         return torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32)  # type: ignore[arg-type]
 
@@ -205,30 +201,25 @@ class FlashInferAttention(TorchAttention):
         its kv_start's page on; a padding row reads the first slot of the
         scratch page, where it writes (the planner never grants that page)."""
         n, b = len(seqs), cap.batch
-        counts = np.ones(b, dtype=np.int32)
-        rows = []
-        for i, s in enumerate(seqs):
-            lo, hi = s.kv_start // ps, -(-s.ctx_len // ps)
-            if hi - lo > cap.max_pages:
-                raise ValueError(f"a captured decode row reads {hi - lo} pages, its bucket "
-                                 f"holds {cap.max_pages}")
-            rows.append(s.block_table[lo:hi])
-            counts[i] = hi - lo
+        rows_ptr, rows_indices, rows_last = page_csr(seqs, ps)
+        widest = max(np.diff(rows_ptr), default=0)
+        if widest > cap.max_pages:
+            raise ValueError(f"a captured decode row reads {widest} pages, its bucket "
+                             f"holds {cap.max_pages}")
         if cap.planned is not None and not cap.planned.query():  # type: ignore[attr-defined]
             # the host tables, and the wrapper's own pinned staging of its
             # schedule, are rewritten only once the last plan's copies ran
             cap.planned.synchronize()  # type: ignore[attr-defined]
         indptr_t, indices_t, last_t = cap.host
-        indptr, last = indptr_t.numpy(), last_t.numpy()
-        indptr[0] = 0
-        np.cumsum(counts, out=indptr[1:])
+        indptr, indices, last = indptr_t.numpy(), indices_t.numpy(), last_t.numpy()
+        filled = rows_ptr[-1]
+        indptr[:n + 1] = rows_ptr
+        indptr[n + 1:] = filled + np.arange(1, b - n + 1)     # a padding row: one page
         used = int(indptr[-1])
-        indices = indices_t.numpy()
-        indices[int(indptr[n]):used] = scratch
-        if rows:
-            indices[:int(indptr[n])] = np.concatenate(rows)
-        last[:] = 1
-        last[:n] = [s.ctx_len - (-(-s.ctx_len // ps) - 1) * ps for s in seqs]
+        indices[:filled] = rows_indices
+        indices[filled:used] = scratch
+        last[:n] = rows_last
+        last[n:] = 1
         # the indices go to the device first: flashinfer copies host indices
         # into its buffer with a blocking copy (a stream sync), device ones not
         staged = cap.indices[:used]

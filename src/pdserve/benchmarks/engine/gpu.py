@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pdserve.benchmarks.common.decode_inputs import decode_meta
 from pdserve.benchmarks.common.options import positive
-from pdserve.benchmarks.common.shapes import SHAPES, build, device_weights, model_config
+from pdserve.benchmarks.common.shapes import SHAPES, build, model_config
 from pdserve.benchmarks.common.timing import median_ms
 
 PAGE = 16
@@ -286,6 +286,8 @@ def _hf_model(shape: str, dtype: str, dev):
     import torch
     import transformers
 
+    from pdserve.kernels.models.model import random_weights
+
     cfg = model_config(shape)
     conf = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -301,7 +303,7 @@ def _hf_model(shape: str, dtype: str, dev):
         conf.rope_theta = cfg.rope_theta
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(conf)
-    weights = device_weights(cfg, getattr(torch, dtype), dev)
+    weights = random_weights(cfg, 0, getattr(torch, dtype), dev)
     if cfg.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     hf.load_state_dict(weights, assign=True)

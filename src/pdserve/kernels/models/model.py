@@ -30,9 +30,10 @@ from pdserve.kernels.models.state_cache import SeqState, StateBatch, StateCache,
 from pdserve.kernels.tensor_parallel import TpError, TpShard
 
 
-def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
-    """Seeded weights (the tiny preset): the same on every machine."""
-    g = torch.Generator().manual_seed(seed)
+def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32, device="cpu") -> dict:
+    """Seeded weights (the tiny preset): the same on every machine. Drawn
+    on `device` (the GPU benchmarks' large shapes: never on the host)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     shapes = {
         "embed_tokens": (cfg.vocab_size, cfg.hidden_size),
         "lm_head": (cfg.vocab_size, cfg.hidden_size),
@@ -47,14 +48,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32) -> dict:
     out = {}
     for name in weight_names(cfg):
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(cfg.hidden_size, dtype=dtype)
+            out[name] = torch.ones(cfg.hidden_size, dtype=dtype, device=device)
             continue
         key = name.split(".")[-2]
         if name.endswith(".bias"):
             shape = (shapes[key][0],)
         else:
             shape = shapes[key]  # type: ignore[assignment]
-        out[name] = (torch.randn(shape, generator=g) * 0.5 / shape[-1] ** 0.5).to(dtype)
+        out[name] = (torch.randn(shape, generator=g, device=device) * 0.5 /
+                     shape[-1] ** 0.5).to(dtype)
     return out
 
 

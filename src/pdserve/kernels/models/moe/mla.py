@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import BatchMeta, SeqMeta, decode_spans
+from pdserve.kernels.attention import BatchMeta, SeqMeta, decode_spans, page_csr
 from pdserve.kernels.models.moe.specs import MlaSpec
 
 
@@ -252,12 +252,8 @@ class FlashInferMlaDecode:
         seqs = meta.seqs[len(meta.seqs) - meta.num_decodes:]
         # host tables: plan() reads them on the host and copies what the
         # kernel needs to the device itself
-        indptr, indices, lens = [0], [], []
-        for s in seqs:
-            lo, n = s.kv_start // ps, -(-s.ctx_len // ps)
-            indices.extend(s.block_table[lo:n])
-            indptr.append(len(indices))
-            lens.append(s.ctx_len - lo * ps)
+        indptr, indices, _ = page_csr(seqs, ps)
+        lens = [s.ctx_len - s.kv_start // ps * ps for s in seqs]     # from the first page read
         i32 = torch.int32
         tables = self._fi.mla.MLAPlanMetadata.csr(
             torch.arange(len(seqs) + 1, dtype=i32), torch.tensor(indptr, dtype=i32),
