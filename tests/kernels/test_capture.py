@@ -61,19 +61,26 @@ def fresh_metas(metas):
             for m in metas]
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "mistral", "gemma3"])
-def test_the_captured_step_gives_the_eager_logits(tmp_path, family):
-    path = {"tiny-llama": None, "mistral": mistral, "gemma3": gemma3}[family]
-    model, _ = load_model(path(tmp_path) if path else None, "tiny" if path is None else None,
-                          dtype="float32", attention="torch")
+def static_capture(model):
+    """96 pages a cache group with random K/V, and one more (the scratch),
+    and a capture of their decode rounds up to 8 rows and 16 pages, its
+    buffers run eagerly: (pages per group, caches, capture)."""
     pages = [96] * len(model.groups)
     caches = model.new_caches([p + 1 for p in pages], PS)     # the last page: the scratch
     torch.manual_seed(1)
     for c in caches:
         c.data.normal_()
     windows = [s.window if s.sliding else None for s in model.groups]
-    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=8, max_pages=16,
-                        windows=windows)
+    return pages, caches, DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=8,
+                                        max_pages=16, windows=windows)
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "mistral", "gemma3"])
+def test_the_captured_step_gives_the_eager_logits(tmp_path, family):
+    path = {"tiny-llama": None, "mistral": mistral, "gemma3": gemma3}[family]
+    model, _ = load_model(path(tmp_path) if path else None, "tiny" if path is None else None,
+                          dtype="float32", attention="torch")
+    pages, caches, cap = static_capture(model)
     assert cap.capture() >= 0 and cap.batch_sizes == [1, 2, 4, 8]
     rng = random.Random(0)
     for ctxs in ([5], [9, 30, 2], [17, 4, 33, 12, 8], [40] * 8):
@@ -119,14 +126,7 @@ def test_the_captured_flashinfer_step_plans_its_wrappers_and_gives_the_eager_log
     torch_attention = model.attention
     model.attention = FlashInferAttention(c.num_heads, c.num_kv_heads, c.head_dim,
                                           c.sliding_window)
-    pages = [96] * len(model.groups)
-    caches = model.new_caches([p + 1 for p in pages], PS)
-    torch.manual_seed(1)
-    for cache in caches:
-        cache.data.normal_()
-    windows = [s.window if s.sliding else None for s in model.groups]
-    cap = DecodeCapture(model, caches, CaptureMode.STATIC, max_batch=8, max_pages=16,
-                        windows=windows)
+    pages, caches, cap = static_capture(model)
     cap.capture()
     assert cap.widths == [16] and cap.steps == 4
     wrappers = {(b, g): gb.planned for (b, _), bk in cap._buckets.items()

@@ -250,13 +250,18 @@ def fenced_pages(s) -> set[int]:
     return {pg for groups in s.planner.coord.fences.values() for pg in groups[0]}
 
 
-def asked(d, rid: str) -> int:
-    """Submit `rid` (17 tokens) to D for prefill-0; run rounds until D asked
-    for it: its landing's epoch."""
+def submit_for_prefill(d, rid: str) -> None:
+    """Submit `rid` (17 tokens, 3 new) to D, paired with prefill-0."""
     r = Request(rid, list(range(1, 18)), SamplingLimits(max_new_tokens=3))
     r.peer = "prefill-0"
     d.planner.submit(r)
     d.owner[rid] = "router"
+
+
+def asked(d, rid: str) -> int:
+    """Submit `rid` to D for prefill-0; run rounds until D asked for it: its
+    landing's epoch."""
+    submit_for_prefill(d, rid)
     for _ in range(20):
         one_round(d)
         if rid in d.peer.epochs:

@@ -6,9 +6,8 @@ waiting out the landing timeout, and lets one probe through per cooldown."""
 import time
 
 from pdserve.engine.peer.breaker import THRESHOLD, PrefillBreaker
-from pdserve.scheduler import Request, SamplingLimits
 
-from support.engine_fakes import TRANSFER_S, asked, finish, one_round, pair
+from support.engine_fakes import TRANSFER_S, asked, finish, one_round, pair, submit_for_prefill
 
 
 def test_it_opens_after_failures_in_a_row_and_a_probe_that_lands_closes_it():
@@ -56,10 +55,7 @@ def test_d_prefills_at_once_what_it_would_ask_of_a_p_whose_transfers_keep_timing
 
 def _asks(d, rid: str) -> set:
     """Submit `rid` to D for prefill-0 and run rounds; the ids D asked P for."""
-    r = Request(rid, list(range(1, 18)), SamplingLimits(max_new_tokens=3))
-    r.peer = "prefill-0"
-    d.planner.submit(r)
-    d.owner[rid] = "router"
+    submit_for_prefill(d, rid)
     for _ in range(5):
         one_round(d)
     return set(d.peer.epochs)
