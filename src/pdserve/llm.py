@@ -171,17 +171,28 @@ class LLM:
             if bad:
                 raise ValueError(f"prompt {i}: logit_bias names token id {bad[0]}, outside the "
                                  f"model's vocabulary [0, {self.model.cfg.vocab_size})")
-        reqs = []
-        for (_, ids), sp, aid in zip(encoded, params, adapter_ids):
-            rid = f"llm-{self._next}"
-            self._next += 1
-            req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict),
-                          adapter=aid)
-            self.executor.register(rid, sp, fallback_seed=self._next, prompt=ids)
-            self.engine.submit(req)
-            reqs.append(req)
+        reqs = [self.add_request(ids, sp, aid)
+                for (_, ids), sp, aid in zip(encoded, params, adapter_ids)]
         self._run(len(reqs), use_tqdm)
         return [self._output(r, text, sp) for r, (text, _), sp in zip(reqs, encoded, params)]
+
+    def add_request(self, ids: list[int], sp: SamplingParams, adapter_id: int = 0) -> Request:
+        """Put one prompt of checked token ids into the engine, and return
+        its request: the caller steps `self.engine` until it ends, then
+        calls `self.executor.forget` on its id (`generate` does all this;
+        sim/local_engine.py paces arrivals itself). A prompt the engine
+        cannot take is a ValueError that says why."""
+        err = ingest_error(self.engine_config, len(ids), sp.max_tokens,
+                           self.engine.planner.coord.full is not None)
+        if err:
+            raise ValueError(err)
+        rid = f"llm-{self._next}"
+        self._next += 1
+        req = Request(rid, ids, SamplingLimits(max_new_tokens=sp.max_tokens, strict=sp.strict),
+                      adapter=adapter_id)
+        self.executor.register(rid, sp, fallback_seed=self._next, prompt=ids)
+        self.engine.submit(req)
+        return req
 
     def _run(self, n: int, use_tqdm: bool) -> None:
         from tqdm import tqdm

@@ -612,9 +612,9 @@ def test_sim_accuracy_probes_each_real_run_and_simulates_it_three_ways(tmp_path)
 
     prof = write_profile(tmp_path, profile_dict(overhead_s=0.001, prefill_token_s=1e-4,
                                                 decode_s=0.002))
-    res = measure(str(ROOT / "deploy/local-tiny.yaml"), str(prof), n=4, n_alone=2,
-                  prompt_len=16, max_tokens=4, fractions=[0.5], repeats=1, saturation=8.0,
-                  sat_concurrency=2, seed=0, probe=1)
+    w = {"requests": 4, "alone": 2, "prompt_len": 16, "max_tokens": 4}
+    res = measure(str(ROOT / "deploy/local-tiny.yaml"), str(prof), w, fractions=[0.5],
+                  repeats=1, saturation=8.0, sat_concurrency=2, seed=0, probe=1)
     assert [r["level"] for r in res["runs"]] == ["c1", "0.5x"]
     for r in res["runs"]:
         assert r["ok"] == r["requests"] and r["probe"]["count"] >= 4   # 1 prefill + 3 decodes

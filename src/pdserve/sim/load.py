@@ -1,5 +1,5 @@
 """A served deployment under load, as a client sees it: the requests
-(`Sample`: synthetic prompts or a replayed trace's lengths), their arrivals
+(`Sample`: synthetic prompts or a replayed trace's lengths and shared prefixes), their arrivals
 (a closed loop, Poisson, or the trace's own times), and `drive`, which sends
 them through the gRPC client or the OpenAI HTTP API on one asyncio loop and
 times each (TTFT, inter-token gaps, E2E, queueing). `pdserve bench serve`,
@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.router import event_loop
+from pdserve.scheduler.request import BlockPrompt
 from pdserve.sim.report import percentile
 
 
@@ -77,8 +78,24 @@ def workload(n: int, prompt_len: int, max_tokens: int, trace: str | None, limit:
     out = []
     for t in read_trace(trace, limit=limit or n):
         length = min(len(t.prompt), max_prompt)  # type: ignore[arg-type]
-        out.append(Sample([rng.randrange(95) for _ in range(length)],
-                          min(t.max_new_tokens or max_tokens, max_tokens), t.arrival_s))
+        tokens = block_tokens(t.prompt, length, seed) if isinstance(t.prompt, BlockPrompt) \
+            else [rng.randrange(95) for _ in range(length)]
+        out.append(Sample(tokens, min(t.max_new_tokens or max_tokens, max_tokens), t.arrival_s))
+    return out
+
+
+def block_tokens(prompt: BlockPrompt, length: int, seed: int) -> list[int]:
+    """The first `length` tokens of a trace's prompt named by block hashes
+    (Mooncake's hash_ids): each block's tokens drawn from its hash id and
+    `seed`, so prompts that share leading blocks share those tokens, as the
+    trace's requests share their prefix, and another seed shares nothing
+    with this one."""
+    out: list[int] = []
+    for h in prompt.hash_ids:
+        if len(out) >= length:
+            break
+        rng = random.Random(f"{seed}:{h}")
+        out.extend(rng.randrange(95) for _ in range(min(prompt.block_tokens, length - len(out))))
     return out
 
 
@@ -217,6 +234,12 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
         return await _drive(load, samples, due, timings, concurrency, lambda: bar.update(1))
     wall = event_loop.run(run())
     bar.close()
+    return summary(samples, timings, wall, due, rate)
+
+
+def summary(samples: list[Sample], timings: list[Timing], wall: float, due, rate) -> dict:
+    """A load's figures from each request's timing: what `drive` returns
+    (and sim/local_engine.py's in-process load)."""
     ok = [t for t in timings if t.ok]
     tpot = [(t.e2e - t.ttft) / (t.tokens - 1) for t in ok if t.tokens > 1]  # type: ignore[operator]
     gaps = [g for t in ok for g in t.gaps]
@@ -232,5 +255,3 @@ def drive(address: str, samples: list[Sample], concurrency: int, rate: float | N
             "ttft_s": pct([t.ttft for t in ok]), "tpot_s": pct(tpot), "itl_s": pct(gaps),
             "e2e_s": pct([t.e2e for t in ok]),
             "errors": sorted({t.error for t in timings if t.error})[:5]}
-
-

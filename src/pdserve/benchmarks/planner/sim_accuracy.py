@@ -1,9 +1,13 @@
 """`pdserve bench sim-accuracy`: the simulator against the real deployment.
 
-For each --config: start the deployment (as `bench serve` does), find its
-saturation (closed loop at `--sat-concurrency`, req/s), then load it at
-concurrency 1 (closed loop) and with Poisson arrivals at each of
-`--fractions` x saturation, `--repeats` times. The simulator runs the same
+For each --config: start the deployment (as `bench serve` does; with
+`--in-process`, its one fused engine in this process, sim/local_engine.py,
+where Ray cannot run), find its saturation (closed loop at
+`--sat-concurrency`, req/s), then load it at concurrency 1 (closed loop)
+and at each of `--fractions` x saturation, `--repeats` times: Poisson
+arrivals of synthetic prompts, or with `--trace` a trace's first requests
+(their shared prefixes kept, sim/load.py) at its own arrival times scaled
+to that rate. The simulator runs the same
 requests (the same prompt tokens, output lengths and arrival times; at
 concurrency 1 each request alone) on the config with `simulate.profile` set
 to `--profile`. Each run draws fresh prompts (its own seed), so no run is
@@ -49,9 +53,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.benchmarks.common.traces import MOONCAKE_CONV, trace_file
 from pdserve.benchmarks.common.options import non_negative, positive, usage_error, workload_arguments
 from pdserve.benchmarks.planner.sim_accuracy_report import cores, ms, pct, print_report
 from pdserve.sim.load import Sample, arrivals, drive, workload
+from pdserve.sim.local_engine import LocalEngineError
 from pdserve.sim.host_load import ForeignLoad, wait_for_quiet
 from pdserve.sim.cost.fit import errors
 from pdserve.sim.cost.profile import KINDS, Profile, load_profile, neighbours, save_profile
@@ -86,27 +92,27 @@ def simulate(cfg, profile: str, samples, due, max_tokens: int) -> dict:
             "rounds": sim.rounds}
 
 
-def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_tokens: int,
-            fractions, repeats: int, saturation: float | None, sat_concurrency: int,
-            seed: int, quiet: float | None = None, probe: int = 0,
-            one_speed: bool = False) -> dict:
+def measure(path: str, profile: str, w: dict, fractions, repeats: int,
+            saturation: float | None, sat_concurrency: int, seed: int,
+            quiet: float | None = None, probe: int = 0, one_speed: bool = False,
+            in_process: bool = False) -> dict:
     """Every run draws fresh prompts (its own seed): a prompt the deployment
     has seen would be served from its prefix cache, and the simulator, which
-    starts empty each run, would compute it whole."""
+    starts empty each run, would compute it whole. `w`: the workload
+    (requests, alone, prompt_len, max_tokens, trace). `in_process`: the
+    config's one fused engine in this process (sim/local_engine.py), not
+    the deployment under Ray."""
     from pdserve.config import load_config
-    from pdserve.cluster.deploy import Deployment
 
     cfg = load_config(path)
-    out = {"config": path, "runs": [], "workload": {"requests": n, "alone": n_alone,
-                                                   "prompt_len": prompt_len,
-                                                   "max_tokens": max_tokens}}
-    dep = Deployment(cfg)
+    out = {"config": path, "runs": [], "workload": w, "in_process": in_process}
     prof = load_profile(profile)
     if quiet is not None:
         wait_for_quiet(quiet)       # Ray's start times out on an overloaded machine
+    real = _start(cfg, in_process)
     try:
-        runs = RealRuns(dep.start(), dep, prof, n, n_alone, prompt_len, max_tokens, quiet, probe)
-        drive(runs.addr, runs.batch(seed + 1, None), 4, None, seed, progress=False)  # warm-up
+        runs = RealRuns(real, prof, w, quiet, probe)
+        real.load(level_samples(w, None, seed + 1), 4, None, seed)  # warm-up
         if saturation is None:
             sat = runs.saturation(sat_concurrency, seed)
             saturation = sat["req_per_s"]
@@ -120,41 +126,91 @@ def measure(path: str, profile: str, n: int, n_alone: int, prompt_len: int, max_
                 out["runs"].append(r)  # type: ignore[attr-defined]
                 _print_run(path, r)
     finally:
-        dep.stop()
+        real.close()
     resimulate(out, profile, one_speed)
     return out
 
 
+def _start(cfg, in_process: bool):
+    """The real side: a LocalEngine, or the deployment started under Ray."""
+    if in_process:
+        from pdserve.sim.local_engine import LocalEngine
+
+        return LocalEngine(cfg)
+    from pdserve.cluster.deploy import Deployment
+
+    dep = Deployment(cfg)
+    return Served(dep, dep.start())
+
+
+@dataclass
+class Served:
+    """A deployment under Ray, loaded through its router: the real side
+    as sim/local_engine.py's LocalEngine is in process."""
+    dep: Any                    # the Deployment
+    address: str
+
+    def load(self, samples: list[Sample], concurrency: int, rate, seed: int) -> dict:
+        return drive(self.address, samples, concurrency, rate, seed, progress=False)
+
+    def take_rounds(self) -> list[list]:
+        return self.dep.take_rounds()
+
+    def close(self) -> None:
+        self.dep.stop()
+
+
+def level_samples(w: dict, rate: float | None, seed: int) -> list[Sample]:
+    """A run's requests, each with its arrival: at `rate` (req/s), Poisson,
+    or with a trace its own arrivals scaled to that mean rate; None, a
+    closed loop of the `alone` requests (arrival None). Synthetic prompts
+    of `prompt_len` tokens, or the trace's first requests, their prompts
+    cut at `prompt_len`. What the real run and its simulation share."""
+    n = w["alone"] if rate is None else w["requests"]
+    samples = workload(n, w["prompt_len"], w["max_tokens"], w.get("trace"), n,
+                       w["prompt_len"], seed)
+    if rate is None:
+        return _closed(samples)
+    if w.get("trace"):
+        times = [s.arrival_s for s in samples]
+        span = max(times) - min(times)  # type: ignore[type-var,operator]
+        scale = (len(samples) - 1) / rate / span if span > 0 else 0.0
+        due = [(t - min(times)) * scale for t in times]  # type: ignore[type-var,operator]
+        if not span:                     # every request at once in the trace: Poisson
+            due = arrivals(samples, rate, seed)  # type: ignore[assignment]
+    else:
+        due = arrivals(samples, rate, seed)  # type: ignore[assignment]
+    return [dataclasses.replace(s, arrival_s=t) for s, t in zip(samples, due)]
+
+
+def _closed(samples: list[Sample]) -> list[Sample]:
+    """`samples` without arrivals: a closed loop."""
+    return [dataclasses.replace(s, arrival_s=None) for s in samples]
+
+
 @dataclass
 class RealRuns:
-    """The real runs on one started deployment: each a fresh batch of
-    prompts (its own seed), the engines' rounds timed and priced by the
-    profile, and what other processes used meanwhile."""
-    addr: str
-    dep: Any                    # the Deployment
+    """The real runs on one started real side (a Served deployment or a
+    LocalEngine): each a fresh batch of prompts (its own seed), the
+    engines' rounds timed and priced by the profile, and what other
+    processes used meanwhile."""
+    real: Any
     prof: Profile
-    n: int                      # requests of a run at a rate
-    n_alone: int                # requests of a run at concurrency 1
-    prompt_len: int
-    max_tokens: int
+    w: dict                     # the workload (measure's)
     quiet: float | None         # wait before each run until others use under this many cores
     probe: int                  # requests run alone before each run, to time the host's speed
 
-    def batch(self, run_seed: int, rate) -> list[Sample]:
-        return workload(self.n_alone if rate is None else self.n, self.prompt_len,
-                        self.max_tokens, None, None, self.prompt_len, run_seed)
-
     def engine_rounds(self) -> dict:
         """The profile against the rounds the engines timed since the last call."""
-        return round_errors(self.prof, self.dep.take_rounds())
+        return round_errors(self.prof, self.real.take_rounds())
 
     def saturation(self, concurrency: int, seed: int) -> dict:
         """A closed loop at `concurrency`: its req/s is the saturation."""
         if self.quiet is not None:
             wait_for_quiet(self.quiet)
+        batch = _closed(level_samples(self.w, 1.0, seed + 2))
         with ForeignLoad() as load:
-            r = drive(self.addr, self.batch(seed + 2, 0), concurrency, None, seed,
-                      progress=False)
+            r = self.real.load(batch, concurrency, None, seed)
         return {**r, "foreign_cores": load.cores}
 
     def one(self, level: str, rate: float | None, rep: int, run_seed: int) -> dict:
@@ -165,13 +221,12 @@ class RealRuns:
         self.engine_rounds()                    # what ran before this run
         probed = None
         if self.probe:                          # the host's speed just before the run
-            drive(self.addr, workload(self.probe, self.prompt_len, self.max_tokens, None, None,
-                                      self.prompt_len, run_seed + PROBE_SEED), 1, None,
-                  run_seed, progress=False)
+            alone = dict(self.w, alone=self.probe)
+            self.real.load(level_samples(alone, None, run_seed + PROBE_SEED), 1, None, run_seed)
             probed = self.engine_rounds()
+        samples = level_samples(self.w, rate, run_seed)
         with ForeignLoad() as load:
-            r = drive(self.addr, self.batch(run_seed, rate), 1 if rate is None else self.n,
-                      rate, run_seed, progress=False)
+            r = self.real.load(samples, 1 if rate is None else len(samples), None, run_seed)
         r.update(level=level, repeat=rep, seed=run_seed, rate=rate,
                  foreign_cores=load.cores, rounds=self.engine_rounds())
         if probed is not None:
@@ -229,10 +284,8 @@ def resimulate(res: dict, profile: str, one_speed: bool = False) -> None:
     previous: dict = {}                 # level -> the rounds its last run so far timed
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate(res["runs"]):
-            samples = workload(w["alone"] if r["rate"] is None else w["requests"],
-                               w["prompt_len"], w["max_tokens"], None, None, w["prompt_len"],
-                               r["seed"])
-            due = None if r["rate"] is None else arrivals(samples, r["rate"], r["seed"])
+            samples = level_samples(w, r["rate"], r["seed"])
+            due = arrivals(samples, None, 0)       # theirs; None: a closed loop
             r["sim"] = simulate(cfg, profile, samples, due, w["max_tokens"])
             speeds = {"sim_own_speed": r.get("rounds"), "sim_probed": r.get("probe"),
                       "sim_previous": previous.get(r["level"])}
@@ -264,15 +317,16 @@ def at_speed(prof: Profile, busy_err: float, by_kind: dict | None = None) -> Pro
     return dataclasses.replace(prof, speed=speed)
 
 
-def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: int,
-         fractions, repeats: int, saturation: float | None, out: str | None,
-         n_alone: int = 8, sat_concurrency: int = 16, seed: int = 0,
+def main(configs: list[str], profile: str, w: dict, fractions, repeats: int,
+         saturation: float | None, out: str | None, sat_concurrency: int = 16, seed: int = 0,
          quiet: float | None = None, replay: str | None = None, probe: int = 0,
-         one_speed: bool = False) -> int:
-    """`replay`: a JSON this wrote; its real runs are simulated again with
+         one_speed: bool = False, in_process: bool = False) -> int:
+    """`w`: the workload (requests, alone, prompt_len, max_tokens, trace).
+    `replay`: a JSON this wrote; its real runs are simulated again with
     `profile`, nothing is started (to compare profiles on one set of runs).
     `probe`: requests run alone before each real run, to probe its speed.
-    `one_speed`: the views at a measured speed scale every round kind alike."""
+    `one_speed`: the views at a measured speed scale every round kind alike.
+    `in_process`: each config's one fused engine in this process, no Ray."""
 
     load_profile(profile)              # a bad profile fails before any deployment starts
     profile = os.path.abspath(profile)
@@ -284,9 +338,8 @@ def main(configs: list[str], profile: str, n: int, prompt_len: int, max_tokens: 
     else:
         results = []
         for path in configs:
-            results.append(measure(path, profile, n, min(n_alone, n), prompt_len, max_tokens,
-                                   fractions, repeats, saturation, sat_concurrency, seed, quiet,
-                                   probe, one_speed))
+            results.append(measure(path, profile, w, fractions, repeats, saturation,
+                                   sat_concurrency, seed, quiet, probe, one_speed, in_process))
             print(f"{path}: saturation {results[-1]['saturation_req_per_s']:.2f} req/s",
                   flush=True)
     print_report(results, profile, replay, one_speed)
@@ -302,7 +355,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="the cost profile the simulator uses (pdserve calibrate)")
     workload_arguments(p)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 1.1],
-                   help="Poisson rates as fractions of the measured saturation (0.5 0.9 1.1)")
+                   help="the loaded levels' rates as fractions of the measured saturation "
+                        "(0.5 0.9 1.1): Poisson, or a --trace's own arrivals scaled to it")
     p.add_argument("--saturation", type=float,
                    help="saturation in req/s (default: measured closed-loop at concurrency 16)")
     p.add_argument("--alone", type=positive, default=8,
@@ -317,6 +371,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "host's speed just then (2; 0: no probe)")
     p.add_argument("--replay", help="simulate the real runs of this --out JSON again with "
                                     "--profile; start nothing")
+    p.add_argument("--trace", help="replay this trace's first --requests requests (ours or "
+                                   "Mooncake's JSONL: their prompts cut at --prompt-len, shared "
+                                   "prefixes kept; outputs cut at --max-tokens), their arrival "
+                                   "times scaled to each level's rate; default: synthetic prompts "
+                                   "arriving Poisson")
+    p.add_argument("--in-process", action="store_true",
+                   help="run each config's one fused engine in this process (no Ray, router "
+                        "or gRPC: a GPU host without Ray) instead of starting the deployment")
     p.add_argument("--one-speed", action="store_true",
                    help="scale the own-speed, probed and previous-run views by one factor "
                         "for every round kind, not one per kind")
@@ -326,7 +388,13 @@ def run(args) -> int:
     if not (args.config or args.replay) or not args.profile:
         return usage_error("bench sim-accuracy needs --config (repeatable) or --replay, "
                            "and --profile (from pdserve calibrate)")
-    return main(args.config or [], args.profile, args.requests, args.prompt_len,
-                args.max_tokens, args.fractions, args.repeats, args.saturation, args.out,
-                n_alone=args.alone, quiet=args.quiet, replay=args.replay, probe=args.probe,
-                one_speed=args.one_speed)
+    if args.trace:
+        trace_file(args.trace, MOONCAKE_CONV)       # a missing trace fails before any start
+    w = {"requests": args.requests, "alone": min(args.alone, args.requests),
+         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "trace": args.trace}
+    try:
+        return main(args.config or [], args.profile, w, args.fractions, args.repeats,
+                    args.saturation, args.out, quiet=args.quiet, replay=args.replay,
+                    probe=args.probe, one_speed=args.one_speed, in_process=args.in_process)
+    except LocalEngineError as e:
+        return usage_error(f"bench sim-accuracy --in-process: {e}")
