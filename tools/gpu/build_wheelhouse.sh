@@ -10,6 +10,9 @@
 #                           hidden .nixl_cu13.mesonpy.libs (libnixl.so, plugins)
 #   nixl-1.5.1-*.whl        the `nixl` import name, which picks nixl_cu13
 #   apache_tvm_ffi-*.whl    flashinfer's FFI (cp312)
+#   mooncake-slice.jsonl    the Mooncake conversation trace's first 256 rows (from
+#                           ../shared/data/traces; its licence beside it, as
+#                           mooncake-LICENSE-APACHE), for the device's sim step
 #   SHA256SUMS              what tools/gpu/run_device_checks.sh installs
 #
 # Needs pip that reaches a registry, unzip, tar and xz. Usage:
@@ -24,6 +27,7 @@ FLASHINFER=0.7.4
 NIXL=1.5.1
 TVM_FFI=0.1.15.post2
 LIMIT_MIB=60
+TRACE_ROWS=256
 PY=${PYTHON:-python3}
 # absolute (it runs from a scratch folder), its links kept: a venv's python is one
 [[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
@@ -63,6 +67,15 @@ build() {
         tar -cf - .nixl_cu13.mesonpy.libs nixl_cu13 nixl_cu13.libs "nixl_cu13-$NIXL.dist-info" |
         xz -T0 -9) > "$OUT.new/nixl-cu13-trim.tar.xz"
     cp nixl-"$NIXL"-py3-none-any.whl apache_tvm_ffi-"$TVM_FFI"-cp312-*.whl "$OUT.new/"
+    # the device's sim step replays a Mooncake slice; the GPU host has no ../shared
+    local mc=$REPO/../shared/data/traces/mooncake
+    if [[ -f $mc/conversation_trace.jsonl ]]; then
+        head -n "$TRACE_ROWS" "$mc/conversation_trace.jsonl" > "$OUT.new/mooncake-slice.jsonl"
+        cp "$mc/LICENSE-APACHE" "$OUT.new/mooncake-LICENSE-APACHE"
+    else
+        echo "build_wheelhouse.sh: no $mc/conversation_trace.jsonl: the device's sim step" \
+             "will have no trace" >&2
+    fi
     (cd "$OUT.new" && sha256sum -- * > SHA256SUMS)
 
     local total

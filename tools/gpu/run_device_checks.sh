@@ -20,14 +20,17 @@
 #   capture-fi  flashinfer's decode captured (issue 54), bfloat16: the device test
 #             and bench capture --attention flashinfer
 #   bench-transfer  pdserve bench transfer --device cuda (NIXL VRAM pools)
+#   sim       tools/gpu/sim_check.sh (issue 54): a profile calibrated on the
+#             Llama-3-8B-shaped random preset, and the simulator against that
+#             engine, in process, on the Mooncake slice .whl/ carries
 #   capture   the same with torch's attention (issue 40's GPU figures)
 #   tests     pytest -m device: test_device.py, test_fused_ops.py, test_mla_flashinfer.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
-# OUTDIR receives at most 8 files: log.txt (everything, the tests' results
-# and warm's timings too), steps.tsv (step, exit status, seconds),
-# flashinfer-jit.tar.xz, bench_gpu.txt, bench_capture.txt, bench_transfer.txt,
-# per_row.json and bench_llm.txt.
+# OUTDIR receives at most 8 files: log.txt (everything, the tests' results,
+# warm's timings and bench-llm's table too), steps.tsv (step, exit status,
+# seconds), flashinfer-jit.tar.xz, bench_gpu.txt, bench_capture.txt,
+# bench_transfer.txt, sim.tar.xz and per_row.json.
 #
 # --dry-run runs the same steps on this machine's CPU: the wheelhouse's
 # archives are verified instead of installed, flashinfer is the stand-in
@@ -43,7 +46,7 @@ while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
-        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z $OUT ]] && OUT=$1 || usage ;;
     esac
@@ -131,6 +134,10 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         '$PY' -m pdserve.cli.main bench capture --device cuda --attention flashinfer"
     step bench-transfer 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_transfer.txt" \
         "$PY" -m pdserve.cli.main bench transfer --device cuda
+    TRACE=.whl/mooncake-slice.jsonl
+    [[ -f $TRACE ]] || TRACE=deploy/demo-trace.jsonl
+    step sim 60 env PYTHON="$PY" tools/gpu/sim_check.sh "$OUT/sim.tar.xz" \
+        deploy/local-tiny.yaml "$TRACE" 16 512 8
     step capture 60 bash -c "'$PY' -m pytest -p no:cacheprovider -q -m device \
         tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda"
@@ -138,7 +145,7 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
         --out "$OUT/per_row.json"
-    step bench-llm 60 bash -c 'cuda_refused "$@"' _ "$OUT/bench_llm.txt" \
+    step bench-llm 60 bash -c 'cuda_refused "$@"' _ /tmp/pdserve-llm.txt \
         "$PY" -m pdserve.cli.main bench llm --device cuda
 else
     SITE=${PDSERVE_SITE:-/tmp/site}
@@ -184,6 +191,8 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
         --models smollm2-135m llama-110m 2>&1 | tee '$OUT/bench_capture.txt'; b=\$?; exit \$((t || b))"
     step bench-transfer 60 bash -c "'$PY' -m pdserve.cli.main bench transfer --device cuda \
         2>&1 | tee '$OUT/bench_transfer.txt'"
+    step sim 240 env PYTHON="$PY" tools/gpu/sim_check.sh "$OUT/sim.tar.xz" \
+        deploy/gpu-llama3-8b-random.yaml .whl/mooncake-slice.jsonl
     step capture 150 bash -c "set -o pipefail; '$PY' -m pytest -p no:cacheprovider -m device \
         -rA -s -k 'not flashinfer' tests/kernels/test_capture_device.py; t=\$?; '$PY' -m \
         pdserve.cli.main bench capture --device cuda 2>&1 | tee -a '$OUT/bench_capture.txt'
@@ -193,8 +202,7 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \
-        --capture auto off \
-        2>&1 | tee '$OUT/bench_llm.txt'"
+        --capture auto off"
 fi
 
 echo "== steps (name, rc, seconds), $(($(date +%s) - START))s in all:"
