@@ -153,3 +153,18 @@ def test_a_prompt_the_engine_cannot_take_is_counted_failed_and_the_rest_run(engi
     r = engine.load(samples, 4, None, 0)
     assert (r["ok"], r["failed"]) == (2, 1)
     assert "prompt of 5,000 tokens exceeds" in r["errors"][0]
+
+
+def test_on_cpu_it_runs_a_served_engines_threads_and_gives_the_process_its_own_back():
+    import torch
+
+    from pdserve.cluster.cpu_threads import served_threads
+
+    cfg = load_config(TINY)
+    before = torch.get_num_threads()
+    eng = LocalEngine(cfg)
+    try:        # engine.cpu_threads 0: one, as under Ray (unless OMP_NUM_THREADS says)
+        assert torch.get_num_threads() == served_threads(cfg, "fused")
+    finally:
+        eng.close()
+    assert torch.get_num_threads() == before

@@ -36,7 +36,9 @@ class _Live:
 class LocalEngine:
     def __init__(self, cfg):
         """Loads the model and builds the engine (`pdserve.LLM`): a config
-        of one fused engine, else a LocalEngineError."""
+        of one fused engine, else a LocalEngineError. On CPU this process's
+        torch runs the threads a served engine would (cluster/cpu_threads.py:
+        one by default, what `pdserve calibrate` times too)."""
         from pdserve.llm import LLM
 
         c = cfg.cluster
@@ -45,12 +47,22 @@ class LocalEngine:
                 f"the in-process engine is one fused engine, and this config's cluster is "
                 f"{{prefill: {c.prefill}, decode: {c.decode}, fused: {c.fused}}}; give it "
                 "cluster: {fused: 1}, or start the deployment under Ray instead")
+        import torch
+
+        from pdserve.cluster.cpu_threads import served_threads
+
+        self._threads = torch.get_num_threads()     # the process's, put back at close
+        if cfg.model.device_for() == "cpu":
+            torch.set_num_threads(served_threads(cfg, "fused"))
         self.llm = LLM(cfg)
         self._window = next((g.window for g in self.llm.engine.planner.groups if g.sliding), 0)
         self._rounds: list[Round] = []
 
     def close(self) -> None:
+        import torch
+
         self.llm.close()
+        torch.set_num_threads(self._threads)
 
     def take_rounds(self) -> list[list[Round]]:
         """The rounds timed since the last call (one engine's list)."""
