@@ -333,6 +333,7 @@ def test_calibrated_tiny_profile_predicts_the_real_engine_within_3x(tmp_path):
                  "--contexts", "64", "256", "--clock", "cpu"]) == 0
     prof = load_profile(out)
     assert prof.measured["threads"] == 1 and prof.measured["clock"] == "cpu"
+    assert prof.measured["kernel_workers"] == 1          # the timed thread alone
     assert prof.model.layers == TINY.layers
     assert prof.measured["held_out_error"]["all"]["p50"] < 0.5
 
@@ -381,6 +382,9 @@ def test_copies_time_one_engine_while_others_sweep_the_same_grid(tmp_path):
     assert prof.measured["copies"] == 2
     assert prof.measured["rounds_beside_copies"] == prof.measured["rounds"]
     assert 0 <= prof.neighbour_slowdown < 10
+    # wall clock: the C kernels share cores as a served engine's (engine.cpu_threads 0: all)
+    from pdserve.cluster.cpu_threads import share_kernel_cores
+    assert prof.measured["kernel_workers"] == share_kernel_cores(0)
 
 
 def _replay(tmp_path, runs, *flags) -> None:

@@ -25,7 +25,13 @@ simulator applies while other engines compute.
 
 Threads: a CPU engine under Ray runs one intra-op thread (Ray sets
 OMP_NUM_THREADS=1 in an actor without CPUs), so `threads` defaults to 1 on
-CPU: the profile then describes one engine as a deployment runs it. Clock:
+CPU: the profile then describes one engine as a deployment runs it. Its
+C kernels (kernels/cpu/pool.c) share their work among cores as a served
+engine's and `pdserve.LLM`'s do (`engine.cpu_threads`, by default every
+core the process may run on); before 2026-12-06 the sweep ran them on one
+core, so on the 2-core host its SmolLM2 profile priced an in-process
+engine's rounds 67% slower than they ran (under the CPU clock they still
+run on one, the thread it times). Clock:
 wall time by default (what a deployment sees); `clock="cpu"` takes the
 thread's CPU time instead, the round's cost with a core to itself, which a
 machine other work shares still measures (memory and cache contention
@@ -278,11 +284,19 @@ def calibrate(cfg: ServeConfig, grid_args: dict | None = None, device: str | Non
         raise ValueError("calibrate with copies > 1 needs `source`, the config file the "
                          "copies load")
     torch.set_num_threads(threads)
+    workers = 1
+    if device == "cpu":     # pdserve's C kernels share cores as an engine's do; the CPU clock
+        from pdserve.cluster.cpu_threads import share_kernel_cores  # counts one thread alone
+
+        workers = share_kernel_cores(cfg.engine.cpu_threads if clock == "wall" else 1)
     started = time.perf_counter()
     neighbours = _start_copies(source, copies - 1, device, threads, seed, grid_args or {})
     try:
-        return _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock,
-                          neighbours, as_load, started)
+        out = _calibrate(cfg, grid_args, device, threads, seed, progress, source, clock,
+                         neighbours, as_load, started)
+        if out is not None:
+            out[0].measured["kernel_workers"] = workers
+        return out
     finally:
         for p in neighbours:
             p.terminate()
