@@ -232,6 +232,7 @@ def test_two_runs_write_the_same_plan_whatever_runs_the_probes(files, tmp_path):
     (["--gpus", "0"], ["--gpus must be at least 1"]),
     (["--chunks", "8"], ["--chunks 8 is below engine.page_size=16"]),
     (["--limit", "0"], ["--limit must be at least 1"]),
+    (["--prompt-len", "0"], ["--prompt-len 0 must be at least 1"]),
     (["--trace", "/nonexistent/trace.jsonl"], ["does not exist", "pass --trace"]),
     (["--config", "/nonexistent/base.yaml"], ["does not exist", "--config"]),
 ])
@@ -277,3 +278,77 @@ def test_an_slo_no_candidate_can_meet_is_an_error_with_the_closest_result(files,
     assert not (tmp_path / "out" / "plan.yaml").exists()
     assert math.isfinite(json.loads((tmp_path / "out" / "plan.json").read_text())
                          ["native_rate_req_s"])
+
+
+# ---- where P/D beats fused: several TPOT SLOs and prompt lengths ------------------
+
+def _bracket(shape: tuple, factor: float | None) -> Bracket:
+    b = Bracket(Candidate(*shape, 512), 1.0)
+    if factor is not None:
+        b.record(Probe(factor, factor, True, 1.0, False, 1, None, None, None, None))
+    return b
+
+
+@pytest.mark.parametrize("fused,split,winner", [
+    (1.0, 1.5, "P/D"), (1.5, 1.0, "fused"), (1.0, 1.05, "tie"), (None, 1.0, "P/D"),
+    (1.0, None, "fused"), (None, None, "neither")])
+def test_a_map_cell_names_the_winner_beyond_the_searches_tolerance(fused, split, winner):
+    from pdserve.sim.plan.map import Cell
+
+    cell = Cell(1024, 0.05, _bracket((0, 0, 2), fused), _bracket((1, 1, 0), split), 0.1)
+    assert cell.winner == winner
+    assert cell.ratio == (None if not fused else (split or 0.0) / fused)
+
+
+def test_cutting_prompts_keeps_the_blocks_they_still_reach(files):
+    from pdserve.sim.plan.map import cut_prompts
+
+    _, trace = files
+    full = read_trace(str(trace))
+    cut = cut_prompts(full, 600)
+    assert [len(t.prompt) for t in cut] == [min(len(t.prompt), 600) for t in full]
+    long = next(i for i, t in enumerate(full) if len(t.prompt) > 600)
+    assert cut[long].prompt.hash_ids == full[long].prompt.hash_ids[:2]   # 512-token blocks
+    assert [t.arrival_s for t in cut] == [t.arrival_s for t in full]
+
+
+def test_the_map_runs_each_cell_as_its_own_fused_and_split_searches(files, tmp_path, capsys):
+    """Two TPOT SLOs x two prompt lengths on 2 GPUs: each cell's goodputs
+    are what a plan over the fused candidates alone and over the splits
+    alone find on those prompts at that SLO; a looser TPOT or shorter
+    prompts never lower them."""
+    from pdserve.sim.plan.map import cut_prompts
+
+    cfg, trace = files
+    assert main(["plan", "--config", str(cfg), "--trace", str(trace), "--ttft", str(TTFT),
+                 "--tpot", "0.03", "0.1", "--prompt-len", "400", "1500", "--gpus", "2",
+                 "--chunks", "512", "--out", str(tmp_path / "out"), "--in-process",
+                 "--no-progress"]) == 0
+    cells = json.loads((tmp_path / "out" / "map.json").read_text())["cells"]
+    assert [(c["prompt_len"], c["tpot_s"]) for c in cells] == \
+        [(400, 0.03), (400, 0.1), (1500, 0.03), (1500, 0.1)]
+    base, full = load_config(cfg), read_trace(str(trace))
+    settings = Settings(Slo(TTFT, 0.1), gpus=2, chunks=(512,))
+    cut = cut_prompts(full, 1500)
+    for split, key in ((False, "fused"), (True, "split")):
+        alone = make_plan(base, cut, settings, InProcess(cut, settings.slo, 0.9),
+                          progress=False, disaggregated=split).ranked()[0]
+        assert cells[3][key]["goodput_req_s"] == alone.lo.rate_req_s
+        assert cells[3][key]["shape"] == ("1P+1D" if split else "fused x2")
+    tol = 1.1
+    for key in ("fused", "split"):
+        good = {(c["prompt_len"], c["tpot_s"]): c[key]["goodput_req_s"] for c in cells}
+        assert good[(400, 0.1)] * tol >= good[(400, 0.03)]
+        assert good[(1500, 0.1)] * tol >= good[(1500, 0.03)]
+        assert good[(400, 0.1)] * tol >= good[(1500, 0.1)]
+    table = (tmp_path / "out" / "map.md").read_text()
+    assert table.splitlines()[0] == "| prompts | TPOT <= 30 ms | TPOT <= 100 ms |"
+    assert "| cut at 1,500 |" in table and table in capsys.readouterr().out + "\n"
+
+
+def test_a_map_needs_a_gpu_count_that_allows_a_split(files, tmp_path, capsys):
+    cfg, trace = files
+    assert main(["plan", "--config", str(cfg), "--trace", str(trace), "--ttft", "1",
+                 "--tpot", "0.05", "0.1", "--gpus", "1", "--out", str(tmp_path / "out"),
+                 "--in-process", "--no-progress"]) == 2
+    assert "give --gpus 2 or more" in capsys.readouterr().err

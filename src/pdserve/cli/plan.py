@@ -1,10 +1,12 @@
 """`pdserve plan`: search P:D splits and chunk budgets by simulation for the
 most goodput per GPU within a latency SLO; the table is printed and plan.yaml,
 plan.json and plan.png written to --out (sim/plan/search.py searches,
-sim/plan/report.py renders)."""
+sim/plan/report.py renders). With several --tpot values or --prompt-len,
+a map of where P/D beats fused instead (sim/plan/map.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,11 +19,18 @@ def add_arguments(p) -> None:
     p.add_argument("--trace", required=True,
                    help="trace JSONL (ours or Mooncake) or Azure CSV, replayed open loop")
     p.add_argument("--ttft", type=float, required=True, help="time-to-first-token SLO, s")
-    p.add_argument("--tpot", type=float, required=True, help="time-per-output-token SLO, s")
+    p.add_argument("--tpot", type=float, nargs="+", required=True,
+                   help="time-per-output-token SLO, s; several (or --prompt-len) map where "
+                        "P/D beats fused instead of planning one")
     p.add_argument("--gpus", type=int, required=True, help="engines to plan, one GPU each")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="fraction of requests that must meet both SLOs (0.9)")
     p.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    p.add_argument("--prompt-len", type=int, nargs="+",
+                   help="map where P/D beats fused with the trace's prompts cut at each of "
+                        "these token counts (and each --tpot): the best fused engines and the "
+                        "best P:D split on --gpus, searched apart, written to --out as "
+                        "map.md and map.json")
     p.add_argument("--chunks", type=int, nargs="+",
                    help="engine.max_scheduled_tokens values to try (2048 8192)")
     p.add_argument("--tolerance", type=float,
@@ -39,20 +48,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-    import json
-
     from pdserve.config import load_config
     from pdserve.scheduler.config import ConfigError
-    from pdserve.cluster.probe_pool import RayTasks
-    from pdserve.sim.plan.probe import InProcess, OnTasks, local_cpus
-    from pdserve.sim.plan.report import format_table, plan_json, plan_yaml, plot
     from pdserve.sim.plan.search import (DEFAULT_CHUNKS, DEFAULT_TOLERANCE, Settings,
-                                         check_settings, make_plan)
+                                         check_settings)
     from pdserve.sim.report import Slo
     from pdserve.sim.trace import TraceError, read_trace
 
-    settings = Settings(Slo(args.ttft, args.tpot), args.attainment, args.gpus,
+    tpots = list(dict.fromkeys(args.tpot))
+    mapped = len(tpots) > 1 or bool(args.prompt_len)
+    settings = Settings(Slo(args.ttft, tpots[0]), args.attainment, args.gpus,
                         tuple(dict.fromkeys(args.chunks or DEFAULT_CHUNKS)),
                         DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
     if args.limit is not None and args.limit < 1:
@@ -60,8 +65,18 @@ def run(args) -> int:
                           "from the start of the trace to plan for")
     base_path = Path(args.config)
     base = load_config(base_path)
+    for tpot in tpots[1:]:              # each SLO checked as the first is
+        check_settings(dataclasses.replace(settings, slo=Slo(args.ttft, tpot)), base)
     for note in check_settings(settings, base):
         print(f"pdserve plan: {note}", file=sys.stderr)
+    if mapped and args.gpus < 2:
+        raise ConfigError(f"several --tpot or --prompt-len values map where P/D beats fused "
+                          f"on the same GPUs, and --gpus {args.gpus} allows no P:D split; "
+                          "give --gpus 2 or more")
+    bad = [n for n in args.prompt_len or [] if n < 1]
+    if bad:
+        raise ConfigError(f"--prompt-len {bad[0]} must be at least 1: the tokens each prompt "
+                          "is cut at")
     if not Path(args.trace).is_file():
         raise TraceError(f"trace file {args.trace!r} does not exist; pass --trace with a "
                          "JSONL trace (ours or Mooncake's) or an Azure CSV")
@@ -70,18 +85,61 @@ def run(args) -> int:
         raise ConfigError(f"--out {out} is a file; give a folder for plan.yaml, plan.json "
                           "and plan.png")
     trace = read_trace(args.trace, limit=args.limit)
-    pool: InProcess | OnTasks
-    if args.in_process:
-        pool = InProcess(trace, settings.slo, settings.attainment, args.cpus or local_cpus())
-    else:
-        pool = OnTasks(RayTasks(args.address, args.cpus or local_cpus()), trace,
-                       settings.slo, settings.attainment)
+    tasks, pool_for, width = _pools(args, settings)
+    settings = dataclasses.replace(settings, width=width)
     try:
-        result = make_plan(base, trace,
-                           dataclasses.replace(settings, width=args.cpus or pool.width), pool,
-                           progress=not args.no_progress)
+        if mapped:
+            return _run_map(args, base, trace, settings, tpots, pool_for, out)
+        return _run_plan(args, base_path, base, trace, settings, pool_for(trace, settings.slo),
+                         out)
     finally:
-        pool.close()
+        if tasks is not None:
+            tasks.close()
+
+
+def _pools(args, settings):
+    """(the Ray tasks to close at the end or None, pool_for(trace, slo), the
+    probes a search keeps in flight): probes here one at a time
+    (--in-process), or on Ray tasks started once for every search."""
+    from pdserve.cluster.probe_pool import RayTasks
+    from pdserve.sim.plan.probe import InProcess, OnTasks, local_cpus
+
+    if args.in_process:
+        width = args.cpus or local_cpus()
+        return None, lambda trace, slo: InProcess(trace, slo, settings.attainment, width), width
+    tasks = RayTasks(args.address, args.cpus or local_cpus())
+    return tasks, lambda trace, slo: OnTasks(tasks, trace, slo, settings.attainment), \
+        args.cpus or tasks.width
+
+
+def _run_map(args, base, trace, settings, tpots, pool_for, out: Path) -> int:
+    import json
+
+    from pdserve.sim.plan.map import format_map, map_json, plan_map
+
+    lens = list(dict.fromkeys(args.prompt_len)) if args.prompt_len else [None]
+    print(f"pdserve plan: where P/D beats fused on {settings.gpus} GPUs; {len(trace)} "
+          f"requests, {settings.attainment:.0%} within TTFT <= {settings.slo.ttft_s:g} s and "
+          f"each TPOT SLO; {len(lens) * len(tpots)} cells, two searches each")
+    cells = plan_map(base, trace, settings, lens, tpots, pool_for,
+                     progress=not args.no_progress)
+    table = format_map(cells)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "map.json").write_text(json.dumps(map_json(cells, settings.gpus, args.trace),
+                                             indent=1) + "\n")
+    (out / "map.md").write_text(table + "\n")
+    print(f"map: {out / 'map.md'}, {out / 'map.json'}")
+    return 0
+
+
+def _run_plan(args, base_path: Path, base, trace, settings, pool, out: Path) -> int:
+    import json
+
+    from pdserve.sim.plan.report import format_table, plan_json, plan_yaml, plot
+    from pdserve.sim.plan.search import make_plan
+
+    result = make_plan(base, trace, settings, pool, progress=not args.no_progress)
     probes = [p for b in result.brackets for p in b.probes]
     print(f"pdserve plan: {result.requests} requests ({result.native_rate:.2f} req/s as "
           f"traced), {settings.attainment:.0%} within TTFT <= {settings.slo.ttft_s:g} s and "

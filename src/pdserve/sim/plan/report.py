@@ -49,7 +49,7 @@ def format_table(result: PlanResult) -> str:
     return "\n".join(rows)
 
 
-def _candidate_json(b: Bracket, gpus: int) -> dict:
+def candidate_json(b: Bracket, gpus: int) -> dict:
     c = b.candidate
     good = b.lo.rate_req_s if b.lo else 0.0
     return {"shape": c.shape, "prefill": c.prefill, "decode": c.decode, "fused": c.fused,
@@ -67,9 +67,9 @@ def plan_json(result: PlanResult, trace_path: str) -> dict:
             "slo": {"ttft_s": s.slo.ttft_s, "tpot_s": s.slo.tpot_s},
             "attainment": s.attainment, "gpus": s.gpus, "chunks": list(s.chunks),
             "tolerance": s.tolerance,
-            "best": ({k: v for k, v in _candidate_json(best, s.gpus).items() if k != "probes"}
+            "best": ({k: v for k, v in candidate_json(best, s.gpus).items() if k != "probes"}
                      if best else None),
-            "candidates": [_candidate_json(b, s.gpus) for b in result.ranked()]}
+            "candidates": [candidate_json(b, s.gpus) for b in result.ranked()]}
 
 
 def plan_yaml(base_path: Path, result: PlanResult, trace_path: str) -> str:

@@ -317,13 +317,16 @@ class PlanResult:
 
 
 def make_plan(base: ServeConfig, trace: list[TraceRequest], settings: Settings, pool,
-              progress: bool = True) -> PlanResult:
+              progress: bool = True, disaggregated: bool | None = None) -> PlanResult:
+    """`disaggregated`: only the P:D splits (True), only fused engines
+    (False), or every candidate (None)."""
     from tqdm import tqdm
 
     if not trace:
         raise ConfigError("the trace has no requests; pass a trace with at least one")
     started = time.perf_counter()
-    cands = candidates(settings.gpus, settings.chunks)
+    cands = [c for c in candidates(settings.gpus, settings.chunks)
+             if disaggregated is None or disaggregated == (c.fused == 0)]
     configs = [c.config(base) for c in cands]
     starts = ceiling_factors(base, trace, cands, settings.slo)
     bar = tqdm(disable=not progress, unit="sim", desc="pdserve plan", file=sys.stderr)
