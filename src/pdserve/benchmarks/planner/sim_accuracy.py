@@ -171,14 +171,11 @@ def level_samples(w: dict, rate: float | None, seed: int) -> list[Sample]:
                        w["prompt_len"], seed)
     if rate is None:
         return _closed(samples)
-    if w.get("trace"):
-        times = [s.arrival_s for s in samples]
-        span = max(times) - min(times)  # type: ignore[type-var,operator]
-        scale = (len(samples) - 1) / rate / span if span > 0 else 0.0
-        due = [(t - min(times)) * scale for t in times]  # type: ignore[type-var,operator]
-        if not span:                     # every request at once in the trace: Poisson
-            due = arrivals(samples, rate, seed)  # type: ignore[assignment]
-    else:
+    times: list[float] = [s.arrival_s for s in samples] if w.get("trace") else []  # type: ignore[misc]
+    span = max(times) - min(times) if times else 0.0
+    if span > 0:            # the trace's own shape, at a mean rate of `rate`
+        due = [(t - min(times)) * (len(samples) - 1) / rate / span for t in times]
+    else:                   # synthetic, or a trace that sends everything at once: Poisson
         due = arrivals(samples, rate, seed)  # type: ignore[assignment]
     return [dataclasses.replace(s, arrival_s=t) for s, t in zip(samples, due)]
 
