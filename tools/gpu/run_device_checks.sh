@@ -24,7 +24,8 @@
 #             Llama-3-8B-shaped random preset, and the simulator against that
 #             engine, in process, on the Mooncake slice .whl/ carries
 #   capture   the same with torch's attention (issue 40's GPU figures)
-#   tests     pytest -m device: test_device.py, test_fused_ops.py, test_mla_flashinfer.py
+#   tests     pytest -m device: test_device.py, test_fused_ops.py, test_mla_flashinfer.py,
+#             test_experts_paths.py
 #   per-row   tools/gpu/per_row_check.py: the teacher-forced logits, as numbers
 #   bench-llm pdserve bench llm --device cuda (llama-110m, uniform workload)
 # OUTDIR receives at most 8 files: log.txt (everything, the tests' results,
@@ -46,7 +47,7 @@ while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --steps) STEPS=",${2:?--steps needs a list},"; shift ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z $OUT ]] && OUT=$1 || usage ;;
     esac
@@ -142,7 +143,8 @@ print("torch", torch.__version__, "cuda available:", torch.cuda.is_available())'
         tests/kernels/test_capture_device.py --collect-only && cuda_refused '$OUT/bench_capture.txt' \
         '$PY' -m pdserve.cli.main bench capture --device cuda"
     step tests 120 "$PY" -m pytest -p no:cacheprovider -q -m device tests/kernels/test_device.py \
-        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py --collect-only
+        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py \
+        tests/kernels/models/test_experts_paths.py --collect-only
     step per-row 180 "$PY" tools/gpu/per_row_check.py "${FAKE[@]}" --quick \
         --out "$OUT/per_row.json"
     step bench-llm 60 bash -c 'cuda_refused "$@"' _ /tmp/pdserve-llm.txt \
@@ -198,7 +200,8 @@ print("flashinfer", flashinfer.__version__, "nixl", nixl.__file__, "pdserve", pd
         pdserve.cli.main bench capture --device cuda 2>&1 | tee -a '$OUT/bench_capture.txt'
         b=\$?; exit \$((t || b))"
     step tests 150 "$PY" -m pytest -p no:cacheprovider -m device tests/kernels/test_device.py \
-        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py -rA
+        tests/kernels/test_fused_ops.py tests/kernels/models/test_mla_flashinfer.py \
+        tests/kernels/models/test_experts_paths.py -rA
     step per-row 60 "$PY" tools/gpu/per_row_check.py --out "$OUT/per_row.json"
     step bench-llm 90 bash -c "'$PY' -m pdserve.cli.main bench llm --device cuda \
         --models llama-110m --dtype bfloat16 float32 --workload uniform --batches 1 8 32 \

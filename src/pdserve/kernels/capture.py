@@ -66,7 +66,9 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
     if model.cfg.state_layers():
         return CaptureMode.OFF, "the model's state layers run eagerly"
     if model.cfg.moe is not None:
-        # each expert's rows are counted on the host: shapes change every round
+        # on CPU (and without torch's grouped matmul) each expert's rows are
+        # counted on the host; on the grouped path a captured batch's padding
+        # rows would be routed and counted among the experts' tokens
         return CaptureMode.OFF, "a mixture-of-experts layer runs eagerly"
     if getattr(model, "tensor_parallel", False):
         return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "

@@ -138,6 +138,8 @@ def build_model(cfg: ModelConfig, weights: dict, dtype: torch.dtype, device, att
         log.info("norms, residual adds and SwiGLU: %s", model.fused_ops_why)
     if model.device.type == "cuda" and isinstance(model, DeepseekV3Model):
         log.info("latent attention's decode rows: %s", model.mla_decode_why)
+    if model.device.type == "cuda" and isinstance(model, (Qwen3MoeModel, DeepseekV3Model)):
+        log.info("routed experts: %s", model.experts_why)
     return model
 
 

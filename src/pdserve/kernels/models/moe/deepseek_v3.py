@@ -24,7 +24,8 @@ from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.model import PagedDecoder, rms_norm
 from pdserve.kernels.models.model_config import ModelConfig
-from pdserve.kernels.models.moe.experts import DenseMlp, Experts, expert_weight_names, moe_mlp
+from pdserve.kernels.models.moe.experts import (DenseMlp, Experts, expert_weight_names, moe_mlp,
+                                                use_experts_path)
 from pdserve.kernels.models.moe.mla import (MlaAttention, MlaWeights, choose_mla_decode,
                                             mla_weights)
 from pdserve.kernels.models.rope import Rotary
@@ -92,6 +93,7 @@ class DeepseekV3Model(PagedDecoder):
         self.mla = MlaAttention(spec, cfg.num_heads, decode=decode)
         # rotary over the rope dims only (the checkpoint's config calls that head_dim)
         self.rotary = Rotary(dataclasses.replace(cfg, head_dim=spec.qk_rope_head_dim), dtype, dev)
+        self.experts_why = use_experts_path(self.expert_layers(), dev, dtype)
 
     def _mlp(self, w: dict, weights: dict, i: int, mine: range) -> DenseMlp | Experts:
         """Layer i's MLP; a sparse one's router and bias in float32 from the

@@ -18,7 +18,16 @@ slice; with the experts sharded (expert parallelism: rank r holds experts
 that chose them, whole. The router is replicated, so every rank picks the
 same experts for the same tokens. `counts` adds up, per expert, the tokens
 routed to it (every rank sees every token: rank 0's counts are the
-engine's)."""
+engine's), on the model's device.
+
+Two ways to run the routed experts (`choose_experts_path`, at load): the
+loop, one matmul pair an expert over its rows, whose row counts the host
+reads (two waits on the device a layer; CPU, expert parallelism, and any
+GPU where the other cannot run), and on CUDA in bfloat16 torch's grouped
+matmul (`F.grouped_mm`: every expert's rows in one call, the row offsets
+on the device), which never waits on the device. Its k outputs a token are
+summed in float32, in the token's top-k order, deterministically (no
+atomics); the loop's in expert order, in the model's dtype."""
 
 from __future__ import annotations
 
@@ -57,7 +66,8 @@ class Experts:
         self.gate_up, self.down = gate_up, down
         self.first, self.count = first, gate_up.shape[0]
         self.shared = shared
-        self.counts = torch.zeros(spec.num_experts, dtype=torch.int64)
+        self.counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=gate_up.device)
+        self.path = LOOP            # choose_experts_path's, set at load
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k]) for each token of `x`."""
@@ -86,11 +96,35 @@ class Experts:
         """This rank's part of the layer's output for every token of `x`:
         its experts' weighted outputs (and its part of the shared expert's)."""
         ids, weights = self.route(x)
-        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)        # (token, expert) pairs grouped by expert
-        per_expert = torch.bincount(flat, minlength=self.spec.num_experts)
-        self.counts += per_expert.cpu()
+        # bincount would read its input's largest value back to size its output
+        per_expert = torch.zeros_like(self.counts).scatter_add_(0, flat, torch.ones_like(flat))
+        self.counts += per_expert
+        routed = self._grouped if self.path == GROUPED else self._loop
+        out = routed(x, order, per_expert, weights)
+        if self.shared is not None:
+            out = out + self.shared.forward(x)
+        return out
+
+    def _grouped(self, x: torch.Tensor, order: torch.Tensor, per_expert: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        """Every expert's rows in one grouped matmul pair, nothing read back."""
+        t, k = weights.shape
+        offs = per_expert.cumsum(0).to(torch.int32)
+        gu = F.grouped_mm(x.index_select(0, order // k), self.gate_up.transpose(1, 2),
+                          offs=offs)
+        inter = gu.shape[-1] // 2
+        y = F.grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], self.down.transpose(1, 2),
+                         offs=offs)
+        pairs = torch.empty_like(y).index_copy_(0, order, y)   # (token, its i-th choice)
+        return (pairs.view(t, k, -1).float() * weights.float().unsqueeze(-1)).sum(1) \
+            .to(x.dtype)
+
+    def _loop(self, x: torch.Tensor, order: torch.Tensor, per_expert: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        """A matmul pair for each of this rank's experts over its rows."""
+        k = weights.shape[1]
         token = order // k
         weight = weights.reshape(-1)[order]
         out = torch.zeros_like(x)
@@ -105,9 +139,44 @@ class Experts:
                 y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.down[e])
                 out.index_add_(0, rows, (y * weight[start:end, None]).to(out.dtype))
             start = end
-        if self.shared is not None:
-            out = out + self.shared.forward(x)
         return out
+
+
+LOOP, GROUPED = "loop", "grouped"
+
+
+def choose_experts_path(layers: list[Experts], device, dtype: torch.dtype) -> tuple[str, str]:
+    """(path, why) for a model's sparse layers on `device` in `dtype`: the
+    grouped matmul where it runs (tried once on the device, at these
+    widths), else the loop."""
+    dev = torch.device(device)
+    if not layers:
+        return LOOP, "no sparse layer"
+    if dev.type != "cuda":
+        return LOOP, "an expert's rows run as one matmul pair, counted on the host (CPU)"
+    e = layers[0]
+    if e.count < e.spec.num_experts:
+        return LOOP, ("expert parallelism: this rank's experts are a block of the sorted rows, "
+                      "which the host finds")
+    if dtype != torch.bfloat16:
+        return LOOP, f"torch's grouped matmul takes bfloat16 on CUDA, not {dtype}"
+    try:                            # two experts at the layer's own widths
+        offs = torch.tensor([1, 3], dtype=torch.int32, device=dev)
+        x = torch.zeros(3, e.gate_up.shape[-1], dtype=dtype, device=dev)
+        gu = F.grouped_mm(x, e.gate_up[:2].transpose(1, 2), offs=offs)
+        F.grouped_mm(gu[:, :gu.shape[-1] // 2].contiguous(), e.down[:2].transpose(1, 2),
+                     offs=offs)
+    except Exception as err:        # an older card or build: say so, run the loop
+        return LOOP, f"torch's grouped matmul failed here ({type(err).__name__}: {err})"
+    return GROUPED, "torch's grouped matmul: every expert in one call, no wait on the device"
+
+
+def use_experts_path(layers: list[Experts], device, dtype: torch.dtype) -> str:
+    """Set the path `choose_experts_path` picks on every sparse layer; why."""
+    path, why = choose_experts_path(layers, device, dtype)
+    for e in layers:
+        e.path = path
+    return why
 
 
 def stack_experts(w: dict, prefix: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:

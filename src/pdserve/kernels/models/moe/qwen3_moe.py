@@ -18,7 +18,8 @@ from pdserve.kernels.attention import BatchMeta
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.models.model import PagedDecoder, rms_norm
 from pdserve.kernels.models.model_config import ModelConfig
-from pdserve.kernels.models.moe.experts import DenseMlp, Experts, expert_weight_names, moe_mlp
+from pdserve.kernels.models.moe.experts import (DenseMlp, Experts, expert_weight_names, moe_mlp,
+                                                use_experts_path)
 from pdserve.kernels.models.rope import Rotary
 
 
@@ -76,6 +77,7 @@ class Qwen3MoeModel(PagedDecoder):
                 w[a + "o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                 moe_mlp(cfg, w, i, mine)))
         self.rotary = Rotary(cfg, dtype, dev)
+        self.experts_why = use_experts_path(self.expert_layers(), dev, dtype)
 
     def expert_layers(self) -> list[Experts]:
         """The sparse layers' experts, in layer order (their `counts`)."""
