@@ -33,6 +33,27 @@ def test_a_round_is_compute_bound_once_its_multiplies_outlast_its_reads():
     assert s == pytest.approx((2 * 256 * fp.matmul_params + 4 * 256 * 1025 * 32 * 4096) / 50e12)
 
 
+def test_a_moe_round_reads_the_experts_its_rows_chose():
+    """Qwen3-30B-A3B's layer, 12 layers: 623 M weights a layer, 604 M of
+    them its 128 experts; one row reads 8 experts a layer, and a round of
+    many rows nearly all 128."""
+    fp = Footprint.of(model_config("qwen3-30b-a3b-12l"), 2)
+    expert = 3 * 2048 * 768
+    layer = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 2 * 2048 + 2 * 128 + 128 * 2048
+    assert fp.expert_bytes == 12 * expert * 2 and fp.experts == 128
+    assert fp.weight_bytes == 2 * (12 * layer + 151936 * 2048 + 2048)
+    assert fp.total_bytes == fp.weight_bytes + 128 * fp.expert_bytes
+    assert round(fp.total_bytes / 1e9, 1) == 15.6
+    assert fp.experts_read(1) == pytest.approx(8 * fp.expert_bytes)
+    assert fp.experts_read(2) == pytest.approx(128 * (1 - (120 / 128) ** 2) * fp.expert_bytes)
+    assert fp.experts_read(256) == pytest.approx(128 * fp.expert_bytes, rel=1e-6)
+    ms, bound = fp.decode_roofline_s(1, 1024, H100)
+    read = fp.weight_bytes + 8 * fp.expert_bytes + 1025 * fp.kv_bytes_per_token
+    assert bound == "memory" and ms == pytest.approx(read / 3.35e12)
+    active = 12 * (2048 * (4096 + 1024) + 4096 * 2048 + 128 * 2048 + 8 * expert) + 151936 * 2048
+    assert fp.matmul_params == active
+
+
 def test_a_prompt_s_flop_are_its_rows_through_the_weights_and_causal_attention():
     cfg = model_config("tiny")
     fp = Footprint.of(cfg, 4)
@@ -84,6 +105,9 @@ def test_the_dry_run_prints_each_figure_as_its_header_defines_it(capsys):
     (prefill,) = _table(out, "| model | prompt |")
     assert prefill[1] == "40" and float(prefill[3]) == pytest.approx(40 / float(prefill[2]) * 1e3,
                                                                        rel=0.01, abs=0.5)
+    moe = [ln for ln in out.splitlines() if ln.startswith("| tiny-moe |")]
+    assert len(moe) == 1 + 2 + 1                 # load (no graphs: eager), 2 decodes, 1 prefill
+    assert moe[0].split("|")[5].strip() == "0"
     (peer,) = _table(out, "| model | batch | pdserve ms")
     assert peer[1] == "3" and peer[2] == decode[1][2].split()[0]
     assert float(peer[4].rstrip("x")) == pytest.approx(

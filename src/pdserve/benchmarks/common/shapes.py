@@ -13,11 +13,12 @@ def build(shape: str, dtype: str, device, attention: str = "torch"):
     backend (kernels compiled at load, as an engine's)."""
     import torch
 
-    from pdserve.kernels.models.loader import attention_shape, build_model, load_backend
+    from pdserve.kernels.models.loader import (attention_shape, build_model,
+                                               checkpoint_weight_names, load_backend)
     from pdserve.kernels.models.model import random_weights
 
     cfg = model_config(shape)
     torch_dtype = getattr(torch, dtype)
     backend = load_backend(attention, device, torch_dtype, attention_shape(cfg))
-    return build_model(cfg, random_weights(cfg, 0, torch_dtype, device), torch_dtype, device,
-                       backend)
+    weights = random_weights(cfg, 0, torch_dtype, device, checkpoint_weight_names(cfg))
+    return build_model(cfg, weights, torch_dtype, device, backend)

@@ -38,12 +38,13 @@ from pdserve.benchmarks.common.shapes import SHAPES, build, model_config
 from pdserve.benchmarks.common.timing import median_ms
 
 PAGE = 16
+LLAMAS = [s for s in SHAPES if "arch" not in SHAPES[s]]   # the shapes the peer builds
 
 
 def add_arguments(p) -> None:
     p.add_argument("--models", nargs="+", choices=list(SHAPES),
-                   help="model shapes, random weights (llama-3-8b smollm2-135m; "
-                        "--dry-run: tiny)")
+                   help="model shapes, random weights (llama-3-8b smollm2-135m "
+                        "qwen3-30b-a3b-12l; --dry-run: tiny tiny-moe)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="the weights' and the cache's dtype (bfloat16)")
     p.add_argument("--batches", type=positive, nargs="+",
@@ -60,8 +61,8 @@ def add_arguments(p) -> None:
                    help="the peer on the same shape and weights (transformers)")
     p.add_argument("--peer-batches", type=positive, nargs="+", default=[1, 8],
                    help="the peer's decode batches (1 8)")
-    p.add_argument("--peer-models", nargs="+", choices=list(SHAPES),
-                   help="the shapes the peer runs (the first of --models): its compile "
+    p.add_argument("--peer-models", nargs="+", choices=LLAMAS,
+                   help="the Llama shapes the peer runs (the first of --models): its compile "
                         "takes a minute or two a batch on a GPU")
     p.add_argument("--rounds", type=positive, default=20, help="timed calls a figure (20)")
     p.add_argument("--copy-mib", type=positive, default=2048,
@@ -81,25 +82,54 @@ class Limits:
 
 @dataclass
 class Footprint:
-    """What one decode or prefill round of a model must move and compute."""
-    weight_bytes: int     # every layer's weights and the head, read once a round
+    """What one decode or prefill round of a model must move and compute.
+    A mixture-of-experts model (all its layers sparse) reads, besides its
+    other weights, each expert some row of the round chose: with a round's
+    rows routed at random, E (1 - (1 - k/E)^rows) of its E experts a layer."""
+    weight_bytes: int     # every layer's weights and the head, read once a round (no experts)
     kv_bytes_per_token: int
-    matmul_params: int    # the multiplies' weights (each row multiplies each once)
+    matmul_params: int    # the multiplies' weights a row runs (k experts of a sparse layer)
     attn_width: int       # num_heads * head_dim * num_layers
+    expert_bytes: int = 0  # one expert's weights, summed over the layers
+    experts: int = 0       # E (0: dense)
+    top_k: int = 0
 
     @classmethod
     def of(cls, cfg, elt: int) -> "Footprint":
         h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
         kv = cfg.num_kv_heads * cfg.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h
         head = cfg.vocab_size * h
-        params = cfg.num_layers * layer + head + h
-        return cls(params * elt, cfg.num_layers * 2 * kv * elt, cfg.num_layers * (layer - 2 * h)
-                   + head, q * cfg.num_layers)
+        attn = h * (q + 2 * kv) + q * h + 2 * h
+        moe = cfg.moe
+        if moe is None:
+            layer = attn + 3 * h * cfg.intermediate_size
+            params = cfg.num_layers * layer + head + h
+            return cls(params * elt, cfg.num_layers * 2 * kv * elt,
+                       cfg.num_layers * (layer - 2 * h) + head, q * cfg.num_layers)
+        assert len(moe.sparse_layers) == cfg.num_layers, "a shape with dense MLP layers"
+        expert = 3 * h * moe.intermediate
+        layer = attn + 2 * cfg.head_dim + moe.num_experts * h   # q/k norms, the router
+        active = cfg.num_layers * (layer - 2 * h - 2 * cfg.head_dim + moe.top_k * expert) + head
+        return cls((cfg.num_layers * layer + head + h) * elt, cfg.num_layers * 2 * kv * elt,
+                   active, q * cfg.num_layers, cfg.num_layers * expert * elt,
+                   moe.num_experts, moe.top_k)
+
+    @property
+    def total_bytes(self) -> int:
+        """Every weight the model holds, each expert included."""
+        return self.weight_bytes + self.experts * self.expert_bytes
+
+    def experts_read(self, rows: int) -> float:
+        """Bytes of experts a round of `rows` reads, routed at random."""
+        if not self.experts:
+            return 0.0
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** rows)
+        return touched * self.expert_bytes
 
     def decode_roofline_s(self, batch: int, context: int, lim: Limits) -> tuple[float, str]:
         """(seconds, what bounds it) for `batch` rows over `context` keys each."""
-        read = self.weight_bytes + batch * (context + 1) * self.kv_bytes_per_token
+        read = self.weight_bytes + self.experts_read(batch) + \
+            batch * (context + 1) * self.kv_bytes_per_token
         flop = 2 * batch * self.matmul_params + 4 * batch * (context + 1) * self.attn_width
         memory, compute = read / lim.bandwidth, flop / lim.flops
         return (memory, "memory") if memory >= compute else (compute, "compute")
@@ -160,8 +190,9 @@ def _defaults(args) -> None:
     dry = args.dry_run
     if dry:
         args.copy_mib, args.matmul = min(args.copy_mib, 64), min(args.matmul, 256)
-    args.models = args.models or (["tiny"] if dry else ["llama-3-8b", "smollm2-135m"])
-    args.peer_models = args.peer_models or args.models[:1]
+    args.models = args.models or (["tiny", "tiny-moe"] if dry else
+                                  ["llama-3-8b", "smollm2-135m", "qwen3-30b-a3b-12l"])
+    args.peer_models = args.peer_models or [m for m in args.models if m in LLAMAS][:1]
     args.batches = args.batches or ([1, 4] if dry else [1, 8, 32, 64, 128, 256])
     args.context = args.context or (48 if dry else 1024)
     args.prompts = args.prompts or ([32, 96] if dry else [1024, 8192])
@@ -191,7 +222,7 @@ def _one_model(args, shape: str, dev, lim: Limits) -> tuple:
         ms_at[b] = ms
     prefills = [(shape, p, *_prefill(args, model, caches, p, dev, fp, lim))
                 for p in args.prompts]
-    load = (shape, model.attention.name, fp.weight_bytes, seconds, cap.steps if cap else 0,
+    load = (shape, model.attention.name, fp.total_bytes, seconds, cap.steps if cap else 0,
             kept)
     del cap, caches, model
     if dev.type == "cuda":
@@ -206,7 +237,7 @@ def _captured(args, model, caches, per: int, dev) -> tuple:
 
     from pdserve.kernels.capture import CaptureMode, DecodeCapture
 
-    if args.capture == "off":
+    if args.capture == "off" or model.cfg.moe is not None:   # an engine runs MoE eagerly
         return None, 0.0, 0
     mode = CaptureMode.CUDA_GRAPH if dev.type == "cuda" else CaptureMode.STATIC
     reserved = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0

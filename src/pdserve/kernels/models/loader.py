@@ -214,7 +214,8 @@ def load_model(path: str | None = None, preset: str | None = "tiny", *, dtype="a
     shape = random_preset_config(preset) if resolved is None else None
     if shape is not None:               # drawn on the device, in the dtype it runs
         cfg, tok = shape, PrintableTokenizer()
-        read_weights = lambda dt: random_weights(cfg, RANDOM_SEED, dt, device)  # noqa: E731
+        read_weights = lambda dt: random_weights(  # noqa: E731
+            cfg, RANDOM_SEED, dt, device, checkpoint_weight_names(cfg))
     elif resolved is None:
         cfg, tok = tiny_config(), PrintableTokenizer()
         read_weights = lambda _dtype: random_weights(cfg, TINY_SEED)    # noqa: E731

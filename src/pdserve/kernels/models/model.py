@@ -30,9 +30,12 @@ from pdserve.kernels.models.state_cache import SeqState, StateBatch, StateCache,
 from pdserve.kernels.tensor_parallel import TpError, TpShard
 
 
-def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32, device="cpu") -> dict:
+def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32, device="cpu",
+                   names: list[str] | None = None) -> dict:
     """Seeded weights (the tiny preset): the same on every machine. Drawn
-    on `device` (the GPU benchmarks' large shapes: never on the host)."""
+    on `device` (the GPU benchmarks' large shapes: never on the host).
+    `names`: the checkpoint's tensors (default the Llama family's); a
+    Qwen3-MoE's router, experts and q/k norms are drawn too."""
     g = torch.Generator(device=device).manual_seed(seed)
     shapes = {
         "embed_tokens": (cfg.vocab_size, cfg.hidden_size),
@@ -45,12 +48,22 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=torch.float32, device="cpu
         "up_proj": (cfg.intermediate_size, cfg.hidden_size),
         "down_proj": (cfg.hidden_size, cfg.intermediate_size),
     }
+    if cfg.moe is not None:
+        width = cfg.moe.intermediate
+        shapes.update({"gate": (cfg.moe.num_experts, cfg.hidden_size),
+                       "experts.gate_proj": (width, cfg.hidden_size),
+                       "experts.up_proj": (width, cfg.hidden_size),
+                       "experts.down_proj": (cfg.hidden_size, width)})
     out = {}
-    for name in weight_names(cfg):
+    for name in names or weight_names(cfg):
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(cfg.hidden_size, dtype=dtype, device=device)
+            qk = name.endswith(("q_norm.weight", "k_norm.weight"))
+            out[name] = torch.ones(cfg.head_dim if qk else cfg.hidden_size, dtype=dtype,
+                                   device=device)
             continue
         key = name.split(".")[-2]
+        if ".experts." in name:
+            key = f"experts.{key}"
         if name.endswith(".bias"):
             shape = (shapes[key][0],)
         else:
