@@ -296,7 +296,7 @@ def test_a_map_cell_names_the_winner_beyond_the_searches_tolerance(fused, split,
     from pdserve.sim.plan.map import Cell
 
     cell = Cell(1024, 0.05, _bracket((0, 0, 2), fused), _bracket((1, 1, 0), split), 0.1)
-    assert cell.winner == winner
+    assert cell.winner.value == winner
     assert cell.ratio == (None if not fused else (split or 0.0) / fused)
 
 

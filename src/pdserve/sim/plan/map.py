@@ -12,6 +12,7 @@ better of the two and their ratio.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,13 @@ from pdserve.config import ServeConfig
 from pdserve.scheduler.request import BlockPrompt, TokenPrompt
 from pdserve.sim.plan.search import Bracket, Settings, make_plan
 from pdserve.sim.trace import TraceRequest
+
+
+class Winner(enum.Enum):
+    SPLIT = "P/D"
+    FUSED = "fused"
+    TIE = "tie"             # within the searches' tolerance: neither is known to be ahead
+    NEITHER = "neither"     # no rate passed for either
 
 
 @dataclass(frozen=True)
@@ -30,16 +38,14 @@ class Cell:
     tolerance: float = 0.1      # the searches': closer than this is a tie
 
     @property
-    def winner(self) -> str:
-        """'P/D', 'fused', 'tie' (within the searches' tolerance of each
-        other: neither is known to be ahead) or 'neither' (no rate passed)."""
+    def winner(self) -> Winner:
         f, s = self.fused.goodput_factor, self.split.goodput_factor
         if not f and not s:
-            return "neither"
-        if not f or not s:
-            return "P/D" if s else "fused"
+            return Winner.NEITHER
         tol = 1 + self.tolerance
-        return "P/D" if s > f * tol else "fused" if f > s * tol else "tie"
+        if s > f * tol:
+            return Winner.SPLIT
+        return Winner.FUSED if f > s * tol else Winner.TIE
 
     @property
     def ratio(self) -> float | None:
@@ -90,7 +96,7 @@ def cell_line(c: Cell, gpus: int, trace: list[TraceRequest]) -> str:
     what = "as traced" if c.prompt_len is None else f"cut at {c.prompt_len:,}"
     f, s = c.fused.goodput_factor * rate, c.split.goodput_factor * rate
     ratio = "" if c.ratio is None else f", P/D {c.ratio:.2f}x fused"
-    return (f"prompts {what}, TPOT <= {c.tpot_s * 1000:g} ms: {c.winner} (fused x{gpus} "
+    return (f"prompts {what}, TPOT <= {c.tpot_s * 1000:g} ms: {c.winner.value} (fused x{gpus} "
             f"{f:.2f} req/s, best split {c.split.candidate.shape} {s:.2f} req/s{ratio})")
 
 
@@ -107,7 +113,7 @@ def format_map(cells: list[Cell]) -> str:
         for t in tpots:
             c = at[(n, t)]
             ratio = "" if c.ratio is None else f" ({c.ratio:.2f}x, {c.split.candidate.shape})"
-            cols.append(f"{c.winner}{ratio}")
+            cols.append(f"{c.winner.value}{ratio}")
         rows.append(f"| {'as traced' if n is None else f'cut at {n:,}'} | " +
                     " | ".join(cols) + " |")
     return "\n".join(rows)
@@ -117,6 +123,6 @@ def map_json(cells: list[Cell], gpus: int, trace_path: str) -> dict:
     from pdserve.sim.plan.report import candidate_json
 
     return {"trace": trace_path, "gpus": gpus,
-            "cells": [{"prompt_len": c.prompt_len, "tpot_s": c.tpot_s, "winner": c.winner,
+            "cells": [{"prompt_len": c.prompt_len, "tpot_s": c.tpot_s, "winner": c.winner.value,
                        "split_over_fused": c.ratio, "fused": candidate_json(c.fused, gpus),
                        "split": candidate_json(c.split, gpus)} for c in cells]}
