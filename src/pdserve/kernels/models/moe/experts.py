@@ -31,6 +31,7 @@ atomics); the loop's in expert order, in the model's dtype."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,14 @@ import torch.nn.functional as F
 
 from pdserve.kernels.models.model_config import ModelConfig
 from pdserve.kernels.models.moe.specs import SIGMOID, MoeSpec
+
+
+class ExpertsPath(enum.Enum):
+    LOOP = "loop"           # a matmul pair an expert, its row counts read on the host
+    GROUPED = "grouped"     # torch's grouped matmul over every expert, nothing read back
+
+
+LOOP, GROUPED = ExpertsPath.LOOP, ExpertsPath.GROUPED
 
 
 @dataclass
@@ -142,10 +151,8 @@ class Experts:
         return out
 
 
-LOOP, GROUPED = "loop", "grouped"
-
-
-def choose_experts_path(layers: list[Experts], device, dtype: torch.dtype) -> tuple[str, str]:
+def choose_experts_path(layers: list[Experts], device,
+                        dtype: torch.dtype) -> tuple[ExpertsPath, str]:
     """(path, why) for a model's sparse layers on `device` in `dtype`: the
     grouped matmul where it runs (tried once on the device, at these
     widths), else the loop."""
