@@ -265,3 +265,69 @@ def test_an_engine_with_flashinfer_s_decode_captured_generates_the_same_tokens(
     assert llm.model.attention.name == "flashinfer" and llm.executor.capture.planned
     assert got == want
     assert llm.executor.capture.replays >= 10
+
+
+def test_a_moe_on_the_grouped_path_is_captured_and_counts_only_its_real_rows():
+    """Qwen3-MoE's shape with its experts on torch's grouped matmul (what a
+    GPU runs in bfloat16; on CPU here): the captured step gives the eager
+    logits, and its padding rows (3 and 5 real rows in buckets of 4 and 8)
+    are routed but not counted among the experts' tokens."""
+    from pdserve.benchmarks.common.shapes import build
+    from pdserve.kernels.models.moe.experts import GROUPED, LOOP
+
+    model = build("tiny-moe", "float32", "cpu")
+    assert choose_capture("on", model)[0] is CaptureMode.OFF      # its experts loop on CPU
+    for e in model.expert_layers():
+        e.path = GROUPED
+    assert choose_capture("on", model)[0] is CaptureMode.COMPILE
+    pages, caches, cap = static_capture(model)
+    cap.capture()
+    rng = random.Random(2)
+    for ctxs in ([9, 30, 2], [17, 4, 33, 12, 8]):
+        metas = decode_round(model, pages, ctxs, rng)
+        ids = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in ctxs])
+        before = [e.counts.clone() for e in model.expert_layers()]
+        got = cap.run(ids, metas)
+        counted = [e.counts - b for e, b in zip(model.expert_layers(), before)]
+        want = model.forward(ids, fresh_metas(metas), caches, torch.arange(len(ctxs)))
+        assert (got - want).abs().max() < TOL
+        for e, c, b in zip(model.expert_layers(), counted, before):
+            assert int(c.sum()) == len(ctxs) * 2                  # top 2 of each real row
+            assert torch.equal(e.counts - b - c, c)               # eager counted the same
+    assert all(e.live_rows is None for e in model.expert_layers())
+    model.expert_layers()[0].path = LOOP
+    assert "experts loop" in choose_capture("on", model)[1]
+
+
+def test_an_engine_with_a_moe_step_captured_generates_the_same_tokens_and_counts(
+        tmp_path, monkeypatch):
+    """A Qwen3-MoE checkpoint on the grouped path, its decode rounds through
+    the capture's buffers: eager's greedy tokens, and each sparse layer
+    counts top_k tokens for every row computed, padding rows left out."""
+    import pdserve.engine.executor.torch_executor as executor
+    from pdserve.engine.stats import expert_tokens
+    from pdserve.kernels.models.moe.experts import GROUPED
+    from support.moe import qwen3_moe_checkpoint
+
+    _, d = qwen3_moe_checkpoint(tmp_path)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 120) for _ in range(n)] for n in (5, 23, 11)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engine = dict(page_size=PS, total_pages=128, max_batch_size=6, max_scheduled_tokens=32)
+
+    def run(captured: bool):
+        if captured:
+            monkeypatch.setattr(executor, "choose_capture",
+                                lambda setting, m: (CaptureMode.STATIC, "t"))
+            monkeypatch.setattr("pdserve.kernels.models.moe.experts.choose_experts_path",
+                                lambda layers, device, dtype: (GROUPED, "t"))
+        with LLM({"model": {"path": str(d)}}, dtype="float32", attention="torch",
+                 **engine) as llm:
+            tokens = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            counts = [sum(e.tokens) for e in expert_tokens(llm.model)]
+            replays = llm.executor.capture.replays if captured else 0
+            return tokens, counts, llm.executor.forward_tokens, replays
+    want, want_counts, _, _ = run(False)
+    got, counts, rows, replays = run(True)
+    assert got == want and replays >= 5
+    assert counts == want_counts == [2 * rows] * len(counts)

@@ -28,11 +28,15 @@ CPU, where `auto` leaves it off because it did not pay on a two-core host
 (docs/benchmarks.md); STATIC, the same buffers run eagerly (what the tests
 hold to the eager forward, and the compile's fallback); OFF. Models with
 state layers (Qwen3.5, LFM2) run eagerly: their rounds read state slots
-outside these buffers.
+outside these buffers. A mixture-of-experts model is captured where its
+routed experts run torch's grouped matmul (experts.py: nothing read back
+to the host); its padding rows are routed too, and `_Bucket.live` keeps
+them out of the experts' token counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import logging
@@ -44,6 +48,7 @@ import torch
 
 from pdserve.kernels.attention import BatchMeta, TorchAttention
 from pdserve.kernels.flashinfer_attention import CapturedDecode, FlashInferAttention
+from pdserve.kernels.models.moe.experts import GROUPED
 
 log = logging.getLogger("pdserve.kernels")
 
@@ -65,14 +70,15 @@ def choose_capture(setting: str, model) -> tuple[CaptureMode, str]:
         return CaptureMode.OFF, "engine.capture is off"
     if model.cfg.state_layers():
         return CaptureMode.OFF, "the model's state layers run eagerly"
-    if model.cfg.moe is not None:
-        # on CPU (and without torch's grouped matmul) each expert's rows are
-        # counted on the host; on the grouped path a captured batch's padding
-        # rows would be routed and counted among the experts' tokens
-        return CaptureMode.OFF, "a mixture-of-experts layer runs eagerly"
     if getattr(model, "tensor_parallel", False):
         return CaptureMode.OFF, ("a tensor-parallel engine's step runs eagerly: each round is "
                                  "sent to its other ranks before the forward")
+    if model.cfg.mla is not None:
+        return CaptureMode.OFF, "latent attention runs eagerly"
+    if model.cfg.moe is not None and any(e.path is not GROUPED for e in model.expert_layers()):
+        # the loop reads each expert's row count back: shapes change every round
+        return CaptureMode.OFF, ("a mixture-of-experts layer runs eagerly where its experts "
+                                 "loop (only torch's grouped matmul is captured)")
     if type(model.attention) not in (TorchAttention, FlashInferAttention):
         return CaptureMode.OFF, f"{model.attention.name} attention runs eagerly"
     if isinstance(model.attention, FlashInferAttention) and model.device.type != "cuda":
@@ -124,6 +130,7 @@ class _Bucket:
     rows: torch.Tensor
     groups: list[_GroupBuffers]
     metas: list[BatchMeta]
+    live: torch.Tensor      # [1] long: the round's real rows (a MoE counts only those)
     graph: object = None    # a torch.cuda.CUDAGraph (CUDA_GRAPH)
     out: torch.Tensor | None = None
 
@@ -182,7 +189,8 @@ class DecodeCapture:
             metas.append(BatchMeta([], gb.page, positions, num_decodes=b, window=window,
                                    _prep=prep))
         got = _Bucket(torch.zeros(b, **long), positions,  # type: ignore[arg-type]
-                      torch.arange(b, **long), groups, metas)  # type: ignore[arg-type]
+                      torch.arange(b, **long), groups, metas,  # type: ignore[arg-type]
+                      torch.zeros(1, **long))  # type: ignore[arg-type]
         self._fill_padding(got, 0)
         for gb, scratch in zip(groups, self.scratch):    # recorded on a plan of padding only
             if gb.planned is not None:
@@ -193,16 +201,30 @@ class DecodeCapture:
     def _forward(self, ids, metas, rows):
         return self.model.forward(ids, metas, self.caches, rows)
 
+    @contextlib.contextmanager
+    def _live(self, bk: "_Bucket"):
+        """While a bucket's step runs or is recorded, a MoE's sparse layers
+        count only its live rows."""
+        layers = self.model.expert_layers() if self.model.cfg.moe is not None else []
+        for e in layers:
+            e.live_rows = bk.live
+        try:
+            yield
+        finally:
+            for e in layers:
+                e.live_rows = None
+
     def _forward_grad_free(self, ids, metas, rows):
         forward = inspect.unwrap(type(self.model).forward)    # without its inference_mode
         with torch.no_grad():
             return forward(self.model, ids, metas, self.caches, rows)
 
     def _call(self, bk: "_Bucket") -> torch.Tensor:
-        if self.mode is CaptureMode.COMPILE:
-            return self._step(bk.ids, bk.metas, bk.rows)
-        with torch.inference_mode():
-            return self._step(bk.ids, bk.metas, bk.rows)
+        with self._live(bk):
+            if self.mode is CaptureMode.COMPILE:
+                return self._step(bk.ids, bk.metas, bk.rows)
+            with torch.inference_mode():
+                return self._step(bk.ids, bk.metas, bk.rows)
 
     def capture(self) -> float:
         """Build every bucket (largest first, so shared scratch buffers
@@ -228,13 +250,13 @@ class DecodeCapture:
     def _record(self, bk: _Bucket) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
+        with torch.cuda.stream(stream), torch.inference_mode(), self._live(bk):
             for _ in range(2):                      # warm: lazy init, workspace sizes
                 self._forward(bk.ids, bk.metas, bk.rows)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = getattr(self, "_pool", None)
-        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode(), self._live(bk):
             bk.out = self._forward(bk.ids, bk.metas, bk.rows)
         self._pool = graph.pool()
         bk.graph = graph
@@ -292,6 +314,7 @@ class DecodeCapture:
             gb.tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
             gb.bias[:n, 0, 0].copy_(torch.from_numpy(bias), non_blocking=True)  # type: ignore[index]
         self._fill_padding(bk, n)
+        bk.live.fill_(n)
         for m, gb, scratch in zip(metas, bk.groups, self.scratch):
             if gb.planned is not None:
                 self.model.attention.plan_captured(gb.planned, m.seqs, ps, scratch)

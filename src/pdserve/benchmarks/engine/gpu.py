@@ -7,7 +7,8 @@ square `--matmul` product in the model's dtype). Each model is a shape
 with seeded random weights drawn on the device (benchmarks/common/shapes.py;
 nothing downloaded), its attention what an engine picks (flashinfer on a
 GPU in half precision), its decode step captured as an engine captures it
-at load (CUDA graphs; `--capture off` times the eager step). Then:
+at load (CUDA graphs; `--capture off` times the eager step; a MoE whose
+experts loop runs eagerly, as an engine runs it). Then:
 
 - decode: a round of `batch` rows, each the next token after `--context`
   tokens of history, for each of `--batches`; its median time against the
@@ -235,9 +236,10 @@ def _captured(args, model, caches, per: int, dev) -> tuple:
     (capture, its seconds, the device memory it keeps)."""
     import torch
 
-    from pdserve.kernels.capture import CaptureMode, DecodeCapture
+    from pdserve.kernels.capture import CaptureMode, DecodeCapture, choose_capture
 
-    if args.capture == "off" or model.cfg.moe is not None:   # an engine runs MoE eagerly
+    if args.capture == "off" or (model.cfg.moe is not None and  # as an engine would
+                                 choose_capture("auto", model)[0] is CaptureMode.OFF):
         return None, 0.0, 0
     mode = CaptureMode.CUDA_GRAPH if dev.type == "cuda" else CaptureMode.STATIC
     reserved = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0

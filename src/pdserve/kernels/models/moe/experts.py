@@ -77,6 +77,9 @@ class Experts:
         self.shared = shared
         self.counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=gate_up.device)
         self.path = LOOP            # choose_experts_path's, set at load
+        # a captured batch's real rows (kernels/capture.py sets it while its
+        # step runs): the padding rows after them are routed but not counted
+        self.live_rows: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k]) for each token of `x`."""
@@ -109,7 +112,11 @@ class Experts:
         order = flat.argsort(stable=True)        # (token, expert) pairs grouped by expert
         # bincount would read its input's largest value back to size its output
         per_expert = torch.zeros_like(self.counts).scatter_add_(0, flat, torch.ones_like(flat))
-        self.counts += per_expert
+        if self.live_rows is None:
+            self.counts += per_expert
+        else:
+            pair = torch.arange(flat.numel(), device=flat.device)
+            self.counts.scatter_add_(0, flat, (pair // ids.shape[1] < self.live_rows).long())
         routed = self._grouped if self.path == GROUPED else self._loop
         out = routed(x, order, per_expert, weights)
         if self.shared is not None:
