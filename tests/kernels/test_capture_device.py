@@ -74,6 +74,39 @@ def test_flashinfer_s_captured_decode_gives_the_eager_step_s_tokens(shape):
 
     model = build(shape, "bfloat16", "cuda", "flashinfer")
     assert model.attention.name == "flashinfer"
+    graphs_against_eager(model, f"{shape} flashinfer bfloat16")
+
+
+@pytest.mark.device
+def test_a_moe_s_captured_decode_gives_the_eager_step_s_tokens_and_counts():
+    """Qwen3-30B-A3B's layer (two of them, a 4k vocabulary), its experts on
+    torch's grouped matmul, captured with flashinfer's decode: as above,
+    and each sparse layer counts top 8 of every real row, padding left out."""
+    import dataclasses
+
+    from pdserve.kernels.models.loader import (attention_shape, build_model,
+                                               checkpoint_weight_names, load_backend)
+    from pdserve.kernels.models.model import random_weights
+    from pdserve.kernels.models.moe.experts import GROUPED
+    from pdserve.kernels.models.moe.specs import MoeSpec
+    from pdserve.kernels.models.shapes import model_config
+
+    cfg = dataclasses.replace(model_config("qwen3-30b-a3b-12l"), num_layers=2, vocab_size=4096,
+                              moe=MoeSpec(128, 8, 768, (0, 1), True))
+    bf16 = torch.bfloat16
+    backend = load_backend("flashinfer", "cuda", bf16, attention_shape(cfg))
+    model = build_model(cfg, random_weights(cfg, 0, bf16, "cuda", checkpoint_weight_names(cfg)),
+                        bf16, "cuda", backend)
+    assert all(e.path is GROUPED for e in model.expert_layers()), model.experts_why
+    graphs_against_eager(model, "qwen3-moe 2 layers, grouped experts")
+
+
+def graphs_against_eager(model, label: str) -> None:
+    """`model`'s decode captured in CUDA graphs up to batch 64 against its
+    eager step over the same pages, at batch 1, 5, 16 and 64: the checks
+    above (a MoE's replay counting top k tokens a real row), the times
+    printed."""
+    moe = model.expert_layers() if model.cfg.moe is not None else []
     pages = [64 * 64]
     caches = model.new_caches([p + 1 for p in pages], PS)
     for c in caches:
@@ -83,7 +116,7 @@ def test_flashinfer_s_captured_decode_gives_the_eager_step_s_tokens(shape):
     seconds = cap.capture()
     assert cap.widths == [64] and all(bk.graph is not None for bk in cap._buckets.values())
     rng = random.Random(0)
-    report = [f"{shape} flashinfer bfloat16: captured in {seconds:.1f} s"]
+    report = [f"{label}: captured in {seconds:.1f} s"]
     for b in (1, 5, 16, 64):
         metas = decode_round(model, pages, [rng.randrange(8, 250) for _ in range(b)], rng)
         ids = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(b)],
@@ -91,11 +124,14 @@ def test_flashinfer_s_captured_decode_gives_the_eager_step_s_tokens(shape):
         metas = [type(m)(m.seqs, m.slot_mapping.cuda(), m.positions.cuda(), m.num_decodes,
                          m.window) for m in metas]
         torch.cuda.synchronize()                    # the last plan's copies are done
+        before = [e.counts.clone() for e in moe]
         torch.cuda.set_sync_debug_mode("error")     # planned and replayed without a sync
         try:
             got = cap.run(ids, metas)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        for e, c in zip(moe, before):               # the padding rows are not counted
+            assert int((e.counts - c).sum()) == e.spec.top_k * b, b
         got = got.float().clone()
         want = model.forward(ids, fresh_metas(metas), caches,
                              torch.arange(b, device="cuda")).float()
