@@ -18,7 +18,6 @@ MAX_FUNCTION_LINES = 60
 # path (relative to src/pdserve):function -> why it is still long
 LONG_FUNCTIONS = {
     "cli/up.py:run": "the command's steps in order: config, checks, start, serve",
-    "cli/plan.py:run": "the command's steps in order",
     "cli/demo.py:main": "the demo's steps in order",
     "cluster/actors.py:build_engine_server": "an engine's parts wired in one place",
     "engine/executor/torch_executor.py:__init__": "the pools in the order they are made",
