@@ -78,10 +78,11 @@ def test_requests_due_together_share_their_first_round(engine):
 
 
 def test_a_traces_shared_blocks_reach_the_engine_as_a_shared_prefix(engine, tmp_path):
-    """Two Mooncake requests that share their first 512-token block: run one
-    after the other, the second prefills only what follows the block."""
-    trace = mooncake(tmp_path / "mc.jsonl", [(0, 600, 2, [7, 8]), (10, 600, 2, [7, 9])])
-    samples = workload(2, 600, 2, str(trace), 2, 600, seed=3)
+    """Two Mooncake requests of different lengths that share their first
+    512-token block: run one after the other, the second prefills only
+    what follows the block."""
+    trace = mooncake(tmp_path / "mc.jsonl", [(0, 600, 2, [7, 8]), (10, 700, 2, [7, 9])])
+    samples = workload(2, 700, 2, str(trace), 2, 700, seed=3)
     assert samples[0].prompt[:512] == samples[1].prompt[:512]
     assert samples[0].prompt[512:] != samples[1].prompt[512:]
     engine.take_rounds()
