@@ -19,7 +19,7 @@ collect: the tree is broken, not the mutant caught).
     .venv/bin/python tools/mutate.py --list
 
 Run by hand, not in CI: each mutation runs its test files whole, and the
-20 below take about three minutes on 2 cores. The first 13 are the audit's in
+24 below take about three and a half minutes on 2 cores. The first 13 are the audit's in
 shared/research/mutation-audit.md; add one when a review finds a guard with
 no test that fails without it.
 """
