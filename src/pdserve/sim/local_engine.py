@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.rounds import Round, round_of
+from pdserve.scheduler.request import Request
 from pdserve.sim.load import Sample, Timing, arrivals, summary
 
 
@@ -28,7 +29,7 @@ class LocalEngineError(ValueError):
 @dataclass
 class _Live:
     index: int               # the sample's
-    req: object              # its scheduler Request
+    req: Request             # its scheduler request
     start: float             # its clock's zero (perf_counter)
     last: float              # when its previous tokens came
 
@@ -121,7 +122,7 @@ class LocalEngine:
             self._rounds.append(timed)
         for lv in live.values():
             t = timings[lv.index]
-            lv.last = t.seen(len(lv.req.output) - t.tokens, lv.start, lv.last)  # type: ignore[attr-defined]
+            lv.last = t.seen(len(lv.req.output) - t.tokens, lv.start, lv.last)
         for req in [*out.finished, *out.failed, *out.aborted]:
             lv = live.pop(req.id)
             t = timings[lv.index]
