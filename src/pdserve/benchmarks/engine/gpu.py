@@ -178,12 +178,15 @@ def run(args) -> int:
           f"to device, read + written), matmul {lim.flops / 1e12:.2f} TFLOP/s "
           f"({args.matmul}^3)")
     ours, peers = {}, []
-    for shape in args.models:           # each model's tables as soon as it is measured
+    dense = [m for m in args.models if m in LLAMAS]
+    for shape in dense:                 # each model's tables as soon as it is measured
         load, decodes, prefills, ours[shape] = _one_model(args, shape, dev, lim)
         _print_model(args, load, decodes, prefills)
-    for shape in args.peer_models:      # the peer last: its compile is the slowest part
+    for shape in args.peer_models:      # then the peer: its compile is the slowest part
         peers += _peer(args, shape, dev, ours.get(shape, {}))
     _print_peers(peers)
+    for shape in [m for m in args.models if m not in dense]:    # the MoE last (issue 56)
+        _print_model(args, *_one_model(args, shape, dev, lim)[:3])
     return 0
 
 
