@@ -149,6 +149,8 @@ class DecodeCapture:
         self.windows = windows          # each KV group's window (None: full)
         self.ps = caches[0].page_size
         self.scratch = [c.data.shape[0] - 1 for c in caches]
+        # a MoE's sparse layers, told each bucket's live rows while it runs
+        self._experts = model.expert_layers() if model.cfg.moe is not None else []
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._step = self._forward
         if mode is CaptureMode.COMPILE:
@@ -205,13 +207,12 @@ class DecodeCapture:
     def _live(self, bk: "_Bucket"):
         """While a bucket's step runs or is recorded, a MoE's sparse layers
         count only its live rows."""
-        layers = self.model.expert_layers() if self.model.cfg.moe is not None else []
-        for e in layers:
+        for e in self._experts:
             e.live_rows = bk.live
         try:
             yield
         finally:
-            for e in layers:
+            for e in self._experts:
                 e.live_rows = None
 
     def _forward_grad_free(self, ids, metas, rows):

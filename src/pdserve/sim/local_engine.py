@@ -99,11 +99,11 @@ class LocalEngine:
                     timings[i].error = str(e)
                     continue
                 live[req.id] = _Live(i, req, start, start)
-            if not live and waiting:           # idle until the next arrival
-                time.sleep(t0 + due[waiting[0]] - now)  # type: ignore[index]
+            if not live:                       # idle until the next arrival, if any
+                if waiting:
+                    time.sleep(t0 + due[waiting[0]] - now)  # type: ignore[index]
                 continue
-            if live:
-                self._round(live, timings)
+            self._round(live, timings)
         wall = time.perf_counter() - t0
         return summary(samples, timings, wall, due, rate)
 
